@@ -1,0 +1,49 @@
+"""tfdist: distributed training for TensorFlow and Keras 3.
+
+``tfdist.strategy_from_config()`` returns the right tf.distribute strategy for
+wherever the script runs. TensorFlow is imported lazily, on first use of a
+name that needs it, so that ``tfdist.cluster`` and the CLI's spec commands
+stay fast and work without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
+
+__version__ = "0.1.0"
+
+# Public name -> module that defines it; imported on first access.
+_LAZY = {
+    "strategy_from_config": "tfdist.strategies",
+    "explain": "tfdist.strategies",
+    "describe": "tfdist.strategies",
+    "TfdistStrategy": "tfdist.strategies",
+    "OneDeviceStrategy": "tfdist.strategies",
+    "MirroredStrategy": "tfdist.strategies",
+    "MultiWorkerMirroredStrategy": "tfdist.strategies",
+    "ParameterServerStrategy": "tfdist.strategies",
+    "TPUStrategy": "tfdist.strategies",
+    "ClusterJoinError": "tfdist.strategies",
+    "TPUNotFoundError": "tfdist.strategies",
+    "define_flags": "tfdist.flags",
+    "strategy_from_flags": "tfdist.flags",
+    "parse_compression": "tfdist.compression",
+}
+
+__all__ = ["ClusterSpecError", "ConfigError", "TfdistError", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # Cache: later lookups skip __getattr__.
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,111 @@
+"""The ``compression=`` setting: a name, a short string form, or an object."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tfdist.errors import ConfigError
+
+#: Names accepted by ``compression=``, with the meaning of the optional
+#: parameter in the short form ``"name:param"``.
+COMPRESSOR_NAMES: dict[str, str | None] = {
+    "none": None,
+    "fp16": None,
+    "bf16": None,
+    "topk": "ratio",  # fraction of entries kept, in (0, 1]
+    "randomk": "ratio",
+    "powersgd": "rank",  # a positive integer
+    "sign": None,
+    "qsgd": "levels",  # a positive integer
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionSetting:
+    """A parsed compression setting.
+
+    Attributes:
+        name: One of :data:`COMPRESSOR_NAMES`.
+        param: The short-form parameter (``0.01`` in ``"topk:0.01"``), or None
+            for the compressor's default.
+        compressor: The compressor object when one was given instead of a
+            name; None otherwise.
+    """
+
+    name: str
+    param: float | int | None = None
+    compressor: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether gradients are compressed at all."""
+        return self.name != "none"
+
+    def __str__(self) -> str:
+        if self.compressor is not None:
+            return repr(self.compressor)
+        return self.name if self.param is None else f"{self.name}:{self.param}"
+
+
+def _bad(value: Any, expected: str) -> ConfigError:
+    return ConfigError(
+        "compression",
+        value,
+        expected,
+        source="strategy_from_config",
+        hint="Use one of: " + ", ".join(COMPRESSOR_NAMES)
+        + ", optionally with a parameter, e.g. 'topk:0.01' or 'powersgd:4'.",
+    )
+
+
+def parse_compression(setting: Any) -> CompressionSetting:
+    """Parses a ``compression=`` setting.
+
+    Args:
+        setting: None or ``"none"`` (no compression); a name from
+            :data:`COMPRESSOR_NAMES`; a short form ``"topk:0.01"``,
+            ``"randomk:0.05"``, ``"powersgd:4"`` or ``"qsgd:16"``; a
+            :class:`CompressionSetting`; or a compressor object (anything
+            with a ``name`` attribute naming its kind).
+
+    Returns:
+        The parsed setting.
+
+    Raises:
+        ConfigError: The setting is not one of the above, or its parameter is
+            out of range. The message names the value received.
+    """
+    if setting is None:
+        return CompressionSetting("none")
+    if isinstance(setting, CompressionSetting):
+        return setting
+    if not isinstance(setting, str):
+        name = getattr(setting, "name", None)
+        if isinstance(name, str) and name in COMPRESSOR_NAMES:
+            return CompressionSetting(name, compressor=setting)
+        raise _bad(setting, "a compressor name or a compressor object")
+    text = setting.strip().lower()
+    name, sep, raw = text.partition(":")
+    if name not in COMPRESSOR_NAMES:
+        raise _bad(setting, "one of " + ", ".join(map(repr, COMPRESSOR_NAMES)))
+    kind = COMPRESSOR_NAMES[name]
+    if not sep:
+        return CompressionSetting(name)
+    if kind is None:
+        raise _bad(setting, f"no parameter for {name!r}")
+    if kind == "ratio":
+        try:
+            ratio = float(raw)
+        except ValueError:
+            raise _bad(setting, f"'{name}:RATIO' with RATIO a number in (0, 1]") from None
+        if not 0.0 < ratio <= 1.0:
+            raise _bad(setting, f"'{name}:RATIO' with RATIO in (0, 1]")
+        return CompressionSetting(name, ratio)
+    try:
+        number = int(raw)
+    except ValueError:
+        raise _bad(setting, f"'{name}:N' with N a positive integer ({kind})") from None
+    if number < 1:
+        raise _bad(setting, f"'{name}:N' with N a positive integer ({kind})")
+    return CompressionSetting(name, number)

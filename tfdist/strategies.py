@@ -1,0 +1,535 @@
+"""tfdist's tf.distribute strategies, and :func:`strategy_from_config`.
+
+Each class subclasses TensorFlow's own strategy, so everything that accepts a
+``tf.distribute.Strategy`` accepts it, and adds:
+
+* a readable description (:meth:`TfdistStrategy.describe`): kind, replicas,
+  cluster, this task, chief or not, compression, and why it was chosen;
+* the compression setting (``strategy.compression``);
+* a fresh collective-key range per instance, so that several strategies in one
+  process (tests, notebooks) do not join each other's collectives;
+* for MultiWorkerMirrored: the fix for Keras 3 ``fit`` (keras-team/keras#20585)
+  and a registration timeout that names the task that did not join.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import socket
+import sys
+from typing import Any
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+from tensorflow.python.distribute import multi_worker_util
+from tensorflow.python.eager import context
+
+from tfdist import cluster as cluster_lib
+from tfdist.compression import CompressionSetting, parse_compression
+from tfdist.detect import Choice, choose
+from tfdist.errors import ConfigError, TfdistError
+from tfdist.options import StrategyOptions, make_options
+
+__all__ = [
+    "ClusterJoinError",
+    "TPUNotFoundError",
+    "TfdistStrategy",
+    "OneDeviceStrategy",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
+    "TPUStrategy",
+    "strategy_from_config",
+    "explain",
+    "describe",
+]
+
+
+class ClusterJoinError(TfdistError, RuntimeError):
+    """A task of the cluster did not join within the registration timeout."""
+
+
+class TPUNotFoundError(TfdistError, RuntimeError):
+    """No TPU is reachable from here."""
+
+
+# Collective group and instance keys are process-global in TensorFlow. Two
+# strategies over different device sets that start from the same key join
+# each other's groups ("joining a group with size 4, but that group has size
+# 2"). TensorFlow's own tests bump the key base by 100000 per strategy.
+_KEY_STRIDE = 100_000
+_key_bases = itertools.count(1)
+
+
+def _next_key_base() -> int:
+    return next(_key_bases) * _KEY_STRIDE
+
+
+def _communication_options(options: StrategyOptions):
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=options.bytes_per_pack,
+        timeout_seconds=options.collective_timeout,
+        implementation=getattr(
+            tf.distribute.experimental.CommunicationImplementation,
+            options.communication))
+
+
+class TfdistStrategy:
+    """What every tfdist strategy adds to its tf.distribute base class."""
+
+    #: Canonical strategy name, as accepted by ``strategy=``.
+    kind: str = ""
+
+    def _tfdist_init(self, compression: Any = None,
+                     choice: Choice | None = None) -> None:
+        self._tfdist_compression = parse_compression(compression)
+        self._tfdist_choice = choice
+
+    @property
+    def compression(self) -> CompressionSetting:
+        """The gradient-compression setting kept on this strategy."""
+        return getattr(self, "_tfdist_compression", parse_compression(None))
+
+    @property
+    def choice(self) -> Choice | None:
+        """Why strategy_from_config chose this strategy (None if built directly)."""
+        return getattr(self, "_tfdist_choice", None)
+
+    @property
+    def task(self) -> str | None:
+        """This task, e.g. ``"worker:1"``; None outside a cluster."""
+        resolver = getattr(self, "cluster_resolver", None)
+        if resolver is None or resolver.task_type is None:
+            return None
+        return f"{resolver.task_type}:{resolver.task_id}"
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task writes checkpoints and logs for the job."""
+        resolver = getattr(self, "cluster_resolver", None)
+        if resolver is None or resolver.task_type is None:
+            return True
+        spec = resolver.cluster_spec()
+        if not spec.as_dict():
+            return True
+        return multi_worker_util.is_chief(spec, resolver.task_type,
+                                          resolver.task_id)
+
+    def _cluster_dict(self) -> dict:
+        resolver = getattr(self, "cluster_resolver", None)
+        return resolver.cluster_spec().as_dict() if resolver else {}
+
+    def describe(self) -> str:
+        """A few lines: kind, replicas, cluster, this task, chief, compression."""
+        lines = [f"{type(self).__name__} ({self.kind}): "
+                 f"{self.num_replicas_in_sync} replica(s) in sync"]
+        devices = getattr(self.extended, "worker_devices", None)
+        if devices:
+            lines.append("  devices: " + ", ".join(devices))
+        cluster = self._cluster_dict()
+        if cluster:
+            jobs = "; ".join(f"{job}={list(addrs)}"
+                             for job, addrs in sorted(cluster.items()))
+            lines.append(f"  cluster: {jobs}")
+            lines.append(f"  this task: {self.task} "
+                         f"({'chief' if self.is_chief else 'not chief'})")
+        else:
+            lines.append("  cluster: none (this process only)")
+        note = ""
+        if self.compression.enabled and self.kind == "one_device":
+            note = " (no effect: one replica)"
+        lines.append(f"  compression: {self.compression}{note}")
+        if self.choice is not None:
+            lines.append(f"  why: {self.choice.reason}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        task = f" task={self.task}" if self.task else ""
+        return (f"<tfdist.{type(self).__name__} "
+                f"replicas={self.num_replicas_in_sync}{task} "
+                f"chief={self.is_chief} compression={self.compression}>")
+
+
+class OneDeviceStrategy(TfdistStrategy, tf.distribute.OneDeviceStrategy):
+    """``tf.distribute.OneDeviceStrategy`` with a description."""
+
+    kind = "one_device"
+
+    def __init__(self, device: str = "/cpu:0", *, compression: Any = None,
+                 choice: Choice | None = None):
+        super().__init__(device)
+        self._tfdist_init(compression, choice)
+
+
+class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
+    """``tf.distribute.MirroredStrategy`` that is safe to create repeatedly."""
+
+    kind = "mirrored"
+
+    def __init__(self, devices=None, cross_device_ops=None, *,
+                 compression: Any = None, choice: Choice | None = None):
+        self._collective_key_base = _next_key_base()
+        super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+        self._tfdist_init(compression, choice)
+
+
+def _rank(strategy: tf.distribute.Strategy, value: Any) -> int | None:
+    """Rank of a per-replica value or tensor, read from its first component.
+
+    tf.nest treats a PerReplica as a leaf and it has no ``.shape``, so the rank
+    comes from its first local result.
+    """
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = strategy.experimental_local_results(value)[0]
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return 0 if isinstance(value, (int, float)) else None
+    return tf.TensorShape(shape).rank
+
+
+_TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+
+
+class MultiWorkerMirroredStrategy(TfdistStrategy,
+                                  tf.distribute.MultiWorkerMirroredStrategy):
+    """``MultiWorkerMirroredStrategy`` that Keras 3 ``fit`` works with.
+
+    Args:
+        cluster_resolver: Where the cluster comes from; defaults to TF_CONFIG.
+        communication_options: ``tf.distribute.experimental.CommunicationOptions``.
+        compression: The gradient-compression setting.
+        register_timeout: Seconds every task has to join. TensorFlow waits
+            forever for a peer that never starts; this fails with
+            :class:`ClusterJoinError` naming the missing tasks.
+        choice: Why it was chosen (set by strategy_from_config).
+    """
+
+    kind = "multi_worker_mirrored"
+
+    def __init__(self, cluster_resolver=None, communication_options=None, *,
+                 compression: Any = None, register_timeout: float | None = None,
+                 choice: Choice | None = None):
+        self._collective_key_base = _next_key_base()
+        if cluster_resolver is None:
+            cluster_resolver = (
+                tf.distribute.cluster_resolver.TFConfigClusterResolver())
+        if register_timeout is None:
+            register_timeout = make_options().register_timeout
+        spec = cluster_resolver.cluster_spec()
+        multi = sum(len(spec.as_dict().get(job, ()))
+                    for job in ("chief", "worker")) > 1
+        if multi and cluster_resolver.task_type in ("chief", "worker"):
+            _configure_coordination(spec, register_timeout)
+        try:
+            super().__init__(cluster_resolver=cluster_resolver,
+                             communication_options=communication_options)
+        except tf.errors.DeadlineExceededError as error:
+            raise _join_error(error, spec, cluster_resolver,
+                              register_timeout) from None
+        self._tfdist_init(compression, choice)
+
+    def reduce(self, reduce_op, value, axis):
+        """Reduces ``value`` across replicas, as Keras 3 ``fit`` calls it.
+
+        Keras 3 calls ``reduce`` with a tuple of per-replica values (TF: 
+        "unsupported type PerReplica") and with ``axis=0`` on scalars (TF:
+        "Invalid reduction dimension 0"). Map over the structure, and reduce
+        scalars with ``axis=None``, which means the same thing for them.
+        """
+        base = super()
+
+        def reduce_one(v):
+            one_axis = axis
+            if axis is not None and _rank(self, v) == 0:
+                one_axis = None
+            return base.reduce(reduce_op, v, one_axis)
+
+        return tf.nest.map_structure(reduce_one, value)
+
+
+def _configure_coordination(spec, register_timeout: float) -> None:
+    """Sets up TF's coordination service with a registration deadline.
+
+    This is what MultiWorkerMirroredStrategy configures itself, plus
+    ``cluster_register_timeout_in_ms`` and a registration barrier: without
+    the barrier the leader waits forever in ``ensure_initialized`` for a
+    peer that never starts, even with a timeout.
+    """
+    ctx = context.context()
+    if ctx.coordination_service is not None:
+        return  # Someone (a launcher, a test) configured it already.
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(addrs))
+            for job, addrs in spec.as_dict().items()
+            if job in ("chief", "worker")]
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs,
+        cluster_register_timeout_in_ms=int(register_timeout * 1000))
+    ctx.coordination_service.cluster_register_with_barrier = True
+
+
+def _join_error(error, spec, resolver, register_timeout) -> ClusterJoinError:
+    """Turns TF's DeadlineExceeded into a message that names the missing tasks."""
+    text = str(error)
+    this = f"{resolver.task_type}:{resolver.task_id}"
+    tail = text.split("timed out task names:", 1)
+    missing = sorted({f"{j}:{i}" for j, i in _TASK_NAME.findall(tail[1])}
+                     - {this}) if len(tail) == 2 else []
+    if not missing:
+        # We are not the leader: the leader itself never answered.
+        leader = _TASK_NAME.search(multi_worker_util.coordination_leader(spec))
+        missing = [f"{leader.group(1)}:{leader.group(2)}"] if leader else []
+    where = {f"{job}:{i}": addr for job, addrs in spec.as_dict().items()
+             for i, addr in enumerate(addrs)}
+    named = ", ".join(f"{t} ({where.get(t, '?')})" for t in missing) or "a peer"
+    return ClusterJoinError(
+        f"{named} did not join the cluster within register_timeout="
+        f"{register_timeout:g}s (this task: {this}). Start every task with its "
+        "own TF_CONFIG, check that the addresses are reachable from each "
+        "other, or raise register_timeout (TFDIST_REGISTER_TIMEOUT). "
+        f"TensorFlow said: {text.splitlines()[0]}")
+
+
+def _partitioner(value: Any):
+    if not isinstance(value, str):
+        return value
+    kind, _, number = value.partition(":")
+    parts = tf.distribute.experimental.partitioners
+    if kind == "fixed":
+        return parts.FixedShardsPartitioner(int(number))
+    if kind == "min_size":
+        return parts.MinSizePartitioner(min_shard_bytes=int(number))
+    return parts.MaxSizePartitioner(max_shard_bytes=int(number))
+
+
+class ParameterServerStrategy(TfdistStrategy,
+                              tf.distribute.experimental.ParameterServerStrategy):
+    """``ParameterServerStrategy`` with a description."""
+
+    kind = "parameter_server"
+
+    def __init__(self, cluster_resolver, variable_partitioner=None, *,
+                 compression: Any = None, choice: Choice | None = None):
+        super().__init__(cluster_resolver,
+                         variable_partitioner=_partitioner(variable_partitioner))
+        self._tfdist_init(compression, choice)
+
+
+class TPUStrategy(TfdistStrategy, tf.distribute.TPUStrategy):
+    """``TPUStrategy`` with a description. Use :func:`strategy_from_config`
+    to get one: it checks for a TPU before TensorFlow can hang looking."""
+
+    kind = "tpu"
+
+    def __init__(self, tpu_cluster_resolver, *, compression: Any = None,
+                 choice: Choice | None = None):
+        super().__init__(tpu_cluster_resolver)
+        self._tfdist_init(compression, choice)
+
+
+def _no_tpu(tpu: str, why: str) -> TPUNotFoundError:
+    return TPUNotFoundError(
+        f"No TPU found for tpu={tpu!r}: {why}. To train without a TPU, pass "
+        "strategy='auto' (or 'mirrored', 'one_device', ...) and unset "
+        "TPU_NAME.")
+
+
+def _on_google_cloud() -> bool:
+    """Whether this is a Google Cloud VM, read locally (no network call)."""
+    try:
+        with open("/sys/class/dmi/id/product_name", encoding="ascii") as f:
+            return "Google" in f.read()
+    except OSError:
+        return False
+
+
+def check_tpu(tpu: str, connect_timeout: float = 3.0) -> None:
+    """Fails fast, before TensorFlow is asked, when no TPU can be reached.
+
+    TensorFlow fails late or hangs: ``tpu="local"`` without a TPU gives an
+    IndexError; an unknown name makes a call to the cloud metadata server,
+    which hangs where that address does not answer; a ``grpc://`` address on
+    a closed port hangs in ``experimental_connect_to_cluster``.
+
+    Raises:
+        TPUNotFoundError: No TPU at ``tpu``; the message says what to do.
+    """
+    if tpu == "local":
+        if not tf.config.list_physical_devices("TPU"):
+            raise _no_tpu(tpu, "this machine has no local TPU device")
+        return
+    if tpu.startswith("grpc://"):
+        try:
+            host, port = cluster_lib.parse_address(tpu[len("grpc://"):])
+        except ConfigError as error:
+            raise ConfigError("tpu", tpu, "'grpc://host:port'",
+                              source="strategy_from_config") from error
+        try:
+            socket.create_connection((host, port), timeout=connect_timeout).close()
+        except OSError as error:
+            raise _no_tpu(tpu, f"nothing answers at {host}:{port} ({error})") from None
+        return
+    if not _on_google_cloud():
+        raise _no_tpu(tpu, "a TPU name is resolved through the Google Cloud "
+                      "metadata server, and this machine is not a Google Cloud "
+                      "VM")
+
+
+def _logical_cpus(count: int) -> list[str]:
+    """Splits the CPU into ``count`` logical devices and returns their names."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is None or len(current) < count:
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        except RuntimeError:
+            have = len(tf.config.list_logical_devices("CPU"))
+            raise ConfigError(
+                "cpu_replicas", count,
+                f"at most {have}, the logical CPUs TensorFlow already started "
+                "with", source="strategy_from_config",
+                hint="The CPU can only be split before TensorFlow starts: call "
+                "strategy_from_config before any other TensorFlow work.") from None
+    return [d.name for d in tf.config.list_logical_devices("CPU")[:count]]
+
+
+def _resolver(cfg: cluster_lib.TFConfig):
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({job: list(a) for job, a in cfg.cluster.items()}),
+        task_type=cfg.task_type, task_id=cfg.task_index,
+        rpc_layer=cfg.rpc_layer or "grpc")
+
+
+def serve(cfg: cluster_lib.TFConfig) -> None:
+    """Runs this ps or worker task as a server of a parameter-server job.
+
+    The chief drives training; ps and worker tasks only serve it. This never
+    returns: the chief's side ends the job.
+    """
+    logging.info("tfdist: %s serves the parameter-server cluster; the chief "
+                 "runs the training.", cfg.task_id)
+    print(f"tfdist: {cfg.task_id} is serving the parameter-server cluster "
+          f"at {cfg.task_address}", file=sys.stderr, flush=True)
+    server = tf.distribute.Server(
+        _resolver(cfg).cluster_spec(), job_name=cfg.task_type,
+        task_index=cfg.task_index, protocol=cfg.rpc_layer or "grpc", start=True)
+    server.join()
+
+
+def explain(config: Any = None, *, strategy: str = "auto",
+            **options: Any) -> Choice:
+    """Says which strategy :func:`strategy_from_config` would build, and why.
+
+    Takes the same arguments (without ``compression``) and builds nothing.
+    """
+    return choose(config, strategy=strategy, options=make_options(**options))
+
+
+def strategy_from_config(config: Any = None, *, strategy: str = "auto",
+                         compression: Any = None,
+                         **options: Any) -> tf.distribute.Strategy:
+    """Returns the right tf.distribute strategy for where this runs.
+
+    Args:
+        config: A TF_CONFIG dict, a JSON string, or a path to a spec file
+            (names in ``cluster_specs/`` work too). None reads the
+            ``TF_CONFIG`` environment variable; without one, a Slurm job
+            step (``srun``) is used when there is one.
+        strategy: ``"auto"`` or one of ``"default"``, ``"one_device"``,
+            ``"mirrored"``, ``"multi_worker_mirrored"``,
+            ``"parameter_server"``, ``"tpu"``.
+        compression: Gradient compression, e.g. ``"bf16"``, ``"topk:0.01"``,
+            ``"powersgd:4"``; None or ``"none"`` for none. Kept on the
+            strategy as ``strategy.compression``.
+        **options: See :class:`tfdist.options.StrategyOptions`: ``devices``,
+            ``cpu_replicas``, ``communication``, ``bytes_per_pack``,
+            ``collective_timeout``, ``register_timeout``,
+            ``variable_partitioner``, ``tpu``, ``slurm_port_base``.
+
+    Auto-detection, first match wins: a TPU setting (``tpu=`` or
+    ``TPU_NAME``); a TF_CONFIG with a ``ps`` job (ParameterServer); a
+    TF_CONFIG with a cluster (MultiWorkerMirrored); a Slurm step of several
+    tasks (MultiWorkerMirrored); several devices, ``cpu_replicas`` > 1 or
+    several GPUs (Mirrored); a local TPU; else one device.
+
+    On a ps or worker task of a parameter-server cluster this call serves
+    the cluster and does not return: the chief runs the training.
+
+    Returns:
+        A tfdist strategy (a subclass of the matching tf.distribute one), or
+        TensorFlow's default strategy for ``strategy="default"``.
+
+    Raises:
+        ConfigError: A bad TF_CONFIG, option or strategy name; the message
+            names the field and the value received.
+        TPUNotFoundError: A TPU was asked for and none is reachable.
+        ClusterJoinError: A peer did not join within ``register_timeout``.
+    """
+    opts = make_options(**options)
+    comp = parse_compression(compression)
+    choice = choose(config, strategy=strategy, options=opts)
+    logging.info("tfdist: %s, because %s", choice.name, choice.reason)
+    return _build(choice, opts, comp)
+
+
+def _build(choice: Choice, opts: StrategyOptions,
+           comp: CompressionSetting) -> tf.distribute.Strategy:
+    cfg = choice.tf_config
+    if choice.role == "server":
+        serve(cfg)
+        raise SystemExit(0)  # serve() only returns if the server is stopped.
+    if choice.name == "default":
+        return tf.distribute.get_strategy()
+    if choice.name == "one_device" or choice.role == "evaluator":
+        if opts.devices:
+            device = opts.devices[0]
+        else:
+            device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
+        return OneDeviceStrategy(device, compression=comp, choice=choice)
+    if choice.name == "mirrored":
+        devices = list(opts.devices) if opts.devices else None
+        if opts.cpu_replicas and opts.cpu_replicas > 1:
+            devices = _logical_cpus(opts.cpu_replicas)
+        cross_device_ops = None
+        if opts.communication == "NCCL":
+            if not tf.config.list_physical_devices("GPU"):
+                raise ConfigError("communication", "NCCL", "RING or AUTO on a "
+                                  "machine without GPUs",
+                                  source="strategy_from_config")
+            cross_device_ops = tf.distribute.NcclAllReduce()
+        return MirroredStrategy(devices, cross_device_ops, compression=comp,
+                                choice=choice)
+    if choice.name == "multi_worker_mirrored":
+        if choice.slurm:
+            from tfdist.slurm import SlurmClusterResolver
+            resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
+        else:
+            resolver = _resolver(cfg)
+        return MultiWorkerMirroredStrategy(
+            resolver, _communication_options(opts), compression=comp,
+            register_timeout=opts.register_timeout, choice=choice)
+    if choice.name == "parameter_server":
+        return ParameterServerStrategy(
+            _resolver(cfg), opts.variable_partitioner, compression=comp,
+            choice=choice)
+    if choice.name == "tpu":
+        check_tpu(choice.tpu)
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
+            tpu="" if choice.tpu == "local" else choice.tpu)
+        if choice.tpu != "local":
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return TPUStrategy(resolver, compression=comp, choice=choice)
+    raise AssertionError(f"unhandled strategy {choice.name!r}")
+
+
+def describe(strategy: tf.distribute.Strategy) -> str:
+    """Describes any strategy, tfdist's or TensorFlow's own."""
+    if isinstance(strategy, TfdistStrategy):
+        return strategy.describe()
+    return (f"{type(strategy).__name__} (TensorFlow's): "
+            f"{strategy.num_replicas_in_sync} replica(s) in sync")
