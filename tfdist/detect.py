@@ -118,13 +118,6 @@ def choose(config: Any = None,
         reason = f"strategy={strategy!r} was asked for"
         if name == "tpu":
             return choice("tpu", reason, tpu=options.tpu or "local")
-        if name == "parameter_server" and cfg.kind != "parameter_server":
-            raise ConfigError(
-                "strategy", strategy,
-                "a TF_CONFIG whose cluster has 'ps', 'worker' and 'chief' jobs",
-                source="strategy_from_config",
-                hint=f"{cfg.source} has no 'ps' job. Use "
-                "'multi_worker_mirrored' for a cluster of workers.")
         if name == "multi_worker_mirrored" and not in_cluster and slurm_tasks:
             return choice(name, reason + f" in a Slurm step of {slurm_tasks} "
                           "tasks", slurm=True)

@@ -97,10 +97,15 @@ class TfdistStrategy:
         """Why strategy_from_config chose this strategy (None if built directly)."""
         return getattr(self, "_tfdist_choice", None)
 
+    def _tfdist_resolver(self):
+        # ParameterServerStrategy keeps its resolver private.
+        return (getattr(self, "cluster_resolver", None)
+                or getattr(self, "_cluster_resolver", None))
+
     @property
     def task(self) -> str | None:
         """This task, e.g. ``"worker:1"``; None outside a cluster."""
-        resolver = getattr(self, "cluster_resolver", None)
+        resolver = self._tfdist_resolver()
         if resolver is None or resolver.task_type is None:
             return None
         return f"{resolver.task_type}:{resolver.task_id}"
@@ -108,7 +113,7 @@ class TfdistStrategy:
     @property
     def is_chief(self) -> bool:
         """Whether this task writes checkpoints and logs for the job."""
-        resolver = getattr(self, "cluster_resolver", None)
+        resolver = self._tfdist_resolver()
         if resolver is None or resolver.task_type is None:
             return True
         spec = resolver.cluster_spec()
@@ -118,7 +123,7 @@ class TfdistStrategy:
                                           resolver.task_id)
 
     def _cluster_dict(self) -> dict:
-        resolver = getattr(self, "cluster_resolver", None)
+        resolver = self._tfdist_resolver()
         return resolver.cluster_spec().as_dict() if resolver else {}
 
     def describe(self) -> str:

@@ -1,0 +1,109 @@
+"""Real multi-process jobs on 127.0.0.1: Keras 3 fit, a missing peer, and a
+parameter-server cluster. Each process costs seconds, so there are few."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tfdist
+from conftest import finish, result_line, start
+from tfdist import cluster
+from tfdist.net import local_spec
+from test_strategies import fit_losses
+
+pytestmark = pytest.mark.slow
+
+SERVE = "import tfdist; tfdist.strategy_from_config()"
+
+
+def test_two_worker_keras_fit_through_strategy_from_config(tf_cpus):
+    spec = local_spec(2)
+    procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config)
+             for _, _, config in cluster.all_task_configs(spec)]
+    results = finish(procs, timeout=240)
+    for code, out, err in results:
+        assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
+    chief, other = (result_line(out) for _, out, _ in results)
+
+    assert chief["replicas"] == other["replicas"] == 2
+    assert "this task: worker:0 (chief)" in chief["description"]
+    assert "this task: worker:1 (not chief)" in other["description"]
+    # Synchronous training: both workers end with the same weights and loss.
+    assert chief["weights_checksum"] == other["weights_checksum"]
+    assert chief["loss"] == other["loss"]
+    assert chief["loss"][-1] < 0.7 * chief["loss"][0]
+    # And the same as 2 replicas in one process, with the same global batch.
+    mirrored = fit_losses(tfdist.strategy_from_config(cpu_replicas=2))
+    np.testing.assert_allclose(chief["loss"], mirrored["loss"], rtol=1e-3)
+
+    # Keras 3 calls reduce() with a tuple and with axis=0 on scalars:
+    # TensorFlow's own reduce() fails on both, tfdist's gives the right values.
+    assert chief["tfdist_reduce"] == [[1.5, 1.5], 3.0, 6.0]
+    tuple_error, scalar_error = chief["stock_errors"]
+    assert tuple_error is not None and scalar_error is not None
+    assert "Invalid reduction dimension 0" in scalar_error
+
+
+def test_a_peer_that_never_starts_is_named_within_the_timeout():
+    # Worker 0 leads the coordination service; worker 1 only registers with
+    # it. Start one of each in two separate 2-worker clusters, alone.
+    leader_spec, follower_spec = local_spec(2), local_spec(2)
+    leader = start(["-c", SERVE], TFDIST_REGISTER_TIMEOUT="5",
+                   tf_config=cluster.tf_config_for_task(leader_spec, "worker", 0))
+    follower = start(["-c", SERVE], TFDIST_REGISTER_TIMEOUT="5",
+                     tf_config=cluster.tf_config_for_task(follower_spec, "worker", 1))
+    (lead_code, _, lead_err), (follow_code, _, follow_err) = finish(
+        [leader, follower], timeout=120)
+    assert lead_code != 0
+    assert "ClusterJoinError" in lead_err
+    assert f"worker:1 ({leader_spec['cluster']['worker'][1]}) did not join" in lead_err
+    assert "register_timeout=5s" in lead_err
+    assert follow_code != 0
+    assert "ClusterJoinError" in follow_err
+    assert f"worker:0 ({follower_spec['cluster']['worker'][0]}) did not join" in follow_err
+
+
+PS_CHIEF = """
+import tensorflow as tf, tfdist
+strategy = tfdist.strategy_from_config()
+print(strategy.describe(), flush=True)
+with strategy.scope():
+    total = tf.Variable(0.0)
+coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+
+@tf.function
+def step():
+    total.assign_add(1.0)
+    return tf.constant(1.0)
+
+for _ in range(20):
+    coordinator.schedule(step)
+coordinator.join()
+print("tfdist result: {\\"total\\": %s, \\"variable_device\\": \\"%s\\"}"
+      % (float(total.numpy()), total.device), flush=True)
+"""
+
+
+def test_parameter_server_cluster_servers_and_chief():
+    spec = local_spec(2, chief=True, ps=1)
+    configs = {(t, i): c for t, i, c in cluster.all_task_configs(spec)}
+    servers = [start(["-c", SERVE], tf_config=configs[key])
+               for key in configs if key[0] != "chief"]
+    try:
+        chief = start(["-c", PS_CHIEF], tf_config=configs[("chief", 0)])
+        [(code, out, err)] = finish([chief], timeout=180)
+        assert code == 0, err[-4000:]
+        assert "ParameterServerStrategy (parameter_server)" in out
+        assert "this task: chief:0 (chief)" in out
+        result = result_line(out)
+        assert result["total"] == 20.0
+        assert "/job:ps/" in result["variable_device"]
+        for server in servers:  # Servers serve until they are stopped.
+            assert server.poll() is None
+    finally:
+        for server in servers:
+            server.kill()
+        outputs = finish(servers, timeout=30)
+    for _, _, err in outputs:
+        assert "is serving the parameter-server cluster" in err

@@ -1,0 +1,39 @@
+"""One worker of the 2-process Keras 3 fit test (tests/test_multi_worker.py).
+
+Reads its TF_CONFIG, builds the strategy through strategy_from_config, fits
+the scripts' model, then shows that TensorFlow's own reduce() fails on what
+Keras 3 passes it while tfdist's works. Prints one 'tfdist result:' line.
+"""
+
+import json
+import sys
+
+import tensorflow as tf
+
+import _common
+import tfdist
+
+strategy = tfdist.strategy_from_config(register_timeout=90)
+result = _common.train(strategy, epochs=2, per_replica_batch_size=32,
+                       examples=1024, learning_rate=0.01, seed=3)
+result["description"] = strategy.describe()
+
+per_replica = strategy.run(lambda: (tf.ones([2]) * tf.cast(
+    tf.distribute.get_replica_context().replica_id_in_sync_group + 1,
+    tf.float32), tf.constant(3.0)))
+ours = strategy.reduce("MEAN", per_replica, axis=None)
+result["tfdist_reduce"] = [ours[0].numpy().tolist(), float(ours[1]),
+                           float(strategy.reduce("SUM", per_replica[1], axis=0))]
+
+# TensorFlow's own reduce() on the same inputs, last: a failure here must not
+# disturb the checks above.
+stock = tf.distribute.MultiWorkerMirroredStrategy.reduce
+result["stock_errors"] = []
+for value, axis in ((per_replica, None), (per_replica[1], 0)):
+    try:
+        stock(strategy, "MEAN", value, axis=axis)
+        result["stock_errors"].append(None)
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        result["stock_errors"].append(f"{type(error).__name__}: {error}"[:300])
+print("tfdist result: " + json.dumps(result), flush=True)
+sys.exit(0)

@@ -1,0 +1,149 @@
+"""The ``tfdist`` command.
+
+    tfdist info [--config SPEC] [--strategy NAME] [--cpu-replicas N] [--tpu T]
+    tfdist validate FILE|- [--strategy NAME] [--require-task]
+    tfdist tf-config SPEC --task TYPE:INDEX [--export]
+
+``validate`` and ``tf-config`` never import TensorFlow, so they answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from typing import Sequence
+
+from tfdist import cluster
+from tfdist.errors import TfdistError
+
+
+def _info(args: argparse.Namespace) -> int:
+    from tfdist.detect import choose
+    from tfdist.options import make_options
+
+    options = {}
+    if args.cpu_replicas is not None:
+        options["cpu_replicas"] = args.cpu_replicas
+    if args.tpu is not None:
+        options["tpu"] = args.tpu
+    opts = make_options(**options)
+    choice = choose(args.config, strategy=args.strategy, options=opts)
+    print(f"strategy: {choice.name}")
+    print(f"why:      {choice.reason}")
+    cfg = choice.tf_config
+    if choice.slurm:
+        from tfdist.slurm import SlurmClusterResolver
+        resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
+        spec = resolver.cluster_spec().as_dict()
+        cfg = cluster.parse({"cluster": spec, "task": {
+            "type": resolver.task_type, "index": resolver.task_id}})
+        print("source:   Slurm job step (SLURM_PROCID="
+              f"{resolver._rank})")  # pylint: disable=protected-access
+    elif cfg.cluster:
+        print(f"source:   {cfg.source}")
+    if cfg.cluster:
+        for job, addresses in cfg.cluster.items():
+            print(f"cluster:  {job}: {', '.join(addresses)}")
+        chief = "chief" if cfg.is_chief else "not chief"
+        print(f"task:     {cfg.task_id or 'none'} ({chief})")
+    else:
+        print("cluster:  none (this process only)")
+    if choice.role != "trainer":
+        print(f"role:     {choice.role}")
+    if choice.name == "tpu":
+        from tfdist.strategies import check_tpu
+        try:
+            check_tpu(choice.tpu)
+            print(f"tpu:      {choice.tpu} (reachable)")
+        except TfdistError as error:
+            print(f"tpu:      {choice.tpu}: {error}")
+
+    import tensorflow as tf  # Devices need TensorFlow; the rest did not.
+    for kind in ("CPU", "GPU", "TPU"):
+        found = tf.config.list_physical_devices(kind)
+        names = ", ".join(d.name.replace("/physical_device:", "") for d in found)
+        print(f"{kind.lower() + 's:':<10}{len(found)}"
+              + (f" ({names})" if found else ""))
+    print(f"versions: tensorflow {tf.__version__}, keras "
+          f"{__import__('keras').__version__}")
+    return 0
+
+
+def _read_source(path: str) -> str | dict:
+    """Reads ``-`` from stdin as JSON text; anything else goes to parse()."""
+    if path == "-":
+        text = sys.stdin.read()
+        return text if text.strip() else "null"  # Empty stdin is an error.
+    return path
+
+
+def _validate(args: argparse.Namespace) -> int:
+    source = _read_source(args.file)
+    cfg = cluster.parse(source, require_task=args.require_task,
+                        strategy=args.strategy)
+    jobs = ", ".join(f"{len(a)} {job}" for job, a in cfg.cluster.items())
+    task = f", task {cfg.task_id}" if cfg.task_id else ""
+    print(f"OK: {cfg.source}: {cfg.kind} ({jobs or 'no cluster'}){task}")
+    return 0
+
+
+def _tf_config(args: argparse.Namespace) -> int:
+    task_type, task_index = cluster.parse_task(args.task)
+    config = cluster.tf_config_for_task(_read_source(args.spec), task_type,
+                                        task_index)
+    text = json.dumps(config, separators=(",", ":"))
+    print(f"export TF_CONFIG={shlex.quote(text)}" if args.export else text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfdist",
+        description="Distributed training for TensorFlow and Keras 3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="which strategy would be chosen here, "
+                          "and why; devices, cluster and this task")
+    info.add_argument("--config", default=None,
+                      help="TF_CONFIG JSON or spec path (default: $TF_CONFIG)")
+    info.add_argument("--strategy", default="auto")
+    info.add_argument("--cpu-replicas", type=int, default=None)
+    info.add_argument("--tpu", default=None)
+    info.set_defaults(func=_info)
+
+    validate = sub.add_parser("validate", help="check a TF_CONFIG or spec "
+                              "file ('-' reads stdin)")
+    validate.add_argument("file")
+    validate.add_argument("--strategy", default=None,
+                          help="also check the rules of this strategy")
+    validate.add_argument("--require-task", action="store_true",
+                          help="the file is one process's TF_CONFIG and must "
+                          "name its task")
+    validate.set_defaults(func=_validate)
+
+    tf_config = sub.add_parser("tf-config", help="print the TF_CONFIG of one "
+                               "task of a spec")
+    tf_config.add_argument("spec", help="spec path or name in cluster_specs/, "
+                           "or '-' for stdin")
+    tf_config.add_argument("--task", required=True,
+                           help="TYPE:INDEX, e.g. worker:1")
+    tf_config.add_argument("--export", action="store_true",
+                           help="print a shell 'export TF_CONFIG=...' line")
+    tf_config.set_defaults(func=_tf_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``tfdist`` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TfdistError as error:
+        print(f"tfdist {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
