@@ -1,0 +1,113 @@
+"""The ``tfdist`` command, run as users run it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, subprocess_env
+
+
+def tfdist(*args, stdin=None, **env):
+    """Runs the installed ``tfdist`` command (or ``python -m tfdist``)."""
+    exe = shutil.which("tfdist")
+    cmd = [exe] if exe else [sys.executable, "-m", "tfdist"]
+    return subprocess.run([*cmd, *args], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, env=subprocess_env(**env),
+                          timeout=120)
+
+
+def test_validate_accepts_every_example_spec():
+    for path in sorted((REPO / "cluster_specs").glob("*.json")):
+        proc = tfdist("validate", str(path))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("OK: ")
+
+
+def test_validate_reports_the_field_and_exits_non_zero(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"cluster": {"worker": ["127.0.0.1:2222"],
+                                           "chief": ["127.0.0.1:2222"]}}))
+    proc = tfdist("validate", str(bad))
+    assert proc.returncode == 2
+    assert "field 'cluster.chief[0]'" in proc.stderr
+    assert "'cluster.worker[0]'" in proc.stderr
+    assert "'127.0.0.1:2222'" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_validate_reads_stdin_and_locates_json_errors():
+    proc = tfdist("validate", "-", stdin='{"cluster": {"worker": [\n  "a:1",,]}}')
+    assert proc.returncode == 2
+    assert "line 2, column 9" in proc.stderr
+    proc = tfdist("validate", "-", stdin="null")
+    assert proc.returncode == 2
+    assert "field '<root>'" in proc.stderr and "Received: null" in proc.stderr
+    proc = tfdist("validate", "-", "--require-task",
+                  stdin=json.dumps({"cluster": {"worker": ["a:1", "b:1"]},
+                                    "task": {"type": "worker", "index": "1"}}))
+    assert proc.returncode == 2
+    assert "field 'task.index'" in proc.stderr and "'1'" in proc.stderr
+
+
+def test_tf_config_prints_one_tasks_config():
+    proc = tfdist("tf-config", "chief_and_workers", "--task", "worker:1")
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads(proc.stdout)
+    spec = json.loads((REPO / "cluster_specs/chief_and_workers.json").read_text())
+    assert config == {**spec, "task": {"type": "worker", "index": 1}}
+    proc = tfdist("tf-config", "two_workers", "--task", "worker:2")
+    assert proc.returncode == 2 and "task.index" in proc.stderr
+    proc = tfdist("tf-config", "two_workers", "--task", "worker-1")
+    assert proc.returncode == 2 and "'worker-1'" in proc.stderr
+
+
+@pytest.mark.parametrize("spec, task, says", [
+    ("parameter_server", "chief:0", ["strategy: parameter_server",
+                                     "why:      TF_CONFIG lists 1 chief, 2 worker, 2 ps",
+                                     "task:     chief:0 (chief)"]),
+    ("parameter_server", "ps:1", ["strategy: parameter_server", "role:     server",
+                                  "task:     ps:1 (not chief)"]),
+    ("two_workers", "worker:1", ["strategy: multi_worker_mirrored",
+                                 "cluster:  worker: 127.0.0.1:20010, 127.0.0.1:20011",
+                                 "task:     worker:1 (not chief)"]),
+])
+def test_info_explains_its_choice(spec, task, says):
+    config = tfdist("tf-config", spec, "--task", task).stdout.strip()
+    proc = tfdist("info", TF_CONFIG=config)
+    assert proc.returncode == 0, proc.stderr
+    for line in says:
+        assert line in proc.stdout
+    assert "cpus:     1" in proc.stdout and "versions: tensorflow 2." in proc.stdout
+
+
+def test_info_without_cluster_and_with_cpu_replicas():
+    proc = tfdist("info", "--cpu-replicas", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "strategy: mirrored" in proc.stdout
+    assert "cpu_replicas=2" in proc.stdout
+    assert "cluster:  none" in proc.stdout
+
+
+def test_info_reports_a_bad_tf_config_instead_of_a_traceback():
+    proc = tfdist("info", TF_CONFIG='{"cluster": {"worker": ["a:1"]}, '
+                  '"task": {"type": "worker", "index": -1}}')
+    assert proc.returncode == 2
+    assert "field 'task.index'" in proc.stderr and "-1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_info_inside_a_slurm_step_shows_the_cluster_it_found():
+    step = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2",
+            "TFDIST_SLURM_PORT_BASE": "23100"}
+    proc = tfdist("info", **step)
+    assert proc.returncode == 0, proc.stderr
+    assert "strategy: multi_worker_mirrored" in proc.stdout
+    assert "Slurm job step of 2 tasks" in proc.stdout
+    assert "cluster:  worker: localhost:23100, localhost:23101" in proc.stdout
+    assert "task:     worker:0 (chief)" in proc.stdout
