@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +14,11 @@ from conftest import REPO, subprocess_env
 
 
 def tfdist(*args, stdin=None, **env):
-    """Runs the installed ``tfdist`` command (or ``python -m tfdist``)."""
-    exe = shutil.which("tfdist")
-    cmd = [exe] if exe else [sys.executable, "-m", "tfdist"]
-    return subprocess.run([*cmd, *args], input=stdin, capture_output=True,
+    """Runs the ``tfdist`` console command that ``pip install`` provides."""
+    exe = shutil.which("tfdist", path=str(Path(sys.executable).parent)) or (
+        shutil.which("tfdist"))
+    assert exe, "no 'tfdist' command: install the package with pip first"
+    return subprocess.run([exe, *args], input=stdin, capture_output=True,
                           text=True, cwd=REPO, env=subprocess_env(**env),
                           timeout=120)
 
