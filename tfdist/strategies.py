@@ -238,9 +238,10 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
     def reduce(self, reduce_op, value, axis):
         """Reduces ``value`` across replicas, as Keras 3 ``fit`` calls it.
 
-        Keras 3 calls ``reduce`` with a tuple of per-replica values (TF:
-        "unsupported type PerReplica") and with ``axis=0`` on scalars (TF:
-        "Invalid reduction dimension 0"). Map over the structure, and reduce
+        Keras 3 calls ``reduce`` with a tuple of per-replica values (TF 2.21
+        stacks them: "Shapes of all inputs must match", or "unsupported type
+        PerReplica") and with ``axis=0`` on scalars ("Invalid reduction
+        dimension 0"). Map over the structure, and reduce
         scalars with ``axis=None``, which means the same thing for them.
         """
         base = super()
