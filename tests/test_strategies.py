@@ -160,3 +160,17 @@ def test_strategy_from_flags(tf_cpus):
     strategy = tfdist.strategy_from_flags(values)
     assert isinstance(strategy, tfdist.MirroredStrategy)
     assert (strategy.compression.name, strategy.compression.param) == ("topk", 0.05)
+
+
+@pytest.mark.parametrize("config, kwargs", [
+    ({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
+                  "ps": ["127.0.0.1:3"]}, "task": {"type": "chief", "index": 0}}, {}),
+    (None, {"strategy": "tpu"}),
+])
+def test_compression_under_ps_or_tpu_is_refused_before_building(tf_cpus, config,
+                                                                 kwargs):
+    outcome = run_with_deadline(lambda: tfdist.strategy_from_config(
+        config, compression="topk:0.01", **kwargs), 30)
+    error = outcome.get("error")
+    assert isinstance(error, ConfigError), outcome
+    assert error.field == "compression" and "'topk:0.01'" in str(error)

@@ -76,6 +76,24 @@ def _communication_options(options: StrategyOptions):
             options.communication))
 
 
+def compression_for(kind: str, compression: Any) -> CompressionSetting:
+    """Parses a compression setting and checks that it fits the strategy.
+
+    Raises:
+        ConfigError: Compression under parameter_server or tpu, where
+            gradients are not all-reduced between replicas by Keras.
+    """
+    setting = parse_compression(compression)
+    if setting.enabled and kind in ("parameter_server", "tpu"):
+        raise ConfigError(
+            "compression", str(setting),
+            "None or 'none' under the parameter_server and tpu strategies",
+            source="strategy_from_config",
+            hint="Gradient compression works under 'mirrored' and "
+            "'multi_worker_mirrored'.")
+    return setting
+
+
 class TfdistStrategy:
     """What every tfdist strategy adds to its tf.distribute base class."""
 
@@ -84,7 +102,11 @@ class TfdistStrategy:
 
     def _tfdist_init(self, compression: Any = None,
                      choice: Choice | None = None) -> None:
-        self._tfdist_compression = parse_compression(compression)
+        setting = compression_for(self.kind, compression)
+        if setting.enabled and self.kind in ("mirrored", "multi_worker_mirrored"):
+            from tfdist.compression import keras_hook
+            keras_hook.install()
+        self._tfdist_compression = setting
         self._tfdist_choice = choice
 
     @property
@@ -485,6 +507,7 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
 def _build(choice: Choice, opts: StrategyOptions,
            comp: CompressionSetting) -> tf.distribute.Strategy:
     cfg = choice.tf_config
+    compression_for(choice.name, comp)  # Refuse a bad pairing before building.
     if choice.role == "server":
         serve(cfg)
         raise SystemExit(0)  # serve() only returns if the server is stopped.

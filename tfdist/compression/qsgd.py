@@ -1,0 +1,66 @@
+"""QSGD: unbiased stochastic quantization (Alistarh et al. 2017)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdist.compression.base import (
+    Compressor, Context, check_int, context_of, itemsize, numel, seed_of)
+
+MAX_LEVELS = 32767  # The largest level an int16 holds.
+
+
+class QSGDCompressor(Compressor):
+    """Quantizes x to ``norm * sign(x) * l / s`` with l an integer in [0, s].
+
+    ``norm = ||x||_2``; ``l`` is ``|x| / norm * s`` rounded up or down at
+    random with the probabilities that make the result unbiased. Payload:
+    ``(norm float32 scalar, q)`` with ``q = sign(x) * l`` as int8 when
+    ``s <= 127``, else int16. Not summable.
+
+    The rounding noise comes from a stateless RNG seeded by
+    ``(seed, step, key)`` with no replica component: replicas round with
+    correlated noise, which keeps each one unbiased but does not average the
+    noise out across replicas.
+
+    Args:
+        levels: The number of levels s, in [1, 32767].
+        seed: Base seed of the rounding noise.
+    """
+
+    name = "qsgd"
+    summable = False
+    lossy = True
+
+    def __init__(self, levels: int = 16, seed: int = 0) -> None:
+        self.levels = check_int("levels", levels, 1, MAX_LEVELS)
+        self.seed = check_int("seed", seed, -(2**63), 2**63 - 1)
+
+    @property
+    def wire_dtype(self) -> tf.DType:
+        """The dtype of the quantized levels."""
+        return tf.int8 if self.levels <= 127 else tf.int16
+
+    def compress(self, tensor, step=0, key=0):
+        ctx = context_of(tensor)
+        # float64 inputs keep their precision; 16-bit ones compute in float32.
+        work = tf.float64 if ctx.dtype == tf.float64 else tf.float32
+        flat = tf.cast(tf.reshape(tensor, [-1]), work)
+        norm = tf.norm(flat)
+        level = tf.math.divide_no_nan(tf.abs(flat), norm) * self.levels  # In [0, s].
+        low = tf.floor(level)
+        noise = tf.random.stateless_uniform(
+            [ctx.numel], seed_of(self.seed, step, key), dtype=work, alg="philox")
+        # Round up with probability level - low: E[q] = level.
+        q = low + tf.cast(noise < level - low, work)
+        q = tf.clip_by_value(q, 0, self.levels) * tf.sign(flat)
+        return (tf.cast(norm, tf.float32), tf.cast(q, self.wire_dtype)), ctx
+
+    def decompress(self, payload, ctx: Context) -> tf.Tensor:
+        norm, q = payload
+        work = tf.float64 if ctx.dtype == tf.float64 else tf.float32
+        x = tf.cast(norm, work) * tf.cast(q, work) / self.levels
+        return tf.reshape(tf.cast(x, ctx.dtype), ctx.shape)
+
+    def payload_bytes(self, shape, dtype) -> int:
+        return 4 + numel(shape) * itemsize(self.wire_dtype)

@@ -1,0 +1,81 @@
+"""From a ``compression=`` setting to a compressor object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfdist.compression.base import Compressor
+from tfdist.compression.casting import BF16Compressor, FP16Compressor
+from tfdist.compression.identity import NoneCompressor
+from tfdist.compression.qsgd import QSGDCompressor
+from tfdist.compression.randomk import RandomKCompressor
+from tfdist.compression.setting import COMPRESSOR_NAMES, parse_compression
+from tfdist.compression.sign import SignCompressor
+from tfdist.compression.topk import TopKCompressor
+from tfdist.errors import ConfigError
+
+#: Whether error feedback is on by default: the biased compressors need it
+#: to converge; the unbiased or near-lossless ones do not.
+_DEFAULT_EF = {
+    "none": False, "fp16": False, "bf16": False, "qsgd": False,
+    "topk": True, "randomk": True, "sign": True, "powersgd": True,
+}
+
+
+def make_compressor(setting: Any) -> Compressor:
+    """Builds the compressor a setting names.
+
+    Args:
+        setting: Anything :func:`parse_compression` accepts: None, ``"fp16"``,
+            ``"topk:0.01"``, a :class:`CompressionSetting`, or a compressor
+            object (returned as is). Defaults: top-k and random-k keep 1%,
+            QSGD uses 16 levels.
+
+    Returns:
+        The compressor.
+
+    Raises:
+        ConfigError: The setting is invalid, or names PowerSGD, which is not
+            available in this build (field ``'compression'``).
+    """
+    parsed = parse_compression(setting)
+    if parsed.compressor is not None:
+        return parsed.compressor
+    name, param = parsed.name, parsed.param
+    if name == "none":
+        return NoneCompressor()
+    if name == "fp16":
+        return FP16Compressor()
+    if name == "bf16":
+        return BF16Compressor()
+    if name == "topk":
+        return TopKCompressor(0.01 if param is None else param)
+    if name == "randomk":
+        return RandomKCompressor(0.01 if param is None else param)
+    if name == "sign":
+        return SignCompressor()
+    if name == "qsgd":
+        return QSGDCompressor(16 if param is None else param)
+    # PowerSGD keeps factor matrices across steps and does not fit
+    # compress/decompress; it is built separately.
+    raise ConfigError(
+        "compression", setting if isinstance(setting, str) else name,
+        "a compressor available in this build",
+        hint="PowerSGD is not implemented yet")
+
+
+def default_error_feedback(name: str | Compressor) -> bool:
+    """Whether error feedback should be on by default for a compressor.
+
+    True for top-k, random-k and sign (biased: the literature needs error
+    feedback for convergence); False for none, fp16, bf16 and QSGD
+    (lossless, nearly so, or unbiased).
+
+    Args:
+        name: A name from :data:`COMPRESSOR_NAMES`, or a compressor.
+    """
+    if not isinstance(name, str):
+        name = getattr(name, "name", name)
+    if name not in COMPRESSOR_NAMES:
+        raise ConfigError("name", name, "one of " + ", ".join(map(repr, COMPRESSOR_NAMES)))
+    return _DEFAULT_EF[name]
