@@ -71,3 +71,9 @@ def test_embedding_gradients_pass_through(tf_cpus):
     history = model.fit(data, epochs=2, verbose=0)
     losses = history.history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_unavailable_compressor_fails_when_the_strategy_is_built(tf_cpus):
+    with pytest.raises(tfdist.ConfigError) as info:
+        tfdist.strategy_from_config(cpu_replicas=2, compression="powersgd:4")
+    assert info.value.field == "compression" and "'powersgd" in str(info.value)

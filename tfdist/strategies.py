@@ -104,7 +104,10 @@ class TfdistStrategy:
                      choice: Choice | None = None) -> None:
         setting = compression_for(self.kind, compression)
         if setting.enabled and self.kind in ("mirrored", "multi_worker_mirrored"):
-            from tfdist.compression import keras_hook
+            from tfdist.compression import keras_hook, make_compressor
+            # Built now so that an unavailable compressor fails here, not
+            # while fit traces its first step.
+            self._tfdist_compressor = make_compressor(setting)
             keras_hook.install()
         self._tfdist_compression = setting
         self._tfdist_choice = choice
