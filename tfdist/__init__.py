@@ -8,9 +8,7 @@ stay fast and work without TensorFlow.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from tfdist._lazy import lazy_attributes
 from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
 
 __version__ = "0.1.0"
@@ -36,14 +34,4 @@ _LAZY = {
 __all__ = ["ClusterSpecError", "ConfigError", "TfdistError", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # Cache: later lookups skip __getattr__.
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

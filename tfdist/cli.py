@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from typing import Sequence
@@ -40,7 +41,7 @@ def _info(args: argparse.Namespace) -> int:
         cfg = cluster.parse({"cluster": spec, "task": {
             "type": resolver.task_type, "index": resolver.task_id}})
         print("source:   Slurm job step (SLURM_PROCID="
-              f"{resolver._rank})")  # pylint: disable=protected-access
+              f"{os.environ['SLURM_PROCID']})")
     elif cfg.cluster:
         print(f"source:   {cfg.source}")
     if cfg.cluster:

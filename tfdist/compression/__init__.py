@@ -8,9 +8,7 @@ this package does not import TensorFlow; the compressor names are loaded on
 first access.
 """
 
-import importlib
-from typing import Any
-
+from tfdist._lazy import lazy_attributes
 from tfdist.compression.setting import (
     COMPRESSOR_NAMES,
     CompressionSetting,
@@ -37,14 +35,4 @@ _LAZY = {
 __all__ = ["COMPRESSOR_NAMES", "CompressionSetting", "parse_compression", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # Cache: later lookups skip __getattr__.
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

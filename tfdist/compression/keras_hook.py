@@ -31,7 +31,7 @@ def _is_compressible(grad: Any) -> bool:
     all-reduce.
     """
     return (isinstance(grad, tf.Tensor) and grad.dtype.is_floating
-            and grad.shape.is_fully_defined() and grad.shape.num_elements())
+            and grad.shape.is_fully_defined() and grad.shape.num_elements() > 0)
 
 
 # Dtypes TensorFlow's collective all-gather carries as they are.
@@ -61,26 +61,12 @@ def _from_wire(words: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tf.bitcast(raw, like.dtype), like.shape)
 
 
-def _reduce_one(ctx, compressor, grad, step, key):
-    payload, meta = compressor.compress(grad, step=step, key=key)
-    if compressor.summable:
-        summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(payload))
-        return compressor.decompress(tuple(summed), meta)
-    # all_gather concatenates along axis 0; add a leading axis so that each
-    # replica's payload comes back as one row.
-    gathered = [ctx.all_gather(tf.expand_dims(_to_wire(p), 0), axis=0)
-                for p in payload]
-    total = None
-    for replica in range(ctx.num_replicas_in_sync):
-        part = compressor.decompress(
-            tuple(_from_wire(g[replica], p) for g, p in zip(gathered, payload)),
-            meta)
-        total = part if total is None else total + part
-    return total
-
-
 def compressed_all_reduce_sum(grads_and_vars, compressor, step):
     """SUM-reduces gradients across replicas through ``compressor``.
+
+    All summable payloads and uncompressed gradients go in one all-reduce,
+    and all other payloads in one all-gather, so that a step issues two
+    collectives whatever the number of variables.
 
     Args:
         grads_and_vars: (gradient, variable) pairs, in replica context.
@@ -92,32 +78,52 @@ def compressed_all_reduce_sum(grads_and_vars, compressor, step):
     """
     ctx = tf.distribute.get_replica_context()
     pairs = list(grads_and_vars)
-    dense_positions = [i for i, (g, _) in enumerate(pairs)
-                       if g is not None and not _is_compressible(g)]
-    out = [g for g, _ in pairs]
-    if dense_positions:
-        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                 [pairs[i][0] for i in dense_positions])
-        for i, r in zip(dense_positions, reduced):
-            out[i] = r
+    to_sum, to_gather = [], []
+    # Per gradient: (position, payload, meta, offset into to_sum/to_gather).
+    plan = []
     for i, (grad, _) in enumerate(pairs):
-        if grad is not None and _is_compressible(grad):
-            out[i] = _reduce_one(ctx, compressor, grad, step, key=i)
+        if grad is None:
+            continue
+        if not _is_compressible(grad):
+            plan.append((i, None, None, len(to_sum)))
+            to_sum.append(grad)
+            continue
+        payload, meta = compressor.compress(grad, step=step, key=i)
+        if compressor.summable:
+            plan.append((i, payload, meta, len(to_sum)))
+            to_sum.extend(payload)
+        else:
+            plan.append((i, payload, meta, len(to_gather)))
+            # all_gather concatenates along axis 0; a leading axis makes each
+            # replica's payload come back as one row.
+            to_gather.extend(tf.expand_dims(_to_wire(p), 0) for p in payload)
+    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, to_sum) if to_sum else []
+    gathered = ctx.all_gather(to_gather, axis=0) if to_gather else []
+
+    out = [g for g, _ in pairs]
+    for i, payload, meta, at in plan:
+        if payload is None:
+            out[i] = summed[at]
+        elif compressor.summable:
+            out[i] = compressor.decompress(tuple(summed[at:at + len(payload)]), meta)
+        else:
+            rows = gathered[at:at + len(payload)]
+            out[i] = tf.add_n([
+                compressor.decompress(
+                    tuple(_from_wire(g[r], p) for g, p in zip(rows, payload)), meta)
+                for r in range(ctx.num_replicas_in_sync)])
     return [(g, v) for g, (_, v) in zip(out, pairs)]
 
 
 def _strategy_compressor(strategy):
-    """The compressor of a tfdist strategy with compression on, else None."""
-    setting = getattr(strategy, "compression", None)
-    if setting is None or not setting.enabled:
-        return None
-    if strategy.num_replicas_in_sync < 2:
-        return None  # Nothing to send.
+    """The compressor of a tfdist strategy with compression on, else None.
+
+    tfdist's Mirrored and MultiWorkerMirrored strategies build it when the
+    setting is enabled; one replica has nothing to send.
+    """
     compressor = getattr(strategy, "_tfdist_compressor", None)
-    if compressor is None:
-        from tfdist.compression.registry import make_compressor
-        compressor = make_compressor(setting)
-        strategy._tfdist_compressor = compressor  # pylint: disable=protected-access
+    if compressor is None or strategy.num_replicas_in_sync < 2:
+        return None
     return compressor
 
 
