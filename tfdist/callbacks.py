@@ -389,7 +389,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._verify(meta)
         except (BackupError, OSError, ValueError) as caught:
             error = caught
-        if num_workers(strategy) > 1:
+        if num_workers(strategy) > 1 and not isinstance(
+                strategy, tf.distribute.experimental.ParameterServerStrategy):
+            # (Under a ParameterServerStrategy only the coordinator runs
+            # callbacks: there is nobody to agree with.)
             self._check_agreement(strategy, meta, error)
         elif error is not None:
             raise error

@@ -342,7 +342,11 @@ def _partitioner(value: Any):
 
 class ParameterServerStrategy(TfdistStrategy,
                               tf.distribute.experimental.ParameterServerStrategy):
-    """``ParameterServerStrategy`` with a description."""
+    """``ParameterServerStrategy`` that Keras 3 can train under.
+
+    Creating one installs :mod:`tfdist.keras_ps` (atomic increments on the
+    ps, gradients of sharded variables). Train with :func:`tfdist.fit`.
+    """
 
     kind = "parameter_server"
 
@@ -351,6 +355,10 @@ class ParameterServerStrategy(TfdistStrategy,
         super().__init__(cluster_resolver,
                          variable_partitioner=_partitioner(variable_partitioner))
         self._tfdist_init(compression, choice)
+        # Keras 3 loses concurrent increments and cannot differentiate
+        # sharded variables under this strategy; see tfdist.keras_ps.
+        from tfdist import keras_ps
+        keras_ps.install()
 
 
 class TPUStrategy(TfdistStrategy, tf.distribute.TPUStrategy):
