@@ -66,11 +66,10 @@ class BackupError(TfdistError, RuntimeError):
 
 
 def _resolver(strategy: Any):
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        resolver = getattr(getattr(strategy, "extended", None),
-                           "_cluster_resolver", None)
-    return resolver
+    # ParameterServerStrategy keeps its resolver private.
+    return (getattr(strategy, "cluster_resolver", None)
+            or getattr(strategy, "_cluster_resolver", None)
+            or getattr(getattr(strategy, "extended", None), "_cluster_resolver", None))
 
 
 def _cluster(strategy: Any) -> tuple[dict, str | None, int | None]:

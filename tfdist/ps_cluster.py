@@ -54,6 +54,14 @@ class LocalClusterError(TfdistError, RuntimeError):
     """A server of the local cluster did not start, or died."""
 
 
+def _die_with_parent() -> None:
+    """Runs in the child: SIGKILL it when the thread that started it dies,
+    so that a killed chief leaves no orphan servers (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _listening(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.2)
@@ -70,7 +78,8 @@ class _Server:
         self.log = open(log_path, "ab")
         # A session of its own: stopping it also stops anything it started.
         self.proc = subprocess.Popen(list(argv), env=dict(env), stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
 
     def tail(self, lines: int = 15) -> str:
         try:

@@ -328,7 +328,7 @@ def _join_error(error, spec, resolver, register_timeout) -> ClusterJoinError:
         f"TensorFlow said: {text.splitlines()[0]}")
 
 
-def _partitioner(value: Any):
+def _partitioner(value: Any, num_ps: int):
     if not isinstance(value, str):
         return value
     kind, _, number = value.partition(":")
@@ -336,7 +336,9 @@ def _partitioner(value: Any):
     if kind == "fixed":
         return parts.FixedShardsPartitioner(int(number))
     if kind == "min_size":
-        return parts.MinSizePartitioner(min_shard_bytes=int(number))
+        # TF's default max_shards=1 would never shard: allow one per ps.
+        return parts.MinSizePartitioner(min_shard_bytes=int(number),
+                                        max_shards=max(1, num_ps))
     return parts.MaxSizePartitioner(max_shard_bytes=int(number))
 
 
@@ -352,8 +354,9 @@ class ParameterServerStrategy(TfdistStrategy,
 
     def __init__(self, cluster_resolver, variable_partitioner=None, *,
                  compression: Any = None, choice: Choice | None = None):
+        num_ps = len(cluster_resolver.cluster_spec().as_dict().get("ps", ()))
         super().__init__(cluster_resolver,
-                         variable_partitioner=_partitioner(variable_partitioner))
+                         variable_partitioner=_partitioner(variable_partitioner, num_ps))
         self._tfdist_init(compression, choice)
         # Keras 3 loses concurrent increments and cannot differentiate
         # sharded variables under this strategy; see tfdist.keras_ps.

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 from typing import Any, Callable
 
 import keras
@@ -374,13 +375,21 @@ def _cluster_spec(strategy: Any) -> dict:
 
 
 def _ps_failure(error: Exception, strategy: Any) -> ParameterServerError:
-    ps = _cluster_spec(strategy).get("ps", [])
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    ps = [str(a) for a in _cluster_spec(strategy).get("ps", [])]
+    text = str(error)
+    lost = [f"ps:{i} ({addr})" for i, addr in enumerate(ps) if addr.rsplit(":", 1)[-1]
+            and f":{addr.rsplit(':', 1)[-1]}" in text]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    detail = next((line for line in lines if re.search(
+        r"connect|refused|socket closed|unavailable|reset", line, re.I)),
+        lines[0] if lines else type(error).__name__)
+    who = (", ".join(lost) + " is unreachable") if lost else \
+        f"a parameter server is unreachable (ps: {', '.join(ps)})"
     return ParameterServerError(
-        f"training stopped: the parameter-server cluster failed "
-        f"({type(error).__name__}: {text}). A ps that dies takes its variables "
-        f"with it (ps: {', '.join(map(str, ps))}); restart the cluster and resume "
-        "from the last backup (tfdist.BackupAndRestore keeps only complete ones).")
+        f"training stopped: {who}. {type(error).__name__}: {detail[:300]}. "
+        "A ps holds its share of the variables, and they are gone with it: "
+        "restart the cluster and resume from the last backup "
+        "(tfdist.BackupAndRestore keeps only complete ones).")
 
 
 def _evaluate(model: Any, data: tf.data.Dataset, steps: int | None,
