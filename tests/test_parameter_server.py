@@ -240,3 +240,34 @@ def test_fit_outside_a_parameter_server_strategy_is_model_fit():
     assert len(history.history["loss"]) == 4
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert int(model.optimizer.iterations.numpy()) == 16
+
+
+# --------------------------------------------------------------------------
+# strategies/parameter_server.py
+
+
+@pytest.mark.slow
+def test_the_parameter_server_script_trains_under_tfdist_launch(tmp_path):
+    model_dir = tmp_path / "model"
+    argv = ["-m", "tfdist", "launch", "--chief", "--workers", "2", "--ps", "1",
+            "strategies/parameter_server.py", "--epochs=2", "--examples=1024",
+            f"--model_dir={model_dir}"]
+    [(code, out, err)] = finish([start(argv)], timeout=300)
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "ParameterServerStrategy (parameter_server)" in out
+    result = result_line(out.replace("[chief:0] ", ""))
+    assert result["strategy"] == "ParameterServerStrategy"
+    assert result["iterations"] == 2 * result["steps_per_epoch"] == 2 * 32
+    assert result["loss"][-1] < result["loss"][0]
+    assert (model_dir / "model.keras").exists()
+    assert sorted(os.listdir(model_dir / "checkpoints")) == ["epoch-01.keras",
+                                                             "epoch-02.keras"]
+    assert not (model_dir / "backup").exists()  # Removed once training ended.
+
+
+def test_the_parameter_server_script_rejects_a_bad_cluster_size():
+    [(code, out, err)] = finish([start(["strategies/parameter_server.py",
+                                        "--local_workers=-2"])], timeout=120)
+    assert code == 2
+    assert "field 'workers'" in err and "-2" in err
+    assert "Traceback" not in err
