@@ -239,6 +239,10 @@ class _TrainData:
 
     def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None,
                  shuffle: bool, steps_per_epoch: int | None) -> None:
+        #: A dataset to copy to each worker, or None when ``make`` builds
+        #: each worker's from its input context.
+        self.dataset: tf.data.Dataset | None = None
+        self.make: Callable | None = None
         if isinstance(x, tf.data.Dataset):
             if y is not None:
                 raise ConfigError("y", type(y).__name__, "None when x is a dataset "
@@ -252,9 +256,9 @@ class _TrainData:
                         hint="Under ParameterServerStrategy an epoch is "
                         "steps_per_epoch steps over all workers.")
                 steps_per_epoch = cardinality
-            dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
+            # Serialized by the coordinator and rebuilt on each worker.
+            self.dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
             self.sample = next(iter(x.take(1)))
-            self.make = lambda context: dataset
         elif _is_dataset_fn(x):
             if steps_per_epoch is None:
                 raise ConfigError("steps_per_epoch", None, "a number of steps when x "
@@ -267,7 +271,8 @@ class _TrainData:
                     raise ConfigError("x", f"a function returning {type(dataset).__name__}",
                                       "a function returning a tf.data.Dataset",
                                       source=_SOURCE)
-                if int(dataset.cardinality()) != tf.data.INFINITE_CARDINALITY:
+                # (Traced: the length may only be known when it runs.)
+                if tf.get_static_value(dataset.cardinality()) != tf.data.INFINITE_CARDINALITY:
                     dataset = dataset.repeat()
                 return dataset
             self.sample = next(iter(make(tf.distribute.InputContext()).take(1)))
@@ -473,8 +478,12 @@ class _ParameterServerFit:
         _build(model, self.strategy, data.sample)
 
         strategy, make = self.strategy, data.make
-        per_worker = self.coordinator.create_per_worker_dataset(
-            lambda: strategy.distribute_datasets_from_function(make))
+        if data.dataset is not None:
+            per_worker = self.coordinator.create_per_worker_dataset(
+                strategy.experimental_distribute_dataset(data.dataset))
+        else:
+            per_worker = self.coordinator.create_per_worker_dataset(
+                lambda: strategy.distribute_datasets_from_function(make))
         iterator = iter(per_worker)
         per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         window = _IN_FLIGHT_PER_WORKER * max(1, self.num_workers)

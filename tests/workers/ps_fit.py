@@ -104,7 +104,9 @@ try:
         result["reloaded_equal"] = weights_sha(reloaded) == weights_sha(model)
         result["tensorboard_files"] = sum(len(f) for _, _, f in os.walk(os.path.join(WORKDIR, "tb")))
     elif SCENARIO == "partition":
-        history = tfdist.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, verbose=2)
+        # A tf.data.Dataset: each worker reads its own copy, repeated.
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=1).batch(BATCH)
+        history = tfdist.fit(model, dataset, epochs=EPOCHS, verbose=2)
         result["history"] = history.history
         emb = model.layers[0].embeddings
         from tfdist import keras_ps
@@ -138,7 +140,12 @@ try:
         # in the cluster, worker:0 dies for good in epoch 2: the job only
         # finishes if worker:1 rejoined and ran the remaining steps.
         first, second = Kill("worker:1", at=(0, 5), restart_at=(1, 5)), Kill("worker:0", at=(2, 2))
-        history = tfdist.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS,
+        def dataset_fn(context):  # Runs on each worker: its own shard.
+            return (tf.data.Dataset.from_tensor_slices((x, y))
+                    .shard(context.num_input_pipelines, context.input_pipeline_id)
+                    .shuffle(256).repeat().batch(BATCH))
+
+        history = tfdist.fit(model, dataset_fn, epochs=EPOCHS, steps_per_epoch=STEPS,
                              callbacks=[first, WaitForRejoin(), second],
                              verbose=2, step_timeout=60)
         result["history"] = history.history
