@@ -1,5 +1,6 @@
-"""Tests for tfdist.hosts: per-host commands, TFJob manifests, the YAML writer,
-and a Slurm step of 2 tasks on localhost without Slurm.
+"""Tests for tfdist.hosts: per-host commands, TFJob manifests (checked against
+Kubeflow's TFJob structure; there is no Kubernetes cluster here), the YAML
+writer, and a Slurm step of 2 tasks on localhost without Slurm.
 
 Everything but the Slurm test is pure Python (no TensorFlow). Expected values
 are computed from the spec files themselves, or by parsing what tfdist wrote
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -272,6 +274,211 @@ def test_tfjob_name_limit_is_exact_and_a_bad_spec_is_a_cluster_error():
         hosts.tfjob_manifest({"cluster": {"worker": ["a:1", "a:1"]}}, name="j", image="i",
                              command=["c"])
     assert error.value.field == "cluster.worker[1]"
+
+
+# --------------------------------------------------------------------------
+# The TFJob structure, as Kubeflow's training operator defines it. There is
+# no Kubernetes cluster here, so manifests are checked against the structure
+# only: the kubeflow.org/v1 types (tensorflow_types.go, common_types.go) and
+# the operator's ValidateV1TFJob (tensorflow_validation.go) in
+# github.com/kubeflow/training-operator, pkg/apis/kubeflow.org/v1.
+# --------------------------------------------------------------------------
+
+#: TFReplicaType values; "Master" is the operator's old name for "Chief".
+KUBEFLOW_REPLICA_TYPES = {"Chief", "Master", "Worker", "PS", "Evaluator"}
+#: RestartPolicy values of a ReplicaSpec.
+KUBEFLOW_RESTART_POLICIES = {"Always", "OnFailure", "Never", "ExitCode"}
+#: The container the operator sets TF_CONFIG in (TFJobDefaultContainerName).
+KUBEFLOW_CONTAINER = "tensorflow"
+_TFJOB_KEYS = {"apiVersion", "kind", "metadata", "spec"}
+_TFJOB_SPEC_KEYS = {"runPolicy", "successPolicy", "tfReplicaSpecs", "enableDynamicWorker"}
+_REPLICA_SPEC_KEYS = {"replicas", "template", "restartPolicy"}
+_POD_TEMPLATE_KEYS = {"metadata", "spec"}
+# Fields of a Kubernetes core/v1 Container that a TFJob container may use.
+_CONTAINER_KEYS = {"name", "image", "command", "args", "workingDir", "ports", "env",
+                   "envFrom", "resources", "volumeMounts", "imagePullPolicy"}
+_DNS1035 = r"[a-z]([-a-z0-9]*[a-z0-9])?"
+
+
+def tfjob_structure_problems(manifest: object) -> list[str]:
+    """What in ``manifest`` deviates from a Kubeflow ``kubeflow.org/v1`` TFJob.
+
+    Returns:
+        One sentence per problem, saying what was expected and what was
+        found; empty when the manifest has the TFJob structure.
+    """
+    import re
+
+    problems = []
+
+    def expect(ok: bool, where: str, expected: str, got: object) -> bool:
+        if not ok:
+            problems.append(f"{where}: expected {expected}, got {got!r}")
+        return ok
+
+    if not expect(isinstance(manifest, dict), "manifest", "a mapping", manifest):
+        return problems
+    expect(set(manifest) <= _TFJOB_KEYS, "top-level keys", f"a subset of {sorted(_TFJOB_KEYS)}",
+           sorted(manifest))
+    expect(manifest.get("apiVersion") == "kubeflow.org/v1", "apiVersion", "'kubeflow.org/v1'",
+           manifest.get("apiVersion"))
+    expect(manifest.get("kind") == "TFJob", "kind", "'TFJob'", manifest.get("kind"))
+    name = (manifest.get("metadata") or {}).get("name")
+    expect(isinstance(name, str) and len(name) <= 63 and bool(re.fullmatch(_DNS1035, name)),
+           "metadata.name", "a DNS-1035 label (ValidateV1TFJob)", name)
+    spec = manifest.get("spec")
+    if not expect(isinstance(spec, dict), "spec", "a mapping", spec):
+        return problems
+    expect(set(spec) <= _TFJOB_SPEC_KEYS, "spec keys", f"a subset of {sorted(_TFJOB_SPEC_KEYS)}",
+           sorted(spec))
+    replica_specs = spec.get("tfReplicaSpecs")
+    if not expect(isinstance(replica_specs, dict) and bool(replica_specs),
+                  "spec.tfReplicaSpecs", "a non-empty mapping", replica_specs):
+        return problems
+    chiefs = [t for t in replica_specs if t in ("Chief", "Master")]
+    expect(len(chiefs) <= 1, "spec.tfReplicaSpecs", "at most one Chief/Master", chiefs)
+    expect("Chief" in replica_specs or "Worker" in replica_specs, "spec.tfReplicaSpecs",
+           "a Chief or a Worker replica spec", sorted(replica_specs))
+    for replica_type, replica in replica_specs.items():
+        where = f"spec.tfReplicaSpecs.{replica_type}"
+        expect(replica_type in KUBEFLOW_REPLICA_TYPES, f"{where} (key)",
+               f"one of {sorted(KUBEFLOW_REPLICA_TYPES)}, capitalised", replica_type)
+        if not expect(isinstance(replica, dict), where, "a mapping", replica):
+            continue
+        expect(set(replica) <= _REPLICA_SPEC_KEYS, f"{where} keys",
+               f"a subset of {sorted(_REPLICA_SPEC_KEYS)}", sorted(replica))
+        count = replica.get("replicas")
+        expect(type(count) is int and 1 <= count < 2**31, f"{where}.replicas",
+               "a positive int32", count)
+        if replica_type in ("Chief", "Master", "Evaluator"):
+            expect(count == 1, f"{where}.replicas", "1 (TensorFlow has one of each)", count)
+        expect(replica.get("restartPolicy") in KUBEFLOW_RESTART_POLICIES,
+               f"{where}.restartPolicy", f"one of {sorted(KUBEFLOW_RESTART_POLICIES)}",
+               replica.get("restartPolicy"))
+        template = replica.get("template")
+        if not expect(isinstance(template, dict) and set(template) <= _POD_TEMPLATE_KEYS,
+                      f"{where}.template", "a PodTemplateSpec (metadata, spec)", template):
+            continue
+        containers = (template.get("spec") or {}).get("containers")
+        if not expect(isinstance(containers, list) and bool(containers),
+                      f"{where}.template.spec.containers", "a non-empty list", containers):
+            continue
+        first = containers[0]
+        expect(isinstance(first, dict) and first.get("name") == KUBEFLOW_CONTAINER,
+               f"{where}.template.spec.containers[0].name", repr(KUBEFLOW_CONTAINER),
+               first.get("name") if isinstance(first, dict) else first)
+        for i, container in enumerate(containers):
+            at = f"{where}.template.spec.containers[{i}]"
+            if not expect(isinstance(container, dict), at, "a mapping", container):
+                continue
+            expect(set(container) <= _CONTAINER_KEYS, f"{at} keys",
+                   f"Kubernetes Container fields ({sorted(_CONTAINER_KEYS)})", sorted(container))
+            expect(isinstance(container.get("image"), str) and bool(container.get("image")),
+                   f"{at}.image", "a non-empty image", container.get("image"))
+            for field in ("command", "args"):
+                if field in container:
+                    value = container[field]
+                    expect(isinstance(value, list) and all(isinstance(w, str) for w in value),
+                           f"{at}.{field}", "a list of strings", value)
+            resources = container.get("resources", {})
+            expect(isinstance(resources, dict) and set(resources) <= {"requests", "limits"},
+                   f"{at}.resources", "requests and/or limits", resources)
+    return problems
+
+
+def test_tfdist_names_the_kubeflow_replica_types_and_restart_policies():
+    assert set(hosts.REPLICA_TYPES.values()) <= KUBEFLOW_REPLICA_TYPES
+    assert hosts.REPLICA_TYPES == {"chief": "Chief", "worker": "Worker", "ps": "PS",
+                                   "evaluator": "Evaluator"}
+    assert set(hosts.RESTART_POLICIES) == KUBEFLOW_RESTART_POLICIES
+
+
+@pytest.mark.parametrize("policy", sorted(KUBEFLOW_RESTART_POLICIES))
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_every_spec_gives_a_manifest_with_the_tfjob_structure(path, policy):
+    import yaml  # A test dependency (pyproject [test]).
+
+    manifest = hosts.tfjob_manifest(path, name="train", image="reg.example/train:1",
+                                    command=["python", "train.py"], args=["--epochs=3"],
+                                    restart_policy=policy, cpu="500m", memory="1Gi")
+    # What kubectl reads is the YAML text, so check the text's structure.
+    loaded = yaml.safe_load(hosts.to_yaml(manifest))
+    assert tfjob_structure_problems(loaded) == []
+    raw = json.loads(path.read_text())
+    jobs = {REPLICA[job]: len(addresses) for job, addresses in raw["cluster"].items()}
+    if raw.get("task", {}).get("type") == "evaluator":
+        jobs["Evaluator"] = 1
+    replica_specs = loaded["spec"]["tfReplicaSpecs"]
+    assert {kind: spec["replicas"] for kind, spec in replica_specs.items()} == jobs
+    assert {spec["restartPolicy"] for spec in replica_specs.values()} == {policy}
+
+
+def test_tfjob_command_output_has_the_tfjob_structure():
+    # The README's command: the console script, its comment header, the YAML.
+    import yaml  # A test dependency (pyproject [test]).
+
+    exe = shutil.which("tfdist", path=str(Path(sys.executable).parent)) or shutil.which("tfdist")
+    assert exe, "expected the 'tfdist' console command; install the package with pip"
+    proc = subprocess.run(
+        [exe, "tfjob", "parameter_server_evaluator", "--name", "mnist", "--image",
+         "registry.example.com/train:1", "--restart-policy", "ExitCode", "--",
+         "python", "strategies/multi_worker_mirrored.py", "--epochs=3"],
+        capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    manifest = yaml.safe_load(proc.stdout)
+    assert tfjob_structure_problems(manifest) == []
+    assert list(manifest["spec"]["tfReplicaSpecs"]) == ["Chief", "Worker", "PS", "Evaluator"]
+
+
+def _deviations() -> list[tuple[str, object, str]]:
+    """(what changes, how, the problem it must cause) for the checker's own test."""
+    def drop(key):
+        return lambda m: m["spec"]["tfReplicaSpecs"]["Worker"].pop(key)
+
+    def worker(key, value):
+        return lambda m: m["spec"]["tfReplicaSpecs"]["Worker"].__setitem__(key, value)
+
+    def container(key, value):
+        return lambda m: m["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"][
+            "containers"][0].__setitem__(key, value)
+
+    def rename(old, new):
+        return lambda m: m["spec"]["tfReplicaSpecs"].__setitem__(
+            new, m["spec"]["tfReplicaSpecs"].pop(old))
+
+    return [
+        ("apiVersion v1beta2", lambda m: m.__setitem__("apiVersion", "kubeflow.org/v1beta2"),
+         "apiVersion: expected 'kubeflow.org/v1', got 'kubeflow.org/v1beta2'"),
+        ("kind", lambda m: m.__setitem__("kind", "TfJob"), "kind: expected 'TFJob'"),
+        ("lowercase type", rename("Worker", "worker"), "(key): expected one of"),
+        ("upper-case type", rename("PS", "Ps"), "got 'Ps'"),
+        ("Master and Chief", lambda m: m["spec"]["tfReplicaSpecs"].__setitem__(
+            "Master", m["spec"]["tfReplicaSpecs"]["Chief"]), "at most one Chief/Master"),
+        ("two chiefs", lambda m: m["spec"]["tfReplicaSpecs"]["Chief"].__setitem__(
+            "replicas", 2), "Chief.replicas: expected 1"),
+        ("replicas as text", worker("replicas", "2"), "a positive int32, got '2'"),
+        ("no restartPolicy", drop("restartPolicy"), "restartPolicy: expected one of"),
+        ("lowercase policy", worker("restartPolicy", "onFailure"), "got 'onFailure'"),
+        ("pod-level key", worker("containers", []), "Worker keys: expected a subset"),
+        ("container name", container("name", "tf"),
+         "containers[0].name: expected 'tensorflow', got 'tf'"),
+        ("no image", container("image", ""), "image: expected a non-empty image"),
+        ("command as text", container("command", "python train.py"), "a list of strings"),
+        ("snake_case field", container("working_dir", "/x"), "Kubernetes Container fields"),
+        ("name", lambda m: m["metadata"].__setitem__("name", "My_Job"), "DNS-1035"),
+    ]
+
+
+@pytest.mark.parametrize("what, change, problem",
+                         [pytest.param(*case, id=case[0]) for case in _deviations()])
+def test_the_tfjob_structure_check_finds_each_deviation(what, change, problem):
+    manifest = hosts.tfjob_manifest("parameter_server", name="job", image="img:1",
+                                    command=["python", "train.py"])
+    assert tfjob_structure_problems(manifest) == []
+    change(manifest)
+    problems = tfjob_structure_problems(manifest)
+    assert any(problem in p for p in problems), (
+        f"{what}: expected a problem containing {problem!r}, got {problems}")
 
 
 # --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tfdist.detect import choose
+from tfdist.errors import ConfigError
 
 STEP = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
         "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2",
@@ -56,13 +57,31 @@ def test_tfdist_resolver_keeps_gpu_placement_on_gpu_nodes(slurm_step, monkeypatc
     assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "1"  # task 1's GPU
 
 
+def test_more_tasks_than_gpus_on_a_node_is_a_clear_error(slurm_step, monkeypatch):
+    tf_slurm, slurm = slurm_step
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # 1 GPU, 2 tasks on the node.
+    with pytest.raises(ValueError, match="must not be zero"):
+        tf_slurm.SlurmClusterResolver(port_base=23000).cluster_spec()
+    with pytest.raises(ConfigError) as error:
+        slurm.SlurmClusterResolver(port_base=23000)
+    assert error.value.field == "gpus_per_task"
+    assert "2 tasks share a node with 1 GPU(s)" in str(error.value)
+    assert "--ntasks-per-node" in str(error.value)
+
+
 def test_default_port_base_depends_on_job_and_step(slurm_step):
     _, slurm = slurm_step
     base = slurm.default_port_base(STEP)
     other = slurm.default_port_base({**STEP, "SLURM_JOB_ID": "4243"})
     assert base != other
     for port in (base, other):
-        assert 20000 <= port and port + 64 <= 60400
+        # Below the ephemeral port ranges (Linux 32768-60999, IANA 49152-),
+        # where srun and slurmstepd bind on the same node.
+        assert 20000 <= port and port + 64 <= 32768, port
+    bases = {slurm.default_port_base({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0"})
+             for job in range(2000)}
+    assert min(bases) >= 20000 and max(bases) + 64 <= 32768, (min(bases), max(bases))
+    assert len(bases) > 1800, f"expected bases spread out, got {len(bases)} distinct"
     assert slurm.SlurmClusterResolver().cluster_spec().as_dict()["worker"][0] == (
         f"localhost:{base}")
 

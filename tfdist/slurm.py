@@ -18,21 +18,37 @@ from typing import Mapping
 from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
 from tensorflow.python.training.server_lib import ClusterSpec
 
+from tfdist.errors import ConfigError
+
 #: Ports handed to one job step span at most this many per node.
 _PORT_SPAN = 64
+#: Derived port bases lie in [_PORT_LOW, _PORT_HIGH - _PORT_SPAN]. The range
+#: ends below 32768, where the ephemeral ranges of Linux (32768-60999) and
+#: IANA (49152-65535) start: srun, slurmstepd and every outgoing connection
+#: on the node take ports from there, so a base inside it can collide.
 _PORT_LOW = 20000
-_PORT_SLOTS = 600  # _PORT_LOW + _PORT_SLOTS * _PORT_SPAN stays below 60400
+_PORT_HIGH = 32768
 
 
 def default_port_base(env: Mapping[str, str] | None = None) -> int:
     """A TensorFlow port base derived from the Slurm job and step ids.
 
-    A fixed base (TensorFlow uses 8888) collides when two jobs share a node;
-    hashing the job and step ids spreads steps over 600 slots of 64 ports.
+    A fixed base (TensorFlow uses 8888) collides when two job steps share a
+    node. Hashing the job and step ids spreads bases over 20000-32704, so
+    that a step's ports (the base plus one per task on the node, at most
+    64) stay below the kernel's ephemeral port range, from which srun,
+    slurmstepd and outgoing connections take theirs. Every task computes the same base from the
+    same ids, so the tasks of a step agree on each other's addresses.
+
+    Args:
+        env: The environment; defaults to ``os.environ``.
+
+    Returns:
+        The first port for the tasks on each node.
     """
     env = os.environ if env is None else env
     key = f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}"
-    return _PORT_LOW + (zlib.crc32(key.encode()) % _PORT_SLOTS) * _PORT_SPAN
+    return _PORT_LOW + zlib.crc32(key.encode()) % (_PORT_HIGH - _PORT_SPAN - _PORT_LOW + 1)
 
 
 def count_gpus() -> int:
@@ -59,6 +75,10 @@ class SlurmClusterResolver(slurm_cluster_resolver.SlurmClusterResolver):
             :func:`default_port_base`.
         gpus_per_node: GPUs on each node; defaults to :func:`count_gpus`.
         **kwargs: Passed to TensorFlow's resolver.
+
+    Raises:
+        ConfigError: A node has GPUs but fewer than its tasks (TensorFlow's
+            resolver would fail with "range() arg 3 must not be zero").
     """
 
     def __init__(self, jobs=None, port_base: int | None = None,
@@ -75,6 +95,17 @@ class SlurmClusterResolver(slurm_cluster_resolver.SlurmClusterResolver):
             kwargs["auto_set_gpu"] = False
         super().__init__(jobs=jobs, port_base=port_base,
                          gpus_per_node=gpus_per_node, **kwargs)
+        if not self._no_gpus and self._gpus_per_task < 1:
+            # More tasks than GPUs on a node: TF's placement would fail later
+            # with "range() arg 3 must not be zero".
+            tasks = max(self._task_configuration.values())
+            raise ConfigError(
+                "gpus_per_task", self._gpus_per_task,
+                f"at least 1 GPU per task ({tasks} tasks share a node with "
+                f"{gpus_per_node} GPU(s))", source="Slurm environment",
+                hint="Start at most as many tasks per node as it has GPUs "
+                     "(srun --ntasks-per-node), or hide the GPUs with "
+                     "CUDA_VISIBLE_DEVICES= to train on the CPU.")
 
     def cluster_spec(self) -> ClusterSpec:
         if not self._no_gpus:
