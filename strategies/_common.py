@@ -2,6 +2,21 @@
 
 The data are made here (a fixed random classification task), so nothing is
 downloaded. Each script only picks its defaults and calls :func:`main`.
+
+Every script prints the strategy it chose and why, the training settings, one
+line per epoch (the chief), the final metrics, and one machine-readable
+line::
+
+    tfdist result: {"strategy": ..., "loss": [...], "accuracy": ..., ...}
+
+With ``--model_dir`` the chief also writes there: a checkpoint per epoch
+(``checkpoints/epoch-NN.keras``), the trained model (``model.keras``) and the
+result (``results.json``). The other workers of a multi-worker job run the
+same saves into temporary directories (a save can be a collective that every
+worker must join) and remove them.
+
+A tfdist error (a bad flag or TF_CONFIG, no TPU, a peer that never joined)
+ends the script with one line on stderr and exit code 2, not a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
+import tempfile
+from typing import Any, NoReturn
 
 # Keep TensorFlow's C++ start-up chatter out of the scripts' output.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -17,8 +36,12 @@ import numpy as np
 from absl import flags, logging
 
 import tfdist
+from tfdist.errors import TfdistError
 
 FLAGS = flags.FLAGS
+
+#: Exit code of a script that stopped on a tfdist error (as the tfdist CLI).
+ERROR_EXIT_CODE = 2
 
 
 def define_flags() -> None:
@@ -31,8 +54,47 @@ def define_flags() -> None:
     flags.DEFINE_integer("examples", 4096, "Training examples to make.")
     flags.DEFINE_float("learning_rate", 0.01, "Adam learning rate.")
     flags.DEFINE_string("model_dir", None,
-                        "Where the chief writes results.json; default: none.")
+                        "Where the chief writes a checkpoint per epoch "
+                        "(checkpoints/), the trained model (model.keras) and "
+                        "results.json; default: nothing is written.")
     flags.DEFINE_integer("seed", 0, "Seed for the data and the weights.")
+    adopt_flags()
+
+
+def adopt_flags() -> None:
+    """Lists the tfdist and training flags in the script's ``--help``.
+
+    absl's ``--help`` shows the main module's key flags only; the flags are
+    defined in ``tfdist.flags`` and here.
+    """
+    import tfdist.flags as tfdist_flags
+    main_module = sys.argv[0]
+    for module in (tfdist_flags, sys.modules[__name__]):
+        for flag in FLAGS.get_flags_for_module(module.__name__):
+            FLAGS.register_key_flag_for_module(main_module, flag)
+
+
+def exit_with(error: BaseException) -> NoReturn:
+    """Ends the script with the error's message on one line of stderr."""
+    script = os.path.basename(sys.argv[0]) or "script"
+    message = " ".join(str(error).split())
+    print(f"{script}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(ERROR_EXIT_CODE)
+
+
+def strategy_from_flags() -> Any:
+    """``tfdist.strategy_from_flags()``, printing what it chose and why.
+
+    Exits with one line on stderr (see :func:`exit_with`) on a tfdist error.
+    Keeps absl's INFO lines (TensorFlow's and tfdist's) out of the output.
+    """
+    logging.set_verbosity(logging.WARNING)
+    try:
+        strategy = tfdist.strategy_from_flags()
+    except TfdistError as error:
+        exit_with(error)
+    print(tfdist.describe(strategy), flush=True)
+    return strategy
 
 
 def make_data(examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +106,16 @@ def make_data(examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype("int32")
 
 
-def build_model(learning_rate: float, seed: int):
+def build_model(learning_rate: float, seed: int) -> Any:
+    """The scripts' model: a compiled 16-64-3 MLP with fixed initial weights.
+
+    Args:
+        learning_rate: Adam's learning rate.
+        seed: Seeds Keras's initializers.
+
+    Returns:
+        A compiled ``keras.Sequential``; call this inside ``strategy.scope()``.
+    """
     import keras
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([
@@ -59,10 +130,60 @@ def build_model(learning_rate: float, seed: int):
     return model
 
 
-def train(strategy, *, epochs: int, per_replica_batch_size: int,
+def weights_sha256(weights: list[np.ndarray]) -> str:
+    """Bit-for-bit fingerprint of a model's weights (``model.get_weights()``)."""
+    flat = np.concatenate([np.asarray(w, "float32").ravel() for w in weights])
+    return hashlib.sha256(flat.astype("<f4").tobytes()).hexdigest()
+
+
+def _is_chief(strategy: Any) -> bool:
+    from tfdist.callbacks import is_chief
+    return is_chief(strategy)
+
+
+def _save_model(model: Any, strategy: Any, model_dir: str) -> str:
+    """Saves ``model`` as ``model_dir/model.keras`` from the chief.
+
+    The other workers save into a temporary directory that is removed: under
+    MultiWorkerMirrored, saving on-read variables (tfdist's compression
+    state) is a collective that every worker must join.
+    """
+    if _is_chief(strategy):
+        os.makedirs(model_dir, exist_ok=True)
+        path = os.path.join(model_dir, "model.keras")
+        model.save(path)
+        return path
+    scratch = tempfile.mkdtemp(prefix="tfdist-model-")
+    try:
+        model.save(os.path.join(scratch, "model.keras"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return os.path.join(model_dir, "model.keras")
+
+
+def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
           examples: int, learning_rate: float, seed: int,
-          callbacks: list | None = None) -> dict:
-    """Fits the model under ``strategy``; returns the final metrics."""
+          callbacks: list | None = None, model_dir: str | None = None) -> dict:
+    """Fits the model under ``strategy``; returns the final metrics.
+
+    Args:
+        strategy: The strategy to fit under.
+        epochs: Epochs to train.
+        per_replica_batch_size: Examples per replica per step.
+        examples: Examples to make (see :func:`make_data`).
+        learning_rate: Adam's learning rate.
+        seed: Seeds the data and the initial weights.
+        callbacks: Extra Keras callbacks.
+        model_dir: If given, a checkpoint per epoch goes to
+            ``model_dir/checkpoints/`` and the trained model to
+            ``model_dir/model.keras`` (written by the chief only).
+
+    Returns:
+        The strategy's name, replicas, global batch, the loss per epoch, the
+        final accuracy, the number of weights and two fingerprints of the
+        final weights (``weights_sha256`` is bit-for-bit); with
+        ``model_dir``, the saved model's path as ``saved_model``.
+    """
     import tensorflow as tf
     global_batch = per_replica_batch_size * strategy.num_replicas_in_sync
     x, y = make_data(examples, seed)
@@ -75,40 +196,74 @@ def train(strategy, *, epochs: int, per_replica_batch_size: int,
     data = data.with_options(options)
     with strategy.scope():
         model = build_model(learning_rate, seed)
+    callbacks = list(callbacks or [])
+    if model_dir:
+        callbacks.append(tfdist.ModelCheckpoint(
+            os.path.join(model_dir, "checkpoints", "epoch-{epoch:02d}.keras")))
     chief = getattr(strategy, "is_chief", True)
     history = model.fit(data, epochs=epochs, verbose=2 if chief else 0,
                         shuffle=False, callbacks=callbacks)
-    weights = np.concatenate([w.ravel() for w in model.get_weights()])
-    return {
+    final = model.get_weights()
+    weights = np.concatenate([w.ravel() for w in final])
+    result = {
         "strategy": type(strategy).__name__,
         "replicas": strategy.num_replicas_in_sync,
         "global_batch": global_batch,
         "loss": [float(v) for v in history.history["loss"]],
         "accuracy": float(history.history["accuracy"][-1]),
+        "params": int(weights.size),
         "weights_checksum": float(np.sum(weights * np.arange(1, weights.size + 1)
                                          % 7)),
         # Bit-for-bit identity of the final weights (multi-worker checks).
-        "weights_sha256": hashlib.sha256(weights.astype("<f4").tobytes()).hexdigest(),
+        "weights_sha256": weights_sha256(final),
     }
+    if model_dir:
+        result["saved_model"] = _save_model(model, strategy, model_dir)
+    return result
 
 
-def main(_argv) -> None:
-    logging.set_verbosity(logging.WARNING)
-    strategy = tfdist.strategy_from_flags()
-    print(tfdist.describe(strategy), flush=True)
+def print_settings(strategy: Any) -> None:
+    """One line with the training settings the flags chose."""
+    replicas = strategy.num_replicas_in_sync
+    print(f"training: {FLAGS.epochs} epoch(s) on {FLAGS.examples} examples, "
+          f"global batch {FLAGS.per_replica_batch_size * replicas} "
+          f"({FLAGS.per_replica_batch_size} per replica x {replicas} "
+          f"replica(s)), learning rate {FLAGS.learning_rate}, model_dir "
+          f"{FLAGS.model_dir or 'none'}", flush=True)
+
+
+def report(result: dict, strategy: Any) -> None:
+    """Prints the final metrics and the result line; writes results.json.
+
+    ``results.json`` goes to ``--model_dir`` (when given), from the chief.
+    """
+    loss = result["loss"]
+    print(f"final: loss {loss[-1]:.4f} (first epoch {loss[0]:.4f}), "
+          f"accuracy {result['accuracy']:.4f}", flush=True)
+    print("tfdist result: " + json.dumps(result), flush=True)
+    if FLAGS.model_dir and _is_chief(strategy):
+        os.makedirs(FLAGS.model_dir, exist_ok=True)
+        with open(os.path.join(FLAGS.model_dir, "results.json"), "w") as f:
+            json.dump(result, f)
+
+
+def main(_argv: list[str]) -> None:
+    """Builds the strategy from the flags, trains, and reports."""
+    strategy = strategy_from_flags()
+    print_settings(strategy)
     callbacks = []
     if getattr(strategy, "compression", None) is not None and strategy.compression.enabled:
         from tfdist.compression import CommunicationStats
         callbacks.append(CommunicationStats())
-    result = train(strategy, epochs=FLAGS.epochs,
-                   per_replica_batch_size=FLAGS.per_replica_batch_size,
-                   examples=FLAGS.examples, learning_rate=FLAGS.learning_rate,
-                   seed=FLAGS.seed, callbacks=callbacks)
+    try:
+        result = train(strategy, epochs=FLAGS.epochs,
+                       per_replica_batch_size=FLAGS.per_replica_batch_size,
+                       examples=FLAGS.examples, learning_rate=FLAGS.learning_rate,
+                       seed=FLAGS.seed, callbacks=callbacks,
+                       model_dir=FLAGS.model_dir)
+    except TfdistError as error:
+        exit_with(error)
     if callbacks and callbacks[0].last is not None:
         print(f"tfdist compression {strategy.compression}: {callbacks[0].last}", flush=True)
         result["comm"] = callbacks[0].last.as_logs()
-    print("tfdist result: " + json.dumps(result), flush=True)
-    if FLAGS.model_dir and getattr(strategy, "is_chief", True):
-        os.makedirs(FLAGS.model_dir, exist_ok=True)
-        with open(os.path.join(FLAGS.model_dir, "results.json"), "w") as f:
-            json.dump(result, f)
+    report(result, strategy)

@@ -1,13 +1,20 @@
 """Keras fit under MultiWorkerMirroredStrategy, one process per worker.
 
-Start one process per task, each with its own TF_CONFIG, e.g. on one machine:
+Every worker runs this script with its own TF_CONFIG. On one machine,
+``tfdist launch`` starts both workers on free local ports:
 
-    tfdist tf-config two_workers --task worker:0   # prints worker 0's TF_CONFIG
-    TF_CONFIG='...' python strategies/multi_worker_mirrored.py &
-    TF_CONFIG='...' python strategies/multi_worker_mirrored.py
+    tfdist launch --workers 2 strategies/multi_worker_mirrored.py --epochs=3
 
-strategy_from_config() reads TF_CONFIG (or a Slurm step) and returns tfdist's
-MultiWorkerMirroredStrategy, which fixes Keras 3 fit in multi-worker jobs.
+or by hand, one shell per worker (ports from cluster_specs/two_workers.json):
+
+    TF_CONFIG=$(tfdist tf-config two_workers --task worker:0) python strategies/multi_worker_mirrored.py &
+    TF_CONFIG=$(tfdist tf-config two_workers --task worker:1) python strategies/multi_worker_mirrored.py
+
+On several hosts, write a spec with their addresses and run on each host the
+line ``tfdist hosts SPEC -- strategies/multi_worker_mirrored.py`` prints for
+it. strategy_from_config() reads TF_CONFIG (or a Slurm step) and returns
+tfdist's MultiWorkerMirroredStrategy, which fixes Keras 3 fit in multi-worker
+jobs. Only the chief (worker 0) writes to --model_dir.
 """
 
 from absl import app, flags
