@@ -1,0 +1,380 @@
+"""tfdist.spark: argument checks (quick), and jobs on a real local Spark cluster.
+
+The slow tests share one ``local-cluster[2,1,1024]`` session (a Spark master,
+a worker and 2 executor JVMs of 1 core each, on 127.0.0.1): starting one
+costs 10-20 s here, a barrier job of 2 TensorFlow tasks 10-25 s. The train
+functions are in tests/workers/spark_train.py; the executors import it.
+
+Without pyspark or Java the Spark tests are skipped, or fail when
+TFDIST_REQUIRE_ENGINES=1 (CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, subprocess_env
+from tfdist import spark as tfspark
+from tfdist.errors import ConfigError
+
+WORKERS = REPO / "tests" / "workers"
+MASTER = "local-cluster[2,1,1024]"
+#: Bound of each run() in these tests, in seconds.
+JOB_TIMEOUT = 150.0
+TASK_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+#: The scripts' model on fresh weights: cross-entropy of 3 classes, ~ln 3.
+UNTRAINED_LOSS = math.log(3)
+
+
+def _load_spark_train():
+    """tests/workers/spark_train.py as module ``spark_train``: Spark pickles
+    its functions by reference, and the executors import it by that name."""
+    spec = importlib.util.spec_from_file_location("spark_train",
+                                                  WORKERS / "spark_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules.setdefault("spark_train", module)
+    return sys.modules["spark_train"]
+
+
+spark_train = _load_spark_train()
+
+
+# --------------------------------------------------------------------------
+# Quick tests: no Spark started.
+
+
+def test_missing_pyspark_error_names_the_extra(monkeypatch):
+    # A None entry makes `import pyspark` raise ImportError, as when it is
+    # not installed, even if another test imported it already.
+    monkeypatch.setitem(sys.modules, "pyspark", None)
+    with pytest.raises(ImportError, match=re.escape("pip install 'tfdist[spark]'")):
+        tfspark.run(lambda ctx: None, 2)
+    with pytest.raises(ImportError, match=re.escape("pip install 'tfdist[spark]'")):
+        tfspark.local_session(2)
+
+
+def test_importing_tfdist_spark_loads_neither_pyspark_nor_tensorflow():
+    code = ("import sys, tfdist, tfdist.spark; from tfdist import spark; "
+            "print(sorted(m for m in ('pyspark', 'tensorflow', 'keras') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _noop(ctx):
+    return None
+
+
+def _need_pyspark() -> None:
+    if importlib.util.find_spec("pyspark") is None:
+        message = f"pyspark is not installed ({tfspark.INSTALL_HINT})"
+        if os.environ.get("TFDIST_REQUIRE_ENGINES") == "1":
+            pytest.fail(message + " (TFDIST_REQUIRE_ENGINES=1 requires it)",
+                        pytrace=False)
+        pytest.skip(message)
+
+
+@pytest.mark.parametrize("kwargs, field, shown", [
+    ({"train_fn": "train.py"}, "train_fn", "'train.py'"),
+    ({"num_workers": 0}, "num_workers", "0"),
+    ({"num_workers": True}, "num_workers", "True"),
+    ({"num_workers": "2"}, "num_workers", "'2'"),
+    ({"max_retries": -1}, "max_retries", "-1"),
+    ({"timeout": 0}, "timeout", "0"),
+    ({"wait_for_slots": -1}, "wait_for_slots", "-1"),
+    ({"backup_dir": ""}, "backup_dir", "''"),
+    ({"env": {"TF_CPP_MIN_LOG_LEVEL": 2}}, "env", "{'TF_CPP_MIN_LOG_LEVEL': 2}"),
+    ({"host": ""}, "host", "''"),
+    ({"compression": "zip"}, "compression", "'zip'"),
+    ({"collective_timeout": -5}, "collective_timeout", "-5"),
+    ({"no_such_option": 1}, "no_such_option", "1"),
+    ({"strategy": "mirrored"}, "strategy", "'mirrored'"),
+])
+def test_run_checks_its_arguments_before_starting_anything(kwargs, field, shown):
+    args = {"train_fn": _noop, "num_workers": 2, **kwargs}
+    with pytest.raises(ConfigError) as caught:
+        tfspark.run(args.pop("train_fn"), args.pop("num_workers"), **args)
+    assert caught.value.field == field
+    assert f"Received: {shown}" in str(caught.value)
+
+
+@pytest.mark.parametrize("conf", [{"spark.python.worker.reuse": "true"}, {}])
+def test_a_session_that_reuses_python_workers_is_refused(conf):
+    # Spark's default is to reuse them. The setting cannot change on a
+    # running session, and a second session would cost ~15 s: a stand-in
+    # session shows how run() reads the user's settings.
+    _need_pyspark()
+    session = types.SimpleNamespace(
+        sparkContext=types.SimpleNamespace(getConf=lambda: dict(conf)))
+    with pytest.raises(ConfigError) as caught:
+        tfspark.run(_noop, 2, spark=session)
+    assert caught.value.field == "spark.python.worker.reuse"
+    assert "expected 'false'. Received: 'true'" in str(caught.value)
+    assert "local_session" in str(caught.value)
+
+
+def test_a_spark_failure_outside_train_fn_names_the_partition():
+    # What Spark says when an executor or Python worker dies: no task
+    # traceback, so the partition comes from Spark's text, Java frames cut.
+    text = ("org.apache.spark.SparkException: Job aborted due to stage failure: "
+            "Stage failed because barrier task ResultTask(3, 1) finished "
+            "unsuccessfully.\norg.apache.spark.SparkException: Python worker "
+            "exited unexpectedly (crashed)\n\tat org.apache.spark.api.python."
+            "BasePythonRunner.read(PythonRunner.scala:1)\n")
+    error = tfspark._job_error(RuntimeError(text), 0, 2, 2)
+    assert error.partition == 1
+    assert error.task_traceback is None
+    assert "Python worker exited unexpectedly" in str(error)
+    assert "attempt 1 of 2" in str(error)
+    assert "PythonRunner.scala" not in str(error)
+
+
+# --------------------------------------------------------------------------
+# A real local Spark cluster.
+
+
+class SparkCluster:
+    """The module's Spark session and where its executors write their logs."""
+
+    def __init__(self, session, start_seconds: float) -> None:
+        self.session = session
+        self.start_seconds = start_seconds
+        sc = session.sparkContext
+        # local-cluster's workers run in the driver's JVM and put the
+        # executors' directories under $SPARK_HOME/work/<application id>.
+        spark_home = sc._jvm.java.lang.System.getenv("SPARK_HOME") or "."
+        self.app_dir = Path(spark_home, "work", sc.applicationId)
+
+    def logs(self, tail: int = 6000) -> str:
+        """The end of every executor's stdout and stderr, for failure messages."""
+        return _logs(self.app_dir, tail)
+
+    def wait_for_executors(self, seconds: float = 90) -> None:
+        """Waits until both executors are up (Spark replaces a lost one)."""
+        deadline = time.monotonic() + seconds
+        while (tfspark._task_slots(self.session.sparkContext) or 0) < 2:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the Spark executors did not come back within "
+                            f"{seconds:g} s\n{self.logs()}", pytrace=False)
+            time.sleep(0.5)
+
+    def run(self, train_fn, **kwargs):
+        """tfspark.run on 2 workers, bounded; a job error shows the logs."""
+        kwargs.setdefault("timeout", JOB_TIMEOUT)
+        kwargs.setdefault("env", TASK_ENV)
+        try:
+            return tfspark.run(train_fn, 2, spark=self.session, **kwargs)
+        except tfspark.SparkJobError as error:
+            pytest.fail(f"{error}\n\n{self.logs()}", pytrace=False)
+
+
+def _logs(app_dir: Path, tail: int = 6000) -> str:
+    parts = []
+    for path in sorted(app_dir.glob("*/std*")):
+        text = path.read_text(errors="replace")
+        parts.append(f"===== executor {path.parent.name} {path.name} (last "
+                     f"{tail} chars) =====\n{text[-tail:]}")
+    return "\n".join(parts) or f"(no executor logs in {app_dir})"
+
+
+def _engines_missing() -> str | None:
+    problems = []
+    if importlib.util.find_spec("pyspark") is None:
+        problems.append(f"pyspark is not installed ({tfspark.INSTALL_HINT})")
+    java_home = os.environ.get("JAVA_HOME")
+    if shutil.which("java") is None and not (
+            java_home and os.path.exists(os.path.join(java_home, "bin", "java"))):
+        problems.append("no Java runtime (Spark 4 needs Java 17 or 21, e.g. "
+                        "apt-get install openjdk-17-jre-headless)")
+    return "; ".join(problems) or None
+
+
+@pytest.fixture(scope="module")
+def spark_cluster():
+    """One local-cluster Spark session for the module, stopped at the end."""
+    missing = _engines_missing()
+    if missing:
+        message = f"the Spark tests need a real Spark: {missing}"
+        if os.environ.get("TFDIST_REQUIRE_ENGINES") == "1":
+            pytest.fail(message + " (TFDIST_REQUIRE_ENGINES=1 requires it)",
+                        pytrace=False)
+        pytest.skip(message)
+    saved = os.environ.get("SPARK_LOCAL_IP")
+    start = time.monotonic()
+    try:
+        session = tfspark.local_session(
+            2, master=MASTER, app_name="tfdist-tests", wait_for_slots=120,
+            conf={"spark.executorEnv.PYTHONPATH": os.pathsep.join(
+                      [str(WORKERS), str(REPO / "strategies")]),
+                  "spark.ui.showConsoleProgress": "false"})
+    except Exception as error:  # noqa: BLE001 - reported as the failure
+        pytest.fail(f"the local Spark cluster did not start: {error}",
+                    pytrace=False)
+    cluster = SparkCluster(session, time.monotonic() - start)
+    try:
+        yield cluster
+    finally:
+        session.stop()
+        # The executors' logs, written inside the pyspark package; "work"
+        # goes too if nothing else is in it.
+        shutil.rmtree(cluster.app_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            cluster.app_dir.parent.rmdir()
+        if saved is None:
+            os.environ.pop("SPARK_LOCAL_IP", None)
+        else:
+            os.environ["SPARK_LOCAL_IP"] = saved
+
+
+@pytest.fixture
+def spark(spark_cluster):
+    """The module's cluster, with both executors up."""
+    spark_cluster.wait_for_executors()
+    return spark_cluster
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    """Waits until none of ``pids`` runs; returns those still running."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _task_pids(pid_dir: Path) -> dict[str, int]:
+    return {p.name: int(p.read_text()) for p in sorted(pid_dir.glob("task-*.pid"))}
+
+
+@pytest.mark.slow
+def test_two_barrier_tasks_train_in_sync_with_the_compression_given(spark):
+    # One job checks both (each costs 10-30 s here): the fit, and that
+    # run()'s compression reaches every task's strategy.
+    result = spark.run(functools.partial(spark_train.train, epochs=3),
+                       compression="fp16")
+    context = f"\n{result}\n{spark.logs()}"
+    chief, other = result["tasks"]
+    # Worker index = partition id, worker 0 is the chief, on both sides.
+    assert [chief["worker_index"], other["worker_index"]] == [0, 1], context
+    assert [chief["task"], other["task"]] == ["worker:0", "worker:1"], context
+    assert [chief["is_chief"], other["is_chief"]] == [True, False], context
+    assert [chief["strategy_is_chief"], other["strategy_is_chief"]] == [True, False]
+    assert chief["pid"] != other["pid"]
+    # tfdist's MultiWorkerMirrored (with the Keras 3 fix), over both tasks.
+    assert result["strategy"] == "tfdist.strategies.MultiWorkerMirroredStrategy"
+    assert result["replicas"] == 2
+    addresses = result["tf_config"]["cluster"]["worker"]
+    assert len(set(addresses)) == 2
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+    assert result["tf_config"]["task"] == {"type": "worker", "index": 0}
+    assert result["env_TF_CONFIG"] == result["tf_config"]
+    # Synchronous training: the same weights, bit for bit, and the loss falls.
+    assert chief["weights_sha256"] == other["weights_sha256"], context
+    assert chief["loss"] == other["loss"]
+    assert len(chief["loss"]) == 3
+    assert chief["loss"][-1] < 0.5 * chief["loss"][0], context
+    # The compression setting, as each task's strategy reports it.
+    assert result["compression"] == "fp16"
+    assert chief["compression"] == other["compression"] == "fp16"
+    assert "compression: fp16 (FP16Compressor" in result["description"], context
+
+
+@pytest.mark.slow
+def test_a_failing_task_fails_the_stage_with_its_own_traceback(spark, tmp_path):
+    train = functools.partial(spark_train.train, epochs=3, pid_dir=str(tmp_path),
+                              fail_task=1, fail_epoch=1)
+    start = time.monotonic()
+    with pytest.raises(tfspark.SparkJobError) as caught:
+        tfspark.run(train, 2, spark=spark.session, timeout=JOB_TIMEOUT,
+                    env=TASK_ENV)
+    elapsed = time.monotonic() - start
+    error = caught.value
+    context = f"\n{error}\n\n{spark.logs()}"
+    assert not isinstance(error, tfspark.SparkTimeoutError), context
+    assert error.partition == 1, context
+    assert error.attempt == 0 and error.failures == ()
+    # The task's own error and traceback, not only Spark's wrapper.
+    assert "Spark task 1 (worker 1 of 2" in str(error), context
+    assert "RuntimeError: task 1 fails on purpose at epoch 1" in str(error), context
+    assert "spark_train.py" in error.task_traceback, context
+    assert "in on_epoch_begin" in error.task_traceback, context
+    assert "barrier" in error.spark_message, context
+    # Worker 0 was in a collective, waiting for worker 1: Spark stopped it
+    # (its collective timeout is 600 s; the job ended long before).
+    assert elapsed < JOB_TIMEOUT / 2, f"took {elapsed:.0f} s{context}"
+    pids = _task_pids(tmp_path)
+    assert set(pids) == {"task-0.pid", "task-1.pid"}, context
+    assert _wait_gone(list(pids.values()), 30) == [], f"tasks still run{context}"
+
+
+@pytest.mark.slow
+def test_a_retry_resumes_from_the_backup_directory(spark, tmp_path):
+    marker = tmp_path / "failed-once"
+    backup_dir = tmp_path / "backup"
+    train = functools.partial(spark_train.train, epochs=3, fail_task=1,
+                              fail_epoch=1, fail_once_marker=str(marker))
+    result = spark.run(train, max_retries=1, backup_dir=backup_dir)
+    context = f"\n{result}\n{spark.logs()}"
+    chief, other = result["tasks"]
+    # The first attempt failed at the start of epoch 1 (the marker says so);
+    # the second one started at epoch 1 from the chief's backup, on both.
+    assert marker.read_text() == "attempt 0"
+    assert chief["attempt"] == other["attempt"] == 1, context
+    assert chief["epochs_run"] == other["epochs_run"] == [1, 2], context
+    assert chief["resumed_from"]["epoch"] == 1, context
+    assert chief["resumed_from"]["writer"] == "worker:0"
+    assert chief["weights_sha256"] == other["weights_sha256"], context
+    # Resumed weights, not fresh ones: the loss starts far below ln(3).
+    assert chief["loss"][0] < 0.5 * UNTRAINED_LOSS, context
+
+
+@pytest.mark.slow
+def test_more_workers_than_task_slots_is_refused(spark):
+    with pytest.raises(ConfigError) as caught:
+        tfspark.run(_noop, 3, spark=spark.session, wait_for_slots=0)
+    assert caught.value.field == "num_workers"
+    assert "at most 2" in str(caught.value)
+    assert "Received: 3" in str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_hung_task_is_cancelled_at_the_timeout(spark, tmp_path):
+    # Worker 1 sleeps, worker 0 waits for it in a Spark barrier. Killing a
+    # task that waits in a barrier makes Spark 4.3's executor exit
+    # (TaskKilledException in its barrier thread); Spark starts a new one in
+    # a few seconds. Kept last, so that no other test waits for that.
+    timeout = 30.0
+    start = time.monotonic()
+    with pytest.raises(tfspark.SparkTimeoutError) as caught:
+        tfspark.run(functools.partial(spark_train.hang, pid_dir=str(tmp_path)), 2,
+                    spark=spark.session, timeout=timeout, env=TASK_ENV)
+    elapsed = time.monotonic() - start
+    context = f"\n{caught.value}\n\n{spark.logs()}"
+    assert timeout <= elapsed < timeout + 60, f"took {elapsed:.0f} s{context}"
+    assert "cancelled" in str(caught.value)
+    pids = _task_pids(tmp_path)
+    assert set(pids) == {"task-0.pid", "task-1.pid"}, context
+    assert _wait_gone(list(pids.values()), 30) == [], f"tasks still run{context}"
