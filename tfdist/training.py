@@ -534,7 +534,13 @@ class _ParameterServerFit:
             if not pending:
                 break
             end_step, remote = pending.popleft()
-            logs = _numpy_logs(_wait(remote, self.step_timeout, f"step {end_step}"))
+            try:
+                logs = _numpy_logs(_wait(remote, self.step_timeout, f"step {end_step}"))
+            except tf.errors.UnavailableError:
+                # The step ran, but its worker died before its logs were
+                # read (they live on the worker). A failed ps or cluster is
+                # raised by the next schedule() or by join().
+                pass
             callbacks.on_train_batch_end(end_step, logs)
         self.coordinator.join()  # Raises the error of a failed step, if any.
         return logs

@@ -43,7 +43,7 @@ def data(rows=STEPS * BATCH):
     return x, y
 
 
-def make_model():
+def make_model(steps_per_execution=1):
     with strategy.scope():
         model = keras.Sequential([
             keras.Input((4,), dtype="int32"),
@@ -53,7 +53,7 @@ def make_model():
             keras.layers.Dense(2)])
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+                      metrics=["accuracy"], steps_per_execution=steps_per_execution)
     return model
 
 
@@ -89,7 +89,8 @@ result = {"scenario": SCENARIO, "strategy": type(strategy).__name__}
 x, y = data()
 backup = os.path.join(WORKDIR, "backup")
 try:
-    model = make_model()
+    # partition also runs 4 steps per scheduled function.
+    model = make_model(4 if SCENARIO == "partition" else 1)
     if SCENARIO in ("basic", "mirrored"):
         x_val, y_val = data(256)
         callbacks = [keras.callbacks.ModelCheckpoint(os.path.join(WORKDIR, "best.keras")),
@@ -192,11 +193,19 @@ try:
     result["weights_sha256"] = weights_sha(model)
 except SystemExit:
     pass
+except BaseException:
+    # Print it where the test looks, then skip TensorFlow's teardown (which
+    # floods stderr with errors about the servers just stopped).
+    import traceback
+    print("tfdist scenario failed:\n" + traceback.format_exc(), flush=True)
+    result["failed"] = True
 finally:
     if cluster is not None:
         result["servers_alive"] = {t: cluster.alive(t) for t in cluster.tasks}
         result["server_pids"] = [cluster.pid(t) for t in cluster.tasks]
         cluster.stop()
+if result.get("failed"):
+    os._exit(1)
 print("tfdist result: " + json.dumps(result, default=str), flush=True)
 # Skip TensorFlow's teardown: its remote-function cleanup logs errors for
 # the servers that were just stopped.
