@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+import socket
 from typing import Any, Callable
 
 import keras
@@ -379,11 +380,21 @@ def _cluster_spec(strategy: Any) -> dict:
     return resolver.cluster_spec().as_dict() if resolver is not None else {}
 
 
+def _answers(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at ``host:port``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def _ps_failure(error: Exception, strategy: Any) -> ParameterServerError:
     ps = [str(a) for a in _cluster_spec(strategy).get("ps", [])]
     text = str(error)
-    lost = [f"ps:{i} ({addr})" for i, addr in enumerate(ps) if addr.rsplit(":", 1)[-1]
-            and f":{addr.rsplit(':', 1)[-1]}" in text]
+    lost = [f"ps:{i} ({addr})" for i, addr in enumerate(ps)
+            if f":{addr.rsplit(':', 1)[-1]}" in text or not _answers(addr)]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     detail = next((line for line in lines if re.search(
         r"connect|refused|socket closed|unavailable|reset", line, re.I)),
