@@ -26,3 +26,161 @@ def test_compression_benchmark_runs_and_identity_equals_plain(tmp_path):
     assert by["topk:0.1"]["bytes_ratio"] > 4
     assert by["topk:0.1"]["callback_bytes"] == by["topk:0.1"]["bytes_sent"]
     assert "| topk:0.1 |" in (tmp_path / "compression_replicas.md").read_text()
+
+
+# ------------------------------------------------ pure pieces of the new benchmarks
+
+def _load_benchmark(name: str):
+    """Imports benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overhead_ratio_is_the_median_over_pairs():
+    overhead = _load_benchmark("overhead")
+    assert overhead.pair_ratios([2.0, 3.0, 4.0], [1.0, 3.0, 5.0]) == [2.0, 1.0, 0.8]
+    assert overhead.median_ratio([2.0, 3.0, 4.0], [1.0, 3.0, 5.0]) == 1.0
+    # ABBA: the arm that runs first alternates.
+    assert [overhead.pair_order(i)[0] for i in range(4)] == ["tfdist", "tf", "tfdist", "tf"]
+    import pytest
+    with pytest.raises(ValueError):
+        overhead.pair_ratios([1.0], [1.0, 2.0])
+
+
+def test_overhead_markdown_marks_the_goal():
+    overhead = _load_benchmark("overhead")
+    meta = {"when": "now", "cpus": 2, "hidden": 1024, "params": 1_135_626, "global_batch": 128,
+            "steps": 40, "warmup_steps": 5, "pairs": 2, "load_before": 1.0, "load_after": 2.0}
+    rows = [{"label": "Mirrored", "tfdist_ms": 10.0, "tf_ms": 10.0, "ratios": [1.0, 1.01],
+             "median_ratio": 1.005},
+            {"label": "Workers", "tfdist_ms": 11.0, "tf_ms": 10.0, "ratios": [1.1, 1.1],
+             "median_ratio": 1.1}]
+    text = overhead.markdown({"meta": meta, "rows": rows})
+    assert "| Mirrored | 10.00 | 10.00 | 1.005 | 1.000, 1.010 | yes |" in text
+    assert "| Workers | 11.00 | 10.00 | 1.100 | 1.100, 1.100 | **no** |" in text
+    assert "1.0 / 2.0" in text  # the load is recorded
+
+
+def test_slow_network_model_and_link_helpers():
+    sn = _load_benchmark("slow_network")
+    assert sn.param_count([256, 2048, 2048, 512, 10]) == 5_776_906
+    assert sn.parse_rate("100mbit") == 1e8 and sn.parse_rate("1gbit") == 1e9
+    assert sn.parse_rate("none") == float("inf")
+    assert sn.tc_command("100mbit") == ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
+                                        "rate", "100mbit", "burst", "256kb", "latency", "200ms"]
+    assert sn.link_name("100mbit") == "100 Mbit/s" and sn.link_name("1gbit") == "1 Gbit/s"
+    import pytest
+    with pytest.raises(ValueError):
+        sn.tc_command("fast")
+    assert sn.speed_skip("tf/powersgd:4") == sn.SPEED_WARMUP + 1 == sn.speed_skip("tf/auto")
+    assert sn.speed_skip("ddp/dense") == 1
+    assert sn.timed_steps("tf/fp32", "100mbit", 4, 16, 12) == 4
+    assert sn.timed_steps("ddp/powersgd:4", "100mbit", 4, 16, 12) == 16
+    assert sn.timed_steps("tf/fp32", "1gbit", 4, 16, 12) == 12
+
+
+def test_slow_network_workers_split_every_global_batch():
+    import numpy as np
+    sn = _load_benchmark("slow_network")
+    x = np.arange(24, dtype="float32").reshape(12, 2)
+    y = np.arange(12)
+    parts = [sn.worker_slice(x, y, r, 2, 3) for r in range(2)]
+    # Global batch 0 is rows 0-5: worker 0 takes 0-2, worker 1 takes 3-5.
+    np.testing.assert_array_equal(parts[0][1], [0, 1, 2, 6, 7, 8])
+    np.testing.assert_array_equal(parts[1][1], [3, 4, 5, 9, 10, 11])
+    np.testing.assert_array_equal(parts[1][0][0], x[3])
+    weights = sn.initial_weights([4, 3, 2])
+    assert [w.shape for w in weights] == [(4, 3), (3,), (3, 2), (2,)]
+    np.testing.assert_array_equal(weights[0], sn.initial_weights([4, 3, 2])[0])  # seeded
+    # accuracy(): a 1-layer identity net predicts the argmax of x.
+    eye = [np.eye(3, dtype="float32"), np.zeros(3, "float32")]
+    xs = np.array([[0, 1, 0], [1, 0, 0]], "float32")
+    assert sn.accuracy(eye, xs, np.array([1, 2])) == 0.5
+
+
+def test_slow_network_target_and_time():
+    sn = _load_benchmark("slow_network")
+    evals = [(20, 0.3, 1.0), (40, 0.5, 2.0), (60, 0.56, 3.0), (80, 0.54, 4.0)]
+    assert sn.steps_to_target(evals, 0.55) == 60
+    assert sn.steps_to_target(evals, 0.9) is None
+    assert sn.time_to_target(60, 0.1) == 6.0
+    # 10 warm-up steps at the dense rate, the other 50 at the compressed one.
+    assert abs(sn.time_to_target(60, 0.1, warmup=10, warmup_s=4.0) - 45.0) < 1e-9
+    assert sn.time_to_target(None, 0.1) is None
+    assert sn.median_step([9.0, 1.0, 2.0, 3.0], skip=1) == 2.0
+    assert sn.ratio(4.0, 2.0) == 2.0 and sn.ratio(None, 2.0) is None
+    assert sn.fmt(None) == "—" and sn.fmt(1.23456, ".2f") == "1.23"
+
+
+def _raw_slow_network():
+    def run(config, link, step_s, evals=(), compression="", phase="speed", n=2):
+        return {"config": config, "workers": n, "link": link, "phase": phase,
+                "step_s": step_s, "evals": [list(e) for e in evals], "compression": compression}
+    acc = [(20, 0.4), (40, 0.6)]
+    runs = [
+        run("tf/fp32", "none", 0.05, acc, "none", "accuracy"),
+        run("ddp/dense", "none", 0.05, acc, "dense", "accuracy"),
+        run("tf/bf16", "none", 0.05, acc, "bf16", "accuracy"),
+        run("ddp/fp16", "none", 0.05, acc, "fp16", "accuracy"),
+        run("tf/powersgd:4", "none", 0.04, [(20, 0.3), (40, 0.5), (60, 0.6)], "p", "accuracy"),
+        run("ddp/powersgd:4", "none", 0.04, [(20, 0.3), (40, 0.5), (60, 0.6)], "p", "accuracy"),
+        run("tf/auto", "none", 0.05, compression="auto -> none"),
+        run("tf/fp32", "100mbit", 4.0), run("ddp/dense", "100mbit", 4.0),
+        run("tf/bf16", "100mbit", 2.0), run("ddp/fp16", "100mbit", 2.1),
+        run("tf/powersgd:4", "100mbit", 0.1), run("ddp/powersgd:4", "100mbit", 0.12),
+        run("tf/auto", "100mbit", 0.105, compression="auto -> powersgd:4"),
+    ]
+    meta = {"target": 0.55, "bandwidths": ["100mbit"], "params": 5_776_906,
+            "command": "python benchmarks/slow_network.py", "when": "now", "wall_s": 60.0,
+            "cpus": 2, "load": [{"loadavg": [1.0, 1.0, 1.0]}], "layers": [256, 10], "batch": 32,
+            "learning_rate": 0.05, "threads": 1, "slow_steps": 4, "compressed_steps": 16,
+            "fast_steps": 12, "acc_steps": 60, "eval_every": 20, "test_examples": 1024}
+    return {"meta": meta, "runs": runs}
+
+
+def test_slow_network_summary_goals_and_table():
+    sn = _load_benchmark("slow_network")
+    summary = sn.summarize(_raw_slow_network())
+    cells = {(r["config"], r["link"]): r for r in summary["rows"]}
+    # PowerSGD: 10 warm-up steps at the dense 4 s, then 50 at 0.1 s.
+    assert abs(cells[("tf/powersgd:4", "100mbit")]["time_to_target_s"] - 45.0) < 1e-9
+    assert cells[("tf/fp32", "100mbit")]["time_to_target_s"] == 160.0
+    # auto chose PowerSGD on the slow link: its steps, its warm-up.
+    auto = cells[("tf/auto", "100mbit")]
+    assert auto["auto"] == "powersgd:4" and auto["steps_to_target"] == 60
+    goals = {g["goal"].split(" (")[0]: g for g in summary["goals"]}
+    assert goals["tfdist PowerSGD >= 20x faster per step than TF fp32"]["met"] is True
+    assert goals["tfdist PowerSGD / DDP PowerSGD per step <= 1.0"]["met"] is True
+    assert goals["tfdist bf16 / DDP fp16 hook per step <= 1.0"]["met"] is True
+    per_step = goals["auto within 10% of the best fixed choice per step"]
+    assert abs(per_step["value"] - 1.05) < 1e-9 and per_step["met"] is True
+    text = sn.markdown(summary)
+    assert "| tfdist PowerSGD r4 | 0.040 | 0.100 |" in text
+    assert "2w 100 Mbit/s → powersgd:4" in text
+    assert "| DDP PowerSGD r4 | 60 | 0.467 |" in text
+    assert "| tfdist auto | those of its choice | — | 2.0 | 45.2 |" in text
+    assert "load average" in text
+
+
+def test_slow_network_missed_goal_is_reported():
+    sn = _load_benchmark("slow_network")
+    raw = _raw_slow_network()
+    for r in raw["runs"]:
+        if r["config"] == "tf/powersgd:4" and r["link"] == "100mbit":
+            r["step_s"] = 0.5  # only 8x faster than fp32, slower than DDP
+    goals = sn.summarize(raw)["goals"]
+    missed = [g["goal"] for g in goals if g["met"] is False]
+    assert any("20x" in g for g in missed) and any("DDP PowerSGD" in g for g in missed)
+    assert "**no**" in sn.markdown(sn.summarize(raw))
+
+
+def test_slow_network_plot_is_written(tmp_path):
+    import pytest
+    pytest.importorskip("matplotlib")
+    sn = _load_benchmark("slow_network")
+    path = tmp_path / "plot.png"
+    sn.plot(sn.summarize(_raw_slow_network()), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

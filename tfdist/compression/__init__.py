@@ -38,6 +38,8 @@ _LAZY = {
     "CommunicationStats": "callback",
     "CompressedCrossDeviceOps": "cross_device_ops",
     "default_error_feedback": "registry",
+    "AutoCompression": "auto",
+    "LinkEstimate": "auto",
 }
 
 __all__ = ["COMPRESSOR_NAMES", "CompressionSetting", "parse_compression", *_LAZY]

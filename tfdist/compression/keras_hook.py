@@ -22,6 +22,11 @@ variables (``synchronization="on_read"``) that the optimizer owns:
   saved as their mean over replicas, which keeps their sum (the gradient
   still owed) when the mean is restored to every replica.
 
+``compression="auto"`` (:mod:`tfdist.compression.auto`) makes its choice in
+the build wrapper, before the state is created: it measures the link with
+a few all-reduces (every worker builds at the same point of ``fit``) and
+then behaves as the aggregator it chose, or as Keras's own all-reduce.
+
 The Keras range tested is pinned in pyproject.toml; the wrapped methods are
 checked when installing, so an incompatible Keras fails loudly here rather
 than training uncompressed.
@@ -29,6 +34,7 @@ than training uncompressed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -55,7 +61,21 @@ def strategy_aggregator(strategy: Any) -> Aggregator | None:
     aggregator = getattr(strategy, "_tfdist_aggregator", None)
     if aggregator is None or strategy.num_replicas_in_sync < 2:
         return None
+    if getattr(aggregator, "passthrough", False):  # "auto" chose none.
+        return None
     return aggregator
+
+
+def _resolve_auto(strategy: Any, variables: list) -> None:
+    """Lets ``compression="auto"`` choose (once per strategy) and shows the choice
+    as ``strategy.compression`` (``auto -> powersgd:4``)."""
+    aggregator = getattr(strategy, "_tfdist_aggregator", None)
+    if aggregator is None or not hasattr(aggregator, "resolve") or aggregator.resolved:
+        return
+    decision = aggregator.resolve(strategy, variables)
+    setting = getattr(strategy, "_tfdist_compression", None)
+    if setting is not None:
+        strategy._tfdist_compression = dataclasses.replace(setting, resolved=decision.choice)
 
 
 def state_variables(optimizer: Any) -> list:
@@ -101,6 +121,7 @@ def _wrap_build(original):
         if hasattr(self, "inner_optimizer") or getattr(self, "_tfdist_state", None) is not None:
             return
         strategy = getattr(self, "_distribution_strategy", None) or tf.distribute.get_strategy()
+        _resolve_auto(strategy, list(variables))
         aggregator = strategy_aggregator(strategy)
         if aggregator is not None:
             _create_state(self, aggregator, strategy, list(variables))

@@ -169,12 +169,17 @@ class PowerSGD(Aggregator):
         qs = [tf.matmul(m, p, transpose_a=True) for m, p in zip(matrices, p_hats)]
         q_sums = comm.all_reduce(qs)
         out = []
-        for grad, state, m, p, q, q_sum in zip(grads, states, matrices, p_hats, qs, q_sums):
+        for grad, state, m, p, q, q_sum, p_sum in zip(grads, states, matrices, p_hats, qs,
+                                                      q_sums, reduced):
             if "residual" in state:
                 residual = m - tf.matmul(p, q, transpose_b=True)
-                finite = tf.reduce_all(tf.math.is_finite(residual))
                 # A NaN/inf step resets the memory instead of poisoning it.
-                residual = tf.where(finite, residual, tf.zeros_like(residual))
+                # Any replica's non-finite M makes the summed P non-finite
+                # (and with it every replica's residual); checking the small
+                # P spares two passes over the gradient.
+                finite = tf.reduce_all(tf.math.is_finite(p_sum))
+                residual = tf.cond(finite, lambda r=residual: r,
+                                   lambda r=residual: tf.zeros_like(r))
                 state["residual"].assign(
                     tf.cast(tf.reshape(residual, grad.shape), state["residual"].dtype))
             # Warm start for the next step. A zero or non-finite Q would stay

@@ -22,6 +22,7 @@ from tfdist.errors import ConfigError
 _DEFAULT_EF = {
     "none": False, "fp16": False, "bf16": False, "qsgd": False,
     "topk": True, "randomk": True, "sign": True, "powersgd": True,
+    "auto": False,  # Each candidate keeps its own default.
 }
 
 
@@ -60,7 +61,13 @@ def make_compressor(setting: Any) -> Compressor:
     if name == "qsgd":
         return QSGDCompressor(16 if param is None else param)
     # PowerSGD keeps factor matrices across steps and does not fit
-    # compress/decompress: it is an aggregator.
+    # compress/decompress: it is an aggregator; so is "auto".
+    if name == "auto":
+        raise ConfigError(
+            "compression", setting if isinstance(setting, str) else name,
+            "a stateless compressor",
+            hint="'auto' chooses an aggregator when the optimizer builds: use "
+                 "strategy_from_config(compression='auto') or make_aggregator('auto')")
     raise ConfigError(
         "compression", setting if isinstance(setting, str) else name,
         "a stateless compressor",
@@ -79,7 +86,8 @@ def make_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggrega
             (:func:`default_error_feedback`), True or False to force it.
 
     Returns:
-        A :class:`PowerSGD` or a :class:`CompressorAggregator`.
+        A :class:`PowerSGD`, a :class:`CompressorAggregator`, or for
+        ``"auto"`` an :class:`~tfdist.compression.auto.AutoCompression`.
 
     Raises:
         ConfigError: Bad setting, or error feedback forced on a lossless
@@ -87,6 +95,14 @@ def make_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggrega
     """
     parsed = parse_compression(setting)
     obj = parsed.compressor
+    if parsed.name == "auto":
+        if error_feedback is not None:
+            raise ConfigError("error_feedback", error_feedback, "None with compression='auto'",
+                              hint="Each candidate 'auto' may choose keeps its own default.")
+        if obj is not None:
+            return obj
+        from tfdist.compression.auto import AutoCompression
+        return AutoCompression()
     if isinstance(obj, Aggregator):
         if error_feedback is not None and error_feedback != getattr(obj, "error_feedback", error_feedback):
             raise ConfigError("error_feedback", error_feedback,

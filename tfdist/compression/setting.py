@@ -18,6 +18,7 @@ COMPRESSOR_NAMES: dict[str, str | None] = {
     "powersgd": "rank",  # a positive integer
     "sign": None,
     "qsgd": "levels",  # a positive integer
+    "auto": None,  # chosen from the measured link when the optimizer builds
 }
 
 
@@ -32,12 +33,15 @@ class CompressionSetting:
         compressor: The compressor object when one was given instead of a
             name; None otherwise.
         error_feedback: None for the compressor's default, or True/False.
+        resolved: For ``"auto"``, the setting it chose once the optimizer
+            built (shown as ``auto -> powersgd:4``); None before.
     """
 
     name: str
     param: float | int | None = None
     compressor: Any = None
     error_feedback: bool | None = None
+    resolved: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -56,6 +60,8 @@ class CompressionSetting:
             text = self.name if self.param is None else f"{self.name}:{self.param}"
         if self.error_feedback is not None:
             text += f" (error_feedback={self.error_feedback})"
+        if self.resolved is not None:
+            text += f" -> {self.resolved}"
         return text
 
 
@@ -77,7 +83,8 @@ def parse_compression(setting: Any) -> CompressionSetting:
         setting: None or ``"none"`` (no compression); a name from
             :data:`COMPRESSOR_NAMES`; a short form ``"topk:0.01"``,
             ``"randomk:0.05"``, ``"powersgd:4"`` or ``"qsgd:16"``; a
-            :class:`CompressionSetting`; or a compressor object (anything
+            :class:`CompressionSetting`; ``"auto"`` (chosen from the measured
+            link, see :mod:`tfdist.compression.auto`); or a compressor object (anything
             with a ``name`` attribute naming its kind).
 
     Returns:
