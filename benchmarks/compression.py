@@ -9,8 +9,9 @@ by a random teacher network) with each compression setting, under
   127.0.0.1 (this script starts them),
 
 and records per setting: bytes each replica sends per step as a ratio to a
-dense fp32 all-reduce (:func:`tfdist.compression.predict_traffic`, checked
-against the CommunicationStats callback), held-out accuracy against the
+dense fp32 all-reduce and to a bf16 all-reduce (the cheap baseline,
+:func:`tfdist.compression.predict_traffic`, checked against the
+CommunicationStats callback), held-out accuracy against the
 uncompressed run, and the median step time as a ratio to the uncompressed
 run of the same invocation (absolute times drift on shared machines). It
 also checks that the identity compressor sent through tfdist's aggregation
@@ -21,6 +22,7 @@ Usage::
     python benchmarks/compression.py --mode=replicas
     python benchmarks/compression.py --mode=workers
     python benchmarks/compression.py --mode=all   # both, then write results
+    python benchmarks/compression.py --mode=report  # the tables again from the JSON
 
 Results go to ``benchmarks/results/compression_<mode>.json`` and
 ``compression_<mode>.md``; ``benchmarks/results/compression.md`` is the
@@ -51,8 +53,9 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("mode", "all", ["replicas", "workers", "all", "worker"],
-                      "What to run; 'worker' is one process of --mode=workers.")
+    flags.DEFINE_enum("mode", "all", ["replicas", "workers", "all", "worker", "report"],
+                      "What to run; 'worker' is one process of --mode=workers; 'report' "
+                      "rewrites the markdown tables from the recorded JSON.")
     flags.DEFINE_list("settings", SETTINGS, "Compression settings to run.")
     flags.DEFINE_integer("epochs", 3, "Epochs per run.")
     flags.DEFINE_integer("examples", 32768, "Training examples.")
@@ -119,6 +122,7 @@ def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch:
     n = strategy.num_replicas_in_sync
     compression = None if setting in ("plain", "identity") else setting
     traffic = predict_traffic(model, compression, n)
+    bf16 = predict_traffic(model, "bf16", n)  # The cheap baseline to beat.
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     import hashlib
     return {
@@ -129,6 +133,8 @@ def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch:
         "median_step_s": step_time,
         "bytes_sent": traffic.sent, "dense_bytes_sent": traffic.dense_sent,
         "bytes_ratio": traffic.ratio,
+        "bf16_bytes_sent": bf16.sent,
+        "bytes_ratio_bf16": bf16.sent / traffic.sent if traffic.sent else float("inf"),
         "callback_bytes": stats.last.sent,
         "weights": weights.tolist() if setting in ("plain", "identity") else None,
     }
@@ -223,12 +229,24 @@ def summarize(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def bf16_ratio(row: dict) -> float:
+    """How many times fewer bytes than a bf16 all-reduce of the same gradients.
+
+    Rows recorded before this column existed lack ``bytes_ratio_bf16``; for
+    their float32 models a bf16 all-reduce sends exactly half the fp32 bytes.
+    """
+    if "bytes_ratio_bf16" in row:
+        return row["bytes_ratio_bf16"]
+    return row["dense_bytes_sent"] / 2 / row["bytes_sent"]
+
+
 def markdown(mode: str, rows: list[dict]) -> str:
     lines = [f"### {mode}", "",
-             "| setting | bytes/step/replica | ratio vs fp32 | test acc | Δ acc (pp) "
-             "| step time ratio |", "|---|---:|---:|---:|---:|---:|"]
+             "| setting | bytes/step/replica | ratio vs fp32 | ratio vs bf16 | test acc "
+             "| Δ acc (pp) | step time ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['setting']} | {r['bytes_sent']:,.0f} | {r['bytes_ratio']:.1f}x "
+                     f"| {bf16_ratio(r):.1f}x "
                      f"| {r['test_accuracy']:.4f} | {r['accuracy_delta_pp']:+.2f} "
                      f"| {r['step_time_ratio']:.2f} |")
     diff = rows[0].get("identity_max_weight_diff")
@@ -248,6 +266,14 @@ def main(argv) -> None:
         return
     results = Path(FLAGS.results_dir)
     results.mkdir(parents=True, exist_ok=True)
+    if FLAGS.mode == "report":
+        for mode in ("replicas", "workers"):
+            path = results / f"compression_{mode}.json"
+            if path.exists():
+                rows = json.loads(path.read_text())["rows"]
+                (results / f"compression_{mode}.md").write_text(markdown(mode, rows))
+                print(markdown(mode, rows))
+        return
     modes = ["replicas", "workers"] if FLAGS.mode == "all" else [FLAGS.mode]
     for mode in modes:
         if mode == "replicas" and len(modes) > 1:

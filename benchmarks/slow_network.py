@@ -264,6 +264,17 @@ def time_to_target(steps: int | None, step_s: float, *, warmup: int = 0,
     return dense * (step_s if warmup_s is None else warmup_s) + (steps - dense) * step_s
 
 
+def failure_reason(log_tail: str) -> str:
+    """The telling line of a failed job's log: an error or abort message."""
+    keys = ("what():", "Error:", "terminate called", "Aborted", "exit codes")
+    for key in keys:  # In order of how much they tell.
+        for line in log_tail.splitlines():
+            if key in line:
+                return line.strip()[:200]
+    lines = [line for line in log_tail.strip().splitlines() if line.strip()]
+    return lines[-1].strip()[:200] if lines else "no output"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, or None when either is missing."""
     if a is None or b is None or b == 0:
@@ -451,6 +462,32 @@ def markdown(summary: dict) -> str:
                 "the curves are noisy (momentum 0.9), so steps to target vary by about "
                 f"±{meta['eval_every']} between configurations that train alike.")
     lines += ["", acc_meta]
+    for link in two:
+        dense, psgd = cells.get(("tf/fp32", 2, link)), cells.get(("tf/powersgd:4", 2, link))
+        if dense and psgd and psgd.get("time_to_target_s") and link != NO_LIMIT:
+            warm = ACC_WARMUP * dense["step_s"]
+            lines += ["", f"At {link_name(link)}, PowerSGD's {ACC_WARMUP} dense warm-up steps "
+                      f"(tfdist's default; DDP's `start_powerSGD_iter` here) take {warm:.1f} s "
+                      f"of its {psgd['time_to_target_s']:.1f} s to target; top-k has no "
+                      "warm-up."]
+    lines += ["", "## Where compression pays", "",
+              "Fastest configuration per framework (seconds per step), and its speed-up over "
+              "the same framework without compression:", "",
+              "| workers, link | tfdist best | × vs tfdist fp32 | DDP best | × vs DDP dense |",
+              "|---|---|---:|---|---:|"]
+    for n, link in columns:
+        row = [f"{n}w {link_name(link)}"]
+        for prefix, dense in (("tf/", "tf/fp32"), ("ddp/", "ddp/dense")):
+            have = {c: cells[(c, m, k)]["step_s"] for (c, m, k) in cells
+                    if m == n and k == link and c.startswith(prefix) and c != "tf/auto"}
+            if not have:
+                row += ["—", "—"]
+                continue
+            best = min(have, key=have.get)
+            row += [LABELS.get(best, best), fmt(ratio(have.get(dense), have[best]), ".2f")]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Within one process (Mirrored over logical CPUs, where the \"link\" is a "
+              "memory copy) compression only costs time: see `compression.md`."]
     lines += ["", "## Goals", "", "| goal | measured | met |", "|---|---:|:---:|"]
     for g in summary["goals"]:
         met = {True: "yes", False: "**no**", None: "—"}[g["met"]]
@@ -461,9 +498,8 @@ def markdown(summary: dict) -> str:
                   "Each job gets a second attempt; these failed (the table uses the second "
                   "attempt where it succeeded):", ""]
         for f in failures:
-            first = f["error"].strip().splitlines()
             lines.append(f"- {f['config']}, {f['workers']} workers, {link_name(f['link'])}, "
-                         f"attempt {f['attempt']}: {first[0] if first else ''}")
+                         f"attempt {f['attempt']}: {failure_reason(f['error'])}")
     lines += ["", "## How", "", _method(meta)]
     return "\n".join(lines) + "\n"
 
@@ -532,8 +568,9 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_ylabel("seconds per step (log)")
         ax.set_title(f"{n} workers, {summary['meta']['params'] / 1e6:.1f}M-parameter MLP")
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

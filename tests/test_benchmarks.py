@@ -184,3 +184,13 @@ def test_slow_network_plot_is_written(tmp_path):
     path = tmp_path / "plot.png"
     sn.plot(sn.summarize(_raw_slow_network()), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_slow_network_failure_reason_finds_the_abort():
+    sn = _load_benchmark("slow_network")
+    tail = "some log\nterminate called after throwing an instance of 'std::system_error'\n" \
+           "  what():  Resource temporarily unavailable\n  File x, line 3\n"
+    assert sn.failure_reason("x failed: exit codes [-6, -6]\n" + tail) == \
+        "what():  Resource temporarily unavailable"
+    assert sn.failure_reason("a\nlast line\n") == "last line"
+    assert sn.failure_reason("") == "no output"

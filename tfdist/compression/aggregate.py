@@ -149,7 +149,8 @@ class ReplicaComm(Comm):
     """Collectives through the current replica context.
 
     Works under MirroredStrategy and MultiWorkerMirroredStrategy alike. All
-    tensors of one call go in one collective.
+    tensors of one call go in one collective (two for an all-gather that
+    mixes float16 with other dtypes).
     """
 
     def __init__(self) -> None:
@@ -162,11 +163,29 @@ class ReplicaComm(Comm):
         return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
     def _all_gather(self, tensors):
-        # all_gather concatenates along axis 0; a leading axis makes each
-        # replica's tensor come back as one row.
-        rows = tf.distribute.get_replica_context().all_gather([tf.expand_dims(_to_wire(t), 0) for t in tensors], axis=0)
-        return [tf.stack([_from_wire(r[i], t) for i in range(self.num_replicas)])
-                for r, t in zip(rows, tensors)]
+        # One collective per wire dtype, whatever the number of tensors:
+        # every payload is flattened into int32 words (float16 stays float16,
+        # which needs no padding) and concatenated; all_gather stacks each
+        # replica's buffer as a row. Handing all_gather a list instead makes
+        # one collective per tensor, and under MultiWorkerMirroredStrategy
+        # each all-gather collective leaves threads behind (TF 2.21: a
+        # top-k job on a fast loopback passed 16,000 threads per worker in a
+        # minute and aborted with "Resource temporarily unavailable").
+        words = [_to_words(t) for t in tensors]
+        groups: dict[str, list[int]] = {}
+        for i, w in enumerate(words):
+            groups.setdefault(w.dtype.name, []).append(i)
+        ctx = tf.distribute.get_replica_context()
+        out: list[Any] = [None] * len(tensors)
+        for members in groups.values():
+            packed = tf.concat([words[i] for i in members], axis=0)
+            rows = ctx.all_gather(tf.expand_dims(packed, 0), axis=0)
+            offset = 0
+            for i in members:
+                size = int(words[i].shape[0])
+                out[i] = _from_words(rows[:, offset:offset + size], tensors[i])
+                offset += size
+        return out
 
     def cond(self, pred, true_fn, false_fn, args):
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
@@ -195,16 +214,39 @@ def _to_wire(payload: tf.Tensor) -> tf.Tensor:
     return tf.bitcast(tf.reshape(raw, [-1, 4]), tf.int32)
 
 
-def _from_wire(words: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-    """Inverse of :func:`_to_wire` for a payload shaped and typed like ``like``."""
-    if like.dtype.name in GATHER_DTYPES:
-        return words
+def _to_words(payload: tf.Tensor) -> tf.Tensor:
+    """A payload as a flat tensor the gather buffer can hold: float16 as it
+    is, everything else as int32 words (bit for bit; the dtypes
+    :func:`_to_wire` packs are padded to a multiple of 4 bytes)."""
+    name = payload.dtype.name
+    if name == "float16":
+        return tf.reshape(payload, [-1])
+    if name == "int32":
+        return tf.reshape(payload, [-1])
+    if name in GATHER_DTYPES:  # float32, float64, int64: whole int32 words
+        return tf.reshape(tf.bitcast(payload, tf.int32), [-1])
+    return tf.reshape(_to_wire(payload), [-1])
+
+
+def _from_words(rows: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """Inverse of :func:`_to_words` for every replica's row at once:
+    ``rows`` is [N, words], the result [N, *like.shape] in like's dtype."""
+    n = tf.shape(rows)[0]
+    shape = tf.concat([[n], tf.constant(like.shape.as_list(), tf.int32)], axis=0)
+    name = like.dtype.name
+    if name in ("float16", "int32"):
+        return tf.reshape(rows, shape)
+    if name == "float32":
+        return tf.reshape(tf.bitcast(rows, tf.float32), shape)
+    if name in GATHER_DTYPES:  # 8-byte types: pairs of words
+        pairs = tf.reshape(rows, [n, -1, like.dtype.size // 4])
+        return tf.reshape(tf.bitcast(pairs, like.dtype), shape)
     size = like.dtype.size
-    raw = tf.reshape(tf.bitcast(words, tf.uint8), [-1])
-    raw = raw[:like.shape.num_elements() * size]
+    raw = tf.reshape(tf.bitcast(rows, tf.uint8), [n, -1])
+    raw = raw[:, :like.shape.num_elements() * size]
     if size > 1:
-        raw = tf.reshape(raw, [-1, size])
-    return tf.reshape(tf.bitcast(raw, like.dtype), like.shape)
+        raw = tf.reshape(raw, [n, -1, size])
+    return tf.reshape(tf.bitcast(raw, like.dtype), shape)
 
 
 class Aggregator:
