@@ -38,16 +38,13 @@ import time
 from typing import Any, Mapping, Sequence
 
 from tfdist import net
+# What each server runs and how a taken port shows: as in ``tfdist launch``.
+from tfdist.launch import _PORT_TAKEN, SERVER_CODE
 from tfdist.errors import ConfigError, TfdistError, require_int
 
 __all__ = ["LocalCluster", "LocalClusterError", "local_cluster"]
 
-#: What each server subprocess runs (the same code ``tfdist launch`` uses).
-_SERVER_CODE = ("import tfdist.strategies as s, tfdist.cluster as c; "
-                "s.serve(c.parse())")
 _MODES = ("process", "in_process")
-_PORT_TAKEN = ("Could not start gRPC server", "Address already in use",
-               "Failed to add port to server")
 
 
 class LocalClusterError(TfdistError, RuntimeError):
@@ -188,7 +185,7 @@ class LocalCluster:
                    TF_CPP_MIN_LOG_LEVEL=self._env.get("TF_CPP_MIN_LOG_LEVEL", "2"))
         env.pop("TFDIST_LAUNCH_ATTEMPT", None)
         log = os.path.join(self.log_dir, task.replace(":", "-") + ".log")
-        self._servers[task] = _Server(task, [self.python, "-c", _SERVER_CODE], env, log)
+        self._servers[task] = _Server(task, [self.python, "-c", SERVER_CODE], env, log)
 
     def _wait_listening(self, tasks: Sequence[str]) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -200,7 +197,7 @@ class LocalCluster:
                 code = server.proc.poll()
                 if code is not None:
                     tail = server.tail()
-                    if any(marker in tail for marker in _PORT_TAKEN):
+                    if _PORT_TAKEN.search(tail):
                         raise _PortTaken(task)
                     raise LocalClusterError(
                         f"{task} exited with code {code} while starting; its "

@@ -373,11 +373,8 @@ def _numpy_logs(logs: Any) -> dict:
 
 
 def _cluster_spec(strategy: Any) -> dict:
-    # ParameterServerStrategy keeps its resolver private.
-    resolver = (getattr(strategy, "cluster_resolver", None)
-                or getattr(strategy, "_cluster_resolver", None)
-                or getattr(strategy.extended, "_cluster_resolver", None))
-    return resolver.cluster_spec().as_dict() if resolver is not None else {}
+    from tfdist.callbacks import _cluster
+    return _cluster(strategy)[0]
 
 
 def _answers(address: str, timeout: float = 1.0) -> bool:
