@@ -88,8 +88,13 @@ def test_a_killed_worker_rejoins_and_training_finishes(tmp_path):
     # because the restarted worker:1 had rejoined.
     assert result["servers_alive"]["worker:0"] is False
     assert result["rejoined_after"] is not None and result["rejoined_after"] < 60
-    assert result["iterations"] == EPOCHS * STEPS
-    assert result["loss_count"] == STEPS * BATCH
+    # Every scheduled step ran. A step a worker had applied just before it
+    # was killed is run again elsewhere (TensorFlow's at-least-once
+    # closures): at most one per kill (2 here), and the last epoch's loss
+    # metric then counts whole batches more.
+    extra = result["iterations"] - EPOCHS * STEPS
+    assert 0 <= extra <= 2, result["iterations"]
+    assert result["loss_count"] - STEPS * BATCH in range(0, BATCH * extra + 1, BATCH)
     assert decreasing(result["history"])
     # With no worker left, fit fails within step_timeout instead of hanging.
     assert "step_timeout=10s" in result["timeout_error"]
