@@ -130,3 +130,32 @@ def test_parameter_server_cluster_servers_and_chief():
         outputs = finish(servers, timeout=30)
     for _, _, err in outputs:
         assert "is serving the parameter-server cluster" in err
+
+
+def test_collectives_keep_threads_flat_and_a_hung_peer_fails_the_other():
+    # TensorFlow's own collective timeout left two sleeping threads per
+    # all-reduce (300 for these 150); tfdist's watchdog keeps one thread.
+    procs = [start(["tests/workers/watchdog_job.py"], tf_config=config,
+                   TFDIST_COLLECTIVE_TIMEOUT="6")
+             for _, _, config in cluster.all_task_configs(local_spec(2))]
+    outs = []
+    try:
+        procs[0].wait(timeout=180)
+    finally:
+        for proc in procs:  # Worker 1 is stopped (SIGSTOP): only a kill ends it.
+            if proc.poll() is None:
+                proc.kill()
+            outs.append(proc.communicate())
+    assert procs[0].returncode == 0, f"worker 0 failed:\n{outs[0][1][-4000:]}"
+    chief, other = result_line(outs[0][0]), result_line(outs[1][0])
+    for worker in (chief, other):
+        assert worker["first"] == worker["sum"] == 3.0  # 1 + 2: both took part.
+        assert worker["threads_after"] - worker["threads_before"] <= 10, worker
+        assert worker["timeout"] == 6.0
+    # Worker 1 stopped (hung, not dead): worker 0's collective fails with a
+    # message naming it and the setting, within the timeout and one probe.
+    assert chief["error"] is not None and chief["error"].startswith("UnavailableError"), chief
+    assert "/job:worker/replica:0/task:1" in chief["error"]
+    assert "collective_timeout=6" in chief["error"]
+    assert chief["watchdog_failure"] in chief["error"]
+    assert 4.0 <= chief["seconds_to_error"] <= 6.0 + 10.0 + 5.0, chief

@@ -67,11 +67,13 @@ class StrategyOptions:
             ``NCCL``.
         bytes_per_pack: Pack gradients into chunks of about this many bytes
             per all-reduce; 0 lets TensorFlow decide.
-        collective_timeout: Seconds after which a multi-worker collective
-            that does not complete fails, so that a hung peer makes the others
-            fail instead of waiting forever (a killed peer is detected in about
-            10 s anyway). Default 600: above the first step's compile time and
-            a chief's checkpoint write. None (or ``"none"``) disables it.
+        collective_timeout: Seconds a multi-worker peer may stop answering
+            before the other tasks' collectives fail with a message naming
+            it, so that a hung peer makes the others fail instead of waiting
+            forever (a killed peer is detected in about 10 s anyway). One
+            watchdog thread probes the peers (:mod:`tfdist.watchdog`); a peer
+            that is compiling or writing a checkpoint still answers. Default
+            600. None (or ``"none"``) disables it.
         register_timeout: Seconds every task of a multi-worker job has to join
             before construction fails, naming the tasks that did not join.
         variable_partitioner: For ParameterServer: a

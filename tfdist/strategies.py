@@ -32,6 +32,7 @@ from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.detect import Choice, choose
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.options import StrategyOptions, make_options
+from tfdist.watchdog import PeerWatchdog
 
 __all__ = [
     "ClusterJoinError",
@@ -69,9 +70,11 @@ def _next_key_base() -> int:
 
 
 def _communication_options(options: StrategyOptions):
+    # No timeout_seconds: TensorFlow's per-collective timeout costs one
+    # sleeping thread per collective for the whole timeout (see
+    # tfdist.watchdog); collective_timeout is enforced by the watchdog.
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=options.bytes_per_pack,
-        timeout_seconds=options.collective_timeout,
         implementation=getattr(
             tf.distribute.experimental.CommunicationImplementation,
             options.communication))
@@ -237,6 +240,11 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
         register_timeout: Seconds every task has to join. TensorFlow waits
             forever for a peer that never starts; this fails with
             :class:`ClusterJoinError` naming the missing tasks.
+        collective_timeout: Seconds a peer may stop answering before this
+            task's collectives fail with a message naming it (see
+            :mod:`tfdist.watchdog`); None: wait forever. Prefer it to
+            ``communication_options.timeout_seconds``, which costs one
+            sleeping thread per collective for the whole timeout.
         choice: Why it was chosen (set by strategy_from_config).
     """
 
@@ -244,6 +252,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
 
     def __init__(self, cluster_resolver=None, communication_options=None, *,
                  compression: Any = None, register_timeout: float | None = None,
+                 collective_timeout: float | None = None,
                  choice: Choice | None = None):
         self._collective_key_base = _next_key_base()
         if cluster_resolver is None:
@@ -263,6 +272,20 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
             raise _join_error(error, spec, cluster_resolver,
                               register_timeout) from None
         self._tfdist_init(compression, choice)
+        timeout = getattr(communication_options, "timeout_seconds", None)
+        if timeout:
+            logging.warning(
+                "tfdist: CommunicationOptions(timeout_seconds=%s) makes TensorFlow start "
+                "one thread per collective that sleeps for the whole timeout (thousands "
+                "in a long job); pass collective_timeout= to tfdist instead", timeout)
+        self.watchdog: PeerWatchdog | None = None
+        if multi and collective_timeout and cluster_resolver.task_type in ("chief", "worker"):
+            this = (cluster_resolver.task_type, cluster_resolver.task_id)
+            peers = [f"/job:{job}/replica:0/task:{i}"
+                     for job in ("chief", "worker")
+                     for i in range(len(spec.as_dict().get(job, ())))
+                     if (job, i) != this]
+            self.watchdog = PeerWatchdog(peers, collective_timeout).start()
 
     def reduce(self, reduce_op, value, axis):
         """Reduces ``value`` across replicas, as Keras 3 ``fit`` calls it.
@@ -564,7 +587,8 @@ def _build(choice: Choice, opts: StrategyOptions,
             resolver = _resolver(cfg)
         return MultiWorkerMirroredStrategy(
             resolver, _communication_options(opts), compression=comp,
-            register_timeout=opts.register_timeout, choice=choice)
+            register_timeout=opts.register_timeout,
+            collective_timeout=opts.collective_timeout, choice=choice)
     if choice.name == "parameter_server":
         return ParameterServerStrategy(
             _resolver(cfg), opts.variable_partitioner, compression=comp,

@@ -167,10 +167,8 @@ class ReplicaComm(Comm):
         # every payload is flattened into int32 words (float16 stays float16,
         # which needs no padding) and concatenated; all_gather stacks each
         # replica's buffer as a row. Handing all_gather a list instead makes
-        # one collective per tensor, and under MultiWorkerMirroredStrategy
-        # each all-gather collective leaves threads behind (TF 2.21: a
-        # top-k job on a fast loopback passed 16,000 threads per worker in a
-        # minute and aborted with "Resource temporarily unavailable").
+        # one collective per tensor: one more round trip each, between
+        # processes.
         words = [_to_words(t) for t in tensors]
         groups: dict[str, list[int]] = {}
         for i, w in enumerate(words):
