@@ -22,7 +22,8 @@ global batch), one intra-op thread per worker:
 
 * tfdist (Keras 3 ``fit`` under tfdist's MultiWorkerMirroredStrategy):
   fp32 (no compression: Keras's own all-reduce), bf16, PowerSGD rank 4,
-  top-k 1% (both with error feedback), and ``compression="auto"``;
+  top-k 1% (both with error feedback), PowerSGD with its warm-up steps sent
+  as bfloat16, and ``compression="auto"``;
 * PyTorch DDP (gloo, one 64 MB bucket): dense, its fp16 compress hook and
   its PowerSGD hook at rank 4.
 
@@ -40,7 +41,7 @@ Phases:
 Time to target = steps to target (phase 1: the arithmetic does not depend
 on the link) x seconds per step measured on that link (phase 2), with
 PowerSGD's 10 warm-up steps counted at the dense rate of its framework on
-that link. For ``auto`` it is the steps of the configuration it chose on
+that link (tfdist bf16's rate for a bfloat16 warm-up). For ``auto`` it is the steps of the configuration it chose on
 that link. Ratios compare runs of the same invocation; absolute times drift
 on shared machines, so the load is recorded.
 
@@ -67,11 +68,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 
-TF_CONFIGS = ["tf/fp32", "tf/bf16", "tf/powersgd:4", "tf/topk:0.01", "tf/auto"]
+TF_CONFIGS = ["tf/fp32", "tf/bf16", "tf/powersgd:4", "tf/powersgd:4+bf16warm", "tf/topk:0.01",
+              "tf/auto"]
 DDP_CONFIGS = ["ddp/dense", "ddp/fp16", "ddp/powersgd:4"]
 #: Interleaved, so that drift in the machine's load hits both frameworks.
 CONFIGS = ["tf/fp32", "ddp/dense", "tf/bf16", "ddp/fp16", "tf/powersgd:4", "ddp/powersgd:4",
-           "tf/topk:0.01", "tf/auto"]
+           "tf/powersgd:4+bf16warm", "tf/topk:0.01", "tf/auto"]
 #: Fewer configurations with 4 workers, to keep the benchmark within about
 #: 25 minutes on a 2-core machine (4 TensorFlow workers take most of a
 #: minute to start there): no top-k (slowest to compute, never best here) and
@@ -85,6 +87,7 @@ ACC_CONFIGS = [c for c in CONFIGS if c != "tf/auto"]
 LABELS = {
     "tf/fp32": "tfdist fp32 (Keras all-reduce)", "tf/bf16": "tfdist bf16",
     "tf/powersgd:4": "tfdist PowerSGD r4", "tf/topk:0.01": "tfdist top-k 1%",
+    "tf/powersgd:4+bf16warm": "tfdist PowerSGD r4, bf16 warm-up",
     "tf/auto": "tfdist auto", "ddp/dense": "DDP dense", "ddp/fp16": "DDP fp16 hook",
     "ddp/powersgd:4": "DDP PowerSGD r4",
 }
@@ -333,13 +336,16 @@ def summarize(raw: dict) -> dict:
             run = index.get((config, n, link))
             chosen = _auto_choice(run) if run else None
             config = {"none": "tf/fp32"}.get(chosen, f"tf/{chosen}") if chosen else config
+            if run and bf16_warmup("tf/auto", run) and config.startswith("tf/powersgd"):
+                config += "+bf16warm"  # Trains like the fixed configuration with it.
         run = acc.get(config)
         return steps_to_target(run["evals"], target) if run else None
 
     rows = []
     for (config, n, link), run in sorted(index.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         rows.append({"config": config, "workers": n, "link": link,
-                     "step_s": run["step_s"], "auto": _auto_choice(run)})
+                     "step_s": run["step_s"], "auto": _auto_choice(run),
+                     "bf16_warmup": bf16_warmup(config, run)})
     cells: dict = {}
     for row in rows:
         cells[(row["config"], row["workers"], row["link"])] = row
@@ -348,7 +354,8 @@ def summarize(raw: dict) -> dict:
         steps = steps_of(config, link, n)
         warm = ACC_WARMUP if ("powersgd" in config or (config == "tf/auto"
                                                         and "powersgd" in (row["auto"] or ""))) else 0
-        dense_cfg = "ddp/dense" if config.startswith("ddp/") else "tf/fp32"
+        dense_cfg = ("ddp/dense" if config.startswith("ddp/")
+                     else "tf/bf16" if row["bf16_warmup"] else "tf/fp32")
         dense = cells.get((dense_cfg, n, link))
         row["steps_to_target"] = steps
         row["time_to_target_s"] = time_to_target(
@@ -360,6 +367,16 @@ def summarize(raw: dict) -> dict:
                  "auto": _auto_choice(r)} for c, r in acc.items()}
     return {"meta": meta, "rows": rows, "accuracy": final, "goals": goals,
             "links": links, "workers": workers}
+
+
+def bf16_warmup(config: str, run: dict | None) -> bool:
+    """Whether a configuration's PowerSGD warm-up steps were sent as bfloat16:
+    the fixed ``+bf16warm`` one, or ``auto`` when it picked that (its
+    strategy's description shows the PowerSGD it chose)."""
+    if config.endswith("+bf16warm"):
+        return True
+    return config == "tf/auto" and "warmup_dtype='bfloat16'" in ((run or {}).get("describe")
+                                                               or "")
 
 
 def _auto_choice(run: dict | None) -> str | None:
@@ -470,6 +487,12 @@ def markdown(summary: dict) -> str:
                       f"(tfdist's default; DDP's `start_powerSGD_iter` here) take {warm:.1f} s "
                       f"of its {psgd['time_to_target_s']:.1f} s to target; top-k has no "
                       "warm-up."]
+            half = cells.get(("tf/bf16", 2, link))
+            psgd16 = cells.get(("tf/powersgd:4+bf16warm", 2, link))
+            if half and psgd16 and psgd16.get("time_to_target_s"):
+                lines[-1] += (f" Sent as bfloat16 (what `auto` picks where bf16 pays), they "
+                              f"take {ACC_WARMUP * half['step_s']:.1f} s of "
+                              f"{psgd16['time_to_target_s']:.1f} s.")
     lines += ["", "## Where compression pays", "",
               "Fastest configuration per framework (seconds per step), and its speed-up over "
               "the same framework without compression:", "",
@@ -535,7 +558,8 @@ def _method(meta: dict) -> str:
         f"Time to target: steps to reach {meta['target']:.0%} on {meta['test_examples']} "
         f"held-out examples (evaluated every {meta['eval_every']} steps in the accuracy run, "
         f"which uses {ACC_WARMUP} dense PowerSGD warm-up steps in both frameworks) × that "
-        "link's seconds per step, the warm-up steps at the dense rate of the same framework. "
+        "link's seconds per step, the warm-up steps at the dense rate of the same framework "
+        "(at tfdist bf16's rate for a bfloat16 warm-up). "
         "The accuracy runs are on the unthrottled loopback; the arithmetic of a synchronous "
         "step does not depend on the link. `auto` counts the steps of the configuration it "
         "chose on that link. Start-up and tracing are not counted.\n\n"
@@ -583,11 +607,14 @@ def _tf_compression(config: str, warmup: int):
     if name == "fp32":
         return None
     if name.startswith("powersgd"):
-        return PowerSGD(int(name.split(":")[1]), warmup_steps=warmup)
+        rank, _, warm = name.split(":")[1].partition("+")
+        return PowerSGD(int(rank), warmup_steps=warmup,
+                        warmup_dtype="bfloat16" if warm == "bf16warm" else "float32")
     if name == "auto":
         if warmup == ACC_WARMUP:
             return "auto"  # The default candidates (PowerSGD with 10 warm-up steps).
-        # The default candidates, with PowerSGD's warm-up of this run.
+        # The default candidates, with PowerSGD's warm-up steps of this run
+        # (auto still picks their precision).
         return AutoCompression(candidates=("none", "bf16", PowerSGD(4, warmup_steps=warmup)))
     return name
 

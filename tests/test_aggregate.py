@@ -107,6 +107,33 @@ def test_powersgd_sends_vectors_small_matrices_and_warm_up_steps_dense():
     assert ((16, 2), "float32") in comm.reduced and ((12, 2), "float32") in comm.reduced
 
 
+def test_powersgd_bfloat16_warm_up_sends_half_the_bytes_of_float32_gradients():
+    rng = np.random.default_rng(4)
+    kernel = rng.normal(size=(16, 12)).astype("float32")
+    ids = np.arange(5, dtype="int32")  # Not float32: sent as it is.
+    agg = PowerSGD(rank=2, warmup_steps=2, warmup_dtype="bfloat16")
+    states = [state_for(agg, kernel.shape, 0), {}]
+    comm = LocalComm()
+    items = [Item(tf.constant(kernel), 0, states[0]), Item(tf.constant(ids), 1, {})]
+    k_out, i_out = agg.aggregate(items, tf.constant(0, tf.int64), comm)
+    # The warm-up sum went through bfloat16 and came back as float32.
+    assert k_out.dtype == tf.float32 and i_out.dtype == tf.int32
+    np.testing.assert_array_equal(
+        k_out, tf.cast(tf.cast(kernel, tf.bfloat16), tf.float32).numpy())
+    assert not np.array_equal(k_out.numpy(), kernel)
+    np.testing.assert_array_equal(i_out, ids)
+    assert ((16, 12), "bfloat16") in comm.reduced and ((5,), "int32") in comm.reduced
+    # The traffic formula says what the warm-up branch really sent.
+    shapes = [((16, 12), "float32"), ((5,), "int32")]
+    warm = agg.traffic(shapes, 2, step=0)
+    assert warm.all_reduce == 16 * 12 * 2 + 5 * 4
+    assert warm.all_reduce == sum(
+        math.prod(s) * tf.as_dtype(d).size for s, d in comm.reduced
+        if (s, d) in (((16, 12), "bfloat16"), ((5,), "int32")))
+    assert PowerSGD(2, warmup_steps=2).traffic(shapes, 2, step=0).all_reduce == 16 * 12 * 4 + 20
+    assert "warmup_dtype='bfloat16'" in repr(agg)
+
+
 def test_non_finite_gradients_reset_the_memory():
     bad = np.ones((8, 6), "float32")
     bad[0, 0] = np.nan
@@ -221,6 +248,7 @@ def test_error_feedback_defaults_and_bad_pairings():
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"rank": 0}, "rank"), ({"rank": 2.5}, "rank"), ({"warmup_steps": -1}, "warmup_steps"),
+    ({"warmup_dtype": "float16"}, "warmup_dtype"),
     ({"min_compression_rate": -1.0}, "min_compression_rate"),
     ({"min_compression_rate": float("nan")}, "min_compression_rate")])
 def test_powersgd_bad_arguments_name_the_field(kwargs, field):

@@ -121,6 +121,31 @@ def test_powersgd_object_candidate(auto):
     assert isinstance(decision.candidate, PowerSGD)
 
 
+def test_powersgd_warms_up_in_bfloat16_where_bf16_pays(auto):
+    from tfdist.compression import PowerSGD
+    slow = auto.choose(link(auto, 100), MLP)
+    assert slow.choice == "powersgd:4" and isinstance(slow.candidate, PowerSGD)
+    assert slow.costs["bf16"] <= auto.MIN_GAIN * slow.costs["none"]
+    assert slow.candidate.warmup_dtype == "bfloat16"
+    assert slow.candidate.warmup_steps == 10  # The default, kept.
+    # Where the wire is so fast that bf16's cast costs more than it saves,
+    # PowerSGD (cheapest thanks to its tiny compute here) warms up exactly.
+    fast = auto.choose(link(auto, 10_000, latency=1e-5), MLP, candidates=("bf16", "powersgd:4"),
+                       compute_per_entry={"none": 0.0, "bf16": 2e-9, "powersgd": 1e-12})
+    assert fast.choice == "powersgd:4"
+    assert fast.costs["bf16"] > auto.MIN_GAIN * fast.costs["none"]
+    assert fast.candidate.warmup_dtype == "float32"
+    # A PowerSGD object gets auto's warm-up precision on a copy, unless it
+    # was given one.
+    loose = PowerSGD(4, warmup_steps=3)
+    chosen = auto.choose(link(auto, 100), MLP, candidates=(loose,)).candidate
+    assert chosen is not loose and loose.warmup_dtype == "float32"
+    assert (chosen.warmup_dtype, chosen.warmup_steps) == ("bfloat16", 3)
+    given = PowerSGD(4, warmup_steps=3, warmup_dtype="float32")
+    assert auto.choose(link(auto, 100), MLP, candidates=(given,)).candidate is given
+    assert given.warmup_dtype == "float32"
+
+
 def test_decision_text_names_link_and_costs(auto):
     text = str(auto.choose(link(auto, 50), MLP))
     assert text.startswith("powersgd:4 (")

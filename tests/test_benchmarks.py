@@ -165,6 +165,32 @@ def test_slow_network_summary_goals_and_table():
     assert "load average" in text
 
 
+def test_slow_network_bf16_warm_up_is_counted_at_the_bf16_rate():
+    sn = _load_benchmark("slow_network")
+    raw = _raw_slow_network()
+    curve = [(20, 0.3), (40, 0.5), (60, 0.6)]
+    raw["runs"] += [
+        {"config": "tf/powersgd:4+bf16warm", "workers": 2, "link": "none", "phase": "accuracy",
+         "step_s": 0.04, "evals": [list(e) for e in curve], "compression": "p"},
+        {"config": "tf/powersgd:4+bf16warm", "workers": 2, "link": "100mbit", "phase": "speed",
+         "step_s": 0.1, "evals": [], "compression": "p"},
+    ]
+    for r in raw["runs"]:
+        if r["config"] == "tf/auto" and r["link"] == "100mbit":
+            r["describe"] = ("compression: auto -> powersgd:4 (runs PowerSGD(rank=4, "
+                             "warmup_steps=2, warmup_dtype='bfloat16', ...)")
+    cells = {(r["config"], r["link"]): r for r in sn.summarize(raw)["rows"]}
+    # 10 warm-up steps at tfdist bf16's 2.0 s, then 50 at 0.1 s.
+    assert abs(cells[("tf/powersgd:4+bf16warm", "100mbit")]["time_to_target_s"] - 25.0) < 1e-9
+    assert abs(cells[("tf/powersgd:4", "100mbit")]["time_to_target_s"] - 45.0) < 1e-9
+    auto = cells[("tf/auto", "100mbit")]
+    assert auto["bf16_warmup"] is True and auto["steps_to_target"] == 60
+    assert abs(auto["time_to_target_s"] - (10 * 2.0 + 50 * 0.105)) < 1e-9
+    assert not sn.bf16_warmup("tf/auto", {"describe": "PowerSGD(rank=4, warmup_steps=2)"})
+    text = sn.markdown(sn.summarize(raw))
+    assert "Sent as bfloat16" in text and "take 20.0 s of 25.0 s" in text
+
+
 def test_slow_network_missed_goal_is_reported():
     sn = _load_benchmark("slow_network")
     raw = _raw_slow_network()

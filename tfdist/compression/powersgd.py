@@ -34,7 +34,15 @@ from tfdist.compression.base import check_int
 from tfdist.compression.traffic import Traffic, nbytes
 from tfdist.errors import ConfigError
 
-__all__ = ["PowerSGD", "orthonormalize", "matrix_view"]
+__all__ = ["PowerSGD", "orthonormalize", "matrix_view", "WARMUP_DTYPES"]
+
+#: What the dense warm-up may send.
+WARMUP_DTYPES = ("float32", "bfloat16")
+
+
+def _halves(tensor) -> bool:
+    """Whether the bfloat16 warm-up sends this gradient as bfloat16."""
+    return isinstance(tensor, tf.Tensor) and tensor.dtype == tf.float32
 
 
 def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -61,6 +69,11 @@ class PowerSGD(Aggregator):
         warmup_steps: Steps sent as a plain dense all-reduce before
             compression starts (``start_powerSGD_iter`` in PyTorch). Error
             feedback starts with compression.
+        warmup_dtype: What the warm-up all-reduce sends: ``"float32"``
+            (exact), or ``"bfloat16"``, half the bytes, for slow links where
+            the dense warm-up would cost more than the rest of training.
+            None: float32, unless ``compression="auto"`` chooses this
+            PowerSGD and picks bfloat16 because bf16 pays on the link.
         min_compression_rate: A matrix is compressed only if
             ``n m / ((n + m) r)`` reaches this; smaller ones are sent dense.
             0-D and 1-D tensors (biases, norms) are always sent dense.
@@ -77,10 +90,17 @@ class PowerSGD(Aggregator):
     lossy = True
 
     def __init__(self, rank: int = 4, *, warmup_steps: int = 10,
+                 warmup_dtype: str | None = None,
                  min_compression_rate: float = 2.0, error_feedback: bool = True,
                  seed: int = 0) -> None:
         self.rank = check_int("rank", rank, 1, 2**31 - 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, 2**62)
+        if warmup_dtype is not None and warmup_dtype not in WARMUP_DTYPES:
+            raise ConfigError("warmup_dtype", warmup_dtype,
+                              " or ".join(repr(d) for d in WARMUP_DTYPES) + " or None")
+        #: Whether the warm-up precision was given (``"auto"`` leaves it then).
+        self.warmup_dtype_given = warmup_dtype is not None
+        self.warmup_dtype = warmup_dtype or "float32"
         if (isinstance(min_compression_rate, bool)
                 or not isinstance(min_compression_rate, (int, float))
                 or not min_compression_rate >= 0 or math.isinf(min_compression_rate)):
@@ -93,7 +113,8 @@ class PowerSGD(Aggregator):
         self.seed = check_int("seed", seed, 0, 2**31 - 1)
 
     def __repr__(self) -> str:
-        return (f"PowerSGD(rank={self.rank}, warmup_steps={self.warmup_steps}, "
+        warm = "" if self.warmup_dtype == "float32" else f", warmup_dtype={self.warmup_dtype!r}"
+        return (f"PowerSGD(rank={self.rank}, warmup_steps={self.warmup_steps}{warm}, "
                 f"min_compression_rate={self.min_compression_rate}, "
                 f"error_feedback={self.error_feedback}, seed={self.seed})")
 
@@ -140,7 +161,12 @@ class PowerSGD(Aggregator):
                                     states, comm)
 
         def warmup(*args):
-            return comm.all_reduce(list(args))
+            if self.warmup_dtype == "float32":
+                return comm.all_reduce(list(args))
+            # Only float32 gradients are halved; the others go as they are.
+            cast = [tf.cast(a, tf.bfloat16) if _halves(a) else a for a in args]
+            summed = comm.all_reduce(cast)
+            return [tf.cast(r, a.dtype) if _halves(a) else r for r, a in zip(summed, args)]
 
         args = tuple(grads + dense_grads)
         if not grads:
@@ -197,7 +223,9 @@ class PowerSGD(Aggregator):
         for shape, dtype in shapes:
             size = nbytes(shape, dtype)
             t.dense += size
-            if warm or not self.compresses(shape, dtype):
+            if warm and self.warmup_dtype == "bfloat16" and dtype == "float32":
+                t.all_reduce += size // 2
+            elif warm or not self.compresses(shape, dtype):
                 t.all_reduce += size
             else:
                 n, m = matrix_view(tuple(shape))
