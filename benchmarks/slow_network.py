@@ -18,7 +18,8 @@ and tc, and PyTorch for the DDP rows (``pip install -e .[bench]``).
 Every job trains the same MLP (256-2048-2048-512-10, 5.8M parameters, the
 same initial weights in both frameworks), batch 32 per worker, SGD with
 momentum, on the same synthetic data (each worker its own slice of every
-global batch), one intra-op thread per worker:
+global batch), one intra-op thread per worker (and one inter-op thread in
+TensorFlow):
 
 * tfdist (Keras 3 ``fit`` under tfdist's MultiWorkerMirroredStrategy):
   fp32 (no compression: Keras's own all-reduce), bf16, PowerSGD rank 4,
@@ -129,7 +130,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("compressed_steps", 16, "Timed steps below 500 Mbit/s of PowerSGD, "
                          "top-k and auto (fast there, and noisier).")
     flags.DEFINE_integer("fast_steps", 8, "Timed steps at 500 Mbit/s and above.")
-    flags.DEFINE_integer("threads", 1, "Intra-op threads per worker (both frameworks).")
+    flags.DEFINE_integer("threads", 1, "Intra-op threads per worker (both frameworks), and "
+                         "TensorFlow's inter-op threads.")
     flags.DEFINE_bool("accuracy", True, "Run the accuracy phase.")
     flags.DEFINE_integer("repeats", 2, "Runs of each --repeat_configs with 2 workers per "
                          "link, interleaved; their timed steps are pooled.")
@@ -540,7 +542,8 @@ def _method(meta: dict) -> str:
     return (
         f"MLP {'-'.join(map(str, meta['layers']))}, batch {meta['batch']} per worker, SGD "
         f"lr {meta['learning_rate']} momentum 0.9, the same initial weights and data order "
-        f"in both frameworks, {meta['threads']} intra-op thread per worker. Each link is the "
+        f"in both frameworks, {meta['threads']} intra-op thread per worker (and "
+        f"{meta['threads']} inter-op thread in TensorFlow). Each link is the "
         "loopback of a private network namespace (`unshare -n`, MTU 1500) limited by "
         "`tc qdisc replace dev lo root tbf rate R burst 256kb latency 200ms`; the limit is "
         "shared by all workers' traffic. \"no limit\" is the same loopback without tbf, "
@@ -631,7 +634,12 @@ def tf_worker() -> None:
     """One worker of a tfdist job (TF_CONFIG in the environment)."""
     import tensorflow as tf
     if FLAGS.threads:
+        # A core's worth of threads per worker in both frameworks: PyTorch
+        # runs its ops one at a time on the calling thread, so TensorFlow
+        # gets one inter-op thread (its default, one per core, makes the
+        # workers of one machine fight for the cores: 10% slower steps).
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
     import keras
 
     import tfdist
