@@ -80,6 +80,7 @@ class PeerWatchdog:
         self._thread: threading.Thread | None = None
         #: The message collectives were aborted with; None while all is well.
         self.failure: str | None = None
+        self._warned: set[str] = set()
 
     def start(self) -> "PeerWatchdog":
         """Starts the thread (once); returns self."""
@@ -119,10 +120,14 @@ class PeerWatchdog:
                             f"(collective_timeout={self.timeout:g}); it is hung or gone, "
                             f"so this worker's collectives are aborted. Last probe: "
                             f"{kind}: {text}")
-                log.warning("tfdist: peer %s did not answer for %.0f s (of %g): %s",
-                            peer, waited, self.timeout, kind)
+                if peer not in self._warned:  # Once per silence, not every probe.
+                    self._warned.add(peer)
+                    log.warning("tfdist: peer %s did not answer a probe (%s); its "
+                                "collectives fail after %g s of silence", peer, kind,
+                                self.timeout)
             else:
                 last_ok[peer] = self._clock()
+                self._warned.discard(peer)
         return None
 
     def _run(self) -> None:
