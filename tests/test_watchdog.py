@@ -93,3 +93,16 @@ def test_the_thread_aborts_with_the_message_and_stops():
 def test_a_timeout_must_be_positive(timeout):
     with pytest.raises(ValueError, match=f"Received: {timeout}"):
         PeerWatchdog(PEERS, timeout)
+
+
+def test_a_peer_that_exits_first_is_not_warned_about_until_half_the_timeout(caplog):
+    fake = FakeTF(silent={PEERS[0]})
+    dog, last_ok = watchdog(fake, timeout=60.0), {}
+    with caplog.at_level("WARNING", logger="tfdist.watchdog"):
+        while fake.now < 15:  # Probes of 10 s: 20 s of silence.
+            assert dog.check_once(last_ok) is None
+        assert not caplog.records  # A job's normal end: the peer left first.
+        while fake.now < 45:
+            assert dog.check_once(last_ok) is None
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and PEERS[0] in warned[0]

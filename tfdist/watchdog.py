@@ -8,7 +8,7 @@ step, so with a 600 s timeout a worker holds ``collectives per second x
 threads, and a fast top-k job passed 16,000 threads in a minute and aborted
 with "Resource temporarily unavailable".
 
-:class:`PeerWatchdog` gives the same protection with one thread: it asks
+:class:`PeerWatchdog` guards against a hung peer with one thread: it asks
 every peer's server whether it answers
 (``check_collective_ops_peer_health``, the probe TensorFlow's own
 pre-coordination-service health check used) and, when a peer has not
@@ -120,11 +120,13 @@ class PeerWatchdog:
                             f"(collective_timeout={self.timeout:g}); it is hung or gone, "
                             f"so this worker's collectives are aborted. Last probe: "
                             f"{kind}: {text}")
-                if peer not in self._warned:  # Once per silence, not every probe.
+                # Once per silence, and only past half the timeout: a peer
+                # that finished first and exited is silent too.
+                if peer not in self._warned and waited >= self.timeout / 2:
                     self._warned.add(peer)
-                    log.warning("tfdist: peer %s did not answer a probe (%s); its "
-                                "collectives fail after %g s of silence", peer, kind,
-                                self.timeout)
+                    log.warning("tfdist: peer %s has not answered for %.0f s (%s); "
+                                "collectives fail after %g s of silence", peer, waited,
+                                kind, self.timeout)
             else:
                 last_ok[peer] = self._clock()
                 self._warned.discard(peer)
