@@ -42,9 +42,10 @@ Phases:
 Time to target = steps to target (phase 1: the arithmetic does not depend
 on the link) x seconds per step measured on that link (phase 2), with
 PowerSGD's 10 warm-up steps counted at the dense rate of its framework on
-that link (tfdist bf16's rate for a bfloat16 warm-up). For ``auto`` it is the steps of the configuration it chose on
-that link. Ratios compare runs of the same invocation; absolute times drift
-on shared machines, so the load is recorded.
+that link (tfdist bf16's rate for a bfloat16 warm-up). For ``auto`` it is
+the steps of the configuration it chose on that link. Ratios compare runs
+of the same invocation; absolute times drift on shared machines, so the
+load is recorded.
 
 Results: ``benchmarks/results/slow_network.{json,md,png}``.
 """

@@ -158,4 +158,6 @@ def test_collectives_keep_threads_flat_and_a_hung_peer_fails_the_other():
     assert "/job:worker/replica:0/task:1" in chief["error"]
     assert "collective_timeout=6" in chief["error"]
     assert chief["watchdog_failure"] in chief["error"]
-    assert 4.0 <= chief["seconds_to_error"] <= 6.0 + 10.0 + 5.0, chief
+    # Not at once (the timeout counts from worker 1's last answer, at most a
+    # probe interval before it stopped), and not much after the timeout.
+    assert 2.0 <= chief["seconds_to_error"] <= 6.0 + 10.0 + 5.0, chief
