@@ -106,12 +106,13 @@ def make_data(examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype("int32")
 
 
-def build_model(learning_rate: float, seed: int) -> Any:
+def build_model(learning_rate: float, seed: int, steps_per_execution: int = 1) -> Any:
     """The scripts' model: a compiled 16-64-3 MLP with fixed initial weights.
 
     Args:
         learning_rate: Adam's learning rate.
         seed: Seeds Keras's initializers.
+        steps_per_execution: Keras's ``compile`` argument.
 
     Returns:
         A compiled ``keras.Sequential``; call this inside ``strategy.scope()``.
@@ -126,7 +127,7 @@ def build_model(learning_rate: float, seed: int) -> Any:
     model.compile(
         optimizer=keras.optimizers.Adam(learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"])
+        metrics=["accuracy"], steps_per_execution=steps_per_execution)
     return model
 
 
@@ -163,7 +164,8 @@ def _save_model(model: Any, strategy: Any, model_dir: str) -> str:
 
 def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
           examples: int, learning_rate: float, seed: int,
-          callbacks: list | None = None, model_dir: str | None = None) -> dict:
+          callbacks: list | None = None, model_dir: str | None = None,
+          steps_per_execution: int = 1) -> dict:
     """Fits the model under ``strategy``; returns the final metrics.
 
     Args:
@@ -177,6 +179,7 @@ def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
         model_dir: If given, a checkpoint per epoch goes to
             ``model_dir/checkpoints/`` and the trained model to
             ``model_dir/model.keras`` (written by the chief only).
+        steps_per_execution: Steps per call of Keras's train function.
 
     Returns:
         The strategy's name, replicas, global batch, the loss per epoch, the
@@ -195,7 +198,7 @@ def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
         tf.data.experimental.AutoShardPolicy.DATA)
     data = data.with_options(options)
     with strategy.scope():
-        model = build_model(learning_rate, seed)
+        model = build_model(learning_rate, seed, steps_per_execution)
     callbacks = list(callbacks or [])
     if model_dir:
         callbacks.append(tfdist.ModelCheckpoint(

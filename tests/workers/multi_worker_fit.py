@@ -4,7 +4,8 @@ Reads its TF_CONFIG, builds the strategy through strategy_from_config, fits
 the scripts' model, then shows that TensorFlow's own reduce() fails on what
 Keras 3 passes it while tfdist's works. Prints one 'tfdist result:' line.
 With TFDIST_TEST_COMPRESSION set, fits with that compression and reports the
-bytes the CommunicationStats callback counted.
+bytes the CommunicationStats callback counted. TFDIST_TEST_STEPS sets
+steps_per_execution.
 """
 
 import json
@@ -22,7 +23,8 @@ compression = os.environ.get("TFDIST_TEST_COMPRESSION")
 strategy = tfdist.strategy_from_config(register_timeout=90, compression=compression)
 stats = CommunicationStats()
 result = _common.train(strategy, epochs=2, per_replica_batch_size=32,
-                       examples=1024, learning_rate=0.01, seed=3, callbacks=[stats])
+                       examples=1024, learning_rate=0.01, seed=3, callbacks=[stats],
+                       steps_per_execution=int(os.environ.get("TFDIST_TEST_STEPS", "1")))
 result["description"] = strategy.describe()
 result["comm"] = stats.last.as_logs()
 if compression:
