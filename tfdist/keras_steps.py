@@ -81,16 +81,7 @@ def install() -> None:
     Raises:
         RuntimeError: This Keras has no ``_make_function`` to wrap.
     """
-    cls = tf_trainer.TensorFlowTrainer
-    original = getattr(cls, "_make_function", None)
-    if original is None:
-        import keras
-        raise RuntimeError(
-            "tfdist needs TensorFlowTrainer._make_function, which Keras "
-            f"{keras.__version__} does not have; use a Keras version in the range "
-            "pyproject.toml pins")
-    if getattr(original, _MARK, False):
-        return
-    wrapped = _wrap(original)
-    setattr(wrapped, _MARK, True)
-    cls._make_function = wrapped
+    from tfdist.compression.keras_hook import wrap_once
+
+    wrap_once(((tf_trainer.TensorFlowTrainer, "_make_function", _wrap),), mark=_MARK,
+              needed_by="tfdist")

@@ -242,22 +242,36 @@ _TARGETS = (
 )
 
 
+def wrap_once(targets, *, mark: str, needed_by: str) -> None:
+    """Replaces each ``cls.name`` with ``wrap(original)`` unless already done.
+
+    Args:
+        targets: ``(cls, method name, wrap)`` triples.
+        mark: Attribute set on a wrapper, so that a second call skips it.
+        needed_by: Who needs the method, for the error message.
+
+    Raises:
+        RuntimeError: This Keras lacks one of the methods.
+    """
+    for cls, name, wrap in targets:
+        original = getattr(cls, name, None)
+        if original is None:
+            import keras
+            raise RuntimeError(
+                f"{needed_by} needs {cls.__name__}.{name}, which Keras "
+                f"{keras.__version__} does not have; use a Keras version in the range "
+                "pyproject.toml pins")
+        if getattr(original, mark, False):
+            continue
+        wrapped = wrap(original)
+        setattr(wrapped, mark, True)
+        setattr(cls, name, wrapped)
+
+
 def install() -> None:
     """Wraps Keras's gradient aggregation, build, save and load once; idempotent.
 
     Raises:
         RuntimeError: This Keras lacks a method tfdist wraps.
     """
-    for cls, name, wrap in _TARGETS:
-        original = getattr(cls, name, None)
-        if original is None:
-            import keras
-            raise RuntimeError(
-                f"tfdist compression needs {cls.__name__}.{name}, which Keras "
-                f"{keras.__version__} does not have; use a Keras version in the range "
-                "pyproject.toml pins")
-        if getattr(original, _MARK, False):
-            continue
-        wrapped = wrap(original)
-        setattr(wrapped, _MARK, True)
-        setattr(cls, name, wrapped)
+    wrap_once(_TARGETS, mark=_MARK, needed_by="tfdist compression")
