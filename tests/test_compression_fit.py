@@ -84,7 +84,7 @@ def test_powersgd_on_two_replicas_matches_the_reference_math(tf_cpus):
     rng = np.random.default_rng(6)
     grads = np.stack([rng.normal(size=(12, 9)).astype("float32") for _ in range(2)])
     with strategy.scope():
-        q = tf.Variable(tf.random.stateless_normal((9, 2), seed=[0, 0]),
+        q = tf.Variable(tf.random.stateless_normal((12, 2), seed=[0, 0]),
                         synchronization=tf.VariableSynchronization.ON_READ,
                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         residual = tf.Variable(tf.zeros((12, 9)), synchronization=tf.VariableSynchronization.ON_READ,
@@ -99,14 +99,17 @@ def test_powersgd_on_two_replicas_matches_the_reference_math(tf_cpus):
         return out
 
     outs = strategy.experimental_local_results(strategy.run(tf.function(replica_fn)))
-    p_hat, _ = np.linalg.qr(sum(g @ q0 for g in grads))
-    q_parts = [g.T @ p_hat for g in grads]
-    expected = p_hat @ sum(q_parts).T
+    # The paper's math on M = the kernel gradient transposed, (out, in) as
+    # PyTorch stores a weight: P = M Q, Q = M^T P^, M ~ P^ Q^T.
+    ms = [g.T for g in grads]
+    p_hat, _ = np.linalg.qr(sum(m @ q0 for m in ms))
+    q_parts = [m.T @ p_hat for m in ms]
+    expected = (p_hat @ sum(q_parts).T).T
     for out in outs:
         np.testing.assert_allclose(out, expected, atol=1e-4)
     residuals = [r.numpy() for r in strategy.experimental_local_results(residual)]
-    for g, part, res in zip(grads, q_parts, residuals):
-        np.testing.assert_allclose(res, g - p_hat @ part.T, atol=1e-4)
+    for m, part, res in zip(ms, q_parts, residuals):
+        np.testing.assert_allclose(res, (m - p_hat @ part.T).T, atol=1e-4)
     for copy in strategy.experimental_local_results(q):
         np.testing.assert_allclose(copy, sum(q_parts), atol=1e-4)
 

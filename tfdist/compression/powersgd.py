@@ -2,9 +2,11 @@
 
 Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
 Compression for Distributed Optimization", NeurIPS 2019. Each gradient of
-shape ``(d0, ..., dk)`` is viewed as a matrix ``M`` of ``n = d0 * ... *
-d(k-1)`` rows and ``m = dk`` columns. With ``Q`` (m x r) kept from the
-previous step (the warm start), every replica computes::
+shape ``(d0, ..., dk)`` is viewed as a matrix ``M`` of ``n = dk`` rows (the
+layer's output units) and ``m = d0 * ... * d(k-1)`` columns: a Keras kernel
+``(in, out)`` becomes the ``(out, in)`` matrix that PyTorch stores and the
+paper compresses. With ``Q`` (m x r) kept from the previous step (the warm
+start), every replica computes::
 
     P_i = M_i Q                 all-reduce     P = sum_i P_i
     P^  = orthonormal basis of P
@@ -15,6 +17,12 @@ and keeps ``M_i - P^ Q_i^T`` as its error-feedback residual. P and Q are
 sums, so both rounds are all-reduces: each replica sends ``(n + m) r``
 numbers instead of ``n m``. All matrices of a step share one all-reduce per
 round, together with the gradients sent dense.
+
+The orientation matters although the bytes do not: P, the side that is
+orthonormalized, spans output units. With P over the input side instead
+(Keras's ``(in, out)`` as it is), the slow-network benchmark's MLP reached
+0.583 mean held-out accuracy over 3 seeds against 0.599 this way, and PyTorch
+DDP's PowerSGD hook 0.595.
 
 How to tune it (as PyTorch's ``PowerSGDState`` advises): start with rank 1
 to 4 and raise it if accuracy lags; keep error feedback on (the default);
@@ -46,10 +54,11 @@ def _halves(tensor) -> bool:
 
 
 def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """The (rows, columns) a gradient is compressed as; None for 0-D/1-D."""
+    """The (rows, columns) of the matrix M a gradient is compressed as:
+    ``(dk, d0 * ... * d(k-1))``, output units first; None for 0-D/1-D."""
     if len(shape) < 2:
         return None
-    return math.prod(shape[:-1]), shape[-1]
+    return shape[-1], math.prod(shape[:-1])
 
 
 def orthonormalize(p: tf.Tensor) -> tf.Tensor:
@@ -181,24 +190,30 @@ class PowerSGD(Aggregator):
         return out
 
     def _power_step(self, grads, dense_grads, states, comm):
-        """One PowerSGD round for ``grads``; ``dense_grads`` ride along."""
-        matrices, ps = [], []
+        """One PowerSGD round for ``grads``; ``dense_grads`` ride along.
+
+        Each gradient is held as ``K``, its ``(m, n)`` reshape, which is
+        ``M^T`` without a copy: ``P = M Q = K^T Q``, ``Q = M^T P^ = K P^`` and
+        ``M ~ P^ Q^T`` is ``K ~ Q P^^T``.
+        """
+        kernels, ps = [], []
         for grad, state in zip(grads, states):
-            m = tf.cast(grad, tf.float32)
+            k = tf.cast(grad, tf.float32)
             if "residual" in state:
-                m += tf.cast(state["residual"], tf.float32)
-            m = tf.reshape(m, matrix_view(tuple(grad.shape.as_list())))
-            matrices.append(m)
-            ps.append(tf.matmul(m, tf.convert_to_tensor(state["q"])))
+                k += tf.cast(state["residual"], tf.float32)
+            n, m = matrix_view(tuple(grad.shape.as_list()))
+            k = tf.reshape(k, (m, n))
+            kernels.append(k)
+            ps.append(tf.matmul(k, tf.convert_to_tensor(state["q"]), transpose_a=True))
         reduced = comm.all_reduce(ps + list(dense_grads))
         p_hats = [orthonormalize(p) for p in reduced[:len(ps)]]
-        qs = [tf.matmul(m, p, transpose_a=True) for m, p in zip(matrices, p_hats)]
+        qs = [tf.matmul(k, p) for k, p in zip(kernels, p_hats)]
         q_sums = comm.all_reduce(qs)
         out = []
-        for grad, state, m, p, q, q_sum, p_sum in zip(grads, states, matrices, p_hats, qs,
+        for grad, state, k, p, q, q_sum, p_sum in zip(grads, states, kernels, p_hats, qs,
                                                       q_sums, reduced):
             if "residual" in state:
-                residual = m - tf.matmul(p, q, transpose_b=True)
+                residual = k - tf.matmul(q, p, transpose_b=True)
                 # A NaN/inf step resets the memory instead of poisoning it.
                 # Any replica's non-finite M makes the summed P non-finite
                 # (and with it every replica's residual); checking the small
@@ -213,7 +228,7 @@ class PowerSGD(Aggregator):
             usable = tf.logical_and(tf.reduce_all(tf.math.is_finite(q_sum)),
                                     tf.reduce_any(tf.not_equal(q_sum, 0.0)))
             state["q"].assign(tf.where(usable, q_sum, tf.convert_to_tensor(state["q"])))
-            approx = tf.matmul(p, q_sum, transpose_b=True)
+            approx = tf.matmul(q_sum, p, transpose_b=True)
             out.append(tf.cast(tf.reshape(approx, grad.shape), grad.dtype))
         return out + list(reduced[len(ps):])
 
