@@ -19,7 +19,8 @@ SERVE = "import tfdist; tfdist.strategy_from_config()"
 
 def test_two_worker_keras_fit_through_strategy_from_config(tf_cpus):
     spec = local_spec(2)
-    procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config)
+    procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
+                   TFDIST_TEST_BYTES_PER_PACK=str(1 << 20))
              for _, _, config in cluster.all_task_configs(spec)]
     results = finish(procs, timeout=240)
     for code, out, err in results:
@@ -43,6 +44,10 @@ def test_two_worker_keras_fit_through_strategy_from_config(tf_cpus):
     tuple_error, scalar_error = chief["stock_errors"]
     assert tuple_error is not None and scalar_error is not None
     assert "Invalid reduction dimension 0" in scalar_error
+    # bytes_per_pack=1 MiB splits tfdist's all-reduce of 3 x 2 MiB into one
+    # collective per pack, with the right sums.
+    assert chief["packed"] == other["packed"] == {"sums": [[3.0], [6.0], [9.0]],
+                                                  "collectives": 3}
 
 
 @pytest.mark.parametrize("compression,steps", [("powersgd:2", 1), ("topk:0.05", 3)])

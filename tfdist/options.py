@@ -65,8 +65,16 @@ class StrategyOptions:
             over them, to try Mirrored on a laptop. None or 1: no split.
         communication: Collective implementation, ``AUTO``, ``RING`` or
             ``NCCL``.
-        bytes_per_pack: Pack gradients into chunks of about this many bytes
-            per all-reduce; 0 lets TensorFlow decide.
+        bytes_per_pack: Split each all-reduce into packs of at least this
+            many bytes, last variable first, so that between workers the
+            transfer overlaps backprop and the optimizer (Keras's own
+            all-reduce and tfdist's compressed one alike). 0: one pack,
+            TensorFlow's default. Pays on slow links, costs on fast ones:
+            measured with 2 workers on the slow-network benchmark's MLP,
+            an eighth of the gradients per pack took bf16 steps from 1.975
+            to 1.955 s at 100 Mbit/s (fp32: 3.919 to 3.892), left them
+            unchanged at 1 Gbit/s, and made them 7% slower on the
+            unthrottled loopback (2 workers sharing 2 cores).
         collective_timeout: Seconds a multi-worker peer may stop answering
             before the other tasks' collectives fail with a message naming
             it, so that a hung peer makes the others fail instead of waiting
