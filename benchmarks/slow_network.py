@@ -117,7 +117,7 @@ def define_flags() -> None:
     flags.DEFINE_list("workers", ["2", "4"], "Worker counts of the speed runs.")
     flags.DEFINE_list("configs", CONFIGS, "Configurations of the 2-worker speed runs.")
     flags.DEFINE_list("acc_configs", ACC_CONFIGS, "Configurations of the accuracy runs.")
-    flags.DEFINE_list("nolimit_configs", ["tf/auto"],
+    flags.DEFINE_list("nolimit_configs", ["tf/auto", "tf/bf16+packs"],
                       "Speed runs (2 workers) on the unthrottled link.")
     flags.DEFINE_list("configs4", CONFIGS4, "Configurations with more than 2 workers, "
                       "below 500 Mbit/s.")
@@ -130,7 +130,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("acc_steps", 240, "Steps of the accuracy runs.")
     flags.DEFINE_integer("eval_every", 20, "Evaluate every this many steps (accuracy runs).")
     flags.DEFINE_integer("test_examples", 1024, "Held-out examples.")
-    flags.DEFINE_integer("slow_steps", 4, "Timed steps below 500 Mbit/s (dense, bf16, fp16).")
+    flags.DEFINE_integer("slow_steps", 6, "Timed steps below 500 Mbit/s (dense, bf16, fp16).")
     flags.DEFINE_integer("compressed_steps", 16, "Timed steps below 500 Mbit/s of PowerSGD, "
                          "top-k and auto (fast there, and noisier).")
     flags.DEFINE_integer("fast_steps", 8, "Timed steps at 500 Mbit/s and above.")
@@ -151,6 +151,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 0, "Rendezvous port (torch worker).")
     flags.DEFINE_integer("evals", 0, "Evaluate every this many steps; 0: never (worker modes).")
     flags.DEFINE_string("out", None, "Write the worker's JSON here.")
+    flags.DEFINE_integer("seed", 0, "Seed of PowerSGD's initial Q, in both frameworks.")
 
 
 # ---------------------------------------------------------------- pure pieces
@@ -476,7 +477,9 @@ def markdown(summary: dict) -> str:
     for c in configs:
         a = summary["accuracy"].get(c, {})
         steps = a.get("steps_to_target")
-        if c not in summary["accuracy"]:
+        if c.endswith("+packs") and c.removesuffix("+packs") in summary["accuracy"]:
+            steps_text = f"as {LABELS[c.removesuffix('+packs')]}"  # The same sums.
+        elif c not in summary["accuracy"]:
             steps_text = "those of its choice" if c == "tf/auto" else "not run"
         else:
             steps_text = str(steps) if steps is not None else "not reached"
@@ -630,7 +633,7 @@ def _tf_compression(config: str, warmup: int):
         return None
     if name.startswith("powersgd"):
         rank, _, warm = name.split(":")[1].partition("+")
-        return PowerSGD(int(rank), warmup_steps=warmup,
+        return PowerSGD(int(rank), warmup_steps=warmup, seed=FLAGS.seed,
                         warmup_dtype="bfloat16" if warm == "bf16warm" else "float32")
     if name == "auto":
         if warmup == ACC_WARMUP:
@@ -739,7 +742,7 @@ def torch_worker() -> None:
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=int(kind.split(":")[1]),
             start_powerSGD_iter=FLAGS.warmup, min_compression_rate=2,
-            use_error_feedback=True, warm_start=True, random_seed=0)
+            use_error_feedback=True, warm_start=True, random_seed=FLAGS.seed)
         hook = powerSGD_hook.powerSGD_hook
     else:
         hook, state = default_hooks.allreduce_hook, None
@@ -789,7 +792,7 @@ def _worker_flags(config: str, steps: int, warmup: int, evals: int, world: int) 
     return [f"--config={config}", f"--steps={steps}", f"--warmup={warmup}", f"--evals={evals}",
             f"--world={world}", f"--layers={','.join(FLAGS.layers)}", f"--batch={FLAGS.batch}",
             f"--learning_rate={FLAGS.learning_rate}", f"--test_examples={FLAGS.test_examples}",
-            f"--threads={FLAGS.threads}"]
+            f"--threads={FLAGS.threads}", f"--seed={FLAGS.seed}"]
 
 
 def run_job(config: str, world: int, steps: int, warmup: int, evals: int, work: Path,
