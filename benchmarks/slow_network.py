@@ -2,7 +2,7 @@
 
 One command, as root::
 
-    python benchmarks/slow_network.py            # the recorded run (about 20 min)
+    python benchmarks/slow_network.py            # the recorded run (about 21 min)
     python benchmarks/slow_network.py --quick    # a few minutes, a smaller model
     python benchmarks/slow_network.py --mode=report   # tables and plot again from the JSON
 
@@ -22,9 +22,10 @@ global batch), one intra-op thread per worker (and one inter-op thread in
 TensorFlow):
 
 * tfdist (Keras 3 ``fit`` under tfdist's MultiWorkerMirroredStrategy):
-  fp32 (no compression: Keras's own all-reduce), bf16, PowerSGD rank 4,
-  top-k 1% (both with error feedback), PowerSGD with its warm-up steps sent
-  as bfloat16, and ``compression="auto"``;
+  fp32 (no compression: Keras's own all-reduce), bf16 (in one all-reduce
+  pack, and in packs through ``bytes_per_pack``), PowerSGD rank 4, top-k 1%
+  (both with error feedback), PowerSGD with its warm-up steps sent as
+  bfloat16, and ``compression="auto"``;
 * PyTorch DDP (gloo, one 64 MB bucket): dense, its fp16 compress hook and
   its PowerSGD hook at rank 4.
 

@@ -19,10 +19,10 @@ numbers instead of ``n m``. All matrices of a step share one all-reduce per
 round, together with the gradients sent dense.
 
 The orientation matters although the bytes do not: P, the side that is
-orthonormalized, spans output units. With P over the input side instead
-(Keras's ``(in, out)`` as it is), the slow-network benchmark's MLP reached
-0.583 mean held-out accuracy over 3 seeds against 0.599 this way, and PyTorch
-DDP's PowerSGD hook 0.595.
+orthonormalized, spans output units. While tfdist took Keras's ``(in, out)``
+as it is (P over the input side), the slow-network benchmark's MLP reached
+0.583 mean held-out accuracy over 3 seeds; this way it reaches 0.599, and
+PyTorch DDP's PowerSGD hook 0.595 (``benchmarks/powersgd_accuracy.py``).
 
 How to tune it (as PyTorch's ``PowerSGDState`` advises): start with rank 1
 to 4 and raise it if accuracy lags; keep error feedback on (the default);
@@ -194,7 +194,7 @@ class PowerSGD(Aggregator):
 
         Each gradient is held as ``K``, its ``(m, n)`` reshape, which is
         ``M^T`` without a copy: ``P = M Q = K^T Q``, ``Q = M^T P^ = K P^`` and
-        ``M ~ P^ Q^T`` is ``K ~ Q P^^T``.
+        ``M ~ P^ Q^T`` is ``K ~ Q (P^)^T``.
         """
         kernels, ps = [], []
         for grad, state in zip(grads, states):
