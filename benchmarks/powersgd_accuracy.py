@@ -20,6 +20,7 @@ Results: ``benchmarks/results/powersgd_accuracy.{json,md}``.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -55,7 +56,7 @@ def markdown(raw: dict) -> str:
         "",
         f"`{meta['command']}` — {meta['when']}, wall time {meta['wall_s'] / 60:.1f} min. "
         f"TensorFlow {meta['tf_version']}, Keras {meta['keras_version']}, PyTorch "
-        f"{meta['torch_version']}; 2 cores.",
+        f"{meta['torch_version']}; {meta['cpus']} cores.",
         "",
         f"MLP {'-'.join(map(str, meta['layers']))}, 2 workers, batch {meta['batch']} per "
         f"worker, SGD lr {meta['learning_rate']} momentum 0.9, {meta['acc_steps']} steps, the "
@@ -64,7 +65,8 @@ def markdown(raw: dict) -> str:
         f"{meta['eval_every']} steps, {meta['test_examples']} examples). Seeds change "
         "PowerSGD's initial Q only.",
         "",
-        f"| configuration | final accuracy per seed | mean | steps to {meta['target']:.0%} per seed |",
+        "| configuration | final accuracy per seed | mean | steps to "
+        f"{meta['target']:.0%} per seed |",
         "|---|---|---:|---|",
     ]
     for config in CONFIGS:
@@ -107,7 +109,8 @@ def main(argv) -> None:
             "layers": [int(w) for w in FLAGS.layers], "batch": FLAGS.batch,
             "learning_rate": FLAGS.learning_rate, "acc_steps": FLAGS.acc_steps,
             "eval_every": FLAGS.eval_every, "test_examples": FLAGS.test_examples,
-            "target": FLAGS.target, "seeds": FLAGS.seeds, "tf_version": tf.__version__,
+            "target": FLAGS.target, "seeds": FLAGS.seeds, "cpus": os.cpu_count(),
+            "tf_version": tf.__version__,
             "keras_version": keras.__version__, "torch_version": torch.__version__}
     summary = {c: statistics.mean(r["final"] for r in runs if r["config"] == c)
                for c in CONFIGS if any(r["config"] == c for r in runs)}
