@@ -113,7 +113,7 @@ def markdown(results: dict) -> str:
                   f"{row['label'].split(',')[0]} {min(row['ratios']):.3f}-{max(row['ratios']):.3f}"
                   for row in results["rows"])
               + ". Without compression the two strategies differ in set-up only (collective "
-              "key base, coordination-service registration deadline, collective timeout; "
+              "key base, coordination-service registration deadline, tfdist's peer watchdog thread; "
               "the multi-worker `reduce()` fix is not called by this loop): medians a few "
               "percent from 1 are within that spread."]
     return "\n".join(lines) + "\n"

@@ -44,11 +44,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("seeds", 3, "Seeds of PowerSGD's initial Q per framework.")
 
 
-def final_accuracy(evals: list) -> float:
-    """Mean held-out accuracy of the last 3 evaluations (as slow_network)."""
-    return statistics.mean(e[1] for e in evals[-3:])
-
-
 def markdown(raw: dict) -> str:
     meta = raw["meta"]
     lines = [
@@ -99,7 +94,7 @@ def main(argv) -> None:
             result = sn.run_job(config, 2, FLAGS.acc_steps, sn.ACC_WARMUP, FLAGS.eval_every,
                                 work)
             runs.append({"config": config, "seed": seed, "evals": result["evals"],
-                         "final": final_accuracy(result["evals"]),
+                         "final": sn.final_accuracy(result["evals"]),
                          "steps_to_target": sn.steps_to_target(result["evals"],
                                                                FLAGS.target)})
             print(f"{config} seed {seed}: final {runs[-1]['final']:.3f}, steps to target "

@@ -286,6 +286,12 @@ def failure_reason(log_tail: str) -> str:
     return lines[-1].strip()[:200] if lines else "no output"
 
 
+def final_accuracy(evals: Sequence[Sequence[float]]) -> float:
+    """Mean held-out accuracy of the last 3 evaluations: one evaluation is
+    noisy (momentum 0.9)."""
+    return statistics.mean(e[1] for e in evals[-3:])
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, or None when either is missing."""
     if a is None or b is None or b == 0:
@@ -369,8 +375,7 @@ def summarize(raw: dict) -> dict:
         row["time_to_target_s"] = time_to_target(
             steps, row["step_s"], warmup=warm, warmup_s=dense["step_s"] if dense else None)
     goals = _goals(cells, links, workers)
-    final = {c: {"final_accuracy": (statistics.mean(e[1] for e in r["evals"][-3:])
-                                    if r["evals"] else None),
+    final = {c: {"final_accuracy": final_accuracy(r["evals"]) if r["evals"] else None,
                  "steps_to_target": steps_to_target(r["evals"], target),
                  "auto": _auto_choice(r)} for c, r in acc.items()}
     return {"meta": meta, "rows": rows, "accuracy": final, "goals": goals,

@@ -217,9 +217,7 @@ def _to_words(payload: tf.Tensor) -> tf.Tensor:
     is, everything else as int32 words (bit for bit; the dtypes
     :func:`_to_wire` packs are padded to a multiple of 4 bytes)."""
     name = payload.dtype.name
-    if name == "float16":
-        return tf.reshape(payload, [-1])
-    if name == "int32":
+    if name in ("float16", "int32"):
         return tf.reshape(payload, [-1])
     if name in GATHER_DTYPES:  # float32, float64, int64: whole int32 words
         return tf.reshape(tf.bitcast(payload, tf.int32), [-1])
