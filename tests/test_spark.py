@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import math
 import os
 import re
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+import tfdist
 from conftest import REPO, subprocess_env
 from tfdist import spark as tfspark
 from tfdist.errors import ConfigError
@@ -127,6 +129,71 @@ def test_a_session_that_reuses_python_workers_is_refused(conf):
     assert caught.value.field == "spark.python.worker.reuse"
     assert "expected 'false'. Received: 'true'" in str(caught.value)
     assert "local_session" in str(caught.value)
+
+
+def _ctx_and_keywords(ctx, *, epochs=1, seed=0):
+    return ctx, epochs, seed
+
+
+def _keywords_only(epochs, learning_rate=0.01):
+    return epochs, learning_rate
+
+
+def _any_keywords(**kwargs):
+    return kwargs
+
+
+def _optional_first(ctx=None, epochs=1):
+    return ctx, epochs
+
+
+@pytest.mark.parametrize("train_fn, kwargs, context, to_train_fn, to_strategy", [
+    # The documented form: the context first, keywords after it.
+    (_ctx_and_keywords, {"epochs": 3, "collective_timeout": 30},
+     True, {"epochs": 3}, {"collective_timeout": 30}),
+    (functools.partial(_ctx_and_keywords, seed=4), {}, True, {}, {}),
+    (lambda ctx: ctx, {"communication": "RING"}, True, {}, {"communication": "RING"}),
+    # spark-tensorflow-distributor's form: train_fn(**kwargs), no context.
+    (lambda: 1, {}, False, {}, {}),
+    (_keywords_only, {"epochs": 2, "register_timeout": 60},
+     False, {"epochs": 2}, {"register_timeout": 60}),
+    # A keyword naming the first parameter: it is not the context.
+    (_ctx_and_keywords, {"ctx": "mine"}, False, {"ctx": "mine"}, {}),
+    (_optional_first, {"epochs": 5}, False, {"epochs": 5}, {}),
+    # **kwargs takes every name that is not a strategy option.
+    (_any_keywords, {"batch": 8, "collective_timeout": 9}, False,
+     {"batch": 8}, {"collective_timeout": 9}),
+])
+def test_run_routes_its_keywords_to_train_fn_or_the_strategy(
+        train_fn, kwargs, context, to_train_fn, to_strategy):
+    assert tfspark._plan_call(train_fn, kwargs) == (context, to_train_fn, to_strategy)
+
+
+@pytest.mark.parametrize("train_fn, kwargs, field, says", [
+    # A keyword that neither takes.
+    (_keywords_only, {"epochs": 1, "batch": 8}, "batch",
+     "expected a parameter of train_fn (epochs, learning_rate) or an option of "
+     "tfdist.strategy_from_config ("),
+    # A train_fn parameter that is also a strategy option.
+    (lambda ctx, communication="AUTO": None, {"communication": "RING"},
+     "communication", "train_fn has a parameter 'communication'"),
+    # A required parameter that run() does not give.
+    (lambda *, epochs: None, {}, "train_fn",
+     "expected a function the tasks can call as train_fn()"),
+    (lambda a, b: None, {}, "train_fn", "missing a required argument: 'b'"),
+])
+def test_run_refuses_keywords_train_fn_cannot_take(train_fn, kwargs, field, says):
+    with pytest.raises(ConfigError) as caught:
+        tfspark.run(train_fn, 2, **kwargs)
+    assert caught.value.field == field
+    assert says in str(caught.value)
+
+
+def test_context_outside_a_task_says_where_it_works():
+    with pytest.raises(tfdist.TfdistError, match=re.escape(
+            "tfdist.spark.context() works only inside train_fn, on a Spark task "
+            "started by tfdist.spark.run(train_fn, ...)")):
+        tfspark.context()
 
 
 def test_a_spark_failure_outside_train_fn_names_the_partition():
@@ -353,8 +420,9 @@ def test_a_retry_resumes_from_the_backup_directory(spark, tmp_path):
 
 @pytest.mark.slow
 def test_more_workers_than_task_slots_is_refused(spark):
+    # No spark=: run() takes the active session, the module's 2 slots.
     with pytest.raises(ConfigError) as caught:
-        tfspark.run(_noop, 3, spark=spark.session, wait_for_slots=0)
+        tfspark.run(_noop, 3, wait_for_slots=0)
     assert caught.value.field == "num_workers"
     assert "at most 2" in str(caught.value)
     assert "Received: 3" in str(caught.value)
@@ -378,3 +446,46 @@ def test_a_hung_task_is_cancelled_at_the_timeout(spark, tmp_path):
     pids = _task_pids(tmp_path)
     assert set(pids) == {"task-0.pid", "task-1.pid"}, context
     assert _wait_gone(list(pids.values()), 30) == [], f"tasks still run{context}"
+
+
+@pytest.mark.slow
+def test_without_a_session_run_gets_one_and_calls_train_fn_with_keywords(tmp_path):
+    # As spark-tensorflow-distributor's runner: a fresh process with no
+    # Spark session, and a train_fn(epochs, learning_rate) with no context.
+    # A subprocess, since this one has the module's session (about 25 s).
+    missing = _engines_missing()
+    if missing:
+        pytest.skip(f"needs a real Spark: {missing}")
+    env = subprocess_env(TF_CPP_MIN_LOG_LEVEL="2")
+    for name in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON", "PYSPARK_SUBMIT_ARGS",
+                 "MASTER", "SPARK_REMOTE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(WORKERS / "spark_get_or_create.py"), "3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=360)
+    output = f"\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, output
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("result: ")]
+    assert len(lines) == 1, output
+    result = json.loads(lines[0][len("result: "):])
+    # SparkSession.builder.getOrCreate() gave plain python local[*], with the
+    # settings run() needs and everything on loopback.
+    assert result["session"] == {
+        "active_before": False, "master": "local[*]",
+        "spark.python.worker.reuse": "false",
+        "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
+        "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+        "spark.pyspark.python": sys.executable}, output
+    assert all(a.startswith("127.0.0.1:") for a in result["tf_config"]["cluster"]["worker"])
+    # train_fn(**kwargs) ran in the strategy's scope on both tasks; its context
+    # came from tfdist.spark.context().
+    chief, other = result["tasks"]
+    assert result["replicas"] == 2
+    assert [chief["task"], other["task"]] == ["worker:0", "worker:1"]
+    assert [chief["is_chief"], other["is_chief"]] == [True, False]
+    assert chief["scope_is_ctx_strategy"] and other["scope_is_ctx_strategy"], output
+    assert chief["variables_mirrored"] == "MirroredVariable"
+    # epochs=3 reached train_fn; both workers trained in sync.
+    assert len(chief["loss"]) == 3 and chief["loss"] == other["loss"], output
+    assert chief["loss"][-1] < 0.5 * chief["loss"][0], output
+    assert chief["weights_sha256"] == other["weights_sha256"]

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import os
@@ -74,6 +75,7 @@ __all__ = [
     "SparkJobError",
     "SparkTimeoutError",
     "TrainContext",
+    "context",
     "local_session",
     "run",
 ]
@@ -83,12 +85,22 @@ INSTALL_HINT = "pip install 'tfdist[spark]'"
 
 _SOURCE = "tfdist.spark.run"
 
-#: Settings :func:`local_session` applies (before the caller's ``conf``).
-LOCAL_SETTINGS: dict[str, str] = {
+#: Settings :func:`run` needs on any master; it gives them to the session it
+#: creates when none is active.
+SESSION_SETTINGS: dict[str, str] = {
     "spark.python.worker.reuse": "false",
     "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
+}
+#: Added for a local master (``local``, ``local[N]``, ``local-cluster[...]``):
+#: the driver and the tasks stay on loopback.
+LOOPBACK_SETTINGS: dict[str, str] = {
     "spark.driver.host": "127.0.0.1",
     "spark.driver.bindAddress": "127.0.0.1",
+}
+#: Settings :func:`local_session` applies (before the caller's ``conf``).
+LOCAL_SETTINGS: dict[str, str] = {
+    **SESSION_SETTINGS,
+    **LOOPBACK_SETTINGS,
     "spark.ui.enabled": "false",
 }
 
@@ -203,7 +215,9 @@ class TrainContext:
 class _TaskSpec:
     """Everything a task needs; pickled to the executors."""
 
-    train_fn: Callable[[TrainContext], Any]
+    train_fn: Callable[..., Any]
+    pass_context: bool
+    train_kwargs: dict
     num_workers: int
     attempt: int
     compression: Any
@@ -244,6 +258,41 @@ def _encode_failure(spec: _TaskSpec, partition: int, error: BaseException) -> st
             f"{_MARK} {json.dumps(info)}\n{_TB_START}\n{text.rstrip()}\n{_TB_END}")
 
 
+_CURRENT: TrainContext | None = None
+
+
+def context() -> TrainContext:
+    """The :class:`TrainContext` of the Spark task that runs this code.
+
+    For a ``train_fn`` that takes no context argument (as
+    spark-tensorflow-distributor's ``train_fn(**kwargs)``): call it inside
+    ``train_fn``, e.g. ``tfdist.spark.context().is_chief``.
+
+    Raises:
+        TfdistError: Called outside a ``train_fn`` that :func:`run` started.
+    """
+    if _CURRENT is None:
+        raise TfdistError(
+            "tfdist.spark.context() works only inside train_fn, on a Spark "
+            "task started by tfdist.spark.run(train_fn, ...). Received: a "
+            f"call in process {os.getpid()}, outside such a task.")
+    return _CURRENT
+
+
+def _call_train_fn(spec: _TaskSpec, ctx: TrainContext) -> Any:
+    """Calls train_fn in ``ctx.strategy.scope()``, as the anchor's runner does,
+    with ``tfdist.spark.context()`` answering ``ctx`` meanwhile."""
+    global _CURRENT
+    _CURRENT = ctx
+    try:
+        with ctx.strategy.scope():
+            if spec.pass_context:
+                return spec.train_fn(ctx, **spec.train_kwargs)
+            return spec.train_fn(**spec.train_kwargs)
+    finally:
+        _CURRENT = None
+
+
 def _run_task(spec: _TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
     """Body of each barrier task: TF_CONFIG, strategy, train_fn, result."""
     from pyspark import BarrierTaskContext
@@ -266,12 +315,12 @@ def _run_task(spec: _TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
             tf_config, strategy="multi_worker_mirrored",
             compression=spec.compression, error_feedback=spec.error_feedback,
             **spec.options)
-        context = TrainContext(
+        ctx = TrainContext(
             strategy=strategy, worker_index=partition,
             num_workers=spec.num_workers, is_chief=partition == 0,
             attempt=spec.attempt, backup_dir=spec.backup_dir,
             tf_config=tf_config, _barrier_context=barrier_context)
-        result = spec.train_fn(context)
+        result = _call_train_fn(spec, ctx)
         payload = None
         if partition == 0:
             from pyspark import cloudpickle
@@ -294,27 +343,74 @@ def _run_task(spec: _TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
 # The driver.
 
 
-def _context_of(spark: Any):
-    """The SparkContext of a SparkSession, a SparkContext, or the active one."""
+def _is_local_master(master: str | None) -> bool:
+    """Whether a Spark master URL runs everything on this machine."""
+    return bool(master) and (master == "local" or master.startswith(
+        ("local[", "local-cluster[")))
+
+
+def _new_session_settings() -> tuple[dict[str, str], str | None]:
+    """The settings for the session :func:`run` creates, and its master.
+
+    Starts (or joins, under spark-submit) Spark's JVM first, without a
+    SparkContext, to read the master it was given: spark-submit's
+    ``--master``, ``spark-defaults.conf``, or ``local[*]`` for plain
+    ``python``. Only a local master gets the loopback settings.
+    """
+    pyspark = _pyspark()
+    settings = dict(SESSION_SETTINGS)
+    try:
+        pyspark.SparkContext._ensure_initialized()
+        conf = pyspark.SparkConf(_jvm=pyspark.SparkContext._jvm)
+        master = conf.get("spark.master", None)
+    except Exception:  # A private API: then only the settings of any master.
+        return settings, None
+    if _is_local_master(master):
+        settings.update(LOOPBACK_SETTINGS)
+        if not (conf.contains("spark.pyspark.python")
+                or os.environ.get("PYSPARK_PYTHON")):
+            # The executors' Python is this one, which has tfdist.
+            settings["spark.pyspark.python"] = sys.executable
+    return settings, master
+
+
+def _get_or_create_session():
+    """``SparkSession.builder.getOrCreate()`` with what :func:`run` needs."""
+    from pyspark.sql import SparkSession
+    settings, master = _new_session_settings()
+    builder = SparkSession.builder
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    from absl import logging
+    logging.info("tfdist.spark.run: no active Spark session; started one "
+                 "with SparkSession.builder.getOrCreate() (master %s) and %s",
+                 session.sparkContext.master,
+                 ", ".join(f"{k}={v}" for k, v in settings.items()))
+    return session, master
+
+
+def _context_of(spark: Any) -> tuple[Any, bool]:
+    """The SparkContext to run on, and whether :func:`run` created it on a
+    local master.
+
+    ``spark`` is a SparkSession or SparkContext; None means the active
+    session or context, else a new session from
+    ``SparkSession.builder.getOrCreate()``.
+    """
     pyspark = _pyspark()
     if spark is None:
         from pyspark.sql import SparkSession
-        session = SparkSession.getActiveSession()
-        if session is not None:
-            spark = session
-        else:
-            spark = pyspark.SparkContext._active_spark_context
+        spark = (SparkSession.getActiveSession()
+                 or pyspark.SparkContext._active_spark_context)
         if spark is None:
-            raise ConfigError(
-                "spark", None, "a SparkSession or SparkContext, or an active "
-                "Spark session", source=_SOURCE,
-                hint="Start one first, e.g. tfdist.spark.local_session(2), "
-                "or SparkSession.builder...getOrCreate().")
+            session, master = _get_or_create_session()
+            return _context_of(session)[0], _is_local_master(master)
     if isinstance(spark, pyspark.SparkContext):
-        return spark
+        return spark, False
     if hasattr(spark, "sparkContext"):
         try:
-            return spark.sparkContext
+            return spark.sparkContext, False
         except Exception as error:  # Spark Connect sessions have none.
             raise ConfigError(
                 "spark", spark, "a classic SparkSession (with a SparkContext)",
@@ -498,30 +594,115 @@ def _check_backup_dir(value: Any) -> str | None:
     return value
 
 
-def run(train_fn: Callable[[TrainContext], Any], num_workers: int, *,
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY,
+               inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+               inspect.Parameter.KEYWORD_ONLY)
+
+
+def _plan_call(train_fn: Callable[..., Any],
+               kwargs: Mapping[str, Any]) -> tuple[bool, dict, dict]:
+    """How each task calls ``train_fn``: (pass the context?, its keyword
+    arguments, the strategy options), from ``run``'s extra keywords.
+
+    ``train_fn`` gets the :class:`TrainContext` first when its first
+    parameter is positional, required, and named by no keyword; otherwise it
+    is called as ``train_fn(**kwargs)``, as spark-tensorflow-distributor
+    calls it. A keyword goes to ``train_fn`` when it names one of its
+    parameters (or it takes ``**kwargs``), else to the strategy when it is
+    one of :func:`tfdist.strategy_from_config`'s options.
+    """
+    from tfdist.options import StrategyOptions
+    option_names = {f.name for f in dataclasses.fields(StrategyOptions)}
+    try:
+        signature = inspect.signature(train_fn)
+    except (TypeError, ValueError):  # Some builtins and C callables.
+        signature = None
+    params = list(signature.parameters.values()) if signature else []
+    first = params[0] if params else None
+    pass_context = signature is None or (
+        first is not None and first.kind in _POSITIONAL
+        and first.default is inspect.Parameter.empty and first.name not in kwargs)
+    named = {p.name for p in params[1 if pass_context else 0:]
+             if p.kind in _BY_KEYWORD}
+    any_keyword = signature is None or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    train_kwargs: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name in named and name in option_names:
+            raise ConfigError(
+                name, value, "a keyword that names either a parameter of "
+                "train_fn or a strategy option, not both", source=_SOURCE,
+                hint=f"train_fn has a parameter {name!r}, which is also an "
+                "option of tfdist.strategy_from_config: rename the parameter")
+        if name in named:
+            train_kwargs[name] = value
+        elif name in option_names:
+            options[name] = value
+        elif any_keyword and signature is not None:
+            train_kwargs[name] = value
+        elif name in ("strategy", "config"):
+            raise ConfigError(name, value, "no such option (tfdist.spark "
+                              "builds each task's TF_CONFIG and always uses "
+                              "the multi_worker_mirrored strategy)",
+                              source=_SOURCE)
+        else:
+            raise ConfigError(
+                name, value, "a parameter of train_fn ("
+                + (", ".join(sorted(named)) or "it has none") + ") or an "
+                "option of tfdist.strategy_from_config ("
+                + ", ".join(sorted(option_names)) + ")", source=_SOURCE)
+    if signature is not None:
+        try:
+            signature.bind(*([None] if pass_context else []), **train_kwargs)
+        except TypeError as error:
+            shown = ", ".join(["ctx"] * pass_context
+                              + [f"{k}=..." for k in train_kwargs])
+            raise ConfigError(
+                "train_fn", train_fn, f"a function the tasks can call as "
+                f"train_fn({shown})", source=_SOURCE,
+                hint=f"Python says: {error}. A required first positional "
+                "parameter gets the TrainContext; pass the others as keywords "
+                "of run()") from None
+    return pass_context, train_kwargs, options
+
+
+def run(train_fn: Callable[..., Any], num_workers: int, *,
         spark: Any = None, compression: Any = None,
         error_feedback: bool | None = None, backup_dir: str | os.PathLike | None = None,
         max_retries: int = 0, timeout: float | None = 24 * 3600.0,
         env: Mapping[str, str] | None = None, host: str | None = None,
-        wait_for_slots: float = 60.0, **options: Any) -> Any:
+        wait_for_slots: float = 60.0, **kwargs: Any) -> Any:
     """Runs ``train_fn`` on ``num_workers`` Spark barrier tasks.
 
     Each task builds its ``TF_CONFIG`` (job ``worker``, index = its Spark
     partition id, worker 0 = chief), then tfdist's MultiWorkerMirrored
     strategy through :func:`tfdist.strategy_from_config`, and calls
-    ``train_fn(ctx)`` with a :class:`TrainContext` (``ctx.strategy``,
+    ``train_fn`` inside that strategy's scope, as spark-tensorflow-
+    distributor's ``MirroredStrategyRunner`` does: either
+    ``train_fn(ctx, **kwargs)`` with a :class:`TrainContext` (``ctx.strategy``,
     ``ctx.worker_index``, ``ctx.is_chief``, ``ctx.attempt``,
-    ``ctx.backup_dir``...). Every task must train under ``ctx.strategy``:
+    ``ctx.backup_dir``...), or ``train_fn(**kwargs)`` (then
+    :func:`context` returns it). Every task must train under that strategy:
     the tasks meet in every all-reduce.
 
     Args:
-        train_fn: ``train_fn(ctx: TrainContext) -> result``. Pickled to the
+        train_fn: ``train_fn(ctx, **kwargs)`` or ``train_fn(**kwargs)``;
+            it gets the context when its first parameter is positional,
+            without default, and named by no keyword. Pickled to the
             executors with cloudpickle, so it may be defined in a notebook;
             whatever it imports must be installed there (tfdist included).
         num_workers: Number of workers (Spark tasks); at most the task
             slots of the cluster, since barrier tasks all run at once.
-        spark: A SparkSession or SparkContext; default: the active session.
-            It must have ``spark.python.worker.reuse=false``.
+        spark: A SparkSession or SparkContext. Default: the active session
+            or context; with none, ``SparkSession.builder.getOrCreate()``
+            with ``spark.python.worker.reuse=false`` and a 1 s barrier slot
+            check, and, for a local master (plain ``python`` gets
+            ``local[*]``), the driver on 127.0.0.1, the tasks' servers on
+            127.0.0.1 and this Python for the executors. A given or active
+            session is used as it is, and must have
+            ``spark.python.worker.reuse=false``.
         compression: Gradient compression, as for
             :func:`tfdist.strategy_from_config` (e.g. ``"fp16"``,
             ``"powersgd:4"``); the strategy reports it as
@@ -544,9 +725,11 @@ def run(train_fn: Callable[[TrainContext], Any], num_workers: int, *,
             Default: each executor's host, as Spark knows it.
         wait_for_slots: Seconds to wait for executors to offer
             ``num_workers`` task slots before failing.
-        **options: Options of :func:`tfdist.strategy_from_config`, e.g.
+        **kwargs: Keyword arguments of ``train_fn`` (those that name its
+            parameters, or all when it takes ``**kwargs``), and options of
+            :func:`tfdist.strategy_from_config`, e.g.
             ``collective_timeout=300``, ``register_timeout=60``,
-            ``communication="RING"``.
+            ``communication="RING"``. A name that is both is refused.
 
     Returns:
         What ``train_fn`` returned on the chief (worker 0); the other
@@ -554,9 +737,11 @@ def run(train_fn: Callable[[TrainContext], Any], num_workers: int, *,
         something from every task).
 
     Raises:
-        ConfigError: A bad argument or option, a session with Python worker
-            reuse, or more workers than task slots. The message names the
-            field and the value received.
+        ConfigError: A bad argument or option, a keyword neither
+            ``train_fn`` nor the strategy takes, a ``train_fn`` that cannot
+            be called with them, a session with Python worker reuse, or more
+            workers than task slots. The message names the field and the
+            value received.
         SparkJobError: A task failed on the last allowed attempt: the message
             has the failing partition and that task's traceback; the
             earlier attempts' errors are in ``failures``.
@@ -564,9 +749,8 @@ def run(train_fn: Callable[[TrainContext], Any], num_workers: int, *,
         ImportError: pyspark is not installed.
     """
     if not callable(train_fn):
-        raise ConfigError("train_fn", train_fn,
-                          "a callable taking a tfdist.spark.TrainContext",
-                          source=_SOURCE)
+        raise ConfigError("train_fn", train_fn, "a callable: train_fn(ctx, "
+                          "**kwargs) or train_fn(**kwargs)", source=_SOURCE)
     require_int("num_workers", num_workers, 1, source=_SOURCE)
     require_int("max_retries", max_retries, 0, source=_SOURCE)
     timeout = _check_seconds("timeout", timeout, allow_none=True)
@@ -580,12 +764,7 @@ def run(train_fn: Callable[[TrainContext], Any], num_workers: int, *,
     if error_feedback is not None and not isinstance(error_feedback, bool):
         raise ConfigError("error_feedback", error_feedback, "None, True or False",
                           source=_SOURCE)
-    for name in ("strategy", "config"):
-        if name in options:
-            raise ConfigError(name, options[name], "no such option (tfdist.spark "
-                              "builds each task's TF_CONFIG and always uses "
-                              "the multi_worker_mirrored strategy)",
-                              source=_SOURCE)
+    pass_context, train_kwargs, options = _plan_call(train_fn, kwargs)
     # Fail here, not in every task: the options and compression, checked
     # without TensorFlow (the tasks read their own environment).
     from tfdist.compression import parse_compression
@@ -593,7 +772,9 @@ def run(train_fn: Callable[[TrainContext], Any], num_workers: int, *,
     parse_compression(compression)
     make_options(env={}, **options)
 
-    sc = _context_of(spark)
+    sc, created_local = _context_of(spark)
+    if created_local and host is None:
+        host = "127.0.0.1"  # Every task runs on this machine.
     _check_worker_reuse(sc)
     slots = _wait_for_slots(sc, num_workers, wait_for_slots)
     if slots is not None and slots < num_workers:
@@ -611,7 +792,8 @@ def run(train_fn: Callable[[TrainContext], Any], num_workers: int, *,
     attempts = max_retries + 1
     failures: list[SparkJobError] = []
     for attempt in range(attempts):
-        spec = _TaskSpec(train_fn=train_fn, num_workers=num_workers,
+        spec = _TaskSpec(train_fn=train_fn, pass_context=pass_context,
+                         train_kwargs=dict(train_kwargs), num_workers=num_workers,
                          attempt=attempt, compression=compression,
                          error_feedback=error_feedback, options=dict(options),
                          env=env, host=host, backup_dir=backup_dir)
