@@ -220,3 +220,116 @@ def test_tfjob_errors_name_the_field_and_exit_2():
                   "--restart-policy", "never", "--", "python")
     assert proc.returncode == 2
     assert "field 'restart_policy'" in proc.stderr and "'Never'" in proc.stderr
+
+
+# --- TensorFlow's start-up noise (tfdist/quiet.py) --------------------------
+
+#: Lines TensorFlow 2.21 printed here, on a CPU machine, in `tfdist info`.
+OBSERVED_NOISE = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795432475.557413    8183 port.cc:153] oneDNN custom operations are on. "
+    "You may see slightly different numerical results due to floating-point round-off "
+    "errors from different computation orders. To turn them off, set the environment "
+    "variable `TF_ENABLE_ONEDNN_OPTS=0`.",
+    "I0000 00:00:1795432475.557731    8183 cudart_stub.cc:31] Could not find cuda drivers "
+    "on your machine, GPU will not be used.",
+    "I0000 00:00:1795432475.771975    8183 cpu_feature_guard.cc:227] This TensorFlow "
+    "binary is optimized to use available CPU instructions in performance-critical "
+    "operations.",
+    "To enable the following instructions: AVX2 AVX512F AVX512_VNNI AVX512_BF16 "
+    "AVX512_FP16 AVX_VNNI AMX_TILE AMX_INT8 AMX_BF16 FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.",
+    "E0000 00:00:1795432477.875512    8183 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+    # A multi-worker task's start-up without TF_CPP_MIN_LOG_LEVEL (tfdist launch).
+    "I0000 00:00:1795432498.078979    9908 coordination_service.cc:221] Initializing "
+    "CoordinationService",
+    "I0000 00:00:1795432498.079733    9908 grpc_server_lib.cc:467] Started server with "
+    "target: grpc://127.0.0.1:46853",
+    "I0000 00:00:1795432498.223736   10426 coordination_service.cc:1472] "
+    "Barrier([Init]Wait_for_all_tasks_to_register::0) has passed with status: OK",
+    "I0000 00:00:1795432498.223883   10426 coordination_service.h:529] "
+    "/job:worker/replica:0/task:1 has connected to coordination service. "
+    "Incarnation: 8136992695137471704",
+    "I0000 00:00:1795432498.224083    9908 coordination_service_agent.cc:245] "
+    "Coordination agent has successfully connected.",
+]
+
+#: Real problems that look alike; the filter keeps every one.
+REAL_ERRORS = [
+    "E0000 00:00:1795432477.875512    8183 cuda_platform.cc:52] failed call to cuInit: "
+    "CUDA_ERROR_OUT_OF_MEMORY",  # No "Could not find cuda drivers" before it.
+    "E1123 11:16:40.123456    8183 collective_ops.cc:12] Collective ops timed out",
+    "W0000 00:00:1795432475.557413    8183 port.cc:153] oneDNN custom operations are on.",
+    "F0000 00:00:1795432475.557413    8183 cudart_stub.cc:31] Check failed: driver",
+    "To enable the following instructions: AVX2 FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.",  # Not after its first line.
+    "Traceback (most recent call last):",
+    "RuntimeError: Could not find cuda drivers on your machine, GPU will not be used.",
+    "ERROR:absl:Started server with target: grpc://127.0.0.1:1",
+]
+
+
+def test_the_noise_filter_drops_the_observed_lines_and_keeps_real_errors():
+    from tfdist.quiet import NoiseFilter
+    assert [line for line in REAL_ERRORS if NoiseFilter().is_noise(line)] == []
+    noise = NoiseFilter()
+    assert [line for line in OBSERVED_NOISE if not noise.is_noise(line)] == []
+    # One stream, real lines among the noise: exactly the real lines come out.
+    real = iter(REAL_ERRORS[1:])
+    mixed = []
+    for index, line in enumerate(OBSERVED_NOISE):
+        mixed.append(line)
+        if index != 3:  # The CPU-instructions notice's two lines stay together.
+            mixed.append(next(real, None))
+    mixed = [line for line in mixed if line is not None]
+    assert list(NoiseFilter().keep(mixed)) == REAL_ERRORS[1:]
+
+
+def test_filtered_stderr_passes_real_errors_even_when_the_process_aborts():
+    # fd 2 is written as TensorFlow's C++ code writes it; the process then
+    # aborts, as on a fatal "Check failed": the filter process still shows
+    # every line that is not noise.
+    lines = OBSERVED_NOISE[:3] + [REAL_ERRORS[1]] + OBSERVED_NOISE[3:] + [REAL_ERRORS[3]]
+    code = (
+        "import os, sys, traceback\n"
+        "from tfdist.quiet import filtered_stderr\n"
+        "lines = sys.argv[1:]\n"
+        "with filtered_stderr():\n"
+        "    os.write(2, ''.join(l + '\\n' for l in lines[:-1]).encode())\n"
+        "    try:\n"
+        "        raise ValueError('a Python error')\n"
+        "    except ValueError:\n"
+        "        traceback.print_exc()\n"
+        "    sys.stderr.flush()\n"
+        "    os.write(2, (lines[-1] + '\\n').encode())\n"
+        "    os.abort()\n")
+    proc = subprocess.run([sys.executable, "-c", code, *lines], capture_output=True,
+                          text=True, cwd=REPO, env=subprocess_env(), timeout=60)
+    assert proc.returncode < 0  # SIGABRT.
+    shown = proc.stderr.splitlines()
+    assert shown[0] == REAL_ERRORS[1]
+    assert shown[1] == "Traceback (most recent call last):"
+    assert shown[-2:] == ["ValueError: a Python error", REAL_ERRORS[3]]
+    assert not set(shown) & set(OBSERVED_NOISE)
+
+
+def _noise_lines(text):
+    from tfdist.quiet import NoiseFilter
+    noise = NoiseFilter()
+    return [line for line in text.splitlines() if noise.is_noise(line)]
+
+
+def test_info_hides_tensorflows_start_up_noise_unless_verbose():
+    # As a user runs it: TF_CPP_MIN_LOG_LEVEL unset (0).
+    quiet = tfdist("info", TF_CPP_MIN_LOG_LEVEL="0")
+    verbose = tfdist("info", "--verbose", TF_CPP_MIN_LOG_LEVEL="0")
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert _noise_lines(quiet.stdout + quiet.stderr) == []
+    assert quiet.stderr == ""
+    assert quiet.stdout.startswith("strategy: ")  # The first line is useful.
+    # With --verbose, everything TensorFlow said, on stderr; the same report.
+    shown = _noise_lines(verbose.stderr)
+    assert any("absl::InitializeLog()" in line for line in shown), verbose.stderr
+    assert any("cuInit" in line for line in shown), verbose.stderr
+    assert verbose.stdout == quiet.stdout

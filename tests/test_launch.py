@@ -255,3 +255,68 @@ def test_an_evaluator_task_runs_the_script_outside_the_cluster():
     assert result.ok
     # The evaluator has its own TF_CONFIG task and is not counted in the cluster.
     assert "[evaluator:0] task evaluator:0 of 2 workers, attempt 0" in lines
+
+
+@pytest.mark.slow
+def test_tensorflows_start_up_noise_is_in_the_logs_and_shown_only_with_verbose(tmp_path):
+    # Two tasks that start TensorFlow (its start-up noise on a CPU machine),
+    # log a real error, and worker 1 raises: as a user runs it, without
+    # TF_CPP_MIN_LOG_LEVEL.
+    from tfdist.quiet import NoiseFilter
+
+    def noise_in(lines):
+        filters = {}  # One per task: the filter follows each process's stream.
+        found = []
+        for line in lines:
+            task, _, text = line.partition("] ")
+            if task.startswith("[worker:") and filters.setdefault(
+                    task, NoiseFilter()).is_noise(text):
+                found.append(line)
+        return found
+
+    script = str(REPO / "tests" / "workers" / "tf_start_task.py")
+    env = subprocess_env(TF_CPP_MIN_LOG_LEVEL="0")
+    quiet = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--log-dir",
+         str(tmp_path), script, "fail"], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=240)
+    lines = quiet.stdout.splitlines()
+    context = quiet.stdout + quiet.stderr
+    assert quiet.returncode == 1, context
+    assert noise_in(lines) == [], context
+    assert not any("cuInit" in line or "oneDNN" in line for line in lines), context
+    # Real errors pass: an absl error line of each task, worker 1's traceback,
+    # and its last lines in the launcher's report.
+    first = {index: next(line for line in lines if line.startswith(f"[worker:{index}]"))
+             for index in (0, 1)}
+    assert first == {0: "[worker:0] task 0: 1 CPU",
+                     1: "[worker:1] ERROR:absl:a real error from task 1"}, context
+    for index in (0, 1):
+        assert f"[worker:{index}] ERROR:absl:a real error from task {index}" in lines
+    assert "[worker:1] RuntimeError: task 1 fails on purpose" in lines, context
+    report = lines.index("[tfdist launch] giving up: worker:1 exited with code 1. "
+                         "Its last lines:")
+    assert lines[report + 1:] == [
+        "    task 1: 1 CPU", "    ERROR:absl:a real error from task 1",
+        "    Traceback (most recent call last):",
+        f'      File "{script}", line 20, in <module>',
+        '        raise RuntimeError("task 1 fails on purpose")',
+        "    RuntimeError: task 1 fails on purpose"], context
+    # The log files have everything, the noise included.
+    for name in ("worker-0.log", "worker-1.log"):
+        log = (tmp_path / "attempt-0" / name).read_text().splitlines()
+        assert any("cuInit" in line for line in log), log
+        assert any(line.startswith("WARNING: All log messages before absl::Init")
+                   for line in log), log
+    # --verbose shows the noise too, on every task's lines.
+    verbose = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--verbose",
+         "--show-all", script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=240)
+    lines = verbose.stdout.splitlines()
+    assert verbose.returncode == 0, verbose.stdout + verbose.stderr
+    shown = noise_in(lines)
+    for index in (0, 1):
+        assert any(line.startswith(f"[worker:{index}] E0000") and "cuInit" in line
+                   for line in shown), verbose.stdout
+        assert f"[worker:{index}] task {index}: 1 CPU" in lines

@@ -1,15 +1,17 @@
 """The ``tfdist`` command.
 
-    tfdist info [--config SPEC] [--strategy NAME] [--cpu-replicas N] [--tpu T]
+    tfdist info [--config SPEC] [--strategy NAME] [--cpu-replicas N] [--tpu T] [--verbose]
     tfdist validate FILE|- [--strategy NAME] [--require-task]
     tfdist tf-config SPEC --task TYPE:INDEX [--export]
     tfdist launch [--workers N] [--chief] [--ps M] [--evaluator] [--max-restarts K]
-                  [--show-all] [--spec SPEC] [--log-dir D] [--netns] SCRIPT [ARGS...]
+                  [--show-all] [--verbose] [--spec SPEC] [--log-dir D] [--netns]
+                  SCRIPT [ARGS...]
     tfdist hosts SPEC [--python P] [--evaluator] -- SCRIPT [ARGS...]
     tfdist tfjob SPEC --name N --image I [--namespace NS] -- COMMAND [ARGS...]
 
 ``validate``, ``tf-config``, ``hosts`` and ``tfjob`` never import TensorFlow, so
-they answer at once.
+they answer at once. ``info`` and ``launch`` leave TensorFlow's start-up
+noise out of the terminal (see :mod:`tfdist.quiet`); ``--verbose`` shows it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Sequence
 
 from tfdist import cluster
 from tfdist.errors import ConfigError, TfdistError
+from tfdist.quiet import filtered_stderr
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -117,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--strategy", default="auto")
     info.add_argument("--cpu-replicas", type=int, default=None)
     info.add_argument("--tpu", default=None)
-    info.set_defaults(func=_info)
+    info.add_argument("--verbose", "-v", action="store_true",
+                      help="also show TensorFlow's start-up messages (CUDA, "
+                      "oneDNN, CPU instructions), hidden by default")
+    # TensorFlow writes its start-up noise to fd 2 itself: main() filters it.
+    info.set_defaults(func=_info, filter_stderr=True)
 
     validate = sub.add_parser("validate", help="check a TF_CONFIG or spec "
                               "file ('-' reads stdin)")
@@ -163,6 +170,10 @@ def _add_launch(sub) -> None:
                         "warnings and errors of the others)")
     launch.add_argument("--spec", default=None,
                         help="use this cluster spec's (local) ports for the first attempt")
+    launch.add_argument("--verbose", "-v", action="store_true",
+                        help="also show TensorFlow's start-up messages of the tasks "
+                        "(CUDA, oneDNN, CPU instructions, cluster start-up); the "
+                        "--log-dir logs always have them")
     launch.add_argument("--log-dir", default=None, help="keep each task's full log here")
     launch.add_argument("--netns", action="store_true",
                         help="run the job in a private network namespace (unshare -n)")
@@ -199,7 +210,7 @@ def _launch(args: argparse.Namespace) -> int:
     result = launch_lib.launch(
         script, rest, workers=args.workers, chief=args.chief, ps=args.ps,
         evaluator=args.evaluator, max_restarts=args.max_restarts, show_all=args.show_all,
-        spec=args.spec, log_dir=args.log_dir)
+        spec=args.spec, log_dir=args.log_dir, verbose=args.verbose)
     return result.exit_code
 
 
@@ -338,8 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``tfdist`` command; returns the exit code."""
     args = build_parser().parse_args(argv)
     args.argv = None if argv is None else list(argv)[1:]  # After the subcommand.
+    quiet = getattr(args, "filter_stderr", False) and not args.verbose
     try:
-        return args.func(args)
+        with filtered_stderr(quiet):
+            return args.func(args)
     except TfdistError as error:
         print(f"tfdist {args.command}: error: {error}", file=sys.stderr)
         return 2

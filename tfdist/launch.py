@@ -2,7 +2,9 @@
 
 What torchrun is to PyTorch, for one machine: it picks free ports on
 127.0.0.1, gives every task its TF_CONFIG, starts one process per task,
-prefixes their output, and watches them.
+prefixes their output, and watches them. TensorFlow's start-up noise
+(:mod:`tfdist.quiet`) is left out of what it shows, unless ``verbose``; the
+per-task log files keep every line.
 
 * A task that exits non-zero or is killed stops the whole job (the peers of a
   synchronous job would otherwise wait forever); the job then restarts, on
@@ -37,6 +39,7 @@ from typing import IO, Any, Sequence
 from tfdist import cluster
 from tfdist.errors import ConfigError, require_int
 from tfdist.net import local_spec
+from tfdist.quiet import NoiseFilter
 
 __all__ = ["launch", "LaunchResult", "TaskExit", "SERVER_CODE"]
 
@@ -121,7 +124,7 @@ class _Task:
     """One child process and the thread that copies its output."""
 
     def __init__(self, task: str, argv: list[str], env: dict, out: "_Output",
-                 shown: bool, log_path: Path | None) -> None:
+                 shown: bool, log_path: Path | None, verbose: bool = False) -> None:
         self.task = task
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
         self.port_taken = False
@@ -131,18 +134,22 @@ class _Task:
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, text=True,
             encoding="utf-8", errors="replace", bufsize=1)
-        self._thread = threading.Thread(target=self._pump, args=(out, shown), daemon=True)
+        self._thread = threading.Thread(target=self._pump, args=(out, shown, verbose),
+                                        daemon=True)
         self._thread.start()
 
-    def _pump(self, out: "_Output", shown: bool) -> None:
+    def _pump(self, out: "_Output", shown: bool, verbose: bool) -> None:
         in_traceback = False
+        noise = None if verbose else NoiseFilter()
         for line in self.proc.stdout:
             line = line.rstrip("\n")
-            self.tail.append(line)
             if self._log:
                 self._log.write(line + "\n")
             if _PORT_TAKEN.search(line):
                 self.port_taken = True
+            if noise is not None and noise.is_noise(line):
+                continue  # In the log file only.
+            self.tail.append(line)
             in_traceback = in_traceback or line.startswith("Traceback")
             if shown or in_traceback or _IMPORTANT.search(line):
                 out.line(f"[{self.task}] {line}")
@@ -218,6 +225,7 @@ def launch(
     port_relaunches: int = 5,
     output: IO[str] | None = None,
     handle_signals: bool | None = None,
+    verbose: bool = False,
 ) -> LaunchResult:
     """Runs ``python SCRIPT ARGS`` as every task of a local cluster.
 
@@ -250,6 +258,9 @@ def launch(
         output: Where prefixed lines go (default: sys.stdout).
         handle_signals: Turn SIGTERM/SIGINT into a clean stop of every task;
             default: when called from the main thread.
+        verbose: Also show TensorFlow's start-up noise (the lines of
+            :data:`tfdist.quiet.NOISE`); by default only the log files
+            have it, and the tail of a failed task leaves it out.
 
     Returns:
         A :class:`LaunchResult`; the ``tfdist launch`` command exits with its
@@ -296,7 +307,7 @@ def launch(
                         else local_spec(workers, chief=chief, ps=ps))
             failure, port_taken = _run_once(
                 job_spec, evaluator, script_argv, list(args), ps > 0,
-                show_all, env, python, log_dir, attempt, stop_timeout, out)
+                show_all, env, python, log_dir, attempt, stop_timeout, out, verbose)
             attempt += 1
             if failure is None:
                 out.say("all tasks finished")
@@ -330,7 +341,7 @@ def launch(
 
 
 def _run_once(spec, evaluator, script_argv, args, parameter_server, show_all, env, python, log_dir,
-              attempt, stop_timeout, out) -> tuple[TaskExit | None, bool]:
+              attempt, stop_timeout, out, verbose=False) -> tuple[TaskExit | None, bool]:
     """Starts every task, waits, stops them all. Returns (failure, port_taken)."""
     tasks: list[_Task] = []
     trainers: list[_Task] = []
@@ -348,7 +359,7 @@ def _run_once(spec, evaluator, script_argv, args, parameter_server, show_all, en
             server = parameter_server and task_type in ("ps", "worker")
             argv = [python, "-c", SERVER_CODE] if server else [python, *script_argv, *args]
             task = _Task(name, argv, task_env, out, show_all or name == lead,
-                         logs / f"{name.replace(':', '-')}.log" if logs else None)
+                         logs / f"{name.replace(':', '-')}.log" if logs else None, verbose)
             tasks.append(task)
             if not server and task_type != "evaluator":
                 trainers.append(task)
