@@ -7,7 +7,7 @@ host, the tasks exchange their addresses with
 (``worker`` job, index = Spark partition id; worker 0 is the chief) and a
 tfdist :class:`~tfdist.strategies.MultiWorkerMirroredStrategy`, which includes
 the Keras 3 ``fit`` fix. Then it calls ``train_fn(ctx)`` with a
-:class:`TrainContext`::
+:class:`TrainContext`, inside the strategy's scope::
 
     from tfdist import spark as tfspark
 
@@ -20,6 +20,13 @@ the Keras 3 ``fit`` fix. Then it calls ``train_fn(ctx)`` with a
 
     session = tfspark.local_session(2)      # or your own SparkSession
     weights = tfspark.run(train, num_workers=2, backup_dir="/shared/backup")
+
+As spark-tensorflow-distributor's ``MirroredStrategyRunner.run(train_fn,
+**kwargs)``: ``run(train_fn, num_workers=2, epochs=3)`` calls
+``train_fn(epochs=3)`` when its first parameter is not a required
+positional one (the context is then :func:`context`), and with no active
+session gets one from ``SparkSession.builder.getOrCreate()`` with the
+settings below (the loopback ones for a local master only).
 
 Failures: when one task fails, Spark aborts the barrier stage as a whole and
 kills the other tasks; :func:`run` raises :class:`SparkJobError` with the
@@ -34,7 +41,8 @@ runs out. (Spark 4.3 quirk: a task killed while it waits in ``allGather`` or
 pyspark is optional (``pip install 'tfdist[spark]'``); importing this module
 does not import pyspark, nor TensorFlow on the driver.
 
-Spark settings this needs (:func:`local_session` sets them):
+Spark settings this needs (:func:`local_session` sets them, and so does
+:func:`run` on the session it creates):
 
 * ``spark.python.worker.reuse=false``. TensorFlow's collectives can be set up
   once per process; a reused Python worker fails the next job with
