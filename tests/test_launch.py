@@ -56,9 +56,12 @@ def test_output_is_prefixed_and_filtered_by_task():
     assert result.ok and result.restarts == 0
     assert "[worker:0] task worker:0 of 2 workers, attempt 0" in lines
     assert "[worker:0] WARNING: a warning" in lines
-    # Worker 1: its warnings, not its ordinary lines.
+    assert any(line.startswith("[worker:0] I0000 ") for line in lines)
+    # Worker 1: its warnings, not its ordinary lines, nor TensorFlow's INFO
+    # lines with "error" in their text.
     assert "[worker:1] WARNING: a warning" in lines
     assert not any(line.startswith("[worker:1] task") for line in lines)
+    assert not any(line.startswith("[worker:1] I0000 ") for line in lines), lines
     assert lines[-1] == "[tfdist launch] all tasks finished"
 
     result, lines = run("ok", show_all=True, chief=True)
@@ -69,7 +72,7 @@ def test_output_is_prefixed_and_filtered_by_task():
 def test_a_failing_task_stops_the_others_and_gives_its_code(tmp_path):
     result, lines = run("fail-1", tmp_path)
     assert result.exit_code == 3 and result.failure.task == "worker:1"
-    assert "exited with code 3" in lines[-4] and "worker:1" in lines[-4]
+    assert "exited with code 3" in lines[-5] and "worker:1" in lines[-5]
     assert lines[-1].strip() == "worker 1 fails now"  # The failing task's last lines.
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 4  # Both workers and the grandchild each one started.

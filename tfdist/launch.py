@@ -51,6 +51,9 @@ _PORT_TAKEN = re.compile(r"Could not start gRPC server|Address already in use|"
                          r"Failed to add port to server")
 #: Lines of a non-chief task shown by default: warnings, errors, tracebacks.
 _IMPORTANT = re.compile(r"\bwarn|error|exception|traceback|^[EFW]\d{4}", re.IGNORECASE)
+#: TensorFlow's INFO lines: not shown for a non-chief task, even with "error"
+#: in their text ("Ignoring error status when releasing ...").
+_TF_INFO = re.compile(r"I\d{4} \d\d:\d\d:[\d.]+ +\d+ [\w.]+:\d+\] ")
 _TAIL = 30
 #: Seconds an evaluator may run on after the training tasks finished.
 EVALUATOR_GRACE = 60.0
@@ -151,7 +154,8 @@ class _Task:
                 continue  # In the log file only.
             self.tail.append(line)
             in_traceback = in_traceback or line.startswith("Traceback")
-            if shown or in_traceback or _IMPORTANT.search(line):
+            if shown or in_traceback or (_IMPORTANT.search(line)
+                                         and not _TF_INFO.match(line)):
                 out.line(f"[{self.task}] {line}")
         if self._log:
             self._log.close()

@@ -1,6 +1,7 @@
 """A plain-Python task for the launcher tests (no TensorFlow: quick).
 
-Usage: task.py MODE [DIR]. It prints a line naming its task, and a warning.
+Usage: task.py MODE [DIR]. It prints a line naming its task, a warning, and a
+TensorFlow INFO line that has the word "error".
 With DIR, it writes its pid (and its grandchild's) to DIR/TASK.pid and its
 cluster's ports to DIR/ports-ATTEMPT. Modes:
 
@@ -29,6 +30,9 @@ out = Path(sys.argv[2]) if len(sys.argv) > 2 else None
 workers = len(config["cluster"].get("worker", []))
 print(f"task {task_type}:{index} of {workers} workers, attempt {attempt}", flush=True)
 print("WARNING: a warning", flush=True)
+# A TensorFlow INFO line with "error" in it (a PS worker prints it at its end).
+print("I0000 00:00:1795433773.187567    4577 kernel_and_device.cc:101] Ignoring "
+      "error status when releasing multi-device function handle", flush=True)
 
 if out is not None:
     # A grandchild, to check that stopping reaches the whole process group.
