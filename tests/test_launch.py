@@ -323,3 +323,22 @@ def test_tensorflows_start_up_noise_is_in_the_logs_and_shown_only_with_verbose(t
         assert any(line.startswith(f"[worker:{index}] E0000") and "cuInit" in line
                    for line in shown), verbose.stdout
         assert f"[worker:{index}] task {index}: 1 CPU" in lines
+
+
+def test_the_cli_runs_a_module_or_code_as_python_does():
+    # `tfdist launch -m MODULE ARGS` / `-c CODE ARGS`: the arguments after
+    # them are the task's, launcher options included.
+    code = "import json, os, sys; print(json.loads(os.environ['TF_CONFIG'])['task'], sys.argv)"
+    for words, shown in (
+            (["-c", code, "--workers", "3"],
+             "[worker:1] {'type': 'worker', 'index': 1} ['-c', '--workers', '3']"),
+            (["-m", "json.tool", "--help"], "[worker:1] usage: python -m json.tool")):
+        done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--workers", "2",
+                               "--show-all", *words], cwd=REPO, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert any(line.startswith(shown) for line in done.stdout.splitlines()), done.stdout
+    done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-m"], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "field 'script': expected '-m MODULE'. Received: '-m'" in done.stderr

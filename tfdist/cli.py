@@ -5,7 +5,7 @@
     tfdist tf-config SPEC --task TYPE:INDEX [--export]
     tfdist launch [--workers N] [--chief] [--ps M] [--evaluator] [--max-restarts K]
                   [--show-all] [--verbose] [--spec SPEC] [--log-dir D] [--netns]
-                  SCRIPT [ARGS...]
+                  SCRIPT|-m MODULE|-c CODE [ARGS...]
     tfdist hosts SPEC [--python P] [--evaluator] -- SCRIPT [ARGS...]
     tfdist tfjob SPEC --name N --image I [--namespace NS] -- COMMAND [ARGS...]
 
@@ -177,7 +177,13 @@ def _add_launch(sub) -> None:
     launch.add_argument("--log-dir", default=None, help="keep each task's full log here")
     launch.add_argument("--netns", action="store_true",
                         help="run the job in a private network namespace (unshare -n)")
-    launch.add_argument("script", help="the training script, or -m MODULE")
+    # -m and -c as options: argparse refuses a positional that starts with '-'.
+    launch.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE",
+                        help="run a module, as python -m MODULE [ARGS...]")
+    launch.add_argument("-c", dest="code", nargs=argparse.REMAINDER, metavar="CODE",
+                        help="run code, as python -c CODE [ARGS...]")
+    launch.add_argument("script", nargs="?", help="the training script (or -m MODULE, "
+                        "-c CODE)")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     launch.set_defaults(func=_launch)
 
@@ -186,11 +192,20 @@ def _launch(args: argparse.Namespace) -> int:
     from tfdist import launch as launch_lib
 
     script, rest = [args.script], list(args.args)
-    if args.script in ("-m", "-c"):
+    for flag, words in (("-m", args.module), ("-c", args.code)):
+        if words is not None:
+            if not words:
+                raise ConfigError("script", flag, f"'{flag} {'MODULE' if flag == '-m' else 'CODE'}'",
+                                  source="tfdist launch")
+            script, rest = [flag, words[0]], words[1:]
+    if args.script in ("-m", "-c"):  # After '--'.
         if not rest:
             raise ConfigError("script", args.script, f"'{args.script} MODULE_OR_CODE'",
                               source="tfdist launch")
         script, rest = [args.script, rest[0]], rest[1:]
+    if script == [None]:
+        raise ConfigError("script", None, "a script path, -m MODULE or -c CODE",
+                          source="tfdist launch")
     if args.netns and not os.environ.get("TFDIST_IN_NETNS"):
         given = list(sys.argv[2:] if args.argv is None else args.argv)
         given.remove("--netns")  # The first one: the launcher's, not the script's.
