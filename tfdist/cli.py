@@ -195,8 +195,8 @@ def _launch(args: argparse.Namespace) -> int:
     for flag, words in (("-m", args.module), ("-c", args.code)):
         if words is not None:
             if not words:
-                raise ConfigError("script", flag, f"'{flag} {'MODULE' if flag == '-m' else 'CODE'}'",
-                                  source="tfdist launch")
+                what = "MODULE" if flag == "-m" else "CODE"
+                raise ConfigError("script", flag, f"'{flag} {what}'", source="tfdist launch")
             script, rest = [flag, words[0]], words[1:]
     if args.script in ("-m", "-c"):  # After '--'.
         if not rest:
