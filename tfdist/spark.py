@@ -169,7 +169,8 @@ def _pyspark():
 
 @dataclasses.dataclass
 class TrainContext:
-    """What ``train_fn`` receives on each Spark task.
+    """What ``train_fn`` receives on each Spark task (or reads from
+    :func:`context`, when it takes no context argument).
 
     Attributes:
         strategy: tfdist's ``MultiWorkerMirroredStrategy`` for this task,
