@@ -212,6 +212,14 @@ def _kind(candidate: Any) -> str:
     return parse_compression(candidate).name
 
 
+def _dense_entries(shapes) -> int:
+    """Floating-point entries of the dense gradients: what compression
+    computes on (sparse gradients pass through)."""
+    from tfdist.compression.sparse import split_sparse
+    dense, _ = split_sparse(shapes)
+    return sum(math.prod(s) for s, d in dense if d.startswith(("float", "bfloat")))
+
+
 def compute_cost(candidate: Any, entries: int,
                  per_entry: dict[str, float] | None = None) -> float:
     """Predicted compute seconds a candidate adds per step for ``entries`` gradient entries."""
@@ -249,7 +257,7 @@ def predict_costs(
     from tfdist.compression.registry import make_aggregator
 
     factors = STEP_FACTOR if step_factor is None else step_factor
-    entries = sum(math.prod(s) for s, d in shapes if d.startswith(("float", "bfloat")))
+    entries = _dense_entries(shapes)
     costs = {}
     for candidate in candidates:
         traffic = make_aggregator(candidate).traffic(list(shapes), link.num_replicas)
@@ -283,7 +291,7 @@ def choose(
     candidates = list(candidates)
     if not any(label(c) == "none" for c in candidates):
         candidates.insert(0, "none")
-    entries = sum(math.prod(s) for s, d in shapes if d.startswith(("float", "bfloat")))
+    entries = _dense_entries(shapes)
     if link is None or link.num_replicas < 2 or entries == 0:
         return Decision("none", {}, None, entries, "none")
     costs = predict_costs(link, shapes, candidates, **overrides)
