@@ -305,3 +305,83 @@ def test_the_wire_dtype_of_the_slices_in_the_traced_collectives(tf_cpus, setting
 
     assert _collective_dtypes(step.get_concrete_function(x, y)) == sorted(
         {"int32", "int64", wire})
+
+
+@pytest.mark.slow
+def test_two_workers_gather_slices_in_bf16_and_count_them():
+    from conftest import finish, result_line, start
+    from tfdist import cluster
+    from tfdist.net import local_spec
+
+    procs = [start(["tests/workers/sparse_fit.py"], tf_config=config)
+             for _, _, config in cluster.all_task_configs(local_spec(2))]
+    results = finish(procs, timeout=300)
+    for code, out, err in results:
+        assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
+    chief, other = (result_line(out) for _, out, _ in results)
+    assert chief["replicas"] == other["replicas"] == 2
+
+    # Both workers hold the sum of both workers' slices (3 and 5 rows; the
+    # 3 are padded to 5), densified: exact uncompressed, bf16 within 1e-2.
+    expected = np.zeros((20, 8), "float32")
+    for index in (0, 1):
+        rows = 3 + 2 * index
+        values = np.arange(rows * 8, dtype="float32").reshape(rows, 8) / 7.0 + index + 0.1
+        np.add.at(expected, (np.arange(rows) * 3 + index) % 7, values)
+    for worker in (chief, other):
+        np.testing.assert_allclose(worker["none"], expected, rtol=1e-6)
+        np.testing.assert_allclose(worker["bf16"], expected, rtol=1e-2)
+        assert not np.array_equal(worker["bf16"], worker["none"])  # Really 16 bits.
+        assert (worker["none_wire"], worker["bf16_wire"]) == ("float32", "bfloat16")
+    assert (chief["none_rows"], other["none_rows"]) == (3, 5)
+
+    # fit under bf16: what each worker's callback counted per batch is what
+    # predict_traffic gives for batches of 64, 64 and 32, the weights agree.
+    for worker in (chief, other):
+        assert worker["counted"] == worker["predicted"]
+    kernel = (128 * 3 + 3) * 2  # The Dense layer, in bf16.
+    slices = 4 + 32 * 4 * (32 * 2 + 8)  # 32 examples x 4 ids, bf16 values, int64 ids.
+    assert chief["counted"][0] == kernel + slices
+    assert chief["weights"] == other["weights"] and chief["loss"] == other["loss"]
+
+
+def test_sparse_gradients_the_model_does_not_predict_raise_instead_of_misreporting(tf_cpus):
+    # A layer of the user's own that gathers rows from a weight sends
+    # IndexedSlices that no Embedding layer predicts: CommunicationStats
+    # says so rather than count the weight as an all-reduced matrix.
+    import keras
+    from tfdist.compression import CommunicationStats
+    tf = tf_cpus
+
+    class Lookup(keras.layers.Layer):
+        def build(self, input_shape):
+            self.table = self.add_weight(shape=(50, 8), name="table")
+
+        def call(self, ids):
+            return tf.gather(self.table, tf.cast(ids, "int32"))
+
+    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="bf16")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((IDS,), dtype="int64"), Lookup(),
+                                  keras.layers.Flatten(), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(64)
+    with pytest.raises(tfdist.ConfigError, match=r"IndexedSlices sent .*\(8,\), 'int32'"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[CommunicationStats()])
+
+
+def test_an_embedding_of_unknown_input_length_needs_explicit_specs():
+    import keras
+    from tfdist.compression.sparse import SparseGradient
+    model = keras.Sequential([keras.Input((None,), dtype="int64"),
+                              keras.layers.Embedding(VOCAB, DIM),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    with pytest.raises(tfdist.ConfigError, match="SparseGradient") as info:
+        predict_traffic(model, "bf16", num_replicas=2, batch_size=64)
+    assert info.value.field == "model"
+    # Said explicitly: 32 examples of 10 ids on the fuller replica.
+    specs = [SparseGradient((VOCAB, DIM), "float32", rows=320, index_dtype="int64"),
+             ((DIM, 3), "float32"), ((3,), "float32")]
+    t = predict_traffic(specs, "bf16", num_replicas=2)
+    assert t.all_gather == 4 + 320 * (DIM * 2 + 8) and t.all_reduce == (DIM * 3 + 3) * 2

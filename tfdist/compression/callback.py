@@ -60,7 +60,7 @@ class CommunicationStats(keras.callbacks.Callback):
             from tfdist.compression.aggregate import CompressorAggregator
             from tfdist.compression.identity import NoneCompressor
             aggregator = CompressorAggregator(NoneCompressor())
-        return aggregator.traffic(self._shapes(), n, step=step)
+        return aggregator.traffic(self._shapes(aggregator), n, step=step)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         step = int(self.model.optimizer.iterations.numpy()) - 1  # The step just taken.

@@ -239,12 +239,25 @@ class StepGradients:
         self._counts: list[float] | None = None
         self._static = None if self.sparse else model_gradients(model, None)
 
-    def __call__(self) -> list:
-        """The specs of the step just taken."""
+    def __call__(self, aggregator: Any = None) -> list:
+        """The specs of the step just taken.
+
+        Args:
+            aggregator: The strategy's aggregator, if any. The sparse
+                gradients it traced (the rows' shapes and index dtypes) must
+                be those the model's Embedding tables predict.
+
+        Raises:
+            ConfigError: They are not (say, a layer of your own that gathers
+                from a weight, or an Embedding also used as a dense matrix).
+        """
         if self._static is not None:
-            return self._static
-        examples = self.examples if self.examples is not None else self._step_examples()
-        return model_gradients(self.model, examples)
+            specs = self._static
+        else:
+            examples = self.examples if self.examples is not None else self._step_examples()
+            specs = model_gradients(self.model, examples)
+        check_traced(specs, getattr(aggregator, "traced_slices", None))
+        return specs
 
     def _step_examples(self) -> int:
         tracker = getattr(self.model, "_loss_tracker", None)
@@ -264,3 +277,29 @@ class StepGradients:
                               "Embedding layers whose train_step does not update Keras's "
                               "loss tracker", source="CommunicationStats")
         return examples
+
+
+def check_traced(specs: list, traced: list | None) -> None:
+    """Raises unless the sparse gradients in ``specs`` are the ones traced.
+
+    Args:
+        specs: Gradient specs, :class:`SparseGradient` for the sparse ones.
+        traced: ``(row shape, index dtype)`` of each IndexedSlices the
+            aggregation sent, in order; None: not known (nothing checked).
+
+    Raises:
+        ConfigError: The counts, row shapes or index dtypes differ.
+    """
+    if traced is None:
+        return
+    _, sparse = split_sparse(specs)
+    predicted = [(s.shape[1:], s.index_dtype) for s in sparse]
+    sent = [(tuple(shape), index) for shape, index in traced]
+    if predicted != sent:
+        raise ConfigError(
+            "model", predicted, "sparse gradients matching what the step sends",
+            source="CommunicationStats",
+            received=f"IndexedSlices sent with (row shape, index dtype) {sent}; the model's "
+                     f"Embedding tables predict {predicted}",
+            hint="Byte accounting would be wrong. Count with predict_traffic() and a list of "
+                 "(shape, dtype) pairs and SparseGradient entries instead.")

@@ -186,7 +186,8 @@ def _shapes_of(variables: Any, batch_size: int | None = None,
     for v in variables:
         if isinstance(v, SparseGradient):
             out.append(v)
-        elif isinstance(v, tuple) and len(v) == 2:
+            continue
+        if isinstance(v, tuple) and len(v) == 2:
             shape, dtype = v
         else:
             shape, dtype = v.shape, v.dtype
