@@ -10,8 +10,6 @@ fit callback (CommunicationStats) are compared, with 1 and 2 replicas.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 

@@ -73,8 +73,9 @@ class Item:
 def is_compressible(grad: Any) -> bool:
     """Dense floating-point gradients with a static, non-empty shape.
 
-    IndexedSlices (Embedding layers) and integer gradients are reduced as
-    they are.
+    Integer gradients are reduced as they are; IndexedSlices (Embedding
+    layers) are all-gathered, with 16-bit values under a cast (see
+    :mod:`tfdist.compression.sparse`).
     """
     return (isinstance(grad, tf.Tensor) and grad.dtype.is_floating
             and grad.shape.is_fully_defined() and grad.shape.num_elements() > 0)

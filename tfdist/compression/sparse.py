@@ -20,9 +20,17 @@ global batch of B examples as evenly as it can among N replicas, so that
 replica holds ``ceil(B / N)`` examples, and an Embedding layer whose input
 has shape ``(batch, L)`` looks up ``L`` ids per example.
 
+What tfdist sends for them, by setting: ``fp16`` and ``bf16`` cast the
+values to 16 bits (bfloat16 travels bit for bit as float16, which the
+collectives gather); every other setting sends them as Keras does, since
+top-k, random-k, sign, QSGD and PowerSGD work on dense tensors of a fixed
+size, and error feedback on a dense residual. The indices always go as they
+are.
+
 :class:`SparseGradient` describes one such gradient for byte accounting;
-:func:`model_gradients` finds a Keras model's Embedding tables. This module
-runs no TensorFlow op.
+:func:`model_gradients` finds a Keras model's Embedding tables;
+:class:`StepGradients` follows each ``fit`` step's examples for
+``CommunicationStats``. This module runs no TensorFlow op of its own.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ from typing import Any
 
 from tfdist.errors import ConfigError
 
-__all__ = ["SparseGradient", "LENGTH_BYTES", "slices_nbytes", "split_sparse",
-           "model_gradients", "embedding_tables", "rows_per_replica"]
+__all__ = ["SparseGradient", "LENGTH_BYTES", "slices_nbytes", "split_sparse", "add_sparse",
+           "model_gradients", "embedding_tables", "rows_per_replica", "StepGradients",
+           "check_traced"]
 
 #: Bytes of the row count each replica all-gathers before its slices.
 LENGTH_BYTES = 4
