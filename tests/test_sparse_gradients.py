@@ -383,3 +383,23 @@ def test_an_embedding_of_unknown_input_length_needs_explicit_specs():
              ((DIM, 3), "float32"), ((3,), "float32")]
     t = predict_traffic(specs, "bf16", num_replicas=2)
     assert t.all_gather == 4 + 320 * (DIM * 2 + 8) and t.all_reduce == (DIM * 3 + 3) * 2
+
+
+def test_a_shared_table_sends_the_slices_of_every_call(tf_cpus):
+    # One Embedding called on a 4-id and a 6-id input: its gradient is one
+    # IndexedSlices of 10 slices per example.
+    import keras
+    tf = tf_cpus
+    a, b = keras.Input((4,), dtype="int32"), keras.Input((6,), dtype="int32")
+    table = keras.layers.Embedding(VOCAB, DIM)
+    joined = keras.layers.Concatenate()([keras.layers.Flatten()(table(a)),
+                                         keras.layers.Flatten()(table(b))])
+    model = keras.Model([a, b], keras.layers.Dense(3)(joined))
+    rng = np.random.default_rng(4)
+    xa, xb = rng.integers(0, 50, (12, 4)), rng.integers(0, 50, (12, 6))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model([xa, xb]))
+    grad = tape.gradient(loss, model.trainable_variables)[0]
+    assert isinstance(grad, tf.IndexedSlices) and grad.values.shape[0] == 12 * 10
+    t = predict_traffic(model, "none", num_replicas=1, batch_size=12)
+    assert t.all_gather == 4 + 12 * 10 * (DIM * 4 + grad.indices.dtype.size)

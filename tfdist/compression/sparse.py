@@ -145,23 +145,25 @@ def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
         table = getattr(layer, "embeddings", None)
         if table is None or not getattr(table, "trainable", False):
             continue
-        try:
-            spec = layer.input
-        except (AttributeError, ValueError):
-            spec = None
-        shape = None if spec is None else tuple(spec.shape)[1:]
-        if shape is None or any(d is None for d in shape):
+        # A layer called on several inputs (a shared table) gets one gradient:
+        # the slices of every call, concatenated.
+        specs = [node.input_tensors[0] for node in getattr(layer, "_inbound_nodes", [])
+                 if getattr(node, "input_tensors", None)]
+        shapes = [tuple(spec.shape)[1:] for spec in specs]
+        if not shapes or any(d is None for shape in shapes for d in shape):
             raise ConfigError(
                 "model", getattr(layer, "name", layer),
                 "Embedding layers whose input shape is known (build the model on a "
                 "keras.Input of fixed length)",
-                received=f"Embedding {layer.name!r} with input shape "
-                         f"{None if spec is None else tuple(spec.shape)}",
+                received=f"Embedding {layer.name!r} with input shapes "
+                         f"{[tuple(spec.shape) for spec in specs] or 'unknown'}",
                 hint="Pass the variables as a list of (shape, dtype) pairs and "
                      "tfdist.compression.SparseGradient(shape, dtype, rows, index_dtype) "
                      "entries instead.")
-        index = "int64" if str(getattr(spec, "dtype", "")) == "int64" else "int32"
-        tables[id(table)] = (layer, math.prod(shape), index)
+        # Each call's ids keep an int64 input's dtype, else become int32;
+        # TensorFlow concatenates mixed ones as int64.
+        index = "int64" if any(str(spec.dtype) == "int64" for spec in specs) else "int32"
+        tables[id(table)] = (layer, sum(math.prod(shape) for shape in shapes), index)
     return tables
 
 
