@@ -403,3 +403,17 @@ def test_a_shared_table_sends_the_slices_of_every_call(tf_cpus):
     assert isinstance(grad, tf.IndexedSlices) and grad.values.shape[0] == 12 * 10
     t = predict_traffic(model, "none", num_replicas=1, batch_size=12)
     assert t.all_gather == 4 + 12 * 10 * (DIM * 4 + grad.indices.dtype.size)
+
+
+def test_communication_stats_counts_one_step_with_steps_per_execution(tf_cpus):
+    import keras
+    from tfdist.compression import CommunicationStats
+    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="bf16")
+    with strategy.scope():
+        model = _model()
+        model.compile(optimizer="sgd", steps_per_execution=2,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(256, seed=5)
+    stats = CommunicationStats()
+    model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[stats])
+    assert stats.last.sent == predict_traffic(model, "bf16", num_replicas=2, batch_size=64).sent

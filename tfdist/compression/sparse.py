@@ -234,7 +234,9 @@ class StepGradients:
     loss tracker count on each local replica (Keras's ``train_step`` adds
     each replica's batch size to it), so a last, partial batch counts as it
     was sent. Under MultiWorkerMirrored each worker sees its own replicas:
-    workers whose last batches differ each count their own.
+    workers whose last batches differ each count their own. With
+    ``steps_per_execution`` > 1 a call covers several steps; their examples
+    are shared evenly among them.
 
     Args:
         model: The Keras model being trained.
@@ -248,6 +250,7 @@ class StepGradients:
         self.examples = None if batch_size is None else rows_per_replica(
             batch_size, strategy.num_replicas_in_sync)
         self._counts: list[float] | None = None
+        self._iterations: int | None = None
         self._static = None if self.sparse else model_gradients(model, None)
 
     def __call__(self, aggregator: Any = None) -> list:
@@ -282,7 +285,13 @@ class StepGradients:
         if any(c < p for c, p in zip(counts, previous)):  # Reset at an epoch's start.
             previous = [0.0] * len(counts)
         self._counts = counts
-        examples = max(int(round(c - p)) for c, p in zip(counts, previous))
+        # With steps_per_execution, one call covers several steps.
+        iterations = int(self.model.optimizer.iterations.numpy())
+        steps = (iterations - self._iterations if self._iterations is not None
+                 else int(getattr(self.model, "steps_per_execution", 1) or 1))
+        self._iterations = iterations
+        examples = max(-(-int(round(c - p)) // max(steps, 1))
+                       for c, p in zip(counts, previous))
         if examples == 0:
             raise ConfigError("batch_size", None, "the global batch size for a model with "
                               "Embedding layers whose train_step does not update Keras's "
