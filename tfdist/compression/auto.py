@@ -39,6 +39,13 @@ when the optimizer builds (``model.fit`` builds it before the first step):
 The measurement takes a few all-reduces of 2 MiB: about 1.5 s at 100
 Mbit/s between 2 workers, milliseconds on a fast link.
 
+The choice sees the optimizer's variables only, before any batch: an
+Embedding table counts there as a dense matrix, although its gradient is
+sent as slices whatever is chosen (see :mod:`tfdist.compression.sparse`).
+:func:`choose` and :func:`predict_costs` given
+:class:`~tfdist.compression.sparse.SparseGradient` entries leave them out of
+the compute. Once chosen, the bytes reported are exact.
+
 The choice is visible as ``strategy.compression`` (``auto -> powersgd:4``)
 and in ``strategy.describe()``, with the measured link and every
 candidate's predicted cost. It is made once per strategy, at the first
