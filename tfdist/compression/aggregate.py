@@ -142,12 +142,13 @@ class Comm:
             for shape, _, _, count in self.sliced:
                 value = tf.get_static_value(count)
                 if value is None:
-                    raise ValueError("the rows of an IndexedSlices sent inside a tf.function "
-                                     "are dynamic: pass rows= (the largest over replicas)")
+                    raise ConfigError("rows", None, "the rows each IndexedSlices sent (the "
+                                      "largest over replicas): inside a tf.function they are "
+                                      "dynamic", source="Comm.traffic")
                 rows.append(int(value))
         if len(rows) != len(self.sliced):
-            raise ValueError(f"rows: expected {len(self.sliced)} counts (one per IndexedSlices "
-                             f"sent); received {len(rows)}")
+            raise ConfigError("rows", rows, f"{len(self.sliced)} counts, one per IndexedSlices "
+                              "sent", source="Comm.traffic")
         sparse = sum(slices_nbytes(int(r), math.prod(shape), values, indices)
                      for (shape, values, indices, _), r in zip(self.sliced, rows))
         return Traffic(
