@@ -263,3 +263,39 @@ def test_powersgd_setting_strings():
     with pytest.raises(tfdist.ConfigError) as info:
         make_aggregator("powersgd:0")
     assert info.value.field == "compression" and "'powersgd:0'" in str(info.value)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_sparse_gradients_are_gathered_and_counted_beside_dense_ones(setting):
+    # An IndexedSlices among dense gradients: 6 lookups (duplicates kept) of
+    # a (100, 7) table with int32 ids. TensorFlow all-gathers it; only a
+    # cast changes its values' dtype; the bytes predicted are those recorded.
+    from tfdist.compression.sparse import SparseGradient
+    agg = make_aggregator(setting)
+    if isinstance(agg, PowerSGD):
+        agg = PowerSGD(agg.rank, warmup_steps=0)
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=(6, 7)).astype("float32")
+    slices = tf.IndexedSlices(tf.constant(values), tf.constant([4, 9, 4, 0, 99, 9]),
+                              tf.constant([100, 7]))
+    dense = [((64, 32), "float32"), ((32,), "float32")]
+    items = [Item(slices, 0, state_for(agg, (100, 7), 0))]
+    for key, (shape, dtype) in enumerate(dense, start=1):
+        items.append(Item(tf.constant(rng.normal(size=shape).astype(dtype)), key,
+                          state_for(agg, shape, key, dtype)))
+    comm = LocalComm()
+    out = agg.aggregate(items, tf.constant(7, tf.int64), comm)
+    specs = [SparseGradient((100, 7), "float32", rows=6, index_dtype="int32"), *dense]
+    predicted = agg.traffic(specs, num_replicas=1)
+    recorded = comm.traffic(predicted.dense, predicted.dense_gather)
+    assert (predicted.all_reduce, predicted.all_gather) == (recorded.all_reduce,
+                                                            recorded.all_gather)
+    wire = {"fp16": "float16", "bf16": "bfloat16"}.get(setting, "float32")
+    assert comm.sliced[0][:3] == ((7,), wire, "int32")
+    assert predicted.dense_gather == 4 + 6 * (7 * 4 + 4)  # Row count, values, indices.
+    if setting in ("none", "fp16", "bf16", "randomk:0.01", "powersgd:4"):  # Nothing else gathered.
+        assert predicted.all_gather == 4 + 6 * (7 * (4 if wire == "float32" else 2) + 4)
+    assert predicted.dense == (64 * 32 + 32) * 4  # The table is not all-reduced.
+    assert isinstance(out[0], tf.IndexedSlices)
+    np.testing.assert_array_equal(out[0].indices, [4, 9, 4, 0, 99, 9])
+    np.testing.assert_allclose(out[0].values, values, rtol=0 if wire == "float32" else 1e-2)

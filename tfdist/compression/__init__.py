@@ -35,6 +35,7 @@ _LAZY = {
     "PowerSGD": "powersgd",
     "Traffic": "traffic",
     "predict_traffic": "traffic",
+    "SparseGradient": "sparse",
     "CommunicationStats": "callback",
     "CompressedCrossDeviceOps": "cross_device_ops",
     "default_error_feedback": "registry",

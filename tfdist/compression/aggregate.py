@@ -16,12 +16,14 @@ optionally with :class:`~tfdist.compression.memory.ErrorFeedback`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
 from tfdist.compression.base import Compressor
 from tfdist.compression.memory import ErrorFeedback
+from tfdist.compression.sparse import add_sparse, slices_nbytes, split_sparse
 from tfdist.compression.traffic import GATHER_DTYPES, Traffic, nbytes, wire_nbytes
 from tfdist.errors import ConfigError
 
@@ -71,8 +73,9 @@ class Item:
 def is_compressible(grad: Any) -> bool:
     """Dense floating-point gradients with a static, non-empty shape.
 
-    IndexedSlices (Embedding layers) and integer gradients are reduced as
-    they are.
+    Integer gradients are reduced as they are; IndexedSlices (Embedding
+    layers) are all-gathered, with 16-bit values under a cast (see
+    :mod:`tfdist.compression.sparse`).
     """
     return (isinstance(grad, tf.Tensor) and grad.dtype.is_floating
             and grad.shape.is_fully_defined() and grad.shape.num_elements() > 0)
@@ -83,7 +86,11 @@ class Comm:
 
     ``reduced`` and ``gathered`` list the (shape, dtype name) of every
     tensor handed to an all-reduce / all-gather, so tests can compare what
-    was really sent with :meth:`Aggregator.traffic`.
+    was really sent with :meth:`Aggregator.traffic`. ``sliced`` lists every
+    IndexedSlices handed to :meth:`all_reduce`, which TensorFlow all-gathers
+    (see :mod:`tfdist.compression.sparse`): ``(row shape, values dtype,
+    indices dtype, rows)``, ``rows`` being this replica's number of slices
+    as a tensor (dynamic inside ``fit``).
     """
 
     num_replicas: int
@@ -91,11 +98,18 @@ class Comm:
     def __init__(self) -> None:
         self.reduced: list[tuple[tuple[int, ...], str]] = []
         self.gathered: list[tuple[tuple[int, ...], str]] = []
+        self.sliced: list[tuple[tuple[int, ...], str, str, tf.Tensor]] = []
 
     def all_reduce(self, tensors: Sequence[Any]) -> list[Any]:
-        """SUM over replicas of each tensor."""
+        """SUM over replicas of each tensor; IndexedSlices are all-gathered
+        (their slices concatenated, as TensorFlow reduces them)."""
         tensors = list(tensors)
-        self.reduced.extend(_spec(t) for t in tensors if isinstance(t, tf.Tensor))
+        for t in tensors:
+            if isinstance(t, tf.IndexedSlices):
+                self.sliced.append((tuple(t.values.shape.as_list()[1:]), t.values.dtype.name,
+                                    t.indices.dtype.name, tf.shape(t.indices)[0]))
+            elif isinstance(t, tf.Tensor):
+                self.reduced.append(_spec(t))
         return self._all_reduce(tensors) if tensors else []
 
     def all_gather(self, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -112,12 +126,35 @@ class Comm:
         """
         return tf.cond(pred, lambda: true_fn(*args), lambda: false_fn(*args))
 
-    def traffic(self, dense: int) -> Traffic:
-        """The recorded payloads as a :class:`Traffic`."""
+    def traffic(self, dense: int, dense_gather: int = 0,
+                rows: Sequence[int] | None = None) -> Traffic:
+        """The recorded payloads as a :class:`Traffic`.
+
+        Args:
+            dense: The reference all-reduce payload (see :class:`Traffic`).
+            dense_gather: The reference all-gather payload of sparse gradients.
+            rows: The slices every replica sent for each entry of ``sliced``:
+                the largest number any replica held (TensorFlow pads to it).
+                None: the static row counts recorded (eager, one replica).
+        """
+        if rows is None:
+            rows = []
+            for shape, _, _, count in self.sliced:
+                value = tf.get_static_value(count)
+                if value is None:
+                    raise ConfigError("rows", None, "the rows each IndexedSlices sent (the "
+                                      "largest over replicas): inside a tf.function they are "
+                                      "dynamic", source="Comm.traffic")
+                rows.append(int(value))
+        if len(rows) != len(self.sliced):
+            raise ConfigError("rows", rows, f"{len(self.sliced)} counts, one per IndexedSlices "
+                              "sent", source="Comm.traffic")
+        sparse = sum(slices_nbytes(int(r), math.prod(shape), values, indices)
+                     for (shape, values, indices, _), r in zip(self.sliced, rows))
         return Traffic(
-            self.num_replicas, dense=dense,
+            self.num_replicas, dense=dense, dense_gather=dense_gather,
             all_reduce=sum(nbytes(s, d) for s, d in self.reduced),
-            all_gather=sum(wire_nbytes(s, d) for s, d in self.gathered))
+            all_gather=sum(wire_nbytes(s, d) for s, d in self.gathered) + sparse)
 
     def _all_reduce(self, tensors):
         raise NotImplementedError
@@ -139,7 +176,7 @@ class LocalComm(Comm):
     num_replicas = 1
 
     def _all_reduce(self, tensors):
-        return [tf.identity(t) for t in tensors]
+        return [t if isinstance(t, tf.IndexedSlices) else tf.identity(t) for t in tensors]
 
     def _all_gather(self, tensors):
         return [tf.expand_dims(t, 0) for t in tensors]
@@ -160,7 +197,9 @@ class ReplicaComm(Comm):
     # The context is looked up per call: a branch of cond() may run in a
     # fresh replica context (MirroredStrategy's call_for_each_replica).
     def _all_reduce(self, tensors):
-        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+        sent = [_slices_to_wire(t) for t in tensors]
+        out = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
+        return [_slices_from_wire(o, t) for o, t in zip(out, tensors)]
 
     def _all_gather(self, tensors):
         # One collective per wire dtype, whatever the number of tensors:
@@ -199,6 +238,22 @@ class ReplicaComm(Comm):
             return tf.cond(pred, lambda: run(true_fn, args), lambda: run(false_fn, args))
 
         return tf.distribute.get_replica_context().merge_call(merged, args=(pred, *args))
+
+
+def _slices_to_wire(t: Any) -> Any:
+    """bfloat16 slices travel bit for bit as float16 (same size), which the
+    collectives gather; everything else as it is."""
+    if isinstance(t, tf.IndexedSlices) and t.values.dtype == tf.bfloat16:
+        return tf.IndexedSlices(tf.bitcast(t.values, tf.float16), t.indices, t.dense_shape)
+    return t
+
+
+def _slices_from_wire(out: Any, like: Any) -> Any:
+    """Inverse of :func:`_slices_to_wire`."""
+    if isinstance(like, tf.IndexedSlices) and like.values.dtype == tf.bfloat16:
+        return tf.IndexedSlices(tf.bitcast(out.values, tf.bfloat16), out.indices,
+                                out.dense_shape)
+    return out
 
 
 def _to_wire(payload: tf.Tensor) -> tf.Tensor:
@@ -293,6 +348,12 @@ class CompressorAggregator(Aggregator):
     all-reduce per step, the other payloads in one all-gather, whatever the
     number of variables.
 
+    Sparse gradients (IndexedSlices, from Embedding layers) are all-gathered
+    as Keras would (see :mod:`tfdist.compression.sparse`), with their
+    values in 16 bits when the compressor is a cast (fp16, bf16); no other
+    compressor applies to them: top-k, random-k, sign and QSGD need a
+    fixed-size dense tensor, and error feedback a dense residual.
+
     Args:
         compressor: The compressor all replicas use.
         error_feedback: Keep a per-replica residual of what compression
@@ -328,6 +389,10 @@ class CompressorAggregator(Aggregator):
             grad = item.grad
             if grad is None:
                 continue
+            if isinstance(grad, tf.IndexedSlices):
+                plan.append((i, None, "slices", len(to_sum)))
+                to_sum.append(self._encode_slices(grad))
+                continue
             if not is_compressible(grad):
                 plan.append((i, None, None, len(to_sum)))
                 to_sum.append(grad)
@@ -346,7 +411,9 @@ class CompressorAggregator(Aggregator):
 
         out = [item.grad for item in items]
         for i, payload, ctx, at in plan:
-            if payload is None:
+            if ctx == "slices":
+                out[i] = self._decode_slices(summed[at], items[i].grad)
+            elif payload is None:
                 out[i] = summed[at]
             elif comp.summable:
                 out[i] = comp.decompress(tuple(summed[at:at + len(payload)]), ctx)
@@ -356,8 +423,27 @@ class CompressorAggregator(Aggregator):
                                    for n in range(comm.num_replicas)])
         return out
 
+    @property
+    def slice_dtype(self) -> str | None:
+        """What sparse gradients' values are sent as: the cast's 16-bit
+        dtype, or None (as they are)."""
+        return getattr(self.compressor, "slice_dtype", None)
+
+    def _encode_slices(self, grad: tf.IndexedSlices) -> tf.IndexedSlices:
+        if self.slice_dtype is None or not grad.values.dtype.is_floating:
+            return grad
+        return tf.IndexedSlices(self.compressor.encode(grad.values), grad.indices,
+                                grad.dense_shape)
+
+    def _decode_slices(self, summed: tf.IndexedSlices, grad: tf.IndexedSlices):
+        if summed.values.dtype == grad.values.dtype:
+            return summed
+        return tf.IndexedSlices(self.compressor.decode(summed.values, grad.values.dtype),
+                                summed.indices, summed.dense_shape)
+
     def traffic(self, shapes, num_replicas, step=None):
         t = Traffic(num_replicas)
+        shapes, sparse = split_sparse(shapes)
         for shape, dtype in shapes:
             size = nbytes(shape, dtype)
             t.dense += size
@@ -370,7 +456,7 @@ class CompressorAggregator(Aggregator):
             else:
                 t.all_gather += sum(wire_nbytes(s, d) for s, d in spec)
         t.collectives = int(t.all_reduce > 0) + int(t.all_gather > 0)
-        return t
+        return add_sparse(t, sparse, self.slice_dtype)
 
 
 def check_error_feedback(compressor: Compressor, error_feedback: bool | None) -> bool:

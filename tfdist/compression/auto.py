@@ -39,6 +39,13 @@ when the optimizer builds (``model.fit`` builds it before the first step):
 The measurement takes a few all-reduces of 2 MiB: about 1.5 s at 100
 Mbit/s between 2 workers, milliseconds on a fast link.
 
+The choice sees the optimizer's variables only, before any batch: an
+Embedding table counts there as a dense matrix, although its gradient is
+sent as slices whatever is chosen (see :mod:`tfdist.compression.sparse`).
+:func:`choose` and :func:`predict_costs` given
+:class:`~tfdist.compression.sparse.SparseGradient` entries leave them out of
+the compute. Once chosen, the bytes reported are exact.
+
 The choice is visible as ``strategy.compression`` (``auto -> powersgd:4``)
 and in ``strategy.describe()``, with the measured link and every
 candidate's predicted cost. It is made once per strategy, at the first
@@ -212,6 +219,14 @@ def _kind(candidate: Any) -> str:
     return parse_compression(candidate).name
 
 
+def _dense_entries(shapes) -> int:
+    """Floating-point entries of the dense gradients: what compression
+    computes on (sparse gradients pass through)."""
+    from tfdist.compression.sparse import split_sparse
+    dense, _ = split_sparse(shapes)
+    return sum(math.prod(s) for s, d in dense if d.startswith(("float", "bfloat")))
+
+
 def compute_cost(candidate: Any, entries: int,
                  per_entry: dict[str, float] | None = None) -> float:
     """Predicted compute seconds a candidate adds per step for ``entries`` gradient entries."""
@@ -249,7 +264,7 @@ def predict_costs(
     from tfdist.compression.registry import make_aggregator
 
     factors = STEP_FACTOR if step_factor is None else step_factor
-    entries = sum(math.prod(s) for s, d in shapes if d.startswith(("float", "bfloat")))
+    entries = _dense_entries(shapes)
     costs = {}
     for candidate in candidates:
         traffic = make_aggregator(candidate).traffic(list(shapes), link.num_replicas)
@@ -283,7 +298,7 @@ def choose(
     candidates = list(candidates)
     if not any(label(c) == "none" for c in candidates):
         candidates.insert(0, "none")
-    entries = sum(math.prod(s) for s, d in shapes if d.startswith(("float", "bfloat")))
+    entries = _dense_entries(shapes)
     if link is None or link.num_replicas < 2 or entries == 0:
         return Decision("none", {}, None, entries, "none")
     costs = predict_costs(link, shapes, candidates, **overrides)

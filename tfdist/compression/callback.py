@@ -30,9 +30,14 @@ class CommunicationStats(keras.callbacks.Callback):
     Args:
         strategy: The strategy ``fit`` runs under; default: the model's.
         every_batch: Also add the figures to every batch's logs.
+        batch_size: The global batch size, for a model with Embedding layers
+            (sparse gradients, one row per id looked up); None: each step's
+            examples as Keras counted them (see
+            :class:`~tfdist.compression.sparse.StepGradients`).
     """
 
-    def __init__(self, strategy: Any = None, every_batch: bool = False) -> None:
+    def __init__(self, strategy: Any = None, every_batch: bool = False,
+                 batch_size: int | None = None) -> None:
         super().__init__()
         self._strategy = strategy
         self.every_batch = every_batch
@@ -40,20 +45,22 @@ class CommunicationStats(keras.callbacks.Callback):
         self.total_dense_bytes = 0.0
         self.steps = 0
         self.last: Traffic | None = None
-        self._shapes: list | None = None
+        self._shapes: Any = None
+        self.batch_size = batch_size
 
     def _traffic(self, step: int) -> Traffic:
         strategy = self._strategy or getattr(self.model, "distribute_strategy", None) \
             or tf.distribute.get_strategy()
         if self._shapes is None:
-            self._shapes = [(tuple(v.shape), v.dtype) for v in self.model.trainable_variables]
+            from tfdist.compression.sparse import StepGradients
+            self._shapes = StepGradients(self.model, strategy, self.batch_size)
         n = strategy.num_replicas_in_sync
         aggregator = strategy_aggregator(strategy)
         if aggregator is None:
             from tfdist.compression.aggregate import CompressorAggregator
             from tfdist.compression.identity import NoneCompressor
             aggregator = CompressorAggregator(NoneCompressor())
-        return aggregator.traffic(self._shapes, n, step=step)
+        return aggregator.traffic(self._shapes(aggregator), n, step=step)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         step = int(self.model.optimizer.iterations.numpy()) - 1  # The step just taken.

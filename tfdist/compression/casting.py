@@ -27,20 +27,34 @@ class _CastCompressor(Compressor):
             raise ConfigError("prescale", prescale, "a finite number > 0")
         self.prescale = float(prescale)
 
+    @property
+    def slice_dtype(self) -> str:
+        """What the values of sparse gradients (IndexedSlices) are sent as:
+        the same 16 bits as dense ones."""
+        return self._wire.name
+
     def compress(self, tensor, step=0, key=0):
         ctx = context_of(tensor)
+        return (self.encode(tensor),), ctx
+
+    def decompress(self, payload, ctx: Context) -> tf.Tensor:
+        return self.decode(payload[0], ctx.dtype)
+
+    def encode(self, tensor) -> tf.Tensor:
+        """The 16-bit tensor sent for ``tensor`` (any shape, static or not)."""
         x = tf.convert_to_tensor(tensor)
         if self.prescale != 1.0:
             x = x * tf.cast(self.prescale, x.dtype)
         # Clip after scaling so the cast never makes inf (NaN stays NaN).
         limit = min(self._limit, float(x.dtype.max))
         x = tf.clip_by_value(x, tf.cast(-limit, x.dtype), tf.cast(limit, x.dtype))
-        return (tf.cast(x, self._wire),), ctx
+        return tf.cast(x, self._wire)
 
-    def decompress(self, payload, ctx: Context) -> tf.Tensor:
-        x = tf.cast(payload[0], ctx.dtype)
+    def decode(self, payload: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+        """Inverse of :meth:`encode`, back in ``dtype``."""
+        x = tf.cast(payload, dtype)
         if self.prescale != 1.0:
-            x = x / tf.cast(self.prescale, ctx.dtype)
+            x = x / tf.cast(self.prescale, dtype)
         return x
 
     def payload_spec(self, shape, dtype):

@@ -151,11 +151,18 @@ def _wrap_reduce(original):
         step = tf.convert_to_tensor(getattr(self.iterations, "value", self.iterations))
         comm = ReplicaComm()
         reduced = aggregator.aggregate(items, step, comm)
+        # The gradients sent as IndexedSlices, for CommunicationStats to check.
+        aggregator.traced_slices = [(tuple(g.values.shape[1:]), g.indices.dtype.name)
+                                    for g, _ in pairs if isinstance(g, tf.IndexedSlices)]
         if not getattr(self, "_tfdist_logged", False):
             self._tfdist_logged = True
-            shapes = [(tuple(v.shape), v.dtype.name) for g, v in pairs if g is not None]
-            log.info("tfdist compression %s: %s", aggregator.describe(),
-                     aggregator.traffic(shapes, comm.num_replicas))
+            # Sparse gradients' rows follow the batch: CommunicationStats counts them.
+            shapes = [(tuple(v.shape), v.dtype.name) for g, v in pairs
+                      if g is not None and not isinstance(g, tf.IndexedSlices)]
+            log.info("tfdist compression %s: %s%s", aggregator.describe(),
+                     aggregator.traffic(shapes, comm.num_replicas),
+                     f" and {len(aggregator.traced_slices)} sparse gradient(s)"
+                     if aggregator.traced_slices else "")
         return [(g, v) for g, (_, v) in zip(reduced, pairs)]
     return _all_reduce_sum_gradients
 

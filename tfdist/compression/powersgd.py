@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tfdist.compression.aggregate import Aggregator, StateSpec, is_compressible, is_float
 from tfdist.compression.base import check_int
+from tfdist.compression.sparse import add_sparse, split_sparse
 from tfdist.compression.traffic import Traffic, nbytes
 from tfdist.errors import ConfigError
 
@@ -234,6 +235,7 @@ class PowerSGD(Aggregator):
 
     def traffic(self, shapes, num_replicas, step=None):
         t = Traffic(num_replicas)
+        shapes, sparse = split_sparse(shapes)  # IndexedSlices: gathered as they are.
         warm = step is not None and step < self.warmup_steps
         for shape, dtype in shapes:
             size = nbytes(shape, dtype)
@@ -249,4 +251,4 @@ class PowerSGD(Aggregator):
             t.collectives = 1
         else:
             t.collectives = 2
-        return t
+        return add_sparse(t, sparse)

@@ -1,0 +1,325 @@
+"""Sparse gradients (``tf.IndexedSlices``): what they send and how many rows.
+
+An Embedding layer's gradient is not its table's shape: it is one slice
+(a row of the table) per id looked up, with the ids as indices, duplicates
+included (TensorFlow's gradient of ``tf.gather`` does not merge them).
+TensorFlow reduces it by all-gathering (``CollectiveReplicaLauncher.
+all_reduce_indexed_slices``, under Mirrored and MultiWorkerMirrored alike):
+
+1. each replica's number of rows, one int32 (4 bytes);
+2. the values, ``rows x D`` entries, and
+3. the indices, ``rows`` int32 or int64,
+
+both padded to the largest replica's rows when the replicas hold different
+numbers (a last, partial batch). Every replica then holds the concatenation,
+duplicates and all; the optimizer applies it with scatter updates.
+
+So the bytes depend on the batch, not on the table: ``rows`` is the number of
+ids the replica with the most examples looked up in the step. Keras splits a
+global batch of B examples as evenly as it can among N replicas, so that
+replica holds ``ceil(B / N)`` examples, and an Embedding layer whose input
+has shape ``(batch, L)`` looks up ``L`` ids per example.
+
+What tfdist sends for them, by setting: ``fp16`` and ``bf16`` cast the
+values to 16 bits (bfloat16 travels bit for bit as float16, which the
+collectives gather); every other setting sends them as Keras does, since
+top-k, random-k, sign, QSGD and PowerSGD work on dense tensors of a fixed
+size, and error feedback on a dense residual. The indices always go as they
+are.
+
+:class:`SparseGradient` describes one such gradient for byte accounting;
+:func:`model_gradients` finds a Keras model's Embedding tables;
+:class:`StepGradients` follows each ``fit`` step's examples for
+``CommunicationStats``. This module runs no TensorFlow op of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from tfdist.errors import ConfigError
+
+__all__ = ["SparseGradient", "LENGTH_BYTES", "slices_nbytes", "split_sparse", "add_sparse",
+           "model_gradients", "embedding_tables", "rows_per_replica", "StepGradients",
+           "check_traced"]
+
+#: Bytes of the row count each replica all-gathers before its slices.
+LENGTH_BYTES = 4
+
+_INDEX_DTYPES = ("int32", "int64")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseGradient:
+    """A gradient reduced as ``tf.IndexedSlices`` (an Embedding table's).
+
+    Attributes:
+        shape: The variable's shape, e.g. ``(vocabulary, dim)``.
+        dtype: The variable's (and the slices' values') dtype name.
+        rows: Slices the replica with the most ids sends in one step (ids
+            looked up, duplicates included; every replica pads to it).
+        index_dtype: ``"int32"`` or ``"int64"``: the dtype of the ids the
+            layer looked up (an Embedding casts any other input to int32).
+
+    Raises:
+        ConfigError: A field out of range; the message names it.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    rows: int
+    index_dtype: str = "int32"
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(d) for d in self.shape)
+        if not shape or min(shape) < 0:
+            raise ConfigError("shape", self.shape, "a variable shape of rank >= 1")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", getattr(self.dtype, "name", str(self.dtype)))
+        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 0:
+            raise ConfigError("rows", self.rows, "an integer >= 0")
+        name = getattr(self.index_dtype, "name", str(self.index_dtype))
+        if name not in _INDEX_DTYPES:
+            raise ConfigError("index_dtype", self.index_dtype, "'int32' or 'int64'")
+        object.__setattr__(self, "index_dtype", name)
+
+    @property
+    def row_size(self) -> int:
+        """Entries per slice: the product of the shape without its first axis."""
+        return math.prod(self.shape[1:])
+
+
+def _itemsize(dtype: str) -> int:
+    from tfdist.compression.traffic import _itemsize
+    return _itemsize(dtype)
+
+
+def slices_nbytes(rows: int, row_size: int, value_dtype: str, index_dtype: str) -> int:
+    """Bytes one replica contributes to the all-gathers of one IndexedSlices:
+    its row count, then ``rows`` slices of ``row_size`` values in
+    ``value_dtype`` and their indices."""
+    return LENGTH_BYTES + rows * (row_size * _itemsize(value_dtype) + _itemsize(index_dtype))
+
+
+def split_sparse(shapes) -> tuple[list, list[SparseGradient]]:
+    """Splits gradient specs into ``(shape, dtype)`` pairs and
+    :class:`SparseGradient` entries, keeping each list's order."""
+    dense, sparse = [], []
+    for spec in shapes:
+        (sparse if isinstance(spec, SparseGradient) else dense).append(spec)
+    return dense, sparse
+
+
+def rows_per_replica(batch_size: Any, num_replicas: int) -> int:
+    """Examples the fullest replica holds: ``ceil(batch_size / num_replicas)``.
+
+    Raises:
+        ConfigError: ``batch_size`` is not an integer >= 1.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError("batch_size", batch_size,
+                          "the global batch size (an integer >= 1, as passed to fit)")
+    return -(-batch_size // num_replicas)
+
+
+def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
+    """A Keras model's trainable Embedding tables.
+
+    Returns:
+        ``{id(table variable): (layer, ids per example, index dtype)}``.
+
+    Raises:
+        ConfigError: An Embedding layer whose input shape (without the batch
+            axis) is not fully known, so its rows cannot be counted.
+    """
+    import keras
+
+    tables = {}
+    layers = model._flatten_layers(include_self=False) if hasattr(model, "_flatten_layers") \
+        else getattr(model, "layers", [])
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Embedding):
+            continue
+        table = getattr(layer, "embeddings", None)
+        if table is None or not getattr(table, "trainable", False):
+            continue
+        # A layer called on several inputs (a shared table) gets one gradient:
+        # the slices of every call, concatenated.
+        specs = [node.input_tensors[0] for node in getattr(layer, "_inbound_nodes", [])
+                 if getattr(node, "input_tensors", None)]
+        shapes = [tuple(spec.shape)[1:] for spec in specs]
+        if not shapes or any(d is None for shape in shapes for d in shape):
+            raise ConfigError(
+                "model", getattr(layer, "name", layer),
+                "Embedding layers whose input shape is known (build the model on a "
+                "keras.Input of fixed length)",
+                received=f"Embedding {layer.name!r} with input shapes "
+                         f"{[tuple(spec.shape) for spec in specs] or 'unknown'}",
+                hint="Pass the variables as a list of (shape, dtype) pairs and "
+                     "tfdist.compression.SparseGradient(shape, dtype, rows, index_dtype) "
+                     "entries instead.")
+        # Each call's ids keep an int64 input's dtype, else become int32;
+        # TensorFlow concatenates mixed ones as int64.
+        index = "int64" if any(str(spec.dtype) == "int64" for spec in specs) else "int32"
+        tables[id(table)] = (layer, sum(math.prod(shape) for shape in shapes), index)
+    return tables
+
+
+def model_gradients(model: Any, examples: int | None) -> list:
+    """Gradient specs of a Keras model's trainable variables, in order:
+    ``(shape, dtype)`` for dense ones, :class:`SparseGradient` for
+    Embedding tables looked up ``examples`` times ids per example.
+
+    Args:
+        model: A built Keras model.
+        examples: Examples the fullest replica holds in the step; may be
+            None only for a model without Embedding tables.
+
+    Raises:
+        ConfigError: The model has Embedding tables and ``examples`` is
+            None, or an Embedding's input length is unknown.
+    """
+    tables = embedding_tables(model)
+    if tables and examples is None:
+        names = ", ".join(repr(layer.name) for layer, _, _ in tables.values())
+        raise ConfigError(
+            "batch_size", None,
+            "the global batch size (as passed to fit) for a model with Embedding layers",
+            hint=f"The gradients of Embedding {names} are IndexedSlices: one row per id "
+                 "looked up, so what is sent depends on the batch, not on the table.")
+    out = []
+    for v in model.trainable_variables:
+        shape = tuple(int(d) for d in v.shape)
+        dtype = getattr(v.dtype, "name", str(v.dtype))
+        found = tables.get(id(v))
+        if found is None:
+            out.append((shape, dtype))
+        else:
+            _, ids, index = found
+            out.append(SparseGradient(shape, dtype, examples * ids, index))
+    return out
+
+
+def add_sparse(traffic: Any, sparse: list[SparseGradient],
+               value_dtype: str | None = None) -> Any:
+    """Adds sparse gradients' all-gathers to a :class:`~tfdist.compression.traffic.Traffic`.
+
+    Args:
+        traffic: The Traffic of the step's dense gradients; changed in place.
+        sparse: The step's sparse gradients.
+        value_dtype: What the slices' values are sent as (``"float16"`` or
+            ``"bfloat16"`` for a cast); None: their own dtype, as Keras
+            sends them. The indices always go as they are.
+
+    Returns:
+        ``traffic``.
+    """
+    for s in sparse:
+        traffic.dense_gather += slices_nbytes(s.rows, s.row_size, s.dtype, s.index_dtype)
+        traffic.all_gather += slices_nbytes(s.rows, s.row_size, value_dtype or s.dtype,
+                                            s.index_dtype)
+        traffic.collectives += 3
+    return traffic
+
+
+class StepGradients:
+    """The gradient specs of each ``fit`` step, for :class:`CommunicationStats`.
+
+    A model without Embedding tables has the same specs every step. With
+    tables, the rows follow the examples the fullest replica of this worker
+    held in the step just taken: ``batch_size`` if given (the global batch,
+    as :func:`predict_traffic` takes it), else the step's increase of Keras's
+    loss tracker count on each local replica (Keras's ``train_step`` adds
+    each replica's batch size to it), so a last, partial batch counts as it
+    was sent. Under MultiWorkerMirrored each worker sees its own replicas:
+    workers whose last batches differ each count their own. With
+    ``steps_per_execution`` > 1 a call covers several steps; their examples
+    are shared evenly among them.
+
+    Args:
+        model: The Keras model being trained.
+        strategy: Its strategy.
+        batch_size: The global batch size, or None to read the examples.
+    """
+
+    def __init__(self, model: Any, strategy: Any, batch_size: int | None = None) -> None:
+        self.model, self.strategy = model, strategy
+        self.sparse = bool(embedding_tables(model))
+        self.examples = None if batch_size is None else rows_per_replica(
+            batch_size, strategy.num_replicas_in_sync)
+        self._counts: list[float] | None = None
+        self._iterations: int | None = None
+        self._static = None if self.sparse else model_gradients(model, None)
+
+    def __call__(self, aggregator: Any = None) -> list:
+        """The specs of the step just taken.
+
+        Args:
+            aggregator: The strategy's aggregator, if any. The sparse
+                gradients it traced (the rows' shapes and index dtypes) must
+                be those the model's Embedding tables predict.
+
+        Raises:
+            ConfigError: They are not (say, a layer of your own that gathers
+                from a weight, or an Embedding also used as a dense matrix).
+        """
+        if self._static is not None:
+            specs = self._static
+        else:
+            examples = self.examples if self.examples is not None else self._step_examples()
+            specs = model_gradients(self.model, examples)
+        check_traced(specs, getattr(aggregator, "traced_slices", None))
+        return specs
+
+    def _step_examples(self) -> int:
+        tracker = getattr(self.model, "_loss_tracker", None)
+        count = getattr(getattr(tracker, "count", None), "value", None)
+        if count is None:
+            raise ConfigError("batch_size", None, "the global batch size for a model with "
+                              "Embedding layers trained without Keras's loss tracker",
+                              source="CommunicationStats")
+        counts = [float(c) for c in self.strategy.experimental_local_results(count)]
+        previous = self._counts or [0.0] * len(counts)
+        if any(c < p for c, p in zip(counts, previous)):  # Reset at an epoch's start.
+            previous = [0.0] * len(counts)
+        self._counts = counts
+        # With steps_per_execution, one call covers several steps.
+        iterations = int(self.model.optimizer.iterations.numpy())
+        steps = (iterations - self._iterations if self._iterations is not None
+                 else int(getattr(self.model, "steps_per_execution", 1) or 1))
+        self._iterations = iterations
+        examples = max(-(-int(round(c - p)) // max(steps, 1))
+                       for c, p in zip(counts, previous))
+        if examples == 0:
+            raise ConfigError("batch_size", None, "the global batch size for a model with "
+                              "Embedding layers whose train_step does not update Keras's "
+                              "loss tracker", source="CommunicationStats")
+        return examples
+
+
+def check_traced(specs: list, traced: list | None) -> None:
+    """Raises unless the sparse gradients in ``specs`` are the ones traced.
+
+    Args:
+        specs: Gradient specs, :class:`SparseGradient` for the sparse ones.
+        traced: ``(row shape, index dtype)`` of each IndexedSlices the
+            aggregation sent, in order; None: not known (nothing checked).
+
+    Raises:
+        ConfigError: The counts, row shapes or index dtypes differ.
+    """
+    if traced is None:
+        return
+    _, sparse = split_sparse(specs)
+    predicted = [(s.shape[1:], s.index_dtype) for s in sparse]
+    sent = [(tuple(shape), index) for shape, index in traced]
+    if predicted != sent:
+        raise ConfigError(
+            "model", predicted, "sparse gradients matching what the step sends",
+            source="CommunicationStats",
+            received=f"IndexedSlices sent with (row shape, index dtype) {sent}; the model's "
+                     f"Embedding tables predict {predicted}",
+            hint="Byte accounting would be wrong. Count with predict_traffic() and a list of "
+                 "(shape, dtype) pairs and SparseGradient entries instead.")
