@@ -531,7 +531,12 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
     ``TPU_NAME``); a TF_CONFIG with a ``ps`` job (ParameterServer); a
     TF_CONFIG with a cluster (MultiWorkerMirrored); a Slurm step of several
     tasks (MultiWorkerMirrored); several devices, ``cpu_replicas`` > 1 or
-    several GPUs (Mirrored); a local TPU; else one device.
+    several GPUs (Mirrored); a local TPU; several logical GPUs, or else
+    logical CPUs, that the script configured with
+    ``tf.config.set_logical_device_configuration`` before this call
+    (Mirrored over them, as ``tf.distribute.MirroredStrategy()``); else one
+    device. Detection reads the configuration without starting TensorFlow's
+    runtime, so the script may still configure devices after ``explain``.
 
     On a ps or worker task of a parameter-server cluster this call serves
     the cluster and does not return: the chief runs the training.
@@ -566,7 +571,9 @@ def _build(choice: Choice, opts: StrategyOptions,
         if opts.devices:
             device = opts.devices[0]
         else:
-            device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
+            # Visible, as detection counted them: a GPU hidden with
+            # tf.config.set_visible_devices cannot hold the replica.
+            device = "/gpu:0" if tf.config.get_visible_devices("GPU") else "/cpu:0"
         return OneDeviceStrategy(device, compression=comp, choice=choice)
     if choice.name == "mirrored":
         devices = list(opts.devices) if opts.devices else None
