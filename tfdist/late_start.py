@@ -146,8 +146,8 @@ def after_start(cluster_spec, task_type: str, task_id: int,
     held = _held_by(datasets)
     stale = [t for t in tensors if id(t) not in held]
     # Every live dataset, not only the outermost: a script may still use
-    # the one it batched. Each graph holds its inputs' data, so a dataset of
-    # in-memory arrays costs one copy per stage until the old ones are freed.
+    # the one it batched. Each graph holds its inputs' data, so over
+    # in-memory arrays every rebuilt stage holds its own copy of them.
     graphs = []
     for dataset in datasets:
         try:
