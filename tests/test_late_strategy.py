@@ -45,6 +45,7 @@ def test_a_dataset_built_before_the_strategy_is_carried_over_and_trains():
     # The dataset built first still yields its data, now on the worker's device.
     for task, r in results.items():
         assert r["base_matches"], task
+        assert r["generated"] == [0, 1, 2], task  # a Python generator's too
         assert r["base_device"].startswith(f"/job:worker/replica:0/task:{task[-1]}/")
     assert any("rebuilt on this worker's device" in line for line in lines)
 

@@ -25,6 +25,7 @@ import traceback
 from typing import Any, Iterator
 
 from absl import logging
+from tensorflow.core.framework import graph_pb2
 from tensorflow.python.data.ops import dataset_ops, iterator_ops
 from tensorflow.python.data.ops import options as data_options
 from tensorflow.python.distribute import multi_worker_util
@@ -109,6 +110,35 @@ def _held_by(datasets: list) -> set[int]:
     return held
 
 
+def _serialize(dataset, call: str) -> bytes:
+    """The dataset's graph, read while its device still exists."""
+    policies = data_options.ExternalStatePolicy
+    try:
+        graph = dataset._as_serialized_graph(
+            external_state_policy=policies.FAIL, strip_device_assignment=True)
+    except Exception:  # noqa: BLE001 - external state: retried below
+        # A Python generator (from_generator) is external state that stays
+        # valid in this process: its function is registered by a token.
+        try:
+            graph = dataset._as_serialized_graph(
+                external_state_policy=policies.WARN, strip_device_assignment=True)
+        except Exception as error:  # noqa: BLE001 - reported with the cause
+            raise order_error(call, "a tf.data dataset that cannot be carried "
+                              f"over ({dataset.element_spec}: {error})") from error
+    data = graph.numpy()
+    if _LOCAL_JOB.encode() not in data:
+        return data
+    # Functions inside it (from_generator's PyFunc) keep their device, which
+    # is about to disappear; strip_device_assignment does not reach them.
+    graph_def = graph_pb2.GraphDef.FromString(data)
+    for node in graph_def.node:
+        node.device = ""
+    for function in graph_def.library.function:
+        for node in function.node_def:
+            node.device = ""
+    return graph_def.SerializeToString()
+
+
 @contextlib.contextmanager
 def after_start(cluster_spec, task_type: str, task_id: int,
                 call: str) -> Iterator[None]:
@@ -138,6 +168,7 @@ def after_start(cluster_spec, task_type: str, task_id: int,
               "_collective_use_nccl_communication", "_collective_device_filters")
     if not all(hasattr(ctx, f) for f in ("_collective_leader", *fields)):
         raise order_error(call, "any other TensorFlow work")
+    gc.collect()  # An iterator in a dead cycle must not count as live.
     datasets, variables, iterators, tensors = _live_state()
     if variables:
         raise order_error(call, _describe_variables(variables))
@@ -148,15 +179,7 @@ def after_start(cluster_spec, task_type: str, task_id: int,
     # Every live dataset, not only the outermost: a script may still use
     # the one it batched. Each graph holds its inputs' data, so over
     # in-memory arrays every rebuilt stage holds its own copy of them.
-    graphs = []
-    for dataset in datasets:
-        try:
-            graph = dataset._as_serialized_graph(
-                external_state_policy=data_options.ExternalStatePolicy.FAIL)
-        except Exception as error:  # noqa: BLE001 - reported with the cause
-            raise order_error(call, f"a dataset that cannot be carried over "
-                              f"({dataset.element_spec}: {error})") from error
-        graphs.append(graph.numpy())
+    graphs = [_serialize(dataset, call) for dataset in datasets]
     del tensors
     # The values MultiWorkerMirroredStrategy passes to configure_collective_ops,
     # which then returns at once instead of refusing a started runtime.
