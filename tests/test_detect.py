@@ -20,8 +20,11 @@ SLURM = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
          "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
 
 
-def devices(gpus=0, tpus=0):
-    counts = {"GPU": gpus, "TPU": tpus}
+def devices(gpus=0, tpus=0, logical_gpus=None, logical_cpus=1):
+    """A device counter: physical GPUs and TPUs, and the logical devices
+    TensorFlow runs on (by default one per GPU, and one CPU)."""
+    counts = {"GPU": gpus, "TPU": tpus, "logical CPU": logical_cpus,
+              "logical GPU": gpus if logical_gpus is None else logical_gpus}
     return lambda kind: counts[kind]
 
 
@@ -69,6 +72,41 @@ def test_auto_detection(env, options, gpus, tpus, name, role, reason):
     assert reason in choice.reason
     assert choice.slurm == (name == "multi_worker_mirrored" and "SLURM" in
                             choice.reason.upper())
+
+
+@pytest.mark.parametrize("counts, name, reason", [
+    # The CPU split by tf.config.set_logical_device_configuration, as TF's
+    # input tutorial does before MirroredStrategy().
+    ({"logical_cpus": 2}, "mirrored", "2 logical CPUs, as tf.config."
+     "set_logical_device_configuration split the CPU before this call"),
+    # One GPU split into two logical GPUs (two memory limits).
+    ({"gpus": 1, "logical_gpus": 2}, "mirrored",
+     "2 logical GPUs, as tf.config set up the 1 local GPU(s)"),
+    # GPUs win over a split CPU, as in MirroredStrategy().
+    ({"gpus": 1, "logical_cpus": 4}, "one_device", "one device (1 GPU)"),
+    # Every GPU hidden with set_visible_devices: the (split) CPU is used.
+    ({"gpus": 2, "logical_gpus": 0, "logical_cpus": 3}, "mirrored",
+     "3 logical CPUs"),
+    ({"gpus": 2, "logical_gpus": 0}, "one_device", "one device (the CPU)"),
+])
+def test_auto_detection_uses_configured_logical_devices(counts, name, reason):
+    choice = choose(strategy="auto", options=make_options(env={}), env={},
+                    count_devices=devices(**counts))
+    assert choice.name == name
+    assert reason in choice.reason
+
+
+def test_explicit_options_win_over_configured_logical_devices():
+    choice = choose(options=make_options(env={}, cpu_replicas=1), env={},
+                    count_devices=devices(logical_cpus=4))
+    assert choice.name == "one_device"  # cpu_replicas=1: one CPU replica
+    assert "cpu_replicas=1" in choice.reason
+    one = choose(options=make_options(env={}, devices=["/cpu:1"]), env={},
+                 count_devices=devices(gpus=2, logical_cpus=4))
+    assert (one.name, one.reason) == ("one_device", "1 device was given: /cpu:1")
+    cluster_choice = choose(tf_config(WORKERS, "worker", 0), env={},
+                            count_devices=devices(logical_cpus=4))
+    assert cluster_choice.name == "multi_worker_mirrored"
 
 
 def test_tpu_setting_comes_from_tpu_name():

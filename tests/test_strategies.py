@@ -34,14 +34,28 @@ def all_reduce_sum(strategy, tf):
     return [float(r) for r in results]
 
 
-def test_auto_without_cluster_is_one_device(tf_cpus):
+def test_auto_mirrors_over_the_logical_cpus_this_process_started_with(tf_cpus):
+    # The tf_cpus fixture split the CPU into LOGICAL_CPUS devices before
+    # TensorFlow started, as TF's input tutorial does; TF's MirroredStrategy()
+    # mirrors over them, and so does the automatic choice.
+    from conftest import LOGICAL_CPUS
     strategy = tfdist.strategy_from_config()
+    assert isinstance(strategy, tfdist.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == LOGICAL_CPUS
+    assert all_reduce_sum(strategy, tf_cpus) == [10.0] * LOGICAL_CPUS
+    text = strategy.describe()
+    assert f"why: {LOGICAL_CPUS} logical CPUs, as tf.config." in text
+    assert "cluster: none" in text
+
+
+def test_one_cpu_replica_when_asked_for(tf_cpus):
+    strategy = tfdist.strategy_from_config(cpu_replicas=1)
     assert isinstance(strategy, tfdist.OneDeviceStrategy)
     assert isinstance(strategy, tf_cpus.distribute.OneDeviceStrategy)
     assert strategy.num_replicas_in_sync == 1
     text = strategy.describe()
-    assert "one_device" in text and "why: no TF_CONFIG cluster" in text
-    assert "cluster: none" in text
+    assert "one_device" in text
+    assert "why: no TF_CONFIG cluster, cpu_replicas=1 and one device" in text
 
 
 def test_default_is_tensorflows_default_strategy(tf_cpus):
@@ -176,3 +190,55 @@ def test_compression_under_ps_or_tpu_is_refused_before_building(tf_cpus, config,
     error = outcome.get("error")
     assert isinstance(error, ConfigError), outcome
     assert error.field == "compression" and "'topk:0.01'" in str(error)
+
+
+#: The input tutorial's set-up, then the automatic choice, in a fresh process:
+#: ``explain`` first must not start TensorFlow (the split would then fail).
+LOGICAL_CPUS_SCRIPT = """
+import json
+import tensorflow as tf
+import tfdist
+before = tfdist.explain()
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(2)])
+configured = tfdist.explain()
+started = len(tf.config.list_logical_devices("CPU"))  # starts the runtime
+data = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(8).batch(4)
+strategy = tfdist.strategy_from_config()
+ctx = tf.distribute.get_replica_context
+sums = strategy.experimental_local_results(strategy.run(tf.function(
+    lambda: ctx().all_reduce("SUM", tf.cast(ctx().replica_id_in_sync_group + 1,
+                                            tf.float32)))))
+batches = [strategy.experimental_local_results(b[0])
+           for b in strategy.experimental_distribute_dataset(data)]
+print("tfdist result: " + json.dumps({
+    "before": [before.name, before.reason],
+    "configured": [configured.name, configured.reason],
+    "started": started,
+    "type": type(strategy).__name__,
+    "mirrored": isinstance(strategy, tf.distribute.MirroredStrategy),
+    "replicas": strategy.num_replicas_in_sync,
+    "devices": list(strategy.extended.worker_devices),
+    "sums": [float(s) for s in sums],
+    "per_replica_rows": [[int(t.shape[0]) for t in b] for b in batches],
+    "describe": strategy.describe()}))
+"""
+
+
+def test_auto_uses_the_logical_cpus_configured_before_the_call():
+    from conftest import finish, result_line, start
+    [(code, out, err)] = finish([start(["-c", LOGICAL_CPUS_SCRIPT])], timeout=300)
+    assert code == 0, err[-3000:]
+    result = result_line(out)
+    assert result["before"][0] == "one_device"
+    assert result["configured"][0] == "mirrored"
+    assert "2 logical CPUs" in result["configured"][1]
+    assert result["started"] == 2
+    assert result["type"] == "MirroredStrategy" and result["mirrored"]
+    assert result["replicas"] == 2
+    assert [d.rsplit("/", 1)[1] for d in result["devices"]] == [
+        "device:CPU:0", "device:CPU:1"]
+    assert result["sums"] == [3.0, 3.0]  # 1 + 2 on each replica: a real all-reduce
+    assert result["per_replica_rows"] == [[2, 2], [2, 2]]
+    assert "why: 2 logical CPUs" in result["describe"]

@@ -26,6 +26,7 @@ _LAZY = {
     "TPUStrategy": "tfdist.strategies",
     "ClusterJoinError": "tfdist.strategies",
     "TPUNotFoundError": "tfdist.strategies",
+    "StrategyOrderError": "tfdist.strategies",
     "fit": "tfdist.training",
     "evaluate": "tfdist.training",
     "ParameterServerError": "tfdist.training",

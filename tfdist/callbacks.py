@@ -49,6 +49,7 @@ __all__ = [
     "BackupAndRestore",
     "ModelCheckpoint",
     "TensorBoard",
+    "TensorBoardNotInstalledError",
     "LearningRateWarmup",
     "scale_learning_rate",
     "is_chief",
@@ -614,18 +615,43 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self.filepath = self.chief_filepath
 
 
+class TensorBoardNotInstalledError(TfdistError, ImportError):
+    """The ``tensorboard`` package, which writes the summaries, is missing."""
+
+
 class TensorBoard(keras.callbacks.TensorBoard):
     """``keras.callbacks.TensorBoard`` whose logs only the chief writes.
 
     Non-chief workers log into a temporary directory that is removed when
     ``fit`` ends (after the writers are closed), or at process exit.
 
+    Needs the ``tensorboard`` package (``pip install 'tfdist[tensorboard]'``):
+    TensorFlow 2.21 no longer installs it, and without it ``tf.summary.scalar``
+    fails when Keras writes the first step's logs.
+
     Args:
         log_dir: As for Keras; the chief writes there.
         **kwargs: Keras ``TensorBoard`` arguments.
+
+    Raises:
+        TensorBoardNotInstalledError: tensorboard is not installed.
     """
 
+    #: How to install what this callback needs.
+    INSTALL_HINT = "pip install 'tfdist[tensorboard]' (or: pip install tensorboard)"
+
     def __init__(self, log_dir: str | os.PathLike = "logs", **kwargs: Any) -> None:
+        try:
+            # What tf.summary.scalar/histogram/image import when called.
+            import tensorboard.summary.v2  # noqa: F401
+        except ImportError as error:
+            raise TensorBoardNotInstalledError(
+                "tfdist.TensorBoard needs the 'tensorboard' package, which is "
+                f"not installed ({error}): Keras's TensorBoard callback writes "
+                "its logs with tf.summary, whose scalar, histogram and image "
+                "summaries TensorFlow takes from tensorboard, and would fail "
+                "after the first training step. Install it with: "
+                f"{self.INSTALL_HINT}", name="tensorboard") from error
         super().__init__(log_dir, **kwargs)
         self.chief_log_dir = self.log_dir
         self.scratch_dir: str | None = None

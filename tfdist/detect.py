@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any, Callable, Mapping
 
 from tfdist import cluster
 from tfdist.errors import ConfigError
 from tfdist.options import StrategyOptions, canonical_strategy_name
 
-#: Counts local physical devices of a type ("GPU", "TPU"). The default asks
-#: TensorFlow; tests pass a stub so that detection runs without it.
+#: Counts local devices of a kind: ``"TPU"`` and ``"GPU"`` count physical
+#: devices; ``"logical GPU"`` and ``"logical CPU"`` count the logical devices
+#: TensorFlow runs on (several per physical device once the user split it with
+#: ``tf.config.set_logical_device_configuration``, none for a device hidden
+#: with ``tf.config.set_visible_devices``). The default asks TensorFlow; tests
+#: pass a stub so that detection runs without it.
 DeviceCounter = Callable[[str], int]
 
 
@@ -62,9 +67,23 @@ def slurm_step_tasks(env: Mapping[str, str]) -> int | None:
                           source="Slurm environment") from None
 
 
-def _tf_device_count(device_type: str) -> int:
+def _tf_device_count(kind: str) -> int:
+    logical = kind.startswith("logical ")
+    device_type = kind.split()[-1]
+    if logical and "tensorflow" not in sys.modules:
+        # Nothing in this process could have split or hidden a device yet.
+        # A CPU is one device; a GPU count is only asked for after
+        # _tf_device_count("GPU") imported TensorFlow.
+        return 1 if device_type == "CPU" else 0
     import tensorflow as tf  # Only when detection needs to look at hardware.
-    return len(tf.config.list_physical_devices(device_type))
+    if not logical:
+        return len(tf.config.list_physical_devices(device_type))
+    # What MirroredStrategy() would mirror over, read without starting the
+    # runtime (tf.config.list_logical_devices would start it, and a later
+    # set_logical_device_configuration in the script would then fail). Both
+    # calls only read the configuration, before or after the runtime started.
+    return sum(len(tf.config.get_logical_device_configuration(device) or [None])
+               for device in tf.config.get_visible_devices(device_type))
 
 
 def _describe_cluster(cfg: cluster.TFConfig) -> str:
@@ -86,8 +105,9 @@ def choose(config: Any = None,
         strategy: A strategy name or ``"auto"``.
         options: Validated options (devices, cpu_replicas, tpu...).
         env: The environment; defaults to ``os.environ``.
-        count_devices: Counts local physical devices of a type; defaults to
-            asking TensorFlow, and is only called when it matters.
+        count_devices: Counts local devices of a kind (see
+            :data:`DeviceCounter`); defaults to asking TensorFlow without
+            starting its runtime, and is only called when it matters.
 
     Returns:
         The :class:`Choice`.
@@ -142,6 +162,8 @@ def choose(config: Any = None,
     if options.devices and len(options.devices) > 1:
         return choice("mirrored", f"{len(options.devices)} devices were "
                       f"given: {', '.join(options.devices)}")
+    if options.devices:
+        return choice("one_device", f"1 device was given: {options.devices[0]}")
     if options.cpu_replicas and options.cpu_replicas > 1:
         return choice("mirrored", f"cpu_replicas={options.cpu_replicas}: "
                       "the CPU is split into that many logical devices")
@@ -149,9 +171,20 @@ def choose(config: Any = None,
     if tpus:
         return choice("tpu", f"{tpus} local TPU device(s) found", tpu="local")
     gpus = count("GPU")
-    if gpus > 1:
-        return choice("mirrored", f"{gpus} local GPUs found")
-    device = "1 GPU" if gpus == 1 else "the CPU"
+    logical_gpus = count("logical GPU") if gpus else 0
+    if logical_gpus > 1:
+        if logical_gpus == gpus:
+            return choice("mirrored", f"{gpus} local GPUs found")
+        return choice("mirrored", f"{logical_gpus} logical GPUs, as tf.config "
+                      f"set up the {gpus} local GPU(s) before this call")
+    # cpu_replicas=1 asks for one CPU replica, however the CPU was split.
+    cpus = 1 if logical_gpus or options.cpu_replicas else count("logical CPU")
+    if cpus > 1:
+        return choice("mirrored", f"{cpus} logical CPUs, as tf.config."
+                      "set_logical_device_configuration split the CPU before "
+                      "this call")
+    device = "1 GPU" if logical_gpus == 1 else "the CPU"
     where = "no TF_CONFIG cluster" + (
-        ", a Slurm step of 1 task" if slurm_tasks == 1 else "")
+        ", a Slurm step of 1 task" if slurm_tasks == 1 else "") + (
+        ", cpu_replicas=1" if options.cpu_replicas == 1 and not gpus else "")
     return choice("one_device", f"{where} and one device ({device})")

@@ -14,6 +14,7 @@ Each class subclasses TensorFlow's own strategy, so everything that accepts a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import re
@@ -28,15 +29,17 @@ from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
 from tfdist import cluster as cluster_lib
-from tfdist import keras_steps
+from tfdist import keras_steps, late_start
 from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.detect import Choice, choose
 from tfdist.errors import ConfigError, TfdistError
+from tfdist.late_start import StrategyOrderError
 from tfdist.options import StrategyOptions, make_options
 from tfdist.watchdog import PeerWatchdog
 
 __all__ = [
     "ClusterJoinError",
+    "StrategyOrderError",
     "TPUNotFoundError",
     "TfdistStrategy",
     "OneDeviceStrategy",
@@ -267,12 +270,27 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
                     for job in ("chief", "worker")) > 1
         if multi and cluster_resolver.task_type in ("chief", "worker"):
             _configure_coordination(spec, register_timeout)
+        call = ("tfdist.strategy_from_config()" if choice is not None
+                else "tfdist.MultiWorkerMirroredStrategy()")
+        late = contextlib.nullcontext()
+        if spec.as_dict() and cluster_resolver.task_type in ("chief", "worker"):
+            # TensorFlow refuses once its runtime started (a dataset built
+            # first); late_start carries datasets over or says what to move.
+            late = late_start.after_start(spec, cluster_resolver.task_type,
+                                          cluster_resolver.task_id, call)
         try:
-            super().__init__(cluster_resolver=cluster_resolver,
-                             communication_options=communication_options)
+            with late:
+                super().__init__(cluster_resolver=cluster_resolver,
+                                 communication_options=communication_options)
         except tf.errors.DeadlineExceededError as error:
             raise _join_error(error, spec, cluster_resolver,
                               register_timeout) from None
+        except late_start.StrategyOrderError:
+            raise
+        except RuntimeError as error:
+            if late_start.TF_MESSAGE not in str(error):
+                raise
+            raise late_start.order_error(call, "any other TensorFlow work") from None
         self._tfdist_init(compression, choice)
         timeout = getattr(communication_options, "timeout_seconds", None)
         if timeout:
@@ -531,7 +549,12 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
     ``TPU_NAME``); a TF_CONFIG with a ``ps`` job (ParameterServer); a
     TF_CONFIG with a cluster (MultiWorkerMirrored); a Slurm step of several
     tasks (MultiWorkerMirrored); several devices, ``cpu_replicas`` > 1 or
-    several GPUs (Mirrored); a local TPU; else one device.
+    several GPUs (Mirrored); a local TPU; several logical GPUs, or else
+    logical CPUs, that the script configured with
+    ``tf.config.set_logical_device_configuration`` before this call
+    (Mirrored over them, as ``tf.distribute.MirroredStrategy()``); else one
+    device. Detection reads the configuration without starting TensorFlow's
+    runtime, so the script may still configure devices after ``explain``.
 
     On a ps or worker task of a parameter-server cluster this call serves
     the cluster and does not return: the chief runs the training.
@@ -566,7 +589,9 @@ def _build(choice: Choice, opts: StrategyOptions,
         if opts.devices:
             device = opts.devices[0]
         else:
-            device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
+            # Visible, as detection counted them: a GPU hidden with
+            # tf.config.set_visible_devices cannot hold the replica.
+            device = "/gpu:0" if tf.config.get_visible_devices("GPU") else "/cpu:0"
         return OneDeviceStrategy(device, compression=comp, choice=choice)
     if choice.name == "mirrored":
         devices = list(opts.devices) if opts.devices else None
