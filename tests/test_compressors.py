@@ -144,10 +144,10 @@ def test_error_feedback_refuses_unbiased_randomk():
         ErrorFeedback(RandomKCompressor(0.1))
     assert info.value.field == "compressor" and "contractive" in str(info.value)
     assert "unbiased=False" in str(info.value)
-    with pytest.raises(ConfigError):
-        make_aggregator("randomk", error_feedback=True)
-    with pytest.raises(ConfigError):
-        make_aggregator(RandomKCompressor(0.01), error_feedback=True)
+    for setting in ("randomk", "randomk:0.01", RandomKCompressor(0.01)):
+        with pytest.raises(ConfigError) as info:
+            make_aggregator(setting, error_feedback=True)
+        assert info.value.field == "error_feedback" and "unbiased=False" in str(info.value)
     # The unscaled form takes error feedback, and gets it by default.
     ef = make_aggregator(RandomKCompressor(0.01, unbiased=False))
     assert ef.memory is not None and ef.memory.compressor.ratio == 0.01

@@ -94,7 +94,8 @@ def make_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggrega
 
     Raises:
         ConfigError: Bad setting, or error feedback forced on a lossless
-            compressor or contradicting the object given.
+            compressor or on one scaled to be unbiased (random-k's default),
+            or contradicting the object given.
     """
     parsed = parse_compression(setting)
     obj = parsed.compressor
@@ -122,6 +123,13 @@ def make_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggrega
             raise ConfigError("error_feedback", error_feedback, "True, False or None")
         return PowerSGD(4 if parsed.param is None else parsed.param, error_feedback=ef)
     compressor = make_compressor(parsed)
+    if error_feedback is True and not getattr(compressor, "contractive", True):
+        raise ConfigError(
+            "error_feedback", error_feedback,
+            "False or None with a compressor that scales what it keeps to be unbiased",
+            received=f"error_feedback=True with {compressor!r}",
+            hint="Its error-feedback residual would grow every step; for random-k with error "
+                 "feedback use compression=RandomKCompressor(ratio, unbiased=False).")
     return CompressorAggregator(compressor, check_error_feedback(compressor, error_feedback))
 
 
