@@ -7,6 +7,9 @@ under Mirrored on 2 logical CPUs: each setting must end within 2 accuracy
 points (on held-out examples) of the uncompressed run made in the same
 process. Before the defaults were fixed, random-k (1%, error feedback) fell
 to 0.28 against 0.975, sign to 0.929 and top-k to 0.927.
+
+The dataset is shared and every fit runs in this process: about 40 s on 2
+shared cores for the 8 fits (~3 s each) and TensorFlow's start.
 """
 
 from __future__ import annotations
