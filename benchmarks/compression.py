@@ -46,8 +46,8 @@ TEST_EXAMPLES = 8192  # Held out; 1 accuracy point = 82 examples.
 REPO = HERE.parent
 RESULTS = HERE / "results"
 
-SETTINGS = ["plain", "identity", "fp16", "bf16", "topk:0.01", "randomk:0.01", "randomk:0.1",
-            "sign", "qsgd:16", "powersgd:4"]
+SETTINGS = ["plain", "identity", "fp16", "bf16", "topk:0.01", "randomk", "randomk:0.1",
+            "randomk:0.01", "sign", "qsgd:16", "powersgd:4"]
 
 FLAGS = flags.FLAGS
 
@@ -64,6 +64,11 @@ def define_flags() -> None:
     flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate (momentum 0.9).")
     flags.DEFINE_string("out", None, "Write the JSON result here (worker mode).")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
+    flags.DEFINE_bool("update", False,
+                      "Merge the rows measured into the recorded JSON of the mode instead of "
+                      "replacing it: each replaces the row of its setting, with --note and "
+                      "the accuracy of the plain run of its own invocation.")
+    flags.DEFINE_string("note", None, "With --update: why the rows were measured again.")
 
 
 def make_data(examples: int, seed: int = 0):
@@ -229,6 +234,32 @@ def summarize(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def merge(recorded: dict, meta: dict, rows: list[dict], note: str | None
+          ) -> tuple[dict, list[dict]]:
+    """The recorded results with some settings measured again (``--update``).
+
+    Each measured row (but the plain run it was compared with) replaces the
+    recorded row of its setting, or is added; it keeps ``note`` and its own
+    plain run's accuracy (``plain_accuracy``), since its Δ accuracy and step
+    ratio are against that run. Rows are kept in :data:`SETTINGS` order.
+    """
+    if meta["flags"] != recorded["meta"]["flags"]:
+        raise SystemExit(f"--update: these runs used {meta['flags']}, the recorded ones "
+                         f"{recorded['meta']['flags']}; rows of different runs do not compare")
+    plain = next(r for r in rows if r["setting"] == "plain")
+    merged = {r["setting"]: r for r in recorded["rows"]}
+    for r in rows:
+        if r["setting"] != "plain":
+            merged[r["setting"]] = dict(r, note=note, plain_accuracy=plain["test_accuracy"])
+    order = {s: i for i, s in enumerate(SETTINGS)}
+    out = sorted(merged.values(), key=lambda r: order.get(r["setting"], len(order)))
+    old = dict(recorded["meta"])
+    old.setdefault("updates", []).append(
+        {"settings": [r["setting"] for r in rows], "wall_s": meta["wall_s"],
+         "date": time.strftime("%Y-%m-%d"), "note": note})
+    return old, out
+
+
 def bf16_ratio(row: dict) -> float:
     """How many times fewer bytes than a bf16 all-reduce of the same gradients.
 
@@ -280,13 +311,17 @@ def main(argv) -> None:
             # Logical devices are fixed once TF starts: a subprocess per mode.
             subprocess.run([sys.executable, __file__, "--mode=replicas",
                             f"--settings={','.join(FLAGS.settings)}",
-                            f"--results_dir={results}"]
+                            f"--results_dir={results}", f"--update={FLAGS.update}"]
+                           + ([f"--note={FLAGS.note}"] if FLAGS.note else [])
                            + [f"--{k}={v}" for k, v in _run_kwargs().items()], check=True)
             continue
         started = time.time()
         rows = summarize(bench_replicas() if mode == "replicas" else bench_workers())
         meta = {"mode": mode, "wall_s": time.time() - started, "cpus": os.cpu_count(),
                 "flags": _run_kwargs()}
+        recorded = results / f"compression_{mode}.json"
+        if FLAGS.update and recorded.exists():
+            meta, rows = merge(json.loads(recorded.read_text()), meta, rows, FLAGS.note)
         (results / f"compression_{mode}.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1))
         (results / f"compression_{mode}.md").write_text(markdown(mode, rows))

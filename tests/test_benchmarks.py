@@ -11,7 +11,7 @@ from conftest import REPO, subprocess_env
 
 def test_compression_benchmark_runs_and_identity_equals_plain(tmp_path):
     args = [sys.executable, "benchmarks/compression.py", "--mode=replicas", "--epochs=2",
-            "--examples=1024", "--hidden=32", "--global_batch=64",
+            "--examples=1024", "--hidden=128", "--global_batch=64",
             "--settings=plain,identity,topk:0.1", f"--results_dir={tmp_path}"]
     done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
                           text=True, timeout=300)

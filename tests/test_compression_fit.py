@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist.compression import make_compressor, reduce_compressed
+from tfdist.compression import TopKCompressor, make_compressor, reduce_compressed
 from tfdist.compression.aggregate import CompressorAggregator, Item, ReplicaComm
 from test_strategies import fit_losses
 
@@ -145,7 +145,9 @@ def test_save_and_load_resume_with_the_error_feedback_state(tf_cpus, tmp_path):
     import keras
     from tfdist.compression.keras_hook import state_variables
     tf = tf_cpus
-    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="topk:0.1")
+    # min_size=0: this model's tensors are all small enough to be sent whole.
+    strategy = tfdist.strategy_from_config(cpu_replicas=2,
+                                           compression=TopKCompressor(0.1, min_size=0))
     rng = np.random.default_rng(7)
     x = rng.normal(size=(512, 16)).astype("float32")
     y = (x[:, 0] * x[:, 1] > 0).astype("int32")
@@ -189,14 +191,15 @@ def test_save_and_load_resume_with_the_error_feedback_state(tf_cpus, tmp_path):
 def test_communication_stats_callback_reports_the_predicted_bytes(tf_cpus):
     from tfdist.compression import CommunicationStats, predict_traffic
     tf = tf_cpus
-    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="topk:0.1")
+    topk = TopKCompressor(0.1, min_size=0)  # Compresses this model's small tensors too.
+    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=topk)
     rng = np.random.default_rng(8)
     x = rng.normal(size=(256, 16)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
     model = _small_model(tf, strategy, x, y)
     stats = CommunicationStats(every_batch=True)
     history = model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[stats])
-    expected = predict_traffic(model, "topk:0.1", num_replicas=2)
+    expected = predict_traffic(model, topk, num_replicas=2)
     assert history.history["comm_ratio"] == [expected.ratio] * 2
     assert history.history["comm_bytes"][-1] == expected.sent
     assert stats.steps == 8 and stats.total_bytes == 8 * expected.sent

@@ -16,11 +16,14 @@ pytestmark = pytest.mark.usefixtures("tf_cpus")
 from tfdist.compression import (  # noqa: E402
     BF16Compressor, ErrorFeedback, FP16Compressor, NoneCompressor, QSGDCompressor,
     RandomKCompressor, SignCompressor, TopKCompressor, default_error_feedback,
-    make_compressor, reduce_compressed)
+    make_aggregator, make_compressor, reduce_compressed)
 from tfdist.errors import ConfigError  # noqa: E402
 
-ALL = [NoneCompressor(), FP16Compressor(), BF16Compressor(), TopKCompressor(0.1),
-       RandomKCompressor(0.1), SignCompressor(), QSGDCompressor(16)]
+# The small tensors of these tests are below top-k's and sign's default
+# min_size (sent whole): min_size=0 compresses them; both forms are tested.
+ALL = [NoneCompressor(), FP16Compressor(), BF16Compressor(), TopKCompressor(0.1, min_size=0),
+       TopKCompressor(0.1), RandomKCompressor(0.1), RandomKCompressor(0.1, unbiased=False),
+       SignCompressor(min_size=0), SignCompressor(), QSGDCompressor(16)]
 
 
 def _data(shape, seed=0, dtype=np.float32):
@@ -58,7 +61,7 @@ def test_fp16_huge_values_stay_finite_and_prescale_undone():
 
 def test_topk_keeps_largest_magnitudes():
     x = _data((10, 7))
-    comp = TopKCompressor(0.1)
+    comp = TopKCompressor(0.1, min_size=0)
     k = math.ceil(0.1 * 70)
     payload, _, y = _roundtrip(comp, x)
     expected = np.argsort(-np.abs(x.ravel()))[:k]
@@ -70,8 +73,8 @@ def test_topk_keeps_largest_magnitudes():
 
 
 def test_topk_k_has_no_float_error():
-    assert TopKCompressor(0.07).payload_bytes((100,), "float32") == 7 * 8
-    assert TopKCompressor(1e-9).payload_bytes((5,), "float32") == 8  # k >= 1
+    assert TopKCompressor(0.07, min_size=0).payload_bytes((100,), "float32") == 7 * 8
+    assert TopKCompressor(1e-9, min_size=0).payload_bytes((5,), "float32") == 8  # k >= 1
 
 
 def test_randomk_replicas_agree_and_sum():
@@ -95,11 +98,61 @@ def test_randomk_replicas_agree_and_sum():
 def test_sign(n):
     x = _data((n,), n)
     x[x == 0] = 1.0
-    comp = SignCompressor()
+    comp = SignCompressor(min_size=0)
     payload, _, y = _roundtrip(comp, x)
     np.testing.assert_allclose(y, np.mean(np.abs(x)) * np.sign(x), rtol=1e-6)
     assert comp.payload_bytes((n,), "float32") == math.ceil(n / 8) + 4 == _wire_bytes(payload)
     assert payload[0].dtype == tf.uint8 and payload[1].dtype == tf.float32
+
+
+@pytest.mark.parametrize("comp", [TopKCompressor(0.01), SignCompressor()], ids=["topk", "sign"])
+def test_small_tensors_are_sent_whole(comp):
+    assert comp.min_size == 1024
+    small = _data((64, 10))  # 640 entries: e.g. a 64-unit layer's 10-class output kernel.
+    payload, _, y = _roundtrip(comp, small)
+    np.testing.assert_array_equal(y, small)
+    assert len(payload) == 1 and _wire_bytes(payload) == 640 * 4
+    assert comp.payload_bytes((64, 10), "float32") == 640 * 4
+    large = _data((32, 32))  # 1024 entries: compressed.
+    payload, _, y = _roundtrip(comp, large)
+    assert not np.array_equal(y, large) and len(payload) == 2
+    assert comp.payload_bytes((32, 32), "float32") == _wire_bytes(payload) < 1024 * 4 / 8
+
+
+def test_randomk_is_unbiased_by_default():
+    x = _data((40,))
+    comp = RandomKCompressor(0.25)
+    assert comp.unbiased and not comp.contractive
+    total = np.zeros_like(x)
+    runs = 400
+    for step in range(runs):
+        _, ctx, y = _roundtrip(comp, x, step=step)
+        kept = ctx.indices.numpy()
+        np.testing.assert_allclose(y[kept], 4 * x[kept], rtol=1e-6)  # n / k = 40 / 10
+        assert np.count_nonzero(y) == 10
+        total += y
+    # Each entry is 4x or 0 with probability 1/4: std sqrt(3)|x|; the mean of
+    # `runs` draws is within 5 standard errors of x.
+    np.testing.assert_allclose(total / runs, x, atol=5 * math.sqrt(3) * np.abs(x).max()
+                               / math.sqrt(runs))
+    _, _, y = _roundtrip(RandomKCompressor(0.25, unbiased=False), x)
+    assert set(y[y != 0]) <= set(x)  # Unscaled: the kept values as they are.
+
+
+def test_error_feedback_refuses_unbiased_randomk():
+    with pytest.raises(ConfigError) as info:
+        ErrorFeedback(RandomKCompressor(0.1))
+    assert info.value.field == "compressor" and "contractive" in str(info.value)
+    assert "unbiased=False" in str(info.value)
+    for setting in ("randomk", "randomk:0.01", RandomKCompressor(0.01)):
+        with pytest.raises(ConfigError) as info:
+            make_aggregator(setting, error_feedback=True)
+        assert info.value.field == "error_feedback" and "unbiased=False" in str(info.value)
+    # The unscaled form takes error feedback, and gets it by default.
+    ef = make_aggregator(RandomKCompressor(0.01, unbiased=False))
+    assert ef.memory is not None and ef.memory.compressor.ratio == 0.01
+    assert make_aggregator("randomk").memory is None
+    assert make_aggregator("randomk:0.01").memory is None
 
 
 def test_qsgd_on_grid_and_unbiased():
@@ -171,6 +224,9 @@ def test_error_feedback_nan_resets_memory():
     (lambda: TopKCompressor(0), "ratio", 0),
     (lambda: TopKCompressor(1.5), "ratio", 1.5),
     (lambda: RandomKCompressor(-0.1), "ratio", -0.1),
+    (lambda: RandomKCompressor(0.1, unbiased=1), "unbiased", 1),
+    (lambda: TopKCompressor(0.1, min_size=-1), "min_size", -1),
+    (lambda: SignCompressor(min_size=1.5), "min_size", 1.5),
     (lambda: QSGDCompressor(0), "levels", 0),
     (lambda: FP16Compressor(prescale=0), "prescale", 0),
     (lambda: make_compressor("zip"), "compression", "zip"),
@@ -186,7 +242,9 @@ def test_bad_arguments(make, field, value):
 
 
 def test_make_compressor_and_defaults():
-    assert make_compressor("topk").ratio == 0.01
+    assert make_compressor("topk").ratio == 0.01 and make_compressor("topk").min_size == 1024
+    assert make_compressor("sign").min_size == 1024
+    assert make_compressor("randomk").ratio == 0.25 and make_compressor("randomk").unbiased
     assert make_compressor("randomk:0.5").ratio == 0.5
     assert make_compressor("qsgd").levels == 16
     assert make_compressor(None).name == "none"
@@ -194,8 +252,10 @@ def test_make_compressor_and_defaults():
     assert make_compressor(comp) is comp
     for name in ["none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd"]:
         assert make_compressor(name).name == name
-    assert [default_error_feedback(n) for n in ("topk", "randomk", "sign")] == [True] * 3
-    assert not any(default_error_feedback(n) for n in ("none", "fp16", "bf16", "qsgd"))
+    assert [default_error_feedback(n) for n in ("topk", "sign")] == [True] * 2
+    assert not any(default_error_feedback(n) for n in ("none", "fp16", "bf16", "qsgd", "randomk"))
+    assert not default_error_feedback(RandomKCompressor())
+    assert default_error_feedback(RandomKCompressor(unbiased=False))
 
 
 @pytest.mark.parametrize("comp", ALL, ids=lambda c: c.name)

@@ -23,9 +23,24 @@ ARRAYS = [[RNG.normal(size=shape).astype("float32") for _ in range(2)]
           for shape in [(37, 5), (37, 5), (16,)]]
 
 
+def every_tensor(compression):
+    """The setting, with top-k and sign compressing even these small tensors
+    (by default they send tensors under 1024 entries whole), and random-k
+    unscaled, so that its kept sums are exact."""
+    from tfdist.compression import RandomKCompressor, SignCompressor, TopKCompressor
+    name, _, param = str(compression).partition(":")
+    if name == "topk" and param:
+        return TopKCompressor(float(param), min_size=0)
+    if name == "randomk" and param:
+        return RandomKCompressor(float(param), unbiased=False)
+    if name == "sign":
+        return SignCompressor(min_size=0)
+    return compression
+
+
 def mirrored(tf, devices, compression):
     """A plain MirroredStrategy with CompressedCrossDeviceOps; returns both."""
-    ops = CompressedCrossDeviceOps(compression)
+    ops = CompressedCrossDeviceOps(every_tensor(compression))
     return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops), ops
 
 
@@ -207,7 +222,7 @@ def test_invalid_setting_names_this_class(tf_cpus):
 def test_describe_and_repr_name_the_compressor(tf_cpus):
     ops = CompressedCrossDeviceOps("topk:0.25", reduce_to_device="/cpu:3")
     assert ops.compressor.name == "topk" and ops.compressor.ratio == 0.25
-    assert "TopKCompressor(ratio=0.25)" in repr(ops) and "'/cpu:3'" in repr(ops)
+    assert "TopKCompressor(ratio=0.25, min_size=1024)" in repr(ops) and "'/cpu:3'" in repr(ops)
     assert "topk" in ops.describe() and "/cpu:3" in ops.describe()
 
 

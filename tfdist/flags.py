@@ -44,7 +44,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                         flag_values=flag_values)
     flags.DEFINE_bool("error_feedback", None,
                       "Force error feedback on or off; default: on for topk, "
-                      "randomk, sign and powersgd.", flag_values=flag_values)
+                      "sign and powersgd.", flag_values=flag_values)
     flags.DEFINE_integer("cpu_replicas", None,
                          "Split the CPU into this many logical devices and "
                          "mirror over them.", flag_values=flag_values)

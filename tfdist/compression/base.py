@@ -55,11 +55,17 @@ class Compressor:
             decompress each payload, then sum.
         lossy: Whether decompress(compress(x)) may differ from x, i.e. whether
             error feedback makes sense.
+        contractive: Whether ``x - decompress(compress(x))`` is never larger
+            than ``x``, which error feedback needs: its residual is then
+            bounded. False for compressors that scale up what they keep to be
+            unbiased (random-k by default): paired with error feedback,
+            their residual grows without bound, so that pairing raises.
     """
 
     name: str = ""
     summable: bool = False
     lossy: bool = True
+    contractive: bool = True
 
     def compress(
         self, tensor: tf.Tensor, step: tf.Tensor | int = 0, key: int = 0
@@ -164,6 +170,11 @@ def check_int(field: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(field, value, f"an integer in [{low}, {high}]")
     return value
+
+
+def check_min_size(min_size: Any) -> int:
+    """Validates ``min_size``: tensors with fewer entries are sent whole."""
+    return check_int("min_size", min_size, 0, 2**62)
 
 
 def kept_count(ratio: float, n: int) -> int:

@@ -26,11 +26,13 @@ class ErrorFeedback:
     scaler skipping the step) still sees them.
 
     Args:
-        compressor: A lossy compressor (``compressor.lossy`` is True).
+        compressor: A lossy, contractive compressor (``compressor.lossy``
+            and ``compressor.contractive`` are True).
 
     Raises:
         ConfigError: The compressor is lossless, so there is nothing to feed
-            back (field ``'compressor'``).
+            back, or it is not contractive (random-k scaled to be unbiased),
+            so the residual would grow without bound (field ``'compressor'``).
     """
 
     def __init__(self, compressor: Compressor) -> None:
@@ -38,6 +40,12 @@ class ErrorFeedback:
             raise ConfigError(
                 "compressor", compressor, "a lossy compressor",
                 hint="Error feedback only helps a compressor that loses information.")
+        if not getattr(compressor, "contractive", True):
+            raise ConfigError(
+                "compressor", compressor, "a contractive compressor",
+                hint="This compressor scales what it keeps up to be unbiased, so an "
+                     "error-feedback residual would grow every step. Use it without error "
+                     "feedback, or RandomKCompressor(ratio, unbiased=False) with it.")
         self.compressor = compressor
 
     def __repr__(self) -> str:

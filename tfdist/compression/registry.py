@@ -18,10 +18,12 @@ from tfdist.compression.topk import TopKCompressor
 from tfdist.errors import ConfigError
 
 #: Whether error feedback is on by default: the biased compressors need it
-#: to converge; the unbiased or near-lossless ones do not.
+#: to converge; the unbiased or near-lossless ones do not. Random-k is
+#: unbiased (scaled) by default; ``RandomKCompressor(unbiased=False)`` gets
+#: error feedback (see :func:`default_error_feedback`).
 _DEFAULT_EF = {
-    "none": False, "fp16": False, "bf16": False, "qsgd": False,
-    "topk": True, "randomk": True, "sign": True, "powersgd": True,
+    "none": False, "fp16": False, "bf16": False, "qsgd": False, "randomk": False,
+    "topk": True, "sign": True, "powersgd": True,
     "auto": False,  # Each candidate keeps its own default.
 }
 
@@ -32,8 +34,9 @@ def make_compressor(setting: Any) -> Compressor:
     Args:
         setting: Anything :func:`parse_compression` accepts: None, ``"fp16"``,
             ``"topk:0.01"``, a :class:`CompressionSetting`, or a compressor
-            object (returned as is). Defaults: top-k and random-k keep 1%,
-            QSGD uses 16 levels.
+            object (returned as is). Defaults: top-k keeps 1% (tensors under
+            1024 entries whole, as sign does), random-k 25% (scaled to be
+            unbiased), QSGD uses 16 levels.
 
     Returns:
         The compressor.
@@ -53,9 +56,9 @@ def make_compressor(setting: Any) -> Compressor:
     if name == "bf16":
         return BF16Compressor()
     if name == "topk":
-        return TopKCompressor(0.01 if param is None else param)
+        return TopKCompressor() if param is None else TopKCompressor(param)
     if name == "randomk":
-        return RandomKCompressor(0.01 if param is None else param)
+        return RandomKCompressor() if param is None else RandomKCompressor(param)
     if name == "sign":
         return SignCompressor()
     if name == "qsgd":
@@ -91,7 +94,8 @@ def make_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggrega
 
     Raises:
         ConfigError: Bad setting, or error feedback forced on a lossless
-            compressor or contradicting the object given.
+            compressor or on one scaled to be unbiased (random-k's default),
+            or contradicting the object given.
     """
     parsed = parse_compression(setting)
     obj = parsed.compressor
@@ -119,20 +123,31 @@ def make_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggrega
             raise ConfigError("error_feedback", error_feedback, "True, False or None")
         return PowerSGD(4 if parsed.param is None else parsed.param, error_feedback=ef)
     compressor = make_compressor(parsed)
+    if error_feedback is True and not getattr(compressor, "contractive", True):
+        raise ConfigError(
+            "error_feedback", error_feedback,
+            "False or None with a compressor that scales what it keeps to be unbiased",
+            received=f"error_feedback=True with {compressor!r}",
+            hint="Its error-feedback residual would grow every step; for random-k with error "
+                 "feedback use compression=RandomKCompressor(ratio, unbiased=False).")
     return CompressorAggregator(compressor, check_error_feedback(compressor, error_feedback))
 
 
 def default_error_feedback(name: str | Compressor) -> bool:
     """Whether error feedback should be on by default for a compressor.
 
-    True for top-k, random-k and sign (biased: the literature needs error
-    feedback for convergence); False for none, fp16, bf16 and QSGD
-    (lossless, nearly so, or unbiased).
+    True for top-k and sign (biased: the literature needs error feedback
+    for convergence); False for none, fp16, bf16, QSGD and random-k
+    (lossless, nearly so, or unbiased; random-k's default scaling does not
+    admit error feedback). A ``RandomKCompressor(unbiased=False)`` object
+    gets True.
 
     Args:
         name: A name from :data:`COMPRESSOR_NAMES`, or a compressor.
     """
     if not isinstance(name, str):
+        if getattr(name, "name", None) == "randomk":
+            return bool(getattr(name, "contractive", False))
         name = getattr(name, "name", name)
     if name not in COMPRESSOR_NAMES:
         raise ConfigError("name", name, "one of " + ", ".join(map(repr, COMPRESSOR_NAMES)))
