@@ -42,6 +42,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import multi_worker_util
 
+from tfdist import keras_saving
 from tfdist.errors import ConfigError, TfdistError, require_int
 
 __all__ = [
@@ -523,7 +524,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             scratch = _make_scratch("tfdist-backup-")
             self.scratch_dirs.append(scratch)
             try:
-                self.model.save_weights(os.path.join(scratch, name))
+                with keras_saving.unsynchronized():  # Coordinated here.
+                    self.model.save_weights(os.path.join(scratch, name))
             finally:
                 _drop_scratch(scratch)
             self.saves_discarded += 1
@@ -533,7 +535,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         tmp = self._path(f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{_CKPT_SUFFIX}")
         final = self._path(name)
         try:
-            self.model.save_weights(tmp)
+            with keras_saving.unsynchronized():  # Its own temp file and rename.
+                self.model.save_weights(tmp)
             _fsync_file(tmp)
             os.replace(tmp, final)
         finally:
