@@ -169,3 +169,72 @@ def test_single_process_saves_are_keras_own(tf_cpus, tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         f"{name}.keras" for name in ("MirroredStrategy", "OneDeviceStrategy",
                                      "_DefaultDistributionStrategy"))
+
+
+# --------------------------------------------------------------------------
+# The chief's atomic write, in one process (real Keras saves).
+
+
+def _trained_model(tf):
+    model = _tutorial_model(tf)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_the_chief_moves_a_sharded_save_and_leaves_no_temporary_files(tf_cpus, tmp_path):
+    def mlp():  # Three 40 kB kernels: one per 50 kB shard.
+        return tf_cpus.keras.Sequential([tf_cpus.keras.Input((100,))] + [
+            tf_cpus.keras.layers.Dense(100) for _ in range(3)])
+
+    model = mlp()
+    path = tmp_path / "model.weights.json"
+    keras_saving._chief_save(str(path), lambda p: model.save_weights(p, max_shard_size=5e-5))
+    names = sorted(os.listdir(tmp_path))  # The map and its shards; nothing else.
+    assert names == ["model.weights.json"] + [
+        f"model_{i:05d}.weights.h5" for i in range(len(names) - 1)] and len(names) >= 4
+    fresh = mlp()
+    fresh.load_weights(path)
+    assert digest(fresh.get_weights()) == digest(model.get_weights())
+
+
+def test_a_failed_save_leaves_the_previous_file_whole(tf_cpus, tmp_path):
+    model = _trained_model(tf_cpus)
+    path = tmp_path / "model.keras"
+    keras_saving._chief_save(str(path), model.save)
+    before = path.read_bytes()
+
+    def interrupted(staged):
+        with open(staged, "wb") as f:
+            f.write(before[:1000])  # Half a zip, then the save dies.
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        keras_saving._chief_save(str(path), interrupted)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["model.keras"]
+
+
+def test_an_unzipped_model_directory_is_replaced_whole(tf_cpus, tmp_path):
+    import keras
+    model = _trained_model(tf_cpus)
+    path = tmp_path / "model_dir"
+    for _ in range(2):  # The second save replaces the first directory.
+        keras_saving._chief_save(str(path), lambda p: model.save(p, zipped=False))
+    assert os.listdir(tmp_path) == ["model_dir"]
+    assert digest(keras.models.load_model(path).get_weights()) == digest(model.get_weights())
+
+
+def test_temporary_directories_of_killed_saves_are_swept(tf_cpus, tmp_path):
+    import socket
+    import subprocess
+    model = _trained_model(tf_cpus)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f".tfdist-save-{host}-{dead.pid}-0123"
+    live = tmp_path / f".tfdist-save-{host}-1-0123"  # pid 1 is alive
+    for d in (stale, live):
+        d.mkdir()
+        (d / "model.keras").write_bytes(b"partial")
+    keras_saving._chief_save(str(tmp_path / "model.keras"), model.save)
+    assert sorted(os.listdir(tmp_path)) == sorted(["model.keras", live.name])

@@ -11,6 +11,11 @@ from the chief only:
   good backup); every worker resumes from what the pointer names.
 * :class:`ModelCheckpoint` and :class:`TensorBoard`: Keras's, with the
   non-chief workers writing into a temporary directory that is removed.
+  Under tfdist's own MultiWorkerMirrored strategy Keras's ModelCheckpoint,
+  BackupAndRestore and ``model.save`` are made safe too
+  (:mod:`tfdist.keras_saving`); these classes also work under TensorFlow's
+  strategies, and :class:`BackupAndRestore` adds a checked pointer, a
+  mid-epoch resume and the workers' agreement on the backup.
 * :class:`LearningRateWarmup` and :func:`scale_learning_rate`: the linear
   scaling rule with gradual warm-up (Goyal et al. 2017, as Horovod does it).
 
@@ -589,7 +594,10 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
     Non-chief workers still save (a save reads on-read variables, which is
     a collective under MultiWorkerMirrored), into a temporary directory that
-    is removed when ``fit`` ends, or at process exit if it does not.
+    is removed when ``fit`` ends, or at process exit if it does not. Under
+    tfdist's MultiWorkerMirrored strategy Keras's own ModelCheckpoint does
+    the same (:mod:`tfdist.keras_saving`); this class also does it under
+    TensorFlow's own MultiWorkerMirroredStrategy.
 
     Args:
         filepath: As for Keras; the chief writes there.
