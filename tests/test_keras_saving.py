@@ -68,6 +68,8 @@ def files_under(path) -> list[str]:
 def check_job(tf, out_dir, tmp_dir, results, epochs_run, *, chief_only):
     chief, other = results["worker:0"], results["worker:1"]
     for result in (chief, other):
+        missing = result["errors"].pop("missing_dir_save")
+        assert missing.startswith("FileNotFoundError") and "no-such-dir" in missing
         assert result["errors"] == {}
         assert result["epochs_run"] == epochs_run
         assert result["iterations"] == EPOCHS * STEPS

@@ -272,6 +272,10 @@ def _chief_save(path: str, save: Callable[[str], Any]) -> Any:
 
 def _worker_save(path: str, save: Callable[[str], Any]) -> Any:
     key = _next_key(path)
+    if _local(path) and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        # The chief fails on this path before any collective: fail alike,
+        # rather than wait in one (scratch would have let the save start).
+        return save(path)
     scratch = tempfile.mkdtemp(prefix="tfdist-save-")
     try:
         started = time.monotonic()

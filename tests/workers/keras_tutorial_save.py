@@ -182,6 +182,11 @@ fresh = build_and_compile_cnn_model()
 step("weights_load", lambda: fresh.load_weights(weights_path))
 result["weights_digest"] = digest(fresh)
 
+# A save into a directory that does not exist fails on every worker alike
+# (and none waits in a collective for another).
+step("missing_dir_save", lambda: multi_worker_model.save(
+    os.path.join(out_dir, "no-such-dir", "model.keras")))
+
 # 4. A save on the chief only (no collective in it without compression
 # state) must not wait for the others.
 if os.environ.get("TFDIST_TEST_COMPRESSION") is None and _is_chief(task_type, task_id):
