@@ -107,7 +107,7 @@ def test_the_tutorials_saves_and_callbacks_on_two_workers(tf_cpus, tmp_path):
     result, lines = run_job(out_dir, tmp_dir, TFDIST_TEST_KILL="1:3")
     assert result.restarts == 1
     assert (result.attempts[0].task, result.attempts[0].how) == (
-        "worker:1", "was killed by SIGKILL")
+        "worker:1", "was killed by SIGKILL"), "\n".join(lines[-80:])
     final = {r["task"]: r for r in lines_with("tfdist result: ", lines) if r["attempt"] == 1}
     epoch_ends = [r for r in lines_with("tfdist epoch: ", lines)
                   if r["attempt"] == 0 and r["task"] == "worker:0"]

@@ -98,8 +98,8 @@ def unsynchronized():
 
 def _multi_worker(strategy: Any) -> tuple[bool, bool]:
     """(tfdist multi-worker strategy of >= 2 workers, this task is the chief)."""
-    if getattr(strategy, "kind", None) != "multi_worker_mirrored" or \
-            not hasattr(strategy, "_tfdist_init"):
+    from tfdist.strategies import MultiWorkerMirroredStrategy
+    if not isinstance(strategy, MultiWorkerMirroredStrategy):
         return False, True
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or resolver.task_type is None:
