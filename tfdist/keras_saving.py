@@ -388,8 +388,16 @@ def _wrap_backup_save(original):
         if not on or not _local(str(self.backup_dir)):
             return original(self)
         if not chief:
-            # The weight save may read on_read variables: a collective.
-            return self.model.save_weights(filepath=self._weights_path, overwrite=True)
+            # The weight save may read on_read variables: a collective. Run
+            # it under a private root: backup_dir may not exist yet (the
+            # chief creates it), and the file name (the sync key) is kept.
+            scratch = tempfile.mkdtemp(prefix="tfdist-backup-")
+            path = _scratch_root(self._weights_path, scratch)
+            os.makedirs(os.path.dirname(path))
+            try:
+                return self.model.save_weights(filepath=path, overwrite=True)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
         os.makedirs(self.backup_dir, exist_ok=True)
         if self.double_checkpoint:
             for path, previous in ((self._weights_path, self._prev_weights_path),
