@@ -11,6 +11,11 @@ from the chief only:
   good backup); every worker resumes from what the pointer names.
 * :class:`ModelCheckpoint` and :class:`TensorBoard`: Keras's, with the
   non-chief workers writing into a temporary directory that is removed.
+  Under tfdist's own MultiWorkerMirrored strategy Keras's ModelCheckpoint,
+  BackupAndRestore and ``model.save`` are made safe too
+  (:mod:`tfdist.keras_saving`); these classes also work under TensorFlow's
+  strategies, and :class:`BackupAndRestore` adds a checked pointer, a
+  mid-epoch resume and the workers' agreement on the backup.
 * :class:`LearningRateWarmup` and :func:`scale_learning_rate`: the linear
   scaling rule with gradual warm-up (Goyal et al. 2017, as Horovod does it).
 
@@ -42,6 +47,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import multi_worker_util
 
+from tfdist import keras_saving
 from tfdist.errors import ConfigError, TfdistError, require_int
 
 __all__ = [
@@ -524,7 +530,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             scratch = _make_scratch("tfdist-backup-")
             self.scratch_dirs.append(scratch)
             try:
-                self.model.save_weights(os.path.join(scratch, name))
+                with keras_saving.unsynchronized():  # Coordinated here.
+                    self.model.save_weights(os.path.join(scratch, name))
             finally:
                 _drop_scratch(scratch)
             self.saves_discarded += 1
@@ -534,7 +541,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         tmp = self._path(f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{_CKPT_SUFFIX}")
         final = self._path(name)
         try:
-            self.model.save_weights(tmp)
+            with keras_saving.unsynchronized():  # Its own temp file and rename.
+                self.model.save_weights(tmp)
             _fsync_file(tmp)
             os.replace(tmp, final)
         finally:
@@ -587,7 +595,10 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
     Non-chief workers still save (a save reads on-read variables, which is
     a collective under MultiWorkerMirrored), into a temporary directory that
-    is removed when ``fit`` ends, or at process exit if it does not.
+    is removed when ``fit`` ends, or at process exit if it does not. Under
+    tfdist's MultiWorkerMirrored strategy Keras's own ModelCheckpoint does
+    the same (:mod:`tfdist.keras_saving`); this class also does it under
+    TensorFlow's own MultiWorkerMirroredStrategy.
 
     Args:
         filepath: As for Keras; the chief writes there.

@@ -292,6 +292,10 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
                 raise
             raise late_start.order_error(call, "any other TensorFlow work") from None
         self._tfdist_init(compression, choice)
+        # Keras's own saves and checkpoint callbacks: the chief writes; see
+        # tfdist.keras_saving.
+        from tfdist import keras_saving
+        keras_saving.install()
         timeout = getattr(communication_options, "timeout_seconds", None)
         if timeout:
             logging.warning(
