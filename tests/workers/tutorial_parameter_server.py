@@ -21,8 +21,13 @@ on Keras 3, with tfdist.strategy_from_config as the only tfdist-specific line:
    coordinator with a metric created in the scope.
 
 Every section records its figures, or its error, in one 'tfdist result:' line.
-Keras 3 has no legacy optimizers; the tutorial's ``optimizers.legacy.SGD`` and
-``RMSprop`` are Keras 3's, and ModelCheckpoint needs a ``.keras`` path.
+Keras 3 ports of Keras 2 code: the tutorial's ``optimizers.legacy.SGD`` and
+``RMSprop`` are Keras 3's; ModelCheckpoint needs a ``.keras`` path; the
+regression labels have shape (10, 1), since Keras 3's "mse" does not
+broadcast (batch,) labels against (batch, 10) outputs; the functional model
+averages with ``keras.ops.mean`` (a TF op on a KerasTensor fails); the
+preprocessing models map batches, not single examples (Keras 3 functional
+models need the batch dimension), so the datasets batch before they map.
 """
 
 import json
@@ -85,7 +90,7 @@ result["strategy"] = type(strategy).__name__
 def fit():
     global_batch_size = 64
     x = tf.random.uniform((10, 10), seed=1)
-    y = tf.random.uniform((10,), seed=2)
+    y = tf.random.uniform((10, 1), seed=2)  # Keras 3 does not broadcast (64,) to (64, 10).
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(10).repeat()
     dataset = dataset.batch(global_batch_size).prefetch(2)
     with strategy.scope():
@@ -146,14 +151,14 @@ def preprocess(x):
 
 def dataset_fn(_):
     raw_dataset = tf.data.Dataset.from_tensor_slices(examples)
-    return raw_dataset.map(preprocess).shuffle(200).batch(32).repeat()
+    return raw_dataset.shuffle(200).batch(32).map(preprocess).repeat()
 
 
 with strategy.scope():
     model_input = tf.keras.layers.Input(shape=(3,), dtype=tf.int64, name="model_input")
     emb_layer = tf.keras.layers.Embedding(
         input_dim=len(feature_lookup_layer.get_vocabulary()), output_dim=16384)
-    emb_output = tf.reduce_mean(emb_layer(model_input), axis=1)
+    emb_output = tf.keras.ops.mean(emb_layer(model_input), axis=1)  # Keras 3: ops on KerasTensors.
     dense_output = tf.keras.layers.Dense(
         units=1, activation="sigmoid",
         kernel_regularizer=tf.keras.regularizers.L2(1e-4))(emb_output)
@@ -219,7 +224,7 @@ def loop():
 def inline_eval():
     random.seed(1)
     eval_dataset = tf.data.Dataset.from_tensor_slices(
-        feature_and_label_gen(num_examples=16)).map(preprocess).batch(8)
+        feature_and_label_gen(num_examples=16)).batch(8).map(preprocess)
     eval_accuracy = tf.keras.metrics.Accuracy()
     for batch_data, labels in eval_dataset:
         pred = model(batch_data, training=False)
@@ -242,7 +247,7 @@ def distributed_eval():
 
     def eval_dataset_fn():
         return tf.data.Dataset.from_tensor_slices(
-            feature_and_label_gen(num_examples=16)).map(preprocess).shuffle(16).repeat().batch(8)
+            feature_and_label_gen(num_examples=16)).shuffle(16).repeat().batch(8).map(preprocess)
 
     per_worker_eval_iterator = iter(coordinator.create_per_worker_dataset(eval_dataset_fn))
     for _ in range(2):
