@@ -142,8 +142,8 @@ def test_save_and_load_tutorial(tf_cpus, tmp_path, compression):
 
     my_model = SubclassedModel()
     batch_size = 4 * mirrored_strategy.num_replicas_in_sync
-    dataset = tf.data.Dataset.from_tensors(
-        (tf.range(5, dtype=tf.float32), tf.range(5, dtype=tf.float32))).repeat(100).batch(batch_size)
+    features = targets = tf.range(5, dtype=tf.float32)
+    dataset = tf.data.Dataset.from_tensors((features, targets)).repeat(100).batch(batch_size)
     my_model.compile(optimizer="adam", loss="mean_squared_error")
     my_history = my_model.fit(dataset, epochs=2, verbose=0)
     assert my_history.history["loss"][-1] < my_history.history["loss"][0]

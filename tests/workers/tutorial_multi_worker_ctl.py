@@ -87,7 +87,8 @@ def write_filepath(filepath, task_type, task_id, cluster_spec):
 
 checkpoint_dir = os.path.join(WORKDIR, "ckpt")
 
-strategy = tfdist.strategy_from_config(compression=os.environ.get("TFDIST_TEST_COMPRESSION") or None)
+strategy = tfdist.strategy_from_config(
+    compression=os.environ.get("TFDIST_TEST_COMPRESSION") or None)
 
 with strategy.scope():
     multi_worker_model = build_cnn_model()

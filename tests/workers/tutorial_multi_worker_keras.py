@@ -47,7 +47,8 @@ per_worker_batch_size = 64
 tf_config = json.loads(os.environ["TF_CONFIG"])
 num_workers = len(tf_config["cluster"]["worker"])
 
-strategy = tfdist.strategy_from_config(compression=os.environ.get("TFDIST_TEST_COMPRESSION") or None)
+strategy = tfdist.strategy_from_config(
+    compression=os.environ.get("TFDIST_TEST_COMPRESSION") or None)
 
 result = {"task": strategy.task if hasattr(strategy, "task") else None,
           "replicas": strategy.num_replicas_in_sync, "errors": {}}
