@@ -36,6 +36,7 @@ _LAZY = {
     "Traffic": "traffic",
     "predict_traffic": "traffic",
     "CommunicationStats": "callback",
+    "step_traffic": "loop_traffic",
     "CompressedCrossDeviceOps": "cross_device_ops",
     "default_error_feedback": "registry",
     "AutoCompression": "auto",
