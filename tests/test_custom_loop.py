@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from conftest import finish, start
+from conftest import finish, result_line, start
 from test_strategies_scripts import results_by_task
 from workers import loop_check
 
@@ -214,3 +214,48 @@ def test_custom_loop_on_two_workers_with_every_setting(tf_cpus):
             assert found["to_exact"] < 1e-6, (setting, found)
         else:
             assert found["to_exact"] > 100 * max(found["to_reference"], 1e-8), (setting, found)
+
+
+TINY = ["--epochs=2", "--examples=1024"]
+
+
+def test_custom_loop_script_accumulates_and_counts_its_bytes():
+    from tfdist.compression import predict_traffic
+
+    [(code, out, err)] = finish([start(["strategies/custom_loop.py", *TINY,
+                                        "--compression=powersgd:4",
+                                        "--gradient_accumulation_steps=2"])], timeout=300)
+    assert code == 0, err[-4000:]
+    assert "MirroredStrategy (mirrored): 2 replica(s) in sync" in out
+    result = result_line(out)
+    assert result["replicas"] == 2 and result["compression"] == "powersgd:4"
+    assert result["loss"][-1] < 0.7 * result["loss"][0], result["loss"]
+    total = result["comm_total"]
+    # 2 epochs of 1024 / 64 steps; the optimizer applied (and sent) every 2nd.
+    assert total["steps"] == 32 and total["updates"] == 16
+    # PowerSGD's 10 dense warm-up updates, then 6 compressed ones.
+    shapes = [((16, 64), "float32"), ((64,), "float32"), ((64, 3), "float32"), ((3,), "float32")]
+    warm = predict_traffic(shapes, "powersgd:4", 2, step=0)
+    compressed = predict_traffic(shapes, "powersgd:4", 2)
+    assert total["bytes"] == pytest.approx(10 * warm.sent + 6 * compressed.sent)
+    assert total["dense_bytes"] == pytest.approx(16 * warm.dense_sent)
+    assert compressed.sent < warm.sent
+
+
+@pytest.mark.slow
+def test_custom_loop_script_through_tfdist_launch(tmp_path):
+    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
+                  "strategies/custom_loop.py", *TINY, "--compression=bf16",
+                  f"--model_dir={tmp_path}"])
+    [(code, out, err)] = finish([proc], timeout=600)
+    assert code == 0, (out + err)[-4000:]
+    results = results_by_task(out)
+    assert sorted(results) == ["worker:0", "worker:1"], out[-3000:]
+    chief, other = results["worker:0"], results["worker:1"]
+    assert chief["strategy"] == "MultiWorkerMirroredStrategy" and chief["replicas"] == 2
+    assert chief["weights_sha256"] == other["weights_sha256"]
+    assert chief["loss"][-1] < 0.7 * chief["loss"][0], chief["loss"]
+    assert chief["comm_total"]["ratio"] == 2.0  # bf16 halves every float32 gradient.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index",
+        "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
