@@ -155,6 +155,7 @@ def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch:
         "bytes_ratio_bf16": bf16.sent / traffic.sent if traffic.sent else float("inf"),
         "callback_bytes": stats.last.sent,
         "accumulation": accumulation or 1,
+        "global_batch": global_batch,
         "updates": int(model.optimizer.iterations.numpy()),
         # What the callback counted over the run, per example trained on.
         "bytes_per_example": stats.total_bytes / (stats.steps * global_batch),
@@ -279,14 +280,19 @@ def markdown(mode: str, rows: list[dict]) -> str:
         same = all(r["workers_identical"] for r in rows)
         lines += ["", f"Both workers ended with bit-identical weights in every run: {same}"]
     if any(r.get("accumulation", 1) > 1 for r in rows):
-        lines += ["", "Gradient accumulation (bytes per example: the CommunicationStats totals "
-                  "over the run, divided by the examples trained on):", "",
-                  "| setting | accumulated steps | updates | bytes/update/replica "
-                  "| bytes/example/replica | test acc |", "|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "Gradient accumulation. Bytes per example: over the run, the "
+                  "CommunicationStats totals divided by the examples trained on (PowerSGD's "
+                  "10 dense warm-up updates included); after warm-up, one update's bytes "
+                  "divided by the examples it accumulated (accumulated steps x global batch).",
+                  "", "| setting | accumulated steps | updates | bytes/update/replica "
+                  "| bytes/example, run | bytes/example, after warm-up | test acc |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
-            lines.append(f"| {r['setting']} | {r.get('accumulation', 1)} | {r['updates']} "
+            accumulation = r.get("accumulation", 1)
+            steady = r["bytes_sent"] / (accumulation * r["global_batch"])
+            lines.append(f"| {r['setting']} | {accumulation} | {r['updates']} "
                          f"| {r['bytes_sent']:,.0f} | {r['bytes_per_example']:,.1f} "
-                         f"| {r['test_accuracy']:.4f} |")
+                         f"| {steady:,.1f} | {r['test_accuracy']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

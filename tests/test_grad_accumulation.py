@@ -118,3 +118,26 @@ def test_accumulation_on_two_workers(tf_cpus):
         assert found["sent_steps"] == [i for i in range(4 * K) if (i + 1) % K == 0]
         assert found["state_changed_without_applying"] is False
         assert found["bytes_ratio"] == pytest.approx(1.0), (setting, found)
+
+
+def test_compression_benchmark_records_bytes_per_example_with_accumulation(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    args = [sys.executable, "benchmarks/compression.py", "--mode=replicas", "--epochs=2",
+            "--examples=1024", "--hidden=32", "--global_batch=64",
+            "--settings=plain,topk:0.1,topk:0.1/acc4", f"--results_dir={tmp_path}"]
+    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    by = {r["setting"]: r for r in
+          json.loads((tmp_path / "compression_replicas.json").read_text())["rows"]}
+    plain, accumulated = by["topk:0.1"], by["topk:0.1/acc4"]
+    assert (plain["updates"], accumulated["updates"]) == (32, 8)
+    # The same compressed bytes per update, 4 times fewer per example.
+    assert accumulated["callback_bytes"] == plain["callback_bytes"] == plain["bytes_sent"]
+    assert accumulated["bytes_per_example"] == plain["bytes_per_example"] / 4
+    assert "| topk:0.1/acc4 | 4 | 8 |" in (tmp_path / "compression_replicas.md").read_text()
