@@ -141,3 +141,15 @@ def test_compression_benchmark_records_bytes_per_example_with_accumulation(tmp_p
     assert accumulated["callback_bytes"] == plain["callback_bytes"] == plain["bytes_sent"]
     assert accumulated["bytes_per_example"] == plain["bytes_per_example"] / 4
     assert "| topk:0.1/acc4 | 4 | 8 |" in (tmp_path / "compression_replicas.md").read_text()
+
+
+def test_step_traffic_needs_a_step(tf_cpus):
+    import keras
+
+    from tfdist.compression import step_traffic
+
+    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="bf16")
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+    with pytest.raises(ValueError, match="Received: an optimizer with iterations=0"):
+        step_traffic(optimizer)

@@ -62,10 +62,11 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
 
     strategy = (strategy or getattr(optimizer, "_distribution_strategy", None)
                 or tf.distribute.get_strategy())
-    updates = int(optimizer.iterations.numpy())
-    if updates < 1 and not int(getattr(optimizer, "_iterations", optimizer.iterations).numpy()):
-        raise ValueError("step_traffic: expected an optimizer that has applied a step. "
+    steps = int(getattr(optimizer, "_iterations", optimizer.iterations).numpy())
+    if steps < 1:
+        raise ValueError("step_traffic: expected an optimizer that has taken a step. "
                          "Received: an optimizer with iterations=0")
+    updates = int(optimizer.iterations.numpy())  # Applied steps, with accumulation.
     n = strategy.num_replicas_in_sync
     if not applies_this_step(optimizer):
         return Traffic(n)
