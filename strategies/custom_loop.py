@@ -111,9 +111,12 @@ def train_loop(strategy, *, epochs: int, per_replica_batch_size: int, examples: 
             traffic = step_traffic(optimizer)
             sent, dense, steps = sent + traffic.sent, dense + traffic.dense_sent, steps + 1
         losses.append(total / batches)
+        # Reading a metric is a collective under MultiWorkerMirrored: every
+        # worker reads it, the chief prints it.
+        epoch_accuracy = float(accuracy.result())
         if chief:
             print(f"epoch {epoch + 1}: loss {losses[-1]:.4f}, accuracy "
-                  f"{float(accuracy.result()):.4f}, {sent:,.0f} bytes sent per replica "
+                  f"{epoch_accuracy:.4f}, {sent:,.0f} bytes sent per replica "
                   f"so far ({dense:,.0f} dense)", flush=True)
         if checkpoint_dir:
             # Saving is a collective under MultiWorkerMirrored: every worker

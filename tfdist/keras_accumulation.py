@@ -18,8 +18,9 @@ All replicas take the same branch (it depends on the step count only).
 Everything else is Keras's own code: the accumulators stay per replica (each
 adds its own gradients), and the gradients are all-reduced, or compressed
 and sent by tfdist's aggregator, only in the applying branch, once every k
-steps. Under MultiWorkerMirrored, which all-reduces without ``merge_call``,
-Keras's plain ``cond`` is kept.
+steps. MultiWorkerMirrored on CPUs all-reduces through ``merge_call`` too
+and fails the same way without this; a strategy that runs without
+``merge_call`` (XLA on GPUs) keeps Keras's plain ``cond``.
 
 Anywhere else (other strategies, cross-replica context, a Keras whose
 TensorFlow optimizer handles accumulation under distribution itself) Keras's
