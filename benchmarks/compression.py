@@ -24,6 +24,15 @@ Usage::
     python benchmarks/compression.py --mode=all   # both, then write results
     python benchmarks/compression.py --mode=report  # the tables again from the JSON
 
+A setting may end in ``/accK`` (``powersgd:4/acc4``): the optimizer then
+accumulates K steps (Keras's ``gradient_accumulation_steps``) and the
+gradients are compressed and sent once per K steps; the rows then also give
+the bytes per training example, from the CommunicationStats totals::
+
+    python benchmarks/compression.py --mode=replicas --epochs=2 --examples=8192 \
+        --settings=plain,plain/acc4,powersgd:4,powersgd:4/acc4 \
+        --results_dir=benchmarks/results/accumulation
+
 Results go to ``benchmarks/results/compression_<mode>.json`` and
 ``compression_<mode>.md``; ``benchmarks/results/compression.md`` is the
 hand-written summary with the machine's conditions.
@@ -82,6 +91,12 @@ def make_data(examples: int, seed: int = 0):
     return (x[:examples], y[:examples]), (x[examples:], y[examples:])
 
 
+def split_setting(setting: str) -> tuple[str, int | None]:
+    """``"powersgd:4/acc4"`` -> ``("powersgd:4", 4)``; no suffix: no accumulation."""
+    name, _, accumulation = setting.partition("/acc")
+    return name, int(accumulation) if accumulation else None
+
+
 def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch: int,
             hidden: int, learning_rate: float) -> dict:
     """Fits under ``strategy``; returns accuracy, step times and bytes."""
@@ -103,7 +118,9 @@ def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch:
             keras.layers.Dense(hidden, activation="relu"),
             keras.layers.Dense(hidden, activation="relu"),
             keras.layers.Dense(10)])
-        model.compile(optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9),
+        accumulation = split_setting(setting)[1]
+        model.compile(optimizer=keras.optimizers.SGD(
+            learning_rate, momentum=0.9, gradient_accumulation_steps=accumulation),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
 
@@ -125,7 +142,8 @@ def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch:
     logits = model.predict(x_test, batch_size=512, verbose=0)
     accuracy = float(np.mean(np.argmax(logits, axis=1) == y_test))
     n = strategy.num_replicas_in_sync
-    compression = None if setting in ("plain", "identity") else setting
+    name = split_setting(setting)[0]
+    compression = None if name in ("plain", "identity") else name
     traffic = predict_traffic(model, compression, n)
     bf16 = predict_traffic(model, "bf16", n)  # The cheap baseline to beat.
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
@@ -141,6 +159,11 @@ def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch:
         "bf16_bytes_sent": bf16.sent,
         "bytes_ratio_bf16": bf16.sent / traffic.sent if traffic.sent else float("inf"),
         "callback_bytes": stats.last.sent,
+        "accumulation": accumulation or 1,
+        "global_batch": global_batch,
+        "updates": int(model.optimizer.iterations.numpy()),
+        # What the callback counted over the run, per example trained on.
+        "bytes_per_example": stats.total_bytes / (stats.steps * global_batch),
         "weights": weights.tolist() if setting in ("plain", "identity") else None,
     }
 
@@ -148,7 +171,8 @@ def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch:
 def _strategy(setting: str, **kwargs):
     import tfdist
     from tfdist.compression import NoneCompressor
-    compression = {"plain": None, "identity": NoneCompressor()}.get(setting, setting)
+    name = split_setting(setting)[0]
+    compression = {"plain": None, "identity": NoneCompressor()}.get(name, name)
     return tfdist.strategy_from_config(compression=compression, **kwargs)
 
 
@@ -286,6 +310,20 @@ def markdown(mode: str, rows: list[dict]) -> str:
     if "workers_identical" in rows[0]:
         same = all(r["workers_identical"] for r in rows)
         lines += ["", f"Both workers ended with bit-identical weights in every run: {same}"]
+    if any(r.get("accumulation", 1) > 1 for r in rows):
+        lines += ["", "Gradient accumulation. Bytes per example: over the run, the "
+                  "CommunicationStats totals divided by the examples trained on (PowerSGD's "
+                  "10 dense warm-up updates included); after warm-up, one update's bytes "
+                  "divided by the examples it accumulated (accumulated steps x global batch).",
+                  "", "| setting | accumulated steps | updates | bytes/update/replica "
+                  "| bytes/example, run | bytes/example, after warm-up | test acc |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            accumulation = r.get("accumulation", 1)
+            steady = r["bytes_sent"] / (accumulation * r["global_batch"])
+            lines.append(f"| {r['setting']} | {accumulation} | {r['updates']} "
+                         f"| {r['bytes_sent']:,.0f} | {r['bytes_per_example']:,.1f} "
+                         f"| {steady:,.1f} | {r['test_accuracy']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -29,7 +29,7 @@ from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
 from tfdist import cluster as cluster_lib
-from tfdist import keras_steps, late_start
+from tfdist import keras_accumulation, keras_loops, keras_steps, late_start
 from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.detect import Choice, choose
 from tfdist.errors import ConfigError, TfdistError
@@ -112,6 +112,8 @@ class TfdistStrategy:
                      choice: Choice | None = None) -> None:
         setting = compression_for(self.kind, compression)
         keras_steps.install()
+        keras_loops.install()
+        keras_accumulation.install()
         if setting.enabled and self.kind in ("mirrored", "multi_worker_mirrored"):
             from tfdist.compression import keras_hook, make_aggregator
             # Built now so that a bad setting fails here, not while fit

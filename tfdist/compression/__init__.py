@@ -37,6 +37,7 @@ _LAZY = {
     "predict_traffic": "traffic",
     "SparseGradient": "sparse",
     "CommunicationStats": "callback",
+    "step_traffic": "loop_traffic",
     "CompressedCrossDeviceOps": "cross_device_ops",
     "default_error_feedback": "registry",
     "AutoCompression": "auto",

@@ -362,7 +362,7 @@ def measure_link(strategy: tf.distribute.Strategy, *, large: int = LARGE_PROBE,
     """
     from tfdist.compression.traffic import all_reduce_bytes
 
-    if tf.inside_function() or not tf.distribute.in_cross_replica_context():
+    if not tf.executing_eagerly() or not tf.distribute.in_cross_replica_context():
         raise RuntimeError(
             "tfdist: compression='auto' measures the link when the optimizer builds, which "
             "must happen eagerly in cross-replica context. Expected: model.fit(), or "

@@ -26,6 +26,10 @@ class CommunicationStats(keras.callbacks.Callback):
     shapes and dtypes (:meth:`Aggregator.traffic`), so PowerSGD's dense
     warm-up steps count as dense. Without compression, or with one replica,
     ``comm_bytes`` equals ``comm_dense_bytes`` for N replicas (0 for one).
+    With Keras's ``gradient_accumulation_steps=k`` gradients are sent every
+    k-th step only: the other steps add nothing to the totals, and the logs
+    show the last step that sent. A custom loop gets the same figures from
+    :func:`~tfdist.compression.step_traffic`.
 
     Args:
         strategy: The strategy ``fit`` runs under; default: the model's.
@@ -63,11 +67,15 @@ class CommunicationStats(keras.callbacks.Callback):
         return aggregator.traffic(self._shapes(aggregator), n, step=step)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        from tfdist.keras_accumulation import applies_this_step
+
+        self.steps += 1
+        if not applies_this_step(self.model.optimizer):
+            return  # Only accumulated: nothing was sent.
         step = int(self.model.optimizer.iterations.numpy()) - 1  # The step just taken.
         self.last = self._traffic(step)
         self.total_bytes += self.last.sent
         self.total_dense_bytes += self.last.dense_sent
-        self.steps += 1
         if self.every_batch and logs is not None:
             logs.update(self.last.as_logs())
 
