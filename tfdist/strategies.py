@@ -497,7 +497,8 @@ def explain(config: Any = None, *, strategy: str = "auto",
 
     Takes the same arguments (without ``compression``) and builds nothing.
     """
-    return choose(config, strategy=strategy, options=make_options(**options))
+    return choose(_config_source(config)[0], strategy=strategy,
+                  options=make_options(**options))
 
 
 def strategy_from_config(config: Any = None, *, strategy: str = "auto",
