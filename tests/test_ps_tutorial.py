@@ -64,6 +64,8 @@ def test_model_fit_under_the_parameter_server_strategy(shared_cluster, tmp_path)
     assert result["plain_loss"][-1] < loss[-1]
     # model.evaluate ran on the coordinator, on the weights held by the ps.
     assert result["evaluate"]["loss"] == pytest.approx(result["reference_loss"], rel=1e-5)
+    # model.predict too, in batches of 4 (Keras's failed like fit).
+    assert result["predict_shape"] == [10, 10] and result["predict_gap"] < 1e-5
     # The stock callbacks of the tutorial worked.
     assert result["reloaded_equal"] is True
     assert result["tensorboard_files"] > 0

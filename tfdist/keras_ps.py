@@ -21,11 +21,11 @@ The fixes, installed once by tfdist's ``ParameterServerStrategy``:
   is applied directly (``ShardedVariable.assign_sub`` splits the update
   over the shards); reads for saving concatenate the shards.
 
-* **``model.fit`` and ``model.evaluate``.** Keras 3's fail under
+* **``model.fit``, ``evaluate`` and ``predict``.** Keras 3's fail under
   ParameterServerStrategy (keras-team/keras#18624: "To use this dataset, you
   need to pass this dataset to ClusterCoordinator.create_per_worker_dataset").
   For a model created under tfdist's ParameterServerStrategy they run
-  :func:`tfdist.fit` / :func:`tfdist.evaluate`, which take the same
+  :func:`tfdist.fit` / ``evaluate`` / ``predict``, which take the same
   arguments, so a script that calls ``model.fit`` works unchanged.
 
 Everywhere else (other strategies, symbolic and stateless scopes) Keras's
@@ -152,7 +152,7 @@ def _under_tfdist_ps(model: Any) -> bool:
 
 
 def _route(keras_method: Any, tfdist_function: str) -> Any:
-    """``model.fit``/``evaluate`` that runs tfdist's under tfdist's PS strategy."""
+    """``model.fit``/``evaluate``/``predict``: tfdist's under tfdist's PS strategy."""
     @functools.wraps(keras_method)
     def method(self, *args, **kwargs):
         if not _under_tfdist_ps(self):
@@ -186,7 +186,7 @@ def install() -> None:
     current = TFOptimizer.add_variable_from_reference
     if not getattr(current, "_tfdist_sharded", False):
         TFOptimizer.add_variable_from_reference = _slot_from_reference(current)
-    for name in ("fit", "evaluate"):
+    for name in ("fit", "evaluate", "predict"):
         current = getattr(TensorFlowTrainer, name)
         if not getattr(current, "_tfdist_routed", False):
             setattr(TensorFlowTrainer, name, _route(current, name))

@@ -100,6 +100,7 @@ def fit_scenario():
         (features, targets)).batch(5), return_dict=True, verbose=0)
     # What the coordinator computes itself from the weights on the ps.
     pred = model(features, training=False).numpy()
+    predicted = model.predict(features, batch_size=4, verbose=0)
     reference = float(np.mean((pred - targets) ** 2))
     try:  # An argument tfdist.fit cannot honour under parameter servers.
         model.fit(dataset_fn, steps_per_epoch=1, class_weight={0: 1.0}, verbose=0)
@@ -113,6 +114,8 @@ def fit_scenario():
            iterations_after_creator=after_creator,
            iterations=int(model.optimizer.iterations.numpy()),
            evaluate=evaluated, reference_loss=reference,
+           predict_shape=list(predicted.shape),
+           predict_gap=float(np.max(np.abs(predicted - pred))),
            reloaded_equal=reloaded_equal,
            tensorboard_files=sum(len(f) for _, _, f in os.walk(os.path.join(work, "log"))),
            backup_left=os.path.exists(os.path.join(work, "backup")))
