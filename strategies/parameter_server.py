@@ -1,8 +1,9 @@
-"""Keras fit under ParameterServerStrategy, through ``tfdist.fit``.
+"""Keras ``model.fit`` under ParameterServerStrategy.
 
-Keras 3's ``model.fit`` does not support ParameterServerStrategy;
-``tfdist.fit(model, ...)`` takes the same arguments and runs the training on
-the chief (the coordinator), scheduling steps asynchronously on the workers.
+Keras 3's ``model.fit`` does not support ParameterServerStrategy; under
+tfdist's, ``model.fit`` runs ``tfdist.fit``, which takes the same arguments
+and runs the training on the chief (the coordinator), scheduling steps
+asynchronously on the workers.
 
 On one machine, either let the script start its own servers (subprocesses
 on 127.0.0.1):
@@ -46,7 +47,7 @@ FLAGS = flags.FLAGS
 def train(strategy, *, epochs: int, batch_size: int, steps_per_epoch: int | None,
           examples: int, learning_rate: float, seed: int,
           model_dir: str | None) -> dict:
-    """Trains under ``strategy`` with ``tfdist.fit``; returns the final metrics.
+    """Trains under ``strategy`` with ``model.fit``; returns the final metrics.
 
     Args:
         strategy: Any strategy; under ParameterServerStrategy this runs on
@@ -73,10 +74,10 @@ def train(strategy, *, epochs: int, batch_size: int, steps_per_epoch: int | None
             tfdist.BackupAndRestore(os.path.join(model_dir, "backup")),
             tfdist.ModelCheckpoint(os.path.join(model_dir, "checkpoints",
                                                 "epoch-{epoch:02d}.keras"))]
-    history = tfdist.fit(model, x, y, batch_size=batch_size, epochs=epochs,
-                         steps_per_epoch=steps_per_epoch,
-                         validation_data=(x_val, y_val), callbacks=callbacks,
-                         verbose=2)
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs,
+                        steps_per_epoch=steps_per_epoch,
+                        validation_data=(x_val, y_val), callbacks=callbacks,
+                        verbose=2)
     final = model.get_weights()
     result = {
         "strategy": type(strategy).__name__,
@@ -126,9 +127,6 @@ def main(_argv) -> None:
               f"{result['epochs_run']} epoch(s) x {result['steps_per_epoch']} steps",
               flush=True)
         _common.report(result, strategy)
-    # TensorFlow's exit-time cleanup logs errors for servers already stopped.
-    if FLAGS.local_workers:
-        os._exit(0)
 
 
 if __name__ == "__main__":

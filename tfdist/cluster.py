@@ -51,6 +51,8 @@ __all__ = [
     "spec_from_hosts",
     "parse_task",
     "parse_address",
+    "is_cluster_resolver",
+    "RESOLVER_SOURCE",
 ]
 
 #: Task types TensorFlow knows, in the order tasks are listed.
@@ -77,6 +79,8 @@ _IGNORED_TOP_LEVEL_KEYS = ("job",)
 _TASK_KEYS = ("type", "index")
 _IGNORED_TASK_KEYS = ("trial", "cloud")
 _RPC_LAYERS = ("grpc",)
+#: ``TFConfig.source`` of a config read from a ``ClusterResolver``.
+RESOLVER_SOURCE = "<ClusterResolver>"
 
 #: Environment variable overriding the directory of named cluster specs.
 SPEC_DIR_ENV = "TFDIST_SPEC_DIR"
@@ -589,7 +593,10 @@ class _Validator:
                     "cluster.worker", None,
                     "at least one 'worker' for parameter-server training", received=jobs,
                 )
-            if "chief" not in cluster:
+            # The caller that hands TensorFlow's strategy a resolver is the
+            # coordinator, as in TF's tutorial (a resolver of workers and ps,
+            # no chief). From TF_CONFIG no process would be the coordinator.
+            if "chief" not in cluster and self.source != RESOLVER_SOURCE:
                 self.fail(
                     "cluster.chief", None,
                     "exactly one 'chief' (the coordinator of parameter-server training)",
@@ -876,6 +883,10 @@ def parse(
             * a dict (TF_CONFIG shape) or a :class:`TFConfig` (re-validated);
             * a JSON string (starting with ``{`` or ``[``, or ``null``); a
               blank string means local training;
+            * a ``tf.distribute.cluster_resolver.ClusterResolver``, as
+              TensorFlow's strategies take one. A parameter-server cluster
+              from a resolver needs no chief and no task: the caller is the
+              coordinator, as in TensorFlow's tutorial;
             * a path (``str`` or ``os.PathLike``) to a JSON file, or a bare
               name such as ``'two_workers'`` / ``'two_workers.json'`` looked
               up in the spec directory: ``$TFDIST_SPEC_DIR`` if set, else the
@@ -900,6 +911,13 @@ def parse(
             its ``field`` names the offending field, e.g. ``'task.index'``.
     """
     environ: Mapping[str, str] = os.environ if env is None else env
+    if is_cluster_resolver(source):
+        data = _resolver_data(source)
+        # A parameter-server resolver is read by the coordinator, which need
+        # not be one of the cluster's tasks.
+        ps_job = "ps" in data.get("cluster", {})
+        return _Validator(RESOLVER_SOURCE).run(
+            data, require_task=require_task and not ps_job, strategy=strategy)
     if source is None:
         text = environ.get("TF_CONFIG")
         data = {} if text is None or not str(text).strip() else _loads(str(text), "TF_CONFIG")
@@ -924,6 +942,25 @@ def parse(
         "a TF_CONFIG dict, a JSON string, a TFConfig, or the path of a JSON file",
         source="parse()",
     )
+
+
+def is_cluster_resolver(obj: Any) -> bool:
+    """Whether ``obj`` is a ``tf.distribute.cluster_resolver.ClusterResolver``.
+
+    Read from the class names, so that TensorFlow need not be imported.
+    """
+    return any(cls.__name__ == "ClusterResolver" for cls in type(obj).__mro__)
+
+
+def _resolver_data(resolver: Any) -> dict[str, Any]:
+    """The TF_CONFIG-shaped data of a ClusterResolver."""
+    data: dict[str, Any] = {"cluster": dict(resolver.cluster_spec().as_dict())}
+    if resolver.task_type is not None:
+        data["task"] = {"type": resolver.task_type, "index": resolver.task_id}
+    rpc_layer = getattr(resolver, "rpc_layer", None)
+    if rpc_layer:
+        data["rpc_layer"] = rpc_layer
+    return data
 
 
 # --------------------------------------------------------------------------

@@ -12,10 +12,21 @@ The fixes, installed once by tfdist's ``ParameterServerStrategy``:
 * **Sharded variables.** With a ``variable_partitioner`` a Keras variable
   holds a ``ShardedVariable``, which has no ``handle``: ``tape.gradient``
   on it fails, and so do ``strategy.extended.update`` and saving
-  (``numpy()``/``__array__``). :func:`gradients` takes the gradient of each
-  shard and joins them; the optimizer update of a sharded variable is
-  applied directly (``ShardedVariable.assign_sub`` splits the update over
-  the shards); reads for saving concatenate the shards.
+  (``numpy()``/``__array__``). ``GradientTape.gradient`` is wrapped so
+  that a sharded source (a Keras variable holding a ShardedVariable, or a
+  ShardedVariable) is differentiated shard by shard and the shards'
+  gradients are joined (:func:`gradients`), in ``tfdist.fit`` and in a
+  user's own ``ClusterCoordinator`` loop alike; any other call goes to
+  TensorFlow's method unchanged. The optimizer update of a sharded variable
+  is applied directly (``ShardedVariable.assign_sub`` splits the update
+  over the shards); reads for saving concatenate the shards.
+
+* **``model.fit``, ``evaluate`` and ``predict``.** Keras 3's fail under
+  ParameterServerStrategy (keras-team/keras#18624: "To use this dataset, you
+  need to pass this dataset to ClusterCoordinator.create_per_worker_dataset").
+  For a model created under tfdist's ParameterServerStrategy they run
+  :func:`tfdist.fit` / ``evaluate`` / ``predict``, which take the same
+  arguments, so a script that calls ``model.fit`` works unchanged.
 
 Everywhere else (other strategies, symbolic and stateless scopes) Keras's
 own code runs unchanged.
@@ -33,6 +44,9 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.tensorflow import core as keras_tf_core
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.optimizers import base_optimizer
+from tensorflow.python.eager import backprop
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 __all__ = ["install", "gradients", "is_sharded", "raw_variable"]
@@ -74,6 +88,25 @@ def _update_step(keras_method: Any) -> Any:
     return update
 
 
+def _slot_from_reference(keras_method: Any) -> Any:
+    @functools.wraps(keras_method)
+    def add_variable_from_reference(self, reference_variable, name=None,
+                                    initializer="zeros"):
+        if _shards(reference_variable) is None:
+            return keras_method(self, reference_variable, name=name,
+                                initializer=initializer)
+        # Keras colocates the slot with its variable, which a ShardedVariable
+        # refuses inside a function (the optimizer builds lazily in the
+        # user's first scheduled step). Create it eagerly instead, out of
+        # the function (as keras#23087 does for every optimizer variable):
+        # the strategy's partitioner shards it like its variable.
+        with tf.init_scope():
+            return base_optimizer.BaseOptimizer.add_variable_from_reference(
+                self, reference_variable, name=name, initializer=initializer)
+    add_variable_from_reference._tfdist_sharded = True
+    return add_variable_from_reference
+
+
 def _whole(keras_method: Any, to_numpy: Any) -> Any:
     @functools.wraps(keras_method)
     def read(self, *args, **kwargs):
@@ -82,6 +115,52 @@ def _whole(keras_method: Any, to_numpy: Any) -> Any:
         return keras_method(self, *args, **kwargs)
     read._tfdist_sharded = True
     return read
+
+
+def _tape_gradient(tf_method: Any) -> Any:
+    @functools.wraps(tf_method)
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        flat = tf.nest.flatten(sources)
+        shards = [_shards(source) for source in flat]
+        if not any(shards):
+            return tf_method(self, target, sources, output_gradients,
+                             unconnected_gradients)
+        expanded = [parts if parts else source for parts, source in zip(shards, flat)]
+        grads = tf_method(self, target, expanded, output_gradients,
+                          unconnected_gradients)
+        joined = [_join(grad, [int(v.shape[0]) for v in parts]) if parts else grad
+                  for parts, grad in zip(shards, grads)]
+        return tf.nest.pack_sequence_as(sources, joined)
+    gradient._tfdist_sharded = True
+    return gradient
+
+
+def _shards(source: Any) -> list | None:
+    """The shard variables behind a sharded source, else None.
+
+    Reads Keras's ``_value`` rather than ``value``: no autocast, no scope.
+    """
+    raw = getattr(source, "_value", source) if isinstance(source, keras.Variable) else source
+    return list(raw.variables) if isinstance(raw, ShardedVariable) else None
+
+
+def _under_tfdist_ps(model: Any) -> bool:
+    from tfdist.strategies import ParameterServerStrategy
+    return isinstance(getattr(model, "_distribute_strategy", None),
+                      ParameterServerStrategy)
+
+
+def _route(keras_method: Any, tfdist_function: str) -> Any:
+    """``model.fit``/``evaluate``/``predict``: tfdist's under tfdist's PS strategy."""
+    @functools.wraps(keras_method)
+    def method(self, *args, **kwargs):
+        if not _under_tfdist_ps(self):
+            return keras_method(self, *args, **kwargs)
+        from tfdist import training
+        return getattr(training, tfdist_function)(self, *args, **kwargs)
+    method._tfdist_routed = True
+    return method
 
 
 def install() -> None:
@@ -104,6 +183,16 @@ def install() -> None:
     current = TFOptimizer._distributed_tf_update_step
     if not getattr(current, "_tfdist_sharded", False):
         TFOptimizer._distributed_tf_update_step = _update_step(current)
+    current = TFOptimizer.add_variable_from_reference
+    if not getattr(current, "_tfdist_sharded", False):
+        TFOptimizer.add_variable_from_reference = _slot_from_reference(current)
+    for name in ("fit", "evaluate", "predict"):
+        current = getattr(TensorFlowTrainer, name)
+        if not getattr(current, "_tfdist_routed", False):
+            setattr(TensorFlowTrainer, name, _route(current, name))
+    current = backprop.GradientTape.gradient
+    if not getattr(current, "_tfdist_sharded", False):
+        backprop.GradientTape.gradient = _tape_gradient(current)
     _installed = True
 
 

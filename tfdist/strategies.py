@@ -521,7 +521,8 @@ def explain(config: Any = None, *, strategy: str = "auto",
 
     Takes the same arguments (without ``compression``) and builds nothing.
     """
-    return choose(config, strategy=strategy, options=make_options(**options))
+    return choose(_config_source(config)[0], strategy=strategy,
+                  options=make_options(**options))
 
 
 def strategy_from_config(config: Any = None, *, strategy: str = "auto",
@@ -533,7 +534,11 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
         config: A TF_CONFIG dict, a JSON string, or a path to a spec file
             (names in ``cluster_specs/`` work too). None reads the
             ``TF_CONFIG`` environment variable; without one, a Slurm job
-            step (``srun``) is used when there is one.
+            step (``srun``) is used when there is one. Also what TensorFlow's
+            constructors take, a ``ClusterResolver`` (handed to the strategy
+            as is; for a cluster of workers and ps without a chief, as in
+            TensorFlow's tutorial, this process is the coordinator), and the
+            ``LocalCluster`` that :func:`tfdist.local_cluster` returns.
         strategy: ``"auto"`` or one of ``"default"``, ``"one_device"``,
             ``"mirrored"``, ``"multi_worker_mirrored"``,
             ``"parameter_server"``, ``"tpu"``.
@@ -577,13 +582,34 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
     """
     opts = make_options(**options)
     comp = dataclasses.replace(parse_compression(compression), error_feedback=error_feedback)
+    config, resolver = _config_source(config)
     choice = choose(config, strategy=strategy, options=opts)
     logging.info("tfdist: %s, because %s", choice.name, choice.reason)
-    return _build(choice, opts, comp)
+    return _build(choice, opts, comp, resolver)
 
 
-def _build(choice: Choice, opts: StrategyOptions,
-           comp: CompressionSetting) -> tf.distribute.Strategy:
+def _config_source(config: Any) -> tuple[Any, Any]:
+    """``config`` as ``choose`` reads it, and the caller's resolver if any.
+
+    A ``LocalCluster`` stands for its chief's TF_CONFIG; a ClusterResolver is
+    also handed to TensorFlow's strategy as is, as TensorFlow's own
+    constructors take it.
+    """
+    from tfdist.ps_cluster import LocalCluster
+    if isinstance(config, LocalCluster):
+        return config.tf_config, None
+    if isinstance(config, tf.distribute.cluster_resolver.TPUClusterResolver):
+        raise ConfigError("config", type(config).__name__, "a TF_CONFIG, a "
+                          "ClusterResolver of a chief/worker/ps cluster or a "
+                          "LocalCluster", source="strategy_from_config",
+                          hint="For a TPU pass tpu='NAME' (or 'local').")
+    if isinstance(config, tf.distribute.cluster_resolver.ClusterResolver):
+        return config, config
+    return config, None
+
+
+def _build(choice: Choice, opts: StrategyOptions, comp: CompressionSetting,
+           resolver: Any = None) -> tf.distribute.Strategy:
     cfg = choice.tf_config
     compression_for(choice.name, comp)  # Refuse a bad pairing before building.
     if choice.role == "server":
@@ -616,7 +642,7 @@ def _build(choice: Choice, opts: StrategyOptions,
         if choice.slurm:
             from tfdist.slurm import SlurmClusterResolver
             resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
-        else:
+        elif resolver is None:
             resolver = _resolver(cfg)
         return MultiWorkerMirroredStrategy(
             resolver, _communication_options(opts), compression=comp,
@@ -624,8 +650,8 @@ def _build(choice: Choice, opts: StrategyOptions,
             collective_timeout=opts.collective_timeout, choice=choice)
     if choice.name == "parameter_server":
         return ParameterServerStrategy(
-            _resolver(cfg), opts.variable_partitioner, compression=comp,
-            choice=choice)
+            resolver or _resolver(cfg), opts.variable_partitioner,
+            compression=comp, choice=choice)
     if choice.name == "tpu":
         check_tpu(choice.tpu)
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(

@@ -50,7 +50,7 @@ import tensorflow as tf
 from tfdist import keras_ps
 from tfdist.errors import ConfigError, TfdistError, require_int
 
-__all__ = ["fit", "evaluate", "ParameterServerError", "StepTimeoutError"]
+__all__ = ["fit", "evaluate", "predict", "ParameterServerError", "StepTimeoutError"]
 
 _PS = tf.distribute.experimental.ParameterServerStrategy
 _SOURCE = "tfdist.fit"
@@ -171,6 +171,40 @@ def evaluate(model: keras.Model, x: Any = None, y: Any = None,
         return logs
     return [logs[name] for name in model.metrics_names if name in logs] or \
         list(logs.values())
+
+
+def predict(model: keras.Model, x: Any, batch_size: int | None = None,
+            verbose: Any = "auto", steps: int | None = None,
+            callbacks: list | None = None) -> Any:
+    """``model.predict`` that also works under ParameterServerStrategy.
+
+    Under ParameterServerStrategy the predictions are computed inline on the
+    coordinator, with the variables read from the ps, over every batch of
+    ``x`` once (``steps`` batches, or all). Elsewhere it is ``model.predict``.
+    """
+    strategy = _strategy_of(model)
+    if not isinstance(strategy, _PS):
+        return model.predict(x, batch_size=batch_size, verbose=verbose, steps=steps,
+                             callbacks=callbacks)
+    _check_positive_int("steps", steps)
+    data = _local_dataset(x, None, None, batch_size, "x")
+    step = getattr(model, "_tfdist_predict_step", None)
+    if step is None:
+        step = tf.function(model.predict_step, reduce_retracing=True)
+        model._tfdist_predict_step = step
+    callback_list = keras.callbacks.CallbackList(
+        callbacks, add_progbar=verbose != 0, verbose=_verbose(verbose), epochs=1,
+        steps=steps, model=model)
+    callback_list.on_predict_begin()
+    outputs = []
+    for index, batch in enumerate(data.take(steps) if steps else data):
+        callback_list.on_predict_batch_begin(index)
+        outputs.append(tf.nest.map_structure(np.asarray, step(batch)))
+        callback_list.on_predict_batch_end(index, {"outputs": outputs[-1]})
+    callback_list.on_predict_end()
+    if not outputs:
+        raise ConfigError("x", "no batch", "data with at least one batch", source=_SOURCE)
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
 
 
 # --------------------------------------------------------------------------
