@@ -155,7 +155,8 @@ def test_tutorial_loop_under_tfdist_trains_like_the_workaround(tf_cpus, tmp_path
 @pytest.mark.parametrize("setting", [None, "bf16", "fp16", "topk:0.1", "randomk:0.25",
                                      "sign", "qsgd:16", "auto"])
 def test_custom_loop_compresses_with_every_setting(tf_cpus, setting):
-    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=setting)
+    strategy = tfdist.strategy_from_config(
+        cpu_replicas=2, compression=loop_check.compression_of(setting))
     result = loop_check.run(strategy, steps=3)
     found = loop_check.check(strategy, result)
     assert found["loss_last"] < found["loss_first"], found

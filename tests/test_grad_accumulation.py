@@ -16,7 +16,7 @@ import pytest
 import tfdist
 from conftest import finish, start
 from test_strategies_scripts import results_by_task
-from workers import accumulation_check
+from workers import accumulation_check, loop_check
 
 K = 4
 
@@ -77,7 +77,8 @@ def test_custom_loop_accumulation_equals_a_k_times_larger_batch(tf_cpus, setting
     from tfdist.compression import PowerSGD
 
     def strategy():
-        compression = PowerSGD(rank=1, warmup_steps=1) if setting == "powersgd" else setting
+        compression = (PowerSGD(rank=1, warmup_steps=1) if setting == "powersgd"
+                       else loop_check.compression_of(setting))
         return tfdist.strategy_from_config(cpu_replicas=2, compression=compression)
 
     ours = accumulation_check.train(strategy(), k=K, micro_steps=4 * K)

@@ -25,6 +25,24 @@ PER_REPLICA_BATCH = 16
 FEATURES, HIDDEN, CLASSES = 12, 16, 3
 
 
+def compression_of(setting):
+    """The strategy's ``compression=`` for a setting name ("none": None).
+
+    This loop's tensors are all smaller than top-k's and sign's default
+    ``min_size`` (which sends small tensors whole), so those two get
+    ``min_size=0``: every tensor is compressed, and the check can see it.
+    """
+    from tfdist.compression import SignCompressor, TopKCompressor
+
+    if setting in (None, "none"):
+        return None
+    if setting.startswith("topk:"):
+        return TopKCompressor(float(setting.split(":")[1]), min_size=0)
+    if setting == "sign":
+        return SignCompressor(min_size=0)
+    return setting
+
+
 def per_replica_data(num_replicas: int, steps: int, seed: int = 0):
     """Each replica's own examples: ``x[r]``, ``y[r]`` for replica ``r``,
     ``steps`` batches of them."""
