@@ -29,6 +29,7 @@ _LAZY = {
     "StrategyOrderError": "tfdist.strategies",
     "fit": "tfdist.training",
     "evaluate": "tfdist.training",
+    "predict": "tfdist.training",
     "ParameterServerError": "tfdist.training",
     "StepTimeoutError": "tfdist.training",
     "local_cluster": "tfdist.ps_cluster",
