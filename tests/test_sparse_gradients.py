@@ -442,3 +442,42 @@ def test_fit_with_16_bit_slices_trains_as_uncompressed(tf_cpus):
         np.testing.assert_allclose(runs[setting][1], moved, rtol=0.05,
                                    atol=0.02 * np.abs(moved).max())
         assert not np.array_equal(runs[setting][1], moved)  # Really sent in 16 bits.
+
+
+@pytest.mark.parametrize("setting", [None, "bf16"])
+def test_a_custom_loop_reads_the_bytes_of_its_embedding_slices(tf_cpus, setting):
+    import keras
+    from tfdist.compression import step_traffic
+    from tfdist.errors import ConfigError
+
+    tf, batch = tf_cpus, 64
+    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=setting)
+    with strategy.scope():
+        model = _model()
+        optimizer = keras.optimizers.SGD(0.1)
+    x, y = _data(batch)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(batch))
+
+    @tf.function
+    def step(inputs):
+        def replica_step(features, labels):
+            with tf.GradientTape() as tape:
+                logits = model(features, training=True)
+                loss = tf.nn.compute_average_loss(
+                    keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True),
+                    global_batch_size=batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(replica_step, args=inputs)
+
+    for inputs in dataset:
+        step(inputs)
+    # The table's gradient was IndexedSlices: without the model and the
+    # batch, counting it as a matrix would be wrong, so it is refused.
+    with pytest.raises(ConfigError, match="'model'.*IndexedSlices"):
+        step_traffic(optimizer)
+    sent = step_traffic(optimizer, model=model, batch_size=batch)
+    predicted = predict_traffic(model, setting or "none", num_replicas=2, batch_size=batch)
+    assert sent == predicted
+    assert sent.all_gather == 4 + 32 * IDS * (DIM * (2 if setting else 4) + 8)

@@ -114,12 +114,16 @@ class TfdistStrategy:
         keras_steps.install()
         keras_loops.install()
         keras_accumulation.install()
-        if setting.enabled and self.kind in ("mirrored", "multi_worker_mirrored"):
+        if self.kind in ("mirrored", "multi_worker_mirrored"):
             from tfdist.compression import keras_hook, make_aggregator
-            # Built now so that a bad setting fails here, not while fit
-            # traces its first step.
-            self._tfdist_aggregator = make_aggregator(setting, setting.error_feedback)
+            # Installed without compression too: it records which gradients
+            # are IndexedSlices, for step_traffic, and otherwise hands over
+            # to Keras.
             keras_hook.install()
+            if setting.enabled:
+                # Built now so that a bad setting fails here, not while fit
+                # traces its first step.
+                self._tfdist_aggregator = make_aggregator(setting, setting.error_feedback)
         self._tfdist_compression = setting
         self._tfdist_choice = choice
 

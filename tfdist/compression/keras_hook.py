@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import tensorflow as tf
@@ -128,13 +129,29 @@ def _wrap_build(original):
     return build
 
 
+#: Optimizer -> (row shape, index dtype) of each IndexedSlices gradient its
+#: last traced step aggregated. Kept outside the optimizer: Keras tracks the
+#: lists set on it.
+_TRACED_SLICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def traced_slices(optimizer: Any) -> list | None:
+    """The IndexedSlices gradients of ``optimizer``'s last traced step, as
+    ``(row shape, index dtype)`` pairs; None before its first step."""
+    return _TRACED_SLICES.get(optimizer)
+
+
 def _wrap_reduce(original):
     @functools.wraps(original)
     def _all_reduce_sum_gradients(self, grads_and_vars):
+        pairs = list(grads_and_vars)
+        # Which gradients are IndexedSlices, compressed or not: step_traffic
+        # refuses to count them without the model that says how many rows.
+        _TRACED_SLICES[self] = [(tuple(g.values.shape[1:]), g.indices.dtype.name)
+                                for g, _ in pairs if isinstance(g, tf.IndexedSlices)]
         aggregator = strategy_aggregator(tf.distribute.get_strategy())
         if aggregator is None or not tf.distribute.get_replica_context():
-            return original(self, grads_and_vars)
-        pairs = list(grads_and_vars)
+            return original(self, pairs)
         state = getattr(self, "_tfdist_state", None)
         if state is None or getattr(self, "_tfdist_aggregator", None) is not aggregator:
             needs = any(aggregator.state_specs(tuple(v.shape), v.dtype.name, i)
@@ -152,8 +169,7 @@ def _wrap_reduce(original):
         comm = ReplicaComm()
         reduced = aggregator.aggregate(items, step, comm)
         # The gradients sent as IndexedSlices, for CommunicationStats to check.
-        aggregator.traced_slices = [(tuple(g.values.shape[1:]), g.indices.dtype.name)
-                                    for g, _ in pairs if isinstance(g, tf.IndexedSlices)]
+        aggregator.traced_slices = _TRACED_SLICES[self]
         if not getattr(self, "_tfdist_logged", False):
             self._tfdist_logged = True
             # Sparse gradients' rows follow the batch: CommunicationStats counts them.

@@ -21,7 +21,10 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from tfdist.compression.keras_hook import traced_slices
+from tfdist.compression.sparse import check_traced, model_gradients, rows_per_replica
 from tfdist.compression.traffic import Traffic
+from tfdist.errors import ConfigError
 
 __all__ = ["step_traffic"]
 
@@ -38,7 +41,8 @@ def _aggregator_of(strategy: Any):
 
 
 def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
-                 strategy: Any = None) -> Traffic:
+                 strategy: Any = None, model: Any = None,
+                 batch_size: int | None = None) -> Traffic:
     """The bytes each replica sent for the gradients of ``optimizer``'s last step.
 
     Args:
@@ -48,6 +52,11 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
             those the optimizer was built with (``model.trainable_variables``
             in the usual loop).
         strategy: The strategy the loop runs under; default: the optimizer's.
+        model: The Keras model being trained. Needed, with ``batch_size``,
+            when it has Embedding layers: their gradients are IndexedSlices,
+            one row per id looked up, so the bytes follow the batch.
+        batch_size: The global batch size of the step (as the loop's
+            dataset is batched).
 
     Returns:
         A :class:`Traffic`: ``sent`` (bytes a replica sent), ``dense_sent``
@@ -57,6 +66,9 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
 
     Raises:
         ValueError: The optimizer has not applied a step yet.
+        ConfigError: The step sent IndexedSlices and no ``model`` and
+            ``batch_size`` say how many rows; or the model's Embedding tables
+            do not match what was sent.
     """
     from tfdist.keras_accumulation import applies_this_step
 
@@ -70,7 +82,22 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
     n = strategy.num_replicas_in_sync
     if not applies_this_step(optimizer):
         return Traffic(n)
-    if variables is None:
-        variables = getattr(optimizer, "_trainable_variables", None) or []
-    shapes = [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name) for v in variables]
+    traced = traced_slices(getattr(optimizer, "inner_optimizer", optimizer))
+    if model is not None:
+        examples = None if batch_size is None else rows_per_replica(batch_size, n)
+        shapes = model_gradients(model, examples)
+        check_traced(shapes, traced)
+    else:
+        if traced:
+            raise ConfigError(
+                "model", None, "the model and the global batch_size for a step whose "
+                "gradients include IndexedSlices", source="step_traffic",
+                received=f"{len(traced)} IndexedSlices gradient(s) (Embedding tables) "
+                         "and no model",
+                hint="Call step_traffic(optimizer, model=model, batch_size=GLOBAL_BATCH): "
+                     "an Embedding sends one row per id looked up, not its table.")
+        if variables is None:
+            variables = getattr(optimizer, "_trainable_variables", None) or []
+        shapes = [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
+                  for v in variables]
     return _aggregator_of(strategy).traffic(shapes, n, step=updates - 1)
