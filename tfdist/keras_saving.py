@@ -40,6 +40,11 @@ multi-worker strategy of two or more workers:
   ``training_metadata.json`` atomically and deletes the backup at the end;
   the others only run the weight save, and on restart every worker loads
   the chief's backup.
+* **``tf.train.CheckpointManager.save``** (the tutorials' TensorFlow
+  checkpoints, saved by the chief in the real directory and by the others in
+  their own): TensorFlow writes atomically already; a worker's save returns
+  once the chief's save of the same count is done, so its
+  ``tf.train.latest_checkpoint`` of the chief's directory finds it.
 
 Single-worker training, and every other strategy, are unchanged.
 """
@@ -56,6 +61,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Callable
 
 from absl import logging
@@ -444,6 +450,53 @@ def _wrap_backup_end(original):
     return on_train_end
 
 
+#: The newest tfdist multi-worker strategy of this process, for saves made
+#: outside its scope (the tutorials call CheckpointManager.save there).
+_JOB_STRATEGY: Callable[[], Any] = lambda: None
+
+
+def set_job_strategy(strategy: Any) -> None:
+    """Records ``strategy`` as this process's multi-worker strategy."""
+    global _JOB_STRATEGY
+    _JOB_STRATEGY = weakref.ref(strategy)
+
+
+def _wrap_manager_save(original):
+    @functools.wraps(original)
+    def save(self, *args, **kwargs):
+        # TensorFlow writes a checkpoint and its state file atomically, but a
+        # worker that saved to its own directory (the tutorial's
+        # write_filepath) may read the chief's latest_checkpoint before the
+        # chief has written it: the workers wait for the chief's save of the
+        # same count, as for model.save.
+        strategy = _JOB_STRATEGY()
+        on, chief = ((False, True) if strategy is None or getattr(_STATE, "off", False)
+                     else _multi_worker(strategy))
+        if not on:
+            return original(self, *args, **kwargs)
+        key = _next_key("tf.train.CheckpointManager.save")
+        if chief:
+            record = {"path": str(self.directory), "ok": False}
+            try:
+                value = original(self, *args, **kwargs)
+                record["ok"] = True
+                return value
+            except BaseException as error:
+                record["error"] = f"{type(error).__name__}: {error}"
+                raise
+            finally:
+                _publish(key, record)
+        started = time.monotonic()
+        value = original(self, *args, **kwargs)
+        record = _wait(key, str(self.directory), time.monotonic() - started)
+        if record is not None and not record["ok"]:
+            raise ChiefSaveError(
+                f"The chief failed to save a checkpoint in {record['path']} "
+                f"({record.get('error')}); this worker's CheckpointManager.save fails with it.")
+        return value
+    return save
+
+
 def install() -> None:
     """Wraps Keras's save functions and checkpoint callbacks once; idempotent.
 
@@ -452,6 +505,7 @@ def install() -> None:
             names it), or is not Keras 3.
     """
     import keras
+    import tensorflow as tf
     from keras.src.callbacks.backup_and_restore import BackupAndRestore
     from keras.src.callbacks.model_checkpoint import ModelCheckpoint
     from keras.src.legacy.saving import legacy_h5_format
@@ -463,6 +517,7 @@ def install() -> None:
         raise RuntimeError(f"tfdist's multi-worker saving needs Keras 3; found Keras "
                            f"{keras.__version__}")
     wrap_once((
+        (tf.train.CheckpointManager, "save", _wrap_manager_save),
         (saving_lib, "save_model", _wrap_save_model),
         (saving_lib, "save_weights_only", _wrap_save_weights),
         (legacy_h5_format, "save_model_to_hdf5", _wrap_save_h5),

@@ -302,6 +302,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
         # tfdist.keras_saving.
         from tfdist import keras_saving
         keras_saving.install()
+        keras_saving.set_job_strategy(self)
         timeout = getattr(communication_options, "timeout_seconds", None)
         if timeout:
             logging.warning(
