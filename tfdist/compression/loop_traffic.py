@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from tfdist.compression.keras_hook import traced_slices
+from tfdist.compression.keras_hook import strategy_aggregator, traced_slices
 from tfdist.compression.sparse import check_traced, model_gradients, rows_per_replica
 from tfdist.compression.traffic import Traffic
 from tfdist.errors import ConfigError
@@ -30,8 +30,6 @@ __all__ = ["step_traffic"]
 
 
 def _aggregator_of(strategy: Any):
-    from tfdist.compression.keras_hook import strategy_aggregator
-
     aggregator = strategy_aggregator(strategy)
     if aggregator is None:
         from tfdist.compression.aggregate import CompressorAggregator
