@@ -1,0 +1,273 @@
+"""Horovod-era Keras spellings, accepted in Keras 3 while tfdist.horovod is imported.
+
+Horovod's examples and most scripts written for it were written for Keras 2 and
+use three spellings that Keras 3 rejects, for reasons that have nothing to do
+with distribution:
+
+* ``model.compile(..., experimental_run_tf_function=False)``: Keras 3 raises
+  ``TypeError: Trainer.compile() got an unexpected keyword argument
+  'experimental_run_tf_function'``. Keras 3 always trains through the
+  optimizer's ``apply``, which is where ``DistributedOptimizer`` all-reduces,
+  so the argument is dropped.
+* ``opt.variables()``: in Keras 3 ``variables`` is a list property, so the call
+  fails with ``TypeError: 'list' object is not callable``. The property now
+  returns a list that can also be called (returning a plain list).
+* ``opt.lr`` (read and assign): Keras 3 raises ``AttributeError: 'Adam' object
+  has no attribute 'lr'``. ``lr`` becomes an alias of ``learning_rate``.
+* ``tf.keras.backend.set_value(opt.lr, value)`` (Horovod's Keras elastic
+  example): Keras 3's legacy ``set_value`` reads ``x.dtype.name``, but a Keras 3
+  variable's dtype is a string, so it raises ``AttributeError: 'str' object has
+  no attribute 'name'``. ``set_value`` and ``batch_set_value`` accept both.
+
+:func:`install` patches Keras's classes once per process. Each spelling warns
+once per process (a :class:`HorovodSpellingWarning`) saying what to write
+instead. Everything Keras itself does is unchanged: ``compile`` with any other
+unknown argument still raises Keras's own ``TypeError``, and ``opt.variables``
+is still a ``list`` (``len``, iteration, indexing, ``+``, ``keras.tree`` and
+``tf.nest`` all treat it as one).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from typing import Any, Callable
+
+__all__ = ["HorovodSpellingWarning", "install", "is_installed"]
+
+#: The Keras 2 ``compile`` argument that Keras 3 dropped.
+RUN_TF_FUNCTION_ARG = "experimental_run_tf_function"
+
+#: Set on every function or property this module made, so install() never wraps twice.
+_MARK = "_tfdist_horovod_compat"
+
+_lock = threading.Lock()
+_installed = False
+_warned: set[str] = set()
+
+_ADVICE = {
+    "compile": (
+        "model.compile(experimental_run_tf_function=...) is a Keras 2 argument that "
+        "Keras 3 rejects; tfdist.horovod drops it (Keras 3 always calls the optimizer's "
+        "apply, where DistributedOptimizer all-reduces). Remove the argument."),
+    "variables()": (
+        "optimizer.variables() is Keras 2; in Keras 3 `variables` is a list property. "
+        "tfdist.horovod accepts the call; write `optimizer.variables`."),
+    "set_value": (
+        "tf.keras.backend.set_value() fails on Keras 3 variables; tfdist.horovod "
+        "assigns the value. Write `variable.assign(value)`."),
+    "lr": (
+        "optimizer.lr is Keras 2; Keras 3 calls it `learning_rate`. tfdist.horovod "
+        "treats `lr` as `learning_rate`; write `optimizer.learning_rate`."),
+}
+
+
+class HorovodSpellingWarning(UserWarning):
+    """A Keras 2 spelling from a Horovod-era script was accepted in Keras 3."""
+
+
+def _warn_once(spelling: str, stacklevel: int = 3) -> None:
+    """Warns about ``spelling`` the first time this process uses it.
+
+    The default ``stacklevel`` names the line that called the patched method.
+    """
+    with _lock:
+        if spelling in _warned:
+            return
+        _warned.add(spelling)
+    warnings.warn(_ADVICE[spelling], HorovodSpellingWarning, stacklevel=stacklevel)
+
+
+class _CallableVariables(list):
+    """A list of optimizer variables that can also be called, as in Keras 2."""
+
+    __slots__ = ()
+
+    def __call__(self) -> list:
+        _warn_once("variables()")
+        return list(self)
+
+    # keras.tree (optree) treats an unregistered list subclass as one leaf;
+    # registered, it flattens like the list it is.
+    def tree_flatten(self):
+        return list(self), None, None
+
+    @classmethod
+    def tree_unflatten(cls, metadata, children):
+        return list(children)
+
+
+def _patch_compile(trainer_cls: type) -> None:
+    """Makes ``trainer_cls.compile`` drop ``experimental_run_tf_function``."""
+    original = trainer_cls.__dict__["compile"]
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):  # noqa: A001 - Keras's own name
+        if RUN_TF_FUNCTION_ARG in kwargs:
+            kwargs.pop(RUN_TF_FUNCTION_ARG)
+            _warn_once("compile")
+        return original(self, *args, **kwargs)
+
+    setattr(compile, _MARK, True)
+    trainer_cls.compile = compile
+
+
+def _callable_variables_property(prop: property) -> property:
+    """Wraps a ``variables`` property so that its list is also callable."""
+    getter: Callable[[Any], Any] = prop.fget
+
+    @functools.wraps(getter)
+    def variables(self):
+        value = getter(self)
+        if isinstance(value, list) and not isinstance(value, _CallableVariables):
+            value = _CallableVariables(value)
+        return value
+
+    wrapped = property(variables, prop.fset, prop.fdel, prop.__doc__)
+    # property objects take no attributes; mark the getter instead.
+    setattr(variables, _MARK, True)
+    return wrapped
+
+
+def _patch_variables(cls: type) -> None:
+    """Wraps ``cls.variables`` if ``cls`` itself defines it as a property."""
+    prop = cls.__dict__.get("variables")
+    if isinstance(prop, property) and not getattr(prop.fget, _MARK, False):
+        setattr(cls, "variables", _callable_variables_property(prop))
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
+
+
+def _patch_optimizer_classes(base: type) -> None:
+    """Patches ``variables`` on ``base``, its subclasses and future subclasses.
+
+    Keras's LossScaleOptimizer and MultiOptimizer override the property; a
+    subclass made later (tfdist's DistributedOptimizer, a user's optimizer) may
+    too, so a subclass hook patches each new class as it is created.
+    """
+    for cls in [base, *_all_subclasses(base)]:
+        _patch_variables(cls)
+    hook = base.__dict__.get("__init_subclass__")
+    if hook is not None and getattr(getattr(hook, "__func__", hook), _MARK, False):
+        return
+
+    def __init_subclass__(cls, **kwargs):
+        super(base, cls).__init_subclass__(**kwargs)
+        _patch_variables(cls)
+
+    setattr(__init_subclass__, _MARK, True)
+    base.__init_subclass__ = classmethod(__init_subclass__)
+
+
+def _lr_property() -> property:
+    def lr(self):
+        _warn_once("lr")
+        return self.learning_rate
+
+    def set_lr(self, value):
+        _warn_once("lr")
+        self.learning_rate = value
+
+    setattr(lr, _MARK, True)
+    return property(lr, set_lr, doc="Keras 2 name of `learning_rate` (Horovod-era scripts).")
+
+
+def _patch_lr(base: type) -> None:
+    """Adds ``lr`` to ``base`` unless Keras already has it."""
+    existing = None
+    for cls in base.__mro__:
+        if "lr" in cls.__dict__:
+            existing = cls.__dict__["lr"]
+            break
+    if existing is None:
+        base.lr = _lr_property()
+
+
+def _assign(variable, value) -> None:
+    """Assigns ``value`` to a TF or Keras 3 variable (dtype object or string)."""
+    import numpy as np
+
+    dtype = variable.dtype
+    if isinstance(dtype, str):
+        _warn_once("set_value", stacklevel=4)
+    variable.assign(np.asarray(value, dtype=getattr(dtype, "name", dtype)))
+
+
+def _set_value(x, value) -> None:
+    """Keras's legacy ``set_value``, also for Keras 3 variables."""
+    _assign(x, value)
+
+
+def _batch_set_value(tuples) -> None:
+    """Keras's legacy ``batch_set_value``, also for Keras 3 variables."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly() or tf.inside_function():
+        for x, value in tuples:
+            _assign(x, value)
+
+
+def _patch_legacy_backend() -> None:
+    """Replaces ``set_value``/``batch_set_value`` where Keras exports them."""
+    import importlib
+
+    legacy = importlib.import_module("keras.src.legacy.backend")
+    modules = [legacy]
+    try:  # tf.keras.backend in TF >= 2.16
+        modules.append(importlib.import_module("keras._tf_keras.keras.backend"))
+    except ImportError:
+        pass
+    for name, replacement in (("set_value", _set_value), ("batch_set_value", _batch_set_value)):
+        original = legacy.__dict__.get(name)
+        if original is None or getattr(original, _MARK, False):
+            continue
+        setattr(replacement, _MARK, True)
+        for module in modules:
+            if module.__dict__.get(name) is original:
+                setattr(module, name, replacement)
+
+
+def _register_tree_node() -> None:
+    from keras.src.tree import tree_api
+
+    try:
+        tree_api.register_tree_node_class(_CallableVariables)
+    except ValueError:  # optree: already registered (a reloaded module).
+        pass
+
+
+def install() -> None:
+    """Accepts the Horovod-era Keras spellings in this process (idempotent).
+
+    Imports Keras (and so TensorFlow), but does not start the TF runtime.
+    """
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        import keras
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+        trainer_cls = next(c for c in keras.Model.__mro__ if "compile" in c.__dict__)
+        _patch_compile(trainer_cls)
+        _register_tree_node()
+        _patch_optimizer_classes(BaseOptimizer)
+        _patch_lr(BaseOptimizer)
+        _patch_legacy_backend()
+        _installed = True
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` has run in this process."""
+    return _installed
