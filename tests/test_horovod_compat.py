@@ -107,6 +107,7 @@ def test_variables_call_returns_the_same_variables_and_warns_once(keras):
     assert len(called) == 4
     messages = spelling_warnings(record)
     assert len(messages) == 1 and "variables()" in messages[0]
+    assert record[0].filename == __file__
 
 
 def test_variables_property_is_still_a_list(keras):
@@ -180,14 +181,17 @@ def test_lr_reads_and_assigns_learning_rate_and_warns_once(keras):
     opt = built_adam(keras, lr=0.01)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
+        opt.lr = 0.02  # the first use is an assignment
         assert opt.lr is opt.learning_rate  # the Variable itself, as in Keras 2
-        np.testing.assert_allclose(float(opt.lr), 0.01, rtol=1e-6)
+        np.testing.assert_allclose(float(opt.lr), 0.02, rtol=1e-6)
         opt.lr = 0.5
         np.testing.assert_allclose(float(opt.learning_rate), 0.5, rtol=1e-6)
         opt.lr.assign(0.25)  # Horovod's elastic reset callbacks
         np.testing.assert_allclose(float(opt.learning_rate), 0.25, rtol=1e-6)
     messages = spelling_warnings(record)
     assert len(messages) == 1 and "learning_rate" in messages[0]
+    # Named at the script's line, also for the setter (behind Keras's __setattr__).
+    assert [w.filename for w in record if w.category is compat.HorovodSpellingWarning] == [__file__]
 
 
 def test_legacy_set_value_on_keras_variables(keras):

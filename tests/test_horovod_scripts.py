@@ -94,3 +94,5 @@ def test_keras_2_compile_argument_warns_once_per_rank(job):
         warned = [line for line in worker_lines(stdout, rank)
                   if "HorovodSpellingWarning" in line and "experimental_run_tf_function" in line]
         assert len(warned) == 1, worker_lines(stdout, rank)
+        # Named at the script's compile line, not at a tfdist or Keras wrapper.
+        assert warned[0].startswith(f"{SCRIPT}:"), warned

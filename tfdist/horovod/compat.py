@@ -30,6 +30,8 @@ is still a ``list`` (``len``, iteration, indexing, ``+``, ``keras.tree`` and
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
 import warnings
 from typing import Any, Callable
@@ -41,6 +43,9 @@ RUN_TF_FUNCTION_ARG = "experimental_run_tf_function"
 
 #: Set on every function or property this module made, so install() never wraps twice.
 _MARK = "_tfdist_horovod_compat"
+
+#: Frames in these directories are wrappers, not the script (Keras's is added by install()).
+_SKIP_DIRS: tuple[str, ...] = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 _lock = threading.Lock()
 _installed = False
@@ -67,16 +72,20 @@ class HorovodSpellingWarning(UserWarning):
     """A Keras 2 spelling from a Horovod-era script was accepted in Keras 3."""
 
 
-def _warn_once(spelling: str, stacklevel: int = 3) -> None:
+def _warn_once(spelling: str) -> None:
     """Warns about ``spelling`` the first time this process uses it.
 
-    The default ``stacklevel`` names the line that called the patched method.
+    The warning names the first line outside tfdist.horovod and Keras: the
+    script's own line, however many wrappers lie in between.
     """
     with _lock:
         if spelling in _warned:
             return
         _warned.add(spelling)
-    warnings.warn(_ADVICE[spelling], HorovodSpellingWarning, stacklevel=stacklevel)
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(_ADVICE[spelling], HorovodSpellingWarning, stacklevel=level)
 
 
 class _CallableVariables(list):
@@ -200,7 +209,7 @@ def _assign(variable, value) -> None:
 
     dtype = variable.dtype
     if isinstance(dtype, str):
-        _warn_once("set_value", stacklevel=4)
+        _warn_once("set_value")
     variable.assign(np.asarray(value, dtype=getattr(dtype, "name", dtype)))
 
 
@@ -252,11 +261,12 @@ def install() -> None:
 
     Imports Keras (and so TensorFlow), but does not start the TF runtime.
     """
-    global _installed
+    global _installed, _SKIP_DIRS
     with _lock:
         if _installed:
             return
         import keras
+        _SKIP_DIRS += (os.path.dirname(os.path.abspath(keras.__file__)) + os.sep,)
         from keras.src.optimizers.base_optimizer import BaseOptimizer
 
         trainer_cls = next(c for c in keras.Model.__mro__ if "compile" in c.__dict__)
