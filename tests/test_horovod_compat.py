@@ -249,3 +249,21 @@ def test_each_spelling_warns_independently(keras):
     assert sum("lr" in m and "learning_rate" in m for m in messages) == 1
     assert sum("variables()" in m for m in messages) == 1
     assert sum("experimental_run_tf_function" in m for m in messages) == 1
+
+
+def test_variables_call_inside_tf_function(keras):
+    # Horovod's tape examples broadcast opt.variables() inside a tf.function.
+    import tensorflow as tf
+    opt = built_adam(keras)
+
+    @tf.function
+    def count():
+        return tf.add_n([tf.cast(tf.size(v), tf.int32) for v in opt.variables()])
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        total = int(count())
+    assert total == sum(int(np.prod(v.shape)) for v in opt._variables)
+    named = [w.filename for w in record if w.category is compat.HorovodSpellingWarning]
+    # The script's line that called the tf.function, not autograph's copy.
+    assert named == [__file__]

@@ -44,7 +44,8 @@ RUN_TF_FUNCTION_ARG = "experimental_run_tf_function"
 #: Set on every function or property this module made, so install() never wraps twice.
 _MARK = "_tfdist_horovod_compat"
 
-#: Frames in these directories are wrappers, not the script (Keras's is added by install()).
+#: Frames in these directories are wrappers, not the script (Keras's and
+#: TensorFlow's are added by install()).
 _SKIP_DIRS: tuple[str, ...] = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 _lock = threading.Lock()
@@ -83,9 +84,15 @@ def _warn_once(spelling: str) -> None:
             return
         _warned.add(spelling)
     level, frame = 2, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+    while frame is not None and _is_wrapper(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(_ADVICE[spelling], HorovodSpellingWarning, stacklevel=level)
+
+
+def _is_wrapper(filename: str) -> bool:
+    # Inside a tf.function, autograph runs converted copies from temporary
+    # files; the script's line that called the tf.function is the useful one.
+    return filename.startswith(_SKIP_DIRS) or "__autograph_generated_file" in filename
 
 
 class _CallableVariables(list):
@@ -266,7 +273,14 @@ def install() -> None:
         if _installed:
             return
         import keras
-        _SKIP_DIRS += (os.path.dirname(os.path.abspath(keras.__file__)) + os.sep,)
+        import tensorflow as tf
+
+        _SKIP_DIRS += tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                            for m in (keras, tf))
+        # Not converted by autograph inside a tf.function (Horovod's examples
+        # call opt.variables() there): plain Python, run once at trace time.
+        _CallableVariables.__call__ = tf.autograph.experimental.do_not_convert(
+            _CallableVariables.__call__)
         from keras.src.optimizers.base_optimizer import BaseOptimizer
 
         trainer_cls = next(c for c in keras.Model.__mro__ if "compile" in c.__dict__)
