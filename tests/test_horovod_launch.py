@@ -208,7 +208,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cloudpickle", "pickle"])
-def test_run_calls_a_main_function_in_each_rank_and_raises_a_ranks_error(tmp_path, mode):
+def test_run_calls_a_main_function_in_each_rank_restarts_and_raises_a_ranks_error(tmp_path, mode):
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, RUN_MAIN, mode, str(out)], cwd=tmp_path,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
@@ -230,6 +230,8 @@ def test_run_calls_a_main_function_in_each_rank_and_raises_a_ranks_error(tmp_pat
     assert error["error_type"] == "ValueError" and error["error_message"] == "rank 1 cannot go on"
     assert "rank 1 of 2 failed: ValueError: rank 1 cannot go on" in error["text"]
     assert 'in fail_on_rank_1\n    raise ValueError' in error["text"]
+    # After a restart the results are those of the attempt that finished.
+    assert seen["restarted"] == [[0, 1], [1, 1]]
     # Rank 0 was sleeping: stopped, not left behind.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(p) for p in seen["failing_pids"]):

@@ -5,7 +5,8 @@ Usage: hvd_run_main.py MODE OUT_JSON. MODE is ``cloudpickle`` or ``pickle``
 
 * ``task_info``, a ``__main__`` function reading TF_CONFIG, with args and
   kwargs; it returns a ``__main__`` class instance;
-* ``fail_on_rank_1``: rank 1 raises, rank 0 sleeps (and must be stopped).
+* ``fail_on_rank_1``: rank 1 raises, rank 0 sleeps (and must be stopped);
+* ``flaky`` with max_restarts=1: rank 1 fails on the first attempt only.
 
 Writes what it saw to OUT_JSON. The run() calls sit under the
 ``if __name__ == "__main__"`` guard, as the pickle path requires.
@@ -42,6 +43,14 @@ def fail_on_rank_1(pid_dir):
     time.sleep(600)  # Stopped by the launcher once rank 1 fails.
 
 
+def flaky():
+    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    attempt = int(os.environ["TFDIST_LAUNCH_ATTEMPT"])
+    if rank == 1 and attempt == 0:
+        sys.exit(4)  # Not an exception: the rank just exits.
+    return [rank, attempt]
+
+
 if __name__ == "__main__":
     import tfdist.horovod.run as run_module
     from tfdist.horovod.run import RunError, run
@@ -58,6 +67,7 @@ if __name__ == "__main__":
         error = {"type": type(e).__name__, "rank": e.rank, "error_type": e.error_type,
                  "error_message": e.error_message, "text": str(e),
                  "seconds": time.monotonic() - started}
+    restarted = run(flaky, np=2, max_restarts=1)
     pids = [int(open(os.path.join(pid_dir, f"rank-{r}.pid")).read()) for r in (0, 1)]
     result = {
         "serializer": run_module._pickler()[0],
@@ -66,6 +76,7 @@ if __name__ == "__main__":
         "parent_pid": os.getpid(),
         "error": error,
         "failing_pids": pids,
+        "restarted": restarted,
     }
     with open(out, "w") as f:
         json.dump(result, f)

@@ -388,9 +388,19 @@ def _worker_main(directory: str) -> int:
                             f"({name}): {type(value).__name__}: {error}") from None
         _write(out / f"rank-{rank}.result", data)
         return 0
+    except SystemExit as error:
+        # sys.exit(N) in func ends the rank with N, as in a script; 0 leaves no result.
+        code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+        if code:
+            _write_error(out / f"rank-{rank}.error", error)
+        return code
     except BaseException as error:  # noqa: BLE001 - the caller gets every failure
-        info = {"type": type(error).__qualname__, "message": str(error),
-                "traceback": traceback.format_exc()}
-        _write(out / f"rank-{rank}.error", json.dumps(info).encode("utf-8"))
+        _write_error(out / f"rank-{rank}.error", error)
         traceback.print_exc()
         return 1
+
+
+def _write_error(path: Path, error: BaseException) -> None:
+    info = {"type": type(error).__qualname__, "message": str(error),
+            "traceback": traceback.format_exc()}
+    _write(path, json.dumps(info).encode("utf-8"))
