@@ -9,7 +9,6 @@ cloudpickle and with pickle.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys

@@ -3,15 +3,16 @@
     tfdist info [--config SPEC] [--strategy NAME] [--cpu-replicas N] [--tpu T] [--verbose]
     tfdist validate FILE|- [--strategy NAME] [--require-task]
     tfdist tf-config SPEC --task TYPE:INDEX [--export]
-    tfdist launch [--workers N|-np N] [-H HOST:SLOTS,...|--hostfile F] [--chief] [--ps M] [--evaluator] [--max-restarts K]
-                  [--show-all] [--verbose] [--spec SPEC] [--log-dir D] [--netns]
+    tfdist launch [--workers N|-np N] [-H HOST:SLOTS,...|--hostfile F] [--chief] [--ps M]
+                  [--evaluator] [--max-restarts K] [--show-all] [--verbose] [--spec SPEC]
+                  [--log-dir D] [--netns]
                   SCRIPT|-m MODULE|-c CODE [ARGS...]
     tfdist horovodrun -np N [-H HOST:SLOTS,...|--hostfile F] [--max-restarts K]
                       [--verbose] [--start-timeout S] [--output-filename D] COMMAND...
     tfdist hosts SPEC [--python P] [--evaluator] -- SCRIPT [ARGS...]
     tfdist tfjob SPEC --name N --image I [--namespace NS] -- COMMAND [ARGS...]
 
-``validate``, ``tf-config``, ``hosts`` and ``tfjob`` never import TensorFlow, so
+``validate``, ``tf-config``, ``hosts``, ``tfjob`` and ``horovodrun`` never import TensorFlow, so
 they answer at once. ``info`` and ``launch`` leave TensorFlow's start-up
 noise out of the terminal (see :mod:`tfdist.quiet`); ``--verbose`` shows it.
 """
@@ -340,7 +341,8 @@ def _horovodrun(args: argparse.Namespace) -> int:
     ignored += [n for n in _HOROVOD_TUNING_FLAGS if getattr(args, n[2:].replace("-", "_"))]
     if ignored:
         print(f"{source}: note: ignored {', '.join(ignored)}: options that tune Horovod's own "
-              "runtime have no effect here (TensorFlow's collectives carry the all-reduces)", file=sys.stderr)
+              "runtime have no effect here (TensorFlow's collectives carry the all-reduces)",
+              file=sys.stderr)
     if args.output_filename and args.log_dir and args.output_filename != args.log_dir:
         raise ConfigError("output_filename", args.output_filename, f"the same directory as "
                           f"--log-dir ({args.log_dir!r}) or only one of them", source=source)
