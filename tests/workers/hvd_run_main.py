@@ -53,6 +53,7 @@ def flaky():
 
 if __name__ == "__main__":
     import tfdist.horovod.run as run_module
+    from tfdist import _hvd_worker
     from tfdist.horovod.run import RunError, run
 
     mode, out = sys.argv[1], sys.argv[2]
@@ -70,7 +71,7 @@ if __name__ == "__main__":
     restarted = run(flaky, np=2, max_restarts=1)
     pids = [int(open(os.path.join(pid_dir, f"rank-{r}.pid")).read()) for r in (0, 1)]
     result = {
-        "serializer": run_module._pickler()[0],
+        "serializer": _hvd_worker.pickler(run_module._PICKLER)[0],
         "seen": [dataclasses.asdict(s) for s in seen],
         "types": [type(s).__qualname__ for s in seen],
         "parent_pid": os.getpid(),

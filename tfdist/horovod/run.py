@@ -23,7 +23,8 @@ cloudpickle a ``__main__`` function goes by name: each worker loads the
 script as ``__mp_main__`` first, as :mod:`multiprocessing` does, so the call
 to ``run`` must sit under ``if __name__ == "__main__":``.
 
-This module does not import TensorFlow; ``func`` does, in the workers.
+Each rank runs :mod:`tfdist._hvd_worker`, which imports TensorFlow only
+when ``func`` does (``hvd.init()`` inside it).
 """
 
 from __future__ import annotations
@@ -31,30 +32,21 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import runpy
 import sys
 import tempfile
-import traceback
-import types
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from tfdist import horovodrun
+from tfdist import _hvd_worker, horovodrun
 from tfdist.errors import ConfigError, TfdistError
 
 __all__ = ["run", "RunError"]
 
 _SOURCE = "tfdist.horovod.run()"
-#: What each worker process runs (``python -c``); argv[1] is the call directory.
-_WORKER_CODE = ("import sys; from tfdist.horovod.run import _worker_main; "
-                "sys.exit(_worker_main(sys.argv[1]))")
 #: Seconds between SIGTERM and SIGKILL when the other ranks are stopped.
 _STOP_TIMEOUT = 5.0
 #: "cloudpickle" (default when importable) or "pickle".
 _PICKLER: str | None = None
-# Set while a worker loads the script's __main__ (the pickle path): a run()
-# call at the script's top level would start workers from workers.
-_LOADING_MAIN = False
 
 
 class RunError(TfdistError, RuntimeError):
@@ -77,38 +69,6 @@ class RunError(TfdistError, RuntimeError):
                 else f"the process exited with code {exit_code} without a Python error")
         super().__init__(f"{_SOURCE}: rank {rank} of {size} failed: {what}\n"
                          f"--- rank {rank} ---\n{details.rstrip()}")
-
-
-def _cloudpickle_major(module: Any) -> int:
-    version = getattr(module, "__version__", "0")
-    return int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
-
-
-def _pickler() -> tuple[str, Any]:
-    """The serializer: cloudpickle if importable, else :mod:`pickle`.
-
-    cloudpickle 3 or newer first, standalone or pyspark's copy: cloudpickle
-    2 loses the fields of a dataclass defined in ``__main__`` (and of the
-    caller's own class when a result comes back), so it is used only when
-    nothing newer is installed.
-    """
-    if _PICKLER == "pickle":
-        return "pickle", pickle
-    found = []
-    try:
-        import cloudpickle
-        found.append(cloudpickle)
-    except ImportError:
-        pass
-    if not found or _cloudpickle_major(found[0]) < 3:
-        try:
-            from pyspark import cloudpickle as spark_cloudpickle
-            found.insert(0, spark_cloudpickle)
-        except ImportError:
-            pass
-    if found:
-        return "cloudpickle", max(found, key=_cloudpickle_major)
-    return "pickle", pickle
 
 
 def _main_source() -> dict[str, str] | None:
@@ -226,7 +186,7 @@ def run(
     """
     from tfdist import launch as launch_lib
 
-    if _LOADING_MAIN:
+    if _hvd_worker.LOADING_MAIN:
         raise TfdistError(
             f"{_SOURCE} was called while a worker loaded the script's __main__ to find func "
             "(cloudpickle is not installed, so functions of __main__ go by name). Put the "
@@ -256,9 +216,9 @@ def run(
     with tempfile.TemporaryDirectory(prefix="tfdist-hvd-run-") as directory:
         _write_call(Path(directory), func, tuple(args), dict(kwargs or {}))
         result = launch_lib.launch(
-            ["-c", _WORKER_CODE], [directory], workers=count, max_restarts=max_restarts,
-            show_all=True, env=task_env, python=executable or sys.executable,
-            log_dir=output_filename, verbose=bool(verbose), stop_timeout=_STOP_TIMEOUT)
+            ["-c", _hvd_worker.WORKER_CODE], [directory], workers=count,
+            max_restarts=max_restarts, show_all=True, env=task_env,
+            python=executable or sys.executable, log_dir=output_filename, verbose=bool(verbose), stop_timeout=_STOP_TIMEOUT)
         # Attempts are numbered from 0; every failure (a restart or a port
         # relaunch) started the next one.
         if result.ok:
@@ -274,7 +234,7 @@ def run(
 
 def _write_call(directory: Path, func: Any, args: tuple, kwargs: dict) -> None:
     """Writes ``header.json`` (how to unpickle) and ``call.pkl`` (what to call)."""
-    name, module = _pickler()
+    name, module = _hvd_worker.pickler(_PICKLER)
     try:
         payload = module.dumps((func, args, kwargs))
     except Exception as error:  # noqa: BLE001 - any pickling failure means the same
@@ -292,7 +252,7 @@ def _write_call(directory: Path, func: Any, args: tuple, kwargs: dict) -> None:
                               hint="It is defined in an interactive __main__ (no script "
                               "file); install cloudpickle, or move it to a module.")
     header = {"sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-              "main": main}
+              "main": main, "serializer": name}
     (directory / "header.json").write_text(json.dumps(header), encoding="utf-8")
     (directory / "call.pkl").write_bytes(payload)
 
@@ -333,74 +293,3 @@ class _main_alias:
     def __exit__(self, *exc: Any) -> None:
         if self._added:
             sys.modules.pop("__mp_main__", None)
-
-
-# --------------------------------------------------------------------------
-# The worker side.
-
-
-def _rank() -> int:
-    config = json.loads(os.environ["TF_CONFIG"])
-    return int(config["task"]["index"])
-
-
-def _load_main(main: dict[str, str]) -> None:
-    """Loads the parent's script as ``__mp_main__`` (its guarded code does not run)."""
-    global _LOADING_MAIN
-    module = types.ModuleType("__mp_main__")
-    _LOADING_MAIN = True
-    try:
-        if "module" in main:
-            namespace = runpy.run_module(main["module"], run_name="__mp_main__", alter_sys=False)
-        else:
-            namespace = runpy.run_path(main["path"], run_name="__mp_main__")
-    finally:
-        _LOADING_MAIN = False
-    module.__dict__.update(namespace)
-    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
-
-
-def _write(path: Path, data: bytes) -> None:
-    """Writes a file whole or not at all (a killed rank leaves no half file)."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
-
-
-def _worker_main(directory: str) -> int:
-    """Body of each worker: load the call, run it, write the result or the error."""
-    rank = _rank()
-    out = Path(directory) / f"attempt-{os.environ.get('TFDIST_LAUNCH_ATTEMPT', '0')}"
-    out.mkdir(exist_ok=True)
-    try:
-        header = json.loads((Path(directory) / "header.json").read_text(encoding="utf-8"))
-        # The caller's import path: func's module is found as it was there.
-        sys.path[:] = header["sys_path"] + [p for p in sys.path if p not in header["sys_path"]]
-        if header["main"]:
-            _load_main(header["main"])
-        func, args, kwargs = pickle.loads((Path(directory) / "call.pkl").read_bytes())
-        value = func(*args, **kwargs)
-        name, module = _pickler()
-        try:
-            data = module.dumps(value)
-        except Exception as error:  # noqa: BLE001
-            raise TypeError(f"func's return value on rank {rank} cannot be pickled "
-                            f"({name}): {type(value).__name__}: {error}") from None
-        _write(out / f"rank-{rank}.result", data)
-        return 0
-    except SystemExit as error:
-        # sys.exit(N) in func ends the rank with N, as in a script; 0 leaves no result.
-        code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
-        if code:
-            _write_error(out / f"rank-{rank}.error", error)
-        return code
-    except BaseException as error:  # noqa: BLE001 - the caller gets every failure
-        _write_error(out / f"rank-{rank}.error", error)
-        traceback.print_exc()
-        return 1
-
-
-def _write_error(path: Path, error: BaseException) -> None:
-    info = {"type": type(error).__qualname__, "message": str(error),
-            "traceback": traceback.format_exc()}
-    _write(path, json.dumps(info).encode("utf-8"))
