@@ -8,6 +8,7 @@ cloudpickle and with pickle.
 
 from __future__ import annotations
 
+import importlib
 import json
 import shlex
 import subprocess
@@ -174,7 +175,8 @@ def test_launch_np_python_spelling_and_horovodrun_run_locally(capsys):
 
 
 def test_run_refuses_what_it_cannot_do(monkeypatch):
-    from tfdist.horovod import run as run_module
+    # The module, not the function tfdist.horovod re-exports as `run`.
+    run_module = importlib.import_module("tfdist.horovod.run")
 
     def ok():
         return 1
@@ -236,3 +238,23 @@ def test_run_calls_a_main_function_in_each_rank_restarts_and_raises_a_ranks_erro
     while time.monotonic() < deadline and any(_alive(p) for p in seen["failing_pids"]):
         time.sleep(0.05)
     assert not [p for p in seen["failing_pids"] if _alive(p)]
+
+
+@pytest.mark.slow
+def test_run_ranks_call_hvd_init_and_allreduce(tmp_path):
+    out = tmp_path / "out.json"
+    script = REPO / "tests" / "workers" / "hvd_run_allreduce.py"
+    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["size"] == 2 and r["local_size"] == 2 for r in results)
+    assert [r["local_rank"] for r in results] == [0, 1]
+    # What the ranks sent, summed and averaged here, against what each rank got.
+    sent = [r["sent"] for r in results]
+    assert sent[0] != sent[1]
+    total = [a + b for a, b in zip(*sent)]
+    for r in results:
+        assert r["sum"] == pytest.approx(total)
+        assert r["mean"] == pytest.approx([t / 2 for t in total])

@@ -52,9 +52,13 @@ def flaky():
 
 
 if __name__ == "__main__":
-    import tfdist.horovod.run as run_module
+    import importlib
+
     from tfdist import _hvd_worker
     from tfdist.horovod.run import RunError, run
+
+    # The module, not the function tfdist.horovod re-exports as `run`.
+    run_module = importlib.import_module("tfdist.horovod.run")
 
     mode, out = sys.argv[1], sys.argv[2]
     run_module._PICKLER = mode
