@@ -185,6 +185,7 @@ def test_run_refuses_what_it_cannot_do(monkeypatch):
         (dict(np=2, hosts="node1:1,node2:1"), "hosts", "tfdist horovodrun"),
         (dict(np=0), "np", "Received: 0"),
         (dict(np=3, hosts="localhost:2"), "np", "at most 2"),
+        (dict(num_proc="2"), "num_proc", "Received: '2'"),
         (dict(np=2, num_proc=3), "np", "the same as num_proc (3)"),
         (dict(np=2, min_np=1), "min_np", "fixed number"),
         (dict(use_gloo=True, use_mpi=True), "use_mpi", "use_gloo"),
@@ -228,6 +229,7 @@ def test_run_calls_a_main_function_in_each_rank_restarts_and_raises_a_ranks_erro
     assert {s["tag"] for s in seen["seen"]} == {f"x-{main_name}"}
     error = seen["error"]
     assert error["type"] == "RunError" and error["rank"] == 1
+    assert error["pickled_again"] == error["text"]
     assert error["error_type"] == "ValueError" and error["error_message"] == "rank 1 cannot go on"
     assert "rank 1 of 2 failed: ValueError: rank 1 cannot go on" in error["text"]
     assert 'in fail_on_rank_1\n    raise ValueError' in error["text"]

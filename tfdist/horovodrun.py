@@ -174,13 +174,14 @@ def read_hosts(hosts: Any = None, hostfile: str | os.PathLike | None = None, *,
 
 
 def rank_hosts(np: Any, hosts: Sequence[HostSlots] | None, *,
-               source: str = "tfdist horovodrun") -> list[str]:
+               source: str = "tfdist horovodrun", field: str = "np") -> list[str]:
     """The host of each rank: ranks fill the hosts in order, as horovodrun.
 
     Args:
         np: Number of processes (``-np``), an integer >= 1.
         hosts: The hosts and slots, or None for ``localhost:np``.
         source: Shown in errors.
+        field: The name of ``np`` shown in errors.
 
     Returns:
         ``np`` host names, rank 0 first.
@@ -190,12 +191,12 @@ def rank_hosts(np: Any, hosts: Sequence[HostSlots] | None, *,
             is larger than the slots of the hosts.
     """
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
-        raise ConfigError("np", np, "an integer >= 1 (the number of processes)", source=source)
+        raise ConfigError(field, np, "an integer >= 1 (the number of processes)", source=source)
     if hosts is None:
         return ["localhost"] * np
     total = sum(h.slots for h in hosts)
     if np > total:
-        raise ConfigError("np", np, f"at most {total}, the slots of the hosts "
+        raise ConfigError(field, np, f"at most {total}, the slots of the hosts "
                           f"({','.join(map(str, hosts))})", source=source,
                           hint="Lower -np or give the hosts more slots (host:slots).")
     ranks: list[str] = []

@@ -15,6 +15,7 @@ Writes what it saw to OUT_JSON. The run() calls sit under the
 import dataclasses
 import json
 import os
+import pickle
 import sys
 import time
 
@@ -71,7 +72,8 @@ if __name__ == "__main__":
     except RunError as e:
         error = {"type": type(e).__name__, "rank": e.rank, "error_type": e.error_type,
                  "error_message": e.error_message, "text": str(e),
-                 "seconds": time.monotonic() - started}
+                 "seconds": time.monotonic() - started,
+                 "pickled_again": str(pickle.loads(pickle.dumps(e)))}
     restarted = run(flaky, np=2, max_restarts=1)
     pids = [int(open(os.path.join(pid_dir, f"rank-{r}.pid")).read()) for r in (0, 1)]
     result = {

@@ -29,13 +29,14 @@ when ``func`` does (``hvd.init()`` inside it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tfdist import _hvd_worker, horovodrun
 from tfdist.errors import ConfigError, TfdistError
@@ -67,8 +68,12 @@ class RunError(TfdistError, RuntimeError):
         self.error_type, self.error_message, self.details = error_type, error_message, details
         what = (f"{error_type}: {error_message}" if error_type
                 else f"the process exited with code {exit_code} without a Python error")
+        self._args = (rank, size, exit_code, error_type, error_message, details)
         super().__init__(f"{_SOURCE}: rank {rank} of {size} failed: {what}\n"
                          f"--- rank {rank} ---\n{details.rstrip()}")
+
+    def __reduce__(self):
+        return (type(self), self._args)
 
 
 def _main_source() -> dict[str, str] | None:
@@ -196,7 +201,8 @@ def run(
                "min_np": min_np, "max_np": max_np}
     count = _check_options(np, num_proc, use_gloo, use_mpi, elastic, kwargs)
     ranks = horovodrun.rank_hosts(
-        count, horovodrun.read_hosts(hosts, hostfile, source=_SOURCE), source=_SOURCE)
+        count, horovodrun.read_hosts(hosts, hostfile, source=_SOURCE), source=_SOURCE,
+        field="np" if num_proc is None else "num_proc")
     if not horovodrun.is_local(ranks):
         others = sorted({h for h in ranks if h.lower() not in horovodrun.LOCAL_HOSTS})
         raise ConfigError(
@@ -282,14 +288,14 @@ def _rank_error(attempt: Path, failure: Any, count: int) -> RunError:
                     f"{failure.how}. Its last lines:\n{tail}")
 
 
-class _main_alias:
-    """Lets pickle find ``__mp_main__`` (the workers' name for the script) in this process."""
-
-    def __enter__(self) -> None:
-        self._added = "__mp_main__" not in sys.modules and "__main__" in sys.modules
-        if self._added:
-            sys.modules["__mp_main__"] = sys.modules["__main__"]
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._added:
+@contextlib.contextmanager
+def _main_alias() -> Iterator[None]:
+    """Lets pickle find ``__mp_main__`` (the ranks' name for the script) in this process."""
+    added = "__mp_main__" not in sys.modules and "__main__" in sys.modules
+    if added:
+        sys.modules["__mp_main__"] = sys.modules["__main__"]
+    try:
+        yield
+    finally:
+        if added:
             sys.modules.pop("__mp_main__", None)
