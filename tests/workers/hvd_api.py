@@ -60,10 +60,14 @@ y = (x[:, :8].sum(1) > x[:, 8:].sum(1)).astype("int32")
 fits = {}
 from tfdist.compression import TopKCompressor  # noqa: E402
 
-for setting in ["none", "fp16", "bf16", "topk", "powersgd:2"]:
+auto = None
+for setting in ["none", "fp16", "bf16", "topk", "powersgd:2", "auto"]:
     # A tfdist compressor object works too (top-k on every tensor, however small).
     compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
                    "topk": TopKCompressor(0.25, min_size=0)}.get(setting, setting)
+    if setting == "auto":
+        from tfdist.compression.auto import AutoCompression
+        compression = auto = AutoCompression()
     keras.utils.set_random_seed(r)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
                               keras.layers.Dense(2)])
@@ -81,6 +85,7 @@ for setting in ["none", "fp16", "bf16", "topk", "powersgd:2"]:
     if setting == "none":
         model.save(sys.argv[1] + f"/model_{r}.keras")
 out["fits"] = fits
+out["auto_choice"] = f"auto -> {auto.decision.choice}"
 
 # hvd.load_model: the optimizer comes back distributed, with its state.
 loaded = hvd.load_model(sys.argv[1] + f"/model_{r}.keras")

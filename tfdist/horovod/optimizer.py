@@ -160,6 +160,8 @@ class _DistributedMixin:
         super().build(variables)
         settings = self._tfdist_hvd
         from tfdist.compression.keras_hook import _create_state
+        from tfdist.horovod.compression import resolved
+        settings.aggregator = resolved(settings.aggregator, list(variables))
         if any(settings.aggregator.state_specs(tuple(v.shape),
                                                backend.standardize_dtype(v.dtype), i)
                for i, v in enumerate(variables)):

@@ -44,7 +44,10 @@ def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
     import keras
     from keras.src import backend
 
+    from tfdist.horovod.compression import resolved
     store = tape_state(aggregator)
+    store["aggregator"] = resolved(aggregator, sources)
+    aggregator = store["aggregator"]
     with tf.init_scope():
         if store["step"] is None:
             store["step"] = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -75,7 +78,7 @@ class _DistributedTape:
         state = {store["vars"][id(v)][2]: store["vars"][id(v)][1] for v in flat_sources}
         comm = HorovodComm() if collectives.runtime.size() > 1 else None
         reduced = reduce_gradients(
-            flat, keys, aggregator=settings["aggregator"], state=state, step=step,
+            flat, keys, aggregator=store["aggregator"], state=state, step=step,
             op=settings["op"], predivide=settings["predivide"],
             sparse_as_dense=settings["sparse_as_dense"], comm=comm)
         self.__dict__["_tfdist_comm"] = comm
@@ -159,5 +162,5 @@ def tape_traffic(variables: Any, compression: Any = None):
                          f"{compression!r} to have reduced gradients. Received: none yet")
     shapes = [(tuple(int(d) for d in v.shape), backend.standardize_dtype(v.dtype))
               for v in tf.nest.flatten(variables)]
-    return aggregator.traffic(shapes, collectives.runtime.size(),
+    return store["aggregator"].traffic(shapes, collectives.runtime.size(),
                               step=int(store["step"].numpy()) - 1)
