@@ -75,7 +75,8 @@ def test_compile_drops_experimental_run_tf_function_and_warns_once(keras):
     # The compile took effect: the model trains with the given loss and optimizer.
     assert model.loss == "mse"
     assert isinstance(model.optimizer, keras.optimizers.SGD)
-    history = model.fit(np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"), epochs=1, verbose=0)
+    history = model.fit(np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"), epochs=1,
+                        verbose=0)
     assert np.isfinite(history.history["loss"][0])
 
 
@@ -85,7 +86,8 @@ def test_compile_other_bad_argument_still_raises_keras_type_error(keras):
         model.compile(optimizer="sgd", loss="mse", no_such_arg=1)
     # Also when the Horovod argument comes with it: only that one is forgiven.
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_arg'"):
-        model.compile(optimizer="sgd", loss="mse", experimental_run_tf_function=False, no_such_arg=1)
+        model.compile(optimizer="sgd", loss="mse", experimental_run_tf_function=False,
+                      no_such_arg=1)
 
 
 def test_compile_signature_is_keras_s(keras):
