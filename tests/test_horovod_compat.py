@@ -179,7 +179,6 @@ def test_optimizer_save_and_load_unchanged(keras, tmp_path):
 
 
 def test_lr_reads_and_assigns_learning_rate_and_warns_once(keras):
-    import tensorflow as tf
     opt = built_adam(keras, lr=0.01)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
