@@ -198,8 +198,16 @@ class ReplicaComm(Comm):
     # fresh replica context (MirroredStrategy's call_for_each_replica).
     def _all_reduce(self, tensors):
         sent = [_slices_to_wire(t) for t in tensors]
-        out = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
+        out = self._sum(sent)
         return [_slices_from_wire(o, t) for o, t in zip(out, tensors)]
+
+    def _sum(self, tensors: list) -> list:
+        """SUM over replicas of each tensor (IndexedSlices: gathered)."""
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+
+    def _gather_rows(self, rows: tf.Tensor) -> tf.Tensor:
+        """Every replica's [1, n] row, stacked in replica order: [N, n]."""
+        return tf.distribute.get_replica_context().all_gather(rows, axis=0)
 
     def _all_gather(self, tensors):
         # One collective per wire dtype, whatever the number of tensors:
@@ -212,11 +220,10 @@ class ReplicaComm(Comm):
         groups: dict[str, list[int]] = {}
         for i, w in enumerate(words):
             groups.setdefault(w.dtype.name, []).append(i)
-        ctx = tf.distribute.get_replica_context()
         out: list[Any] = [None] * len(tensors)
         for members in groups.values():
             packed = tf.concat([words[i] for i in members], axis=0)
-            rows = ctx.all_gather(tf.expand_dims(packed, 0), axis=0)
+            rows = self._gather_rows(tf.expand_dims(packed, 0))
             offset = 0
             for i in members:
                 size = int(words[i].shape[0])

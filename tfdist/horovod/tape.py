@@ -1,0 +1,135 @@
+"""``hvd.DistributedGradientTape``: a finished ``tf.GradientTape`` whose
+``gradient()`` returns gradients averaged over all ranks.
+
+Horovod scripts wrap the tape after its ``with`` block, inside their
+``tf.function`` step::
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn(labels, model(images, training=True))
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+
+The wrapper is an instance of the tape's own class (``isinstance`` holds)
+sharing its recorded state. Compression state (error feedback, PowerSGD) is
+created once per variable, outside the ``tf.function`` (``init_scope``), and
+kept for the process: the wrapper itself is rebuilt at every trace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+from tfdist.horovod import collectives
+from tfdist.horovod.collectives import ReduceOp
+from tfdist.horovod.optimizer import HorovodComm, reduce_gradients
+
+__all__ = ["DistributedGradientTape", "tape_state"]
+
+#: aggregator -> {"step": Variable, "vars": {id(var): (var, {name: state})}}
+_STATE: dict[int, dict] = {}
+#: compression setting -> its aggregator, for the life of the process (the
+#: wrapper is rebuilt at every trace; the state must not be).
+_AGGREGATORS: dict = {}
+
+
+def tape_state(aggregator: Any) -> dict:
+    """The tape's compression state for ``aggregator`` (tests, checkpoints)."""
+    return _STATE.setdefault(id(aggregator), {"step": None, "vars": {}})
+
+
+def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
+    import keras
+    from keras.src import backend
+
+    store = tape_state(aggregator)
+    with tf.init_scope():
+        if store["step"] is None:
+            store["step"] = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                        name="hvd_tape_step")
+        for var in sources:
+            if id(var) in store["vars"]:
+                continue
+            specs = aggregator.state_specs(tuple(var.shape),
+                                           backend.standardize_dtype(var.dtype), len(store["vars"]))
+            made = {s.name: keras.Variable(initializer=s.initializer, shape=s.shape,
+                                           dtype=s.dtype, trainable=False,
+                                           name=f"hvd_tape_{s.name}") for s in specs}
+            store["vars"][id(var)] = (var, made, len(store["vars"]))
+    return store, store["step"]
+
+
+class _DistributedTape:
+    """Methods put before the tape's class in a dynamic subclass."""
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat = tf.nest.flatten(grads, expand_composites=False)
+        settings = self._tfdist_hvd
+        store, step = _state_for(settings["aggregator"], flat_sources)
+        keys = [store["vars"][id(v)][2] for v in flat_sources]
+        state = {store["vars"][id(v)][2]: store["vars"][id(v)][1] for v in flat_sources}
+        comm = HorovodComm() if collectives.runtime.size() > 1 else None
+        reduced = reduce_gradients(
+            flat, keys, aggregator=settings["aggregator"], state=state, step=step,
+            op=settings["op"], predivide=settings["predivide"],
+            sparse_as_dense=settings["sparse_as_dense"], comm=comm)
+        self.__dict__["_tfdist_comm"] = comm
+        if collectives.runtime.size() > 1:
+            step.assign_add(1)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  # noqa: N802
+                            device_sparse: str = "", compression: Any = None,
+                            sparse_as_dense: bool = False, op: Any = ReduceOp.Average,
+                            gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                            groups: Any = None, process_set: Any = None,
+                            scale_local_gradients: bool = True) -> tf.GradientTape:
+    """A tape whose ``gradient()`` averages (or sums) over all ranks.
+
+    Args:
+        gradtape: The ``tf.GradientTape`` the step recorded with.
+        device_dense, device_sparse, num_groups, groups,
+            scale_local_gradients: Accepted for Horovod scripts.
+        compression: ``hvd.Compression.none``/``fp16``, a Horovod-style
+            compressor, or a tfdist setting/object (``"powersgd:4"``).
+        sparse_as_dense: Send IndexedSlices as dense tensors.
+        op: ``hvd.Average`` or ``hvd.Sum``; ``hvd.Adasum`` raises.
+        gradient_predivide_factor: As in ``DistributedOptimizer``.
+        process_set: Only None is supported.
+
+    Raises:
+        ConfigError: Bad argument, named with the value received.
+    """
+    from tfdist.horovod.compression import aggregator_for
+
+    source = "hvd.DistributedGradientTape"
+    if not isinstance(gradtape, tf.GradientTape):
+        raise ConfigError("gradtape", gradtape, "a tf.GradientTape", source=source,
+                          received=type(gradtape).__name__)
+    resolved = collectives.resolve_op(op, None, source, allowed=(ReduceOp.Average, ReduceOp.Sum))
+    if process_set is not None:
+        raise ConfigError("process_set", process_set, "None (every rank)", source=source)
+    if isinstance(gradient_predivide_factor, bool) \
+            or not isinstance(gradient_predivide_factor, (int, float)) \
+            or not gradient_predivide_factor > 0:
+        raise ConfigError("gradient_predivide_factor", gradient_predivide_factor,
+                          "a number > 0", source=source)
+    key = compression if isinstance(compression, (str, type(None))) else id(compression)
+    aggregator = _AGGREGATORS.get(key)
+    if aggregator is None:
+        aggregator = aggregator_for(compression, source)
+        _AGGREGATORS[key] = aggregator
+    base = type(gradtape)
+    cls = type(base.__name__, (_DistributedTape, base), {"__module__": base.__module__})
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape.__dict__["_tfdist_hvd"] = {
+        "aggregator": aggregator, "op": resolved, "predivide": float(gradient_predivide_factor),
+        "sparse_as_dense": bool(sparse_as_dense)}
+    return tape
