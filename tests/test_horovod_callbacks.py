@@ -30,6 +30,14 @@ Y = RNG.normal(size=(STEPS * BATCH, 1)).astype("float32")
 W0 = np.array([[0.5], [-0.25], [1.0]], "float32")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_rank():
+    """hvd.init() with no launcher variables: one rank."""
+    import tfdist.horovod as hvd
+    hvd.init()
+    assert hvd.size() == 1 and hvd.rank() == 0
+
+
 class RateRecorder(keras.callbacks.Callback):
     """Records the optimizer's rate before every batch (put it after the schedule)."""
 

@@ -36,6 +36,14 @@ X = np.random.default_rng(3).normal(size=(16, 3)).astype("float32")
 Y = X @ np.array([[1.0], [-2.0], [0.5]], "float32")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_rank():
+    """hvd.init() with no launcher variables: one rank."""
+    import tfdist.horovod as hvd
+    hvd.init()
+    assert hvd.size() == 1 and hvd.rank() == 0
+
+
 @pytest.fixture(autouse=True)
 def no_commit_dir(monkeypatch):
     monkeypatch.delenv("TFDIST_ELASTIC_DIR", raising=False)
@@ -194,33 +202,44 @@ def test_tensorflow_state_and_bad_arguments():
 
 
 WRITER = """
-import sys
-from tfdist.horovod.commits import CommitStore
-store = CommitStore(sys.argv[1], "state-0")
-n = 0
+import importlib.util, sys
+# commits.py alone: the tfdist.horovod package would import TensorFlow (seconds).
+spec = importlib.util.spec_from_file_location("commits", sys.argv[2])
+commits = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(commits)
+store = commits.CommitStore(sys.argv[1], "state-0")
+n = int(sys.argv[3])
 while True:
     n += 1
     store.write({"commit": n, "data": bytes([n % 256]) * (4 << 20)})
+    if n == int(sys.argv[3]) + 1:
+        print("ready", flush=True)  # One commit made.
 """
 
 
 def test_a_kill_during_a_commit_never_leaves_half_a_commit(tmp_path):
     """SIGKILL a process that commits 4 MiB in a loop: the file is always whole."""
     store = commits.CommitStore(tmp_path, "state-0")
-    last = 0
-    for delay in (0.3, 0.45, 0.6, 0.75, 0.9):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=REPO,
-                                env=subprocess_env())
+    last = torn = 0
+    for delay in (0.05, 0.2, 0.35, 0.5):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), commits.__file__,
+                                 str(last)], cwd=REPO,
+                                env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        temps = [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+        torn += bool(temps)  # Killed mid-write.
+        for temp in temps:
+            temp.unlink()
         payload = store.read()
-        if payload is None:
-            continue  # Killed before its first commit.
         data = payload["data"]
         assert len(data) == 4 << 20 and data == bytes([payload["commit"] % 256]) * len(data)
-        last = max(last, payload["commit"])
-    assert last > 0
+        assert payload["commit"] > last  # This writer's commits, the last whole one.
+        last = payload["commit"]
+    assert torn >= 1  # Some kill did tear a write.
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".commit"] == ["state-0.commit"]
 
 
 @pytest.mark.slow
