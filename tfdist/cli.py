@@ -3,13 +3,16 @@
     tfdist info [--config SPEC] [--strategy NAME] [--cpu-replicas N] [--tpu T] [--verbose]
     tfdist validate FILE|- [--strategy NAME] [--require-task]
     tfdist tf-config SPEC --task TYPE:INDEX [--export]
-    tfdist launch [--workers N] [--chief] [--ps M] [--evaluator] [--max-restarts K]
-                  [--show-all] [--verbose] [--spec SPEC] [--log-dir D] [--netns]
+    tfdist launch [--workers N|-np N] [-H HOST:SLOTS,...|--hostfile F] [--chief] [--ps M]
+                  [--evaluator] [--max-restarts K] [--show-all] [--verbose] [--spec SPEC]
+                  [--log-dir D] [--netns]
                   SCRIPT|-m MODULE|-c CODE [ARGS...]
+    tfdist horovodrun -np N [-H HOST:SLOTS,...|--hostfile F] [--max-restarts K]
+                      [--verbose] [--start-timeout S] [--output-filename D] COMMAND...
     tfdist hosts SPEC [--python P] [--evaluator] -- SCRIPT [ARGS...]
     tfdist tfjob SPEC --name N --image I [--namespace NS] -- COMMAND [ARGS...]
 
-``validate``, ``tf-config``, ``hosts`` and ``tfjob`` never import TensorFlow, so
+``validate``, ``tf-config``, ``hosts``, ``tfjob`` and ``horovodrun`` never import TensorFlow, so
 they answer at once. ``info`` and ``launch`` leave TensorFlow's start-up
 noise out of the terminal (see :mod:`tfdist.quiet`); ``--verbose`` shows it.
 """
@@ -23,7 +26,7 @@ import shlex
 import sys
 from typing import Sequence
 
-from tfdist import cluster
+from tfdist import cluster, horovodrun
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.quiet import filtered_stderr
 
@@ -146,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="print a shell 'export TF_CONFIG=...' line")
     tf_config.set_defaults(func=_tf_config)
     _add_launch(sub)
+    _add_horovodrun(sub)
     _add_hosts(sub)
     _add_tfjob(sub)
     return parser
@@ -158,7 +162,14 @@ def _add_launch(sub) -> None:
         "own TF_CONFIG. A failed task stops the job; it restarts up to --max-restarts "
         "times. Note: TensorFlow's servers listen on every interface; --netns keeps "
         "the job in a private network namespace.")
-    launch.add_argument("--workers", type=int, default=2)
+    launch.add_argument("--workers", "-np", "--num-proc", dest="workers", type=int,
+                        default=None, help="worker tasks (default: 2, or every slot of "
+                        "-H/--hostfile); -np N as horovodrun spells it")
+    launch.add_argument("-H", "--hosts", default=None,
+                        help="horovodrun's host1:slots,host2:slots; all on localhost/127.0.0.1: "
+                        "runs here, else prints each host's commands")
+    launch.add_argument("--hostfile", "-hostfile", default=None,
+                        help="horovodrun's host file (lines 'host slots=N')")
     launch.add_argument("--chief", action="store_true", help="add a chief task")
     launch.add_argument("--ps", type=int, default=0,
                         help="parameter-server tasks (ps and workers serve; the chief "
@@ -206,11 +217,29 @@ def _launch(args: argparse.Namespace) -> int:
     if script == [None]:
         raise ConfigError("script", None, "a script path, -m MODULE or -c CODE",
                           source="tfdist launch")
+    python = None
+    if len(script) == 1 and horovodrun.is_python_word(script[0]):
+        # horovodrun's spelling: `python train.py`; tfdist adds the interpreter itself.
+        python, script, rest = horovodrun.split_python([*script, *rest], source="tfdist launch")
     if args.netns and not os.environ.get("TFDIST_IN_NETNS"):
         given = list(sys.argv[2:] if args.argv is None else args.argv)
         given.remove("--netns")  # The first one: the launcher's, not the script's.
         inner = [sys.executable, "-m", "tfdist", "launch", *given]
         return launch_lib.run_in_netns(inner)
+    workers = 2 if args.workers is None else args.workers
+    if args.hosts is not None or args.hostfile is not None:
+        for field, value, given in (("spec", args.spec, args.spec is not None),
+                                    ("chief", args.chief, args.chief), ("ps", args.ps, args.ps)):
+            if given:
+                raise ConfigError(field, value, "not set with -H/--hosts or --hostfile",
+                                  source="tfdist launch", hint="Horovod-style hosts give "
+                                  "worker ranks only; use --spec for other cluster shapes.")
+        hosts = horovodrun.read_hosts(args.hosts, args.hostfile, source="tfdist launch")
+        if args.workers is None:
+            workers = sum(h.slots for h in hosts)
+        ranks = horovodrun.rank_hosts(workers, hosts, source="tfdist launch")
+        if not horovodrun.is_local(ranks):
+            return _print_rank_commands("tfdist launch", ranks, script, rest, python)
     if args.spec is not None:
         spec = cluster.parse(args.spec, require_task=False).to_dict()
         if launch_lib.non_local_hosts(spec):
@@ -223,9 +252,115 @@ def _launch(args: argparse.Namespace) -> int:
                                                      else script[0], script[1:] + rest)))
             return 2
     result = launch_lib.launch(
-        script, rest, workers=args.workers, chief=args.chief, ps=args.ps,
+        script, rest, workers=workers, chief=args.chief, ps=args.ps,
         evaluator=args.evaluator, max_restarts=args.max_restarts, show_all=args.show_all,
-        spec=args.spec, log_dir=args.log_dir, verbose=args.verbose)
+        spec=args.spec, log_dir=args.log_dir, verbose=args.verbose,
+        python=python or sys.executable)
+    return result.exit_code
+
+
+def _print_rank_commands(what: str, ranks: list[str], script: list[str], rest: list[str],
+                         python: str | None) -> int:
+    """Prints each host's commands for ranks on other hosts; exit code 2 (nothing ran)."""
+    print(horovodrun.multi_host_note(ranks, what), file=sys.stderr)
+    print(horovodrun.format_commands(ranks, script, rest, python), end="")
+    return 2
+
+
+#: horovodrun options that tune Horovod's own runtime: accepted, with a note.
+_HOROVOD_TUNING = ("--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity",
+                   "--timeline-filename", "--autotune-log-file", "--mpi-args",
+                   "--network-interface", "--config-file", "--log-level")
+_HOROVOD_TUNING_FLAGS = ("--disable-cache", "--gloo", "--mpi", "--tcp", "--autotune",
+                         "--hierarchical-allreduce", "--hierarchical-allgather",
+                         "--no-stall-check", "--timeline-mark-cycles")
+#: horovodrun options tfdist cannot honour: a clear error.
+_HOROVOD_REJECTED = {
+    "ssh_port": ("-p", "--ssh-port"), "ssh_identity_file": ("-i", "--ssh-identity-file"),
+    "min_np": ("--min-np",), "max_np": ("--max-np",), "slots": ("--slots-per-host",),
+    "host_discovery_script": ("--host-discovery-script",),
+}
+
+
+def _add_horovodrun(sub) -> None:
+    run = sub.add_parser(
+        "horovodrun", help="horovodrun's options on tfdist launch",
+        usage="tfdist horovodrun -np N [-H HOST:SLOTS,...|--hostfile FILE] [--max-restarts K] "
+        "[--verbose] [--start-timeout S] [--output-filename DIR] COMMAND [ARGS...]",
+        description="Takes horovodrun's command line. With every slot on localhost or "
+        "127.0.0.1 it runs the job here as `tfdist launch --workers N` does (a TF_CONFIG per "
+        "rank, restarts with --max-restarts, no orphan processes). With other hosts it starts "
+        "nothing and prints each host's TF_CONFIG and command (exit code 2). A leading "
+        "'python' word is dropped: tasks run with this interpreter.")
+    run.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
+                     help="number of processes (ranks)")
+    run.add_argument("-H", "--hosts", default=None, help="host1:slots,host2:slots "
+                     "(default: localhost:NP); ranks fill the hosts in order")
+    run.add_argument("-hostfile", "--hostfile", default=None,
+                     help="file with lines 'host slots=N'")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="restart the whole job up to K times after a failure (tfdist)")
+    run.add_argument("--start-timeout", type=float, default=None,
+                     help="seconds for every rank to join (TFDIST_REGISTER_TIMEOUT)")
+    run.add_argument("--verbose", action="store_true",
+                     help="also show TensorFlow's start-up messages")
+    run.add_argument("--output-filename", default=None,
+                     help="keep each rank's full log under this directory "
+                     "(DIR/attempt-N/worker-RANK.log)")
+    run.add_argument("--log-dir", default=None, help="same as --output-filename")
+    for names in _HOROVOD_REJECTED.values():
+        run.add_argument(*names, dest=names[-1].lstrip("-").replace("-", "_"),
+                         default=None, help=argparse.SUPPRESS)
+    for name in _HOROVOD_TUNING:
+        run.add_argument(name, default=None, help=argparse.SUPPRESS)
+    for name in _HOROVOD_TUNING_FLAGS:
+        run.add_argument(name, action="store_true", help=argparse.SUPPRESS)
+    # Not dest="command": main() names the subcommand with args.command.
+    run.add_argument("words", nargs=argparse.REMAINDER, metavar="COMMAND",
+                     help="python SCRIPT [ARGS...], SCRIPT [ARGS...] or python -m MODULE")
+    run.set_defaults(func=_horovodrun)
+
+
+def _horovodrun(args: argparse.Namespace) -> int:
+    from tfdist import launch as launch_lib
+
+    source = "tfdist horovodrun"
+    for field, names in _HOROVOD_REJECTED.items():
+        value = getattr(args, names[-1].lstrip("-").replace("-", "_"))
+        if value is None:
+            continue
+        if field.startswith("ssh"):
+            raise ConfigError(field, value, f"no {'/'.join(names)}: tfdist never uses SSH",
+                              source=source, hint="With other hosts tfdist horovodrun prints "
+                              "each host's command; start them with your own ssh or scheduler.")
+        raise ConfigError(field, value, f"no {'/'.join(names)}: tfdist has no elastic host "
+                          "discovery", source=source, hint="Run a fixed -np N with "
+                          "--max-restarts K: a failed rank restarts the job, and "
+                          "tfdist.horovod.elastic resumes from the last commit.")
+    ignored = [n for n in _HOROVOD_TUNING if getattr(args, n[2:].replace("-", "_")) is not None]
+    ignored += [n for n in _HOROVOD_TUNING_FLAGS if getattr(args, n[2:].replace("-", "_"))]
+    if ignored:
+        print(f"{source}: note: ignored {', '.join(ignored)}: options that tune Horovod's own "
+              "runtime have no effect here (TensorFlow's collectives carry the all-reduces)",
+              file=sys.stderr)
+    if args.output_filename and args.log_dir and args.output_filename != args.log_dir:
+        raise ConfigError("output_filename", args.output_filename, f"the same directory as "
+                          f"--log-dir ({args.log_dir!r}) or only one of them", source=source)
+    python, script, rest = horovodrun.split_python(args.words, source=source)
+    hosts = horovodrun.read_hosts(args.hosts, args.hostfile, source=source)
+    ranks = horovodrun.rank_hosts(args.np, hosts, source=source)
+    if not horovodrun.is_local(ranks):
+        return _print_rank_commands(source, ranks, script, rest, python)
+    env = {}
+    if args.start_timeout is not None:
+        if not args.start_timeout > 0:
+            raise ConfigError("start_timeout", args.start_timeout, "a number of seconds > 0",
+                              source=source)
+        env["TFDIST_REGISTER_TIMEOUT"] = str(args.start_timeout)
+    result = launch_lib.launch(
+        script, rest, workers=args.np, max_restarts=args.max_restarts, show_all=True,
+        env=env, python=python or sys.executable, verbose=args.verbose,
+        log_dir=args.output_filename or args.log_dir)
     return result.exit_code
 
 

@@ -70,6 +70,7 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
     """
     from tfdist.keras_accumulation import applies_this_step
 
+    hvd = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd", None)
     strategy = (strategy or getattr(optimizer, "_distribution_strategy", None)
                 or tf.distribute.get_strategy())
     steps = int(getattr(optimizer, "_iterations", optimizer.iterations).numpy())
@@ -78,7 +79,13 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
                          "Received: an optimizer with iterations=0")
     updates = int(optimizer.iterations.numpy())  # Applied steps, with accumulation.
     n = strategy.num_replicas_in_sync
-    if not applies_this_step(optimizer):
+    if hvd is not None:  # tfdist.horovod: one replica per process, its own aggregator.
+        from tfdist.horovod import runtime
+        n = runtime.size()
+        count = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd_count", None)
+        if count is not None and int(count.numpy()) != 0:
+            return Traffic(n)  # Accumulated locally; sent nothing.
+    elif not applies_this_step(optimizer):
         return Traffic(n)
     traced = traced_slices(getattr(optimizer, "inner_optimizer", optimizer))
     if model is not None:
@@ -98,4 +105,5 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
             variables = getattr(optimizer, "_trainable_variables", None) or []
         shapes = [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
                   for v in variables]
-    return _aggregator_of(strategy).traffic(shapes, n, step=updates - 1)
+    aggregator = hvd.aggregator if hvd is not None else _aggregator_of(strategy)
+    return aggregator.traffic(shapes, n, step=updates - 1)

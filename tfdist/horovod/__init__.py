@@ -21,6 +21,7 @@ from tfdist.horovod.runtime import (CollectiveMismatchError, CollectiveTimeoutEr
                                     is_initialized, local_rank, local_size, rank, shutdown,
                                     size)
 from tfdist.horovod.tape import DistributedGradientTape
+from tfdist.horovod.run import RunError, run  # noqa: E402 - the function shadows the module.
 
 
 def mpi_threads_supported() -> bool:
@@ -49,7 +50,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
            "barrier", "join", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
            "Compression", "Compressor", "DistributedOptimizer", "DistributedGradientTape",
-           "load_model", "CollectiveMismatchError", "CollectiveTimeoutError",
+           "load_model", "run", "RunError", "CollectiveMismatchError", "CollectiveTimeoutError",
            "NotInitializedError", "mpi_threads_supported", "mpi_enabled", "mpi_built",
            "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
            "rocm_built", "callbacks", "elastic"]

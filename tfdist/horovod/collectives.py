@@ -18,10 +18,11 @@ Differences from Horovod, all documented in the README:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import pickle
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -118,25 +119,15 @@ def _check_same(what: str) -> None:
             "collectives out of rank-specific code such as `if hvd.rank() == 0:`.")
 
 
-class _Guard:
+@contextlib.contextmanager
+def _Guard(what: str) -> Iterator[None]:  # noqa: N802 - used like a class.
     """Outside tf.function: signature check and stall watch around a collective."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.eager = _eager() and runtime.size() > 1
-        self.ctx = None
-
-    def __enter__(self):
-        if self.eager:
-            self.ctx = runtime.inflight(f"hvd {self.what}")
-            self.ctx.__enter__()
-            _check_same(self.what)
-        return self
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            return self.ctx.__exit__(*exc)
-        return False
+    if not (_eager() and runtime.size() > 1):
+        yield
+        return
+    with runtime.inflight(f"hvd {what}"):
+        _check_same(what)
+        yield
 
 
 # --- the primitives ---------------------------------------------------------
