@@ -110,6 +110,8 @@ def test_commits_go_to_disk_atomically_and_a_restart_resumes(tmp_path, monkeypat
     model2 = compiled(2)
     state2 = elastic.KerasState(model2, batch=0)
     state2._name = state._name
+    state2.commit()  # Before elastic.run: in memory only, the file stays.
+    assert pickle.loads(path.read_bytes())["commit"] == 2
     resets = []
     state2.register_reset_callbacks([lambda: resets.append(state2.batch)])
 
@@ -199,6 +201,8 @@ def test_tensorflow_state_and_bad_arguments():
         elastic.KerasState(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
     with pytest.raises(ConfigError, match="field '_hidden'"):
         elastic.ObjectState(_hidden=1)
+    with pytest.raises(ConfigError, match="field 'handle'.*picklable"):
+        elastic.ObjectState(handle=lambda: None)
 
 
 WRITER = """

@@ -61,6 +61,7 @@ import functools
 import itertools
 import logging
 import os
+import pickle
 from typing import Any, Callable, Iterable
 
 import keras
@@ -101,6 +102,7 @@ class State:
         self._name = f"state-{next(_state_numbers)}"
         self._commits = 0
         self._entered = False
+        self._wrote = False
         self._told_in_memory = False
 
     # Horovod's public API.
@@ -127,6 +129,8 @@ class State:
     def commit(self) -> None:
         """Saves the state in memory; rank 0 also writes it to disk atomically.
 
+        Before the state first enters :func:`run`, a commit never replaces
+        one this process did not write (a restarted job resumes from it).
         A commit per batch is fine for small models; for large ones commit
         every few batches: a failure loses what came after the last commit.
         """
@@ -134,8 +138,11 @@ class State:
         self._commits += 1
         if runtime.rank() == 0:
             store = self._store()
-            if store is not None:
+            # Before elastic.run has resumed, a commit must not overwrite the
+            # one a restarted job is about to resume from.
+            if store is not None and (self._entered or self._wrote or not store.path.exists()):
                 store.write(dict(self._payload(), commit=self._commits))
+                self._wrote = True
             elif not self._told_in_memory and runtime.size() > 1:
                 log.warning("%s: commits stay in memory (no TFDIST_ELASTIC_DIR, not under "
                             "`tfdist launch`): a restarted job will start afresh", _SOURCE)
@@ -175,7 +182,7 @@ class State:
 
     def _enter(self) -> None:
         """``elastic.run``'s entry: resume from a commit once, then sync."""
-        if not self._entered and self._commits == 0:
+        if not self._entered:
             self._resume()
         self._entered = True
         self.sync()
@@ -230,6 +237,12 @@ class ObjectState(State):
                 raise ConfigError(name, kwargs[name], "an attribute name that does not start "
                                   "with '_' and is not one of " + ", ".join(sorted(_RESERVED)),
                                   source=type(self).__name__)
+            try:
+                pickle.dumps(kwargs[name])
+            except Exception as error:  # Any pickling failure: say which attribute.
+                raise ConfigError(name, kwargs[name], "a picklable value (commits and "
+                                  "sync pickle the attributes)", source=type(self).__name__,
+                                  hint=str(error)) from error
         self._saved_state = copy.deepcopy(kwargs)
         self._set_attrs()
 
