@@ -60,7 +60,6 @@ import copy
 import functools
 import itertools
 import logging
-import os
 import pickle
 from typing import Any, Callable, Iterable
 
