@@ -128,6 +128,16 @@ def test_warmup_on_one_process_keeps_the_rate_and_reports_it(capsys):
     assert "Epoch 1: finished gradual learning rate warmup to 0.3." in capsys.readouterr().out
 
 
+def test_the_rate_of_a_loss_scale_optimizer_is_its_inner_optimizers():
+    inner = keras.optimizers.SGD(0.05, momentum=0.9)
+    model = linear_model(keras.optimizers.LossScaleOptimizer(inner))
+    schedule = hvd_callbacks.LearningRateScheduleCallback(initial_lr=0.2, multiplier=0.5)
+    history = model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[schedule])
+    assert history.history["lr"] == pytest.approx([0.2, 0.1])
+    assert float(inner.learning_rate) == pytest.approx(0.1)
+
+
 def test_a_learning_rate_schedule_cannot_be_set():
     rate = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
     model = linear_model(keras.optimizers.SGD(rate))
@@ -228,3 +238,8 @@ def test_two_workers_broadcast_average_and_warm_up(tmp_path):
             assert rate == pytest.approx(want, rel=1e-6), (epoch, batch)
         assert rank["rates"][0][2] == pytest.approx(initial / size * (1 + 1 / (steps * warmup)),
                                                     rel=1e-6)
+
+    # Different metric names on the ranks: an error on every rank, naming both.
+    for rank in ranks:
+        assert "rank 0: ['loss', 'only_on_rank_0']; rank 1: ['loss', 'only_on_rank_1']" \
+            in rank["mismatch"]

@@ -182,6 +182,21 @@ def test_keras_callbacks_track_epochs_batches_and_commit(tmp_path, monkeypatch):
         elastic.CommitStateCallback(state, batches_per_commit=0)
 
 
+def test_update_batch_state_announces_the_steps_left_after_a_resume():
+    model = compiled(1)
+    state = elastic.KerasState(model, epoch=0, batch=3)
+    announced = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            announced.append(self.params["steps"])
+
+    model.fit(X, Y, batch_size=4, epochs=2, verbose=0,
+              callbacks=[elastic.UpdateBatchStateCallback(state), Steps()])
+    # 4 steps per epoch: 4 - 3 in the first epoch after the resume, then 4 - 0.
+    assert announced == [1, 4]
+
+
 def test_tensorflow_state_and_bad_arguments():
     v = tf.Variable([1.0, 2.0])
     state = elastic.TensorFlowState([v], step=0)

@@ -108,7 +108,14 @@ callbacks = [
 history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, callbacks=callbacks,
                     verbose=1 if rank == 0 else 0)
 
-result = dict(recorder.seen, size=size, steps=STEPS, warmup_epochs=WARMUP,
+# Ranks that log different metric names: every rank raises, none hangs.
+try:
+    hvd.callbacks.average_logs({"loss": 1.0, f"only_on_rank_{rank}": 2.0})
+    mismatch = None
+except ValueError as error:
+    mismatch = str(error)
+
+result = dict(recorder.seen, mismatch=mismatch, size=size, steps=STEPS, warmup_epochs=WARMUP,
               initial_lr=initial_lr, history=history.history, digest_end=digests(),
               weights=np.concatenate([w.ravel() for w in model.get_weights()]).tolist())
 (out / f"rank-{rank}.json").write_text(json.dumps(result))
