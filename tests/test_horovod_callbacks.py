@@ -212,7 +212,10 @@ def test_two_workers_broadcast_average_and_warm_up(tmp_path):
     assert before[0]["model"] != before[1]["model"]
     assert before[0]["optimizer"] != before[1]["optimizer"]
     for when in ("digest_after_batch_0", "digest_end"):
-        assert ranks[0][when] == ranks[1][when], when
+        for what in ("model", "optimizer"):
+            assert ranks[0][when][what] == ranks[1][when][what], (when, what)
+        # Dropout's random stream stays each rank's own, as in Horovod.
+        assert ranks[0][when]["seed_state"] != ranks[1][when]["seed_state"], when
     np.testing.assert_array_equal(ranks[0]["weights"], ranks[1]["weights"])
 
     # Metric average: every rank's logs (and History) hold the mean of the

@@ -3,8 +3,8 @@
 Usage: ``tfdist launch --workers 2 hvd_callbacks.py OUT_DIR``. Every rank
 writes OUT_DIR/rank-N.json with what it saw:
 
-* digests (sha256) of the model's and the optimizer's variables when training
-  begins, right after the broadcast at the end of batch 0, and at the end.
+* digests (sha256) of the model's weights, the optimizer's variables and the
+  Dropout's seed state when training begins, right after the broadcast at the end of batch 0, and at the end.
   The ranks start from different weights (seed 10 + rank), and rank 0 alone
   has built its optimizer with non-zero momentum slots (as after loading a
   checkpoint on rank 0 only);
@@ -37,7 +37,10 @@ y = (x @ np.array([[1.0], [2.0], [-1.0], [0.5]]) + rng.normal(size=(STEPS * BATC
 y = y.astype("float32")
 
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                          keras.layers.Dense(1)])
+                          keras.layers.Dropout(0.1), keras.layers.Dense(1)])
+weights = hvd.callbacks.model_state_variables(model)
+seed_states = [v for v in model.variables if all(v is not w for w in weights)]
+assert len(seed_states) == 1 and len(weights) == 4, (seed_states, weights)
 initial_lr = 0.05 * size
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(initial_lr, momentum=0.9))
 model.compile(optimizer=opt, loss="mse", metrics=["mean_absolute_error"])
@@ -55,7 +58,8 @@ def digest(variables):
 
 
 def digests():
-    return {"model": digest(model.variables), "optimizer": digest(opt.variables)}
+    return {"model": digest(weights), "optimizer": digest(opt.variables),
+            "seed_state": digest(seed_states)}
 
 
 class Recorder(keras.callbacks.Callback):

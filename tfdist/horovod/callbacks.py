@@ -55,6 +55,7 @@ __all__ = [
     "LearningRateWarmupCallback",
     "broadcast_model",
     "average_logs",
+    "model_state_variables",
 ]
 
 
@@ -70,6 +71,17 @@ def _number(field: str, value: Any, source: str, *, positive: bool = False) -> f
         expected = "a finite number > 0" if positive else "a finite number >= 0"
         raise ConfigError(field, value, expected, source=source)
     return float(value)
+
+
+def model_state_variables(model: Any) -> list:
+    """The model's variables without Keras 3's random-seed states.
+
+    Keras 3 keeps a Dropout's (any SeedGenerator's) stream in a variable of
+    ``model.variables``. Horovod broadcasts weights, not random streams
+    (tf.keras 2 had none in its variables): leaving them out keeps each rank's
+    dropout masks its own.
+    """
+    return [v for v in model.variables if getattr(v, "name", None) != "seed_generator_state"]
 
 
 def _optimizer_variables(model: Any) -> list:
@@ -99,7 +111,7 @@ def broadcast_model(model: Any, root_rank: int = 0, *, exclude: Iterable[int] = 
         exclude: ``id()`` of variables to leave alone (rank-local ones).
         device: A device to run the broadcast on ("" for the default).
     """
-    variables = [v for v in model.variables if id(v) not in exclude]
+    variables = [v for v in model_state_variables(model) if id(v) not in exclude]
     with tf.device(device):
         if variables:
             collectives.broadcast_variables(variables, root_rank=root_rank)
@@ -115,7 +127,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     initialised at random (each rank differently) or loaded on the root rank
     only. The broadcast runs once, at the end of the first batch of the first
     ``fit``: by then Keras 3 has created the optimizer's slots, so they are
-    broadcast too (the optimizer is built first if it still is not).
+    broadcast too (the optimizer is built first if it still is not). Random
+    seed states (Dropout's) stay per rank, as in Horovod.
 
     Args:
         root_rank: The rank whose variables every rank takes.

@@ -49,6 +49,10 @@ Differences from Horovod:
 * Every attribute must be picklable (Horovod broadcasts them by pickling too),
   and commits hold numpy copies of the variables: a commit per batch of a large
   model costs a disk write per batch on rank 0.
+* Keras 3's random-seed states (Dropout's) are neither committed nor synced:
+  each rank keeps its own stream, and a restarted job starts new ones (Horovod
+  keeps no random state either). A model with dropout therefore resumes close
+  to, not exactly on, the path of an uninterrupted run.
 * Several states in one script each get their own file, named by the order in
   which they were created (``state-0``, ``state-1``...); create them in the
   same order on every run.
@@ -69,6 +73,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.horovod import collectives, runtime
+from tfdist.horovod.callbacks import model_state_variables
 from tfdist.horovod.commits import CommitStore, commit_dir
 
 __all__ = [
@@ -349,6 +354,9 @@ class _VariablesState(ObjectState):
 class TensorFlowKerasState(_VariablesState):
     """A Keras model and its optimizer, plus attributes.
 
+    The model's variables (without random-seed states) and the optimizer's
+    (slots, iterations, learning rate) are committed and synced.
+
     Args:
         model: A built Keras model.
         optimizer: Its optimizer; default: ``model.optimizer``. Built here
@@ -380,7 +388,7 @@ class TensorFlowKerasState(_VariablesState):
         super().__init__(**kwargs)
 
     def _groups(self) -> dict[str, list]:
-        return {"model": list(self.model.variables),
+        return {"model": model_state_variables(self.model),
                 "optimizer": list(self.optimizer.variables)}
 
 
