@@ -200,8 +200,8 @@ class State:
                 if payload is not None:
                     self._load(payload, str(store.path))
                     status = ("resumed", int(payload["commit"]), str(store.path))
-            except ConfigError as error:
-                status = ("error", str(error))
+            except Exception as error:  # Unreadable file too: no rank may wait.
+                status = ("error", f"{type(error).__name__}: {error}")
                 if runtime.size() == 1:
                     raise
                 # Tell the others before raising, so that no rank waits.
