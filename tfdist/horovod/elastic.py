@@ -48,7 +48,12 @@ Differences from Horovod:
   different number of times than another (Horovod's commit broadcasts).
 * Every attribute must be picklable (Horovod broadcasts them by pickling too),
   and commits hold numpy copies of the variables: a commit per batch of a large
-  model costs a disk write per batch on rank 0.
+  model costs a disk write per batch on rank 0. Measured here (CPU, one
+  process): MobileNetV2 with SGD, a 14.2 MB commit took 42 ms (12 ms of it
+  the in-memory copy every rank makes) against 398 ms for a batch-8 step.
+* Reset callbacks do not run on a job's first attempt, only after a restart
+  that resumed from a commit; a commit made before the state first enters
+  ``elastic.run`` never replaces one this process did not write.
 * Keras 3's random-seed states (Dropout's) are neither committed nor synced:
   each rank keeps its own stream, and a restarted job starts new ones (Horovod
   keeps no random state either). A model with dropout therefore resumes close
