@@ -328,8 +328,6 @@ def _broadcast_many(tensors: Sequence[tf.Tensor], root: int) -> list[tf.Tensor]:
     if bad:
         raise ConfigError("tensor.dtype", bad[0], "a numeric or bool tensor",
                           source="hvd.broadcast", hint="Use hvd.broadcast_object for others.")
-    if any(t.dtype == tf.int64 for t in tensors):
-        pass  # int64 reduces exactly as int64.
     return sum_dense(sent)
 
 
