@@ -188,3 +188,30 @@ def test_load_model_and_tape(job):
         assert res["tape_isinstance"] and res["tape_spread"] == 0.0
         assert 0 < res["tape_sent"] < res["tape_dense"]
         assert res["tape_losses"][1] < res["tape_losses"][0]
+
+
+def test_tape_state_created_when_a_step_is_traced_again(fresh, tf_cpus):
+    # Horovod's elastic TF2 example traces its step with allreduce=False, then
+    # again with the DistributedGradientTape: the tape's state (PowerSGD's Q
+    # and residuals, its step) is created at that second trace.
+    tf = tf_cpus
+    hvd.init()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    opt = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step(x, allreduce):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        if allreduce:
+            tape = hvd.DistributedGradientTape(tape, compression="powersgd:1")
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+
+    losses = [float(step(tf.ones([2, 4]), flag)) for flag in (False, True, True)]
+    assert losses[2] < losses[1] < losses[0]
+    traffic = hvd.tape_traffic(model.trainable_variables, compression="powersgd:1")
+    assert traffic.dense_sent == 0  # One rank sends nothing...
+    from tfdist.horovod.tape import _AGGREGATORS, tape_state
+    assert int(tape_state(_AGGREGATORS["powersgd:1"])["step"].numpy()) == 2  # ...but counted.

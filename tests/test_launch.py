@@ -92,6 +92,10 @@ def test_the_job_restarts_on_new_ports_after_a_failure(tmp_path):
     assert any("worker:1 exited with code 3; restart 1 of 2" in line for line in lines)
     ports = [set(p.read_text().split()) for p in sorted(tmp_path.glob("ports-*"))]
     assert len(ports) == 2 and not ports[0] & ports[1]  # Each attempt: new ports.
+    # One scratch directory for the launch: the same for every attempt, gone after.
+    job_dirs = {p.read_text() for p in tmp_path.glob("jobdir-*")}
+    assert len(job_dirs) == 1 and job_dirs.pop().endswith(" 1"), job_dirs
+    assert not Path((tmp_path / "jobdir-0").read_text().split()[0]).exists()
 
 
 def test_sigterm_to_the_launcher_leaves_no_process_behind(tmp_path):

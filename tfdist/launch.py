@@ -17,6 +17,11 @@ per-task log files keep every line.
   chief runs the script.
 * Ctrl-C, SIGTERM or an error in the launcher stops every child (each runs in
   its own process group) before returning: no orphans.
+* Every task gets ``TFDIST_LAUNCH_ATTEMPT`` (0, then 1, 2... after restarts)
+  and ``TFDIST_JOB_DIR``: a scratch directory of this launch, the same across
+  restarts and removed when the launch returns. ``tfdist.horovod.elastic``
+  keeps its commits there, so a restarted job resumes from them while a new
+  launch starts afresh.
 
 This module does not import TensorFlow; the children do.
 """
@@ -28,9 +33,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -252,7 +259,9 @@ def launch(
             to use instead of picked ports; it must name only local hosts.
             It sets the job's shape (``workers``, ``chief`` and ``ps`` are
             ignored); its ports are used for the first attempt only.
-        env: Extra environment variables for every task.
+        env: Extra environment variables for every task (a
+            ``TFDIST_JOB_DIR`` here replaces the launch's own scratch
+            directory, which is then not removed).
         python: The interpreter the tasks run.
         log_dir: If given, each task's full output goes to
             ``LOG_DIR/attempt-N/TASK.log``.
@@ -305,6 +314,9 @@ def launch(
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, on_signal)
     attempt = 0
+    # One scratch directory for the whole launch, kept across restarts.
+    job_dir = tempfile.mkdtemp(prefix="tfdist-job-")
+    env = {"TFDIST_JOB_DIR": job_dir, **(env or {})}
     try:
         while True:
             job_spec = (spec if spec is not None and attempt == 0
@@ -342,6 +354,7 @@ def launch(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        shutil.rmtree(job_dir, ignore_errors=True)
 
 
 def _run_once(spec, evaluator, script_argv, args, parameter_server, show_all, env, python, log_dir,

@@ -3,7 +3,7 @@
 Usage: task.py MODE [DIR]. It prints a line naming its task, a warning, and a
 TensorFlow INFO line that has the word "error".
 With DIR, it writes its pid (and its grandchild's) to DIR/TASK.pid and its
-cluster's ports to DIR/ports-ATTEMPT. Modes:
+cluster's ports to DIR/ports-ATTEMPT and its TFDIST_JOB_DIR to DIR/jobdir-ATTEMPT. Modes:
 
 * ok: exit 0.
 * fail-1: worker 1 exits 3; the others sleep until stopped.
@@ -41,6 +41,8 @@ if out is not None:
     (out / f"{task_type}-{index}.pid").write_text(str(os.getpid()))
     ports = sorted(a.rsplit(":", 1)[1] for job in config["cluster"].values() for a in job)
     (out / f"ports-{attempt}").write_text(" ".join(ports))
+    job_dir = os.environ["TFDIST_JOB_DIR"]
+    (out / f"jobdir-{attempt}").write_text(f"{job_dir} {int(os.path.isdir(job_dir))}")
 
 if mode == "interfaces":
     print("interfaces: " + ",".join(sorted(n for _, n in socket.if_nameindex())), flush=True)

@@ -58,4 +58,13 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "load_model", "run", "RunError", "CollectiveMismatchError", "CollectiveTimeoutError",
            "NotInitializedError", "mpi_threads_supported", "mpi_enabled", "mpi_built",
            "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
-           "rocm_built"]
+           "rocm_built", "callbacks", "elastic"]
+
+
+def __getattr__(name: str):
+    """``hvd.callbacks`` and ``hvd.elastic``, imported on first use: they import
+    Keras, which ``import tfdist.horovod`` before ``hvd.init()`` should not."""
+    if name in ("callbacks", "elastic"):
+        import importlib
+        return importlib.import_module(f"tfdist.horovod.{name}")
+    raise AttributeError(f"module 'tfdist.horovod' has no attribute {name!r}")
