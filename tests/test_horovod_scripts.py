@@ -2,8 +2,10 @@
 
 One 2-worker job, as a Horovod user would run it after changing the import:
 the ranks start from different weights and read differently shuffled data,
-and must end with identical weights; only rank 0 writes checkpoints and
-progress; the Keras 2 compile argument is accepted with one warning per rank.
+and must end with identical weights; the logged metrics are the means over
+the ranks; the rate warms up from lr/size to lr; only rank 0 writes
+checkpoints and progress; the Keras 2 compile argument is accepted with one
+warning per rank.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 from conftest import REPO, subprocess_env
 
 SCRIPT = REPO / "tests" / "workers" / "hvd_keras_script.py"
-EPOCHS, STEPS, BASE_LR = 3, 16, 0.002  # as in the script
+EPOCHS, WARMUP_EPOCHS, STEPS, BASE_LR = 3, 2, 16, 0.002  # as in the script
 
 
 def worker_lines(stdout: str, rank: int) -> list[str]:
@@ -53,6 +55,7 @@ def test_ranks_and_sizes(job):
     # The script scaled the rate by size() itself; nothing rescaled it again.
     assert all(r["scaled_lr"] == pytest.approx(BASE_LR * 2) for r in results)
     assert all(r["lr"] == pytest.approx(BASE_LR * 2) for r in results)
+    assert all(len(r["rates"]) == EPOCHS * (STEPS // 2) for r in results)
     # Steps divided by size() by the script; fit ran them all, nothing rebatched.
     assert all(r["iterations"] == EPOCHS * (STEPS // 2) for r in results)
 
@@ -96,3 +99,32 @@ def test_keras_2_compile_argument_warns_once_per_rank(job):
         assert len(warned) == 1, worker_lines(stdout, rank)
         # Named at the script's compile line, not at a tfdist or Keras wrapper.
         assert warned[0].startswith(f"{SCRIPT}:"), warned
+
+
+@pytest.mark.slow
+def test_logged_metrics_are_the_means_over_ranks(job):
+    stdout, _ = job
+    first, second = (rank_result(stdout, rank) for rank in (0, 1))
+    for name in ("loss", "accuracy"):
+        local = [[logs[name] for logs in r["local_logs"]] for r in (first, second)]
+        assert local[0] != local[1]  # each rank saw its own batches
+        mean = np.mean(local, axis=0)
+        np.testing.assert_allclose(first[name], mean, rtol=1e-6)
+        np.testing.assert_allclose(second[name], mean, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_learning_rate_warms_up_from_lr_over_size(job):
+    stdout, _ = job
+    first, second = (rank_result(stdout, rank) for rank in (0, 1))
+    assert first["rates"] == second["rates"]
+    rates, scaled = np.array(first["rates"]), first["scaled_lr"]
+    warmup = WARMUP_EPOCHS * (STEPS // 2)
+    ramp = rates[:warmup]
+    assert scaled / 2 <= ramp[0] < ramp[-1] <= scaled * (1 + 1e-6)
+    assert np.all(np.diff(ramp) > 0)
+    np.testing.assert_allclose(rates[warmup:], scaled, rtol=1e-6)
+    done = [line for line in worker_lines(stdout, 0)
+            if "finished gradual learning rate warmup" in line]
+    assert len(done) == 1 and f"Epoch {WARMUP_EPOCHS}:" in done[0]
+    assert not any("warmup" in line for line in worker_lines(stdout, 1))

@@ -2,11 +2,14 @@
 
 It makes the API calls of Horovod's Keras MNIST example, in the same order:
 hvd.init before the GPU set-up, the learning rate scaled by size(),
-DistributedOptimizer, compile(experimental_run_tf_function=False), a
-rank-0-only ModelCheckpoint, progress output on rank 0 only, steps divided by
-size(). Each rank starts from different weights (its own seed) and shuffles
-its own copy of the data, as under Horovod; only the broadcast and the
-all-reduce can make the ranks end equal.
+DistributedOptimizer, compile(experimental_run_tf_function=False),
+BroadcastGlobalVariablesCallback, MetricAverageCallback,
+LearningRateWarmupCallback, a rank-0-only ModelCheckpoint, progress output on
+rank 0 only, steps divided by size(). Each rank starts from different weights
+(its own seed) and shuffles its own copy of the data, as under Horovod; only
+the broadcast and the all-reduce can make the ranks end equal. Two recording
+callbacks of ours sit between Horovod's: the metrics before averaging, and the
+learning rate of each batch after the warm-up set it.
 
 Usage: hvd_keras_script.py OUT_DIR   (checkpoints go to OUT_DIR, as the
 example writes them to its working directory). Prints one
@@ -24,7 +27,7 @@ import tensorflow as tf
 import tfdist.horovod as hvd
 
 EXAMPLES, BATCH, CLASSES = 512, 32, 10
-STEPS, EPOCHS, BASE_LR = 16, 3, 0.002
+STEPS, EPOCHS, WARMUP_EPOCHS, BASE_LR = 16, 3, 2, 0.002
 
 
 def synthetic_images(seed=0):
@@ -38,6 +41,36 @@ def synthetic_images(seed=0):
 def checksum(weights):
     flat = b"".join(np.ascontiguousarray(w, dtype=np.float32).tobytes() for w in weights)
     return hashlib.sha256(flat).hexdigest()[:16], float(sum(np.abs(w).sum() for w in weights))
+
+
+class LocalRecorder(tf.keras.callbacks.Callback):
+    """This rank's weights before the broadcast and its metrics before averaging.
+
+    Keras 3 builds the model in the first step, and the broadcast runs at the
+    end of it; placed first, this sees the weights of that step before it.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.initial, self.local_logs = None, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.initial is None:
+            self.initial = checksum(self.model.get_weights())[0]
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.local_logs.append({k: float(v) for k, v in (logs or {}).items()})
+
+
+class RateRecorder(tf.keras.callbacks.Callback):
+    """The learning rate each batch runs with (after the warm-up set it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(float(self.model.optimizer.learning_rate))
 
 
 def main(out_dir):
@@ -72,11 +105,15 @@ def main(out_dir):
     model.compile(loss=tf.losses.SparseCategoricalCrossentropy(), optimizer=opt,
                   metrics=["accuracy"], experimental_run_tf_function=False)
 
-    # Stands in for BroadcastGlobalVariablesCallback(0) until the callbacks land.
-    model.build((None, 8, 8, 1))
-    initial = checksum(model.get_weights())
-    hvd.broadcast_variables(model.variables, root_rank=0)
-    callbacks = []
+    local, rates = LocalRecorder(), RateRecorder()
+    callbacks = [
+        local,
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr,
+                                                 warmup_epochs=WARMUP_EPOCHS, verbose=1),
+        rates,
+    ]
 
     if hvd.rank() == 0:
         callbacks.append(tf.keras.callbacks.ModelCheckpoint(
@@ -89,8 +126,10 @@ def main(out_dir):
     digest, total = checksum(model.get_weights())
     result = {
         "rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-        "initial": initial[0], "final": digest, "abs_sum": total,
+        "initial": local.initial, "final": digest, "abs_sum": total,
         "loss": [float(v) for v in history.history["loss"]],
+        "accuracy": [float(v) for v in history.history["accuracy"]],
+        "local_logs": local.local_logs, "rates": rates.rates,
         "lr": float(model.optimizer.learning_rate), "scaled_lr": scaled_lr,
         "iterations": int(model.optimizer.iterations),
         "checkpoint_callbacks": sum(isinstance(c, tf.keras.callbacks.ModelCheckpoint)
