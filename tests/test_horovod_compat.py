@@ -268,3 +268,17 @@ def test_variables_call_inside_tf_function(keras):
     named = [w.filename for w in record if w.category is compat.HorovodSpellingWarning]
     # The script's line that called the tf.function, not autograph's copy.
     assert named == [__file__]
+
+
+def test_spellings_on_a_distributed_optimizer(keras):
+    # The shim's own optimizer (a dynamic subclass) takes the same spellings.
+    import tfdist.horovod as hvd
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    opt.build([keras.Variable(np.zeros((3,), "float32"))])
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert [id(v) for v in opt.variables()] == [id(v) for v in opt.variables]
+        opt.lr = 0.05
+    assert isinstance(opt, keras.optimizers.SGD)
+    np.testing.assert_allclose(float(opt.learning_rate), 0.05, rtol=1e-6)
