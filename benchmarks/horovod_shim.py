@@ -86,8 +86,9 @@ def define_flags() -> None:
 # ---------------------------------------------------------------- pure pieces
 
 def pair_order(i: int) -> tuple[str, str]:
-    """ABBA order of the arms in pair ``i`` (as overhead.py)."""
-    return ARMS if i % 2 == 0 else ARMS[::-1]
+    """ABBA order of the arms in pair ``i``: overhead.py's, hvd in tfdist's place."""
+    arm = dict(zip(overhead.ARMS, ARMS))
+    return tuple(arm[a] for a in overhead.pair_order(i))
 
 
 def rank_rows(examples: int, global_batch: int, rank: int, size: int) -> list[int]:
