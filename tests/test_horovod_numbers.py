@@ -34,7 +34,8 @@ def test_each_rank_gets_its_contiguous_half_of_each_global_batch():
     with pytest.raises(ValueError, match="global_batch=5"):
         shim.rank_rows(10, 5, 0, 2)
     assert shim.max_abs_diff([[1.0, 2.0]], [[1.0, 2.5]]) == 0.5
-    assert [shim.pair_order(i)[0] for i in range(3)] == ["hvd", "mwms", "hvd"]
+    assert [shim.round_order(i) for i in range(2)] == [("hvd", "hvd_logs", "mwms"),
+                                                   ("mwms", "hvd_logs", "hvd")]
 
 
 @pytest.mark.slow
