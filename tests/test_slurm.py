@@ -89,3 +89,27 @@ def test_default_port_base_depends_on_job_and_step(slurm_step):
 def test_auto_detection_picks_multi_worker_in_a_slurm_step(slurm_step):
     choice = choose(count_devices=lambda kind: 0)
     assert choice.name == "multi_worker_mirrored" and choice.slurm
+
+
+def test_horovod_ranks_come_from_the_slurm_step(slurm_step, monkeypatch):
+    import os
+
+    from tfdist.horovod import ranks
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    topo = ranks.discover(dict(os.environ))
+    base = slurm_step[1].default_port_base()
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size) == (1, 2, 1, 2)
+    assert topo.source == "Slurm" and (topo.task_type, topo.task_id) == ("worker", 1)
+    assert topo.cluster == {"worker": [f"localhost:{base}", f"localhost:{base + 1}"]}
+    # Horovod scripts pick their GPU with local_rank(): no narrowing here.
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_horovod_ranks_refuse_a_local_id_that_contradicts_the_step(slurm_step, monkeypatch):
+    import os
+
+    from tfdist.horovod import ranks
+    monkeypatch.setenv("SLURM_LOCALID", "0")  # Task 1 of 2 on one node is local 1.
+    with pytest.raises(ConfigError) as info:
+        ranks.discover(dict(os.environ))
+    assert info.value.field == "local_rank" and info.value.value == 0

@@ -134,6 +134,22 @@ def test_srun_two_tasks_fit_through_strategy_from_config(slurm_cluster):
         f"expected the loss to fall by 30%, got {chief['loss']}")
 
 
+def test_srun_two_tasks_run_a_horovod_script(slurm_cluster):
+    # `import tfdist.horovod as hvd` in a step: ranks from SLURM_PROCID and the
+    # step's node list, no TF_CONFIG.
+    result = slurm_cluster.run(
+        ["srun", "-n2", "--label", "--kill-on-bad-exit=1", "--time=8",
+         sys.executable, "tests/workers/hvd_slurm.py"], timeout=420)
+    context = slurm_cluster.failure("srun horovod output", code=result.returncode,
+                                    out=result.stdout, err=result.stderr)
+    results = task_results(result.stdout, 2, context)
+    for rank, res in results.items():
+        assert (res["rank"], res["size"]) == (rank, 2), context
+        assert (res["local_rank"], res["local_size"]) == (rank, 2), context
+        assert res["sum"] == 3.0
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"], context
+
+
 def test_tfdist_info_in_a_step_shows_the_cluster(slurm_cluster):
     result = slurm_cluster.run(
         ["srun", "-n2", "--label", "--time=5", sys.executable, "-m", "tfdist", "info"],

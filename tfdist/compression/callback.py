@@ -11,6 +11,11 @@ from tfdist.compression.keras_hook import strategy_aggregator
 from tfdist.compression.traffic import Traffic
 
 
+def _horovod_settings(optimizer: Any) -> Any:
+    """A ``tfdist.horovod.DistributedOptimizer``'s settings, else None."""
+    return getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd", None)
+
+
 class CommunicationStats(keras.callbacks.Callback):
     """Adds the bytes each replica sends per step to the training logs.
 
@@ -60,6 +65,9 @@ class CommunicationStats(keras.callbacks.Callback):
             self._shapes = StepGradients(self.model, strategy, self.batch_size)
         n = strategy.num_replicas_in_sync
         aggregator = strategy_aggregator(strategy)
+        hvd = _horovod_settings(self.model.optimizer)
+        if hvd is not None:  # hvd.DistributedOptimizer: its own aggregator and ranks.
+            n, aggregator = hvd.num_replicas, hvd.aggregator
         if aggregator is None:
             from tfdist.compression.aggregate import CompressorAggregator
             from tfdist.compression.identity import NoneCompressor
@@ -70,7 +78,10 @@ class CommunicationStats(keras.callbacks.Callback):
         from tfdist.keras_accumulation import applies_this_step
 
         self.steps += 1
-        if not applies_this_step(self.model.optimizer):
+        optimizer = self.model.optimizer
+        hvd = _horovod_settings(optimizer)
+        if not (hvd.sent_last_step(getattr(optimizer, "inner_optimizer", optimizer))
+                if hvd is not None else applies_this_step(optimizer)):
             return  # Only accumulated: nothing was sent.
         step = int(self.model.optimizer.iterations.numpy()) - 1  # The step just taken.
         self.last = self._traffic(step)

@@ -80,10 +80,8 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
     updates = int(optimizer.iterations.numpy())  # Applied steps, with accumulation.
     n = strategy.num_replicas_in_sync
     if hvd is not None:  # tfdist.horovod: one replica per process, its own aggregator.
-        from tfdist.horovod import runtime
-        n = runtime.size()
-        count = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd_count", None)
-        if count is not None and int(count.numpy()) != 0:
+        n = hvd.num_replicas
+        if not hvd.sent_last_step(getattr(optimizer, "inner_optimizer", optimizer)):
             return Traffic(n)  # Accumulated locally; sent nothing.
     elif not applies_this_step(optimizer):
         return Traffic(n)

@@ -20,7 +20,7 @@ from tfdist.horovod.runtime import (CollectiveMismatchError, CollectiveTimeoutEr
                                     NotInitializedError, cross_rank, cross_size, init,
                                     is_initialized, local_rank, local_size, rank, shutdown,
                                     size)
-from tfdist.horovod.tape import DistributedGradientTape
+from tfdist.horovod.tape import DistributedGradientTape, tape_traffic
 from tfdist.horovod.run import RunError, run  # noqa: E402 - the function shadows the module.
 
 
@@ -49,7 +49,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "cross_rank", "cross_size", "allreduce", "grouped_allreduce", "allgather",
            "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
            "barrier", "join", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
-           "Compression", "Compressor", "DistributedOptimizer", "DistributedGradientTape",
+           "Compression", "Compressor", "DistributedOptimizer", "DistributedGradientTape", "tape_traffic",
            "load_model", "run", "RunError", "CollectiveMismatchError", "CollectiveTimeoutError",
            "NotInitializedError", "mpi_threads_supported", "mpi_enabled", "mpi_built",
            "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",

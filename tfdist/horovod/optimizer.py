@@ -140,6 +140,18 @@ class _Settings:
         self.backward_passes_per_step = backward_passes_per_step
         self.average_aggregated_gradients = average_aggregated_gradients
 
+    # Read by tfdist.compression (step_traffic, CommunicationStats), which
+    # does not import tfdist.horovod.
+    @property
+    def num_replicas(self) -> int:
+        """The ranks a step's gradients are reduced over."""
+        return runtime.size()
+
+    def sent_last_step(self, optimizer) -> bool:
+        """Whether the optimizer's last step sent (not only accumulated)."""
+        count = getattr(optimizer, "_tfdist_hvd_count", None)
+        return count is None or int(count.numpy()) == 0
+
 
 class _DistributedMixin:
     """Placed before the optimizer's own class in a dynamic subclass."""
@@ -148,6 +160,8 @@ class _DistributedMixin:
         super().build(variables)
         settings = self._tfdist_hvd
         from tfdist.compression.keras_hook import _create_state
+        from tfdist.horovod.compression import resolved
+        settings.aggregator = resolved(settings.aggregator, list(variables))
         if any(settings.aggregator.state_specs(tuple(v.shape),
                                                backend.standardize_dtype(v.dtype), i)
                for i, v in enumerate(variables)):

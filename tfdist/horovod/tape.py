@@ -26,7 +26,7 @@ from tfdist.horovod import collectives
 from tfdist.horovod.collectives import ReduceOp
 from tfdist.horovod.optimizer import HorovodComm, reduce_gradients
 
-__all__ = ["DistributedGradientTape", "tape_state"]
+__all__ = ["DistributedGradientTape", "tape_state", "tape_traffic"]
 
 #: aggregator -> {"step": Variable, "vars": {id(var): (var, {name: state})}}
 _STATE: dict[int, dict] = {}
@@ -44,7 +44,10 @@ def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
     import keras
     from keras.src import backend
 
+    from tfdist.horovod.compression import resolved
     store = tape_state(aggregator)
+    store["aggregator"] = resolved(aggregator, sources)
+    aggregator = store["aggregator"]
     with tf.init_scope():
         if store["step"] is None:
             store["step"] = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -75,12 +78,11 @@ class _DistributedTape:
         state = {store["vars"][id(v)][2]: store["vars"][id(v)][1] for v in flat_sources}
         comm = HorovodComm() if collectives.runtime.size() > 1 else None
         reduced = reduce_gradients(
-            flat, keys, aggregator=settings["aggregator"], state=state, step=step,
+            flat, keys, aggregator=store["aggregator"], state=state, step=step,
             op=settings["op"], predivide=settings["predivide"],
             sparse_as_dense=settings["sparse_as_dense"], comm=comm)
         self.__dict__["_tfdist_comm"] = comm
-        if collectives.runtime.size() > 1:
-            step.assign_add(1)
+        step.assign_add(1)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
@@ -133,3 +135,32 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
         "aggregator": aggregator, "op": resolved, "predivide": float(gradient_predivide_factor),
         "sparse_as_dense": bool(sparse_as_dense)}
     return tape
+
+
+def tape_traffic(variables: Any, compression: Any = None):
+    """Bytes each rank sent for the last ``DistributedGradientTape.gradient``
+    over ``variables`` with this ``compression`` (what
+    :func:`tfdist.compression.step_traffic` gives for an optimizer).
+
+    Args:
+        variables: The variables the tape differentiated (``model.trainable_variables``).
+        compression: The setting given to ``DistributedGradientTape``.
+
+    Returns:
+        A :class:`~tfdist.compression.Traffic`.
+
+    Raises:
+        ValueError: No tape with this compression has reduced gradients yet.
+    """
+    from keras.src import backend
+
+    key = compression if isinstance(compression, (str, type(None))) else id(compression)
+    aggregator = _AGGREGATORS.get(key)
+    store = _STATE.get(id(aggregator)) if aggregator is not None else None
+    if store is None or store["step"] is None or int(store["step"].numpy()) < 1:
+        raise ValueError("tape_traffic: expected a DistributedGradientTape with compression="
+                         f"{compression!r} to have reduced gradients. Received: none yet")
+    shapes = [(tuple(int(d) for d in v.shape), backend.standardize_dtype(v.dtype))
+              for v in tf.nest.flatten(variables)]
+    return store["aggregator"].traffic(shapes, collectives.runtime.size(),
+                              step=int(store["step"].numpy()) - 1)
