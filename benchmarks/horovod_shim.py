@@ -424,6 +424,9 @@ def numbers_worker() -> None:
             "sent": comm.traffic(dense=sum(nbytes(tuple(v.shape), "float32")
                                            for v in model.trainable_variables)).sent,
             "wire": wire, "wire_bytes": sum(nbytes(shape, dtype) for _, shape, dtype in wire)}
+        if hasattr(hvd, "tape_traffic"):  # The tape's step_traffic.
+            out["tape_traffic"][name]["counted"] = hvd.tape_traffic(
+                model.trainable_variables, compression=settings[name]).sent
 
     # 4. MetricAverageCallback: the logged loss is the ranks' mean.
     if callbacks is not None and hasattr(callbacks, "MetricAverageCallback"):
@@ -585,6 +588,10 @@ def numbers(work: Path) -> dict:
             f"collectives: {all_reduce_bytes(row['wire_bytes'], 2):,.0f} B",
             "equal", row["sent"] == all_reduce_bytes(row["wire_bytes"], 2)
             and not row["gathered"])
+        if "counted" in row:
+            add(f"bytes: `hvd.tape_traffic` ({name}) vs the tape's Comm record",
+                f"{row['counted']:,.0f} B vs {row['sent']:,.0f} B", "equal",
+                row["counted"] == row["sent"])
     tape_ratio = tape["none"]["sent"] / tape["fp16"]["sent"] if tape["fp16"]["sent"] else 0.0
     add("bytes: tape none / fp16", f"{tape_ratio:.3f}", "2", tape_ratio == 2.0)
     add("bytes: PowerSGD (rank 2, 1 warm-up step) through `hvd.DistributedOptimizer`, "

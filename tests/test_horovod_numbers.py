@@ -70,6 +70,7 @@ def test_hvd_matches_multi_worker_mirrored_and_fp16_halves_the_bytes(tmp_path):
         tape = r["tape_traffic"]
         assert tape["none"]["sent"] == 2 * tape["fp16"]["sent"] == tape["none"]["wire_bytes"]
         assert {d for _, d in tape["fp16"]["reduced"]} == {"float16"}
+        assert tape["none"]["counted"] == 2 * tape["fp16"]["counted"] == tape["none"]["sent"]
 
     failed = [row for row in numbers["rows"] if not row["ok"]]
     assert not failed, failed
