@@ -3,7 +3,7 @@
 Reproduce (about 5 minutes on 2 cores; the recorded run)::
 
     flock /tmp/tfdist-heavy.lock python benchmarks/horovod_shim.py --pairs=10
-    python benchmarks/horovod_shim.py --mode=numbers      # checks only, one job (~20 s)
+    python benchmarks/horovod_shim.py --mode=numbers      # checks only, two jobs (~30 s)
     python benchmarks/horovod_shim.py --mode=overhead --pairs=4
 
 Results: ``benchmarks/results/horovod_shim.{json,md}``.
@@ -12,11 +12,11 @@ Every job is 2 worker processes on 127.0.0.1, started as
 ``benchmarks/overhead.py`` starts its workers (one TF_CONFIG each, as
 ``tfdist launch --workers 2`` gives them).
 
-``--mode=numbers`` is one job whose processes first train through the
-Horovod API (``hvd.init()`` comes first, no strategy, each rank fed its half
-of each global batch) and then through ``tfdist.strategy_from_config()``
+``--mode=numbers`` is two jobs: one trains through the Horovod API
+(``hvd.init()`` comes first, no strategy, each rank fed its half of each
+global batch), the other through ``tfdist.strategy_from_config()``
 (MultiWorkerMirrored, ``distribute_datasets_from_function`` handing worker
-*i* the same half). It measures:
+*i* the same half); the weights are compared afterwards. It measures:
 
 1. gradients: the largest weight difference between
    ``hvd.DistributedOptimizer`` and MultiWorkerMirrored after the same steps
@@ -82,7 +82,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("hidden", 2048, "Width of the overhead MLP's two hidden layers.")
     flags.DEFINE_integer("check_steps", 8, "Steps of each numbers check.")
     flags.DEFINE_enum("arm", "hvd", list(ARMS), "The arm of one overhead worker.")
+    flags.DEFINE_enum("side", "hvd", ["hvd", "mwms"], "The side of one numbers worker.")
     flags.DEFINE_string("out", None, "Where one worker writes its JSON.")
+    flags.DEFINE_float("job_timeout", 300, "Seconds a numbers job may take before it is killed.")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
     flags.DEFINE_string("name", "horovod_shim", "Base name of the result files.")
 
@@ -204,13 +206,20 @@ def run_job(worker_args: list[str], work: Path, timeout: float = 600) -> list[di
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, *worker_args, f"--out={outs[-1]}"], env=env,
                 stdout=stream, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
     try:
-        codes = [p.wait(timeout=timeout) for p in procs]
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = None
     finally:
         for p in procs:  # Only the processes started here.
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    if codes is None:
+        raise SystemExit(f"workers {worker_args} still running after {timeout:g} s; "
+                         + "; ".join(f"rank {i}'s log:\n{log.read_text()[-3000:]}"
+                                     for i, log in enumerate(logs)))
     if any(codes):
         bad = next(i for i, c in enumerate(codes) if c)
         raise SystemExit(f"workers {worker_args} exited with {codes}; rank {bad}'s log:\n"
@@ -281,9 +290,16 @@ CHECK_BATCH = 64
 
 
 def numbers_worker() -> None:
-    """One rank of the numbers job: Horovod API first, then MultiWorkerMirrored."""
-    import tfdist.horovod as hvd
-    hvd.init()  # Before any TensorFlow work, as Horovod scripts do.
+    """One rank of a numbers job: the Horovod API (``--side=hvd``) or
+    MultiWorkerMirrored (``--side=mwms``), on the same model and halves.
+
+    The two sides run as separate jobs: ``hvd.init()`` followed by
+    ``tfdist.strategy_from_config()`` in one process hung in the strategy's
+    first ``fit`` in 2 of 9 runs.
+    """
+    if FLAGS.side == "hvd":
+        import tfdist.horovod as hvd
+        hvd.init()  # Before any TensorFlow work, as Horovod scripts do.
 
     import keras
     import numpy as np
@@ -294,7 +310,12 @@ def numbers_worker() -> None:
     from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, \
         wire_nbytes
 
-    rank, size = hvd.rank(), hvd.size()
+    if FLAGS.side == "hvd":
+        rank, size = hvd.rank(), hvd.size()
+    else:
+        strategy = tfdist.strategy_from_config()
+        rank, size = json.loads(os.environ["TF_CONFIG"])["task"]["index"], \
+            strategy.num_replicas_in_sync
     steps, batch = FLAGS.check_steps, CHECK_BATCH
     x, y = overhead._data(steps * batch)  # noqa: SLF001 - the overhead benchmark's data.
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -310,183 +331,176 @@ def numbers_worker() -> None:
     optimizers = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
                   "adam": lambda: keras.optimizers.Adam(0.01)}
 
-    # 1. Gradients, Horovod side: fit, and a DistributedGradientTape loop.
-    for name, make in optimizers.items():
-        model = model_()
-        weights["init"] = model.get_weights()
-        model.compile(optimizer=hvd.DistributedOptimizer(make()), loss=loss)
-        model.fit(mine(), epochs=1, verbose=0)
-        weights[f"hvd_fit_{name}"] = model.get_weights()
-        if name == "sgd":
-            out["fit_collectives"] = {"hvd": fit_step_collectives(model, next(iter(mine())))}
-        # Control: the same rank alone (no all-reduce).
-        alone = model_()
-        alone.compile(optimizer=make(), loss=loss)
-        alone.fit(mine(), epochs=1, verbose=0)
-        weights[f"alone_fit_{name}"] = alone.get_weights()
+    if FLAGS.side == "hvd":
+        # 1. Gradients, Horovod side: fit, and a DistributedGradientTape loop.
+        for name, make in optimizers.items():
+            model = model_()
+            weights["init"] = model.get_weights()
+            model.compile(optimizer=hvd.DistributedOptimizer(make()), loss=loss)
+            model.fit(mine(), epochs=1, verbose=0)
+            weights[f"hvd_fit_{name}"] = model.get_weights()
+            if name == "sgd":
+                out["fit_collectives"] = {
+                    "hvd": fit_step_collectives(model, next(iter(mine())))}
+            # Control: the same rank alone (no all-reduce).
+            alone = model_()
+            alone.compile(optimizer=make(), loss=loss)
+            alone.fit(mine(), epochs=1, verbose=0)
+            weights[f"alone_fit_{name}"] = alone.get_weights()
 
-    model, opt = model_(), optimizers["adam"]()
-
-    @tf.function
-    def tape_step(xb, yb):
-        with tf.GradientTape() as tape:
-            value = loss(yb, model(xb, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        grads = tape.gradient(value, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return value
-
-    for xb, yb in mine():
-        tape_step(xb, yb)
-    weights["hvd_tape_adam"] = model.get_weights()
-
-    # 2. Broadcast from different initialisations (model and optimizer).
-    model = _mlp(keras, CHECK_HIDDEN, seed=100 + rank)
-    opt = optimizers["adam"]()
-    model.compile(optimizer=opt, loss=loss)
-    model.train_on_batch(x[:8], y[:8])  # This rank's own Adam moments.
-    before = [np.array(v) for v in model.variables + opt.variables]
-    hvd.broadcast_variables(model.variables, root_rank=0)
-    hvd.broadcast_variables(opt.variables, root_rank=0)
-    after = [np.array(v) for v in model.variables + opt.variables]
-    out["broadcast"] = {"variables": len(before)}
-    np.savez(Path(FLAGS.out).with_suffix(".bcast.npz"),
-             **{f"before_{i}": a for i, a in enumerate(before)},
-             **{f"after_{i}": a for i, a in enumerate(after)})
-    callbacks = getattr(hvd, "callbacks", None)
-    if callbacks is not None:
-        model = _mlp(keras, CHECK_HIDDEN, seed=100 + rank)
-        model.compile(optimizer=hvd.DistributedOptimizer(optimizers["sgd"]()), loss=loss)
-        start = model.get_weights()
-        model.fit(mine().take(1), epochs=1, verbose=0,
-                  callbacks=[callbacks.BroadcastGlobalVariablesCallback(0)])
-        np.savez(Path(FLAGS.out).with_suffix(".bcast_cb.npz"),
-                 **{f"before_{i}": a for i, a in enumerate(start)},
-                 **{f"after_{i}": a for i, a in enumerate(model.get_weights())})
-
-    # 3. Bytes through hvd.DistributedOptimizer(compression=...).
-    out["traffic"] = {}
-    settings = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
-                "powersgd": PowerSGD(rank=2, warmup_steps=1)}
-    for name, compression in settings.items():
-        model = model_()
-        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression)
-        model.compile(optimizer=opt, loss=loss)
-        model.fit(mine().take(3), epochs=1, verbose=0)  # PowerSGD: 1 dense, 2 compressed.
-        traffic = step_traffic(model.optimizer)
-        # The step fit ran, traced again: the collectives it issues.
-        xb, yb = next(iter(mine()))
-        wire = collectives_in(tf.function(model.train_step).get_concrete_function(
-            (xb, yb)).graph)
-        comm = model.optimizer.__dict__.get("_tfdist_comm")
-        state = getattr(model.optimizer, "_tfdist_state", None) or {}
-        residuals = [np.array(s["residual"]) for s in state.values() if "residual" in s]
-        row = {"sent": traffic.sent, "dense_sent": traffic.dense_sent, "ratio": traffic.ratio,
-               "replicas": traffic.num_replicas, "comm": None,
-               "state": sorted({k for s in state.values() for k in s}),
-               "residual_abs_sum": float(sum(np.abs(r).sum() for r in residuals)),
-               "residual_tensors": len(residuals), "wire": wire,
-               "wire_bytes": sum(nbytes(shape, dtype) for _, shape, dtype in wire)}
-        if comm is not None:
-            # What the traced step handed to the collectives. PowerSGD's
-            # warm-up cond traces both branches: keep the compressed one.
-            reduced, gathered = list(comm.reduced), list(comm.gathered)
-            row["comm"] = {"reduced": reduced, "gathered": gathered,
-                           "dtypes": sorted({d for _, d in reduced + gathered})}
-            payload = sum(nbytes(s, d) for s, d in reduced)
-            gather = sum(wire_nbytes(s, d) for s, d in gathered)
-            row["comm"]["all_reduce_payload"] = payload
-            row["comm"]["all_reduce_sent"] = all_reduce_bytes(payload, size)
-            row["comm"]["all_gather_sent"] = all_gather_bytes(gather, size)
-        out["traffic"][name] = row
-
-    # 3b. The same through DistributedGradientTape, which keeps its Comm.
-    out["tape_traffic"] = {}
-    for name in ("none", "fp16"):
-        model, opt, kept = model_(), keras.optimizers.SGD(0.1), {}
+        model, opt = model_(), optimizers["adam"]()
 
         @tf.function
-        def step(xb, yb):
+        def tape_step(xb, yb):
             with tf.GradientTape() as tape:
                 value = loss(yb, model(xb, training=True))
-            tape = hvd.DistributedGradientTape(tape, compression=settings[name])
+            tape = hvd.DistributedGradientTape(tape)
             grads = tape.gradient(value, model.trainable_variables)
-            kept["comm"] = tape._tfdist_comm  # noqa: SLF001 - what the trace sent.
             opt.apply_gradients(zip(grads, model.trainable_variables))
             return value
 
-        xb, yb = next(iter(mine()))
-        step(xb, yb)
-        comm = kept["comm"]
-        wire = collectives_in(step.get_concrete_function(xb, yb).graph)
-        out["tape_traffic"][name] = {
-            "reduced": comm.reduced, "gathered": comm.gathered,
-            "sent": comm.traffic(dense=sum(nbytes(tuple(v.shape), "float32")
-                                           for v in model.trainable_variables)).sent,
-            "wire": wire, "wire_bytes": sum(nbytes(shape, dtype) for _, shape, dtype in wire)}
-        if hasattr(hvd, "tape_traffic"):  # The tape's step_traffic.
-            out["tape_traffic"][name]["counted"] = hvd.tape_traffic(
-                model.trainable_variables, compression=settings[name]).sent
+        for xb, yb in mine():
+            tape_step(xb, yb)
+        weights["hvd_tape_adam"] = model.get_weights()
 
-    # 4. MetricAverageCallback: the logged loss is the ranks' mean.
-    if callbacks is not None and hasattr(callbacks, "MetricAverageCallback"):
-        logged = []
-        for average in (False, True):
-            model = model_()
+        # 2. Broadcast from different initialisations (model and optimizer).
+        model = _mlp(keras, CHECK_HIDDEN, seed=100 + rank)
+        opt = optimizers["adam"]()
+        model.compile(optimizer=opt, loss=loss)
+        model.train_on_batch(x[:8], y[:8])  # This rank's own Adam moments.
+        before = [np.array(v) for v in model.variables + opt.variables]
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        hvd.broadcast_variables(opt.variables, root_rank=0)
+        after = [np.array(v) for v in model.variables + opt.variables]
+        out["broadcast"] = {"variables": len(before)}
+        np.savez(Path(FLAGS.out).with_suffix(".bcast.npz"),
+                 **{f"before_{i}": a for i, a in enumerate(before)},
+                 **{f"after_{i}": a for i, a in enumerate(after)})
+        callbacks = getattr(hvd, "callbacks", None)
+        if callbacks is not None:
+            model = _mlp(keras, CHECK_HIDDEN, seed=100 + rank)
             model.compile(optimizer=hvd.DistributedOptimizer(optimizers["sgd"]()), loss=loss)
-            cbs = [callbacks.MetricAverageCallback()] if average else []
-            history = model.fit(mine(), epochs=1, verbose=0, callbacks=cbs)
-            logged.append(float(history.history["loss"][-1]))
-        out["metric_average"] = {"own": logged[0], "logged": logged[1]}
+            start = model.get_weights()
+            model.fit(mine().take(1), epochs=1, verbose=0,
+                      callbacks=[callbacks.BroadcastGlobalVariablesCallback(0)])
+            np.savez(Path(FLAGS.out).with_suffix(".bcast_cb.npz"),
+                     **{f"before_{i}": a for i, a in enumerate(start)},
+                     **{f"after_{i}": a for i, a in enumerate(model.get_weights())})
 
-    # 1. Gradients, MultiWorkerMirrored side: same model, same halves.
-    strategy = tfdist.strategy_from_config()
-    out["strategy"] = repr(strategy)
-
-    def halves(ctx):
-        assert ctx.get_per_replica_batch_size(batch) == batch // size
-        return _rank_dataset(tf, x, y, batch, ctx.input_pipeline_id, size)
-
-    for name, make in optimizers.items():
-        with strategy.scope():
+        # 3. Bytes through hvd.DistributedOptimizer(compression=...).
+        out["traffic"] = {}
+        settings = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+                    "powersgd": PowerSGD(rank=2, warmup_steps=1)}
+        for name, compression in settings.items():
             model = model_()
-            model.compile(optimizer=make(), loss=loss)
-        model.fit(strategy.distribute_datasets_from_function(halves), epochs=1,
-                  steps_per_epoch=steps, verbose=0)
-        weights[f"mwms_fit_{name}"] = model.get_weights()
-        if name == "sgd":
-            out["fit_collectives"]["mwms"] = fit_step_collectives(
-                model, next(iter(strategy.distribute_datasets_from_function(halves))))
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression)
+            model.compile(optimizer=opt, loss=loss)
+            model.fit(mine().take(3), epochs=1, verbose=0)  # PowerSGD: 1 dense, 2 compressed.
+            traffic = step_traffic(model.optimizer)
+            # The step fit ran, traced again: the collectives it issues.
+            xb, yb = next(iter(mine()))
+            wire = collectives_in(tf.function(model.train_step).get_concrete_function(
+                (xb, yb)).graph)
+            comm = model.optimizer.__dict__.get("_tfdist_comm")
+            state = getattr(model.optimizer, "_tfdist_state", None) or {}
+            residuals = [np.array(s["residual"]) for s in state.values() if "residual" in s]
+            row = {"sent": traffic.sent, "dense_sent": traffic.dense_sent, "ratio": traffic.ratio,
+                   "replicas": traffic.num_replicas, "comm": None,
+                   "state": sorted({k for s in state.values() for k in s}),
+                   "residual_abs_sum": float(sum(np.abs(r).sum() for r in residuals)),
+                   "residual_tensors": len(residuals), "wire": wire,
+                   "wire_bytes": sum(nbytes(shape, dtype) for _, shape, dtype in wire)}
+            if comm is not None:
+                # What the traced step handed to the collectives. PowerSGD's
+                # warm-up cond traces both branches: keep the compressed one.
+                reduced, gathered = list(comm.reduced), list(comm.gathered)
+                row["comm"] = {"reduced": reduced, "gathered": gathered,
+                               "dtypes": sorted({d for _, d in reduced + gathered})}
+                payload = sum(nbytes(s, d) for s, d in reduced)
+                gather = sum(wire_nbytes(s, d) for s, d in gathered)
+                row["comm"]["all_reduce_payload"] = payload
+                row["comm"]["all_reduce_sent"] = all_reduce_bytes(payload, size)
+                row["comm"]["all_gather_sent"] = all_gather_bytes(gather, size)
+            out["traffic"][name] = row
 
-    with strategy.scope():
-        model, opt = model_(), optimizers["adam"]()
-    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+        # 3b. The same through DistributedGradientTape, which keeps its Comm.
+        out["tape_traffic"] = {}
+        for name in ("none", "fp16"):
+            model, opt, kept = model_(), keras.optimizers.SGD(0.1), {}
 
-    @tf.function
-    def mwms_step(iterator):
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                value = tf.nn.compute_average_loss(per_example(yb, model(xb, training=True)),
-                                                   global_batch_size=batch)
-            grads = tape.gradient(value, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return value
-        return strategy.run(step, args=next(iterator))
+            @tf.function
+            def step(xb, yb):
+                with tf.GradientTape() as tape:
+                    value = loss(yb, model(xb, training=True))
+                tape = hvd.DistributedGradientTape(tape, compression=settings[name])
+                grads = tape.gradient(value, model.trainable_variables)
+                kept["comm"] = tape._tfdist_comm  # noqa: SLF001 - what the trace sent.
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return value
 
-    iterator = iter(strategy.distribute_datasets_from_function(halves))
-    for _ in range(steps):
-        mwms_step(iterator)
-    weights["mwms_tape_adam"] = model.get_weights()
+            xb, yb = next(iter(mine()))
+            step(xb, yb)
+            comm = kept["comm"]
+            wire = collectives_in(step.get_concrete_function(xb, yb).graph)
+            out["tape_traffic"][name] = {
+                "reduced": comm.reduced, "gathered": comm.gathered,
+                "sent": comm.traffic(dense=sum(nbytes(tuple(v.shape), "float32")
+                                               for v in model.trainable_variables)).sent,
+                "wire": wire, "wire_bytes": sum(nbytes(shape, dtype) for _, shape, dtype in wire)}
+            if hasattr(hvd, "tape_traffic"):  # The tape's step_traffic.
+                out["tape_traffic"][name]["counted"] = hvd.tape_traffic(
+                    model.trainable_variables, compression=settings[name]).sent
 
-    out["diff"] = {
-        **{f"fit_{n}": max_abs_diff(weights[f"hvd_fit_{n}"], weights[f"mwms_fit_{n}"])
-           for n in optimizers},
-        "tape_adam": max_abs_diff(weights["hvd_tape_adam"], weights["mwms_tape_adam"]),
-        **{f"alone_fit_{n}": max_abs_diff(weights[f"alone_fit_{n}"], weights[f"mwms_fit_{n}"])
-           for n in optimizers},
-        **{f"moved_fit_{n}": max_abs_diff(weights[f"mwms_fit_{n}"], weights["init"])
-           for n in optimizers},
-    }
+        # 4. MetricAverageCallback: the logged loss is the ranks' mean.
+        if callbacks is not None and hasattr(callbacks, "MetricAverageCallback"):
+            logged = []
+            for average in (False, True):
+                model = model_()
+                model.compile(optimizer=hvd.DistributedOptimizer(optimizers["sgd"]()), loss=loss)
+                cbs = [callbacks.MetricAverageCallback()] if average else []
+                history = model.fit(mine(), epochs=1, verbose=0, callbacks=cbs)
+                logged.append(float(history.history["loss"][-1]))
+            out["metric_average"] = {"own": logged[0], "logged": logged[1]}
+
+    else:
+        # 1. Gradients, MultiWorkerMirrored side: same model, same halves.
+        out["strategy"] = repr(strategy)
+
+        def halves(ctx):
+            assert ctx.get_per_replica_batch_size(batch) == batch // size
+            return _rank_dataset(tf, x, y, batch, ctx.input_pipeline_id, size)
+
+        for name, make in optimizers.items():
+            with strategy.scope():
+                model = model_()
+                model.compile(optimizer=make(), loss=loss)
+            model.fit(strategy.distribute_datasets_from_function(halves), epochs=1,
+                      steps_per_epoch=steps, verbose=0)
+            weights[f"mwms_fit_{name}"] = model.get_weights()
+            if name == "sgd":
+                out["fit_collectives"] = {"mwms": fit_step_collectives(
+                    model, next(iter(strategy.distribute_datasets_from_function(halves))))}
+
+        with strategy.scope():
+            model, opt = model_(), optimizers["adam"]()
+        per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+        @tf.function
+        def mwms_step(iterator):
+            def step(xb, yb):
+                with tf.GradientTape() as tape:
+                    value = tf.nn.compute_average_loss(per_example(yb, model(xb, training=True)),
+                                                       global_batch_size=batch)
+                grads = tape.gradient(value, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return value
+            return strategy.run(step, args=next(iterator))
+
+        iterator = iter(strategy.distribute_datasets_from_function(halves))
+        for _ in range(steps):
+            mwms_step(iterator)
+        weights["mwms_tape_adam"] = model.get_weights()
+
     np.savez(Path(FLAGS.out).with_suffix(".weights.npz"),
              **{f"{k}_{i}": a for k, ws in weights.items() for i, a in enumerate(ws)})
     Path(FLAGS.out).write_text(json.dumps(out))
@@ -504,7 +518,31 @@ def numbers(work: Path) -> dict:
     """Runs the numbers job and turns both ranks' reports into rows."""
     from tfdist.compression.traffic import all_reduce_bytes
 
-    ranks = run_job(["--mode=numbers_worker", f"--check_steps={FLAGS.check_steps}"], work)
+    sides = {}
+    for side in ("hvd", "mwms"):
+        (work / side).mkdir()
+        sides[side] = run_job(["--mode=numbers_worker", f"--side={side}",
+                               f"--check_steps={FLAGS.check_steps}"], work / side,
+                              timeout=FLAGS.job_timeout)
+    ranks = []
+    for i, (h, m) in enumerate(zip(sides["hvd"], sides["mwms"])):
+        assert h["rank"] == m["rank"] == i and h["size"] == m["size"], (h, m)
+        hw, mw = work / "hvd" / f"rank{i}.weights.npz", work / "mwms" / f"rank{i}.weights.npz"
+
+        def diff(a, pa, b, pb):
+            return max_abs_diff(_load_arrays(pa, a), _load_arrays(pb, b))
+
+        opts = ("sgd", "adam")
+        ranks.append({**h, "strategy": m["strategy"],
+                      "fit_collectives": {**h["fit_collectives"], **m["fit_collectives"]},
+                      "diff": {
+                          **{f"fit_{n}": diff(f"hvd_fit_{n}", hw, f"mwms_fit_{n}", mw)
+                             for n in opts},
+                          "tape_adam": diff("hvd_tape_adam", hw, "mwms_tape_adam", mw),
+                          **{f"alone_fit_{n}": diff(f"alone_fit_{n}", hw, f"mwms_fit_{n}", mw)
+                             for n in opts},
+                          **{f"moved_fit_{n}": diff("init", hw, f"mwms_fit_{n}", mw)
+                             for n in opts}}})
     r0 = ranks[0]
     rows, notes = [], []
 
@@ -522,12 +560,12 @@ def numbers(work: Path) -> dict:
             f"{worst[f'alone_fit_{name}']:.2e} (weights moved {worst[f'moved_fit_{name}']:.2e} "
             "from init)", "≫ 1e-5 (the check can fail)", worst[f"alone_fit_{name}"] > 100 * TOLERANCE)
     # Both ranks end identical.
-    w = [work / f"rank{i}.weights.npz" for i in range(2)]
+    w = [work / "hvd" / f"rank{i}.weights.npz" for i in range(2)]
     for key in ("hvd_fit_sgd", "hvd_fit_adam", "hvd_tape_adam"):
         d = max_abs_diff(_load_arrays(w[0], key), _load_arrays(w[1], key))
         add(f"ranks agree: `{key}`, rank 0 vs rank 1", f"{d:.2e}", "0", d == 0.0)
 
-    b = [work / f"rank{i}.bcast.npz" for i in range(2)]
+    b = [work / "hvd" / f"rank{i}.bcast.npz" for i in range(2)]
     before = max_abs_diff(_load_arrays(b[0], "before"), _load_arrays(b[1], "before"))
     after = max_abs_diff(_load_arrays(b[0], "after"), _load_arrays(b[1], "after"))
     root = max_abs_diff(_load_arrays(b[0], "before"), _load_arrays(b[1], "after"))
@@ -535,9 +573,9 @@ def numbers(work: Path) -> dict:
         f"({r0['broadcast']['variables']}), rank 0 vs 1, before → after",
         f"{before:.2e} → {after:.2e} (rank 1 vs root's before: {root:.2e})",
         "> 0 → 0", before > 0 and after == 0.0 and root == 0.0)
-    cb = work / "rank0.bcast_cb.npz"
+    cb = work / "hvd" / "rank0.bcast_cb.npz"
     if cb.exists():
-        c = [work / f"rank{i}.bcast_cb.npz" for i in range(2)]
+        c = [work / "hvd" / f"rank{i}.bcast_cb.npz" for i in range(2)]
         before = max_abs_diff(_load_arrays(c[0], "before"), _load_arrays(c[1], "before"))
         after = max_abs_diff(_load_arrays(c[0], "after"), _load_arrays(c[1], "after"))
         add("broadcast: `BroadcastGlobalVariablesCallback(0)` in a 1-step fit, rank 0 vs 1",

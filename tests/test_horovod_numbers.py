@@ -1,4 +1,4 @@
-"""tfdist.horovod's numbers stay true: one 2-worker job of benchmarks/horovod_shim.py.
+"""tfdist.horovod's numbers stay true: two 2-worker jobs of benchmarks/horovod_shim.py.
 
 hvd.DistributedOptimizer (fit: SGD, Adam) and DistributedGradientTape give
 MultiWorkerMirrored's weights within 1e-5; Compression.fp16 sends half of
