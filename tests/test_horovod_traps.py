@@ -101,3 +101,9 @@ def test_a_collective_on_one_rank_fails_within_the_timeout(job):
     r0, _, _ = job
     assert "only_rank_0" in r0["timeout"] and "collective_timeout=8" in r0["timeout"]
     assert TIMEOUT <= r0["timeout_after"] < TIMEOUT + 5
+
+
+def test_a_multi_worker_strategy_is_refused_beside_horovod(job):
+    for r in job[:2]:
+        assert "hvd.init()" in r["strategy_beside"]
+        assert "MultiWorkerMirroredStrategy" in r["strategy_beside"]

@@ -128,6 +128,15 @@ out["bpps_error"] = float(np.abs(weights(am) - expected).max())
 out["bpps_second_sent"] = step_traffic(aopt).sent
 out["bpps_iterations"] = int(aopt.iterations.numpy())
 
+# A tfdist multi-worker strategy cannot join the same job's collectives.
+import tfdist  # noqa: E402
+
+try:
+    tfdist.strategy_from_config()
+    out["strategy_beside"] = None
+except tfdist.ConfigError as error:
+    out["strategy_beside"] = str(error)
+
 # 7. Ranks that issue different collectives at the same point fail at once,
 # naming both, and stay usable.
 try:

@@ -194,10 +194,13 @@ class _DistributedMixin:
         keys = [self._get_variable_index(v) for v in variables]
         # The step the update is about to apply (PowerSGD's warm-up counts it).
         step = tf.convert_to_tensor(getattr(self.iterations, "value", self.iterations))
+        # What the last traced step sent, as the tape keeps it (tests, benchmarks).
+        comm = HorovodComm() if runtime.size() > 1 else None
+        self.__dict__["_tfdist_comm"] = comm
         return reduce_gradients(
             grads, keys, aggregator=settings.aggregator,
             state=getattr(self, "_tfdist_state", None) or {}, step=step, op=settings.op,
-            predivide=settings.predivide, sparse_as_dense=settings.sparse_as_dense)
+            predivide=settings.predivide, sparse_as_dense=settings.sparse_as_dense, comm=comm)
 
     def _tfdist_accumulate(self, grads, variables, trainable_variables):
         settings = self._tfdist_hvd

@@ -47,7 +47,8 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
 log = logging.getLogger("tfdist.horovod")
 
 #: Group keys far above MultiWorkerMirroredStrategy's (which start at 1 and
-#: grow by 10,000 per strategy in tfdist), so both can live in one process.
+#: grow by 10,000 per strategy in tfdist). A multi-worker strategy still
+#: cannot join the same process (tfdist.strategies refuses it).
 _GROUP_KEY = 0x3FFF0000
 
 
