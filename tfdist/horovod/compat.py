@@ -1,8 +1,8 @@
 """Horovod-era Keras spellings, accepted in Keras 3 while tfdist.horovod is imported.
 
 Horovod's examples and most scripts written for it were written for Keras 2 and
-use three spellings that Keras 3 rejects, for reasons that have nothing to do
-with distribution:
+use spellings that Keras 3 rejects, for reasons that have nothing to do with
+distribution:
 
 * ``model.compile(..., experimental_run_tf_function=False)``: Keras 3 raises
   ``TypeError: Trainer.compile() got an unexpected keyword argument
