@@ -107,3 +107,18 @@ def test_a_multi_worker_strategy_is_refused_beside_horovod(job):
     for r in job[:2]:
         assert "hvd.init()" in r["strategy_beside"]
         assert "MultiWorkerMirroredStrategy" in r["strategy_beside"]
+
+
+def test_an_in_graph_collective_on_one_rank_fails_within_the_timeout():
+    # Inside a tf.function no Python runs while the collective waits: the
+    # watchdog sees its started/finished counters stand still.
+    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
+                  "tests/workers/hvd_stall.py"], TFDIST_COLLECTIVE_TIMEOUT=str(TIMEOUT))
+    [(code, out, err)] = finish([proc], timeout=300)
+    assert code == 0, (out + err)[-5000:]
+    results = results_by_task(out)
+    r0, r1 = results["worker:0"], results["worker:1"]
+    assert r0["together"] == r1["together"] == 2.0 and r0["in_step"] == r1["in_step"] == 4.0
+    assert "a collective inside a tf.function" in r0["error"], r0
+    assert f"collective_timeout={TIMEOUT}" in r0["error"]
+    assert TIMEOUT <= r0["after"] < TIMEOUT + 5

@@ -150,9 +150,9 @@ def sum_dense(tensors: Sequence[tf.Tensor], merge: str = "Add") -> list[tf.Tenso
         flat = [tf.reshape(_wire(tensors[i]), [-1]) for i in members]
         packed = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
         if merge == "Add":
-            reduced = launcher.all_reduce(packed)
+            reduced = runtime.watched(lambda: launcher.all_reduce(packed))
         else:
-            reduced = _reduce_other(launcher, packed, merge)
+            reduced = runtime.watched(lambda: _reduce_other(launcher, packed, merge))
         parts = tf.split(reduced, [int(f.shape[0]) for f in flat]) if len(flat) > 1 \
             else [reduced]
         for i, part in zip(members, parts):
@@ -176,7 +176,8 @@ def gather_rows(rows: tf.Tensor) -> tf.Tensor:
     """Every rank's equally shaped ``rows``, concatenated on axis 0 in rank order."""
     if runtime.size() == 1:
         return tf.identity(rows)
-    return runtime.launcher()._all_gather(rows, None)  # noqa: SLF001
+    launcher = runtime.launcher()
+    return runtime.watched(lambda: launcher._all_gather(rows, None))  # noqa: SLF001
 
 
 def gather_varying(tensor: tf.Tensor) -> tf.Tensor:

@@ -70,6 +70,8 @@ class _State:
         self.collective_timeout = collective_timeout
         self.lock = threading.Lock()
         self.launcher = None
+        #: (started, finished) counts of collectives run inside tf.functions.
+        self.counters: tuple | None = None
         self.device: str | None = None
         self.inflight: dict[int, tuple[str, float]] = {}
         self.ids = itertools.count()
@@ -246,9 +248,14 @@ def launcher():
             kind = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
             state.device = f"/job:{topo.task_type}/replica:0/task:{topo.task_id}/device:{kind}:0"
             keys = cross_device_utils.CollectiveKeys(group_key_start=_GROUP_KEY)
-            state.launcher = cross_device_utils.CollectiveReplicaLauncher(
-                keys.get_group_key([state.device]), topo.size, keys, state.device,
-                collective_util.Options())
+            # The first collective may come in any trace of a tf.function.
+            with tf.init_scope(), created_eagerly():
+                state.launcher = cross_device_utils.CollectiveReplicaLauncher(
+                    keys.get_group_key([state.device]), topo.size, keys, state.device,
+                    collective_util.Options())
+                with tf.device("/cpu:0"):
+                    state.counters = (tf.Variable(0, dtype=tf.int64, trainable=False),
+                                      tf.Variable(0, dtype=tf.int64, trainable=False))
             _start_watchdogs(state)
     return state.launcher
 
@@ -269,16 +276,30 @@ def _start_watchdogs(state: _State) -> None:
 
 
 def _watch_stalls(state: _State) -> None:
-    """Aborts this process's collectives when one has waited too long."""
+    """Aborts this process's collectives when one has waited too long.
+
+    Collectives run eagerly are registered by :func:`inflight`; those inside
+    a ``tf.function`` (``fit``'s DistributedOptimizer, a tape, ``hvd.*`` in
+    the user's step) are bracketed by two counters (:func:`watched`): a
+    ``started`` ahead of ``finished`` that does not move for the timeout is a
+    collective some rank never joined.
+    """
     from tensorflow.python.eager import context
     from tensorflow.python.framework import errors
 
     interval = min(1.0, state.collective_timeout / 4)
+    seen, since = None, time.monotonic()
     while not state.stop.wait(interval):
         now = time.monotonic()
         with state.lock:
             late = [(what, now - start) for what, start in state.inflight.values()
                     if now - start > state.collective_timeout]
+        counts = tuple(int(c.numpy()) for c in state.counters) if state.counters else None
+        if counts != seen:
+            seen, since = counts, now
+        elif counts and counts[0] > counts[1] and now - since > state.collective_timeout:
+            late.append(("a collective inside a tf.function (DistributedOptimizer, "
+                         "DistributedGradientTape or hvd.* in a traced step)", now - since))
         if late and state.aborted is None:
             what, waited = late[0]
             state.aborted = (
@@ -311,3 +332,39 @@ def inflight(what: str) -> Iterator[None]:
     finally:
         with state.lock:
             state.inflight.pop(token, None)
+
+
+def watched(run):
+    """Runs ``run()``, which issues one collective; inside a ``tf.function``
+    it is bracketed by the stall watchdog's counters (see :func:`_watch_stalls`)."""
+    import tensorflow as tf
+
+    state = _require()
+    if tf.executing_eagerly() or state.counters is None:
+        return run()
+    started, finished = state.counters
+    with tf.control_dependencies([started.assign_add(1)]):
+        out = run()
+    with tf.control_dependencies([out]):
+        done = finished.assign_add(1)
+    with tf.control_dependencies([done]):
+        return tf.identity(out)
+
+
+def created_eagerly():
+    """Lets variables be created eagerly (under ``init_scope``) during any
+    trace of a ``tf.function``, not only its first.
+
+    A step function is often traced again (a Python argument changes) after
+    a first trace that created nothing; tf.function then refuses new
+    variables ("Creating variables on a non-first call"). Variables created
+    under init_scope live outside the graph and need none of tf.function's
+    lifting: a creator that goes straight to TensorFlow's default one skips
+    that check.
+    """
+    from tensorflow.python.ops import resource_variable_ops, variable_scope
+
+    def direct(next_creator, **kwargs):
+        return resource_variable_ops.default_variable_creator_v2(None, **kwargs)
+
+    return variable_scope.variable_creator_scope(direct)

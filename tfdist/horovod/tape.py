@@ -48,7 +48,7 @@ def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
     store = tape_state(aggregator)
     store["aggregator"] = resolved(aggregator, sources)
     aggregator = store["aggregator"]
-    with tf.init_scope(), _created_eagerly():
+    with tf.init_scope(), collectives.runtime.created_eagerly():
         if store["step"] is None:
             store["step"] = tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name="hvd_tape_step")
@@ -62,24 +62,6 @@ def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
                                            name=f"hvd_tape_{s.name}") for s in specs}
             store["vars"][id(var)] = (var, made, len(store["vars"]))
     return store, store["step"]
-
-
-def _created_eagerly():
-    """Lets the state be created at any trace of the user's tf.function.
-
-    The tape is rebuilt at every trace, and a step function is often traced
-    again (a Python argument changes) after a first trace that created no
-    state; tf.function then refuses new variables ("Creating variables on a
-    non-first call"). The state is created eagerly under init_scope, outside
-    the graph, so it needs none of tf.function's lifting: a creator that goes
-    straight to TensorFlow's default one skips that check.
-    """
-    from tensorflow.python.ops import resource_variable_ops, variable_scope
-
-    def direct(next_creator, **kwargs):
-        return resource_variable_ops.default_variable_creator_v2(None, **kwargs)
-
-    return variable_scope.variable_creator_scope(direct)
 
 
 class _DistributedTape:
