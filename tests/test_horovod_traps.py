@@ -16,6 +16,8 @@ What each check guards against, measured on TF 2.21 / Keras 3.15:
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import finish, start
@@ -122,3 +124,38 @@ def test_an_in_graph_collective_on_one_rank_fails_within_the_timeout():
     assert "a collective inside a tf.function" in r0["error"], r0
     assert f"collective_timeout={TIMEOUT}" in r0["error"]
     assert TIMEOUT <= r0["after"] < TIMEOUT + 5
+
+
+def _two_free_ports() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 just now."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            if base >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+                return base
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_ranks_from_horovods_own_variables_without_tf_config():
+    # What horovodrun/mpirun give each process: rank variables, no addresses.
+    base = _two_free_ports()
+    procs = [start(["tests/workers/hvd_small_fit.py"], HOROVOD_RANK=str(r), HOROVOD_SIZE="2",
+                   HOROVOD_LOCAL_RANK=str(r), HOROVOD_LOCAL_SIZE="2",
+                   TFDIST_PORT_BASE=str(base)) for r in range(2)]
+    results = finish(procs, timeout=300)
+    found = []
+    for code, out, err in results:
+        assert code == 0, (out + err)[-4000:]
+        found.append(next(json.loads(line.split("tfdist result: ", 1)[1])
+                          for line in out.splitlines() if "tfdist result: " in line))
+    assert [(f["rank"], f["size"], f["local_rank"]) for f in found] == [(0, 2, 0), (1, 2, 1)]
+    assert found[0]["sum"] == found[1]["sum"] == 3.0
+    assert found[0]["weights_sha256"] == found[1]["weights_sha256"]

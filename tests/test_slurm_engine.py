@@ -139,7 +139,7 @@ def test_srun_two_tasks_run_a_horovod_script(slurm_cluster):
     # step's node list, no TF_CONFIG.
     result = slurm_cluster.run(
         ["srun", "-n2", "--label", "--kill-on-bad-exit=1", "--time=8",
-         sys.executable, "tests/workers/hvd_slurm.py"], timeout=420)
+         sys.executable, "tests/workers/hvd_small_fit.py"], timeout=420)
     context = slurm_cluster.failure("srun horovod output", code=result.returncode,
                                     out=result.stdout, err=result.stderr)
     results = task_results(result.stdout, 2, context)

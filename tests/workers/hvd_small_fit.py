@@ -1,4 +1,4 @@
-"""A Horovod-style script in a Slurm step (tests/test_slurm_engine.py)."""
+"""A small Horovod-style fit: ranks, a Sum all-reduce, broadcast, identical weights (Slurm, HOROVOD_* variables)."""
 
 import hashlib
 import json
