@@ -215,3 +215,25 @@ def test_tape_state_created_when_a_step_is_traced_again(fresh, tf_cpus):
     assert traffic.dense_sent == 0  # One rank sends nothing...
     from tfdist.horovod.tape import _AGGREGATORS, tape_state
     assert int(tape_state(_AGGREGATORS["powersgd:1"])["step"].numpy()) == 2  # ...but counted.
+
+
+def test_init_after_tensorflow_started_says_what_to_move():
+    # With several ranks init() must configure collectives before TensorFlow's
+    # runtime starts; afterwards TensorFlow would re-point existing tensors.
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+    from tfdist.net import free_ports
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]},
+                 "task": {"type": "worker", "index": 0}}
+    code = ("import tensorflow as tf; tf.constant(1.0); import tfdist.horovod as hvd\n"
+            "from tfdist.errors import ConfigError\n"
+            "try:\n    hvd.init()\nexcept ConfigError as e:\n    print('ERROR', e)\n"
+            "print('INITIALIZED', hvd.is_initialized())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env=subprocess_env(TF_CONFIG=json.dumps(tf_config)), timeout=120)
+    assert "ERROR" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "hvd.init() before any other TensorFlow work" in done.stdout
+    assert "INITIALIZED False" in done.stdout
