@@ -40,8 +40,8 @@ from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, runtime
 from tfdist.horovod.collectives import ReduceOp
 
-__all__ = ["DistributedOptimizer", "HorovodComm", "reduce_gradients", "install", "load_model",
-           "is_distributed"]
+__all__ = ["DistributedOptimizer", "HorovodComm", "reduce_gradients", "check_reduction",
+           "install", "load_model", "is_distributed"]
 
 log = logging.getLogger("tfdist.horovod")
 
@@ -234,6 +234,31 @@ class _DistributedMixin:
                     lambda: (wait(), tf.constant(False))[1])
 
 
+def check_reduction(op: Any, process_set: Any, gradient_predivide_factor: Any,
+                    source: str) -> ReduceOp:
+    """Checks what DistributedOptimizer and DistributedGradientTape share.
+
+    Returns:
+        The resolved op (Average or Sum).
+
+    Raises:
+        ConfigError: Adasum or another op, a process set, or a bad
+            ``gradient_predivide_factor``.
+    """
+    resolved = collectives.resolve_op(op, None, source, allowed=(ReduceOp.Average, ReduceOp.Sum))
+    if process_set is not None:
+        raise ConfigError("process_set", process_set, "None (every rank)", source=source)
+    if isinstance(gradient_predivide_factor, bool) \
+            or not isinstance(gradient_predivide_factor, (int, float)) \
+            or not gradient_predivide_factor > 0:
+        raise ConfigError("gradient_predivide_factor", gradient_predivide_factor,
+                          "a number > 0", source=source)
+    if gradient_predivide_factor != 1.0 and resolved != ReduceOp.Average:
+        raise ConfigError("gradient_predivide_factor", gradient_predivide_factor,
+                          "1.0 unless op=hvd.Average", source=source)
+    return resolved
+
+
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ConfigError("optimizer", optimizer, "a Keras 3 optimizer (keras.optimizers.*)",
@@ -287,21 +312,11 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
 
     _check_optimizer(optimizer)
     source = "hvd.DistributedOptimizer"
-    resolved = collectives.resolve_op(op, None, source, allowed=(ReduceOp.Average, ReduceOp.Sum))
-    if process_set is not None:
-        raise ConfigError("process_set", process_set, "None (every rank)", source=source)
+    resolved = check_reduction(op, process_set, gradient_predivide_factor, source)
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
         raise ConfigError("backward_passes_per_step", backward_passes_per_step,
                           "an integer >= 1", source=source)
-    if isinstance(gradient_predivide_factor, bool) \
-            or not isinstance(gradient_predivide_factor, (int, float)) \
-            or not gradient_predivide_factor > 0:
-        raise ConfigError("gradient_predivide_factor", gradient_predivide_factor,
-                          "a number > 0", source=source)
-    if gradient_predivide_factor != 1.0 and resolved != ReduceOp.Average:
-        raise ConfigError("gradient_predivide_factor", gradient_predivide_factor,
-                          "1.0 unless op=hvd.Average", source=source)
     if getattr(optimizer, "gradient_accumulation_steps", None):
         raise ConfigError("gradient_accumulation_steps", optimizer.gradient_accumulation_steps,
                           "None: use backward_passes_per_step, which sends once per "

@@ -24,7 +24,7 @@ import tensorflow as tf
 from tfdist.errors import ConfigError
 from tfdist.horovod import collectives
 from tfdist.horovod.collectives import ReduceOp
-from tfdist.horovod.optimizer import HorovodComm, reduce_gradients
+from tfdist.horovod.optimizer import HorovodComm, check_reduction, reduce_gradients
 
 __all__ = ["DistributedGradientTape", "tape_state", "tape_traffic"]
 
@@ -33,6 +33,11 @@ _STATE: dict[int, dict] = {}
 #: compression setting -> its aggregator, for the life of the process (the
 #: wrapper is rebuilt at every trace; the state must not be).
 _AGGREGATORS: dict = {}
+
+
+def _key(compression: Any) -> Any:
+    """The cache key of a compression setting: names by value, objects by identity."""
+    return compression if isinstance(compression, (str, type(None))) else id(compression)
 
 
 def tape_state(aggregator: Any) -> dict:
@@ -114,19 +119,11 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
     if not isinstance(gradtape, tf.GradientTape):
         raise ConfigError("gradtape", gradtape, "a tf.GradientTape", source=source,
                           received=type(gradtape).__name__)
-    resolved = collectives.resolve_op(op, None, source, allowed=(ReduceOp.Average, ReduceOp.Sum))
-    if process_set is not None:
-        raise ConfigError("process_set", process_set, "None (every rank)", source=source)
-    if isinstance(gradient_predivide_factor, bool) \
-            or not isinstance(gradient_predivide_factor, (int, float)) \
-            or not gradient_predivide_factor > 0:
-        raise ConfigError("gradient_predivide_factor", gradient_predivide_factor,
-                          "a number > 0", source=source)
-    key = compression if isinstance(compression, (str, type(None))) else id(compression)
-    aggregator = _AGGREGATORS.get(key)
+    resolved = check_reduction(op, process_set, gradient_predivide_factor, source)
+    aggregator = _AGGREGATORS.get(_key(compression))
     if aggregator is None:
         aggregator = aggregator_for(compression, source)
-        _AGGREGATORS[key] = aggregator
+        _AGGREGATORS[_key(compression)] = aggregator
     base = type(gradtape)
     cls = type(base.__name__, (_DistributedTape, base), {"__module__": base.__module__})
     tape = cls.__new__(cls)
@@ -154,8 +151,7 @@ def tape_traffic(variables: Any, compression: Any = None):
     """
     from keras.src import backend
 
-    key = compression if isinstance(compression, (str, type(None))) else id(compression)
-    aggregator = _AGGREGATORS.get(key)
+    aggregator = _AGGREGATORS.get(_key(compression))
     store = _STATE.get(id(aggregator)) if aggregator is not None else None
     if store is None or store["step"] is None or int(store["step"].numpy()) < 1:
         raise ValueError("tape_traffic: expected a DistributedGradientTape with compression="
