@@ -45,6 +45,7 @@ _LAZY = {
     "global_batch_size": "tfdist.data",
     "choose_shard_policy": "tfdist.data",
     "distribute_dataset": "tfdist.data",
+    "CheckpointableIterator": "tfdist.resumable",
 }
 
 __all__ = ["ClusterSpecError", "ConfigError", "TfdistError", *_LAZY]
