@@ -106,7 +106,7 @@ def reference(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("compression", [None, "powersgd"])
+@pytest.mark.parametrize("compression", [None, "powersgd", "topk"])
 def test_preempted_twice_then_resumed_equals_uninterrupted(tmp_path, reference, compression):
     env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_BATCH_SLEEP": "0.03"}
     if compression:
