@@ -145,3 +145,31 @@ def test_preempted_twice_then_resumed_equals_uninterrupted(tmp_path, reference, 
         np.testing.assert_allclose(result["weights"], want["weights"], rtol=0, atol=1e-6)
     # Each stop came well within a 30 s grace period.
     assert all(seconds < 30 for _, seconds in stops), stops
+
+
+def test_keras_own_backup_and_restore_saves_on_preemption_and_resumes_mid_epoch(tmp_path,
+                                                                               reference):
+    """The stock keras.callbacks.BackupAndRestore, under a tfdist strategy,
+    with no other change: same agreement, same exact resume."""
+    env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_BATCH_SLEEP": "0.03",
+           "TFDIST_TEST_CALLBACK": "keras"}
+    job = run_job(tmp_path, env, signal_at=(1, 6), who=1)
+    assert job["codes"] == [PREEMPTED_EXIT_CODE] * 2, job["err"][1][-3000:]
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        saved = json.load(f)
+    records = _status(tmp_path)
+    assert saved["tfdist_preempted"] is True and saved["epoch"] == 1
+    assert saved["tfdist_batches_done"] in (8, 9)
+    assert max(job["seen"]) == (1, saved["tfdist_batches_done"] - 1)
+    assert {r["batch"] for r in records.values()} == {saved["tfdist_batches_done"]}
+
+    job = run_job(tmp_path, env)
+    assert job["codes"] == [0, 0], job["err"][0][-3000:]
+    want = reference(None)
+    for out in job["out"]:
+        result = result_line(out)
+        assert result["start_iterations"] == BATCHES + saved["tfdist_batches_done"]
+        assert result["iterations"] == PLANNED
+        np.testing.assert_allclose(result["weights"], want["weights"], rtol=0, atol=1e-6)
+    # Keras deletes its backup after a complete fit.
+    assert not os.path.exists(tmp_path / "backup")
