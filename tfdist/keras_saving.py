@@ -44,7 +44,9 @@ multi-worker strategy of two or more workers:
   checkpoints, saved by the chief in the real directory and by the others in
   their own): TensorFlow writes atomically already; a worker's save returns
   once the chief's save of the same count is done, so its
-  ``tf.train.latest_checkpoint`` of the chief's directory finds it.
+  ``tf.train.latest_checkpoint`` of the chief's directory finds it. A worker
+  whose manager has the chief's directory (one script, one path) saves into
+  a private directory that is removed: only the chief writes there.
 
 Single-worker training, and every other strategy, are unchanged.
 """
@@ -463,6 +465,40 @@ def set_job_strategy(strategy: Any) -> None:
     _JOB_STRATEGY = weakref.ref(strategy)
 
 
+def _same_directory(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b) if _local(a) and _local(b) else a == b
+
+
+def _manager_save_to_scratch(manager: Any, original: Callable, chief_dir: str,
+                             args: tuple, kwargs: dict) -> str:
+    """Runs ``manager``'s save into a private directory that is removed.
+
+    The save must still run here (saving on-read variables is a collective,
+    and it advances ``save_counter`` as on the chief), but the directory is
+    the chief's: two writers there race (measured: "ckpt-1_temp/part-00000
+    ... not found" in MergeV2Checkpoints). The manager's bookkeeping is kept
+    as it was, except that its latest checkpoint is the chief's of that name.
+    """
+    import collections
+    saved = (manager._directory, manager._prefix, manager._maybe_delete,
+             manager._latest_checkpoint)
+    scratch = tempfile.mkdtemp(prefix="tfdist-ckpt-")
+    manager._directory = scratch
+    manager._prefix = os.path.join(scratch, os.path.basename(saved[1]))
+    # Its sweep must not delete the chief's older checkpoints.
+    manager._maybe_delete = collections.OrderedDict()
+    try:
+        path = original(manager, *args, **kwargs)
+    finally:
+        (manager._directory, manager._prefix, manager._maybe_delete,
+         manager._latest_checkpoint) = saved
+        shutil.rmtree(scratch, ignore_errors=True)
+    if path:
+        path = os.path.join(chief_dir, os.path.basename(path))
+        manager._latest_checkpoint = path
+    return path
+
+
 def _wrap_manager_save(original):
     @functools.wraps(original)
     def save(self, *args, **kwargs):
@@ -470,7 +506,9 @@ def _wrap_manager_save(original):
         # worker that saved to its own directory (the tutorial's
         # write_filepath) may read the chief's latest_checkpoint before the
         # chief has written it: the workers wait for the chief's save of the
-        # same count, as for model.save.
+        # same count, as for model.save. A worker whose manager points at the
+        # chief's directory (the same script on every worker) saves into a
+        # private directory instead: only the chief writes there.
         strategy = _JOB_STRATEGY()
         on, chief = ((False, True) if strategy is None or getattr(_STATE, "off", False)
                      else _multi_worker(strategy))
@@ -478,6 +516,7 @@ def _wrap_manager_save(original):
             return original(self, *args, **kwargs)
         key = _next_key("tf.train.CheckpointManager.save")
         if chief:
+            _publish(f"{key}/directory", {"path": str(self.directory)})
             record = {"path": str(self.directory), "ok": False}
             try:
                 value = original(self, *args, **kwargs)
@@ -489,7 +528,11 @@ def _wrap_manager_save(original):
             finally:
                 _publish(key, record)
         started = time.monotonic()
-        value = original(self, *args, **kwargs)
+        chief_dir = _wait(f"{key}/directory", str(self.directory), 0.0)
+        if chief_dir is not None and _same_directory(chief_dir["path"], str(self.directory)):
+            value = _manager_save_to_scratch(self, original, chief_dir["path"], args, kwargs)
+        else:
+            value = original(self, *args, **kwargs)
         record = _wait(key, str(self.directory), time.monotonic() - started)
         if record is not None and not record["ok"]:
             raise ChiefSaveError(

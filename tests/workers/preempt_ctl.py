@@ -125,7 +125,8 @@ elif MODE == "watcher":
     restored = manager.restore_or_initialize()
     start = int(step_var.numpy())
     print(f"tfdist start: {start} restored={restored}", flush=True)
-    with tfdist.PreemptionWatcher(strategy, name="ctl") as watcher:
+    from tfdist.preemption import PreemptionWatcher
+    with PreemptionWatcher(strategy, name="ctl") as watcher:
         for step in range(start, TOTAL_STEPS):
             after_step(train_step(iterator))
             if watcher.should_stop(step + 1 - start):
