@@ -480,17 +480,17 @@ def _manager_save_to_scratch(manager: Any, original: Callable, chief_dir: str,
     as it was, except that its latest checkpoint is the chief's of that name.
     """
     import collections
-    saved = (manager._directory, manager._prefix, manager._maybe_delete,
+    saved = (manager._directory, manager._checkpoint_prefix, manager._maybe_delete,
              manager._latest_checkpoint)
     scratch = tempfile.mkdtemp(prefix="tfdist-ckpt-")
     manager._directory = scratch
-    manager._prefix = os.path.join(scratch, os.path.basename(saved[1]))
+    manager._checkpoint_prefix = os.path.join(scratch, os.path.basename(saved[1]))
     # Its sweep must not delete the chief's older checkpoints.
     manager._maybe_delete = collections.OrderedDict()
     try:
         path = original(manager, *args, **kwargs)
     finally:
-        (manager._directory, manager._prefix, manager._maybe_delete,
+        (manager._directory, manager._checkpoint_prefix, manager._maybe_delete,
          manager._latest_checkpoint) = saved
         shutil.rmtree(scratch, ignore_errors=True)
     if path:
