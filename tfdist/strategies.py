@@ -529,7 +529,9 @@ def serve(cfg: cluster_lib.TFConfig) -> None:
     """Runs this ps or worker task as a server of a parameter-server job.
 
     The chief drives training; ps and worker tasks only serve it. This never
-    returns: the chief's side ends the job.
+    returns: the chief's side ends the job. On the preemption signal the
+    server serves on until the coordinator has saved, then exits with code
+    143 (:mod:`tfdist.ps_preemption`).
     """
     logging.info("tfdist: %s serves the parameter-server cluster; the chief "
                  "runs the training.", cfg.task_id)
@@ -538,7 +540,9 @@ def serve(cfg: cluster_lib.TFConfig) -> None:
     server = tf.distribute.Server(
         _resolver(cfg).cluster_spec(), job_name=cfg.task_type,
         task_index=cfg.task_index, protocol=cfg.rpc_layer or "grpc", start=True)
-    server.join()
+    from tfdist import ps_preemption
+    # Not server.join(): it never returns, so no Python signal handler runs.
+    ps_preemption.serve_until_preempted(cfg.task_type, cfg.task_index)
 
 
 def explain(config: Any = None, *, strategy: str = "auto",

@@ -33,14 +33,27 @@ parameter-server training:
   the others); a step it was running may run again (at-least-once). A ps
   that dies ends training with :class:`ParameterServerError`; restart the
   cluster and resume from a backup (``tfdist.BackupAndRestore``).
+* **Preemption.** With ``tfdist.BackupAndRestore`` (or Keras's under a tfdist
+  strategy), SIGTERM to the coordinator stops the scheduling of new steps;
+  the steps in flight finish (``coordinator.join()``), the backup is taken at
+  that step boundary (so ``optimizer.iterations`` equals the steps it
+  records), and the process exits with code 143. The next run resumes at
+  that step, mid-epoch. SIGTERM to a ps server (:func:`tfdist.strategies.serve`)
+  is passed on to the coordinator through ``$TFDIST_JOB_DIR`` (a notice file)
+  and handled the same way while the ps still serves its variables; a worker
+  server leaves at once (exit 143) and the others run its steps.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import math
+import os
 import re
 import socket
+import time
 from typing import Any, Callable
 
 import keras
@@ -540,20 +553,21 @@ class _ParameterServerFit:
         first_epoch = model._initial_epoch or initial_epoch
         training_logs = None
         try:
-            for epoch in range(first_epoch, epochs):
-                model.reset_metrics()
-                callbacks.on_epoch_begin(epoch)
-                logs = self._run_epoch(iterator, callbacks, start_step, steps,
-                                       per_call, window)
-                start_step = 0
-                epoch_logs = _numpy_logs(model._get_metrics_result_or_logs(logs))
-                if val_data is not None and model._should_eval(epoch, validation_freq):
-                    val_logs = _evaluate(model, val_data, validation_steps, callbacks)
-                    epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                callbacks.on_epoch_end(epoch, epoch_logs)
-                training_logs = epoch_logs
-                if model.stop_training:
-                    break
+            with _training_marker(_watchers(callbacks)):
+                for epoch in range(first_epoch, epochs):
+                    model.reset_metrics()
+                    callbacks.on_epoch_begin(epoch)
+                    logs = self._run_epoch(iterator, callbacks, start_step, steps,
+                                           per_call, window)
+                    start_step = 0
+                    epoch_logs = _numpy_logs(model._get_metrics_result_or_logs(logs))
+                    if val_data is not None and model._should_eval(epoch, validation_freq):
+                        val_logs = _evaluate(model, val_data, validation_steps, callbacks)
+                        epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                    callbacks.on_epoch_end(epoch, epoch_logs)
+                    training_logs = epoch_logs
+                    if model.stop_training:
+                        break
         except (tf.errors.UnavailableError, tf.errors.AbortedError,
                 tf.errors.CancelledError) as error:
             raise _ps_failure(error, self.strategy) from error
@@ -565,8 +579,25 @@ class _ParameterServerFit:
         model = self.model
         pending: collections.deque = collections.deque()
         step, logs = first_step, {}
+        watchers = _watchers(callbacks)
+        notices = _PsNotices(watchers)
         while step < steps or pending:
-            while step < steps and len(pending) < window and not model.stop_training:
+            notices.poll()
+            stopping = any(w.requested for w in watchers)
+            if stopping and pending:
+                # Preempted: no new step. The steps in flight finish, and the
+                # callbacks see one batch end, of the last step scheduled:
+                # the step boundary where a backup holds every update it
+                # counts (as with steps_per_execution, the batch number jumps).
+                self.coordinator.join()
+                end_step, remote = pending[-1]
+                pending.clear()
+                logs = self._logs(remote, end_step, logs)
+                callbacks.on_train_batch_end(end_step, logs)  # BackupAndRestore exits here.
+                continue
+            # When stopping with nothing in flight: one step, then its end.
+            limit = 1 if stopping else window
+            while step < steps and len(pending) < limit and not model.stop_training:
                 count = min(per_call, steps - step)
                 callbacks.on_train_batch_begin(step)
                 remote = self.coordinator.schedule(self._train_function(count),
@@ -576,16 +607,111 @@ class _ParameterServerFit:
             if not pending:
                 break
             end_step, remote = pending.popleft()
-            try:
-                logs = _numpy_logs(_wait(remote, self.step_timeout, f"step {end_step}"))
-            except tf.errors.UnavailableError:
-                # The step ran, but its worker died before its logs were
-                # read (they live on the worker). A failed ps or cluster is
-                # raised by the next schedule() or by join().
-                pass
-            callbacks.on_train_batch_end(end_step, logs)
+            logs = self._logs(remote, end_step, logs)
+            # With later steps in flight this is no step boundary: a backup
+            # here would hold some of their updates and count none of them.
+            with _no_stop(watchers) if pending else contextlib.nullcontext():
+                callbacks.on_train_batch_end(end_step, logs)
         self.coordinator.join()  # Raises the error of a failed step, if any.
         return logs
+
+    def _logs(self, remote: Any, end_step: int, previous: dict) -> dict:
+        try:
+            return _numpy_logs(_wait(remote, self.step_timeout, f"step {end_step}"))
+        except tf.errors.UnavailableError:
+            # The step ran, but its worker died before its logs were read
+            # (they live on the worker). A failed ps or cluster is raised by
+            # the next schedule() or by join().
+            return previous
+
+
+# --------------------------------------------------------------------------
+# Preemption.
+
+
+def _watchers(callbacks: Any) -> list:
+    """The preemption watchers of the callbacks: ``tfdist.BackupAndRestore``'s,
+    and Keras's BackupAndRestore's under a tfdist strategy
+    (:mod:`tfdist.keras_preemption`). They exist from ``on_train_begin``."""
+    found = []
+    for callback in getattr(callbacks, "callbacks", callbacks or ()):
+        watcher = (getattr(callback, "watcher", None)
+                   or vars(callback).get("_tfdist_watcher"))
+        if watcher is not None and hasattr(watcher, "should_stop"):
+            found.append(watcher)
+    return found
+
+
+@contextlib.contextmanager
+def _no_stop(watchers: list):
+    """The watchers answer "go on" for the time of a batch end that is not a
+    step boundary; a signal that comes meanwhile is acted on after it."""
+    for watcher in watchers:
+        watcher.should_stop = lambda step: False
+    try:
+        yield
+    finally:
+        for watcher in watchers:
+            vars(watcher).pop("should_stop", None)
+
+
+@contextlib.contextmanager
+def _training_marker(watchers: list):
+    """While this coordinator trains with a preemption watcher, a marker in
+    the notice directory tells a signalled server to wait for the backup
+    (:mod:`tfdist.ps_preemption`); without it, a server stops at once (the
+    job is ending anyway)."""
+    from tfdist.ps_preemption import TRAINING_MARKER, notice_dir
+    directory = notice_dir() if watchers else None
+    path = None
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{TRAINING_MARKER}-{os.getpid()}")
+        with open(path, "w") as f:
+            f.write(str(time.time()))
+    try:
+        yield
+    finally:
+        if path is not None:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
+class _PsNotices:
+    """Turns a ps server's preemption notice into a preemption of this
+    coordinator: it must save while the ps still holds its variables."""
+
+    INTERVAL = 0.2
+
+    def __init__(self, watchers: list) -> None:
+        from tfdist.ps_preemption import notice_dir
+        self.watchers = watchers
+        self.directory = notice_dir() if watchers else None
+        self._next = 0.0
+
+    def poll(self) -> None:
+        if self.directory is None or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + self.INTERVAL
+        try:
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".json"))
+        except OSError:
+            return
+        if names and not any(w.requested for w in self.watchers):
+            try:
+                with open(os.path.join(self.directory, names[0])) as f:
+                    task = json.load(f).get("task", names[0])
+            except (OSError, ValueError):
+                task = names[0]
+            from absl import logging
+            logging.warning("tfdist.fit: %s was preempted; saving before its "
+                            "variables are gone.", task)
+            print(f"tfdist.fit: {task} was preempted: saving a backup at the next step "
+                  "boundary before its variables are gone.", flush=True)
+            for watcher in self.watchers:
+                watcher.notify()
 
 
 def _resume_step(model: Any) -> int:
