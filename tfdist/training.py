@@ -666,6 +666,12 @@ def _training_marker(watchers: list):
     path = None
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
+        for name in os.listdir(directory):
+            if name.endswith(".json"):  # A notice of an earlier run's ps.
+                try:
+                    os.remove(os.path.join(directory, name))
+                except OSError:
+                    pass
         path = os.path.join(directory, f"{TRAINING_MARKER}-{os.getpid()}")
         with open(path, "w") as f:
             f.write(str(time.time()))
