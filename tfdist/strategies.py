@@ -114,6 +114,9 @@ class TfdistStrategy:
         keras_steps.install()
         keras_loops.install()
         keras_accumulation.install()
+        # TF's PreemptionCheckpointHandler exits with 143 and a status record.
+        from tfdist import tf_handler
+        tf_handler.install()
         # Keras's BackupAndRestore saves on preemption and resumes mid-epoch
         # (tfdist.keras_preemption), over the chief-only saves of
         # tfdist.keras_saving, which must be wrapped first.
