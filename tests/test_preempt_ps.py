@@ -17,7 +17,6 @@ steps with ``tfdist.BackupAndRestore``:
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from tfdist.preemption import PREEMPTED_EXIT_CODE, preemption_signal, status_dir
 
@@ -101,7 +101,7 @@ def _coordinator_done() -> bool:
         return False
 
 
-def serve_until_preempted(task_type: str, task_index: int) -> NoReturn:
+def serve_until_preempted(task_type: str, task_index: int, server: Any = None) -> NoReturn:
     """Blocks this server's main thread until the preemption signal, then
     lets the coordinator save (see the module docstring) and exits with
     :data:`tfdist.preemption.PREEMPTED_EXIT_CODE`.
@@ -109,6 +109,12 @@ def serve_until_preempted(task_type: str, task_index: int) -> NoReturn:
     Call it in the main thread after the ``tf.distribute.Server`` started,
     instead of ``server.join()`` (which never returns, so no Python signal
     handler could run).
+
+    Args:
+        task_type: ``"ps"`` or ``"worker"``.
+        task_index: The task's index.
+        server: The started ``tf.distribute.Server``, kept referenced here
+            (its deletion would try to stop it).
     """
     task = f"{task_type}:{task_index}"
     signum = preemption_signal()

@@ -545,7 +545,7 @@ def serve(cfg: cluster_lib.TFConfig) -> None:
         task_index=cfg.task_index, protocol=cfg.rpc_layer or "grpc", start=True)
     from tfdist import ps_preemption
     # Not server.join(): it never returns, so no Python signal handler runs.
-    ps_preemption.serve_until_preempted(cfg.task_type, cfg.task_index)
+    ps_preemption.serve_until_preempted(cfg.task_type, cfg.task_index, server)
 
 
 def explain(config: Any = None, *, strategy: str = "auto",
