@@ -46,6 +46,10 @@ _LAZY = {
     "choose_shard_policy": "tfdist.data",
     "distribute_dataset": "tfdist.data",
     "CheckpointableIterator": "tfdist.resumable",
+    "PreemptionWatcher": "tfdist.preemption",
+    "Preempted": "tfdist.preemption",
+    "PreemptionError": "tfdist.preemption",
+    "PREEMPTED_EXIT_CODE": "tfdist.preemption",
 }
 
 __all__ = ["ClusterSpecError", "ConfigError", "TfdistError", *_LAZY]

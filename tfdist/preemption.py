@@ -55,8 +55,23 @@ __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "PreemptionError", "PreemptionWat
 PREEMPTED_EXIT_CODE = 143
 _STOP_WATCHING = "tfdist-stop-watching"
 _RUNS = itertools.count()
-#: Seconds the first signalled worker waits for every worker's acknowledgement.
-ACK_TIMEOUT = 60.0
+
+
+def _grace() -> float | None:
+    """The grace period the launcher announced (``TFDIST_GRACE``), if any."""
+    try:
+        return float(os.environ["TFDIST_GRACE"])
+    except (KeyError, ValueError):
+        return None
+
+
+def ack_timeout() -> float:
+    """Seconds the first signalled worker waits for every worker's
+    acknowledgement: half the grace period (``TFDIST_GRACE``), at least 5 s,
+    15 s without one. Watcher threads answer within milliseconds; a worker
+    that does not is gone, and the rest of the grace period is the save's."""
+    grace = _grace()
+    return 15.0 if grace is None else max(5.0, grace / 2)
 
 
 class PreemptionError(TfdistError, RuntimeError):
@@ -133,13 +148,19 @@ class PreemptionWatcher:
         signals: The signal (or signals) meaning "preempted": names or
             numbers. Default: ``$TFDIST_PREEMPT_SIGNAL``, else SIGTERM.
         name: Names the loop in logs and keys.
+        task, index, workers: This task's name, its index among the
+            training tasks and their number, for jobs without a
+            tf.distribute strategy (``tfdist.horovod``); default: from the
+            strategy's cluster.
 
     Attributes:
         signal_time: ``time.time()`` of the first signal seen here, or None.
         stopped_at: The agreed step, once known.
     """
 
-    def __init__(self, strategy: Any = None, signals: Any = None, name: str = "loop") -> None:
+    def __init__(self, strategy: Any = None, signals: Any = None, name: str = "loop", *,
+                 task: str | None = None, index: int | None = None,
+                 workers: int | None = None) -> None:
         if signals is None or isinstance(signals, (str, int)):
             signals = [signals]
         self.signals = [preemption_signal(s) for s in signals]
@@ -156,6 +177,7 @@ class PreemptionWatcher:
         self._thread: threading.Thread | None = None
         self._published = False
         self._running = False
+        self._topology = (task, index, workers) if workers is not None else None
         self.task, self.index, self.workers = "worker:0", 0, 1
         self._prefix = ""
 
@@ -165,10 +187,14 @@ class PreemptionWatcher:
         """Installs the signal handler and, with several workers, the watcher
         thread. Call it in the main thread, at the same point on every worker."""
         import tensorflow as tf
-        strategy = self._strategy or tf.distribute.get_strategy()
-        self.task, self.index, self.workers = _cluster_of(strategy)
-        if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-            self.workers = 1  # Only the coordinator runs the loop.
+        if self._topology is not None:
+            task, index, workers = self._topology
+            self.task, self.index, self.workers = task or f"worker:{index or 0}", index or 0, workers
+        else:
+            strategy = self._strategy or tf.distribute.get_strategy()
+            self.task, self.index, self.workers = _cluster_of(strategy)
+            if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+                self.workers = 1  # Only the coordinator runs the loop.
         attempt = os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0")
         self._prefix = f"tfdist_preempt/{attempt}/{next(_RUNS)}-{self.name}"
         self._running = True
@@ -284,7 +310,7 @@ class PreemptionWatcher:
 
         Raises:
             PreemptionError: A worker did not acknowledge the notice within
-                ``ACK_TIMEOUT`` seconds (it is gone).
+                :func:`ack_timeout` seconds (it is gone).
         """
         if not self._running:
             return False
@@ -310,7 +336,8 @@ class PreemptionWatcher:
 
     def _wait_for_acks(self) -> None:
         from tensorflow.python.eager import context
-        deadline = time.monotonic() + ACK_TIMEOUT
+        timeout = ack_timeout()
+        deadline = time.monotonic() + timeout
         for i in range(self.workers):
             left = max(1, int((deadline - time.monotonic()) * 1000))
             try:
@@ -318,9 +345,9 @@ class PreemptionWatcher:
             except Exception as error:  # noqa: BLE001 - DeadlineExceeded, Unavailable.
                 raise PreemptionError(
                     f"{self.task}: training task {i} of {self.workers} did not acknowledge "
-                    f"the preemption notice within {ACK_TIMEOUT:g} s ({error}); it is gone, "
+                    f"the preemption notice within {timeout:g} s ({error}); it is gone, "
                     "so no consistent backup can be taken.") from error
-        self._agreed.wait(ACK_TIMEOUT)
+        self._agreed.wait(timeout)
 
     # -- exit ----------------------------------------------------------------
 
@@ -342,6 +369,12 @@ class PreemptionWatcher:
         where = f"step {record['step']}" if "step" in record else f"step {self.stopped_at}"
         logging.warning("tfdist: %s saved at %s and exits (preempted)%s.", self.task, where,
                         since)
+        grace = _grace()
+        if grace is not None and self.signal_time is not None \
+                and record["exit_time"] - self.signal_time > grace:
+            logging.warning("tfdist: that took longer than the grace period (%g s): a SIGKILL "
+                            "may have come first on a real preemption. Save less often "
+                            "elsewhere, or ask for a longer grace period.", grace)
         print(f"tfdist: preempted: {self.task} saved at {where}; exiting with code "
               f"{PREEMPTED_EXIT_CODE}{since}", file=sys.stderr, flush=True)
         raise Preempted(record)

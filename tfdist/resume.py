@@ -19,8 +19,8 @@ it back exactly.
   still owed, is unchanged. State that is the same on every replica
   (PowerSGD's Q) is loaded as it is.
 * *Global batch.* tfdist keeps what the script computes. A script that keeps
-  the global batch (``tfdist.data.distribute_dataset(..., global_batch=...)``,
-  the recommended way) gets a larger per-replica batch and the same steps per
+  the global batch (``dataset.batch(GLOBAL_BATCH)``, the recommended way,
+  rather than ``distribute_dataset(per_replica_batch=...)``) gets a larger per-replica batch and the same steps per
   epoch: the resume is at the same batch, and exact in data. A script whose
   global batch follows the number of workers gets another number of steps per
   epoch: the resume keeps the fraction of the epoch done
