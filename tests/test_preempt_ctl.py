@@ -6,7 +6,7 @@ same command again resumes at exactly that step, and the weights at the end
 equal those of an uninterrupted run. Two ways to write the loop:
 TensorFlow's own ``PreemptionCheckpointHandler`` (its exit code 42 off
 Google Cloud becomes 143 with a status record under tfdist), and
-``tfdist.preemption.PreemptionWatcher`` (exit code 143, with a status
+``tfdist.PreemptionWatcher`` (exit code 143, with a status
 record). The dataset position goes into the checkpoint through
 ``tfdist.CheckpointableIterator``, which is also tested here in one process.
 """

@@ -6,7 +6,8 @@ MODE:
 * ``tf_handler``: TensorFlow's own ``PreemptionCheckpointHandler(cluster_resolver,
   checkpoint_manager)`` and ``handler.run(train_step, iterator)``, as in its
   documentation; nothing of tfdist but the strategy.
-* ``watcher``: ``tfdist.PreemptionWatcher`` with a ``tf.train.CheckpointManager``.
+* ``watcher``: ``tfdist.PreemptionWatcher`` with a ``tf.train.CheckpointManager``
+  (every worker calls ``manager.save``; only the chief writes).
 * ``plain``: the same loop without preemption handling (the reference run).
 
 The loop trains a small regression model with Adam under an exponential
@@ -126,8 +127,7 @@ elif MODE == "watcher":
     restored = manager.restore_or_initialize()
     start = int(step_var.numpy())
     print(f"tfdist start: {start} restored={restored}", flush=True)
-    from tfdist.preemption import PreemptionWatcher
-    with PreemptionWatcher(strategy, name="ctl") as watcher:
+    with tfdist.PreemptionWatcher(strategy, name="ctl") as watcher:
         for step in range(start, TOTAL_STEPS):
             after_step(train_step(iterator))
             if watcher.should_stop(step + 1 - start):
