@@ -149,6 +149,8 @@ def serve_until_preempted(task_type: str, task_index: int, server: Any = None) -
     while (time.monotonic() < deadline and not _coordinator_done()
            and _coordinator_training()):
         time.sleep(0.1)
+    if _coordinator_done():
+        time.sleep(1.0)  # It detaches from the servers before it exits.
     reason = ("the coordinator saved" if _coordinator_done() else
               "the coordinator stopped training" if not _coordinator_training() else
               "the grace period ended")

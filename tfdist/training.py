@@ -62,6 +62,7 @@ import tensorflow as tf
 
 from tfdist import keras_ps
 from tfdist.errors import ConfigError, TfdistError, require_int
+from tfdist.preemption import Preempted
 
 __all__ = ["fit", "evaluate", "predict", "ParameterServerError", "StepTimeoutError"]
 
@@ -571,6 +572,13 @@ class _ParameterServerFit:
         except (tf.errors.UnavailableError, tf.errors.AbortedError,
                 tf.errors.CancelledError) as error:
             raise _ps_failure(error, self.strategy) from error
+        except Preempted:
+            # Saved; the servers leave once they see the status record. Detach
+            # from them first, or this process's exit tries to reach them for
+            # each function it ran ("Failed to connect ... refused").
+            from tfdist.ps_cluster import _disconnect_coordinator
+            _disconnect_coordinator(_cluster_spec(self.strategy))
+            raise
         callbacks.on_train_end(logs=training_logs)
         return model.history
 
