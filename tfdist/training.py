@@ -40,8 +40,10 @@ parameter-server training:
   records), and the process exits with code 143. The next run resumes at
   that step, mid-epoch. SIGTERM to a ps server (:func:`tfdist.strategies.serve`)
   is passed on to the coordinator through ``$TFDIST_JOB_DIR`` (a notice file)
-  and handled the same way while the ps still serves its variables; a worker
-  server leaves at once (exit 143) and the others run its steps.
+  and handled the same way while the ps still serves its variables. A
+  worker server serves on until the coordinator saved or its grace period
+  ends, then leaves (exit 143); the job goes on without it
+  (:mod:`tfdist.ps_preemption`).
 """
 
 from __future__ import annotations
