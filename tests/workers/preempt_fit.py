@@ -1,0 +1,94 @@
+"""A worker of the engine preemption tests (tests/test_preempt_slurm.py).
+
+Started once per task by the engine (``srun -n2 python preempt_fit.py
+BACKUP_DIR PROGRESS_DIR``), with no TF_CONFIG: the strategy comes from the
+environment through ``strategy_from_config()``. Fits the scripts' model for
+EPOCHS epochs of STEPS_PER_EPOCH steps under tfdist's MultiWorkerMirrored with
+``tfdist.BackupAndRestore(BACKUP_DIR)`` (a backup per epoch; preemption saves
+come from BackupAndRestore itself). Each step sleeps a little, so that a
+signal lands mid-epoch.
+
+While it trains, each task writes its optimizer step count to
+``PROGRESS_DIR/<task>.step`` (the test waits on it before it signals). At the
+end it prints one 'tfdist result:' line: the optimizer step count when the
+first batch of this run started and at the end, the batches this process
+trained, the epoch and batch index of the first one, and a sha256 of the
+weights. A preempted run prints no result: BackupAndRestore ends it with the
+preempted exit code.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import _common
+import tfdist
+from tfdist.data import distribute_dataset
+
+EPOCHS = 3
+STEPS_PER_EPOCH = 20
+PER_REPLICA_BATCH = 16
+#: Seconds each step sleeps (a real step's compute; keeps a signal mid-epoch).
+STEP_SLEEP = float(os.environ.get("TFDIST_TEST_STEP_SLEEP", "0.15"))
+
+backup_dir, progress_dir = sys.argv[1], Path(sys.argv[2])
+strategy = tfdist.strategy_from_config(register_timeout=90)
+replicas = strategy.num_replicas_in_sync
+x, y = _common.make_data(STEPS_PER_EPOCH * PER_REPLICA_BATCH * replicas, 3)
+data = distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)), strategy,
+                          per_replica_batch=PER_REPLICA_BATCH, distribute=False)
+with strategy.scope():
+    model = _common.build_model(0.01, 3)
+
+task = strategy.task.replace(":", "-")
+progress = progress_dir / f"{task}.step"
+run = {"first": None, "batches": 0, "epochs": []}
+
+
+class Record(keras.callbacks.Callback):
+    """Where this run started, what it trained; the step count for the test."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        run["epochs"].append(epoch)
+        run["epoch"] = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if run["first"] is None:
+            run["first"] = {"iterations": int(self.model.optimizer.iterations.numpy()),
+                            "epoch": run["epoch"], "batch": batch}
+
+    def on_train_batch_end(self, batch, logs=None):
+        run["batches"] += 1
+        step = int(self.model.optimizer.iterations.numpy())
+        tmp = progress.with_suffix(".tmp")
+        tmp.write_text(str(step))
+        os.replace(tmp, progress)
+        time.sleep(STEP_SLEEP)
+
+
+backup = tfdist.BackupAndRestore(backup_dir)
+model.fit(data, epochs=EPOCHS, verbose=0, shuffle=False,
+          callbacks=[backup, Record()])
+weights = np.concatenate([w.ravel() for w in model.get_weights()])
+result = {
+    "task": strategy.task,
+    "replicas": replicas,
+    "planned_steps": EPOCHS * STEPS_PER_EPOCH,
+    "first": run["first"],
+    "batches": run["batches"],
+    "epochs": run["epochs"],
+    "iterations": int(model.optimizer.iterations.numpy()),
+    "resumed_from": backup.resumed_from,
+    "restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+    "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
+    "weights_sha256": hashlib.sha256(weights.astype("<f4").tobytes()).hexdigest(),
+}
+print("tfdist result: " + json.dumps(result), flush=True)
