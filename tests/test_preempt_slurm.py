@@ -4,7 +4,7 @@ real slurmctld and slurmd (tests/slurm_engine.py), then a requeued run.
 The batch job carries the README's preemption directives (``--signal=TERM@60``,
 ``--requeue``, ``--open-mode=append``) and requeues itself when its step ends
 with the preempted exit code. Its ``srun -n2`` step trains
-tests/workers/preempt_fit.py: a Keras fit under tfdist's MultiWorkerMirrored
+tests/workers/preempt_engine_fit.py: a Keras fit under tfdist's MultiWorkerMirrored
 (the cluster from the Slurm step, no TF_CONFIG) with
 ``tfdist.BackupAndRestore``. In the middle of an epoch the test sends SIGTERM
 to the step's tasks with ``scancel --signal=TERM JOB.STEP``. The tasks must agree
@@ -48,13 +48,13 @@ JOB_SCRIPT = """\
 #SBATCH --ntasks=2
 #SBATCH --time=00:10:00
 {directives}
-srun --kill-on-bad-exit=1 --label {python} tests/workers/preempt_fit.py {backup} {progress}
+srun --kill-on-bad-exit=1 --label {python} tests/workers/preempt_engine_fit.py {backup} {progress}
 code=$?
 echo "srun exit code $code at $(date +%s.%N) (restart ${{SLURM_RESTART_COUNT:-0}})"
 {requeue}
 exit $code
 """
-#: The worker's plan (tests/workers/preempt_fit.py): 3 epochs of 20 steps.
+#: The worker's plan (tests/workers/preempt_engine_fit.py): 3 epochs of 20 steps.
 STEPS_PER_EPOCH = 20
 PLANNED_STEPS = 3 * STEPS_PER_EPOCH
 #: Signal once the chief has done this many steps: in the middle of epoch 1.
