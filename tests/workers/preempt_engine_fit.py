@@ -1,6 +1,6 @@
 """A worker of the engine preemption tests (tests/test_preempt_slurm.py).
 
-Started once per task by the engine (``srun -n2 python preempt_fit.py
+Started once per task by the engine (``srun -n2 python preempt_engine_fit.py
 BACKUP_DIR PROGRESS_DIR``), with no TF_CONFIG: the strategy comes from the
 environment through ``strategy_from_config()``. Fits the scripts' model for
 EPOCHS epochs of STEPS_PER_EPOCH steps under tfdist's MultiWorkerMirrored with
