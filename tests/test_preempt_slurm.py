@@ -160,7 +160,11 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_at_that_step(
     assert pointer["global_step"] == stopped_step, context(f"pointer: {pointer}")
     assert (pointer["epoch"], pointer["step"]) == divmod(stopped_step, STEPS_PER_EPOCH)
 
-    # The requeued run: a new step of the same command, released at once.
+    # The requeued run: a new step of the same command, released early. Not
+    # within the second of the requeue: slurmd refuses a job credential
+    # created in the second its job's last one was revoked ("Job credential
+    # revoked", the job FAILED) -- one reason for Slurm's 2 minute hold.
+    time.sleep(2.5)
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
     fields = slurm_cluster.wait_job(job, timeout=180, output=output)
     text = output.read_text(errors="replace")
@@ -177,11 +181,25 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_at_that_step(
         assert (result["first"]["epoch"], result["first"]["batch"]) == divmod(
             stopped_step, STEPS_PER_EPOCH), context(f"task {rank}")
         # ...trained only the steps that were left, and ended on the plan.
-        assert result["batches"] == PLANNED_STEPS - stopped_step, context(f"task {rank}")
+        assert result["trained"] == PLANNED_STEPS - stopped_step, context(f"task {rank}")
         assert result["iterations"] == result["planned_steps"] == PLANNED_STEPS
         assert result["restart_count"] == "1"
         assert result["slurm_job_id"] == job
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+
+    # The same command without a preemption, as one step: the same weights,
+    # bit for bit (the data resumed at the right batch, the optimizer state).
+    progress_ref = tmp_path / "progress-ref"
+    progress_ref.mkdir()
+    reference = slurm_cluster.run(
+        ["srun", "-n2", "--label", "--kill-on-bad-exit=1", "--time=5", sys.executable,
+         "tests/workers/preempt_engine_fit.py", str(tmp_path / "backup-ref"),
+         str(progress_ref)], timeout=180, TFDIST_TEST_STEP_SLEEP="0")
+    uninterrupted = _results(reference.stdout)
+    assert sorted(uninterrupted) == [0, 1], context(f"reference run:\n{reference.stdout}")
+    assert uninterrupted[0]["trained"] == PLANNED_STEPS
+    assert results[0]["weights_sha256"] == uninterrupted[0]["weights_sha256"], context(
+        "expected the preempted and resumed job to end with the uninterrupted weights")
 
     saved = max(r["saved_time"] for r in records.values())
     exited = max(r["exit_time"] for r in records.values())

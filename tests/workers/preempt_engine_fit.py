@@ -10,10 +10,9 @@ signal lands mid-epoch.
 
 While it trains, each task writes its optimizer step count to
 ``PROGRESS_DIR/<task>.step`` (the test waits on it before it signals). At the
-end it prints one 'tfdist result:' line: the optimizer step count when the
-first batch of this run started and at the end, the batches this process
-trained, the epoch and batch index of the first one, and a sha256 of the
-weights. A preempted run prints no result: BackupAndRestore ends it with the
+end it prints one 'tfdist result:' line: the first batch this run trained
+(its epoch, its index in the epoch, the optimizer step count before it), the
+steps it trained, the final step count, and a sha256 of the weights. A preempted run prints no result: BackupAndRestore ends it with the
 preempted exit code.
 """
 
@@ -49,24 +48,29 @@ with strategy.scope():
 
 task = strategy.task.replace(":", "-")
 progress = progress_dir / f"{task}.step"
-run = {"first": None, "batches": 0, "epochs": []}
+run = {"first": None, "trained": 0, "epochs": []}
 
 
 class Record(keras.callbacks.Callback):
-    """Where this run started, what it trained; the step count for the test."""
+    """Where this run started training, what it trained; the step count for
+    the test. On a resume, Keras also reports the batches BackupAndRestore
+    skips; only the batches that moved the optimizer count."""
 
     def on_epoch_begin(self, epoch, logs=None):
         run["epochs"].append(epoch)
         run["epoch"] = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        if run["first"] is None:
-            run["first"] = {"iterations": int(self.model.optimizer.iterations.numpy()),
-                            "epoch": run["epoch"], "batch": batch}
+        run["before"] = int(self.model.optimizer.iterations.numpy())
 
     def on_train_batch_end(self, batch, logs=None):
-        run["batches"] += 1
         step = int(self.model.optimizer.iterations.numpy())
+        if step == run["before"]:
+            return  # Skipped on resume: read from the data, not trained.
+        run["trained"] += step - run["before"]
+        if run["first"] is None:
+            run["first"] = {"iterations": run["before"], "epoch": run["epoch"],
+                            "batch": batch}
         tmp = progress.with_suffix(".tmp")
         tmp.write_text(str(step))
         os.replace(tmp, progress)
@@ -82,7 +86,7 @@ result = {
     "replicas": replicas,
     "planned_steps": EPOCHS * STEPS_PER_EPOCH,
     "first": run["first"],
-    "batches": run["batches"],
+    "trained": run["trained"],
     "epochs": run["epochs"],
     "iterations": int(model.optimizer.iterations.numpy()),
     "resumed_from": backup.resumed_from,
