@@ -134,18 +134,24 @@ class SparkJobError(TfdistError, RuntimeError):
         task_traceback: The failing task's Python traceback, or None.
         spark_message: Spark's own error text, without Java stack frames.
         failures: The errors of the earlier submissions, oldest first.
+        preempted: When the attempt ended on a preemption (a task got
+            SIGTERM, or ``$TFDIST_PREEMPT_SIGNAL``, and every task saved at
+            one step): that task's status record (``step``, ``epoch``,
+            ``batch``, ``signal_time``, ``saved_time``...); else None.
     """
 
     def __init__(self, message: str, *, partition: int | None = None,
                  attempt: int = 0, task_traceback: str | None = None,
                  spark_message: str | None = None,
-                 failures: tuple["SparkJobError", ...] = ()) -> None:
+                 failures: tuple["SparkJobError", ...] = (),
+                 preempted: dict | None = None) -> None:
         super().__init__(message)
         self.partition = partition
         self.attempt = attempt
         self.task_traceback = task_traceback
         self.spark_message = spark_message
         self.failures = tuple(failures)
+        self.preempted = preempted
 
 
 class SparkTimeoutError(SparkJobError, TimeoutError):
@@ -244,6 +250,13 @@ def _executor_host(barrier_context: Any, partition: int) -> str:
     return host.strip("[]") or "127.0.0.1"
 
 
+def _preemption_record(error: BaseException) -> dict | None:
+    """The status record of a task that saved on preemption and exits
+    (tfdist.preemption.Preempted, a SystemExit), else None."""
+    from tfdist.preemption import Preempted  # No TensorFlow.
+    return dict(error.record) if isinstance(error, Preempted) else None
+
+
 def _encode_failure(spec: _TaskSpec, partition: int, error: BaseException) -> str:
     """The message of the exception a failing task raises.
 
@@ -262,8 +275,13 @@ def _encode_failure(spec: _TaskSpec, partition: int, error: BaseException) -> st
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
+    record = _preemption_record(error)
+    if record is not None:
+        info["preempted"] = record
+        info["message"] = (f"preempted: saved at step {record.get('step')} and "
+                           f"exited with code {error.code}")
     return (f"tfdist.spark: task {partition} (worker {partition} of "
-            f"{spec.num_workers}) failed: {type(error).__name__}: {error}\n"
+            f"{spec.num_workers}) failed: {type(error).__name__}: {info['message']}\n"
             f"{_MARK} {json.dumps(info)}\n{_TB_START}\n{text.rstrip()}\n{_TB_END}")
 
 
@@ -310,6 +328,8 @@ def _run_task(spec: _TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
     partition = barrier_context.partitionId()
     try:
         os.environ.update(spec.env)
+        # Read by tfdist.preemption (its keys and status record).
+        os.environ["TFDIST_LAUNCH_ATTEMPT"] = str(spec.attempt)
         host = spec.host or _executor_host(barrier_context, partition)
         from tfdist.net import free_ports
         port = free_ports(1, host)[0]
@@ -343,6 +363,11 @@ def _run_task(spec: _TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
         # (and its process exits) while another may still talk to it.
         barrier_context.barrier()
     except BaseException as error:  # noqa: BLE001 - every failure goes back
+        if _preemption_record(error) is not None:
+            # Every task agreed on this step and saved (the chief writes the
+            # backup). The first task to fail makes Spark kill the others:
+            # wait until all of them are done saving.
+            barrier_context.barrier()
         raise RuntimeError(_encode_failure(spec, partition, error)) from None
     if payload is not None:
         yield payload
@@ -482,15 +507,25 @@ def _job_error(error: BaseException, attempt: int, attempts: int,
         found = _TB_RE.search(text, match.end())
         task_traceback = found.group(1) if found else "(not found in Spark's message)"
         partition = int(info["partition"])
-        message = (
-            f"{_SOURCE}: Spark task {partition} (worker {partition} of "
-            f"{num_workers}, on {info['host']}, pid {info['pid']}) failed on "
-            f"{where}: {info['type']}: {info['message']}\n"
-            "Spark aborted the barrier stage and stopped the other tasks.\n\n"
-            f"Traceback of task {partition}:\n{task_traceback}")
+        preempted = info.get("preempted")
+        if preempted is not None:
+            message = (
+                f"{_SOURCE}: the job was preempted on {where}: every task "
+                f"stopped after step {preempted.get('step')} (epoch "
+                f"{preempted.get('epoch')}, batch {preempted.get('batch')}), the "
+                "chief saved a backup there, and the tasks exited with code "
+                f"{_preempted_exit_code()}. A new attempt resumes at that step "
+                "from backup_dir.")
+        else:
+            message = (
+                f"{_SOURCE}: Spark task {partition} (worker {partition} of "
+                f"{num_workers}, on {info['host']}, pid {info['pid']}) failed on "
+                f"{where}: {info['type']}: {info['message']}\n"
+                "Spark aborted the barrier stage and stopped the other tasks.\n\n"
+                f"Traceback of task {partition}:\n{task_traceback}")
         return SparkJobError(message, partition=partition, attempt=attempt,
                              task_traceback=task_traceback,
-                             spark_message=spark_message)
+                             spark_message=spark_message, preempted=preempted)
     found = _RESULT_TASK_RE.search(text)
     partition = int(found.group(1)) if found else None
     who = f"task {partition}" if partition is not None else "a task"
@@ -499,6 +534,11 @@ def _job_error(error: BaseException, attempt: int, attempts: int,
                f"a killed Python worker). Spark said:\n{spark_message}")
     return SparkJobError(message, partition=partition, attempt=attempt,
                          spark_message=spark_message)
+
+
+def _preempted_exit_code() -> int:
+    from tfdist.preemption import PREEMPTED_EXIT_CODE  # No TensorFlow.
+    return PREEMPTED_EXIT_CODE
 
 
 def _submit(sc: Any, spec: _TaskSpec, seconds: float | None,
@@ -818,6 +858,13 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
             if attempt + 1 == attempts:
                 raise
             from absl import logging
+            if error.preempted is not None:
+                logging.warning(
+                    "tfdist.spark.run: attempt %d of %d was preempted and saved at "
+                    "step %s; submitting the job again (it resumes at that step "
+                    "from backup_dir).", attempt + 1, attempts,
+                    error.preempted.get("step"))
+                continue
             logging.warning("tfdist.spark.run: attempt %d of %d failed; "
                             "submitting the job again%s.\n%s", attempt + 1,
                             attempts, " (train_fn resumes from backup_dir)"
