@@ -34,8 +34,12 @@ failing task's partition and Python traceback. Spark does not retry a failed
 barrier result stage, so :func:`run` does: ``max_retries=N`` submits the job
 again (new processes, new ports), and ``train_fn`` resumes from
 ``backup_dir`` through :class:`tfdist.callbacks.BackupAndRestore`.
-``timeout`` bounds the whole run: its Spark job group is cancelled when it
-runs out. (Spark 4.3 quirk: a task killed while it waits in ``allGather`` or
+A preempted attempt (SIGTERM to a task: every task stops after the same
+step, the chief backs up there, and the tasks wait for each other before
+they fail the stage, so that Spark cannot kill the chief mid-save) is
+reported as :attr:`SparkJobError.preempted`, and the next attempt resumes
+at that step. ``timeout`` bounds the whole run: its Spark job group is
+cancelled when it runs out. (Spark 4.3 quirk: a task killed while it waits in ``allGather`` or
 ``barrier`` makes its executor exit with code 50; Spark starts a new one.)
 
 pyspark is optional (``pip install 'tfdist[spark]'``); importing this module
@@ -763,7 +767,9 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
         max_retries: Submissions of the job after a failed one. Spark does
             not retry a failed barrier result stage itself; each retry
             starts every task again in new processes on new ports, and
-            ``train_fn`` resumes from ``backup_dir``.
+            ``train_fn`` resumes from ``backup_dir``. A preempted attempt
+            (see :class:`SparkJobError`) counts as a failed one; its retry
+            resumes at the step where every task saved.
         timeout: Seconds for the whole run, retries included; then the
             Spark job group is cancelled (its tasks are killed) and
             :class:`SparkTimeoutError` is raised. None: no limit.
