@@ -280,12 +280,14 @@ def _encode_failure(spec: _TaskSpec, partition: int, error: BaseException) -> st
         "pid": os.getpid(),
     }
     record = _preemption_record(error)
+    what = f"failed: {type(error).__name__}: {error}"
     if record is not None:
         info["preempted"] = record
-        info["message"] = (f"preempted: saved at step {record.get('step')} and "
-                           f"exited with code {error.code}")
+        info["message"] = (f"saved at step {record.get('step')} and exited with "
+                           f"code {error.code}")
+        what = f"was preempted: {info['message']}"
     return (f"tfdist.spark: task {partition} (worker {partition} of "
-            f"{spec.num_workers}) failed: {type(error).__name__}: {info['message']}\n"
+            f"{spec.num_workers}) {what}\n"
             f"{_MARK} {json.dumps(info)}\n{_TB_START}\n{text.rstrip()}\n{_TB_END}")
 
 
