@@ -12,8 +12,9 @@ While it trains, each task writes its optimizer step count to
 ``PROGRESS_DIR/<task>.step`` (the test waits on it before it signals). At the
 end it prints one 'tfdist result:' line: the first batch this run trained
 (its epoch, its index in the epoch, the optimizer step count before it), the
-steps it trained, the final step count, and a sha256 of the weights. A preempted run prints no result: BackupAndRestore ends it with the
-preempted exit code.
+steps it trained, the final step count, and a sha256 of the weights. A
+preempted run prints no result: BackupAndRestore ends it with the preempted
+exit code.
 """
 
 import hashlib
