@@ -144,3 +144,42 @@ def test_a_bad_grace_in_python_names_the_field(grace, shown):
                              grace=grace)
     assert error.value.field == "grace"
     assert f"Received: {shown}" in str(error.value)
+
+
+def test_the_backup_claim_is_mounted_in_every_pod():
+    proc = tfjob_command("parameter_server", "--name", "t", "--image", "i",
+                         "--backup-claim", "team.backups-1", "--backup-mount", "/mnt/b",
+                         "--", "python", "train.py", "--backup_dir=/mnt/b/run")
+    assert proc.returncode == 0, proc.stderr
+    manifest = yaml.safe_load(proc.stdout)
+    for kind, spec in pod_specs(manifest).items():
+        [volume] = spec["volumes"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "team.backups-1"}, kind
+        [container] = spec["containers"]
+        # The container mounts the pod's volume, by its name.
+        assert container["volumeMounts"] == [{"name": volume["name"], "mountPath": "/mnt/b"}]
+    default = hosts.tfjob_manifest({"worker": 2}, name="t", image="i", command=["python"],
+                                   backup_claim="b")
+    [container] = pod_specs(default)["Worker"]["containers"]
+    assert container["volumeMounts"][0]["mountPath"] == hosts.DEFAULT_BACKUP_MOUNT
+    none = hosts.tfjob_manifest({"worker": 2}, name="t", image="i", command=["python"])
+    assert "volumes" not in pod_specs(none)["Worker"]
+    assert "volumeMounts" not in pod_specs(none)["Worker"]["containers"][0]
+
+
+@pytest.mark.parametrize("claim, mount, field, says", [
+    ("Team_Backups", None, "backup_claim", "Try 'team-backups'"),
+    ("-b", None, "backup_claim", "'-b'"),
+    ("b" * 254, None, "backup_claim", "PersistentVolumeClaim"),
+    (7, None, "backup_claim", "7"),
+    ("b", "backup", "backup_mount", "absolute path"),
+    ("b", "/a:b", "backup_mount", "'/a:b'"),
+    ("b", "/my backups", "backup_mount", "spaces"),
+    (None, "/backup", "backup_mount", "no backup_claim"),
+])
+def test_a_bad_backup_volume_names_the_field(claim, mount, field, says):
+    with pytest.raises(ConfigError) as error:
+        hosts.tfjob_manifest({"worker": 2}, name="job", image="i", command=["python"],
+                             backup_claim=claim, backup_mount=mount)
+    assert error.value.field == field
+    assert says in str(error.value)

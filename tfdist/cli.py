@@ -457,12 +457,18 @@ def _tfjob_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", default="60", metavar="SECONDS",
                         help="terminationGracePeriodSeconds of each pod: time from SIGTERM "
                              "to SIGKILL to save a backup (default 60)")
+    parser.add_argument("--backup-claim", default=None, metavar="PVC",
+                        help="PersistentVolumeClaim (ReadWriteMany) to mount in every pod "
+                             "for the backups")
+    parser.add_argument("--backup-mount", default=None, metavar="PATH",
+                        help="where --backup-claim is mounted (default /backup)")
     parser.add_argument("--cpu", default=None, help="CPU request and limit, e.g. 2 or 500m")
     parser.add_argument("--memory", default=None, help="memory request and limit, e.g. 4Gi")
 
 
 _TFJOB_USAGE = ("tfdist tfjob SPEC --name N --image I [--namespace NS] "
-                "[--restart-policy P] [--grace S] [--cpu C] [--memory M] -- COMMAND [ARGS...]")
+                "[--restart-policy P] [--grace S] [--backup-claim PVC [--backup-mount PATH]] "
+                "[--cpu C] [--memory M] -- COMMAND [ARGS...]")
 _TFJOB_DESCRIPTION = (
     "Prints a Kubeflow TFJob (kubeflow.org/v1) YAML manifest with one replica "
     "spec per job of SPEC (Chief, Worker, PS, Evaluator), sized like SPEC. Host "
@@ -491,7 +497,8 @@ def _tfjob(args: argparse.Namespace) -> int:
     manifest = hosts_lib.tfjob_manifest(
         counts, name=args.name, image=args.image, command=command,
         namespace=args.namespace, restart_policy=args.restart_policy,
-        cpu=args.cpu, memory=args.memory, grace=args.grace)
+        cpu=args.cpu, memory=args.memory, grace=args.grace,
+        backup_claim=args.backup_claim, backup_mount=args.backup_mount)
     shape = ", ".join(f"{count} {task_type}" for task_type, count in counts.items())
     print(f"# TFJob for {args.spec} ({shape}), written by tfdist.\n"
           "# The training operator sets TF_CONFIG in each pod; the spec's host "

@@ -50,6 +50,7 @@ __all__ = [
     "RESTART_POLICIES",
     "DEFAULT_RESTART_POLICY",
     "DEFAULT_GRACE_SECONDS",
+    "DEFAULT_BACKUP_MOUNT",
     "replica_counts",
     "tfjob_manifest",
     "to_yaml",
@@ -72,6 +73,10 @@ _TFJOB_API_VERSION = "kubeflow.org/v1"
 _TFJOB_CONTAINER = "tensorflow"  # The operator only sets TF_CONFIG in this container.
 _MAX_NAME = 63  # Kubernetes label / Service name limit.
 _MAX_INT64 = 2**63 - 1  # terminationGracePeriodSeconds is an int64.
+_DNS1123_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+#: The volume :func:`tfjob_manifest` mounts for ``backup_claim``, and where by default.
+_BACKUP_VOLUME = "tfdist-backup"
+DEFAULT_BACKUP_MOUNT = "/backup"
 _DNS1035_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # A Kubernetes resource quantity: "2", "0.5", "500m", "4Gi", "1e3".
@@ -452,6 +457,28 @@ def _check_grace(value: Any, source: str) -> int:
     return int(value)
 
 
+def _check_backup_volume(claim: Any, mount: Any, source: str) -> str | None:
+    """Checks the backup claim and mount path; returns the mount path."""
+    if claim is None:
+        if mount is not None:
+            _fail("backup_mount", mount, "None when there is no backup_claim", source,
+                  hint="Name the PersistentVolumeClaim to mount with backup_claim "
+                       "(--backup-claim).")
+        return None
+    if (not isinstance(claim, str) or len(claim) > 253
+            or not _DNS1123_SUBDOMAIN_RE.fullmatch(claim)):
+        _fail("backup_claim", claim,
+              "None or the name of a PersistentVolumeClaim: lowercase letters, digits, "
+              "'-' and '.', starting and ending with a letter or digit", source,
+              hint=_dns_hint(claim, letter_first=False) if isinstance(claim, str) else None)
+    mount = DEFAULT_BACKUP_MOUNT if mount is None else mount
+    if (not isinstance(mount, str) or not mount.startswith("/") or ":" in mount
+            or any(c.isspace() for c in mount)):
+        _fail("backup_mount", mount, "an absolute path in the container, without ':' or "
+              "spaces, e.g. '/backup'", source)
+    return mount
+
+
 def tfjob_manifest(
     spec_or_counts: Any,
     *,
@@ -464,6 +491,8 @@ def tfjob_manifest(
     cpu: str | float | None = None,
     memory: str | int | None = None,
     grace: int = DEFAULT_GRACE_SECONDS,
+    backup_claim: str | None = None,
+    backup_mount: str | None = None,
 ) -> dict[str, Any]:
     """Returns a Kubeflow ``TFJob`` (``kubeflow.org/v1``) running a cluster.
 
@@ -511,6 +540,12 @@ def tfjob_manifest(
         grace: ``terminationGracePeriodSeconds`` of every pod: whole
             seconds from SIGTERM to SIGKILL, at least 1. It must cover a
             step plus the save of a backup.
+        backup_claim: A PersistentVolumeClaim (ReadWriteMany: every pod
+            mounts it) to mount in every container for the backups, or
+            None. Pass the mount path to the script, e.g.
+            ``--backup_dir=/backup/run1``.
+        backup_mount: Where ``backup_claim`` is mounted: an absolute path,
+            default :data:`DEFAULT_BACKUP_MOUNT`.
 
     Returns:
         The manifest as a dict (keys in the conventional order).
@@ -518,7 +553,8 @@ def tfjob_manifest(
     Raises:
         ConfigError: A bad argument; ``field`` names it (``'name'``,
             ``'image'``, ``'command'``, ``'namespace'``, ``'restart_policy'``,
-            ``'cpu'``, ``'memory'``, ``'grace'``, ``'counts.<type>'``).
+            ``'cpu'``, ``'memory'``, ``'grace'``, ``'backup_claim'``,
+            ``'backup_mount'``, ``'counts.<type>'``).
         ClusterSpecError: The spec is invalid.
     """
     source = "tfjob_manifest()"
@@ -545,6 +581,7 @@ def tfjob_manifest(
         _fail("restart_policy", restart_policy,
               "one of " + ", ".join(repr(p) for p in RESTART_POLICIES), source, hint=hint)
     grace = _check_grace(grace, source)
+    backup_mount = _check_backup_volume(backup_claim, backup_mount, source)
     resources: dict[str, str] = {}
     cpu_text = _check_quantity("cpu", cpu, source)
     memory_text = _check_quantity("memory", memory, source)
@@ -565,11 +602,16 @@ def tfjob_manifest(
         container["env"] = [{"name": "TFDIST_GRACE", "value": str(grace)}]
         if resources:
             container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
+        pod: dict[str, Any] = {"terminationGracePeriodSeconds": grace}
+        if backup_claim is not None:
+            container["volumeMounts"] = [{"name": _BACKUP_VOLUME, "mountPath": backup_mount}]
+            pod["volumes"] = [{"name": _BACKUP_VOLUME,
+                               "persistentVolumeClaim": {"claimName": backup_claim}}]
+        pod["containers"] = [container]
         return {
             "replicas": count,
             "restartPolicy": restart_policy,
-            "template": {"spec": {"terminationGracePeriodSeconds": grace,
-                                  "containers": [container]}},
+            "template": {"spec": pod},
         }
 
     metadata: dict[str, Any] = {"name": name}
