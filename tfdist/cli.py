@@ -473,6 +473,9 @@ _TFJOB_DESCRIPTION = (
     "Prints a Kubeflow TFJob (kubeflow.org/v1) YAML manifest with one replica "
     "spec per job of SPEC (Chief, Worker, PS, Evaluator), sized like SPEC. Host "
     "addresses are not used: the training operator sets TF_CONFIG in each pod. "
+    "Preemption: on SIGTERM (an eviction, a drain) tfdist.BackupAndRestore saves "
+    "within --grace seconds and exits 143, which the ExitCode policy restarts; keep "
+    "the backups on a volume every pod mounts (--backup-claim). "
     "Apply it with: tfdist tfjob ... | kubectl apply -f -")
 
 
