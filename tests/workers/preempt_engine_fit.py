@@ -38,14 +38,32 @@ PER_REPLICA_BATCH = 16
 #: Seconds each step sleeps (a real step's compute; keeps a signal mid-epoch).
 STEP_SLEEP = float(os.environ.get("TFDIST_TEST_STEP_SLEEP", "0.15"))
 
+#: "mlp5.8m": the benchmarks' 256-2048-2048-512-10 MLP (5.8M parameters), to
+#: measure the save time of a bigger model; default: the scripts' small MLP.
+MODEL = os.environ.get("TFDIST_TEST_MODEL", "small")
+
 backup_dir, progress_dir = sys.argv[1], Path(sys.argv[2])
 strategy = tfdist.strategy_from_config(register_timeout=90)
 replicas = strategy.num_replicas_in_sync
-x, y = _common.make_data(STEPS_PER_EPOCH * PER_REPLICA_BATCH * replicas, 3)
+examples = STEPS_PER_EPOCH * PER_REPLICA_BATCH * replicas
+if MODEL == "mlp5.8m":
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(examples, 256)).astype("float32")
+    y = rng.integers(0, 10, size=examples).astype("int32")
+else:
+    x, y = _common.make_data(examples, 3)
 data = distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)), strategy,
                           per_replica_batch=PER_REPLICA_BATCH, distribute=False)
 with strategy.scope():
-    model = _common.build_model(0.01, 3)
+    if MODEL == "mlp5.8m":
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((256,))] + [
+            keras.layers.Dense(units, activation="relu") for units in (2048, 2048, 512)]
+            + [keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+    else:
+        model = _common.build_model(0.01, 3)
 
 task = strategy.task.replace(":", "-")
 progress = progress_dir / f"{task}.step"
