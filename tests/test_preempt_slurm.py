@@ -38,6 +38,7 @@ PREEMPT_DIRECTIVES = (
     "#SBATCH --signal=TERM@60",
     "#SBATCH --requeue",
     "#SBATCH --open-mode=append",
+    "export TFDIST_GRACE=60",
 )
 #: What the README's script does after its step (the test's job does the same).
 REQUEUE_LINE = 'if [ "$code" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID"; fi'
