@@ -189,7 +189,8 @@ class PreemptionWatcher:
         import tensorflow as tf
         if self._topology is not None:
             task, index, workers = self._topology
-            self.task, self.index, self.workers = task or f"worker:{index or 0}", index or 0, workers
+            self.index, self.workers = index or 0, workers
+            self.task = task or f"worker:{self.index}"
         else:
             strategy = self._strategy or tf.distribute.get_strategy()
             self.task, self.index, self.workers = _cluster_of(strategy)
