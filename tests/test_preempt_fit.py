@@ -68,7 +68,8 @@ def run_job(tmp, env: dict, signal_at: tuple[int, int] | None = None, who: int =
         time.sleep(0.01)
     results = finish(procs, timeout)
     return {"codes": [r[0] for r in results], "out": [r[1] for r in results],
-            "err": [r[2] for r in results], "signal_to_exit": time.monotonic() - sent if sent else None,
+            "err": [r[2] for r in results],
+            "signal_to_exit": time.monotonic() - sent if sent else None,
             "seen": _batches_seen(progress)}
 
 

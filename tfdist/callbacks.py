@@ -437,7 +437,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resume_epoch, self._resume_step = None, 0
             return
         epoch = int(meta["epoch"])
-        step = resume.resize(meta, strategy.num_replicas_in_sync, self.params.get("steps"),
+        steps_per_epoch = (self.params or {}).get("steps")
+        step = resume.resize(meta, strategy.num_replicas_in_sync, steps_per_epoch,
                              model.optimizer)
         model._initial_epoch = epoch
         self._resume_epoch, self._resume_step = epoch, step
@@ -619,7 +620,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                        preempted: bool = False) -> None:
         strategy = _model_strategy(self.model)
         meta = dict(meta, epoch=epoch, step=step, format=1, preempted=preempted,
-                    global_step=self._global_step, steps_per_epoch=self.params.get("steps"),
+                    global_step=self._global_step,
+                    steps_per_epoch=(self.params or {}).get("steps"),
                     writer=_task_name(strategy), host=socket.gethostname(),
                     pid=os.getpid(), time=time.time(),
                     replicas=strategy.num_replicas_in_sync)

@@ -189,7 +189,8 @@ class PreemptionWatcher:
         import tensorflow as tf
         if self._topology is not None:
             task, index, workers = self._topology
-            self.task, self.index, self.workers = task or f"worker:{index or 0}", index or 0, workers
+            self.index, self.workers = index or 0, workers
+            self.task = task or f"worker:{self.index}"
         else:
             strategy = self._strategy or tf.distribute.get_strategy()
             self.task, self.index, self.workers = _cluster_of(strategy)
@@ -351,6 +352,23 @@ class PreemptionWatcher:
 
     # -- exit ----------------------------------------------------------------
 
+    def _wait_for_writer(self) -> None:
+        """Training task 0 (the chief, rank 0) writes the backup; the others
+        leave only once it has, so that a launcher or scheduler that kills
+        the rest of a job at its first exit cannot cut that save short."""
+        if self.workers == 1 or self._prefix == "":
+            return
+        from tensorflow.python.eager import context
+        if self.index == 0:
+            self._set(self._key("saved"), "1", exists_ok=True)
+            return
+        timeout = ack_timeout()
+        try:
+            context.context().get_config_key_value(self._key("saved"), int(timeout * 1000))
+        except Exception as error:  # noqa: BLE001 - exit anyway: the grace period runs.
+            logging.warning("tfdist: %s: the chief did not confirm its backup within %g s "
+                            "(%s); exiting anyway.", self.task, timeout, error)
+
     def record(self, **fields: Any) -> dict:
         """The status record: task, attempt, signal time and ``fields``."""
         return {"task": self.task, "attempt": int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", 0)),
@@ -361,6 +379,7 @@ class PreemptionWatcher:
         """Writes the status record and raises :class:`Preempted` (exit code
         :data:`PREEMPTED_EXIT_CODE`). Call it after saving."""
         record = self.record(**(record or {}))
+        self._wait_for_writer()
         record["exit_time"] = time.time()
         write_status(record)
         self.stop()

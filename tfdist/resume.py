@@ -20,14 +20,15 @@ it back exactly.
   (PowerSGD's Q) is loaded as it is.
 * *Global batch.* tfdist keeps what the script computes. A script that keeps
   the global batch (``dataset.batch(GLOBAL_BATCH)``, the recommended way,
-  rather than ``distribute_dataset(per_replica_batch=...)``) gets a larger per-replica batch and the same steps per
-  epoch: the resume is at the same batch, and exact in data. A script whose
-  global batch follows the number of workers gets another number of steps per
-  epoch: the resume keeps the fraction of the epoch done
-  (``floor(step * new_steps / old_steps)`` batches, exact when the sizes
-  divide), and the restored learning rate is scaled by the ratio of global
-  batches (``old_steps / new_steps``), the linear scaling rule of Goyal et
-  al. (2017); a learning-rate schedule is left as it is, with a warning.
+  rather than ``distribute_dataset(per_replica_batch=...)``) gets a larger
+  per-replica batch and the same steps per epoch: the resume is at the same
+  batch, and exact in data. A script whose global batch follows the number
+  of workers gets another number of steps per epoch: the resume keeps the
+  fraction of the epoch done (``floor(step * new_steps / old_steps)``
+  batches, exact when the sizes divide), and the restored learning rate is
+  scaled by the ratio of global batches (``old_steps / new_steps``), the
+  linear scaling rule of Goyal et al. (2017); a learning-rate schedule is
+  left as it is, with a warning.
 * *Data.* The backup's position is a number of global batches into a
   deterministic epoch order; every worker skips that many global batches
   (reading, not training), so no example of the epoch is trained twice or

@@ -45,11 +45,12 @@ x = rng.normal(size=(512, 20)).astype("float32")
 y = (x[:, :3].sum(axis=1) > 0).astype("int32")
 global_batch = 32
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+glorot = keras.initializers.GlorotUniform
 with strategy.scope():
     model = keras.Sequential([
         keras.Input((20,)),
-        keras.layers.Dense(64, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(1)),
-        keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(2)),
+        keras.layers.Dense(64, activation="relu", kernel_initializer=glorot(1)),
+        keras.layers.Dense(2, kernel_initializer=glorot(2)),
     ])
     schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 10, 0.9)
     model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9),

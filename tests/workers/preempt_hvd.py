@@ -34,10 +34,10 @@ pause = float(os.environ.get("TFDIST_TEST_BATCH_SLEEP", "0.05"))
 rng = np.random.default_rng(rank)  # Each rank its own data.
 x = rng.normal(size=(STEPS * BATCH, 4)).astype("float32")
 y = np.sin(x @ np.array([[1.0], [2.0], [-1.0], [0.5]])).astype("float32")
+glorot = keras.initializers.GlorotUniform
 model = keras.Sequential([keras.Input((4,)),
-                          keras.layers.Dense(8, activation="tanh",
-                                             kernel_initializer=keras.initializers.GlorotUniform(1)),
-                          keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2))])
+                          keras.layers.Dense(8, activation="tanh", kernel_initializer=glorot(1)),
+                          keras.layers.Dense(1, kernel_initializer=glorot(2))])
 opt = keras.optimizers.SGD(0.05, momentum=0.9)
 loss_fn = keras.losses.MeanSquaredError()
 
