@@ -32,6 +32,7 @@ launcher (``$TFDIST_JOB_DIR/preempted/TASK.json``) and exits with
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -40,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 from absl import logging
 
@@ -177,6 +178,7 @@ class PreemptionWatcher:
         self._thread: threading.Thread | None = None
         self._published = False
         self._running = False
+        self._held = 0
         self._topology = (task, index, workers) if workers is not None else None
         self.task, self.index, self.workers = "worker:0", 0, 1
         self._prefix = ""
@@ -313,7 +315,7 @@ class PreemptionWatcher:
             PreemptionError: A worker did not acknowledge the notice within
                 :func:`ack_timeout` seconds (it is gone).
         """
-        if not self._running:
+        if not self._running or self._held:
             return False
         self._install()
         if self._agreed.is_set():
@@ -334,6 +336,17 @@ class PreemptionWatcher:
         # Another worker's notice (ours came second): its value arrives through
         # the watcher before that worker lets step+1 run.
         return self._agreed.is_set() and step >= self.stopped_at
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """:meth:`should_stop` answers False meanwhile: for batch ends that
+        are no step boundary (a parameter-server coordinator with later
+        steps still in flight). A signal meanwhile is acted on after."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
 
     def _wait_for_acks(self) -> None:
         from tensorflow.python.eager import context

@@ -656,13 +656,10 @@ def _watchers(callbacks: Any) -> list:
 def _no_stop(watchers: list):
     """The watchers answer "go on" for the time of a batch end that is not a
     step boundary; a signal that comes meanwhile is acted on after it."""
-    for watcher in watchers:
-        watcher.should_stop = lambda step: False
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
         for watcher in watchers:
-            vars(watcher).pop("should_stop", None)
+            stack.enter_context(watcher.held())
+        yield
 
 
 @contextlib.contextmanager
