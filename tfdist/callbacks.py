@@ -49,6 +49,7 @@ from tensorflow.python.distribute import multi_worker_util
 
 from tfdist import keras_saving
 from tfdist.errors import ConfigError, TfdistError, require_int
+from tfdist.preemption import PreemptionWatcher
 
 __all__ = [
     "BackupError",
@@ -328,6 +329,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             N: every N batches (a backup on an epoch's last batch is then
             marked, without another save, as the start of the next epoch).
         delete_checkpoint: Delete the backups when ``fit`` ends normally.
+        save_on_preemption: Watch for the preemption signal during ``fit``
+            (SIGTERM, or ``$TFDIST_PREEMPT_SIGNAL``; :mod:`tfdist.preemption`):
+            on a signal to any worker, every worker stops after the same
+            step, the chief backs up there (pointer marked ``preempted``),
+            and the process exits with code 143
+            (:data:`tfdist.preemption.PREEMPTED_EXIT_CODE`). The next run
+            resumes at that batch.
 
     Attributes:
         resumed_from: The pointer loaded at the start of the last ``fit``
@@ -338,7 +346,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
-                 delete_checkpoint: bool = True) -> None:
+                 delete_checkpoint: bool = True, save_on_preemption: bool = True) -> None:
         super().__init__()
         self.backup_dir = _check_backup_dir(backup_dir)
         if save_freq != "epoch" and (isinstance(save_freq, bool)
@@ -350,11 +358,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not isinstance(delete_checkpoint, bool):
             raise ConfigError("delete_checkpoint", delete_checkpoint, "True or False",
                               source="BackupAndRestore")
+        if not isinstance(save_on_preemption, bool):
+            raise ConfigError("save_on_preemption", save_on_preemption, "True or False",
+                              source="BackupAndRestore")
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
-        # Batch hooks only matter with an integer save_freq; declaring the
-        # callback async-safe otherwise keeps Keras's async batch dispatch.
-        self.async_safe = save_freq == "epoch"
+        self.save_on_preemption = save_on_preemption
+        # Batch hooks only matter with an integer save_freq or a preemption
+        # watch (which must exit from the main thread); declaring the callback
+        # async-safe otherwise keeps Keras's async batch dispatch.
+        self.async_safe = save_freq == "epoch" and not save_on_preemption
+        self.watcher: PreemptionWatcher | None = None
+        self._global_step = 0
+        self._calls = 0
         self.resumed_from: dict | None = None
         self.saves_written = 0
         self.saves_discarded = 0
@@ -412,6 +428,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._current_file = meta["file"] if meta else None
         self._since_save = 0
         self._last_save = None
+        self._global_step = int(meta.get("global_step", 0)) if meta else 0
+        self._calls = 0
+        if self.save_on_preemption:
+            self.watcher = PreemptionWatcher(strategy, name="fit").start()
         if meta is None:
             model._initial_epoch = None
             self._resume_epoch, self._resume_step = None, 0
@@ -500,15 +520,31 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._steps_done = self._resume_step if epoch == self._resume_epoch else 0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.save_freq == "epoch":
-            return
         done = batch + 1
-        if done <= self._steps_done:
-            return  # A batch skipped on resume, or trained before the backup.
-        self._since_save += done - self._steps_done
-        self._steps_done = done
-        if self._since_save >= self.save_freq:
-            self._save(self._epoch, done)
+        if done > self._steps_done:  # Not a batch skipped on resume.
+            self._since_save += done - self._steps_done
+            self._global_step += done - self._steps_done
+            self._steps_done = done
+            if self.save_freq != "epoch" and self._since_save >= self.save_freq:
+                self._save(self._epoch, done)
+        if self.watcher is not None:
+            # Every worker counts the same calls, skipped ones included.
+            self._calls += 1
+            if self.watcher.should_stop(self._calls):
+                self._save_and_exit()
+
+    def _save_and_exit(self) -> None:
+        """The agreed step: back up here (unless the last backup is this
+        step), then exit with the preempted code."""
+        epoch, step = self._epoch, self._steps_done
+        if self._last_save != (epoch, step):
+            self._save(epoch, step, preempted=True)
+        elif self._chief:
+            self._write_pointer(self._pointer_meta, epoch, step, preempted=True)
+        saved = time.time()
+        self.watcher.exit({"step": self._global_step, "epoch": epoch, "batch": step,
+                           "backup": self._path(self._current_file or "") if self._chief
+                           else None, "saved_time": saved})
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._resume_epoch = None
@@ -521,7 +557,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- save ----------------------------------------------------------------
 
-    def _save(self, epoch: int, step: int) -> None:
+    def _save(self, epoch: int, step: int, preempted: bool = False) -> None:
         self._since_save = 0
         self._save_count += 1
         self._last_save = (epoch, step)
@@ -551,15 +587,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         _fsync_dir(self.backup_dir)
         meta = {"file": name, "sha256": _sha256(final),
                 "size": os.path.getsize(final), "save_count": self._save_count}
-        self._write_pointer(meta, epoch, step)
+        self._write_pointer(meta, epoch, step, preempted=preempted)
         previous, self._current_file = self._current_file, name
         if previous and previous != name and os.path.exists(self._path(previous)):
             os.remove(self._path(previous))  # Only once the pointer moved on.
         self.saves_written += 1
 
-    def _write_pointer(self, meta: dict, epoch: int, step: int) -> None:
+    def _write_pointer(self, meta: dict, epoch: int, step: int,
+                       preempted: bool = False) -> None:
         strategy = _model_strategy(self.model)
-        meta = dict(meta, epoch=epoch, step=step, format=1,
+        meta = dict(meta, epoch=epoch, step=step, format=1, preempted=preempted,
+                    global_step=self._global_step,
                     writer=_task_name(strategy), host=socket.gethostname(),
                     pid=os.getpid(), time=time.time(),
                     replicas=strategy.num_replicas_in_sync)
@@ -569,6 +607,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     # -- train end -----------------------------------------------------------
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
         _unwrap_train_function(self.model)
         self.model._initial_epoch = None  # Keras 3 leaves it set for the next fit.
         if not (self.delete_checkpoint and self._chief):
