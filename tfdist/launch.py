@@ -681,10 +681,11 @@ class _Attempt:
                         s.out.say(f"{task.task} exited {code} after saving at "
                                   f"{_position(record)} (preempted); waiting up to "
                                   f"{s.grace:g} s for the other tasks to save and exit")
-                        signal_time = record.get("signal_time")
-                        # Measured from the task's own signal when it says when.
-                        started = now - max(0.0, time.time() - signal_time) \
-                            if isinstance(signal_time, (int, float)) else now
+                        # The grace period runs from the task's signal when a
+                        # record says when it came.
+                        times = [r["signal_time"] for r in self._records().values()
+                                 if isinstance(r.get("signal_time"), (int, float))]
+                        started = now - max(0.0, time.time() - min(times)) if times else now
                         end = self._drain("preempted", started)
                         # Named after the task that got the signal: the first
                         # to exit may be another one.
