@@ -11,6 +11,7 @@ import io
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -410,3 +411,35 @@ def test_e2e_elastic_a_worker_killed_for_good_leaves_the_job_on_one_worker(tmp_p
     assert not (tmp_path / "worker-1-1.pid").exists()  # One worker from then on.
     print(f"\nmeasured: elastic 2 -> 1 lost {max(before) + 1 - backup} step(s) "
           "(SIGKILL: back to the last backup)")
+
+
+def _answers(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_parameter_server_job_signals_the_chief_first_and_stops_the_servers_after(tmp_path):
+    # ps and worker tasks are TensorFlow servers; the chief is the plain
+    # trainer. It saves 2 s after the signal, checking that the servers still
+    # answer then; once it exited they are stopped.
+    import json
+    job = Launcher("--chief", "--workers", "1", "--ps", "1", TASK, "save", tmp_path,
+                   env={"PREEMPT_SAVE_DELAY": "2"})
+    job.wait_for(tmp_path / "cluster-0.json", 1)
+    addresses = [a for job_name in ("ps", "worker")
+                 for a in json.loads((tmp_path / "cluster-0.json").read_text())[job_name]]
+    deadline = time.monotonic() + 60
+    while not all(map(_answers, addresses)):
+        assert time.monotonic() < deadline, "the servers never answered"
+        time.sleep(0.2)
+    took, out = job.stop()
+    assert job.proc.returncode == 143, out
+    [(task, how)] = [(r[2], r[5]) for r in log_of(tmp_path)]
+    assert (task, how) == ("chief:0", "preempted"), out
+    assert SAVED.search(out) and 2 <= took < 10, out
+    assert not any(map(_answers, addresses))

@@ -18,11 +18,15 @@ line "attempt size task start_step end_step how" to DIR/log. Modes:
 * die: the default handler (killed by the signal, nothing saved).
 * preempt-1: like save; worker 1 of attempt 0 signals itself at step 3.
 * kill-last: like save; on attempt 0 the last worker SIGKILLs itself at step 3.
+
+A chief (of a parameter-server job) logs "preempted-servers-down" instead of
+"preempted" if a ps or worker server did not answer when it saved.
 """
 
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -47,6 +51,15 @@ def log(end: int, how: str) -> None:
         f.write(f"{attempt} {size} {task} {start} {end} {how}\n")
 
 
+def _answers(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def on_signal(number, frame):
     requested.append(time.time())
 
@@ -56,6 +69,7 @@ if mode in ("save", "preempt-1", "kill-last"):
 elif mode == "ignore":
     signal.signal(signum, signal.SIG_IGN)
 (out / f"{task_type}-{index}-{attempt}.pid").write_text(str(os.getpid()))
+(out / f"cluster-{attempt}.json").write_text(json.dumps(config["cluster"]))
 print(f"{task} of {size} starts at step {start}", flush=True)
 step = start
 while step < steps:
@@ -93,7 +107,14 @@ while step < steps:
         tmp = directory / f".{task_type}-{index}.json.tmp"
         tmp.write_text(json.dumps(record))
         os.replace(tmp, directory / f"{task_type}-{index}.json")
-        log(step, "preempted")
+        how = "preempted"
+        if task_type == "chief":
+            # A parameter-server job's chief saves through its servers: they
+            # must still be up now.
+            up = all(_answers(a) for job in ("ps", "worker")
+                     for a in config["cluster"].get(job, []))
+            how = "preempted" if up else "preempted-servers-down"
+        log(step, how)
         print(f"{task} saved at step {step}", flush=True)
         sys.exit(143)
 log(step, "done")
