@@ -366,10 +366,12 @@ def _horovodrun(args: argparse.Namespace) -> int:
             raise ConfigError(field, value, f"no {'/'.join(names)}: tfdist never uses SSH",
                               source=source, hint="With other hosts tfdist horovodrun prints "
                               "each host's command; start them with your own ssh or scheduler.")
-        raise ConfigError(field, value, f"no {'/'.join(names)}: tfdist has no elastic host "
-                          "discovery", source=source, hint="Run a fixed -np N with "
+        raise ConfigError(field, value, f"no {'/'.join(names)}: tfdist horovodrun runs a "
+                          "fixed number of ranks", source=source, hint="Run a fixed -np N with "
                           "--max-restarts K: a failed rank restarts the job, and "
-                          "tfdist.horovod.elastic resumes from the last commit.")
+                          "tfdist.horovod.elastic resumes from the last commit. Elastic sizes "
+                          "are for tfdist strategy scripts: tfdist launch --workers MIN:MAX "
+                          "[--host-discovery-script PATH].")
     ignored = [n for n in _HOROVOD_TUNING if getattr(args, n[2:].replace("-", "_")) is not None]
     ignored += [n for n in _HOROVOD_TUNING_FLAGS if getattr(args, n[2:].replace("-", "_"))]
     if ignored:

@@ -15,8 +15,22 @@ per-task log files keep every line.
   relaunch on new ports, without counting a restart.
 * Parameter-server jobs: ps and worker tasks run TensorFlow servers; the
   chief runs the script.
-* Ctrl-C, SIGTERM or an error in the launcher stops every child (each runs in
-  its own process group) before returning: no orphans.
+* Preemption: SIGTERM or Ctrl-C to the launcher is passed on (as
+  ``preempt_signal``) to the tasks that run the script; they get ``grace``
+  seconds to save and exit, then are SIGKILLed (a parameter-server job's
+  servers only after the chief exited: it saves through them). The launcher
+  reports what happened from the status records the tasks write
+  (``$TFDIST_JOB_DIR/preempted/TASK.json``, :mod:`tfdist.preemption`):
+  saved at step N, finished, or killed. A task that exits with
+  PREEMPTED_EXIT_CODE after writing its record was preempted by itself: the
+  others get the grace period to finish the same save, then the job restarts
+  (one of ``max_restarts``) and resumes at that step.
+* Elastic jobs (``workers="MIN:MAX"``): a lost worker, once restarts are
+  spent (or at once with ``worker_failed="shrink"``), restarts the job one
+  worker smaller, down to MIN; a host-discovery script that reports room
+  resizes it (a preemption save, then a relaunch). :mod:`tfdist.launch_elastic`.
+* An error in the launcher stops every child (each runs in its own process
+  group) before returning: no orphans.
 * Every task gets ``TFDIST_LAUNCH_ATTEMPT`` (0, then 1, 2... after restarts)
   and ``TFDIST_JOB_DIR``: a scratch directory of this launch, the same across
   restarts and removed when the launch returns. ``tfdist.horovod.elastic``
