@@ -391,26 +391,50 @@ def test_e2e_sigterm_to_the_launcher_then_to_one_worker_resumes_at_the_saved_ste
 
 
 @pytest.mark.slow
-def test_e2e_elastic_a_worker_killed_for_good_leaves_the_job_on_one_worker(tmp_path):
-    job = Launcher("--workers", "1:2", FIT, tmp_path, env={"TFDIST_TEST_BATCH_SLEEP": "0.1"})
+def test_e2e_elastic_a_lost_worker_shrinks_the_job_and_returning_room_grows_it_back(tmp_path):
+    """``--workers 1:2`` with a discovery script reading DIR/slots: worker 1
+    is SIGKILLed and its slot goes (slots 1): the job finishes the lost
+    steps on one worker from the last backup. Then slots 2: the job saves at
+    one step and grows back to 2 workers, resuming there. The planned steps
+    are trained once each after the backup."""
+    slots = tmp_path / "slots"
+    slots.write_text("2\n")
+    discover = discovery_script(tmp_path / "discover.sh", f"cat {slots}\n")
+    job = Launcher("--workers", "1:2", "--host-discovery-script", discover,
+                   "--discovery-interval", "1", FIT, tmp_path,
+                   env={"TFDIST_TEST_BATCH_SLEEP": "0.1"})
     # Epoch 1, batch 2 done: the last backup was at the end of epoch 0.
     wait_trained(job, tmp_path, "worker-1", BATCHES + 3)
     os.kill(int((tmp_path / "worker-1-0.pid").read_text()), signal.SIGKILL)
+    slots.write_text("1\n")  # Its host is gone.
+    before = [step for attempt, step in trained(tmp_path) if attempt == 0]
+    wait_trained(job, tmp_path, "worker-0", len(before) + 3)  # Attempt 1 trains...
+    slots.write_text("2\n")  # ...and the host is back.
     _, out = job.finish(timeout=120)
     assert job.proc.returncode == 0, out
+    lines = out.splitlines()
     assert ("[tfdist launch] worker:1 was killed by SIGKILL; restarts spent: shrinking 2 -> 1 "
             "workers (MIN 1); the job resumes from its last backup; global batch kept by "
-            "the script, see README 'Elastic jobs'") in out.splitlines(), out
-    before = [step for attempt, step in trained(tmp_path) if attempt == 0]
+            "the script, see README 'Elastic jobs'") in lines, out
+    [grew] = [line for line in lines if "grew 1 -> 2 workers" in line]
+    saved = int(re.search(r"the workers saved at step (\d+)", grew).group(1))
+    assert grew == (f"[tfdist launch] grew 1 -> 2 workers (MIN 1, MAX 2): the workers saved at "
+                    f"step {saved} (epoch {saved // BATCHES}, batch {saved % BATCHES}); "
+                    "relaunching at the new size (not counted as a restart)"), out
     backup = (max(before) + 1) // SAVE_FREQ * SAVE_FREQ  # The last save_freq boundary.
-    [result] = results(tmp_path, 1).values()
-    assert result["size"] == 1 and result["iterations"] == PLANNED, result
-    assert result["start_iterations"] == backup == result["resumed_from"]["global_step"]
-    after = [step for attempt, step in trained(tmp_path) if attempt == 1]
-    assert after == list(range(backup, PLANNED))
-    assert not (tmp_path / "worker-1-1.pid").exists()  # One worker from then on.
-    print(f"\nmeasured: elastic 2 -> 1 lost {max(before) + 1 - backup} step(s) "
-          "(SIGKILL: back to the last backup)")
+    steps = trained(tmp_path)
+    # On one worker from the backup to the save, then on two to the end.
+    assert [s for a, s in steps if a == 1] == list(range(backup, saved)), steps
+    assert [s for a, s in steps if a == 2] == list(range(saved, PLANNED)), steps
+    assert not (tmp_path / "worker-1-1.pid").exists()  # Attempt 1 ran one worker.
+    final = results(tmp_path, 2)
+    assert sorted(final) == ["worker-0", "worker-1"], out
+    for result in final.values():
+        assert result["size"] == 2 and result["iterations"] == PLANNED, result
+        assert result["start_iterations"] == saved == result["resumed_from"]["global_step"]
+    print(f"\nmeasured: elastic 2 -> 1 after a SIGKILL lost {max(before) + 1 - backup} "
+          f"step(s) (back to the last backup); 1 -> 2 on discovery lost none (saved at "
+          f"{saved}, resumed at {saved})")
 
 
 def _answers(address: str) -> bool:
