@@ -162,10 +162,11 @@ def _add_launch(sub) -> None:
         "launch", help="run a multi-worker job as local processes, with restarts",
         description="Runs SCRIPT as every task of a local cluster on 127.0.0.1 with its "
         "own TF_CONFIG. A failed task stops the job; it restarts up to --max-restarts "
-        "times. Note: TensorFlow's servers listen on every interface; --netns keeps "
+        "times. SIGTERM or Ctrl-C is passed on to the tasks, which get --grace seconds to "
+        "save and exit. Note: TensorFlow's servers listen on every interface; --netns keeps "
         "the job in a private network namespace.")
     launch.add_argument("--workers", "-np", "--num-proc", dest="workers", default=None,
-                        help="worker tasks (default: 2, or every slot of -H/--hostfile); "
+                        metavar="N|MIN:MAX", help="worker tasks (default: 2, or every slot of -H/--hostfile); "
                         "-np N as horovodrun spells it; MIN:MAX (torchrun's spelling) for "
                         "an elastic job that shrinks down to MIN when a worker is lost and "
                         "grows back up to MAX")
