@@ -139,6 +139,19 @@ def test_tasks_that_do_not_exit_are_killed_after_the_grace_period(tmp_path):
     assert log_of(tmp_path) == []  # Nobody saved or finished.
 
 
+def test_a_task_that_lost_the_first_signal_gets_it_again_and_saves(tmp_path):
+    # Like a TensorFlow task still starting: the first SIGTERM is swallowed;
+    # the launcher sends it again until the task saved (or the grace ends).
+    job = Launcher("--workers", "2", "--grace", "20", TASK, "late", tmp_path,
+                   env={"PREEMPT_LATE": "3"})
+    job.wait_for(tmp_path / "worker-*-0.pid", 2)
+    took, out = job.stop()
+    assert job.proc.returncode == 143, out
+    assert SAVED.search(out), out
+    assert {r[5] for r in log_of(tmp_path)} == {"preempted"}
+    assert took < 10, out
+
+
 def test_tasks_that_finish_within_the_grace_period_are_reported_finished(tmp_path):
     # The tasks ignore the signal but end their 20 steps within the grace.
     job = Launcher("--workers", "2", "--grace", "20", TASK, "ignore", tmp_path, 20, 0.1)
@@ -388,6 +401,23 @@ def test_e2e_sigterm_to_the_launcher_then_to_one_worker_resumes_at_the_saved_ste
     print(f"\nmeasured: launcher SIGTERM -> exit {took:.1f} s, saved at step {first}; "
           f"worker SIGTERM -> resumed at step {second}; whole run "
           f"{time.monotonic() - sent:.1f} s after it")
+
+
+@pytest.mark.slow
+def test_e2e_sigterm_before_fit_is_sent_again_until_the_watcher_saves(tmp_path):
+    """SIGTERM once both workers joined the cluster but before fit: TF's
+    coordination service swallows it; the launcher sends it again until the
+    workers save, so the job ends within seconds, saved, not at the SIGKILL."""
+    job = Launcher("--workers", "2", "--grace", "30", FIT, tmp_path,
+                   env={"TFDIST_TEST_BATCH_SLEEP": "0.1"})
+    job.wait_for(tmp_path / "worker-*-0.ready", 2, timeout=90)
+    took, out = job.stop()
+    assert job.proc.returncode == 143, out
+    [match] = [m for m in map(SAVED.search, out.splitlines()) if m]
+    assert [s for _, s in trained(tmp_path)] == list(range(int(match.group(1))))
+    assert took < 15, out
+    print(f"\nmeasured: SIGTERM before fit -> saved at step {match.group(1)}, "
+          f"exit after {took:.1f} s")
 
 
 @pytest.mark.slow

@@ -86,6 +86,9 @@ PREEMPTED_EXIT_CODE = 143
 #: Seconds the tasks get to save after a preemption signal (Slurm's
 #: KillWait, a spot VM's notice: about 30 s).
 DEFAULT_GRACE = 30.0
+#: Seconds between two sends of the preemption signal to a task that has
+#: not saved yet (see _Attempt._forward).
+RESEND_SECONDS = 2.0
 #: Where, under TFDIST_JOB_DIR, the tasks write their preemption records.
 STATUS_DIR = "preempted"
 
@@ -762,14 +765,22 @@ class _Attempt:
         target = min(s.max_workers, max(s.min_workers, slots))
         return target if target != self.size else None
 
-    def _forward(self) -> None:
+    def _forward(self, again: bool = False) -> None:
         """Passes the preemption signal on to the tasks that run the script.
 
         A parameter-server job's servers keep running: the chief needs them
         to save, and they are stopped once it exited.
+
+        Args:
+            again: Only to the tasks without a status record yet. A task
+                that is still starting may have lost the first signal
+                (TensorFlow's coordination service records SIGTERM and
+                nothing more until the script's watcher takes it over); one
+                that saved is left to exit in peace.
         """
+        saved = set(self._records()) if again else set()
         for task in self.tasks:
-            if task not in self.servers and task.poll() is None:
+            if task not in self.servers and task.poll() is None and task.task not in saved:
                 task.signal(self.s.preempt_signal)
 
     def _drain(self, how: str, started: float) -> _AttemptEnd:
@@ -780,7 +791,11 @@ class _Attempt:
         watched = [t for t in self.tasks if t not in self.servers]
         hurried = None
         deadline = started + s.grace
+        resend = time.monotonic() + RESEND_SECONDS
         while any(t.poll() is None for t in watched) and time.monotonic() < deadline:
+            if how != "preempted" and time.monotonic() >= resend:
+                self._forward(again=True)
+                resend = time.monotonic() + RESEND_SECONDS
             if s.stops.count > seen:
                 if how != "stopped" and seen == 0:
                     # A first stop signal during a resize or a task's

@@ -7,7 +7,8 @@ decaying learning rate, ``tfdist.BackupAndRestore(DIR/backup, save_freq=8)``
 (which saves on preemption by itself). Each batch sleeps
 ``TFDIST_TEST_BATCH_SLEEP`` seconds so that signals land mid-epoch.
 
-Usage: preempt_launch_fit.py DIR. Writes DIR/TASK-ATTEMPT.pid, appends
+Usage: preempt_launch_fit.py DIR. Writes DIR/TASK-ATTEMPT.pid, then
+DIR/TASK-ATTEMPT.ready once the strategy and model are built (before fit), appends
 "attempt epoch batch" to DIR/progress-TASK after every batch trained (not
 those skipped on resume), and when fit
 ends writes DIR/result-ATTEMPT-TASK.json.
@@ -49,6 +50,9 @@ with strategy.scope():
     model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 backup = tfdist.BackupAndRestore(out / "backup", save_freq=8)
+# In the cluster (TensorFlow's coordination service holds SIGTERM now), not
+# yet in fit (where the backup's watcher takes it over).
+(out / f"{task}-{attempt}.ready").write_text("")
 start_iterations = []
 
 

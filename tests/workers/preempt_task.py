@@ -16,6 +16,8 @@ line "attempt size task start_step end_step how" to DIR/log. Modes:
 * ignore: ignores the signal (TensorFlow without a watcher: killed at the end
   of the grace period).
 * die: the default handler (killed by the signal, nothing saved).
+* late: ignores the signal for $PREEMPT_LATE seconds (default 2), then saves
+  on it.
 * preempt-1: like save; worker 1 of attempt 0 signals itself at step 3.
 * kill-last: like save; on attempt 0 the last worker SIGKILLs itself at step 3.
 
@@ -66,6 +68,11 @@ def on_signal(number, frame):
 
 if mode in ("save", "preempt-1", "kill-last"):
     signal.signal(signum, on_signal)
+elif mode == "late":
+    # As a TensorFlow task before fit: the signal is swallowed until the
+    # watcher takes it over, LATE seconds after the start.
+    signal.signal(signum, signal.SIG_IGN)
+    late = time.monotonic() + float(os.environ.get("PREEMPT_LATE", "2"))
 elif mode == "ignore":
     signal.signal(signum, signal.SIG_IGN)
 (out / f"{task_type}-{index}-{attempt}.pid").write_text(str(os.getpid()))
@@ -74,6 +81,9 @@ print(f"{task} of {size} starts at step {start}", flush=True)
 step = start
 while step < steps:
     time.sleep(step_seconds)
+    if mode == "late" and time.monotonic() > late:
+        mode = "save"
+        signal.signal(signum, on_signal)
     step += 1
     if index == 0 and task_type == "worker":
         # The chief's "backup", atomically.
