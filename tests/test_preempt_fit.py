@@ -106,7 +106,7 @@ def reference(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("compression", [None, "powersgd"])
+@pytest.mark.parametrize("compression", [None, "powersgd", "topk"])
 def test_preempted_twice_then_resumed_equals_uninterrupted(tmp_path, reference, compression):
     env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_BATCH_SLEEP": "0.03"}
     if compression:
@@ -145,3 +145,92 @@ def test_preempted_twice_then_resumed_equals_uninterrupted(tmp_path, reference, 
         np.testing.assert_allclose(result["weights"], want["weights"], rtol=0, atol=1e-6)
     # Each stop came well within a 30 s grace period.
     assert all(seconds < 30 for _, seconds in stops), stops
+
+
+def test_keras_own_backup_and_restore_saves_on_preemption_and_resumes_mid_epoch(tmp_path,
+                                                                               reference):
+    """The stock keras.callbacks.BackupAndRestore, under a tfdist strategy,
+    with no other change: same agreement, same exact resume."""
+    env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_BATCH_SLEEP": "0.03",
+           "TFDIST_TEST_CALLBACK": "keras"}
+    job = run_job(tmp_path, env, signal_at=(1, 6), who=1)
+    assert job["codes"] == [PREEMPTED_EXIT_CODE] * 2, job["err"][1][-3000:]
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        saved = json.load(f)
+    records = _status(tmp_path)
+    assert saved["tfdist_preempted"] is True and saved["epoch"] == 1
+    assert saved["tfdist_batches_done"] in (8, 9)
+    assert max(job["seen"]) == (1, saved["tfdist_batches_done"] - 1)
+    assert {r["batch"] for r in records.values()} == {saved["tfdist_batches_done"]}
+
+    job = run_job(tmp_path, env)
+    assert job["codes"] == [0, 0], job["err"][0][-3000:]
+    want = reference(None)
+    for out in job["out"]:
+        result = result_line(out)
+        assert result["start_iterations"] == BATCHES + saved["tfdist_batches_done"]
+        assert result["iterations"] == PLANNED
+        np.testing.assert_allclose(result["weights"], want["weights"], rtol=0, atol=1e-6)
+    # Keras deletes its backup after a complete fit.
+    assert not os.path.exists(tmp_path / "backup")
+
+
+def _single(tmp, env: dict, timeout: float = 120.0):
+    proc = start([WORKER], TFDIST_JOB_DIR=str(tmp / "job"), **env)
+    return finish([proc], timeout)[0]
+
+
+def test_preemption_during_a_backup_write_keeps_the_previous_backup(tmp_path):
+    """One process (no agreement needed). (1) SIGTERM while the periodic
+    backup after batch 8 is written: the save completes, the job stops
+    right there, no second save. (2) The rerun resumes there; SIGTERM after
+    batch 3 of epoch 1, then SIGKILL inside that preempted save: the
+    pointer still names the complete backup before it. (3) The rerun resumes
+    from that one and ends with the weights of an unbroken run."""
+    reference = _single(tmp_path, {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "ref")})
+    assert reference[0] == 0, reference[2][-3000:]
+    env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup")}
+    code, _, err = _single(tmp_path, dict(env, TFDIST_TEST_SIGNAL_IN_SAVE="1"))
+    assert code == PREEMPTED_EXIT_CODE, err[-3000:]
+    pointer = _pointer(tmp_path / "backup")
+    assert (pointer["epoch"], pointer["step"], pointer["preempted"]) == (0, 8, True)
+    assert pointer["save_count"] == 1
+
+    code, _, err = _single(tmp_path, dict(env, TFDIST_TEST_SELF_SIGNAL="1 3",
+                                          TFDIST_TEST_KILL_IN_SAVE="2"))
+    assert code == -signal.SIGKILL, err[-3000:]
+    assert "received SIGTERM" in err
+    pointer = _pointer(tmp_path / "backup")
+    # Save 1 of this run was the periodic one at the end of epoch 0.
+    assert (pointer["epoch"], pointer["step"], pointer["preempted"]) == (1, 0, False)
+    # The killed save left only a temp file behind.
+    assert any(n.startswith(".tmp-") for n in os.listdir(tmp_path / "backup"))
+
+    code, out, err = _single(tmp_path, env)
+    assert code == 0, err[-3000:]
+    result, want = result_line(out), result_line(reference[1])
+    assert (result["resumed_from"]["epoch"], result["resumed_from"]["step"]) == (1, 0)
+    assert result["start_iterations"] == BATCHES
+    assert result["iterations"] == PLANNED
+    np.testing.assert_allclose(result["weights"], want["weights"], rtol=0, atol=1e-6)
+
+
+def test_resume_at_another_size_names_the_policy_and_keeps_the_residuals(tmp_path):
+    """Saved by 2 replicas with top-k (error feedback), resumed by 4: the
+    global batch is kept (same 16 steps per epoch, same batch to resume
+    at), the residuals are carried over with their sum kept, and the log
+    says so."""
+    env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_COMPRESSION": "topk"}
+    code, _, err = _single(tmp_path, dict(env, TFDIST_CPU_REPLICAS="2",
+                                          TFDIST_TEST_SELF_SIGNAL="0 5"))
+    assert code == PREEMPTED_EXIT_CODE, err[-3000:]
+    pointer = _pointer(tmp_path / "backup")
+    assert (pointer["replicas"], pointer["epoch"], pointer["step"]) == (2, 0, 6)
+
+    code, out, err = _single(tmp_path, dict(env, TFDIST_CPU_REPLICAS="4"))
+    assert code == 0, err[-3000:]
+    assert "2 -> 4 replicas" in err and "global batch kept" in err
+    assert "carried over to 4" in err and "times 2/4" in err
+    result = result_line(out)
+    assert result["start_iterations"] == 6 and result["iterations"] == PLANNED
+    assert np.isfinite(result["weights"]).all()

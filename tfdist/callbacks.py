@@ -47,7 +47,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import multi_worker_util
 
-from tfdist import keras_saving
+from tfdist import keras_saving, resume
 from tfdist.errors import ConfigError, TfdistError, require_int
 from tfdist.preemption import PreemptionWatcher
 
@@ -436,7 +436,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             model._initial_epoch = None
             self._resume_epoch, self._resume_step = None, 0
             return
-        epoch, step = int(meta["epoch"]), int(meta["step"])
+        epoch = int(meta["epoch"])
+        step = resume.resize(meta, strategy.num_replicas_in_sync, self.params.get("steps"),
+                             model.optimizer)
         model._initial_epoch = epoch
         self._resume_epoch, self._resume_step = epoch, step
         if step > 0:
@@ -466,6 +468,17 @@ class BackupAndRestore(keras.callbacks.Callback):
                 # Keras only loads optimizer variables that exist.
                 model.optimizer.build(model.trainable_variables)
             model.load_weights(path)
+            saved = int(meta.get("replicas") or strategy.num_replicas_in_sync)
+            if self._multi_worker(strategy) or saved != strategy.num_replicas_in_sync:
+                # (One process holding every replica already has each copy in
+                # the weights file.)
+                resume.load_replica_state(model.optimizer, strategy, self.backup_dir,
+                                          meta["file"], _task_name(strategy), saved)
+
+    @staticmethod
+    def _multi_worker(strategy: Any) -> bool:
+        return num_workers(strategy) > 1 and not isinstance(
+            strategy, tf.distribute.experimental.ParameterServerStrategy)
 
     def _check_agreement(self, strategy: Any, meta: dict | None,
                          error: Exception | None) -> None:
@@ -504,9 +517,10 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _sweep(self, keep: str | None) -> None:
         """Removes leftovers of interrupted saves: temp files, orphan backups."""
+        kept = keep.split(".", 1)[0] if keep else None  # "ckpt-000003"
         for name in os.listdir(self.backup_dir):
-            orphan = (name.startswith(_CKPT_PREFIX) and name.endswith(_CKPT_SUFFIX)
-                      and name != keep)
+            # A checkpoint, or a worker's state file of one, not kept.
+            orphan = name.startswith(_CKPT_PREFIX) and name.split(".", 1)[0] != kept
             if name.startswith(_TMP_PREFIX) or orphan:
                 try:
                     os.remove(self._path(name))
@@ -562,6 +576,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._save_count += 1
         self._last_save = (epoch, step)
         name = f"{_CKPT_PREFIX}{self._save_count:06d}{_CKPT_SUFFIX}"
+        strategy = _model_strategy(self.model)
+        if self._multi_worker(strategy):
+            # Each worker's own replicas, before the weights save: that save
+            # is a collective the chief completes only after every worker
+            # joined it, so its pointer never names a backup whose state
+            # files are not all written.
+            resume.save_replica_state(self.model.optimizer, strategy, self.backup_dir, name,
+                                      _task_name(strategy))
         if not self._chief:
             scratch = _make_scratch("tfdist-backup-")
             self.scratch_dirs.append(scratch)
@@ -589,15 +611,15 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "size": os.path.getsize(final), "save_count": self._save_count}
         self._write_pointer(meta, epoch, step, preempted=preempted)
         previous, self._current_file = self._current_file, name
-        if previous and previous != name and os.path.exists(self._path(previous)):
-            os.remove(self._path(previous))  # Only once the pointer moved on.
+        if previous and previous != name:
+            self._sweep(keep=name)  # Only once the pointer moved on.
         self.saves_written += 1
 
     def _write_pointer(self, meta: dict, epoch: int, step: int,
                        preempted: bool = False) -> None:
         strategy = _model_strategy(self.model)
         meta = dict(meta, epoch=epoch, step=step, format=1, preempted=preempted,
-                    global_step=self._global_step,
+                    global_step=self._global_step, steps_per_epoch=self.params.get("steps"),
                     writer=_task_name(strategy), host=socket.gethostname(),
                     pid=os.getpid(), time=time.time(),
                     replicas=strategy.num_replicas_in_sync)

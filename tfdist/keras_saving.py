@@ -412,8 +412,10 @@ def _wrap_backup_save(original):
                 if os.path.exists(path):
                     _copy_atomically(path, previous)
         self.model.save_weights(filepath=self._weights_path, overwrite=True)
+        from tfdist.keras_preemption import metadata
         _write_json(self._training_metadata_path,
-                    {"epoch": self._current_epoch, "batch": self._last_batch_seen})
+                    {"epoch": self._current_epoch, "batch": self._last_batch_seen,
+                     **metadata(self)})
     return _save_model
 
 

@@ -133,13 +133,19 @@ class PreemptionWatcher:
         signals: The signal (or signals) meaning "preempted": names or
             numbers. Default: ``$TFDIST_PREEMPT_SIGNAL``, else SIGTERM.
         name: Names the loop in logs and keys.
+        task, index, workers: This task's name, its index among the
+            training tasks and their number, for jobs without a
+            tf.distribute strategy (``tfdist.horovod``); default: from the
+            strategy's cluster.
 
     Attributes:
         signal_time: ``time.time()`` of the first signal seen here, or None.
         stopped_at: The agreed step, once known.
     """
 
-    def __init__(self, strategy: Any = None, signals: Any = None, name: str = "loop") -> None:
+    def __init__(self, strategy: Any = None, signals: Any = None, name: str = "loop", *,
+                 task: str | None = None, index: int | None = None,
+                 workers: int | None = None) -> None:
         if signals is None or isinstance(signals, (str, int)):
             signals = [signals]
         self.signals = [preemption_signal(s) for s in signals]
@@ -156,6 +162,7 @@ class PreemptionWatcher:
         self._thread: threading.Thread | None = None
         self._published = False
         self._running = False
+        self._topology = (task, index, workers) if workers is not None else None
         self.task, self.index, self.workers = "worker:0", 0, 1
         self._prefix = ""
 
@@ -165,10 +172,14 @@ class PreemptionWatcher:
         """Installs the signal handler and, with several workers, the watcher
         thread. Call it in the main thread, at the same point on every worker."""
         import tensorflow as tf
-        strategy = self._strategy or tf.distribute.get_strategy()
-        self.task, self.index, self.workers = _cluster_of(strategy)
-        if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-            self.workers = 1  # Only the coordinator runs the loop.
+        if self._topology is not None:
+            task, index, workers = self._topology
+            self.task, self.index, self.workers = task or f"worker:{index or 0}", index or 0, workers
+        else:
+            strategy = self._strategy or tf.distribute.get_strategy()
+            self.task, self.index, self.workers = _cluster_of(strategy)
+            if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+                self.workers = 1  # Only the coordinator runs the loop.
         attempt = os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0")
         self._prefix = f"tfdist_preempt/{attempt}/{next(_RUNS)}-{self.name}"
         self._running = True

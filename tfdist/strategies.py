@@ -114,6 +114,12 @@ class TfdistStrategy:
         keras_steps.install()
         keras_loops.install()
         keras_accumulation.install()
+        # Keras's BackupAndRestore saves on preemption and resumes mid-epoch
+        # (tfdist.keras_preemption), over the chief-only saves of
+        # tfdist.keras_saving, which must be wrapped first.
+        from tfdist import keras_preemption, keras_saving
+        keras_saving.install()
+        keras_preemption.install()
         if self.kind in ("mirrored", "multi_worker_mirrored"):
             from tfdist.compression import keras_hook, make_aggregator
             # Installed without compression too: it records which gradients

@@ -9,7 +9,12 @@ batches, with a BackupAndRestore in TFDIST_TEST_BACKUP_DIR:
 * TFDIST_TEST_PROGRESS: a file this worker appends "epoch batch" to after
   every batch (the test signals when it sees a batch there);
 * TFDIST_TEST_BATCH_SLEEP: seconds each batch sleeps (so signals land
-  mid-epoch).
+  mid-epoch);
+* TFDIST_TEST_SIGNAL_IN_SAVE=N: the process SIGTERMs itself while its Nth
+  backup is being written; TFDIST_TEST_KILL_IN_SAVE=N: it SIGKILLs itself
+  inside its Nth save, after the weights file was written but before it
+  was renamed and the pointer moved; TFDIST_TEST_SELF_SIGNAL="E B": it
+  SIGTERMs itself after batch B of epoch E.
 
 Prints one 'tfdist result:' line when fit ends; a preemption ends the
 process with tfdist's preempted exit code (143) instead.
@@ -17,6 +22,7 @@ process with tfdist's preempted exit code (143) instead.
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -49,6 +55,23 @@ with strategy.scope():
     model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
+signal_in_save = int(os.environ.get("TFDIST_TEST_SIGNAL_IN_SAVE", "0"))
+kill_in_save = int(os.environ.get("TFDIST_TEST_KILL_IN_SAVE", "0"))
+self_signal = tuple(map(int, os.environ.get("TFDIST_TEST_SELF_SIGNAL", "-1 -1").split()))
+if signal_in_save or kill_in_save:
+    original_save, saves = model.save_weights, []
+
+    def save_weights(path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == signal_in_save:
+            os.kill(os.getpid(), signal.SIGTERM)
+        result = original_save(path, *args, **kwargs)
+        if len(saves) == kill_in_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    model.save_weights = save_weights
+
 if which == "keras":
     backup = keras.callbacks.BackupAndRestore(backup_dir, save_freq=8)
 else:
@@ -67,6 +90,8 @@ class Progress(keras.callbacks.Callback):
         if progress:
             with open(progress, "a") as f:
                 f.write(f"{self.epoch} {batch}\n")
+        if (self.epoch, batch) == self_signal:
+            os.kill(os.getpid(), signal.SIGTERM)
         if pause:
             time.sleep(pause)
 

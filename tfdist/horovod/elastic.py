@@ -37,10 +37,14 @@ Differences from Horovod:
   the last commit in memory and re-forms the ring without restarting
   processes. Here the processes restart and the commit comes from disk, so
   the script's start-up (imports, model build, the warm-up step) runs again.
-* No host discovery script and no ``min_np``/``max_np``: the job restarts at
-  the same size. ``HostsUpdatedInterrupt`` never happens and
-  ``state.check_host_updates()`` does nothing; reset callbacks run once after
-  each restart that resumed from a commit.
+* No host discovery script and no ``min_np``/``max_np`` in the script: the
+  launcher changes the size (``tfdist launch --workers MIN:MAX``) by
+  restarting the job. ``HostsUpdatedInterrupt`` never happens; reset
+  callbacks run once after each restart that resumed from a commit.
+* Preemption: inside :func:`run`, SIGTERM to any rank makes every rank stop
+  at the same commit (the next one), written, and exit with code 143; the
+  restarted job resumes there (:meth:`State.check_host_updates`). The ranks
+  must commit at the same points (the commit callbacks do).
 * Reset callbacks run on a restarted job's ranks before ``sync()``, as in
   Horovod; they must not depend on objects that only existed before the
   restart.
@@ -80,6 +84,7 @@ from tfdist.errors import ConfigError, TfdistError
 from tfdist.horovod import collectives, runtime
 from tfdist.horovod.callbacks import model_state_variables
 from tfdist.horovod.commits import CommitStore, commit_dir
+from tfdist.preemption import PreemptionWatcher
 
 __all__ = [
     "State",
@@ -159,7 +164,19 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Does nothing: tfdist restarts the job at the same size (no host discovery)."""
+        """Where a preemption takes effect (Horovod checks for new hosts here).
+
+        Inside :func:`run`, a preemption signal to any rank makes every rank
+        stop at the same commit, the one after the signal: that commit is
+        written, and every process exits with code 143
+        (:mod:`tfdist.preemption`). The restarted job resumes from it, with
+        no step lost. Host changes themselves come from the launcher:
+        ``tfdist launch --workers MIN:MAX`` restarts the job at a new size.
+        """
+        watcher = self.__dict__.get("_watcher")
+        if watcher is not None and watcher.should_stop(self._commits):
+            watcher.exit({"commit": self._commits, "step": self._commits,
+                          "backup": str(self._store().path) if self._store() else None})
 
     def save(self) -> None:
         """Snapshots the state in memory."""
@@ -451,7 +468,15 @@ def run(func: Callable) -> Callable:
                               "TensorFlowKerasState, TensorFlowState, ObjectState)",
                               source=f"elastic.run({getattr(func, '__name__', func)})")
         state._enter()
-        return func(state, *args, **kwargs)
+        # Commits are the step boundaries at which a preemption is agreed.
+        watcher = PreemptionWatcher(name="elastic", task=f"rank:{runtime.rank()}",
+                                    index=runtime.rank(), workers=runtime.size())
+        state.__dict__["_watcher"] = watcher
+        try:
+            with watcher:
+                return func(state, *args, **kwargs)
+        finally:
+            state.__dict__.pop("_watcher", None)
 
     return wrapper
 
