@@ -126,6 +126,19 @@ def test_the_preempt_signal_is_what_the_tasks_get_and_what_they_are_told(tmp_pat
     assert {r[5] for r in log_of(tmp_path)} == {"preempted"}
 
 
+def test_sigterm_reaches_the_tasks_through_netns(tmp_path):
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True)
+    if probe.returncode != 0 and os.geteuid() != 0:
+        pytest.skip(f"no network namespace for this user: {probe.stderr!r}")
+    job = Launcher("--netns", "--workers", "2", TASK, "save", tmp_path, 1000, 0.05)
+    job.wait_for(tmp_path / "worker-*-0.pid", 2)
+    time.sleep(0.3)
+    took, out = job.stop()
+    assert job.proc.returncode == 143, out
+    assert SAVED.search(out) and took < 10, out
+    assert {r[5] for r in log_of(tmp_path)} == {"preempted"}
+
+
 def test_tasks_that_do_not_exit_are_killed_after_the_grace_period(tmp_path):
     job = Launcher("--workers", "2", "--grace", "2", TASK, "ignore", tmp_path)
     job.wait_for(tmp_path / "worker-*-0.pid", 2)

@@ -250,7 +250,7 @@ def _launch(args: argparse.Namespace) -> int:
         given = list(sys.argv[2:] if args.argv is None else args.argv)
         given.remove("--netns")  # The first one: the launcher's, not the script's.
         inner = [sys.executable, "-m", "tfdist", "launch", *given]
-        return launch_lib.run_in_netns(inner)
+        return launch_lib.run_in_netns(inner, grace=args.grace)
     workers = "2" if args.workers is None else args.workers
     if args.hosts is not None or args.hostfile is not None:
         low, high = launch_elastic.parse_workers(workers)

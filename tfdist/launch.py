@@ -888,8 +888,12 @@ def netns_command(argv: Sequence[str]) -> list[str]:
             *argv]
 
 
-def run_in_netns(argv: Sequence[str], output: IO[str] | None = None) -> int:
+def run_in_netns(argv: Sequence[str], output: IO[str] | None = None,
+                 grace: float = DEFAULT_GRACE) -> int:
     """Runs ``argv`` in a private network namespace; returns its exit code.
+
+    SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 to this process are passed on to
+    the inner launcher (``argv``), which runs the grace period itself.
 
     Raises:
         ConfigError: A namespace cannot be created here (field ``'netns'``),
@@ -906,17 +910,30 @@ def run_in_netns(argv: Sequence[str], output: IO[str] | None = None) -> int:
     proc = subprocess.Popen(command, env=env, start_new_session=True,
                             stdout=None if output is None else subprocess.PIPE,
                             stderr=subprocess.STDOUT if output is not None else None, text=True)
+
+    def forward(signum, frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+            previous[signum] = signal.signal(signum, forward)
     try:
         if output is not None:
             for line in proc.stdout:
                 output.write(line)
         return proc.wait()
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if proc.poll() is None:
-            # The inner launcher stops its tasks on SIGTERM.
+            # The inner launcher stops its tasks on SIGTERM, within its grace.
             os.killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(30)
+                proc.wait(grace + 30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
