@@ -76,8 +76,9 @@ elif mode == "late":
 elif mode == "ignore":
     signal.signal(signum, signal.SIG_IGN)
 (out / f"{task_type}-{index}-{attempt}.pid").write_text(str(os.getpid()))
-(out / f".cluster-{attempt}.json").write_text(json.dumps(config["cluster"]))
-os.replace(out / f".cluster-{attempt}.json", out / f"cluster-{attempt}.json")
+tmp = out / f".cluster-{attempt}-{task_type}-{index}.json"
+tmp.write_text(json.dumps(config["cluster"]))
+os.replace(tmp, out / f"cluster-{attempt}.json")
 print(f"{task} of {size} starts at step {start}", flush=True)
 step = start
 while step < steps:
