@@ -449,7 +449,8 @@ def test_e2e_elastic_a_lost_worker_shrinks_the_job_and_returning_room_grows_it_b
     # Epoch 1, batch 2 done: the last backup was at the end of epoch 0.
     wait_trained(job, tmp_path, "worker-1", BATCHES + 3)
     os.kill(int((tmp_path / "worker-1-0.pid").read_text()), signal.SIGKILL)
-    slots.write_text("1\n")  # Its host is gone.
+    time.sleep(0.5)  # The launcher sees the loss (it polls every 0.05 s)...
+    slots.write_text("1\n")  # ...and its host is gone.
     before = [step for attempt, step in trained(tmp_path) if attempt == 0]
     wait_trained(job, tmp_path, "worker-0", len(before) + 3)  # Attempt 1 trains...
     slots.write_text("2\n")  # ...and the host is back.

@@ -675,18 +675,6 @@ class _Attempt:
                     self._forward()
                     return self._drain("stopped", s.stops.time)
                 now = time.monotonic()
-                if s.discovery is not None and now >= next_check:
-                    target = self._target()
-                    next_check = time.monotonic() + s.discovery_interval
-                    if target is not None:
-                        s.out.say(f"the discovery script reports room for {target} worker(s) "
-                                  f"(now {self.size}): passing "
-                                  f"{signal.Signals(s.preempt_signal).name} on so that the "
-                                  "workers save, then relaunching")
-                        self._forward()
-                        end = self._drain("resize", now)
-                        end.target = target
-                        return end
                 for task in self.tasks:
                     code = task.poll()
                     if code is None or code == 0:
@@ -722,6 +710,21 @@ class _Attempt:
                            if t.task.startswith("evaluator")) \
                             or time.monotonic() > evaluator_deadline:
                         return _AttemptEnd("finished", lead=self.lead)
+                # After the exits: a lost worker is a failure, even if the
+                # discovery script already reports its slot gone.
+                if s.discovery is not None and now >= next_check:
+                    target = self._target()
+                    next_check = time.monotonic() + s.discovery_interval
+                    if target is not None and not any(
+                            t.poll() not in (None, 0) for t in self.tasks):
+                        s.out.say(f"the discovery script reports room for {target} worker(s) "
+                                  f"(now {self.size}): passing "
+                                  f"{signal.Signals(s.preempt_signal).name} on so that the "
+                                  "workers save, then relaunching")
+                        self._forward()
+                        end = self._drain("resize", time.monotonic())
+                        end.target = target
+                        return end
                 time.sleep(0.05)
         finally:
             _stop_all(self.tasks, s.stop_timeout)
