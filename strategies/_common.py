@@ -58,6 +58,10 @@ def define_flags() -> None:
                         "(checkpoints/), the trained model (model.keras) and "
                         "results.json; default: nothing is written.")
     flags.DEFINE_integer("seed", 0, "Seed for the data and the weights.")
+    flags.DEFINE_string("backup_dir", None,
+                        "tfdist.BackupAndRestore directory, one that every worker "
+                        "sees: a rerun (a restarted or requeued job) resumes from it. "
+                        "On SIGTERM the workers save there at one step and exit 143.")
     adopt_flags()
 
 
@@ -258,11 +262,13 @@ def main(_argv: list[str]) -> None:
     if getattr(strategy, "compression", None) is not None and strategy.compression.enabled:
         from tfdist.compression import CommunicationStats
         callbacks.append(CommunicationStats())
+    # Saves on preemption, resumes a rerun (after the stats, read below).
+    backup = [tfdist.BackupAndRestore(FLAGS.backup_dir)] if FLAGS.backup_dir else []
     try:
         result = train(strategy, epochs=FLAGS.epochs,
                        per_replica_batch_size=FLAGS.per_replica_batch_size,
                        examples=FLAGS.examples, learning_rate=FLAGS.learning_rate,
-                       seed=FLAGS.seed, callbacks=callbacks,
+                       seed=FLAGS.seed, callbacks=callbacks + backup,
                        model_dir=FLAGS.model_dir)
     except TfdistError as error:
         exit_with(error)

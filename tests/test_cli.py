@@ -195,12 +195,14 @@ def test_tfjob_prints_a_manifest_kubectl_can_read():
     assert proc.stdout.startswith("# TFJob for parameter_server (1 chief, 2 worker, 2 ps)")
     container = {"name": "tensorflow", "image": "reg.io/t:1",
                  "command": ["python", "train.py", "--epochs", "3"],
+                 "env": [{"name": "TFDIST_GRACE", "value": "60"}],
                  "resources": {"requests": {"cpu": "2", "memory": "4Gi"},
                                "limits": {"cpu": "2", "memory": "4Gi"}}}
 
     def replica(count):
-        return {"replicas": count, "restartPolicy": "OnFailure",
-                "template": {"spec": {"containers": [container]}}}
+        return {"replicas": count, "restartPolicy": "ExitCode",
+                "template": {"spec": {"terminationGracePeriodSeconds": 60,
+                                      "containers": [container]}}}
 
     assert yaml.safe_load(proc.stdout) == {
         "apiVersion": "kubeflow.org/v1", "kind": "TFJob",

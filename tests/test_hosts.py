@@ -198,17 +198,21 @@ def test_tfjob_has_one_replica_spec_per_job_sized_like_the_spec(path):
     specs = manifest["spec"]["tfReplicaSpecs"]
     assert {kind: spec["replicas"] for kind, spec in specs.items()} == expected
     for spec in specs.values():
-        assert spec["restartPolicy"] == "OnFailure"
-        assert spec["template"] == {"spec": {"containers": [{
-            "name": "tensorflow", "image": "reg.example/img:1",
-            "command": ["python", "train.py"]}]}}
+        assert spec["restartPolicy"] == hosts.DEFAULT_RESTART_POLICY == "ExitCode"
+        grace = hosts.DEFAULT_GRACE_SECONDS
+        assert spec["template"] == {"spec": {
+            "terminationGracePeriodSeconds": grace,
+            "containers": [{
+                "name": "tensorflow", "image": "reg.example/img:1",
+                "command": ["python", "train.py"],
+                "env": [{"name": "TFDIST_GRACE", "value": str(grace)}]}]}}
 
 
 def test_tfjob_from_counts_with_every_option():
     manifest = hosts.tfjob_manifest(
         {"ps": 2, "worker": 3, "chief": 1, "evaluator": 0}, name="mnist-1",
         image="img", command=["python"], args=["train.py", "--epochs", 3],
-        namespace="team-a", restart_policy="ExitCode", cpu=0.5, memory="4Gi")
+        namespace="team-a", restart_policy="OnFailure", cpu=0.5, memory="4Gi", grace=45)
     assert manifest["metadata"] == {"name": "mnist-1", "namespace": "team-a"}
     specs = manifest["spec"]["tfReplicaSpecs"]
     assert list(specs) == ["Chief", "Worker", "PS"]  # Conventional order; no Evaluator.
@@ -217,9 +221,12 @@ def test_tfjob_from_counts_with_every_option():
     assert container == {
         "name": "tensorflow", "image": "img", "command": ["python"],
         "args": ["train.py", "--epochs", "3"],
+        "env": [{"name": "TFDIST_GRACE", "value": "45"}],
         "resources": {"requests": {"cpu": "0.5", "memory": "4Gi"},
                       "limits": {"cpu": "0.5", "memory": "4Gi"}}}
-    assert {specs[k]["restartPolicy"] for k in specs} == {"ExitCode"}
+    assert {specs[k]["restartPolicy"] for k in specs} == {"OnFailure"}
+    assert {specs[k]["template"]["spec"]["terminationGracePeriodSeconds"]
+            for k in specs} == {45}
     assert hosts.replica_counts({"worker": 2, "chief": 0}) == {"worker": 2}
 
 

@@ -234,3 +234,37 @@ def test_resume_at_another_size_names_the_policy_and_keeps_the_residuals(tmp_pat
     result = result_line(out)
     assert result["start_iterations"] == 6 and result["iterations"] == PLANNED
     assert np.isfinite(result["weights"]).all()
+
+
+def test_a_hung_peer_makes_the_signalled_worker_fail_in_time_with_a_message(tmp_path):
+    """Worker 1 is stopped (SIGSTOP) just as worker 0 gets SIGTERM between
+    two steps: worker 0 cannot get worker 1's acknowledgement, so it must
+    neither save a backup the two did not agree on nor wait forever. It
+    fails within the acknowledgement timeout (half of TFDIST_GRACE) and
+    names the missing worker."""
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in _ports(2)]}
+    progress = str(tmp_path / "progress")
+    env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_BATCH_SLEEP": "0.3",
+           "TFDIST_GRACE": "10", "TFDIST_TEST_PROGRESS": progress}
+    procs = [start([WORKER], tf_config={"cluster": cluster, "task": {"type": "worker", "index": i}},
+                   **env) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while _batches_seen(progress).count((0, 3)) < 2 and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.01)
+        # Both are in their 0.3 s pause after batch 3: between steps.
+        procs[1].send_signal(signal.SIGSTOP)
+        procs[0].send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode not in (0, PREEMPTED_EXIT_CODE), err[-3000:]
+    assert "PreemptionError" in err and "training task 1 of 2 did not acknowledge" in err
+    assert took < 30, took
+    assert not os.path.exists(tmp_path / "backup" / "checkpoint.json")

@@ -287,8 +287,10 @@ def spark_cluster():
     try:
         session = tfspark.local_session(
             2, master=MASTER, app_name="tfdist-tests", wait_for_slots=120,
+            # The repo first: the executors import this checkout's tfdist,
+            # not whatever copy is installed.
             conf={"spark.executorEnv.PYTHONPATH": os.pathsep.join(
-                      [str(WORKERS), str(REPO / "strategies")]),
+                      [str(REPO), str(WORKERS), str(REPO / "strategies")]),
                   "spark.ui.showConsoleProgress": "false"})
     except Exception as error:  # noqa: BLE001 - reported as the failure
         pytest.fail(f"the local Spark cluster did not start: {error}",

@@ -45,6 +45,10 @@ _LAZY = {
     "global_batch_size": "tfdist.data",
     "choose_shard_policy": "tfdist.data",
     "distribute_dataset": "tfdist.data",
+    "PreemptionWatcher": "tfdist.preemption",
+    "Preempted": "tfdist.preemption",
+    "PreemptionError": "tfdist.preemption",
+    "PREEMPTED_EXIT_CODE": "tfdist.preemption",
 }
 
 __all__ = ["ClusterSpecError", "ConfigError", "TfdistError", *_LAZY]

@@ -486,18 +486,32 @@ def _tfjob_options(parser: argparse.ArgumentParser) -> None:
                         help="metadata.name (required): lowercase letters, digits, '-'")
     parser.add_argument("--image", default=None, help="container image (required)")
     parser.add_argument("--namespace", default=None, help="metadata.namespace")
-    parser.add_argument("--restart-policy", default="OnFailure",
-                        help="OnFailure (default), Never, Always or ExitCode")
+    parser.add_argument("--restart-policy", default="ExitCode",
+                        help="ExitCode (default: re-create a pod that exited with 128-255, "
+                             "e.g. 143 after saving on preemption; fail on 1-127), "
+                             "OnFailure, Never or Always")
+    parser.add_argument("--grace", default="60", metavar="SECONDS",
+                        help="terminationGracePeriodSeconds of each pod: time from SIGTERM "
+                             "to SIGKILL to save a backup (default 60)")
+    parser.add_argument("--backup-claim", default=None, metavar="PVC",
+                        help="PersistentVolumeClaim (ReadWriteMany) to mount in every pod "
+                             "for the backups")
+    parser.add_argument("--backup-mount", default=None, metavar="PATH",
+                        help="where --backup-claim is mounted (default /backup)")
     parser.add_argument("--cpu", default=None, help="CPU request and limit, e.g. 2 or 500m")
     parser.add_argument("--memory", default=None, help="memory request and limit, e.g. 4Gi")
 
 
 _TFJOB_USAGE = ("tfdist tfjob SPEC --name N --image I [--namespace NS] "
-                "[--restart-policy P] [--cpu C] [--memory M] -- COMMAND [ARGS...]")
+                "[--restart-policy P] [--grace S] [--backup-claim PVC [--backup-mount PATH]] "
+                "[--cpu C] [--memory M] -- COMMAND [ARGS...]")
 _TFJOB_DESCRIPTION = (
     "Prints a Kubeflow TFJob (kubeflow.org/v1) YAML manifest with one replica "
     "spec per job of SPEC (Chief, Worker, PS, Evaluator), sized like SPEC. Host "
     "addresses are not used: the training operator sets TF_CONFIG in each pod. "
+    "Preemption: on SIGTERM (an eviction, a drain) tfdist.BackupAndRestore saves "
+    "within --grace seconds and exits 143, which the ExitCode policy restarts; keep "
+    "the backups on a volume every pod mounts (--backup-claim). "
     "Apply it with: tfdist tfjob ... | kubectl apply -f -")
 
 
@@ -522,11 +536,14 @@ def _tfjob(args: argparse.Namespace) -> int:
     manifest = hosts_lib.tfjob_manifest(
         counts, name=args.name, image=args.image, command=command,
         namespace=args.namespace, restart_policy=args.restart_policy,
-        cpu=args.cpu, memory=args.memory)
+        cpu=args.cpu, memory=args.memory, grace=args.grace,
+        backup_claim=args.backup_claim, backup_mount=args.backup_mount)
     shape = ", ".join(f"{count} {task_type}" for task_type, count in counts.items())
     print(f"# TFJob for {args.spec} ({shape}), written by tfdist.\n"
           "# The training operator sets TF_CONFIG in each pod; the spec's host "
-          "addresses are not used.")
+          "addresses are not used.\n"
+          "# On SIGTERM, tfdist.BackupAndRestore saves within the grace period and "
+          "exits 143; keep its backup dir on a volume every pod mounts.")
     print(hosts_lib.to_yaml(manifest), end="")
     return 0
 

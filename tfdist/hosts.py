@@ -48,6 +48,9 @@ __all__ = [
     "format_host_commands",
     "REPLICA_TYPES",
     "RESTART_POLICIES",
+    "DEFAULT_RESTART_POLICY",
+    "DEFAULT_GRACE_SECONDS",
+    "DEFAULT_BACKUP_MOUNT",
     "replica_counts",
     "tfjob_manifest",
     "to_yaml",
@@ -57,10 +60,23 @@ __all__ = [
 REPLICA_TYPES = {"chief": "Chief", "worker": "Worker", "ps": "PS", "evaluator": "Evaluator"}
 #: Values of a replica spec's ``restartPolicy`` accepted by the training operator.
 RESTART_POLICIES = ("OnFailure", "Never", "Always", "ExitCode")
+#: The restart policy :func:`tfjob_manifest` writes by default. With ``ExitCode`` the
+#: training operator deletes and re-creates a pod whose container exited with a code
+#: of 128 or more (retryable: 143 = preempted after saving, 137 = killed), and fails
+#: the job on 1-127 (a bug would only fail again).
+DEFAULT_RESTART_POLICY = "ExitCode"
+#: Default ``terminationGracePeriodSeconds``: the time a pod has, from SIGTERM to
+#: SIGKILL, to save a backup and exit (Kubernetes' own default is 30 s).
+DEFAULT_GRACE_SECONDS = 60
 
 _TFJOB_API_VERSION = "kubeflow.org/v1"
 _TFJOB_CONTAINER = "tensorflow"  # The operator only sets TF_CONFIG in this container.
 _MAX_NAME = 63  # Kubernetes label / Service name limit.
+_MAX_INT64 = 2**63 - 1  # terminationGracePeriodSeconds is an int64.
+_DNS1123_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+#: The volume :func:`tfjob_manifest` mounts for ``backup_claim``, and where by default.
+_BACKUP_VOLUME = "tfdist-backup"
+DEFAULT_BACKUP_MOUNT = "/backup"
 _DNS1035_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # A Kubernetes resource quantity: "2", "0.5", "500m", "4Gi", "1e3".
@@ -413,6 +429,56 @@ def _check_command(field: str, value: Any, source: str, *, allow_empty: bool) ->
     return words
 
 
+def _check_grace(value: Any, source: str) -> int:
+    """``terminationGracePeriodSeconds``: whole seconds, at least 1.
+
+    Kubernetes takes an integer; 0 would mean SIGKILL at once, with no time
+    to save a backup.
+    """
+    expected = ("whole seconds >= 1 from SIGTERM to SIGKILL "
+                "(terminationGracePeriodSeconds), e.g. 60")
+    received = value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())  # From the command line.
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or not 1 <= value <= _MAX_INT64):
+        value = received
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+        hint = None
+        if (isinstance(number, numbers.Real) and not isinstance(number, bool)
+                and math.isfinite(number) and number >= 1):
+            hint = f"Kubernetes takes whole seconds: use {math.ceil(number)}."
+        _fail("grace", value, expected, source, hint=hint)
+    return int(value)
+
+
+def _check_backup_volume(claim: Any, mount: Any, source: str) -> str | None:
+    """Checks the backup claim and mount path; returns the mount path."""
+    if claim is None:
+        if mount is not None:
+            _fail("backup_mount", mount, "None when there is no backup_claim", source,
+                  hint="Name the PersistentVolumeClaim to mount with backup_claim "
+                       "(--backup-claim).")
+        return None
+    if (not isinstance(claim, str) or len(claim) > 253
+            or not _DNS1123_SUBDOMAIN_RE.fullmatch(claim)):
+        _fail("backup_claim", claim,
+              "None or the name of a PersistentVolumeClaim: lowercase letters, digits, "
+              "'-' and '.', starting and ending with a letter or digit", source,
+              hint=_dns_hint(claim, letter_first=False) if isinstance(claim, str) else None)
+    mount = DEFAULT_BACKUP_MOUNT if mount is None else mount
+    if (not isinstance(mount, str) or not mount.startswith("/") or ":" in mount
+            or any(c.isspace() for c in mount)):
+        _fail("backup_mount", mount, "an absolute path in the container, without ':' or "
+              "spaces, e.g. '/backup'", source)
+    return mount
+
+
 def tfjob_manifest(
     spec_or_counts: Any,
     *,
@@ -421,9 +487,12 @@ def tfjob_manifest(
     command: Sequence[str],
     args: Sequence[str] = (),
     namespace: str | None = None,
-    restart_policy: str = "OnFailure",
+    restart_policy: str = DEFAULT_RESTART_POLICY,
     cpu: str | float | None = None,
     memory: str | int | None = None,
+    grace: int = DEFAULT_GRACE_SECONDS,
+    backup_claim: str | None = None,
+    backup_mount: str | None = None,
 ) -> dict[str, Any]:
     """Returns a Kubeflow ``TFJob`` (``kubeflow.org/v1``) running a cluster.
 
@@ -436,6 +505,17 @@ def tfjob_manifest(
 
     Every replica spec runs the same container, named ``tensorflow`` (the
     operator only sets ``TF_CONFIG`` there). Print it with :func:`to_yaml`.
+
+    Preemption: Kubernetes stops a pod (eviction, node drain, spot VM
+    reclaimed) with SIGTERM, then SIGKILL after the pod's
+    ``terminationGracePeriodSeconds`` (``grace``). tfdist's
+    ``BackupAndRestore`` saves at an agreed step within that time and exits
+    with 143; the default ``ExitCode`` policy makes the operator re-create
+    the pod, and the new one resumes at that step. The backup directory
+    must be on a volume every pod mounts (a ReadWriteMany claim or object
+    storage): a restarted pod may land on another node. Each container also
+    gets ``TFDIST_GRACE`` (the grace period), so that a save that takes
+    longer is logged.
 
     Args:
         spec_or_counts: Anything :func:`tfdist.cluster.parse` accepts, or
@@ -450,10 +530,22 @@ def tfjob_manifest(
         namespace: ``metadata.namespace`` (a DNS-1123 label), or None for
             the one ``kubectl`` uses.
         restart_policy: ``restartPolicy`` of every replica spec: one of
-            :data:`RESTART_POLICIES`. With ``OnFailure`` or ``Always`` a
-            restarted task must resume from a checkpoint.
+            :data:`RESTART_POLICIES`. ``ExitCode`` (the default) re-creates
+            a pod that exited with 128-255 (143: preempted and saved; 137:
+            killed) and fails the job on 1-127; ``OnFailure`` and
+            ``Always`` restart on any failure, bugs included. A restarted
+            task resumes from its backup.
         cpu: CPU request and limit of each pod, e.g. ``'2'`` or ``'500m'``.
         memory: Memory request and limit of each pod, e.g. ``'4Gi'``.
+        grace: ``terminationGracePeriodSeconds`` of every pod: whole
+            seconds from SIGTERM to SIGKILL, at least 1. It must cover a
+            step plus the save of a backup.
+        backup_claim: A PersistentVolumeClaim (ReadWriteMany: every pod
+            mounts it) to mount in every container for the backups, or
+            None. Pass the mount path to the script, e.g.
+            ``--backup_dir=/backup/run1``.
+        backup_mount: Where ``backup_claim`` is mounted: an absolute path,
+            default :data:`DEFAULT_BACKUP_MOUNT`.
 
     Returns:
         The manifest as a dict (keys in the conventional order).
@@ -461,7 +553,8 @@ def tfjob_manifest(
     Raises:
         ConfigError: A bad argument; ``field`` names it (``'name'``,
             ``'image'``, ``'command'``, ``'namespace'``, ``'restart_policy'``,
-            ``'cpu'``, ``'memory'``, ``'counts.<type>'``).
+            ``'cpu'``, ``'memory'``, ``'grace'``, ``'backup_claim'``,
+            ``'backup_mount'``, ``'counts.<type>'``).
         ClusterSpecError: The spec is invalid.
     """
     source = "tfjob_manifest()"
@@ -487,6 +580,8 @@ def tfjob_manifest(
             hint = f"Did you mean {lowered[close[0]]!r}?" if close else None
         _fail("restart_policy", restart_policy,
               "one of " + ", ".join(repr(p) for p in RESTART_POLICIES), source, hint=hint)
+    grace = _check_grace(grace, source)
+    backup_mount = _check_backup_volume(backup_claim, backup_mount, source)
     resources: dict[str, str] = {}
     cpu_text = _check_quantity("cpu", cpu, source)
     memory_text = _check_quantity("memory", memory, source)
@@ -503,12 +598,20 @@ def tfjob_manifest(
         }
         if arg_words:
             container["args"] = list(arg_words)
+        # Read by tfdist's preemption handling: it logs a save that overran.
+        container["env"] = [{"name": "TFDIST_GRACE", "value": str(grace)}]
         if resources:
             container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
+        pod: dict[str, Any] = {"terminationGracePeriodSeconds": grace}
+        if backup_claim is not None:
+            container["volumeMounts"] = [{"name": _BACKUP_VOLUME, "mountPath": backup_mount}]
+            pod["volumes"] = [{"name": _BACKUP_VOLUME,
+                               "persistentVolumeClaim": {"claimName": backup_claim}}]
+        pod["containers"] = [container]
         return {
             "replicas": count,
             "restartPolicy": restart_policy,
-            "template": {"spec": {"containers": [container]}},
+            "template": {"spec": pod},
         }
 
     metadata: dict[str, Any] = {"name": name}

@@ -55,8 +55,23 @@ __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "PreemptionError", "PreemptionWat
 PREEMPTED_EXIT_CODE = 143
 _STOP_WATCHING = "tfdist-stop-watching"
 _RUNS = itertools.count()
-#: Seconds the first signalled worker waits for every worker's acknowledgement.
-ACK_TIMEOUT = 60.0
+
+
+def _grace() -> float | None:
+    """The grace period the launcher announced (``TFDIST_GRACE``), if any."""
+    try:
+        return float(os.environ["TFDIST_GRACE"])
+    except (KeyError, ValueError):
+        return None
+
+
+def ack_timeout() -> float:
+    """Seconds the first signalled worker waits for every worker's
+    acknowledgement: half the grace period (``TFDIST_GRACE``), at least 5 s,
+    15 s without one. Watcher threads answer within milliseconds; a worker
+    that does not is gone, and the rest of the grace period is the save's."""
+    grace = _grace()
+    return 15.0 if grace is None else max(5.0, grace / 2)
 
 
 class PreemptionError(TfdistError, RuntimeError):
@@ -295,7 +310,7 @@ class PreemptionWatcher:
 
         Raises:
             PreemptionError: A worker did not acknowledge the notice within
-                ``ACK_TIMEOUT`` seconds (it is gone).
+                :func:`ack_timeout` seconds (it is gone).
         """
         if not self._running:
             return False
@@ -321,7 +336,8 @@ class PreemptionWatcher:
 
     def _wait_for_acks(self) -> None:
         from tensorflow.python.eager import context
-        deadline = time.monotonic() + ACK_TIMEOUT
+        timeout = ack_timeout()
+        deadline = time.monotonic() + timeout
         for i in range(self.workers):
             left = max(1, int((deadline - time.monotonic()) * 1000))
             try:
@@ -329,11 +345,28 @@ class PreemptionWatcher:
             except Exception as error:  # noqa: BLE001 - DeadlineExceeded, Unavailable.
                 raise PreemptionError(
                     f"{self.task}: training task {i} of {self.workers} did not acknowledge "
-                    f"the preemption notice within {ACK_TIMEOUT:g} s ({error}); it is gone, "
+                    f"the preemption notice within {timeout:g} s ({error}); it is gone, "
                     "so no consistent backup can be taken.") from error
-        self._agreed.wait(ACK_TIMEOUT)
+        self._agreed.wait(timeout)
 
     # -- exit ----------------------------------------------------------------
+
+    def _wait_for_writer(self) -> None:
+        """Training task 0 (the chief, rank 0) writes the backup; the others
+        leave only once it has, so that a launcher or scheduler that kills
+        the rest of a job at its first exit cannot cut that save short."""
+        if self.workers == 1 or self._prefix == "":
+            return
+        from tensorflow.python.eager import context
+        if self.index == 0:
+            self._set(self._key("saved"), "1", exists_ok=True)
+            return
+        timeout = ack_timeout()
+        try:
+            context.context().get_config_key_value(self._key("saved"), int(timeout * 1000))
+        except Exception as error:  # noqa: BLE001 - exit anyway: the grace period runs.
+            logging.warning("tfdist: %s: the chief did not confirm its backup within %g s "
+                            "(%s); exiting anyway.", self.task, timeout, error)
 
     def record(self, **fields: Any) -> dict:
         """The status record: task, attempt, signal time and ``fields``."""
@@ -345,6 +378,7 @@ class PreemptionWatcher:
         """Writes the status record and raises :class:`Preempted` (exit code
         :data:`PREEMPTED_EXIT_CODE`). Call it after saving."""
         record = self.record(**(record or {}))
+        self._wait_for_writer()
         record["exit_time"] = time.time()
         write_status(record)
         self.stop()
@@ -353,6 +387,12 @@ class PreemptionWatcher:
         where = f"step {record['step']}" if "step" in record else f"step {self.stopped_at}"
         logging.warning("tfdist: %s saved at %s and exits (preempted)%s.", self.task, where,
                         since)
+        grace = _grace()
+        if grace is not None and self.signal_time is not None \
+                and record["exit_time"] - self.signal_time > grace:
+            logging.warning("tfdist: that took longer than the grace period (%g s): a SIGKILL "
+                            "may have come first on a real preemption. Save less often "
+                            "elsewhere, or ask for a longer grace period.", grace)
         print(f"tfdist: preempted: {self.task} saved at {where}; exiting with code "
               f"{PREEMPTED_EXIT_CODE}{since}", file=sys.stderr, flush=True)
         raise Preempted(record)

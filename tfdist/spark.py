@@ -34,8 +34,12 @@ failing task's partition and Python traceback. Spark does not retry a failed
 barrier result stage, so :func:`run` does: ``max_retries=N`` submits the job
 again (new processes, new ports), and ``train_fn`` resumes from
 ``backup_dir`` through :class:`tfdist.callbacks.BackupAndRestore`.
-``timeout`` bounds the whole run: its Spark job group is cancelled when it
-runs out. (Spark 4.3 quirk: a task killed while it waits in ``allGather`` or
+A preempted attempt (SIGTERM to a task: every task stops after the same
+step, the chief backs up there, and the tasks wait for each other before
+they fail the stage, so that Spark cannot kill the chief mid-save) is
+reported as :attr:`SparkJobError.preempted`, and the next attempt resumes
+at that step. ``timeout`` bounds the whole run: its Spark job group is
+cancelled when it runs out. (Spark 4.3 quirk: a task killed while it waits in ``allGather`` or
 ``barrier`` makes its executor exit with code 50; Spark starts a new one.)
 
 pyspark is optional (``pip install 'tfdist[spark]'``); importing this module
@@ -134,18 +138,24 @@ class SparkJobError(TfdistError, RuntimeError):
         task_traceback: The failing task's Python traceback, or None.
         spark_message: Spark's own error text, without Java stack frames.
         failures: The errors of the earlier submissions, oldest first.
+        preempted: When the attempt ended on a preemption (a task got
+            SIGTERM, or ``$TFDIST_PREEMPT_SIGNAL``, and every task saved at
+            one step): that task's status record (``step``, ``epoch``,
+            ``batch``, ``signal_time``, ``saved_time``...); else None.
     """
 
     def __init__(self, message: str, *, partition: int | None = None,
                  attempt: int = 0, task_traceback: str | None = None,
                  spark_message: str | None = None,
-                 failures: tuple["SparkJobError", ...] = ()) -> None:
+                 failures: tuple["SparkJobError", ...] = (),
+                 preempted: dict | None = None) -> None:
         super().__init__(message)
         self.partition = partition
         self.attempt = attempt
         self.task_traceback = task_traceback
         self.spark_message = spark_message
         self.failures = tuple(failures)
+        self.preempted = preempted
 
 
 class SparkTimeoutError(SparkJobError, TimeoutError):
@@ -244,6 +254,13 @@ def _executor_host(barrier_context: Any, partition: int) -> str:
     return host.strip("[]") or "127.0.0.1"
 
 
+def _preemption_record(error: BaseException) -> dict | None:
+    """The status record of a task that saved on preemption and exits
+    (tfdist.preemption.Preempted, a SystemExit), else None."""
+    from tfdist.preemption import Preempted  # No TensorFlow.
+    return dict(error.record) if isinstance(error, Preempted) else None
+
+
 def _encode_failure(spec: _TaskSpec, partition: int, error: BaseException) -> str:
     """The message of the exception a failing task raises.
 
@@ -262,8 +279,15 @@ def _encode_failure(spec: _TaskSpec, partition: int, error: BaseException) -> st
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
+    record = _preemption_record(error)
+    what = f"failed: {type(error).__name__}: {error}"
+    if record is not None:
+        info["preempted"] = record
+        info["message"] = (f"saved at step {record.get('step')} and exited with "
+                           f"code {error.code}")
+        what = f"was preempted: {info['message']}"
     return (f"tfdist.spark: task {partition} (worker {partition} of "
-            f"{spec.num_workers}) failed: {type(error).__name__}: {error}\n"
+            f"{spec.num_workers}) {what}\n"
             f"{_MARK} {json.dumps(info)}\n{_TB_START}\n{text.rstrip()}\n{_TB_END}")
 
 
@@ -310,6 +334,8 @@ def _run_task(spec: _TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
     partition = barrier_context.partitionId()
     try:
         os.environ.update(spec.env)
+        # Read by tfdist.preemption (its keys and status record).
+        os.environ["TFDIST_LAUNCH_ATTEMPT"] = str(spec.attempt)
         host = spec.host or _executor_host(barrier_context, partition)
         from tfdist.net import free_ports
         port = free_ports(1, host)[0]
@@ -343,6 +369,11 @@ def _run_task(spec: _TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
         # (and its process exits) while another may still talk to it.
         barrier_context.barrier()
     except BaseException as error:  # noqa: BLE001 - every failure goes back
+        if _preemption_record(error) is not None:
+            # Every task agreed on this step and saved (the chief writes the
+            # backup). The first task to fail makes Spark kill the others:
+            # wait until all of them are done saving.
+            barrier_context.barrier()
         raise RuntimeError(_encode_failure(spec, partition, error)) from None
     if payload is not None:
         yield payload
@@ -482,15 +513,25 @@ def _job_error(error: BaseException, attempt: int, attempts: int,
         found = _TB_RE.search(text, match.end())
         task_traceback = found.group(1) if found else "(not found in Spark's message)"
         partition = int(info["partition"])
-        message = (
-            f"{_SOURCE}: Spark task {partition} (worker {partition} of "
-            f"{num_workers}, on {info['host']}, pid {info['pid']}) failed on "
-            f"{where}: {info['type']}: {info['message']}\n"
-            "Spark aborted the barrier stage and stopped the other tasks.\n\n"
-            f"Traceback of task {partition}:\n{task_traceback}")
+        preempted = info.get("preempted")
+        if preempted is not None:
+            message = (
+                f"{_SOURCE}: the job was preempted on {where}: every task "
+                f"stopped after step {preempted.get('step')} (epoch "
+                f"{preempted.get('epoch')}, batch {preempted.get('batch')}), the "
+                "chief saved a backup there, and the tasks exited with code "
+                f"{_preempted_exit_code()}. A new attempt resumes at that step "
+                "from backup_dir.")
+        else:
+            message = (
+                f"{_SOURCE}: Spark task {partition} (worker {partition} of "
+                f"{num_workers}, on {info['host']}, pid {info['pid']}) failed on "
+                f"{where}: {info['type']}: {info['message']}\n"
+                "Spark aborted the barrier stage and stopped the other tasks.\n\n"
+                f"Traceback of task {partition}:\n{task_traceback}")
         return SparkJobError(message, partition=partition, attempt=attempt,
                              task_traceback=task_traceback,
-                             spark_message=spark_message)
+                             spark_message=spark_message, preempted=preempted)
     found = _RESULT_TASK_RE.search(text)
     partition = int(found.group(1)) if found else None
     who = f"task {partition}" if partition is not None else "a task"
@@ -499,6 +540,11 @@ def _job_error(error: BaseException, attempt: int, attempts: int,
                f"a killed Python worker). Spark said:\n{spark_message}")
     return SparkJobError(message, partition=partition, attempt=attempt,
                          spark_message=spark_message)
+
+
+def _preempted_exit_code() -> int:
+    from tfdist.preemption import PREEMPTED_EXIT_CODE  # No TensorFlow.
+    return PREEMPTED_EXIT_CODE
 
 
 def _submit(sc: Any, spec: _TaskSpec, seconds: float | None,
@@ -723,7 +769,9 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
         max_retries: Submissions of the job after a failed one. Spark does
             not retry a failed barrier result stage itself; each retry
             starts every task again in new processes on new ports, and
-            ``train_fn`` resumes from ``backup_dir``.
+            ``train_fn`` resumes from ``backup_dir``. A preempted attempt
+            (see :class:`SparkJobError`) counts as a failed one; its retry
+            resumes at the step where every task saved.
         timeout: Seconds for the whole run, retries included; then the
             Spark job group is cancelled (its tasks are killed) and
             :class:`SparkTimeoutError` is raised. None: no limit.
@@ -818,6 +866,13 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
             if attempt + 1 == attempts:
                 raise
             from absl import logging
+            if error.preempted is not None:
+                logging.warning(
+                    "tfdist.spark.run: attempt %d of %d was preempted and saved at "
+                    "step %s; submitting the job again (it resumes at that step "
+                    "from backup_dir).", attempt + 1, attempts,
+                    error.preempted.get("step"))
+                continue
             logging.warning("tfdist.spark.run: attempt %d of %d failed; "
                             "submitting the job again%s.\n%s", attempt + 1,
                             attempts, " (train_fn resumes from backup_dir)"
