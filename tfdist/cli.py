@@ -3,8 +3,10 @@
     tfdist info [--config SPEC] [--strategy NAME] [--cpu-replicas N] [--tpu T] [--verbose]
     tfdist validate FILE|- [--strategy NAME] [--require-task]
     tfdist tf-config SPEC --task TYPE:INDEX [--export]
-    tfdist launch [--workers N|-np N] [-H HOST:SLOTS,...|--hostfile F] [--chief] [--ps M]
-                  [--evaluator] [--max-restarts K] [--show-all] [--verbose] [--spec SPEC]
+    tfdist launch [--workers N|MIN:MAX|-np N] [-H HOST:SLOTS,...|--hostfile F] [--chief]
+                  [--ps M] [--evaluator] [--max-restarts K] [--grace S] [--preempt-signal SIG]
+                  [--worker-failed restart|shrink] [--host-discovery-script PATH]
+                  [--discovery-interval S] [--show-all] [--verbose] [--spec SPEC]
                   [--log-dir D] [--netns]
                   SCRIPT|-m MODULE|-c CODE [ARGS...]
     tfdist horovodrun -np N [-H HOST:SLOTS,...|--hostfile F] [--max-restarts K]
@@ -162,9 +164,11 @@ def _add_launch(sub) -> None:
         "own TF_CONFIG. A failed task stops the job; it restarts up to --max-restarts "
         "times. Note: TensorFlow's servers listen on every interface; --netns keeps "
         "the job in a private network namespace.")
-    launch.add_argument("--workers", "-np", "--num-proc", dest="workers", type=int,
-                        default=None, help="worker tasks (default: 2, or every slot of "
-                        "-H/--hostfile); -np N as horovodrun spells it")
+    launch.add_argument("--workers", "-np", "--num-proc", dest="workers", default=None,
+                        help="worker tasks (default: 2, or every slot of -H/--hostfile); "
+                        "-np N as horovodrun spells it; MIN:MAX (torchrun's spelling) for "
+                        "an elastic job that shrinks down to MIN when a worker is lost and "
+                        "grows back up to MAX")
     launch.add_argument("-H", "--hosts", default=None,
                         help="horovodrun's host1:slots,host2:slots; all on localhost/127.0.0.1: "
                         "runs here, else prints each host's commands")
@@ -175,7 +179,26 @@ def _add_launch(sub) -> None:
                         help="parameter-server tasks (ps and workers serve; the chief "
                         "runs SCRIPT)")
     launch.add_argument("--evaluator", action="store_true", help="add an evaluator task")
-    launch.add_argument("--max-restarts", type=int, default=0)
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole job up to K times after a task fails or "
+                        "is preempted")
+    launch.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                        help="after SIGTERM/SIGINT to the launcher (or a preempted task), "
+                        "seconds the tasks get to save and exit before SIGKILL (default 30)")
+    launch.add_argument("--preempt-signal", default="SIGTERM", metavar="SIGNAL",
+                        help="the signal passed on to the tasks to make them save and exit "
+                        "(default SIGTERM; exported as TFDIST_PREEMPT_SIGNAL)")
+    launch.add_argument("--worker-failed", default="restart", metavar="POLICY",
+                        help="elastic jobs: 'restart' (default) restarts a failed job at "
+                        "its size while --max-restarts allow, then shrinks it by one "
+                        "worker; 'shrink' shrinks it at once")
+    launch.add_argument("--host-discovery-script", default=None, metavar="PATH",
+                        help="elastic jobs: an executable printing the worker slots "
+                        "available (one integer, or lines HOST:SLOTS); run every "
+                        "--discovery-interval seconds, the job is resized to match "
+                        "(within MIN:MAX)")
+    launch.add_argument("--discovery-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="seconds between two runs of --host-discovery-script")
     launch.add_argument("--show-all", action="store_true",
                         help="show every task's output (default: the chief's, and "
                         "warnings and errors of the others)")
@@ -201,6 +224,7 @@ def _add_launch(sub) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     from tfdist import launch as launch_lib
+    from tfdist import launch_elastic
 
     script, rest = [args.script], list(args.args)
     for flag, words in (("-m", args.module), ("-c", args.code)):
@@ -226,8 +250,15 @@ def _launch(args: argparse.Namespace) -> int:
         given.remove("--netns")  # The first one: the launcher's, not the script's.
         inner = [sys.executable, "-m", "tfdist", "launch", *given]
         return launch_lib.run_in_netns(inner)
-    workers = 2 if args.workers is None else args.workers
+    workers = "2" if args.workers is None else args.workers
     if args.hosts is not None or args.hostfile is not None:
+        low, high = launch_elastic.parse_workers(workers)
+        if low != high or args.host_discovery_script is not None:
+            raise ConfigError("workers", workers, "a fixed worker count with -H/--hosts or "
+                              "--hostfile", source="tfdist launch", hint="An elastic job "
+                              "(MIN:MAX) runs every worker here; its size comes from "
+                              "--host-discovery-script.")
+        workers = high
         for field, value, given in (("spec", args.spec, args.spec is not None),
                                     ("chief", args.chief, args.chief), ("ps", args.ps, args.ps)):
             if given:
@@ -255,7 +286,9 @@ def _launch(args: argparse.Namespace) -> int:
         script, rest, workers=workers, chief=args.chief, ps=args.ps,
         evaluator=args.evaluator, max_restarts=args.max_restarts, show_all=args.show_all,
         spec=args.spec, log_dir=args.log_dir, verbose=args.verbose,
-        python=python or sys.executable)
+        python=python or sys.executable, grace=args.grace, preempt_signal=args.preempt_signal,
+        worker_failed=args.worker_failed, host_discovery_script=args.host_discovery_script,
+        discovery_interval=args.discovery_interval)
     return result.exit_code
 
 
@@ -333,10 +366,12 @@ def _horovodrun(args: argparse.Namespace) -> int:
             raise ConfigError(field, value, f"no {'/'.join(names)}: tfdist never uses SSH",
                               source=source, hint="With other hosts tfdist horovodrun prints "
                               "each host's command; start them with your own ssh or scheduler.")
-        raise ConfigError(field, value, f"no {'/'.join(names)}: tfdist has no elastic host "
-                          "discovery", source=source, hint="Run a fixed -np N with "
+        raise ConfigError(field, value, f"no {'/'.join(names)}: tfdist horovodrun runs a "
+                          "fixed number of ranks", source=source, hint="Run a fixed -np N with "
                           "--max-restarts K: a failed rank restarts the job, and "
-                          "tfdist.horovod.elastic resumes from the last commit.")
+                          "tfdist.horovod.elastic resumes from the last commit. Elastic sizes "
+                          "are for tfdist strategy scripts: tfdist launch --workers MIN:MAX "
+                          "[--host-discovery-script PATH].")
     ignored = [n for n in _HOROVOD_TUNING if getattr(args, n[2:].replace("-", "_")) is not None]
     ignored += [n for n in _HOROVOD_TUNING_FLAGS if getattr(args, n[2:].replace("-", "_"))]
     if ignored:

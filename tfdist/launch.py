@@ -15,8 +15,22 @@ per-task log files keep every line.
   relaunch on new ports, without counting a restart.
 * Parameter-server jobs: ps and worker tasks run TensorFlow servers; the
   chief runs the script.
-* Ctrl-C, SIGTERM or an error in the launcher stops every child (each runs in
-  its own process group) before returning: no orphans.
+* Preemption: SIGTERM or Ctrl-C to the launcher is passed on (as
+  ``preempt_signal``) to the tasks that run the script; they get ``grace``
+  seconds to save and exit, then are SIGKILLed (a parameter-server job's
+  servers only after the chief exited: it saves through them). The launcher
+  reports what happened from the status records the tasks write
+  (``$TFDIST_JOB_DIR/preempted/TASK.json``, :mod:`tfdist.preemption`):
+  saved at step N, finished, or killed. A task that exits with
+  PREEMPTED_EXIT_CODE after writing its record was preempted by itself: the
+  others get the grace period to finish the same save, then the job restarts
+  (one of ``max_restarts``) and resumes at that step.
+* Elastic jobs (``workers="MIN:MAX"``): a lost worker, once restarts are
+  spent (or at once with ``worker_failed="shrink"``), restarts the job one
+  worker smaller, down to MIN; a host-discovery script that reports room
+  resizes it (a preemption save, then a relaunch). :mod:`tfdist.launch_elastic`.
+* An error in the launcher stops every child (each runs in its own process
+  group) before returning: no orphans.
 * Every task gets ``TFDIST_LAUNCH_ATTEMPT`` (0, then 1, 2... after restarts)
   and ``TFDIST_JOB_DIR``: a scratch directory of this launch, the same across
   restarts and removed when the launch returns. ``tfdist.horovod.elastic``
@@ -43,12 +57,13 @@ import time
 from pathlib import Path
 from typing import IO, Any, Sequence
 
-from tfdist import cluster
+from tfdist import cluster, launch_elastic
 from tfdist.errors import ConfigError, require_int
 from tfdist.net import local_spec
 from tfdist.quiet import NoiseFilter
 
-__all__ = ["launch", "LaunchResult", "TaskExit", "SERVER_CODE"]
+__all__ = ["launch", "LaunchResult", "TaskExit", "SERVER_CODE", "PREEMPTED_EXIT_CODE",
+           "DEFAULT_GRACE", "read_status_records"]
 
 #: What ps and worker tasks of a parameter-server job run.
 SERVER_CODE = ("import tfdist.strategies as s, tfdist.cluster as c; "
@@ -65,6 +80,14 @@ _TAIL = 30
 #: Seconds an evaluator may run on after the training tasks finished.
 EVALUATOR_GRACE = 60.0
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+#: A task's exit code after it saved on preemption (128 + SIGTERM), as in
+#: tfdist.preemption, which imports TensorFlow; the launcher does not.
+PREEMPTED_EXIT_CODE = 143
+#: Seconds the tasks get to save after a preemption signal (Slurm's
+#: KillWait, a spot VM's notice: about 30 s).
+DEFAULT_GRACE = 30.0
+#: Where, under TFDIST_JOB_DIR, the tasks write their preemption records.
+STATUS_DIR = "preempted"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +127,25 @@ class LaunchResult:
 
     Attributes:
         exit_code: 0 on success, else the failing task's code (128 + N for a
-            signal N), 130 after Ctrl-C, 143 after SIGTERM.
-        restarts: Restarts after failures (at most ``max_restarts``).
+            signal N), 130 after Ctrl-C, 143 after SIGTERM (0 if the tasks
+            finished within the grace period anyway), 143 when a preempted
+            job has no restarts left.
+        restarts: Restarts after failures or preemptions (at most
+            ``max_restarts``).
         port_relaunches: Relaunches because a port was taken (not restarts).
         failure: The task failure that ended the job, or None.
-        attempts: Every failure seen, in order.
+        attempts: Every failure or preemption seen, in order.
+        outcome: How the launch ended: ``"finished"``, ``"failed"``,
+            ``"preempted"`` (stopped, with a backup saved), ``"killed"``
+            (stopped after the grace period, nothing saved) or
+            ``"stopped"`` (the tasks exited on the signal without saving).
+        saved: The status record of the last preemption save
+            (``{"step": ..., "epoch": ..., "batch": ..., "backup": ...}``),
+            or None.
+        stop_seconds: Seconds from the last preemption signal (to the
+            launcher, or a task's own) to the exit of the last training task.
+        workers: The number of workers of the last attempt.
+        resizes: Elastic size changes, in order: ``(old, new, why)``.
     """
 
     exit_code: int = 0
@@ -116,18 +153,35 @@ class LaunchResult:
     port_relaunches: int = 0
     failure: TaskExit | None = None
     attempts: list[TaskExit] = dataclasses.field(default_factory=list)
+    outcome: str = ""
+    saved: dict | None = None
+    stop_seconds: float | None = None
+    workers: int = 0
+    resizes: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
 
 
-class _Stop(Exception):
-    """The launcher was asked to stop (signal)."""
+class _Signals:
+    """The stop signals the launcher received (set by its signal handler).
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    The handler only records the signal: the attempt's watch loop passes it
+    on and runs the grace period, so a signal never cuts a stop short.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # The first one.
+        self.last: int | None = None
+        self.time = 0.0
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any = None) -> None:
+        if self.count == 0:
+            self.signum, self.time = signum, time.monotonic()
+        self.last = signum
+        self.count += 1
 
 
 class _Task:
@@ -180,6 +234,9 @@ class _Task:
         """Waits for the output to drain after the process ended."""
         self._thread.join(timeout)
 
+    def exit(self) -> TaskExit:
+        return TaskExit(self.task, self.proc.returncode, tuple(self.tail))
+
 
 class _Output:
     """Serializes lines from several threads onto one stream."""
@@ -212,17 +269,47 @@ def _check_counts(workers: Any, ps: Any, max_restarts: Any) -> None:
     require_int("max_restarts", max_restarts, 0, "tfdist launch")
 
 
+def _signal_number(value: Any) -> int:
+    """``"SIGUSR1"``, ``"USR1"``, ``10`` or a ``signal.Signals`` -> its number."""
+    expected = ("a signal name or number that a process can catch (SIGTERM, SIGUSR1, "
+                "SIGINT...)")
+    try:
+        if isinstance(value, str):
+            name = value.strip().upper()
+            number = int(name) if name.isdigit() else signal.Signals[
+                name if name.startswith("SIG") else "SIG" + name]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            raise KeyError(value)
+        number = signal.Signals(number)
+    except (KeyError, ValueError):
+        raise ConfigError("preempt_signal", value, expected, source="tfdist launch") from None
+    if number in (signal.SIGKILL, signal.SIGSTOP):
+        raise ConfigError("preempt_signal", value, expected, source="tfdist launch",
+                          hint=f"{number.name} cannot be caught, so nothing could be saved.")
+    return int(number)
+
+
 def non_local_hosts(spec: dict) -> list[str]:
     """The hosts of a spec that are not this machine's loopback."""
     addresses = [a for job in spec["cluster"].values() for a in job]
     return sorted({cluster.parse_address(a)[0] for a in addresses} - _LOCAL_HOSTS)
 
 
+def _position(record: dict) -> str:
+    """``"step 37 (epoch 1, batch 12)"`` from a status record."""
+    text = f"step {record.get('step')}"
+    if record.get("epoch") is not None:
+        text += f" (epoch {record['epoch']}, batch {record.get('batch')})"
+    return text
+
+
 def launch(
     script: str | Sequence[str],
     args: Sequence[str] = (),
     *,
-    workers: int = 2,
+    workers: int | str | tuple[int, int] = 2,
     chief: bool = False,
     ps: int = 0,
     evaluator: bool = False,
@@ -237,13 +324,22 @@ def launch(
     output: IO[str] | None = None,
     handle_signals: bool | None = None,
     verbose: bool = False,
+    grace: float = DEFAULT_GRACE,
+    preempt_signal: str | int = "SIGTERM",
+    worker_failed: str = "restart",
+    host_discovery_script: str | os.PathLike | None = None,
+    discovery_interval: float = 5.0,
 ) -> LaunchResult:
     """Runs ``python SCRIPT ARGS`` as every task of a local cluster.
 
     Args:
         script: A script path, or ``["-m", "pkg.module"]`` / ``["-c", code]``.
         args: The script's arguments.
-        workers: Worker tasks.
+        workers: Worker tasks: a count, or an elastic range ``"MIN:MAX"`` /
+            ``(MIN, MAX)``. An elastic job starts MAX workers (or what the
+            discovery script reports), shrinks by one down to MIN when a
+            worker fails and cannot be restarted (see ``worker_failed``), and
+            grows back when the discovery script reports free slots.
         chief: Add a chief task (required with ``ps``).
         ps: Parameter-server tasks. With ps > 0, ps and worker tasks run
             TensorFlow servers and only the chief (and evaluator) run the
@@ -251,7 +347,8 @@ def launch(
         evaluator: Add an evaluator task. It runs the script too; when the
             training tasks have finished it has EVALUATOR_GRACE seconds to
             finish before it is stopped.
-        max_restarts: Restarts of the whole job after a task fails.
+        max_restarts: Restarts of the whole job after a task fails or is
+            preempted.
         show_all: Show every task's output. By default the chief's (or
             worker 0's) output is shown in full and the others' warnings,
             errors and tracebacks only.
@@ -265,91 +362,198 @@ def launch(
         python: The interpreter the tasks run.
         log_dir: If given, each task's full output goes to
             ``LOG_DIR/attempt-N/TASK.log``.
-        stop_timeout: Seconds between SIGTERM and SIGKILL when stopping tasks.
+        stop_timeout: Seconds between SIGTERM and SIGKILL when stopping the
+            other tasks after a failure.
         port_relaunches: How many relaunches on new ports to allow when a
             port was taken.
         output: Where prefixed lines go (default: sys.stdout).
-        handle_signals: Turn SIGTERM/SIGINT into a clean stop of every task;
-            default: when called from the main thread.
+        handle_signals: Turn SIGTERM/SIGINT (and ``preempt_signal``) into a
+            preemption of the job: the signal is passed on and the tasks get
+            ``grace`` seconds to save; default: when called from the main
+            thread.
         verbose: Also show TensorFlow's start-up noise (the lines of
             :data:`tfdist.quiet.NOISE`); by default only the log files
             have it, and the tail of a failed task leaves it out.
+        grace: Seconds the training tasks get, after a preemption signal,
+            to save and exit before they are killed (exported as
+            ``TFDIST_GRACE``).
+        preempt_signal: The signal passed on to the training tasks when the
+            launcher is stopped or resizes the job (exported as
+            ``TFDIST_PREEMPT_SIGNAL``).
+        worker_failed: Elastic jobs: ``"restart"`` restarts the job at its
+            size while restarts remain, then shrinks it; ``"shrink"``
+            shrinks it at once.
+        host_discovery_script: Elastic jobs: an executable printing the
+            worker slots available (see :mod:`tfdist.launch_elastic`), run
+            every ``discovery_interval`` seconds.
+        discovery_interval: Seconds between two runs of the discovery
+            script.
 
     Returns:
         A :class:`LaunchResult`; the ``tfdist launch`` command exits with its
         ``exit_code``.
 
     Raises:
-        ConfigError: Bad counts, or a spec naming other hosts (the message
-            says to run ``tfdist hosts`` for the per-host commands).
+        ConfigError: Bad counts, grace, signal, elastic range or discovery
+            script, or a spec naming other hosts (the message says to run
+            ``tfdist hosts`` for the per-host commands).
     """
+    source = "tfdist launch"
+    min_workers, max_workers = launch_elastic.parse_workers(workers)
+    elastic = min_workers != max_workers or host_discovery_script is not None
     if spec is not None:
+        if elastic:
+            raise ConfigError("spec", spec, "no spec with an elastic --workers MIN:MAX",
+                              source=source, hint="An elastic job picks its own ports.")
         spec = cluster.parse(spec, require_task=False).to_dict()
         jobs = spec["cluster"]
         # Later attempts use new ports for a cluster of the same shape.
-        workers, ps = len(jobs.get("worker", [])), len(jobs.get("ps", []))
+        min_workers = max_workers = len(jobs.get("worker", []))
+        ps = len(jobs.get("ps", []))
         chief = "chief" in jobs
         others = non_local_hosts(spec)
         if others:
             raise ConfigError(
                 "spec", others, "a spec with only local hosts (127.0.0.1, localhost)",
-                source="tfdist launch", received=", ".join(others),
+                source=source, received=", ".join(others),
                 hint="tfdist launch starts processes on this machine only; "
                 "`tfdist hosts SPEC -- SCRIPT` prints each host's TF_CONFIG and command.")
-    _check_counts(workers, ps, max_restarts)
+    _check_counts(max_workers, ps, max_restarts)
     if ps and not chief:
-        raise ConfigError("chief", chief, "True with ps > 0", source="tfdist launch",
+        raise ConfigError("chief", chief, "True with ps > 0", source=source,
                           hint="A parameter-server job needs a chief to run the training.")
+    if elastic and (ps or chief):
+        field, value = ("ps", ps) if ps else ("chief", chief)
+        raise ConfigError(field, value, "no chief or ps in an elastic (MIN:MAX) job",
+                          source=source, hint="Elastic jobs are MultiWorkerMirrored workers "
+                          "only (worker 0 is the chief); a parameter-server job already "
+                          "carries on without a lost worker.")
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
+        raise ConfigError("grace", grace, "a number of seconds > 0", source=source)
+    preempt_signum = _signal_number(preempt_signal)
+    if worker_failed not in launch_elastic.WORKER_FAILED:
+        raise ConfigError("worker_failed", worker_failed,
+                          f"one of {', '.join(launch_elastic.WORKER_FAILED)}", source=source)
+    if isinstance(discovery_interval, bool) or not isinstance(
+            discovery_interval, (int, float)) or not discovery_interval > 0:
+        raise ConfigError("discovery_interval", discovery_interval, "a number of seconds > 0",
+                          source=source)
+    discovery = None
+    size = max_workers
     out = _Output(output or sys.stdout)
+    if host_discovery_script is not None:
+        discovery = launch_elastic.Discovery(host_discovery_script, source=source)
+        slots = discovery.slots()  # Bad output: a ConfigError before anything starts.
+        size = min(max_workers, max(min_workers, slots))
+        out.say(f"elastic job: {min_workers} to {max_workers} workers; the discovery script "
+                f"reports {slots} slot(s): starting {size} worker(s)")
     script_argv = [script] if isinstance(script, str) else list(script)
     result = LaunchResult()
     if handle_signals is None:
         handle_signals = threading.current_thread() is threading.main_thread()
+    stops = _Signals()
     previous = {}
-
-    def on_signal(signum, frame):
-        raise _Stop(signum)
-
     if handle_signals:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, on_signal)
+        for signum in {signal.SIGTERM, signal.SIGINT, preempt_signum}:
+            previous[signum] = signal.signal(signum, stops)
     attempt = 0
     # One scratch directory for the whole launch, kept across restarts.
     job_dir = tempfile.mkdtemp(prefix="tfdist-job-")
-    env = {"TFDIST_JOB_DIR": job_dir, **(env or {})}
+    env = {"TFDIST_JOB_DIR": job_dir, **(env or {}),
+           "TFDIST_PREEMPT_SIGNAL": signal.Signals(preempt_signum).name,
+           "TFDIST_GRACE": f"{grace:g}"}
+    if elastic:
+        env.update(TFDIST_MIN_WORKERS=str(min_workers), TFDIST_MAX_WORKERS=str(max_workers))
+    settings = _Settings(
+        evaluator=evaluator, script_argv=script_argv, args=list(args),
+        parameter_server=ps > 0, show_all=show_all, env=env, python=python,
+        log_dir=log_dir, stop_timeout=stop_timeout, out=out, verbose=verbose,
+        grace=float(grace), preempt_signal=preempt_signum, stops=stops,
+        status_dir=Path(env["TFDIST_JOB_DIR"]) / STATUS_DIR,
+        discovery=discovery, discovery_interval=float(discovery_interval),
+        min_workers=min_workers, max_workers=max_workers)
+
     try:
         while True:
+            if stops.count:  # A signal between two attempts: nothing runs.
+                result.outcome = "stopped"
+                result.exit_code = 128 + stops.signum
+                out.say(f"{signal.Signals(stops.signum).name}: stopped between two attempts")
+                return result
             job_spec = (spec if spec is not None and attempt == 0
-                        else local_spec(workers, chief=chief, ps=ps))
-            failure, port_taken = _run_once(
-                job_spec, evaluator, script_argv, list(args), ps > 0,
-                show_all, env, python, log_dir, attempt, stop_timeout, out, verbose)
+                        else local_spec(size, chief=chief, ps=ps))
+            result.workers = size
+            end = _Attempt(settings, job_spec, attempt, size).run()
             attempt += 1
-            if failure is None:
+            if end.how == "finished":
+                result.outcome = "finished"
                 out.say("all tasks finished")
                 return result
+            if end.how in ("stopped", "resize") or end.records:
+                result.stop_seconds = end.drain_seconds
+            if end.how == "stopped":
+                return _report_stop(end, stops.signum, result, out)
+            if end.how == "resize":
+                old, size = size, end.target
+                result.resizes.append((old, size, "discovery"))
+                verb = "grew" if size > old else "shrank"
+                how = (f"the workers saved at {_position(end.record)}" if end.record
+                       else "nothing was saved; the job resumes from its last backup")
+                out.say(f"{verb} {old} -> {size} workers (MIN {min_workers}, MAX "
+                        f"{max_workers}): {how}; relaunching at the new size "
+                        "(not counted as a restart)")
+                continue
+            failure = end.failure
             result.attempts.append(failure)
-            if port_taken and result.port_relaunches < port_relaunches:
+            if end.how == "port" and result.port_relaunches < port_relaunches:
                 result.port_relaunches += 1
                 out.say(f"{failure.task} could not bind its port (taken by another process); "
                         "relaunching every task on new ports (not counted as a restart)")
                 continue
-            if result.restarts < max_restarts:
+            if end.how == "preempted":
+                what = (f"{failure.task} was preempted and the job saved at "
+                        f"{_position(end.record)}")
+            else:
+                what = f"{failure.task} {failure.how}"
+            can_shrink = elastic and size > min_workers
+            if result.restarts < max_restarts and not (can_shrink and worker_failed == "shrink"):
                 result.restarts += 1
-                out.say(f"{failure.task} {failure.how}; restart {result.restarts} of "
-                        f"{max_restarts} on new ports")
+                resume = (f", resuming at {_position(end.record)}" if end.how == "preempted"
+                          else "")
+                out.say(f"{what}; restart {result.restarts} of {max_restarts} on new "
+                        f"ports{resume}")
+                continue
+            if can_shrink:
+                old, size = size, size - 1
+                result.resizes.append((old, size, f"{failure.task} {failure.how}"))
+                why = ("--worker-failed shrink" if worker_failed == "shrink"
+                       else "restarts spent")
+                origin = (f"at {_position(end.record)}" if end.how == "preempted"
+                          else "from its last backup")
+                out.say(f"{what}; {why}: shrinking {old} -> {size} workers (MIN "
+                        f"{min_workers}); the job resumes {origin}; global batch kept "
+                        "by the script, see README 'Elastic jobs'")
                 continue
             result.failure = failure
+            if end.how == "preempted":
+                result.outcome = "preempted"
+                result.saved = end.record
+                result.exit_code = PREEMPTED_EXIT_CODE
+                out.say(f"giving up: {what}"
+                        + (f" after {result.restarts} restart(s)" if max_restarts else "")
+                        + "; run the same command to resume")
+                return result
+            result.outcome = "failed"
             result.exit_code = failure.exit_code or 1
             tail = "\n".join(f"    {line}" for line in failure.tail[-15:])
             out.say(f"giving up: {failure.task} {failure.how}"
                     + (f" after {result.restarts} restart(s)" if max_restarts else "")
                     + (f". Its last lines:\n{tail}" if tail else ""))
             return result
-    except (_Stop, KeyboardInterrupt) as stop:
-        signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
-        out.say(f"{signal.Signals(signum).name}: every task was stopped")
-        result.exit_code = 128 + signum
+    except KeyboardInterrupt:  # Without our handlers (handle_signals=False).
+        out.say("SIGINT: every task was stopped")
+        result.outcome = "stopped"
+        result.exit_code = 128 + signal.SIGINT
         return result
     finally:
         for signum, handler in previous.items():
@@ -357,49 +561,276 @@ def launch(
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _run_once(spec, evaluator, script_argv, args, parameter_server, show_all, env, python, log_dir,
-              attempt, stop_timeout, out, verbose=False) -> tuple[TaskExit | None, bool]:
-    """Starts every task, waits, stops them all. Returns (failure, port_taken)."""
-    tasks: list[_Task] = []
-    trainers: list[_Task] = []
-    lead = "chief:0" if "chief" in spec["cluster"] else "worker:0"
-    base_env = dict(os.environ)
-    base_env.update(env or {})
-    base_env.update({"PYTHONUNBUFFERED": "1", "TFDIST_LAUNCH_ATTEMPT": str(attempt)})
-    logs = Path(log_dir) / f"attempt-{attempt}" if log_dir else None
-    if logs:
-        logs.mkdir(parents=True, exist_ok=True)
-    try:
-        for task_type, index, config in _tasks_of(spec, evaluator):
+def _report_stop(end: "_AttemptEnd", signum: int, result: LaunchResult,
+                 out: _Output) -> LaunchResult:
+    """The one line saying what a stop signal to the launcher led to."""
+    name = signal.Signals(signum).name
+    took = f"{end.drain_seconds:.1f} s after {name}"
+    if end.finished:
+        result.outcome, result.exit_code = "finished", 0
+        out.say(f"finished: every training task completed ({took})")
+    elif end.record is not None:
+        result.outcome, result.saved = "preempted", end.record
+        result.exit_code = 128 + signum
+        out.say(f"preempted: saved at {_position(end.record)}; run the same command to "
+                f"resume ({took})")
+    elif end.killed:
+        result.outcome, result.exit_code = "killed", 128 + signum
+        if end.hurried:
+            out.say(f"killed on a second signal ({end.hurried}), nothing saved "
+                    f"({', '.join(end.killed)} still running {took})")
+        else:
+            out.say(f"killed after the grace period, nothing saved ({', '.join(end.killed)} "
+                    f"still running {end.grace:g} s after {name})")
+    else:
+        result.outcome, result.exit_code = "stopped", 128 + signum
+        how = "; ".join(f"{e.task} {e.how}" for e in end.exits if e.returncode != 0)
+        out.say(f"{name}: every task was stopped, nothing saved ({how or 'no status record'})")
+    return result
+
+
+@dataclasses.dataclass
+class _Settings:
+    """What every attempt of one launch shares."""
+
+    evaluator: bool
+    script_argv: list[str]
+    args: list[str]
+    parameter_server: bool
+    show_all: bool
+    env: dict
+    python: str
+    log_dir: Any
+    stop_timeout: float
+    out: _Output
+    verbose: bool
+    grace: float
+    preempt_signal: int
+    stops: _Signals
+    status_dir: Path
+    discovery: launch_elastic.Discovery | None
+    discovery_interval: float
+    min_workers: int
+    max_workers: int
+
+
+@dataclasses.dataclass
+class _AttemptEnd:
+    """How one attempt ended.
+
+    ``how``: "finished", "failed", "port" (a task could not bind its port),
+    "preempted" (a training task exited with PREEMPTED_EXIT_CODE after
+    writing its status record), "stopped" (the launcher got a stop signal)
+    or "resize" (the discovery script asked for another size).
+    """
+
+    how: str
+    failure: TaskExit | None = None
+    records: dict[str, dict] = dataclasses.field(default_factory=dict)
+    exits: list[TaskExit] = dataclasses.field(default_factory=list)
+    killed: list[str] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    drain_seconds: float | None = None
+    grace: float = 0.0
+    target: int | None = None
+    lead: str = "worker:0"
+    hurried: str | None = None  # Killed on this second signal, before the grace ended.
+
+    @property
+    def record(self) -> dict | None:
+        """The lead task's status record (every task saves the same step)."""
+        if not self.records:
+            return None
+        return self.records.get(self.lead) or self.records[sorted(self.records)[0]]
+
+
+class _Attempt:
+    """Starts every task of one attempt, watches them, stops them all."""
+
+    def __init__(self, settings: _Settings, spec: dict, attempt: int, size: int) -> None:
+        self.s = settings
+        self.spec = spec
+        self.attempt = attempt
+        self.size = size
+        self.tasks: list[_Task] = []
+        self.trainers: list[_Task] = []   # Run the script and save.
+        self.servers: list[_Task] = []    # A parameter-server job's ps and workers.
+        self.lead = "chief:0" if "chief" in spec["cluster"] else "worker:0"
+
+    def run(self) -> _AttemptEnd:
+        s = self.s
+        seen = s.stops.count
+        try:
+            self._start()
+            next_check = time.monotonic() + s.discovery_interval
+            evaluator_deadline = None
+            while True:
+                if s.stops.count > seen:
+                    s.out.say(f"{signal.Signals(s.stops.signum).name}: passing "
+                              f"{signal.Signals(s.preempt_signal).name} on to the training "
+                              f"tasks; they have {s.grace:g} s (--grace) to save and exit")
+                    self._forward()
+                    return self._drain("stopped", s.stops.time)
+                now = time.monotonic()
+                if s.discovery is not None and now >= next_check:
+                    target = self._target()
+                    next_check = time.monotonic() + s.discovery_interval
+                    if target is not None:
+                        s.out.say(f"the discovery script reports room for {target} worker(s) "
+                                  f"(now {self.size}): passing "
+                                  f"{signal.Signals(s.preempt_signal).name} on so that the "
+                                  "workers save, then relaunching")
+                        self._forward()
+                        end = self._drain("resize", now)
+                        end.target = target
+                        return end
+                for task in self.tasks:
+                    code = task.poll()
+                    if code is None or code == 0:
+                        continue
+                    task.finish(1.0)
+                    if (task in self.trainers and code == PREEMPTED_EXIT_CODE
+                            and self._records().get(task.task)):
+                        record = self._records()[task.task]
+                        s.out.say(f"{task.task} exited {code} after saving at "
+                                  f"{_position(record)} (preempted); waiting up to "
+                                  f"{s.grace:g} s for the other tasks to save and exit")
+                        # The grace period runs from the task's signal when a
+                        # record says when it came.
+                        times = [r["signal_time"] for r in self._records().values()
+                                 if isinstance(r.get("signal_time"), (int, float))]
+                        started = now - max(0.0, time.time() - min(times)) if times else now
+                        end = self._drain("preempted", started)
+                        # Named after the task that got the signal: the first
+                        # to exit may be another one.
+                        first = _first_signalled(end.records) or task.task
+                        end.failure = next((e for e in end.exits if e.task == first),
+                                           task.exit())
+                        return end
+                    failure = task.exit()
+                    _stop_all(self.tasks, s.stop_timeout)
+                    return _AttemptEnd("port" if task.port_taken else "failed", failure,
+                                       lead=self.lead)
+                if all(t.poll() == 0 for t in self.trainers):
+                    # Training is done; a side-car evaluator gets a grace period
+                    # to evaluate the last checkpoint, then it is stopped.
+                    evaluator_deadline = evaluator_deadline or time.monotonic() + EVALUATOR_GRACE
+                    if all(t.poll() is not None for t in self.tasks
+                           if t.task.startswith("evaluator")) \
+                            or time.monotonic() > evaluator_deadline:
+                        return _AttemptEnd("finished", lead=self.lead)
+                time.sleep(0.05)
+        finally:
+            _stop_all(self.tasks, s.stop_timeout)
+
+    def _start(self) -> None:
+        s = self.s
+        base_env = dict(os.environ)
+        base_env.update(s.env or {})
+        base_env.update({"PYTHONUNBUFFERED": "1", "TFDIST_LAUNCH_ATTEMPT": str(self.attempt)})
+        # Status records are per attempt: an old one must not pass for a new save.
+        shutil.rmtree(s.status_dir, ignore_errors=True)
+        logs = Path(s.log_dir) / f"attempt-{self.attempt}" if s.log_dir else None
+        if logs:
+            logs.mkdir(parents=True, exist_ok=True)
+        for task_type, index, config in _tasks_of(self.spec, s.evaluator):
             name = f"{task_type}:{index}"
             task_env = dict(base_env, TF_CONFIG=_json(config))
-            server = parameter_server and task_type in ("ps", "worker")
-            argv = [python, "-c", SERVER_CODE] if server else [python, *script_argv, *args]
-            task = _Task(name, argv, task_env, out, show_all or name == lead,
-                         logs / f"{name.replace(':', '-')}.log" if logs else None, verbose)
-            tasks.append(task)
-            if not server and task_type != "evaluator":
-                trainers.append(task)
-        evaluator_deadline = None
-        while True:
-            for task in tasks:
-                code = task.poll()
-                if code is not None and code != 0:
-                    task.finish(1.0)
-                    failure = TaskExit(task.task, code, tuple(task.tail))
-                    port_taken = task.port_taken
-                    _stop_all(tasks, stop_timeout)
-                    return failure, port_taken
-            if all(t.poll() == 0 for t in trainers):
-                # Training is done; a side-car evaluator gets a grace period
-                # to evaluate the last checkpoint, then it is stopped.
-                evaluator_deadline = evaluator_deadline or time.monotonic() + EVALUATOR_GRACE
-                if all(t.poll() is not None for t in tasks if t.task.startswith("evaluator")) \
-                        or time.monotonic() > evaluator_deadline:
-                    return None, False
+            server = s.parameter_server and task_type in ("ps", "worker")
+            argv = ([s.python, "-c", SERVER_CODE] if server
+                    else [s.python, *s.script_argv, *s.args])
+            task = _Task(name, argv, task_env, s.out, s.show_all or name == self.lead,
+                         logs / f"{name.replace(':', '-')}.log" if logs else None, s.verbose)
+            self.tasks.append(task)
+            if server:
+                self.servers.append(task)
+            elif task_type != "evaluator":
+                self.trainers.append(task)
+
+    def _records(self) -> dict[str, dict]:
+        return read_status_records(self.s.status_dir)
+
+    def _target(self) -> int | None:
+        """The size the discovery script asks for, if not the current one."""
+        s = self.s
+        try:
+            slots = s.discovery.slots()
+        except ConfigError as error:
+            # A failing script mid-job keeps the job as it is.
+            s.out.say(f"warning: {error}; keeping {self.size} workers")
+            return None
+        target = min(s.max_workers, max(s.min_workers, slots))
+        return target if target != self.size else None
+
+    def _forward(self) -> None:
+        """Passes the preemption signal on to the tasks that run the script.
+
+        A parameter-server job's servers keep running: the chief needs them
+        to save, and they are stopped once it exited.
+        """
+        for task in self.tasks:
+            if task not in self.servers and task.poll() is None:
+                task.signal(self.s.preempt_signal)
+
+    def _drain(self, how: str, started: float) -> _AttemptEnd:
+        """Waits up to the grace period (from ``started``) for the script's
+        tasks to exit, SIGKILLs those still running, then stops the servers."""
+        s = self.s
+        seen = s.stops.count
+        watched = [t for t in self.tasks if t not in self.servers]
+        hurried = None
+        deadline = started + s.grace
+        while any(t.poll() is None for t in watched) and time.monotonic() < deadline:
+            if s.stops.count > seen:
+                if how != "stopped" and seen == 0:
+                    # A first stop signal during a resize or a task's
+                    # preemption: pass it on; the job ends after this save.
+                    how, seen = "stopped", s.stops.count
+                    self._forward()
+                else:
+                    hurried = signal.Signals(s.stops.last).name
+                    s.out.say(f"{hurried} again: killing every task now")
+                    break
             time.sleep(0.05)
-    finally:
-        _stop_all(tasks, stop_timeout)
+        killed = [t.task for t in self.trainers if t.poll() is None]
+        for t in watched:
+            if t.poll() is None:
+                t.signal(signal.SIGKILL)
+                t.proc.wait()
+        last_exit = time.monotonic()
+        _stop_all(self.servers, 1.0)
+        for t in watched:
+            t.finish(1.0)
+        return _AttemptEnd(
+            how, records=self._records(), exits=[t.exit() for t in self.trainers],
+            killed=killed, finished=all(t.proc.returncode == 0 for t in self.trainers),
+            drain_seconds=last_exit - started, grace=s.grace, lead=self.lead,
+            hurried=hurried)
+
+
+def _first_signalled(records: dict[str, dict]) -> str | None:
+    """The task whose record has the earliest ``signal_time``."""
+    timed = [(r["signal_time"], task) for task, r in records.items()
+             if isinstance(r.get("signal_time"), (int, float))]
+    return min(timed)[1] if timed else None
+
+
+def read_status_records(directory: str | os.PathLike) -> dict[str, dict]:
+    """The preemption status records in ``directory``, by task (``"worker:0"``).
+
+    A record that cannot be read (a partial write) is skipped: the workers
+    write them atomically, so that is not a save.
+    """
+    records = {}
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            task = record.get("task") or path.stem.replace("-", ":", 1)
+            records[str(task)] = record
+    return records
 
 
 def _stop_all(tasks: list[_Task], timeout: float) -> None:
