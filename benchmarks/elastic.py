@@ -68,10 +68,12 @@ def define_flags() -> None:
                       "all: measure and report; train: the script tfdist launch runs; "
                       "report: tables from the JSON.")
     flags.DEFINE_integer("pairs", 2, "(uninterrupted, elastic) pairs of runs.")
-    flags.DEFINE_integer("epochs", 12, "Epochs of 84 steps.")
+    flags.DEFINE_integer("epochs", 20, "Epochs of 84 steps.")
     flags.DEFINE_integer("save_freq", 20, "BackupAndRestore save_freq (steps).")
-    flags.DEFINE_float("kill_at", 0.33, "Fraction of the planned steps before the SIGKILL.")
-    flags.DEFINE_float("grow_at", 0.66, "Fraction of the planned steps before slots go back to 4.")
+    flags.DEFINE_float("kill_at", 0.3, "Fraction of the planned steps before the SIGKILL.")
+    flags.DEFINE_float("grow_at", 0.4, "Fraction of the planned steps before slots go back to 4 "
+                      "(early enough that the 3-worker job is still training at the next "
+                      "discovery).")
     flags.DEFINE_float("discovery_interval", 2.0, "tfdist launch --discovery-interval.")
     flags.DEFINE_integer("threads", 1, "Intra- and inter-op threads per worker.")
     flags.DEFINE_float("run_timeout", 900.0, "Seconds any one run may take.")
@@ -79,6 +81,7 @@ def define_flags() -> None:
                         "File locked (flock) during each run; '' for none.")
     flags.DEFINE_string("work_dir", None, "Where runs keep their files (default: a temp dir).")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
+    flags.DEFINE_multi_string("note", [], "A note for the report (repeatable).")
     flags.DEFINE_string("name", "elastic", "Base name of the result files.")
     flags.DEFINE_string("out", None, "train: the run's directory.")
 
@@ -282,6 +285,11 @@ def train() -> None:
     class Progress(keras.callbacks.Callback):
         last = None
 
+        def on_train_begin(self, logs=None):
+            # After BackupAndRestore restored: batches skipped on resume leave
+            # the optimizer step there.
+            self.last = int(model.optimizer.iterations.numpy())
+
         def on_train_batch_end(self, batch, logs=None):
             step = int(model.optimizer.iterations.numpy())
             if index == 0 and step != self.last:  # Trained, not skipped on resume.
@@ -453,7 +461,7 @@ def main(argv) -> None:
             "discovery_interval": FLAGS.discovery_interval, "threads": FLAGS.threads,
             "kill_step": round(FLAGS.kill_at * planned),
             "grow_step": round(FLAGS.grow_at * planned),
-            "load_before": os.getloadavg()[0]}
+            "load_before": os.getloadavg()[0], "notes": list(FLAGS.note)}
     raw = {"meta": meta, "runs": []}
     for pair in range(FLAGS.pairs):
         reference = None

@@ -100,6 +100,7 @@ def define_flags() -> None:
                         "File locked (flock) during each measurement; '' for none.")
     flags.DEFINE_string("work_dir", None, "Where jobs keep backups (default: a temp dir).")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
+    flags.DEFINE_multi_string("note", [], "A note for the report (repeatable).")
     flags.DEFINE_string("name", "preemption", "Base name of the result files.")
     # One worker of a job.
     flags.DEFINE_string("model", "mlp5.8m", "Worker: the model.")
@@ -543,7 +544,8 @@ def main(argv) -> None:
             "tf": tf.__version__, "keras": keras.__version__, "commit": _commit(),
             "threads": FLAGS.threads, "batch": FLAGS.batch, "epochs": FLAGS.epochs,
             "kill_after": FLAGS.kill_after, "survivor_timeout": FLAGS.survivor_timeout,
-            "disk": _disk(str(base)), "load_before": os.getloadavg()[0]}
+            "disk": _disk(str(base)), "load_before": os.getloadavg()[0],
+            "notes": list(FLAGS.note)}
     raw = {"meta": meta, "runs": []}
     # Interleaved: model, then for each repeat each arm, so drift hits all alike.
     for model in FLAGS.models:

@@ -330,7 +330,8 @@ def test_preemption_benchmark_runs_on_a_tiny_model(tmp_path):
 
 @pytest.mark.slow
 def test_elastic_benchmark_runs_a_short_job(tmp_path):
-    args = [sys.executable, "benchmarks/elastic.py", "--pairs=1", "--epochs=3", "--lock=",
+    args = [sys.executable, "benchmarks/elastic.py", "--pairs=1", "--epochs=6", "--lock=",
+            "--discovery_interval=1",
             f"--results_dir={tmp_path}", f"--work_dir={tmp_path / 'work'}"]
     done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
                           text=True, timeout=600)
@@ -338,6 +339,6 @@ def test_elastic_benchmark_runs_a_short_job(tmp_path):
     runs = {r["kind"]: r for r in json.loads((tmp_path / "elastic.json").read_text())["runs"]}
     assert runs["uninterrupted"]["sizes"] == [4]
     assert runs["elastic"]["sizes"] == [4, 3, 4]
-    assert runs["elastic"]["iterations"] == runs["uninterrupted"]["iterations"] == 3 * 84
+    assert runs["elastic"]["iterations"] == runs["uninterrupted"]["iterations"] == 6 * 84
     assert runs["elastic"]["changes"]["grow"]["retrained"] == 0
     assert 0 <= runs["elastic"]["changes"]["shrink"]["retrained"] <= 20 + 1
