@@ -285,10 +285,11 @@ def train() -> None:
     class Progress(keras.callbacks.Callback):
         last = None
 
-        def on_train_begin(self, logs=None):
-            # After BackupAndRestore restored: batches skipped on resume leave
-            # the optimizer step there.
-            self.last = int(model.optimizer.iterations.numpy())
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.last is None:
+                # After BackupAndRestore restored: batches skipped on resume
+                # leave the optimizer step there.
+                self.last = int(model.optimizer.iterations.numpy())
 
         def on_train_batch_end(self, batch, logs=None):
             step = int(model.optimizer.iterations.numpy())
@@ -297,8 +298,9 @@ def train() -> None:
                     f.write(f"{attempt} {size} {step} {time.time():.4f}\n")
             self.last = step
 
+    # Progress first: a preemption save exits inside the backup's batch hook.
     model.fit(data, epochs=FLAGS.epochs, verbose=0, shuffle=False,
-              callbacks=[backup, Progress()])
+              callbacks=[Progress(), backup])
     if index == 0:
         weights = model.get_weights()
         np.savez(out / "weights.npz", *weights)

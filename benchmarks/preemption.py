@@ -199,6 +199,10 @@ def summarize(raw: dict) -> list[dict]:
             "last_step_s": spread([r.get("last_step_s") for r in runs]),
             "save_only_s": spread([r.get("save_only_s") for r in runs]),
             "exit_s": spread([r["exit_s"] for r in runs]),
+            "exit_signalled_s": spread([r["exit_each_s"][r["signalled"]] for r in runs
+                                        if "exit_each_s" in r]),
+            "exit_other_s": spread([r["exit_each_s"][1 - r["signalled"]] for r in runs
+                                    if "exit_each_s" in r]),
             "trained": spread([r["trained"] for r in runs]),
             "resumed": spread([r["resumed"] for r in runs]),
             "lost": spread([r["lost"] for r in runs]),
@@ -252,13 +256,15 @@ def markdown(raw: dict) -> str:
     if tf_rows:
         lines += ["", "Where the tfdist time goes (median (min–max), seconds from the SIGTERM):", "",
                   "| model | last step done (agreement) | save: last step → backup complete "
-                  "| pointer written | backup file (MB) | exit codes |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| pointer written | backup file (MB) | signalled worker exited "
+                  "| other worker exited | exit codes |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in tf_rows:
             codes = "; ".join(",".join(map(str, c)) for c in r["codes"])
             lines.append(f"| {model_name[r['model']]} | {fmt(r['last_step_s'])} "
                          f"| {fmt(r['save_only_s'])} | {fmt(r['pointer_s'])} "
-                         f"| {fmt(r['backup_mb'], '.0f')} | {codes} |")
+                         f"| {fmt(r['backup_mb'], '.0f')} | {fmt(r['exit_signalled_s'])} "
+                         f"| {fmt(r['exit_other_s'])} | {codes} |")
     sq = [r for r in rows if r["arm"] == "keras"]
     if sq:
         lines += ["", "Status quo exit codes per run (signalled worker SIGKILLed = -9; the "
