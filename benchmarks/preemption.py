@@ -532,6 +532,9 @@ def main(argv) -> None:
     path = results / f"{FLAGS.name}.json"
     if FLAGS.mode == "report":
         raw = json.loads(path.read_text())
+        if FLAGS.note:  # Notes added after the run replace the recorded ones.
+            raw["meta"]["notes"] = list(FLAGS.note)
+            path.write_text(json.dumps(raw, indent=1))
         (results / f"{FLAGS.name}.md").write_text(markdown(raw))
         print(markdown(raw))
         return
