@@ -156,6 +156,22 @@ def step_seconds(progress: Sequence[tuple[int, int, int, float]], size: int) -> 
     return statistics.median(gaps) if gaps else None
 
 
+def timeline(run: dict) -> list[tuple[float, str]]:
+    """The launcher's lines, the events and the first step at each new size."""
+    rows = [(t, line) for t, line in run["launcher_lines"]]
+    names = {"kill": ">> SIGKILL to worker:3; slots file: 3", "grow": ">> slots file: 4"}
+    for key, text in names.items():
+        if key in run.get("events", {}):
+            rows.append((run["events"][key], text))
+    for key, size in (("kill", 3), ("grow", 4)):
+        cell = run.get("changes", {}).get("shrink" if key == "kill" else "grow", {})
+        if cell.get("seconds") is not None:
+            rows.append((run["events"][key] + cell["seconds"],
+                         f".. first step trained by {size} workers (resumed at step "
+                         f"{cell['resumed_at']})"))
+    return sorted(rows, key=lambda row: row[0])
+
+
 def spread(values: Sequence[float | None]) -> dict:
     got = [v for v in values if v is not None]
     if not got:
@@ -227,9 +243,10 @@ def markdown(raw: dict) -> str:
             lines.append(f"| {label} | {event} | {fmt(spread([c['seconds'] for c in cells]))} "
                          f"| {fmt(spread([c['retrained'] for c in cells]), '.0f')} "
                          f"| {', '.join(str(c['resumed_at']) for c in cells)} |")
-        lines += ["", "The launcher's lines in the first elastic run, with seconds since its "
-                  "start:", "", "```"]
-        lines += [f"{t:7.1f}  {line}" for t, line in elastic[0]["launcher_lines"]]
+        lines += ["", "The first elastic run as it went, in seconds since the launch: the "
+                  "launcher's lines, the benchmark's events (`>>`) and the first step trained "
+                  "at each new size (`..`):", "", "```"]
+        lines += [f"{t:7.1f}  {line}" for t, line in timeline(elastic[0])]
         lines += ["```"]
     lines += ["", "Notes:", "",
               "- *Event → first step* is the wall time from the SIGKILL (or the moment the "
