@@ -219,7 +219,8 @@ def fmt(cell: dict, spec: str = ".2f") -> str:
         return "—"
     if cell["min"] == cell["max"]:
         return format(cell["median"], spec)
-    return f"{format(cell['median'], spec)} ({format(cell['min'], spec)}–{format(cell['max'], spec)})"
+    low, high = format(cell["min"], spec), format(cell["max"], spec)
+    return f"{format(cell['median'], spec)} ({low}–{high})"
 
 
 def markdown(raw: dict) -> str:
@@ -254,7 +255,8 @@ def markdown(raw: dict) -> str:
             f"| {fmt(r['lost'], '.0f')} |")
     tf_rows = [r for r in rows if r["arm"] == "tfdist"]
     if tf_rows:
-        lines += ["", "Where the tfdist time goes (median (min–max), seconds from the SIGTERM):", "",
+        lines += ["", "Where the tfdist time goes (median (min–max), seconds from the "
+                  "SIGTERM):", "",
                   "| model | last step done (agreement) | save: last step → backup complete "
                   "| pointer written | backup file (MB) | signalled worker exited "
                   "| other worker exited | exit codes |",
