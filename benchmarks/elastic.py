@@ -81,6 +81,7 @@ def define_flags() -> None:
                         "File locked (flock) during each run; '' for none.")
     flags.DEFINE_string("work_dir", None, "Where runs keep their files (default: a temp dir).")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
+    flags.DEFINE_bool("append", False, "Add the runs to those already in the JSON.")
     flags.DEFINE_multi_string("note", [], "A note for the report (repeatable).")
     flags.DEFINE_string("name", "elastic", "Base name of the result files.")
     flags.DEFINE_string("out", None, "train: the run's directory.")
@@ -485,7 +486,14 @@ def main(argv) -> None:
             "grow_step": round(FLAGS.grow_at * planned),
             "load_before": os.getloadavg()[0], "notes": list(FLAGS.note)}
     raw = {"meta": meta, "runs": []}
-    for pair in range(FLAGS.pairs):
+    first = 0
+    if FLAGS.append and path.exists():
+        raw = json.loads(path.read_text())
+        meta = raw["meta"]
+        now = time.strftime("%H:%M UTC", time.gmtime())
+        meta["command"] += f"; then `... {' '.join(sys.argv[1:])}` at {now}"
+        first = sum(r["kind"] == "uninterrupted" for r in raw["runs"])
+    for pair in range(first, first + FLAGS.pairs):
         reference = None
         for kind in ("uninterrupted", "elastic"):
             work = base / f"{kind}-{pair}"
