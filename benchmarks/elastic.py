@@ -491,7 +491,7 @@ def main(argv) -> None:
         raw = json.loads(path.read_text())
         meta = raw["meta"]
         now = time.strftime("%H:%M UTC", time.gmtime())
-        meta["command"] += f"; then `... {' '.join(sys.argv[1:])}` at {now}"
+        meta["command"] += f" (and at {now}: {' '.join(sys.argv[1:])})"
         first = sum(r["kind"] == "uninterrupted" for r in raw["runs"])
     for pair in range(first, first + FLAGS.pairs):
         reference = None
