@@ -81,6 +81,11 @@ def define_flags() -> None:
                         "File locked (flock) during each run; '' for none.")
     flags.DEFINE_string("work_dir", None, "Where runs keep their files (default: a temp dir).")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
+    flags.DEFINE_integer("preempt_at", None, "Also run a 4-worker job (--max-restarts 1) whose "
+                         "worker 1 gets a SIGTERM after this step, in each pair: does a resume "
+                         "at a fixed size end with the uninterrupted run's weights?")
+    flags.DEFINE_list("kinds", ["uninterrupted", "elastic"],
+                      "Runs of each pair (an uninterrupted one first, as the reference).")
     flags.DEFINE_bool("append", False, "Add the runs to those already in the JSON.")
     flags.DEFINE_multi_string("note", [], "A note for the report (repeatable).")
     flags.DEFINE_string("name", "elastic", "Base name of the result files.")
@@ -214,7 +219,9 @@ def markdown(raw: dict) -> str:
         "| run | held-out accuracy | optimizer steps | wall time (s) | s / step at 4 | "
         "s / step at 3 | sizes |",
         "|---|---:|---:|---:|---:|---:|---|"]
-    for kind, runs in (("uninterrupted 4 workers", plain), ("elastic 4 → 3 → 4", elastic)):
+    preempted = [r for r in raw["runs"] if r["kind"] == "preempted"]
+    for kind, runs in (("uninterrupted 4 workers", plain), ("elastic 4 → 3 → 4", elastic),
+                       ("4 workers, worker 1 SIGTERMed once (--max-restarts 1)", preempted)):
         if not runs:
             continue
         sizes = "; ".join(" → ".join(map(str, r["sizes"])) for r in runs)
@@ -232,7 +239,19 @@ def markdown(raw: dict) -> str:
                               for p, e in zip(plain, elastic))
                   + f" (largest |difference| {max(diffs):.4f}); largest |difference| of the "
                   f"final weights from the pair's uninterrupted run: "
-                  + ", ".join(f"{w:.2e}" if w is not None else "—" for w in wdiff) + "."]
+                  + ", ".join(f"{w:.2e}" if w is not None else "—" for w in wdiff)
+                  + "; resumed at step (shrink, grow): "
+                  + ", ".join(f"({e['changes']['shrink']['resumed_at']}, "
+                              f"{e['changes']['grow']['resumed_at']})" for e in elastic) + "."]
+    if preempted:
+        lines += ["", "4 workers preempted once (worker 1 SIGTERMed after step "
+                  f"{preempted[0].get('preempt_at')}; the launcher restarts the job at the "
+                  "saved step): resumed at step, steps trained again, accuracy and largest "
+                  "|weight difference| against the pair's uninterrupted run: " + "; ".join(
+                      f"{r['changes']['restart']['resumed_at']}, "
+                      f"{r['changes']['restart']['retrained']}, {r['accuracy']:.4f}, "
+                      + (f"{r['weight_diff']:.2e}" if r.get("weight_diff") is not None else "—")
+                      for r in preempted) + "."]
     if elastic:
         lines += ["", "Each size change (median (min–max) over the elastic runs):", "",
                   "| change | event | event → first step at the new size (s) | "
@@ -395,6 +414,8 @@ def run_once(kind: str, work: Path) -> dict:
     script.chmod(0o755)
     if kind == "uninterrupted":
         args = ["--workers", "4"]
+    elif kind == "preempted":
+        args = ["--workers", "4", "--max-restarts", "1"]
     else:
         args = ["--workers", "3:4", "--worker-failed", "shrink", "--host-discovery-script",
                 str(script), "--discovery-interval", str(FLAGS.discovery_interval)]
@@ -413,6 +434,10 @@ def run_once(kind: str, work: Path) -> dict:
             _wait_step(work, grow_step, proc, deadline, size=3)
             events["grow"] = time.time()
             slots.write_text("4\n")
+        if kind == "preempted":
+            _wait_step(work, FLAGS.preempt_at, proc, deadline)
+            events["sigterm"] = time.time()
+            os.kill(int((work / "worker-1-0.pid").read_text()), signal.SIGTERM)
         code = _end(proc, reader, deadline)
     finally:
         if proc.poll() is None:
@@ -434,11 +459,14 @@ def run_once(kind: str, work: Path) -> dict:
            "launcher_lines": [(t - start, line) for t, line in lines
                               if line.startswith("[tfdist launch]")],
            "load_before": load_before, "load_after": os.getloadavg()[0],
-           "kill_step": kill_step, "grow_step": grow_step}
+           "kill_step": kill_step, "grow_step": grow_step, "preempt_at": FLAGS.preempt_at}
     if kind == "elastic":
         run["events"] = {k: v - start for k, v in events.items()}
         run["changes"] = {"shrink": change(progress, events["kill"], 3),
                           "grow": change(progress, events["grow"], 4)}
+    if kind == "preempted":
+        run["events"] = {k: v - start for k, v in events.items()}
+        run["changes"] = {"restart": change(progress, events["sigterm"], 4)}
     with np.load(work / "weights.npz") as f:
         run["weights"] = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
     return run
@@ -495,7 +523,9 @@ def main(argv) -> None:
         first = sum(r["kind"] == "uninterrupted" for r in raw["runs"])
     for pair in range(first, first + FLAGS.pairs):
         reference = None
-        for kind in ("uninterrupted", "elastic"):
+        kinds = list(FLAGS.kinds) + (["preempted"] if FLAGS.preempt_at is not None
+                                     and "preempted" not in FLAGS.kinds else [])
+        for kind in kinds:
             work = base / f"{kind}-{pair}"
             work.mkdir(parents=True, exist_ok=True)
             with _Lock():
