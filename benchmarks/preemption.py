@@ -100,6 +100,7 @@ def define_flags() -> None:
                         "File locked (flock) during each measurement; '' for none.")
     flags.DEFINE_string("work_dir", None, "Where jobs keep backups (default: a temp dir).")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
+    flags.DEFINE_bool("append", False, "Keep the runs in the JSON; measure only the missing ones.")
     flags.DEFINE_multi_string("note", [], "A note for the report (repeatable).")
     flags.DEFINE_string("name", "preemption", "Base name of the result files.")
     # One worker of a job.
@@ -558,10 +559,18 @@ def main(argv) -> None:
             "disk": _disk(str(base)), "load_before": os.getloadavg()[0],
             "notes": list(FLAGS.note)}
     raw = {"meta": meta, "runs": []}
+    if FLAGS.append and path.exists():
+        raw = json.loads(path.read_text())
+        now = time.strftime("%H:%M UTC", time.gmtime())
+        raw["meta"]["command"] += f" (completed at {now}: {' '.join(sys.argv[1:])})"
+        meta = raw["meta"]
+    done = {(r["model"], r["arm"], r["repeat"]) for r in raw["runs"]}
     # Interleaved: model, then for each repeat each arm, so drift hits all alike.
     for model in FLAGS.models:
         for repeat in range(FLAGS.repeats):
             for arm in FLAGS.arms:
+                if (model, arm, repeat) in done:
+                    continue
                 work = base / f"{model.replace(':', '_')}-{arm}-{repeat}"
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
