@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, subprocess_env
 
 
@@ -220,3 +222,123 @@ def test_slow_network_failure_reason_finds_the_abort():
         "what():  Resource temporarily unavailable"
     assert sn.failure_reason("a\nlast line\n") == "last line"
     assert sn.failure_reason("") == "no output"
+
+
+# ------------------------------------------------ preemption and elastic benchmarks
+
+def test_preemption_models_steps_and_progress(tmp_path):
+    import pytest
+    pre = _load_benchmark("preemption")
+    assert pre.param_count(pre.model_widths("mlp5.8m")) == 5_776_906
+    assert 50e6 < pre.param_count(pre.model_widths("mlp52m")) < 55e6
+    assert pre.model_widths("mlp:8-4-2") == [8, 4, 2]
+    for bad in ("mlp:8", "mlp:8-x", "resnet"):
+        with pytest.raises(ValueError, match="model"):
+            pre.model_widths(bad)
+    assert pre.steps_for("mlp52m", ["mlp52m:30", "*:20"]) == 30
+    assert pre.steps_for("mlp:8-2", ["mlp52m:30", "*:20"]) == 20
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        pre.steps_for("mlp:8-2", ["mlp52m:30"])
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        pre.steps_for("mlp52m", ["mlp52m:x"])
+    # Mid-epoch 1, never on an epoch boundary.
+    assert pre.signal_step(200, 0.5) == 300
+    assert pre.signal_step(20, 0.0) == 21 and pre.signal_step(20, 1.0) == 39
+    progress = tmp_path / "p"
+    progress.write_text("1 10.5\n2 11.0\n3 11")  # A torn last line is skipped.
+    assert pre.read_progress(progress) == [(1, 10.5), (2, 11.0)]
+    assert pre.read_progress(tmp_path / "none") == []
+
+
+def test_preemption_summary_and_table():
+    pre = _load_benchmark("preemption")
+
+    def run(arm, save, exit_s, trained, resumed, codes):
+        return {"model": "mlp5.8m", "arm": arm, "params": 5_776_906, "steps_per_epoch": 200,
+                "signal_step": 300, "step_s": 0.1, "save_s": save, "pointer_s": save,
+                "last_step_s": 0.2 if save else None,
+                "save_only_s": save - 0.2 if save else None, "exit_s": exit_s,
+                "trained": trained, "resumed": resumed, "lost": trained - resumed,
+                "codes": codes, "backup_bytes": 69e6 if save else None}
+    raw = {"meta": {"command": "python benchmarks/preemption.py", "when": "now", "cpus": 2,
+                    "tf": "2.21.0", "keras": "3.15.1", "commit": "abc", "load_before": 1.0,
+                    "load_after": 2.0, "threads": 1, "batch": 32, "epochs": 3,
+                    "kill_after": 10.0, "survivor_timeout": 60.0, "disk": "/dev/vda (ext4)"},
+           "runs": [run("tfdist", 0.5, 1.3, 302, 302, [143, 143]),
+                    run("tfdist", 0.7, 1.1, 302, 302, [143, 143]),
+                    run("tfdist", 0.6, 11.0, 303, 303, [143, 143]),
+                    run("keras", None, 12.0, 385, 200, [-9, -9]),
+                    run("keras", None, 11.0, 380, 200, [-9, 1])]}
+    rows = {r["arm"]: r for r in pre.summarize(raw)}
+    assert rows["tfdist"]["save_s"] == {"median": 0.6, "min": 0.5, "max": 0.7, "n": 3}
+    assert rows["tfdist"]["lost"]["max"] == 0
+    assert rows["keras"]["lost"] == {"median": 182.5, "min": 180, "max": 185, "n": 2}
+    assert rows["keras"]["save_s"]["median"] is None
+    text = pre.markdown(raw)
+    assert "| 0.60 (0.50–0.70) | 1.30 (1.10–11.00) | 302 (302–303) | 302 (302–303) | 0 |" in text
+    assert "| none (no save) | 11.50 (11.00–12.00) | 382 (380–385) | 200 | 182 (180–185) |" in text
+    assert "TensorFlow 2.21.0, Keras 3.15.1" in text and "1.0 / 2.0" in text
+
+
+def test_elastic_size_changes_are_measured_from_the_progress():
+    el = _load_benchmark("elastic")
+    # (attempt, size, optimizer step after the step, time)
+    progress = [(0, 4, 1, 1.0), (0, 4, 2, 1.1), (0, 4, 3, 1.2),       # SIGKILL at 1.25
+                (1, 3, 1, 9.0), (1, 3, 2, 9.1), (1, 3, 3, 9.2), (1, 3, 4, 9.3),  # grow at 9.35
+                (2, 4, 5, 20.0), (2, 4, 6, 20.1)]
+    shrink = el.change(progress, 1.25, 3)
+    # Resumed from the backup at step 0: 3 steps trained twice.
+    assert shrink == {"seconds": 9.0 - 1.25, "last_step": 3, "resumed_at": 0,
+                      "retrained": 3, "attempt": 1}
+    grow = el.change(progress, 9.35, 4)
+    assert grow["resumed_at"] == 4 and grow["retrained"] == 0 and grow["attempt"] == 2
+    assert abs(grow["seconds"] - 10.65) < 1e-9
+    assert el.change(progress, 30.0, 3)["seconds"] is None
+    assert abs(el.step_seconds(progress, 3) - 0.1) < 1e-9
+    assert el.step_seconds(progress, 5) is None
+
+
+def test_elastic_data_and_accuracy():
+    import numpy as np
+    el = _load_benchmark("elastic")
+    x, y, xt, yt = el.make_data()
+    assert x.shape == (el.TRAIN, 32) and xt.shape == (el.TEST, 32)
+    assert el.TRAIN % el.GLOBAL_BATCH == 0 and el.GLOBAL_BATCH % 3 == el.GLOBAL_BATCH % 4 == 0
+    assert set(np.unique(y)) == set(range(10))
+    np.testing.assert_array_equal(el.make_data()[1], y)  # Seeded.
+    eye = [np.eye(3, dtype="float32"), np.zeros(3, "float32")]
+    assert el.accuracy(eye, np.array([[0, 1, 0], [1, 0, 0]], "float32"), np.array([1, 2])) == 0.5
+
+
+@pytest.mark.slow
+def test_preemption_benchmark_runs_on_a_tiny_model(tmp_path):
+    """Both arms on a tiny model: the tfdist arm loses no step; the status quo,
+    SIGKILLed 2 s after the SIGTERM, resumes at an epoch start."""
+    args = [sys.executable, "benchmarks/preemption.py", "--models=mlp:16-32-4", "--repeats=1",
+            "--steps_per_epoch=*:20", "--kill_after=2", "--survivor_timeout=30", "--lock=",
+            f"--results_dir={tmp_path}", f"--work_dir={tmp_path / 'work'}"]
+    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {r["arm"]: r for r in json.loads((tmp_path / "preemption.json").read_text())["runs"]}
+    assert runs["tfdist"]["codes"] == [143, 143]
+    assert runs["tfdist"]["lost"] == 0 and runs["tfdist"]["resumed"] > 30
+    assert 0 < runs["tfdist"]["save_s"] < runs["tfdist"]["exit_s"]
+    assert runs["keras"]["resumed"] % 20 == 0  # An epoch start (or 0 after a finished run).
+    assert "| mlp:16-32-4" in (tmp_path / "preemption.md").read_text()
+
+
+@pytest.mark.slow
+def test_elastic_benchmark_runs_a_short_job(tmp_path):
+    args = [sys.executable, "benchmarks/elastic.py", "--pairs=1", "--epochs=6", "--lock=",
+            "--discovery_interval=1",
+            f"--results_dir={tmp_path}", f"--work_dir={tmp_path / 'work'}"]
+    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = {r["kind"]: r for r in json.loads((tmp_path / "elastic.json").read_text())["runs"]}
+    assert runs["uninterrupted"]["sizes"] == [4]
+    assert runs["elastic"]["sizes"] == [4, 3, 4]
+    assert runs["elastic"]["iterations"] == runs["uninterrupted"]["iterations"] == 6 * 84
+    assert runs["elastic"]["changes"]["grow"]["retrained"] == 0
+    assert 0 <= runs["elastic"]["changes"]["shrink"]["retrained"] <= 20 + 1
