@@ -274,6 +274,23 @@ def test_elastic_grows_back_when_the_discovery_script_reports_room(tmp_path):
                                                         ("worker:1", saved[4], 60, "done")]
 
 
+def test_a_resize_that_comes_as_training_ends_is_not_a_relaunch(tmp_path):
+    # The tasks ignore the resize signal and finish their steps: training is
+    # complete (a real job has deleted its backup), so a relaunch at the new
+    # size would train it all again from step 0.
+    work = tmp_path / "w"
+    work.mkdir()
+    script = discovery_script(tmp_path / "discover.sh",
+                              f'if [ -f "{tmp_path}/seen" ]; then echo 2; '
+                              f'else touch "{tmp_path}/seen"; echo 1; fi\n')
+    result, lines = run("ignore", work, 15, 0.1, workers="1:2", host_discovery_script=script,
+                        discovery_interval=0.5, grace=10)
+    assert result.ok and result.outcome == "finished", lines
+    assert result.resizes == [] and result.workers == 1
+    assert {r[0] for r in log_of(work)} == {0}  # One attempt only.
+    assert any("resize came as training ended" in line for line in lines), lines
+
+
 def test_elastic_starts_at_the_discovered_size(tmp_path):
     script = discovery_script(tmp_path / "one.sh", "echo 1\n")
     result, lines = run("save", tmp_path, 3, 0.05, workers="1:3", host_discovery_script=script)

@@ -496,6 +496,12 @@ def launch(
                 result.stop_seconds = end.drain_seconds
             if end.how == "stopped":
                 return _report_stop(end, stops.signum, result, out)
+            if end.how == "resize" and end.finished:
+                # The tasks were ending anyway: training is complete (and the
+                # backup deleted); a relaunch would start it over.
+                result.outcome = "finished"
+                out.say("all tasks finished (the resize came as training ended)")
+                return result
             if end.how == "resize":
                 old, size = size, end.target
                 result.resizes.append((old, size, "discovery"))
