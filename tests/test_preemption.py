@@ -21,6 +21,9 @@ from tfdist.errors import ConfigError
 from tfdist.preemption import (PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher,
                                preemption_signal)
 
+# TensorFlow starts here with the suite's logical CPUs, whatever runs first.
+pytestmark = pytest.mark.usefixtures("tf_cpus")
+
 
 def test_signal_names_numbers_and_the_environment(monkeypatch):
     assert preemption_signal("USR1") is signal.SIGUSR1
@@ -33,13 +36,16 @@ def test_signal_names_numbers_and_the_environment(monkeypatch):
         preemption_signal()
     with pytest.raises(ConfigError, match="'signal'.*99999"):
         PreemptionWatcher(signals=99999)
+    with pytest.raises(ConfigError, match="'fast_exit'.*'no'"):
+        PreemptionWatcher(signals="TERM", fast_exit="no")
 
 
 def test_one_process_stops_after_the_step_it_is_in_and_writes_its_record(tmp_path, monkeypatch):
     monkeypatch.setenv("TFDIST_JOB_DIR", str(tmp_path))
     monkeypatch.setenv("TFDIST_LAUNCH_ATTEMPT", "2")
     before = signal.getsignal(signal.SIGUSR1)
-    watcher = PreemptionWatcher(signals="USR1").start()
+    # (fast_exit would end this test process with 143 at its exit.)
+    watcher = PreemptionWatcher(signals="USR1", fast_exit=False).start()
     try:
         assert [watcher.should_stop(s) for s in (1, 2, 3)] == [False] * 3
         os.kill(os.getpid(), signal.SIGUSR1)  # Handled at once: main thread, in Python.
