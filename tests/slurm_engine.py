@@ -22,7 +22,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import pytest
 
@@ -329,3 +329,15 @@ def start_cluster(root: Path, *, cpus: int = 2, timeout: float = 60) -> SlurmClu
     except BaseException:
         cluster.stop()
         raise
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
+    """One running Slurm cluster for the module; stopped cleanly at the end."""
+    require_slurm()
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        notes = cluster.stop()
+    assert not notes, "the Slurm daemons did not stop cleanly:\n" + "\n".join(notes)

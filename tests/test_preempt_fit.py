@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 
 import numpy as np
 import pytest
 
 from conftest import finish, result_line, start
+from tfdist.net import local_spec
 from tfdist.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -27,16 +27,6 @@ pytestmark = pytest.mark.slow
 WORKER = "tests/workers/preempt_fit.py"
 EPOCHS, BATCHES = 3, 16
 PLANNED = EPOCHS * BATCHES
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _batches_seen(progress: str) -> list[tuple[int, int]]:
@@ -50,7 +40,7 @@ def run_job(tmp, env: dict, signal_at: tuple[int, int] | None = None, who: int =
             timeout: float = 150.0) -> dict:
     """Runs the 2-worker job; with ``signal_at=(epoch, batch)``, SIGTERMs
     worker ``who`` once both workers reported that batch done."""
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in _ports(2)]}
+    cluster = local_spec(2)["cluster"]
     progress = str(tmp / "progress")
     if os.path.exists(progress):
         os.remove(progress)
@@ -243,7 +233,7 @@ def test_a_hung_peer_makes_the_signalled_worker_fail_in_time_with_a_message(tmp_
     neither save a backup the two did not agree on nor wait forever. It
     fails within the acknowledgement timeout (half of TFDIST_GRACE) and
     names the missing worker."""
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in _ports(2)]}
+    cluster = local_spec(2)["cluster"]
     progress = str(tmp_path / "progress")
     env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_BATCH_SLEEP": "0.3",
            "TFDIST_GRACE": "10", "TFDIST_TEST_PROGRESS": progress}

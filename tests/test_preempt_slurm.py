@@ -23,12 +23,11 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from conftest import REPO
-from slurm_engine import SlurmCluster, require_slurm, start_cluster
+from slurm_engine import SlurmCluster, slurm_cluster  # noqa: F401 - a fixture
 from tfdist.callbacks import read_backup_pointer
 
 pytestmark = pytest.mark.slow
@@ -62,17 +61,6 @@ PLANNED_STEPS = 3 * STEPS_PER_EPOCH
 SIGNAL_AT = STEPS_PER_EPOCH + 5
 #: Slurm's step line in the job's output, from the script above.
 _STEP_END = re.compile(r"^srun exit code (\d+) at ([\d.]+) \(restart (\d+)\)$", re.M)
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
-    require_slurm()
-    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield cluster
-    finally:
-        notes = cluster.stop()
-    assert not notes, "the Slurm daemons did not stop cleanly:\n" + "\n".join(notes)
 
 
 def _read_int(path: Path) -> int | None:

@@ -15,12 +15,11 @@ import json
 import re
 import sys
 import time
-from typing import Iterator
 
 import pytest
 
 from conftest import REPO
-from slurm_engine import SlurmCluster, require_slurm, start_cluster
+from slurm_engine import SlurmCluster, slurm_cluster  # noqa: F401 - a fixture
 from tfdist import slurm as tfdist_slurm
 
 pytestmark = pytest.mark.slow
@@ -37,18 +36,6 @@ SBATCH_SCRIPT = """\
 #SBATCH --output=train-%j.out
 srun --kill-on-bad-exit=1 --label python strategies/multi_worker_mirrored.py --epochs=2
 """
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
-    """One running Slurm cluster for the module; stopped cleanly at the end."""
-    require_slurm()
-    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield cluster
-    finally:
-        notes = cluster.stop()
-    assert not notes, "the Slurm daemons did not stop cleanly:\n" + "\n".join(notes)
 
 
 def by_task(output: str) -> dict[int, list[str]]:
