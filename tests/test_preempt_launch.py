@@ -379,6 +379,12 @@ def wait_trained(job: Launcher, directory: Path, task: str, count: int,
         time.sleep(0.02)
 
 
+def training_attempt(directory: Path, task: str) -> int:
+    """The attempt that trained ``task``'s latest batch: the running one
+    (a port collision at start relaunches under the next attempt number)."""
+    return trained(directory, task)[-1][0]
+
+
 def results(directory: Path, attempt: int) -> dict:
     import json
     return {p.stem.split("-", 2)[2]: json.loads(p.read_text())
@@ -411,7 +417,8 @@ def test_e2e_sigterm_to_the_launcher_then_to_one_worker_resumes_at_the_saved_ste
     done = len(trained(tmp_path, "worker-1"))
     job = Launcher(*command, env=env)
     wait_trained(job, tmp_path, "worker-1", done + (BATCHES + 5 - first))
-    pid = int((tmp_path / "worker-1-0.pid").read_text())
+    running = training_attempt(tmp_path, "worker-1")
+    pid = int((tmp_path / f"worker-1-{running}.pid").read_text())
     sent = time.monotonic()
     os.kill(pid, signal.SIGTERM)
     _, out = job.finish(timeout=120)
@@ -421,7 +428,7 @@ def test_e2e_sigterm_to_the_launcher_then_to_one_worker_resumes_at_the_saved_ste
     assert line == (f"[tfdist launch] worker:1 was preempted and the job saved at step {second} "
                     f"(epoch 1, batch {second - BATCHES}); restart 1 of 1 on new ports, "
                     f"resuming at step {second} (epoch 1, batch {second - BATCHES})"), out
-    final = results(tmp_path, 1)
+    final = results(tmp_path, training_attempt(tmp_path, "worker-1"))
     assert sorted(final) == ["worker-0", "worker-1"], out
     for result in final.values():
         assert result["start_iterations"] == second and result["iterations"] == PLANNED
@@ -465,10 +472,11 @@ def test_e2e_elastic_a_lost_worker_shrinks_the_job_and_returning_room_grows_it_b
                    env={"TFDIST_TEST_BATCH_SLEEP": "0.1"})
     # Epoch 1, batch 2 done: the last backup was at the end of epoch 0.
     wait_trained(job, tmp_path, "worker-1", BATCHES + 3)
-    os.kill(int((tmp_path / "worker-1-0.pid").read_text()), signal.SIGKILL)
+    first = training_attempt(tmp_path, "worker-1")
+    os.kill(int((tmp_path / f"worker-1-{first}.pid").read_text()), signal.SIGKILL)
     time.sleep(0.5)  # The launcher sees the loss (it polls every 0.05 s)...
     slots.write_text("1\n")  # ...and its host is gone.
-    before = [step for attempt, step in trained(tmp_path) if attempt == 0]
+    before = [step for attempt, step in trained(tmp_path) if attempt == first]
     wait_trained(job, tmp_path, "worker-0", len(before) + 3)  # Attempt 1 trains...
     slots.write_text("2\n")  # ...and the host is back.
     _, out = job.finish(timeout=120)
@@ -484,11 +492,17 @@ def test_e2e_elastic_a_lost_worker_shrinks_the_job_and_returning_room_grows_it_b
                     "relaunching at the new size (not counted as a restart)"), out
     backup = (max(before) + 1) // SAVE_FREQ * SAVE_FREQ  # The last save_freq boundary.
     steps = trained(tmp_path)
+    # The attempts that trained, in order (a port collision at a start adds
+    # an attempt number that trains nothing): 2 workers, 1, then 2 again.
+    attempts = sorted({a for a, _ in steps})
+    assert attempts[0] == first and len(attempts) == 3, steps
+    shrunk, grown = attempts[1:]
     # On one worker from the backup to the save, then on two to the end.
-    assert [s for a, s in steps if a == 1] == list(range(backup, saved)), steps
-    assert [s for a, s in steps if a == 2] == list(range(saved, PLANNED)), steps
-    assert not (tmp_path / "worker-1-1.pid").exists()  # Attempt 1 ran one worker.
-    final = results(tmp_path, 2)
+    assert [s for a, s in steps if a == shrunk] == list(range(backup, saved)), steps
+    assert [s for a, s in steps if a == grown] == list(range(saved, PLANNED)), steps
+    assert trained(tmp_path, "worker-1")[-1][0] == grown  # Worker 1 sat out the shrunk run.
+    assert all(a != shrunk for a, _ in trained(tmp_path, "worker-1"))
+    final = results(tmp_path, grown)
     assert sorted(final) == ["worker-0", "worker-1"], out
     for result in final.values():
         assert result["size"] == 2 and result["iterations"] == PLANNED, result

@@ -57,11 +57,14 @@ def test_ps_tutorial_coordinator_loop_trains_the_sharded_model(tutorial):
     # 4 epochs of 5 scheduled steps, then one more whose loss is fetched:
     # every optimizer step counted once.
     assert loop["iterations"] == 21
-    assert loop["accuracy"][-1] > 0.8, loop["accuracy"]  # The label is learnable.
-    # Below an untrained model's loss (it predicts 0.5: binary cross-entropy
-    # ln 2). One batch's loss under asynchronous updates swings: 1 run in 4
-    # ended at 0.63 with accuracy 1.0, so a tighter bound is noise.
-    assert loop["final_loss"] < math.log(2), loop
+    # The trained model, on the 200 training examples: the label is learnt,
+    # and the cross-entropy is below an untrained model's (it predicts 0.5:
+    # ln 2). Not bounded, as they are noise under asynchronous RMSprop at 0.1:
+    # the fetched step loss, which adds the L2 term (1.32 in one CI run at
+    # accuracy 1.0), and the last 5 steps' accuracy (0.66 in 1 run of 11).
+    assert loop["data_accuracy"] > 0.9 and loop["data_loss"] < math.log(2), loop
+    assert len(loop["accuracy"]) == 4 and all(0 < a <= 1 for a in loop["accuracy"]), loop
+    assert loop["final_loss"] > 0 and loop["regularization"] > 0, loop
 
 
 def test_ps_tutorial_evaluations(tutorial):
