@@ -1,0 +1,26 @@
+"""Tensor parallelism for Keras 3 on TensorFlow.
+
+``tfdist.strategy_from_config(model_parallel=T)`` arranges the replicas as
+a (data, tensor) mesh (:mod:`tfdist.parallel.mesh`); the layers here split
+their weights over each tensor group, Megatron-style, and run under plain
+``model.fit``. With T = 1, or outside any strategy, each layer is its Keras
+counterpart, so one model definition runs anywhere.
+"""
+
+from tfdist.parallel.collectives import reset_traffic, traffic
+from tfdist.parallel.dense import ColumnParallelDense, RowParallelDense
+from tfdist.parallel.mesh import Mesh, attach, mesh_of
+from tfdist.parallel.sharding import assign_full, full_value, spec_of
+
+__all__ = [
+    "ColumnParallelDense",
+    "RowParallelDense",
+    "Mesh",
+    "attach",
+    "mesh_of",
+    "traffic",
+    "reset_traffic",
+    "full_value",
+    "assign_full",
+    "spec_of",
+]

@@ -1,0 +1,312 @@
+"""Collectives over the mesh's sub-groups, with their gradients.
+
+``ReplicaContext.all_reduce`` only reduces over every replica. A tensor group
+(or a data-parallel group) needs its own collective group:
+TensorFlow's ``CollectiveReplicaLauncher`` (the class its own
+``CollectiveAllReduce`` uses), one per (group, local device), with a group
+key of its own. Raw ``collective_ops.all_reduce_v2`` without the launcher's
+ordering token timed out (DeadlineExceeded), even for a full group.
+
+The layers' two collectives are each other's gradient (Megatron's layout,
+with rows instead of a shared batch):
+
+* :func:`gather_rows`: all-gather the tensor group's rows. Backward: sum the
+  group's gradients, keep this replica's rows.
+* :func:`scatter_rows`: sum over the tensor group, keep this replica's rows.
+  Backward: all-gather.
+
+Every collective also adds the bytes this replica sends (ring algorithms, as
+:mod:`tfdist.compression.traffic` counts them) to a counter per kind: the
+tensor-parallel activations and the data-parallel gradients
+(:func:`traffic`).
+
+Private TensorFlow APIs used here are checked when a mesh is attached
+(:func:`check_tensorflow`), so that an upgrade fails loudly there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import tensorflow as tf
+
+from tfdist.parallel.mesh import Mesh
+
+__all__ = ["Placement", "Runtime", "current", "gather_rows", "scatter_rows",
+           "tp_all_reduce", "tp_all_gather", "dp_all_reduce", "traffic", "reset_traffic"]
+
+#: Group keys of the mesh's groups start this far above the strategy's own
+#: collective key base (tfdist gives each strategy a range of 100000).
+_GROUP_KEY_OFFSET = 50_000
+_INSTANCE_KEY_START = 100
+KINDS = ("tensor_parallel", "data_parallel")
+
+
+def check_tensorflow() -> None:
+    """Fails loudly when this TensorFlow lacks the private APIs used here.
+
+    Raises:
+        RuntimeError: Naming the missing API and the TensorFlow version.
+    """
+    from tensorflow.python.distribute import collective_util, cross_device_utils
+    needs = [(cross_device_utils, "CollectiveReplicaLauncher"), (collective_util, "Options")]
+    for module, name in needs:
+        if not hasattr(module, name):
+            raise RuntimeError(f"tfdist.parallel needs {module.__name__}.{name}, which "
+                               f"TensorFlow {tf.__version__} does not have; use the "
+                               "TensorFlow range pyproject.toml pins")
+    launcher = cross_device_utils.CollectiveReplicaLauncher
+    for method in ("all_reduce", "_all_gather"):
+        if not callable(getattr(launcher, method, None)):
+            raise RuntimeError(f"tfdist.parallel needs CollectiveReplicaLauncher.{method}, "
+                               f"which TensorFlow {tf.__version__} does not have")
+
+
+class _InstanceKeys:
+    """Instance keys per (group key, device): what the launcher asks for.
+
+    Members of a group on different devices (or hosts) issue their
+    collectives in the same order, so their counters agree.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: dict[tuple[int, str], int] = {}
+
+    def get_instance_key(self, group_key: int, device: str) -> int:
+        with self._lock:
+            key = self._next.get((group_key, device), _INSTANCE_KEY_START)
+            self._next[(group_key, device)] = key + 1
+            return key
+
+
+def _first_local_replica(strategy: Any) -> int:
+    """The global replica id of this process's first local replica."""
+    if getattr(strategy, "kind", "") != "multi_worker_mirrored":
+        return 0
+    extended = strategy.extended
+    index = getattr(extended, "_id_in_cluster", None)
+    if index is None:
+        raise RuntimeError("tfdist.parallel needs MultiWorkerMirroredStrategy's "
+                           f"extended._id_in_cluster, which TensorFlow {tf.__version__} "
+                           "does not have")
+    return int(index) * len(extended.worker_devices)
+
+
+class Runtime:
+    """A strategy's mesh and the collectives of its local replicas.
+
+    Args:
+        strategy: The strategy (Mirrored or MultiWorkerMirrored), outside its
+            scope.
+        mesh: Its mesh.
+    """
+
+    def __init__(self, strategy: Any, mesh: Mesh) -> None:
+        from tensorflow.python.distribute import collective_util, cross_device_utils
+        from tensorflow.python.ops import resource_variable_ops
+        check_tensorflow()
+        self.mesh = mesh
+        self.devices = tuple(strategy.extended.worker_devices)
+        self.first = _first_local_replica(strategy)
+        base = int(getattr(strategy, "_collective_key_base", 0)) + _GROUP_KEY_OFFSET
+        keys = _InstanceKeys()
+        options = collective_util.Options()
+        launcher = cross_device_utils.CollectiveReplicaLauncher
+        self.tp: dict[int, Any] = {}
+        self.dp: dict[int, Any] = {}
+        with tf.init_scope():
+            for i, device in enumerate(self.devices):
+                d, t = mesh.coords(self.first + i)
+                self.tp[self.first + i] = launcher(base + d, mesh.tp, keys, device, options)
+                if mesh.dp > 1:
+                    self.dp[self.first + i] = launcher(base + mesh.dp + t, mesh.dp, keys,
+                                                       device, options)
+            # Bytes sent, summed over the local replicas. Plain variables
+            # (not mirrored): created directly, outside the strategy's creator.
+            self.sent = {kind: resource_variable_ops.ResourceVariable(
+                tf.zeros([], tf.float64), trainable=False, name=f"tfdist_{kind}_bytes")
+                for kind in KINDS}
+
+    def local_replicas(self) -> int:
+        return len(self.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the current replica sits in the mesh."""
+
+    runtime: Runtime
+    replica: int
+    d: int
+    t: int
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.runtime.mesh
+
+    @property
+    def tp(self) -> int:
+        return self.runtime.mesh.tp
+
+
+def _runtime(strategy: Any) -> Runtime | None:
+    return getattr(strategy, "_tfdist_parallel", None)
+
+
+def current() -> Placement | None:
+    """This replica's place in the mesh; None without a mesh (no strategy,
+    T = 1), in cross-replica context, or in a symbolic build."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        return None
+    runtime = _runtime(ctx.strategy)
+    if runtime is None:
+        return None
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if replica is None:
+        raise RuntimeError("tfdist.parallel: the replica id is not a constant in this "
+                           "replica context; tensor-parallel layers run under Mirrored "
+                           "and MultiWorkerMirrored strategies")
+    d, t = runtime.mesh.coords(int(replica))
+    return Placement(runtime, int(replica), d, t)
+
+
+def _count(p: Placement, kind: str, x: tf.Tensor, gather: bool, n: int) -> None:
+    """Adds the bytes this replica sends for one collective over n members."""
+    if n < 2:
+        return
+    size = tf.cast(tf.size(x), tf.float64) * x.dtype.size
+    factor = float(n - 1) if gather else 2.0 * (n - 1) / n
+    p.runtime.sent[kind].assign_add(size * factor)
+
+
+def _tp_reduce(p: Placement, x: tf.Tensor) -> tf.Tensor:
+    _count(p, "tensor_parallel", x, False, p.tp)
+    return p.runtime.tp[p.replica].all_reduce(x)
+
+
+def _tp_gather(p: Placement, x: tf.Tensor) -> tf.Tensor:
+    _count(p, "tensor_parallel", x, True, p.tp)
+    return p.runtime.tp[p.replica]._all_gather(x, None)
+
+
+def _rows(x: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+    return x[start:start + size]
+
+
+def gather_rows(x: tf.Tensor) -> tf.Tensor:
+    """All-gathers the tensor group's rows: ``[b, ...]`` -> ``[T*b, ...]``.
+
+    Identity without a mesh. Every member must hold the same number of rows.
+    """
+    p = current()
+    if p is None:
+        return x
+
+    @tf.custom_gradient
+    def op(x):
+        def grad(dy):
+            b = tf.shape(x)[0]
+            return _rows(_tp_reduce(p, dy), p.t * b, b)
+        return _tp_gather(p, x), grad
+
+    return op(x)
+
+
+def scatter_rows(y: tf.Tensor) -> tf.Tensor:
+    """Sums ``[T*b, ...]`` over the tensor group and keeps this replica's
+    ``b`` rows. Identity without a mesh."""
+    p = current()
+    if p is None:
+        return y
+
+    @tf.custom_gradient
+    def op(y):
+        b = tf.shape(y)[0] // p.tp
+
+        def grad(dy):
+            return _tp_gather(p, dy)
+        return _rows(_tp_reduce(p, y), p.t * b, b), grad
+
+    return op(y)
+
+
+def tp_all_reduce(x: tf.Tensor) -> tf.Tensor:
+    """Sums over the tensor group; its gradient is the same sum (each
+    member's copy feeds a different loss). Identity without a mesh."""
+    p = current()
+    if p is None:
+        return x
+
+    @tf.custom_gradient
+    def op(x):
+        return _tp_reduce(p, x), lambda dy: _tp_reduce(p, dy)
+
+    return op(x)
+
+
+def tp_all_gather(x: tf.Tensor, axis: int = -1) -> tf.Tensor:
+    """Concatenates the tensor group's tensors along ``axis`` (tensor-index
+    order). Gradient: the group's sum, this member's part. Identity without
+    a mesh."""
+    p = current()
+    if p is None:
+        return x
+    axis = axis % x.shape.rank
+
+    @tf.custom_gradient
+    def op(x):
+        stacked = tf.reshape(_tp_gather(p, x), tf.concat([[p.tp], tf.shape(x)], 0))
+        parts = tf.unstack(stacked, num=p.tp, axis=0)
+        out = tf.concat(parts, axis=axis)
+
+        def grad(dy):
+            width = tf.shape(x)[axis]
+            begin = [0] * x.shape.rank
+            size = [-1] * x.shape.rank
+            summed = _tp_reduce(p, dy)
+            begin = tf.tensor_scatter_nd_update(tf.constant(begin), [[axis]], [p.t * width])
+            size = tf.tensor_scatter_nd_update(tf.constant(size), [[axis]], [width])
+            return tf.slice(summed, begin, size)
+        return out, grad
+
+    return op(x)
+
+
+def dp_all_reduce(x: tf.Tensor, p: Placement | None = None) -> tf.Tensor:
+    """Sums over the data-parallel group (the replicas holding the same
+    shards). For gradients: no gradient of its own."""
+    p = p or current()
+    if p is None:
+        return x
+    if p.mesh.dp < 2:
+        return tf.identity(x)
+    _count(p, "data_parallel", x, False, p.mesh.dp)
+    return p.runtime.dp[p.replica].all_reduce(x)
+
+
+def count_replicated(x: tf.Tensor, p: Placement) -> None:
+    """Counts the all-replica all-reduce of a replicated weight's gradient."""
+    _count(p, "data_parallel", x, False, p.mesh.num_replicas)
+
+
+def traffic(strategy: Any) -> dict[str, float]:
+    """Bytes one replica sent so far, per kind (the mean over this process's
+    replicas): ``tensor_parallel`` (activations and their gradients) and
+    ``data_parallel`` (gradients). Empty without a mesh."""
+    runtime = _runtime(strategy)
+    if runtime is None:
+        return {}
+    return {kind: float(v.numpy()) / runtime.local_replicas()
+            for kind, v in runtime.sent.items()}
+
+
+def reset_traffic(strategy: Any) -> None:
+    """Sets the byte counters to zero."""
+    runtime = _runtime(strategy)
+    if runtime is not None:
+        for v in runtime.sent.values():
+            v.assign(tf.zeros([], tf.float64))

@@ -1,0 +1,130 @@
+"""Gradients of sharded weights: summed over their data-parallel group only.
+
+Keras 3 sums every gradient over all replicas in
+``TFOptimizer._all_reduce_sum_gradients`` (the method tfdist's compression
+wraps). A shard's gradient must not be summed with the other shards of its
+tensor group: :func:`install` wraps that method once more, outside the
+compression wrapper, and
+
+* hands the replicated weights' gradients to the method it wraps (Keras's
+  all-replica sum, or tfdist's compressed one);
+* sums each shard's gradient over the replicas holding the same shard (the
+  data-parallel group, through :func:`tfdist.parallel.collectives.dp_all_reduce`),
+  compressed by the strategy's aggregator when compression is on.
+
+Both kinds of gradient traffic are added to the mesh's byte counters
+(:func:`tfdist.parallel.collectives.traffic`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import tensorflow as tf
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+from tfdist.compression import keras_hook
+from tfdist.compression.aggregate import Item, ReplicaComm
+from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
+from tfdist.parallel import collectives, sharding
+
+_MARK = "_tfdist_parallel_wrapped"
+
+
+class GroupComm(ReplicaComm):
+    """An aggregator's collectives over this replica's data-parallel group."""
+
+    def __init__(self, placement: collectives.Placement) -> None:
+        super(ReplicaComm, self).__init__()
+        self.placement = placement
+        self.num_replicas = placement.mesh.dp
+
+    def _sum(self, tensors):
+        p = self.placement
+        return [p.runtime.dp[p.replica].all_reduce(tf.convert_to_tensor(t)) for t in tensors]
+
+    def _gather_rows(self, rows):
+        p = self.placement
+        return p.runtime.dp[p.replica]._all_gather(rows, None)
+
+    def sent(self) -> float:
+        """Bytes this replica sent in the collectives recorded so far."""
+        reduced = sum(nbytes(s, d) for s, d in self.reduced)
+        gathered = sum(wire_nbytes(s, d) for s, d in self.gathered)
+        return (all_reduce_bytes(reduced, self.num_replicas)
+                + all_gather_bytes(gathered, self.num_replicas))
+
+
+def _dense(g: Any) -> tf.Tensor:
+    # A vocabulary shard's IndexedSlices: its rows differ per replica, and the
+    # shard is small next to the full table; summed dense.
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def _reduce_sharded(optimizer, pairs, p: collectives.Placement) -> list:
+    if p.mesh.dp < 2:  # Each shard is held once: nothing to sum.
+        return [g for g, _ in pairs]
+    aggregator = keras_hook.strategy_aggregator(tf.distribute.get_strategy())
+    present = [(i, _dense(g), v) for i, (g, v) in enumerate(pairs) if g is not None]
+    out: list = [None] * len(pairs)
+    if aggregator is None:
+        for i, g, _ in present:
+            out[i] = collectives.dp_all_reduce(g, p)
+        return out
+    state = getattr(optimizer, "_tfdist_state", None) or {}
+    keys = [optimizer._get_variable_index(v) for _, _, v in present]
+    items = [Item(g, key, state.get(key, {})) for (_, g, _), key in zip(present, keys)]
+    step = tf.convert_to_tensor(getattr(optimizer.iterations, "value", optimizer.iterations))
+    comm = GroupComm(p)
+    reduced = aggregator.aggregate(items, step, comm)
+    p.runtime.sent["data_parallel"].assign_add(tf.constant(comm.sent(), tf.float64))
+    for (i, _, _), g in zip(present, reduced):
+        out[i] = g
+    return out
+
+
+def _count_replicated(pairs, p: collectives.Placement) -> None:
+    aggregator = keras_hook.strategy_aggregator(tf.distribute.get_strategy())
+    dense = [(tuple(v.shape), v.dtype.name) for g, v in pairs
+             if g is not None and not isinstance(g, tf.IndexedSlices)]
+    n = p.mesh.num_replicas
+    if aggregator is not None:
+        sent = aggregator.traffic(dense, n).sent
+    else:
+        sent = all_reduce_bytes(sum(nbytes(s, d) for s, d in dense), n)
+    for g, _ in pairs:  # Sparse gradients: all-gathered, rows follow the batch.
+        if isinstance(g, tf.IndexedSlices):
+            p.runtime.sent["data_parallel"].assign_add(
+                tf.cast(tf.size(g.values) * g.values.dtype.size
+                        + tf.size(g.indices) * g.indices.dtype.size, tf.float64) * (n - 1))
+    p.runtime.sent["data_parallel"].assign_add(tf.constant(sent, tf.float64))
+
+
+def _wrap_reduce(original):
+    @functools.wraps(original)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        pairs = list(grads_and_vars)
+        p = collectives.current()
+        if p is None:
+            return original(self, pairs)
+        sharded = [i for i, (_, v) in enumerate(pairs) if sharding.is_sharded(v)]
+        chosen = set(sharded)
+        rest = [pair for i, pair in enumerate(pairs) if i not in chosen]
+        _count_replicated(rest, p)
+        out: list = [None] * len(pairs)
+        for i, pair in zip([i for i in range(len(pairs)) if i not in chosen],
+                           original(self, rest) if rest else []):
+            out[i] = pair
+        reduced = _reduce_sharded(self, [pairs[i] for i in sharded], p)
+        for i, g in zip(sharded, reduced):
+            out[i] = (g, pairs[i][1])
+        return out
+    return _all_reduce_sum_gradients
+
+
+def install() -> None:
+    """Wraps Keras's gradient sum (over tfdist's compression wrapper); idempotent."""
+    keras_hook.install()
+    keras_hook.wrap_once([(TFOptimizer, "_all_reduce_sum_gradients", _wrap_reduce)],
+                         mark=_MARK, needed_by="tfdist.parallel")
