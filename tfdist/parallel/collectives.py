@@ -58,7 +58,7 @@ def check_tensorflow() -> None:
                                f"TensorFlow {tf.__version__} does not have; use the "
                                "TensorFlow range pyproject.toml pins")
     launcher = cross_device_utils.CollectiveReplicaLauncher
-    for method in ("all_reduce", "_all_gather"):
+    for method in ("all_reduce", "_all_gather", "all_reduce_indexed_slices"):
         if not callable(getattr(launcher, method, None)):
             raise RuntimeError(f"tfdist.parallel needs CollectiveReplicaLauncher.{method}, "
                                f"which TensorFlow {tf.__version__} does not have")

@@ -57,8 +57,10 @@ class GroupComm(ReplicaComm):
 
 
 def _dense(g: Any) -> tf.Tensor:
-    # A vocabulary shard's IndexedSlices: its rows differ per replica, and the
-    # shard is small next to the full table; summed dense.
+    # A vocabulary shard's IndexedSlices, for a compression aggregator: its
+    # rows differ per replica, and the shard is small next to the full
+    # table; summed dense. Without compression they are gathered
+    # (_dp_gather_slices).
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
@@ -69,8 +71,12 @@ def _reduce_sharded(optimizer, pairs, p: collectives.Placement) -> list:
     present = [(i, _dense(g), v) for i, (g, v) in enumerate(pairs) if g is not None]
     out: list = [None] * len(pairs)
     if aggregator is None:
+        for i, (g, _) in enumerate(pairs):
+            if isinstance(g, tf.IndexedSlices):
+                out[i] = _dp_gather_slices(g, p)
         for i, g, _ in present:
-            out[i] = collectives.dp_all_reduce(g, p)
+            if out[i] is None:
+                out[i] = collectives.dp_all_reduce(g, p)
         return out
     state = getattr(optimizer, "_tfdist_state", None) or {}
     keys = [optimizer._get_variable_index(v) for _, _, v in present]
@@ -82,6 +88,17 @@ def _reduce_sharded(optimizer, pairs, p: collectives.Placement) -> list:
     for (i, _, _), g in zip(present, reduced):
         out[i] = g
     return out
+
+
+def _dp_gather_slices(g: tf.IndexedSlices, p: collectives.Placement) -> tf.IndexedSlices:
+    """A vocabulary shard's IndexedSlices gathered over its data-parallel
+    group, as Keras's all-replica sum does for a replicated table: Adam's
+    second moment squares the slices before their duplicates are summed, so a
+    dense sum would train differently from Keras."""
+    p.runtime.sent["data_parallel"].assign_add(
+        tf.cast(tf.size(g.values) * g.values.dtype.size
+                + tf.size(g.indices) * g.indices.dtype.size, tf.float64) * (p.mesh.dp - 1))
+    return p.runtime.dp[p.replica].all_reduce_indexed_slices(g)
 
 
 def _count_replicated(pairs, p: collectives.Placement) -> None:
