@@ -7,14 +7,20 @@ their weights over each tensor group, Megatron-style, and run under plain
 counterpart, so one model definition runs anywhere.
 """
 
+from tfdist.parallel.attention import ParallelMultiHeadAttention
+from tfdist.parallel.block import TransformerBlock
 from tfdist.parallel.collectives import reset_traffic, traffic
 from tfdist.parallel.dense import ColumnParallelDense, RowParallelDense
+from tfdist.parallel.embedding import VocabParallelEmbedding
 from tfdist.parallel.mesh import Mesh, attach, mesh_of
 from tfdist.parallel.sharding import assign_full, full_value, spec_of
 
 __all__ = [
     "ColumnParallelDense",
     "RowParallelDense",
+    "VocabParallelEmbedding",
+    "ParallelMultiHeadAttention",
+    "TransformerBlock",
     "Mesh",
     "attach",
     "mesh_of",
