@@ -276,3 +276,30 @@ def test_widths_model_parallel_does_not_divide(tf_cpus):
         layer = tp.VocabParallelEmbedding(34, D)
         layer(ids)
         assert tuple(layer.weights[0].shape) == (17, D)
+
+
+def test_a_layer_without_build_holding_a_sharded_one(tf_cpus):
+    """Keras builds such a layer by tracing its call symbolically, where
+    variables are created uninitialized: the shards are filled and marked when
+    Keras initializes them."""
+    import keras
+    from tfdist import parallel as tp
+    strategy = _mirrored(2, 2)
+
+    class Wrapper(keras.layers.Layer):  # keras-io's layers often have no build().
+        def __init__(self):
+            super().__init__()
+            self.inner = tp.VocabParallelEmbedding(V, D)
+
+        def call(self, ids):
+            return self.inner(ids)
+
+    with strategy.scope():
+        wrapper = Wrapper()
+        wrapper(keras.Input((L,), dtype="int32"))
+    table = wrapper.inner.weights[0]
+    assert tp.spec_of(table.value) is not None  # The tf variable, as the optimizer sees it.
+    full = tp.full_value(table)
+    assert full.shape == (V, D) and np.abs(full).min() > 0
+    shards = [c.numpy() for c in strategy.experimental_local_results(table.value)]
+    np.testing.assert_array_equal(np.concatenate(shards), full)

@@ -229,7 +229,19 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
     init = _seeded(keras.initializers.get(initializer), _shared_seed(strategy, runtime))
     with tf.init_scope(), tf.device("/cpu:0"):
         full = keras.ops.convert_to_numpy(init(shape, dtype=variable.dtype))
-    assign_full(variable, full)
+    if getattr(variable, "_value", True) is None:
+        # Created in a symbolic trace (a layer without build() holding this
+        # one): Keras creates the tf variable when the trace ends. Mark and
+        # fill it then.
+        deferred = variable._deferred_initialize
+
+        def _deferred_initialize():
+            deferred()
+            _mark(variable, spec)
+            assign_full(variable, full)
+        variable._deferred_initialize = _deferred_initialize
+    else:
+        assign_full(variable, full)
     if regularizer is not None:
         variable.regularizer = _GroupRegularizer(keras.regularizers.get(regularizer))
     return variable
