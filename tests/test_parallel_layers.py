@@ -119,7 +119,8 @@ def _block_model(parallel: bool):
         h = keras.layers.Embedding(V, D, mask_zero=True)(ids)
         h = _keras_block(2, 4, 16)(h)
     h = keras.layers.GlobalAveragePooling1D()(h)
-    return keras.Model(ids, keras.layers.Dense(3)(h)), "sparse_categorical_crossentropy"
+    return (keras.Model(ids, keras.layers.Dense(3)(h)),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
 MODELS = {
@@ -255,12 +256,12 @@ def test_model_parallel_1_is_keras(tf_cpus, data):
         np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
 
 
-def test_widths_model_parallel_does_not_divide(tf_cpus):
+def test_widths_model_parallel_does_not_divide(pair):
     """A ConfigError naming the layer, the field and the value."""
     import keras
     from tfdist import parallel as tp
     from tfdist.errors import ConfigError
-    strategy = _mirrored(2, 2)
+    strategy = pair
     ids = keras.Input((L,), dtype="int32")
     x = keras.Input((L, D))
     with strategy.scope():
@@ -278,13 +279,13 @@ def test_widths_model_parallel_does_not_divide(tf_cpus):
         assert tuple(layer.weights[0].shape) == (17, D)
 
 
-def test_a_layer_without_build_holding_a_sharded_one(tf_cpus):
+def test_a_layer_without_build_holding_a_sharded_one(pair):
     """Keras builds such a layer by tracing its call symbolically, where
     variables are created uninitialized: the shards are filled and marked when
     Keras initializes them."""
     import keras
     from tfdist import parallel as tp
-    strategy = _mirrored(2, 2)
+    strategy = pair
 
     class Wrapper(keras.layers.Layer):  # keras-io's layers often have no build().
         def __init__(self):
@@ -303,3 +304,59 @@ def test_a_layer_without_build_holding_a_sharded_one(tf_cpus):
     assert full.shape == (V, D) and np.abs(full).min() > 0
     shards = [c.numpy() for c in strategy.experimental_local_results(table.value)]
     np.testing.assert_array_equal(np.concatenate(shards), full)
+
+
+@pytest.fixture(scope="module")
+def pair(tf_cpus):
+    """T=2 on 2 logical CPUs, for the tests that need one mesh."""
+    return _mirrored(2, 2)
+
+
+def _fit_under(policy, seed, pair, data):
+    import keras
+    from tfdist import parallel as tp
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(seed)
+        ref = _compiled("block", parallel=False)
+        with pair.scope():
+            model = _compiled("block", parallel=True)
+        for v, w in zip(model.weights, ref.get_weights()):
+            tp.assign_full(v, w)
+        ref_losses, _ = _fit(ref, "block", data)
+        losses, _ = _fit(model, "block", data)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert all(v.dtype == "float32" for v in model.weights)
+    return ref, ref_losses, model, losses
+
+
+def test_mixed_bfloat16(pair, data):
+    """Losses and weights near the unsharded model's under the same policy
+    (16-bit activations summed in another order; bfloat16 keeps 8 bits).
+    TensorFlow's collectives take no bfloat16: the activations cross as
+    float32."""
+    from tfdist import parallel as tp
+    ref, ref_losses, model, losses = _fit_under("mixed_bfloat16", 4, pair, data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=3e-2)
+    for v, w in zip(model.weights, ref.get_weights()):
+        # Adam turns the rounding into steps: close, not equal.
+        np.testing.assert_allclose(tp.full_value(v), w, atol=0.1, rtol=0, err_msg=v.path)
+
+
+def test_mixed_float16_skips_an_overflow_on_every_replica(pair, data):
+    """Keras's loss scale optimizer judged the gradients by replica 0's
+    alone: a step that overflowed in replica 1's shards only was applied
+    there, and the model turned NaN. Every replica now votes. (Whether a step
+    overflows can differ from the unsharded model's, whose sums run in
+    another order, so the trajectories are not compared.)"""
+    from tfdist import parallel as tp
+    _, ref_losses, model, losses = _fit_under("mixed_float16", 4, pair, data)
+    assert np.isfinite(ref_losses).all() and np.isfinite(losses).all(), losses
+    for v in model.weights:
+        assert np.isfinite(tp.full_value(v)).all(), v.path
+    optimizer = model.optimizer
+    assert 0 < int(optimizer.iterations.numpy()) < EPOCHS * ROWS // BATCH  # Some skipped.
+    scales = {float(c.numpy()) for c in pair.experimental_local_results(
+        optimizer.dynamic_scale.value)}
+    assert len(scales) == 1, scales

@@ -183,14 +183,21 @@ def _count(p: Placement, kind: str, x: tf.Tensor, gather: bool, n: int) -> None:
     p.runtime.sent[kind].assign_add(size * factor)
 
 
+def _wire(x: tf.Tensor) -> tf.Tensor:
+    # TensorFlow's collectives take no bfloat16 (mixed_bfloat16 activations).
+    return tf.cast(x, tf.float32) if x.dtype == tf.bfloat16 else x
+
+
 def _tp_reduce(p: Placement, x: tf.Tensor) -> tf.Tensor:
-    _count(p, "tensor_parallel", x, False, p.tp)
-    return p.runtime.tp[p.replica].all_reduce(x)
+    y = _wire(x)
+    _count(p, "tensor_parallel", y, False, p.tp)
+    return tf.cast(p.runtime.tp[p.replica].all_reduce(y), x.dtype)
 
 
 def _tp_gather(p: Placement, x: tf.Tensor) -> tf.Tensor:
-    _count(p, "tensor_parallel", x, True, p.tp)
-    return p.runtime.tp[p.replica]._all_gather(x, None)
+    y = _wire(x)
+    _count(p, "tensor_parallel", y, True, p.tp)
+    return tf.cast(p.runtime.tp[p.replica]._all_gather(y, None), x.dtype)
 
 
 def _rows(x: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:

@@ -140,8 +140,28 @@ def _wrap_reduce(original):
     return _all_reduce_sum_gradients
 
 
+def _wrap_check_finite(original):
+    @functools.wraps(original)
+    def check_finite(self, grads):
+        finite = original(self, grads)
+        p = collectives.current()
+        if p is None:
+            return finite
+        # Keras's LossScaleOptimizer takes replica 0's answer for every
+        # replica, its local gradients standing for the all-reduced ones. A
+        # shard's float16 overflow shows on its own replicas only: every
+        # replica votes, or one applies inf and the model turns NaN.
+        bad = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
+        bad = collectives.dp_all_reduce(collectives.tp_all_reduce(bad), p)
+        return tf.equal(bad, 0.0)
+    return check_finite
+
+
 def install() -> None:
-    """Wraps Keras's gradient sum (over tfdist's compression wrapper); idempotent."""
+    """Wraps Keras's gradient sum (over tfdist's compression wrapper) and the
+    loss scale optimizer's finiteness check; idempotent."""
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
     keras_hook.install()
-    keras_hook.wrap_once([(TFOptimizer, "_all_reduce_sum_gradients", _wrap_reduce)],
+    keras_hook.wrap_once([(TFOptimizer, "_all_reduce_sum_gradients", _wrap_reduce),
+                          (LossScaleOptimizer, "check_finite", _wrap_check_finite)],
                          mark=_MARK, needed_by="tfdist.parallel")
