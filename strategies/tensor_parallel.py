@@ -39,7 +39,6 @@ import numpy as np
 from absl import app, flags
 
 import _common
-import tfdist
 from tfdist.errors import ConfigError, TfdistError
 
 _common.define_flags()
