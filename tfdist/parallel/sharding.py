@@ -222,6 +222,8 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
                           f"'{layer.name}' splits its {name} of shape {shape} on axis {axis})",
                           source="tfdist.parallel")
     spec = ShardSpec(axis, tp, shape, runtime, strategy)
+    from tfdist.parallel import saving
+    saving.cover(type(layer))  # Its save/load then write and read full values.
     variable = layer.add_weight(name=name, shape=spec.shard_shape, initializer="zeros",
                                 regularizer=None, constraint=constraint, dtype=dtype,
                                 trainable=trainable)
