@@ -271,3 +271,17 @@ def test_compression_state_saves_with_the_shards(env, trained):
         moved = keras.models.load_model(path)
     assert tuple(moved.layers[0].kernel.shape) == (8, 4)
     assert _max_diff(tp.saving.full_weights(moved.optimizer.variables), slots) < 1e-7
+
+
+def test_every_worker_agrees_whether_a_full_value_is_local(env):
+    """Reading a full value locally on some workers while others join the
+    gather would hang them: the rule must give one answer per job."""
+    from tfdist.parallel.sharding import holds_whole_groups
+    for workers in (1, 2, 3, 4):
+        for local in (1, 2, 3, 4, 8):
+            n = workers * local
+            for tp in (t for t in range(2, n + 1) if n % t == 0):
+                answers = {holds_whole_groups(w * local, local, tp) for w in range(workers)}
+                assert len(answers) == 1, (workers, local, tp)
+                # Local exactly when each worker's replicas are whole groups.
+                assert answers == {local % tp == 0}, (workers, local, tp)

@@ -246,13 +246,11 @@ def _full_tensor(variable: Any) -> tf.Tensor:
     spec = sharding.spec_of(variable)
     components = list(spec.strategy.experimental_local_results(sharding._values(variable)))
     runtime = spec.runtime
-    for i in range(0, len(components) - spec.tp + 1):
-        # A whole tensor group held here (its first member at tensor index 0):
-        # every group holds the same full weight.
-        if spec.mesh.coords(runtime.first + i)[1] == 0:
-            return tf.concat([tf.convert_to_tensor(c) for c in components[i:i + spec.tp]],
-                             axis=spec.axis)
-    # The group spans processes: gather every replica's shard (a collective).
+    if sharding.holds_whole_groups(runtime.first, len(components), spec.tp):
+        # Every tensor group holds the same full weight: read one held here.
+        return tf.concat([tf.convert_to_tensor(c) for c in components[:spec.tp]],
+                         axis=spec.axis)
+    # The groups span processes: gather every replica's shard (a collective).
     per_replica = spec.strategy.experimental_distribute_values_from_function(
         lambda ctx: components[ctx.replica_id_in_sync_group - runtime.first])
     everything = spec.strategy.gather(per_replica, axis=spec.axis)
