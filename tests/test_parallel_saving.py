@@ -285,3 +285,30 @@ def test_every_worker_agrees_whether_a_full_value_is_local(env):
                 assert len(answers) == 1, (workers, local, tp)
                 # Local exactly when each worker's replicas are whole groups.
                 assert answers == {local % tp == 0}, (workers, local, tp)
+
+
+@pytest.mark.slow
+def test_two_workers_save_and_load_full_values(tf_cpus, tmp_path):
+    """MultiWorkerMirrored, one replica per worker, T=2: every full value is
+    a gather both workers join, in model.save, get_weights and the
+    checkpoint alike."""
+    from conftest import finish, result_line, start
+    from tfdist import cluster
+    from tfdist.net import local_spec
+    procs = [start(["tests/workers/parallel_saving_mw.py"], tf_config=config,
+                   TFDIST_TEST_DIR=str(tmp_path))
+             for _, _, config in cluster.all_task_configs(local_spec(2))]
+    results = finish(procs, timeout=240)
+    for code, out, err in results:
+        assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
+    chief, other = sorted((result_line(out) for _, out, _ in results),
+                          key=lambda r: r["index"])
+    for run in (chief, other):
+        assert run["local_shard"] == [8, 8]
+        assert run["full"] == [[8, 16], [16], [16, 4], [4]]
+        assert run["saved_kernel"] == [8, 16] and run["saved_vs_full"] == 0.0
+        assert run["again_shard"] == [8, 8]
+        for key in ("plain", "plain_slots", "again", "again_slots", "restored",
+                    "restored_slots"):
+            assert run[key] < 1e-7, (key, run)
+    assert chief["weights_checksum"] == other["weights_checksum"]

@@ -157,6 +157,11 @@ def local_full_tensor(variable: Any) -> tf.Tensor:
         return variable
     local = _local_group(variable, spec)
     if local is None:
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+        if in_symbolic_scope():
+            # Keras infers shapes (compute_output_spec, fit's symbolic
+            # build): the values are never read.
+            return tf.zeros(spec.full_shape, _values(variable).dtype)
         raise RuntimeError(
             "tfdist.parallel: a tensor-parallel layer was called outside the replica "
             "context, and its shards are held by other processes. Expected: call the "
