@@ -21,7 +21,7 @@ EPOCH = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
 
 def _build(keras, col, row):
     model = keras.Sequential([keras.Input((8,)), col(16, activation="relu"), row(4)])
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.MeanSquaredError())
     return model
 
 
@@ -79,6 +79,8 @@ def trained(env, tmp_path_factory):
             str(out / "ckpt" / "t2")),
     }
     model.save(run["keras_file"])
+    run["h5_file"] = str(out / "t2.h5")
+    model.save(run["h5_file"])  # Keras's legacy HDF5 format.
     model.fit(x, y, **EPOCH)
     run["continued"] = model.get_weights()
     return run
@@ -150,6 +152,11 @@ def test_set_weights_takes_full_shapes(env, trained):
     np.testing.assert_array_equal(tp.full_value(kernel), weights[0] * 2)
     with pytest.raises(ValueError, match=r"\(8, 16\) \(the full shape"):
         model.layers[0].set_weights([weights[0][:, :8], weights[1]])
+    # The optimizer's too: Adam's moments are sharded like their weights.
+    with s2.scope():
+        model.optimizer.build(model.trainable_variables)
+    model.optimizer.set_weights(trained["slots"])
+    assert _max_diff(tp.saving.full_weights(model.optimizer.variables), trained["slots"]) == 0
 
 
 @pytest.mark.parametrize("where", ["none", "t1", "t4"])
@@ -171,6 +178,31 @@ def test_load_model_predicts_and_resumes(env, trained, strategies, where):
                                atol=1e-6)
     model.fit(trained["x"], trained["y"], **EPOCH)
     assert _max_diff(model.get_weights(), trained["continued"]) < 1e-5
+
+
+@pytest.mark.parametrize("where", ["none", "t4"])
+def test_legacy_h5_holds_full_values(env, trained, strategies, where):
+    import h5py
+    _, keras, _, tp = env
+    with h5py.File(trained["h5_file"]) as f:
+        names = [n.decode() if isinstance(n, bytes) else n
+                 for n in f["model_weights/column_parallel_dense"].attrs["weight_names"]]
+        kernel = f["model_weights/column_parallel_dense"][names[0]][()]
+        group = f["optimizer_weights"]
+        slots = [group[n][()] for n in group.attrs["weight_names"]]
+    np.testing.assert_array_equal(kernel, trained["weights"][0])
+    assert _max_diff(slots, trained["slots"]) == 0.0
+    if where == "none":
+        model = keras.models.load_model(trained["h5_file"])
+    else:
+        with strategies[where].scope():
+            model = keras.models.load_model(trained["h5_file"])
+        assert tuple(model.layers[0].kernel.shape) == (8, 4)
+    # (Keras's legacy loader builds a Sequential's optimizer without the
+    # layers' variables, so its slots are not restored, sharded or not.)
+    assert _max_diff(model.get_weights(), trained["weights"]) < 1e-7
+    np.testing.assert_allclose(model.predict(trained["x"], verbose=0), trained["predict"],
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("where", ["t1", "t4"])

@@ -17,6 +17,10 @@ values:
   sharded variable goes to each component as that replica's shard
   (``assign_full``). A layer class is covered when it first creates a
   sharded weight (:func:`cover`, from ``add_sharded_weight``).
+* The legacy HDF5 format (``model.save("m.h5")``, ``load_model``,
+  ``load_weights``) writes full values of weights and optimizer variables
+  and checks loaded ones against the full shape; so does
+  ``optimizer.set_weights``.
 * Optimizer slots created from a sharded weight
   (``add_variable_from_reference``: Adam's moments, SGD's momentum) are
   registered as sharded like it, so they are saved whole too, and load
@@ -40,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from typing import Any, Iterable
 
 import numpy as np
@@ -215,6 +220,102 @@ def cover(cls: type) -> None:
               mark=_MARK, needed_by="tfdist.parallel's saving")
 
 
+# --- legacy HDF5 (model.save("m.h5")) ------------------------------------------
+
+class _Full:
+    """A sharded variable's full value under its name, for the legacy HDF5
+    writer (it reads ``path`` and converts with ``np.array``)."""
+
+    def __init__(self, variable: Any) -> None:
+        self.path = variable.path
+        self._value = sharding.full_value(variable)
+
+    def __array__(self, dtype=None, copy=None):
+        return self._value if dtype is None else self._value.astype(dtype)
+
+
+def _full_or_same(variables: Iterable[Any]) -> list:
+    return [_Full(v) if sharding.is_sharded(v) else v for v in variables]
+
+
+def _wrap_legacy_subset(original):
+    @functools.wraps(original)
+    def save_subset_weights_to_hdf5_group(group, weights):
+        return original(group, _full_or_same(weights))
+    return save_subset_weights_to_hdf5_group
+
+
+class _Weights:
+    """What the legacy writer reads from an optimizer that is not a Keras 3
+    one: ``weights``."""
+
+    def __init__(self, weights: list) -> None:
+        self.weights = weights
+
+
+def _wrap_legacy_optimizer(original):
+    @functools.wraps(original)
+    def save_optimizer_weights_to_hdf5_group(group, optimizer):
+        variables = list(getattr(optimizer, "variables", []))
+        if not any(sharding.is_sharded(v) for v in variables):
+            return original(group, optimizer)
+        return original(group, _Weights(_full_or_same(variables)))
+    return save_optimizer_weights_to_hdf5_group
+
+
+def _assign_checked(variables: list, values: list, what: str, skip_mismatch: bool = False):
+    """Assigns full values to the sharded ones among ``variables``; returns
+    the other (variable, value) pairs."""
+    rest = []
+    for variable, value in zip(variables, values):
+        spec = sharding.spec_of(variable)
+        if spec is None:
+            rest.append((variable, value))
+            continue
+        if tuple(np.shape(value)) != spec.full_shape:
+            message = (f"Shape mismatch in {what} for weight {variable.path}. Weight "
+                       f"expects the full shape {spec.full_shape} (a sharded weight). "
+                       f"Received saved weight with shape {tuple(np.shape(value))}")
+            if skip_mismatch:
+                warnings.warn(message, stacklevel=3)
+                continue
+            raise ValueError(message)
+        sharding.assign_full(variable, value)
+    return rest
+
+
+def _wrap_legacy_set(original):
+    @functools.wraps(original)
+    def _set_weights(instance, symbolic_weights, weight_values, name, skip_mismatch=False):
+        if not any(sharding.is_sharded(v) for v in symbolic_weights):
+            return original(instance, symbolic_weights, weight_values, name, skip_mismatch)
+        rest = _assign_checked(list(symbolic_weights), list(weight_values), name,
+                               skip_mismatch)
+        if rest:
+            return original(instance, [v for v, _ in rest], [w for _, w in rest], name,
+                            skip_mismatch)
+        if hasattr(instance, "finalize_state"):
+            instance.finalize_state()
+    return _set_weights
+
+
+def _wrap_optimizer_set(original):
+    @functools.wraps(original)
+    def set_weights(self, weights):
+        variables = list(getattr(self, "_variables", []))
+        if not self.built or not any(sharding.is_sharded(v) for v in variables):
+            return original(self, weights)
+        weights = list(weights)
+        rest = _assign_checked(variables[:len(weights)], weights, f"optimizer '{self.name}'")
+        for variable, value in rest:
+            if tuple(variable.shape) != tuple(np.shape(value)):
+                raise ValueError(f"Optimizer variable {variable.path} has shape "
+                                 f"{tuple(variable.shape)} not compatible with provided "
+                                 f"weight shape {tuple(np.shape(value))}.")
+            variable.assign(value)
+    return set_weights
+
+
 # --- optimizer slots -------------------------------------------------------------
 
 def _wrap_slot(original):
@@ -312,6 +413,7 @@ def install() -> None:
     """
     from keras.src.backend.tensorflow import core as keras_tf_core
     from keras.src.layers.layer import Layer
+    from keras.src.legacy.saving import legacy_h5_format
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     from tfdist.compression import keras_hook
@@ -323,6 +425,10 @@ def install() -> None:
         (BaseOptimizer, "add_variable_from_reference", _wrap_slot),
         (keras_tf_core.Variable, "_serialize_to_tensors", _wrap_serialize),
         (keras_tf_core.Variable, "_restore_from_tensors", _wrap_restore),
+        (BaseOptimizer, "set_weights", _wrap_optimizer_set),
+        (legacy_h5_format, "save_subset_weights_to_hdf5_group", _wrap_legacy_subset),
+        (legacy_h5_format, "save_optimizer_weights_to_hdf5_group", _wrap_legacy_optimizer),
+        (legacy_h5_format, "_set_weights", _wrap_legacy_set),
     ], mark=_MARK, needed_by="tfdist.parallel's saving")
     cover(Layer)
     cover(BaseOptimizer)
