@@ -37,18 +37,21 @@ class GroupComm(ReplicaComm):
 
     def __init__(self, placement: collectives.Placement) -> None:
         super(ReplicaComm, self).__init__()
-        self.placement = placement
         self.num_replicas = placement.mesh.dp
 
+    # The placement is looked up per call, as ReplicaComm looks up its
+    # context: under MirroredStrategy on CPU, cond() runs both branches for
+    # every replica from one replica's closure.
     def _sum(self, tensors):
-        launcher = self.placement.runtime.dp[self.placement.replica]
+        p = collectives.current()
+        launcher = p.runtime.dp[p.replica]
         # IndexedSlices (a vocabulary shard's) are gathered, as the replica
         # context's all_reduce does.
         return [launcher.all_reduce_indexed_slices(t) if isinstance(t, tf.IndexedSlices)
                 else launcher.all_reduce(tf.convert_to_tensor(t)) for t in tensors]
 
     def _gather_rows(self, rows):
-        p = self.placement
+        p = collectives.current()
         return p.runtime.dp[p.replica]._all_gather(rows, None)
 
     def sent(self) -> float:
