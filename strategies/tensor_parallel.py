@@ -50,10 +50,6 @@ from tfdist.errors import TfdistError
 
 _common.define_flags()
 FLAGS = flags.FLAGS
-if "model_parallel" not in FLAGS:
-    # Until tfdist.define_flags() has --model_parallel (the model_parallel
-    # option of strategy_from_config); main() then attaches the mesh itself.
-    flags.DEFINE_integer("model_parallel", None, "Tensor-parallel group size T.")
 FLAGS.set_default("strategy", "mirrored")
 FLAGS.set_default("cpu_replicas", 2)
 FLAGS.set_default("model_parallel", 2)
@@ -155,30 +151,16 @@ def _variable_bytes(model: Any) -> int:
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in held))
 
 
-def _attach(strategy: Any, model_parallel: int) -> bool:
-    """Attaches the mesh when strategy_from_flags did not (see the flag);
-    True if it did."""
-    from tfdist import parallel
-    if parallel.mesh_of(strategy) is not None or model_parallel == 1:
-        return False
-    try:
-        parallel.attach(strategy, model_parallel)
-    except TfdistError as error:
-        _common.exit_with(error)
-    return True
-
-
 def main(_argv: list[str]) -> None:
     """Builds the mesh, trains, and reports."""
     import tensorflow as tf
     from tfdist import parallel
 
+    # --model_parallel: strategy_from_config(model_parallel=T) builds the
+    # mesh; describe() shows it.
     strategy = _common.strategy_from_flags()
-    attached = _attach(strategy, FLAGS.model_parallel)
     mesh = parallel.mesh_of(strategy)
     tp = mesh.tp if mesh is not None else 1
-    if attached:  # Else describe() above showed it.
-        print(f"  mesh: {mesh.describe()}", flush=True)
     _common.print_settings(strategy)
     settings = dict(vocab=FLAGS.vocab_size, seq_len=FLAGS.seq_len, dim=FLAGS.embed_dim,
                     heads=FLAGS.num_heads, ff_dim=FLAGS.ff_dim, blocks=FLAGS.blocks,
