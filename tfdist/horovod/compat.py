@@ -44,9 +44,11 @@ RUN_TF_FUNCTION_ARG = "experimental_run_tf_function"
 #: Set on every function or property this module made, so install() never wraps twice.
 _MARK = "_tfdist_horovod_compat"
 
-#: Frames in these directories are wrappers, not the script (Keras's and
-#: TensorFlow's are added by install()).
-_SKIP_DIRS: tuple[str, ...] = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+#: Frames in these directories are wrappers, not the script: all of tfdist
+#: (its other wrappers of compile and fit, e.g. tfdist.parallel's guard);
+#: Keras's and TensorFlow's are added by install().
+_SKIP_DIRS: tuple[str, ...] = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
 _lock = threading.Lock()
 _installed = False
@@ -76,8 +78,8 @@ class HorovodSpellingWarning(UserWarning):
 def _warn_once(spelling: str) -> None:
     """Warns about ``spelling`` the first time this process uses it.
 
-    The warning names the first line outside tfdist.horovod and Keras: the
-    script's own line, however many wrappers lie in between.
+    The warning names the first line outside tfdist and Keras: the script's
+    own line, however many wrappers lie in between.
     """
     with _lock:
         if spelling in _warned:
