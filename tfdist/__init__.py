@@ -27,6 +27,7 @@ _LAZY = {
     "ClusterJoinError": "tfdist.strategies",
     "TPUNotFoundError": "tfdist.strategies",
     "StrategyOrderError": "tfdist.strategies",
+    "KerasDistributionError": "tfdist.parallel.guard",
     "fit": "tfdist.training",
     "evaluate": "tfdist.training",
     "predict": "tfdist.training",

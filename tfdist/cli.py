@@ -1,6 +1,7 @@
 """The ``tfdist`` command.
 
-    tfdist info [--config SPEC] [--strategy NAME] [--cpu-replicas N] [--tpu T] [--verbose]
+    tfdist info [--config SPEC] [--strategy NAME] [--cpu-replicas N] [--model-parallel T]
+                [--tpu T] [--verbose]
     tfdist validate FILE|- [--strategy NAME] [--require-task]
     tfdist tf-config SPEC --task TYPE:INDEX [--export]
     tfdist launch [--workers N|MIN:MAX|-np N] [-H HOST:SLOTS,...|--hostfile F] [--chief]
@@ -35,17 +36,35 @@ from tfdist.quiet import filtered_stderr
 
 def _info(args: argparse.Namespace) -> int:
     from tfdist.detect import choose
-    from tfdist.options import make_options
+    from tfdist.options import check_model_parallel, make_options
 
     options = {}
     if args.cpu_replicas is not None:
         options["cpu_replicas"] = args.cpu_replicas
+    if args.model_parallel is not None:
+        options["model_parallel"] = args.model_parallel
     if args.tpu is not None:
         options["tpu"] = args.tpu
     opts = make_options(**options)
     choice = choose(args.config, strategy=args.strategy, options=opts)
+    model_parallel = check_model_parallel(choice.name, opts.model_parallel,
+                                          role=choice.role)
+    mesh = None
+    if model_parallel > 1:
+        # The replicas are known here only when the options list them.
+        replicas = None
+        if choice.name == "mirrored":
+            replicas = len(opts.devices) if opts.devices else opts.cpu_replicas
+        if replicas:
+            from tfdist.parallel.mesh import Mesh
+            mesh = Mesh(replicas, model_parallel).describe()
+        else:
+            mesh = (f"tensor groups of {model_parallel} replicas, innermost; "
+                    f"data-parallel size = replicas / {model_parallel}")
     print(f"strategy: {choice.name}")
     print(f"why:      {choice.reason}")
+    if mesh:
+        print(f"mesh:     {mesh}")
     cfg = choice.tf_config
     if choice.slurm:
         from tfdist.slurm import SlurmClusterResolver
@@ -124,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="TF_CONFIG JSON or spec path (default: $TF_CONFIG)")
     info.add_argument("--strategy", default="auto")
     info.add_argument("--cpu-replicas", type=int, default=None)
+    info.add_argument("--model-parallel", type=int, default=None,
+                      help="tensor-parallel group size T (tfdist.parallel)")
     info.add_argument("--tpu", default=None)
     info.add_argument("--verbose", "-v", action="store_true",
                       help="also show TensorFlow's start-up messages (CUDA, "

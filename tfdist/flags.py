@@ -48,6 +48,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("cpu_replicas", None,
                          "Split the CPU into this many logical devices and "
                          "mirror over them.", flag_values=flag_values)
+    flags.DEFINE_integer("model_parallel", None,
+                         "Tensor-parallel group size T: the replicas form "
+                         "a (data, tensor) mesh, DP = replicas / T, for the "
+                         "layers of tfdist.parallel.", flag_values=flag_values)
     flags.DEFINE_list("devices", None, "Devices to mirror over, e.g. "
                       "/gpu:0,/gpu:1.", flag_values=flag_values)
     flags.DEFINE_enum("communication", None, COMMUNICATIONS,
@@ -71,7 +75,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def options_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
     """The keyword arguments of strategy_from_config that the flags set."""
-    names = ("cpu_replicas", "devices", "communication", "bytes_per_pack",
+    names = ("cpu_replicas", "model_parallel", "devices", "communication", "bytes_per_pack",
              "collective_timeout", "register_timeout", "variable_partitioner",
              "tpu")
     kwargs: dict[str, Any] = {n: flag_values[n].value for n in names

@@ -45,6 +45,7 @@ ENV_VARS = {
     "register_timeout": "TFDIST_REGISTER_TIMEOUT",
     "tpu": "TPU_NAME",
     "slurm_port_base": "TFDIST_SLURM_PORT_BASE",
+    "model_parallel": "TFDIST_MODEL_PARALLEL",
 }
 
 _SOURCE = "strategy_from_config"
@@ -90,6 +91,13 @@ class StrategyOptions:
         tpu: A TPU name, a ``grpc://host:port`` address, or ``"local"``.
         slurm_port_base: First TensorFlow port on each Slurm node. None
             derives one from the Slurm job and step ids.
+        model_parallel: The tensor-parallel group size T. The replicas form a
+            (data, tensor) mesh with the tensor groups innermost (replica r
+            is at data index r // T, tensor index r % T, so a group sits on
+            one host's devices), and DP = replicas / T. T must divide the
+            replicas; T > 1 works under ``mirrored`` and
+            ``multi_worker_mirrored`` only. The layers of
+            :mod:`tfdist.parallel` split their weights over each group.
     """
 
     devices: tuple[str, ...] | None = None
@@ -101,6 +109,7 @@ class StrategyOptions:
     variable_partitioner: Any = None
     tpu: str | None = None
     slurm_port_base: int | None = None
+    model_parallel: int = 1
 
 
 def canonical_strategy_name(name: Any) -> str:
@@ -233,7 +242,54 @@ def make_options(env: Mapping[str, str] | None = None,
             raise ConfigError("slurm_port_base", options["slurm_port_base"],
                               "a port in [1024, 65000]", source=_SOURCE)
         out["slurm_port_base"] = port
+    if options.get("model_parallel") is not None:
+        out["model_parallel"] = _int("model_parallel", options["model_parallel"],
+                                     minimum=1)
     return StrategyOptions(**out)
+
+
+#: Strategies whose replicas can form a (data, tensor) mesh.
+MODEL_PARALLEL_STRATEGIES = ("mirrored", "multi_worker_mirrored")
+
+
+def check_model_parallel(kind: str, model_parallel: int, *,
+                         role: str = "trainer") -> int:
+    """Refuses ``model_parallel`` > 1 where no mesh can be built.
+
+    Called before a strategy is built, as for compression. Whether T divides
+    the replicas of a Mirrored or MultiWorkerMirrored strategy is checked by
+    :func:`tfdist.parallel.mesh.attach` once the replicas are known.
+
+    Args:
+        kind: The canonical strategy name that will be built.
+        model_parallel: The validated T.
+        role: The task's role; an ``"evaluator"`` of a multi-worker job
+            evaluates the full model on one device, so T does not apply to
+            it and 1 is returned.
+
+    Returns:
+        The T to attach: ``model_parallel``, or 1 for an evaluator.
+
+    Raises:
+        ConfigError: T > 1 under ``parameter_server``, ``tpu``,
+            ``one_device`` (one replica) or ``default``.
+    """
+    if model_parallel == 1 or role == "evaluator":
+        return 1
+    if kind in MODEL_PARALLEL_STRATEGIES:
+        return model_parallel
+    if kind == "one_device":
+        raise ConfigError(
+            "model_parallel", model_parallel,
+            "1 under the one_device strategy (T must divide the replicas, "
+            "and there is 1 replica)", source=_SOURCE,
+            hint="Tensor parallelism needs several replicas: pass "
+            "cpu_replicas=N (N a multiple of T), devices=[...], or run "
+            "under 'mirrored' on several GPUs or 'multi_worker_mirrored'.")
+    raise ConfigError(
+        "model_parallel", model_parallel, f"1 under the {kind} strategy",
+        source=_SOURCE, hint="Tensor parallelism (tfdist.parallel) runs "
+        "under 'mirrored' and 'multi_worker_mirrored'.")
 
 
 def _check_partitioner(value: Any) -> Any:

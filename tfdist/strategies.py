@@ -34,7 +34,7 @@ from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.detect import Choice, choose
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.late_start import StrategyOrderError
-from tfdist.options import StrategyOptions, make_options
+from tfdist.options import StrategyOptions, check_model_parallel, make_options
 from tfdist.watchdog import PeerWatchdog
 
 __all__ = [
@@ -111,6 +111,11 @@ class TfdistStrategy:
     def _tfdist_init(self, compression: Any = None,
                      choice: Choice | None = None) -> None:
         setting = compression_for(self.kind, compression)
+        # keras.distribution trains unsharded on TensorFlow, silently: refuse
+        # it beside a tfdist strategy, in either order (tfdist.parallel.guard).
+        from tfdist.parallel import guard
+        guard.install()
+        guard.check_no_distribution(self.kind)
         keras_steps.install()
         keras_loops.install()
         keras_accumulation.install()
@@ -135,6 +140,19 @@ class TfdistStrategy:
                 self._tfdist_aggregator = make_aggregator(setting, setting.error_feedback)
         self._tfdist_compression = setting
         self._tfdist_choice = choice
+        guard.register_strategy(self)
+
+    def _tfdist_attach(self, model_parallel: Any) -> None:
+        """Arranges the replicas as a (data, tensor) mesh for T > 1."""
+        from tfdist.parallel import mesh as mesh_lib
+        mesh_lib.attach(self, model_parallel)
+
+    @property
+    def model_parallel(self) -> int:
+        """The tensor-parallel group size T (1: no mesh)."""
+        from tfdist.parallel import mesh as mesh_lib
+        mesh = mesh_lib.mesh_of(self)
+        return mesh.tp if mesh is not None else 1
 
     @property
     def compression(self) -> CompressionSetting:
@@ -191,6 +209,10 @@ class TfdistStrategy:
                          f"({'chief' if self.is_chief else 'not chief'})")
         else:
             lines.append("  cluster: none (this process only)")
+        from tfdist.parallel import mesh as mesh_lib
+        mesh_line = mesh_lib.describe_line(self)
+        if mesh_line:
+            lines.append(mesh_line)
         note = ""
         aggregator = getattr(self, "_tfdist_aggregator", None)
         if self.compression.enabled and self.num_replicas_in_sync < 2:
@@ -204,8 +226,10 @@ class TfdistStrategy:
 
     def __repr__(self) -> str:
         task = f" task={self.task}" if self.task else ""
+        tp = self.model_parallel
+        mp = f" model_parallel={tp}" if tp > 1 else ""
         return (f"<tfdist.{type(self).__name__} "
-                f"replicas={self.num_replicas_in_sync}{task} "
+                f"replicas={self.num_replicas_in_sync}{mp}{task} "
                 f"chief={self.is_chief} compression={self.compression}>")
 
 
@@ -221,15 +245,21 @@ class OneDeviceStrategy(TfdistStrategy, tf.distribute.OneDeviceStrategy):
 
 
 class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
-    """``tf.distribute.MirroredStrategy`` that is safe to create repeatedly."""
+    """``tf.distribute.MirroredStrategy`` that is safe to create repeatedly.
+
+    ``model_parallel=T`` arranges the replicas as a (data, tensor) mesh for
+    the layers of :mod:`tfdist.parallel`; T must divide the replicas.
+    """
 
     kind = "mirrored"
 
     def __init__(self, devices=None, cross_device_ops=None, *,
-                 compression: Any = None, choice: Choice | None = None):
+                 compression: Any = None, model_parallel: int = 1,
+                 choice: Choice | None = None):
         self._collective_key_base = _next_key_base()
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._tfdist_init(compression, choice)
+        self._tfdist_attach(model_parallel)
 
 
 def _rank(strategy: tf.distribute.Strategy, value: Any) -> int | None:
@@ -265,6 +295,8 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
             :mod:`tfdist.watchdog`); None: wait forever. Prefer it to
             ``communication_options.timeout_seconds``, which costs one
             sleeping thread per collective for the whole timeout.
+        model_parallel: The tensor-parallel group size T, dividing the
+            replicas of the whole job (see :mod:`tfdist.parallel.mesh`).
         choice: Why it was chosen (set by strategy_from_config).
     """
 
@@ -273,7 +305,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
     def __init__(self, cluster_resolver=None, communication_options=None, *,
                  compression: Any = None, register_timeout: float | None = None,
                  collective_timeout: float | None = None,
-                 choice: Choice | None = None):
+                 model_parallel: int = 1, choice: Choice | None = None):
         self._collective_key_base = _next_key_base()
         if cluster_resolver is None:
             cluster_resolver = (
@@ -308,6 +340,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
                 raise
             raise late_start.order_error(call, "any other TensorFlow work") from None
         self._tfdist_init(compression, choice)
+        self._tfdist_attach(model_parallel)
         # Keras's own saves and checkpoint callbacks: the chief writes; see
         # tfdist.keras_saving.
         from tfdist import keras_saving
@@ -553,9 +586,15 @@ def explain(config: Any = None, *, strategy: str = "auto",
     """Says which strategy :func:`strategy_from_config` would build, and why.
 
     Takes the same arguments (without ``compression``) and builds nothing.
+
+    Raises:
+        ConfigError: As strategy_from_config would, for a bad option or
+            ``model_parallel`` > 1 under a strategy without a mesh.
     """
-    return choose(_config_source(config)[0], strategy=strategy,
-                  options=make_options(**options))
+    opts = make_options(**options)
+    choice = choose(_config_source(config)[0], strategy=strategy, options=opts)
+    check_model_parallel(choice.name, opts.model_parallel, role=choice.role)
+    return choice
 
 
 def strategy_from_config(config: Any = None, *, strategy: str = "auto",
@@ -587,7 +626,16 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
         **options: See :class:`tfdist.options.StrategyOptions`: ``devices``,
             ``cpu_replicas``, ``communication``, ``bytes_per_pack``,
             ``collective_timeout``, ``register_timeout``,
-            ``variable_partitioner``, ``tpu``, ``slurm_port_base``.
+            ``variable_partitioner``, ``tpu``, ``slurm_port_base``,
+            ``model_parallel``.
+
+    ``model_parallel=T`` (also ``--model_parallel``, ``TFDIST_MODEL_PARALLEL``)
+    arranges the replicas of a Mirrored or MultiWorkerMirrored strategy as a
+    (data, tensor) mesh, tensor groups innermost, DP = replicas / T, for the
+    layers of :mod:`tfdist.parallel`; ``describe()`` shows the mesh. T must
+    divide the replicas; T > 1 under parameter_server, tpu, one_device or
+    default is refused before anything is built. An evaluator task evaluates
+    the full model on one device and ignores T.
 
     Auto-detection, first match wins: a TPU setting (``tpu=`` or
     ``TPU_NAME``); a TF_CONFIG with a ``ps`` job (ParameterServer); a
@@ -608,8 +656,11 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
         TensorFlow's default strategy for ``strategy="default"``.
 
     Raises:
-        ConfigError: A bad TF_CONFIG, option or strategy name; the message
+        ConfigError: A bad TF_CONFIG, option or strategy name, or a
+            ``model_parallel`` that does not divide the replicas; the message
             names the field and the value received.
+        KerasDistributionError: A ``keras.distribution`` is set; on
+            TensorFlow it would train unsharded (:mod:`tfdist.parallel.guard`).
         TPUNotFoundError: A TPU was asked for and none is reachable.
         ClusterJoinError: A peer did not join within ``register_timeout``.
     """
@@ -644,7 +695,13 @@ def _config_source(config: Any) -> tuple[Any, Any]:
 def _build(choice: Choice, opts: StrategyOptions, comp: CompressionSetting,
            resolver: Any = None) -> tf.distribute.Strategy:
     cfg = choice.tf_config
-    compression_for(choice.name, comp)  # Refuse a bad pairing before building.
+    # Refuse bad pairings before building anything.
+    compression_for(choice.name, comp)
+    model_parallel = check_model_parallel(choice.name, opts.model_parallel,
+                                          role=choice.role)
+    if choice.name != "default" and choice.role != "server":
+        from tfdist.parallel import guard
+        guard.check_no_distribution(choice.name)
     if choice.role == "server":
         serve(cfg)
         raise SystemExit(0)  # serve() only returns if the server is stopped.
@@ -670,7 +727,7 @@ def _build(choice: Choice, opts: StrategyOptions, comp: CompressionSetting,
                                   source="strategy_from_config")
             cross_device_ops = tf.distribute.NcclAllReduce()
         return MirroredStrategy(devices, cross_device_ops, compression=comp,
-                                choice=choice)
+                                model_parallel=model_parallel, choice=choice)
     if choice.name == "multi_worker_mirrored":
         if choice.slurm:
             from tfdist.slurm import SlurmClusterResolver
@@ -680,7 +737,8 @@ def _build(choice: Choice, opts: StrategyOptions, comp: CompressionSetting,
         return MultiWorkerMirroredStrategy(
             resolver, _communication_options(opts), compression=comp,
             register_timeout=opts.register_timeout,
-            collective_timeout=opts.collective_timeout, choice=choice)
+            collective_timeout=opts.collective_timeout,
+            model_parallel=model_parallel, choice=choice)
     if choice.name == "parameter_server":
         return ParameterServerStrategy(
             resolver or _resolver(cfg), opts.variable_partitioner,

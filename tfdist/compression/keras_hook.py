@@ -238,7 +238,10 @@ def _wrap_load(original):
         tfdist_keys = [k for k in store.keys() if str(k).startswith(_PREFIX)]
         original(self, _OwnKeys(store, tfdist_keys) if tfdist_keys else store)
         mine = state_variables(self)
-        if saved and len(saved) == len(mine):
+        # Shapes differ when the state was saved for another model_parallel
+        # layout (a shard's residual); it then starts from zeros.
+        if saved and len(saved) == len(mine) and all(
+                tuple(store[k].shape) == tuple(v.shape) for k, v in zip(saved, mine)):
             for key, v in zip(saved, mine):
                 copies = _replica_copies(self, v)
                 names = [f"{key}_r{r}" for r in range(len(copies))]
@@ -251,7 +254,8 @@ def _wrap_load(original):
         elif saved or mine:
             warnings.warn(
                 f"tfdist: the saved optimizer has {len(saved)} compression state variables "
-                f"and this one has {len(mine)}; the compression state starts from zeros. "
+                f"and this one has {len(mine)} (or their shapes differ: another "
+                "model_parallel layout); the compression state starts from zeros. "
                 "Load the model inside a strategy with the same compression setting to "
                 "resume it.", stacklevel=2)
     return load_own_variables

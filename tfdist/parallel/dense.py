@@ -43,6 +43,7 @@ def _runtime() -> Any:
     return getattr(tf.distribute.get_strategy(), "_tfdist_parallel", None)
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class ColumnParallelDense(keras.layers.Dense):
     """``keras.layers.Dense`` whose output units are split over the tensor group.
 
@@ -95,6 +96,7 @@ class ColumnParallelDense(keras.layers.Dense):
         return {**super().get_config(), "gather_output": self.gather_output}
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class RowParallelDense(keras.layers.Dense):
     """``keras.layers.Dense`` whose input features are split over the tensor group.
 

@@ -37,15 +37,17 @@ class GroupComm(ReplicaComm):
 
     def __init__(self, placement: collectives.Placement) -> None:
         super(ReplicaComm, self).__init__()
-        self.placement = placement
         self.num_replicas = placement.mesh.dp
 
+    # The placement is looked up per call, as ReplicaComm looks up its
+    # context: under MirroredStrategy on CPU, cond() runs both branches for
+    # every replica from one replica's closure.
     def _sum(self, tensors):
-        p = self.placement
+        p = collectives.current()
         return [p.runtime.dp[p.replica].all_reduce(tf.convert_to_tensor(t)) for t in tensors]
 
     def _gather_rows(self, rows):
-        p = self.placement
+        p = collectives.current()
         return p.runtime.dp[p.replica]._all_gather(rows, None)
 
     def sent(self) -> float:

@@ -115,7 +115,8 @@ def attach(strategy: Any, model_parallel: Any) -> Mesh | None:
                           source=_SOURCE, hint="Tensor parallelism runs under "
                           "'mirrored' and 'multi_worker_mirrored'.")
     mesh = Mesh(strategy.num_replicas_in_sync, tp)
-    from tfdist.parallel import collectives, grads
+    from tfdist.parallel import collectives, grads, saving
     grads.install()
+    saving.install()
     strategy._tfdist_parallel = collectives.Runtime(strategy, mesh)
     return mesh

@@ -110,24 +110,34 @@ def _components(variable: Any, spec: ShardSpec) -> list:
     return list(spec.strategy.experimental_local_results(_values(variable)))
 
 
-def _local_group0(variable: Any, spec: ShardSpec) -> list | None:
-    """Group 0's shards when this process holds them all, else None."""
+def holds_whole_groups(first: int, local: int, tp: int) -> bool:
+    """Whether a process whose ``local`` replicas start at global replica
+    ``first`` holds whole tensor groups. Under MultiWorkerMirrored every
+    worker has as many replicas, so all workers agree: either all read their
+    own group, or all join the collective."""
+    return local % tp == 0 and first % tp == 0
+
+
+def _local_group(variable: Any, spec: ShardSpec) -> list | None:
+    """The shards of this process's first tensor group when it holds whole
+    groups, else None. Every group holds the same full weight (the replicas
+    of one shard get the same updates)."""
     runtime = spec.runtime
-    if runtime.first != 0 or len(runtime.devices) < spec.tp:
+    if not holds_whole_groups(runtime.first, len(runtime.devices), spec.tp):
         return None
     return _components(variable, spec)[:spec.tp]
 
 
 def full_value(variable: Any) -> np.ndarray:
-    """The full weight, from the shards of tensor group 0.
+    """The full weight, from the shards of one tensor group.
 
-    Under MultiWorkerMirrored with the group spread over processes this is
+    Under MultiWorkerMirrored with the groups spread over processes this is
     a collective: every worker must call it at the same point.
     """
     spec = spec_of(variable)
     if spec is None:
         return np.asarray(variable.numpy())
-    local = _local_group0(variable, spec)
+    local = _local_group(variable, spec)
     if local is not None:
         return np.concatenate([c.numpy() for c in local], axis=spec.axis)
     strategy, runtime = spec.strategy, spec.runtime
@@ -145,8 +155,13 @@ def local_full_tensor(variable: Any) -> tf.Tensor:
     spec = spec_of(variable)
     if spec is None:
         return variable
-    local = _local_group0(variable, spec)
+    local = _local_group(variable, spec)
     if local is None:
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+        if in_symbolic_scope():
+            # Keras infers shapes (compute_output_spec, fit's symbolic
+            # build): the values are never read.
+            return tf.zeros(spec.full_shape, _values(variable).dtype)
         raise RuntimeError(
             "tfdist.parallel: a tensor-parallel layer was called outside the replica "
             "context, and its shards are held by other processes. Expected: call the "
@@ -222,6 +237,8 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
                           f"'{layer.name}' splits its {name} of shape {shape} on axis {axis})",
                           source="tfdist.parallel")
     spec = ShardSpec(axis, tp, shape, runtime, strategy)
+    from tfdist.parallel import saving
+    saving.cover(type(layer))  # Its save/load then write and read full values.
     variable = layer.add_weight(name=name, shape=spec.shard_shape, initializer="zeros",
                                 regularizer=None, constraint=constraint, dtype=dtype,
                                 trainable=trainable)

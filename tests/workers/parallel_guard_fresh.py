@@ -1,0 +1,67 @@
+"""A fresh process: keras.distribution before any tfdist strategy.
+
+Prints ``tfdist result: {...}`` with what happened at each step:
+
+1. ``set_distribution(ModelParallel)`` first, with the Dense kernels laid out
+   over a "model" axis of 2 logical CPUs, then a model built with no
+   strategy: its kernel's shape and type (the fact the guard rests on);
+2. a tfdist strategy created while that distribution is set;
+3. the distribution reset, a strategy created, then ``set_distribution``
+   called through the public API and through a reference imported before
+   tfdist (which the guard cannot wrap), followed by ``compile``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from keras.distribution import set_distribution as early_set  # noqa: E402
+
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def outcome(fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - reported in the result
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
+
+
+def model_parallel():
+    dist = keras.distribution
+    mesh = dist.DeviceMesh((1, 2), ("batch", "model"), dist.list_devices("cpu"))
+    layouts = dist.LayoutMap(mesh)
+    layouts[".*dense.*kernel"] = (None, "model")
+    return dist.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+
+
+result = {}
+keras.distribution.set_distribution(model_parallel())
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
+kernel = model.layers[0].kernel
+result["unguarded_kernel"] = {"shape": list(kernel.shape),
+                              "type": type(kernel.value).__name__,
+                              "device": kernel.value.device}
+
+import tfdist  # noqa: E402
+
+result["strategy_after_distribution"] = outcome(
+    lambda: tfdist.strategy_from_config(cpu_replicas=2))
+keras.distribution.set_distribution(None)
+strategy = tfdist.strategy_from_config(cpu_replicas=2)
+result["public_set_after_strategy"] = outcome(
+    lambda: keras.distribution.set_distribution(model_parallel()))
+result["distribution_after_refusal"] = repr(keras.distribution.distribution())
+early_set(model_parallel())  # Not wrapped: taken before tfdist was imported.
+with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
+result["compile_with_early_set"] = outcome(lambda: model.compile("sgd", "mse"))
+print("tfdist result: " + json.dumps(result), flush=True)

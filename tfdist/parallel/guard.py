@@ -1,0 +1,167 @@
+"""A guard against ``keras.distribution`` beside a tfdist strategy.
+
+On the TensorFlow backend ``keras.distribution`` is a prototype: Keras's
+``keras/src/backend/tensorflow/distribution_lib.py`` opens with "!!!DO NOT
+USE!!! ... just a prototype", and the layouts of ``ModelParallel`` and
+``DataParallel`` are never applied. Measured on TF 2.21 / Keras 3.15.1 with
+2 logical CPUs: after ``set_distribution(ModelParallel(layout_map=...))``
+with the Dense kernels laid out ``(None, "model")`` on a (1, 2) mesh,
+building, compiling and fitting a 8-16-4 MLP gave every weight (kernel
+``(8, 16)``, bias ``(16,)``, ...) and every Adam slot as an ordinary
+full-shape ``ResourceVariable`` on ``CPU:0``, with no DTensor layout, and
+Keras said nothing: the model trained unsharded.
+
+Used together with a tfdist strategy that is worse than useless, so this
+module makes it an error (:class:`KerasDistributionError`) in each order:
+
+* ``keras.distribution.set_distribution(d)`` (or ``with d.scope():``) while a
+  tfdist strategy of this process is alive: Keras's ``set_distribution`` is
+  wrapped once, by :func:`install`;
+* a tfdist strategy created while a Keras distribution is set
+  (:func:`check_no_distribution`, from the strategy's constructor);
+* ``model.compile`` or ``model.fit`` under a tfdist strategy with a Keras
+  distribution set: this covers a ``set_distribution`` imported by name
+  before the wrapper was installed, and the global state set directly.
+
+``set_distribution(None)`` (what a ``scope()`` restores) always passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from typing import Any
+
+from tfdist.errors import TfdistError
+
+__all__ = ["KerasDistributionError", "install", "check_no_distribution",
+           "register_strategy"]
+
+_MARK = "_tfdist_distribution_guard"
+
+#: The tfdist strategies of this process that are alive.
+_strategies: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class KerasDistributionError(TfdistError, RuntimeError):
+    """A ``keras.distribution`` setting beside a tfdist strategy.
+
+    On the TensorFlow backend it would train unsharded, silently.
+    """
+
+
+def _on_tensorflow() -> bool:
+    import keras
+    return keras.backend.backend() == "tensorflow"
+
+
+def _error(distribution: Any, when: str) -> KerasDistributionError:
+    name = type(distribution).__name__
+    return KerasDistributionError(
+        f"keras.distribution.{name} {when}. Received: {distribution!r}. On the "
+        "TensorFlow backend keras.distribution does nothing: Keras's tensorflow "
+        "distribution_lib is a prototype ('DO NOT USE'), the layouts are ignored "
+        "and every weight stays whole on one device, so the model would train "
+        "unsharded without a word. Call keras.distribution.set_distribution(None) "
+        "and use tfdist instead: tfdist.strategy_from_config(model_parallel=T) "
+        "with the layers of tfdist.parallel (ColumnParallelDense, RowParallelDense, "
+        "...) for tensor parallelism; tfdist.strategy_from_config() alone for data "
+        "parallelism.")
+
+
+def _current_distribution() -> Any:
+    from keras.src.distribution import distribution_lib
+    return distribution_lib.distribution()
+
+
+def check_no_distribution(kind: str = "tfdist") -> None:
+    """Raises if a Keras distribution is set (TensorFlow backend only).
+
+    Args:
+        kind: The strategy about to be built, for the message.
+
+    Raises:
+        KerasDistributionError: ``keras.distribution.distribution()`` is set.
+    """
+    current = _current_distribution()
+    if current is not None and _on_tensorflow():
+        raise _error(current, f"is set while a tfdist {kind} strategy is created")
+
+
+def register_strategy(strategy: Any) -> None:
+    """Records a live tfdist strategy, so that ``set_distribution`` refuses."""
+    _strategies.add(strategy)
+
+
+def _wrap_set_distribution(original):
+    @functools.wraps(original)
+    def set_distribution(value):
+        if value is not None and _on_tensorflow():
+            alive = list(_strategies)
+            if alive:
+                raise _error(value, "was set while a tfdist strategy exists in this "
+                             f"process ({type(alive[0]).__name__})")
+        return original(value)
+    setattr(set_distribution, _MARK, True)
+    return set_distribution
+
+
+def _model_strategy(model: Any) -> Any:
+    import tensorflow as tf
+    from tfdist.strategies import TfdistStrategy
+    for strategy in (getattr(model, "_distribute_strategy", None),
+                     tf.distribute.get_strategy()):
+        if isinstance(strategy, TfdistStrategy):
+            return strategy
+    return None
+
+
+def _wrap_entry(original):
+    @functools.wraps(original)
+    def entry(self, *args, **kwargs):
+        strategy = _model_strategy(self)
+        if strategy is not None:
+            current = _current_distribution()
+            if current is not None and _on_tensorflow():
+                raise _error(current, f"is set while model.{original.__name__} runs "
+                             f"under a tfdist strategy ({type(strategy).__name__})")
+        return original(self, *args, **kwargs)
+    return entry
+
+
+def install() -> None:
+    """Wraps Keras's ``set_distribution``, ``compile`` and ``fit`` once.
+
+    ``set_distribution`` is replaced where Keras defines it (which
+    ``Distribution.scope()`` calls) and in every module that re-exports it,
+    such as ``keras.distribution``. Idempotent.
+
+    Raises:
+        RuntimeError: This Keras lacks a function the guard wraps.
+    """
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.distribution import distribution_lib
+    from keras.src.trainers import trainer as base_trainer
+
+    from tfdist.compression.keras_hook import wrap_once
+
+    original = getattr(distribution_lib, "set_distribution", None)
+    if original is None:
+        import keras
+        raise RuntimeError(
+            "tfdist's keras.distribution guard needs keras.distribution."
+            f"set_distribution, which Keras {keras.__version__} does not have; "
+            "use a Keras version in the range pyproject.toml pins")
+    if not getattr(original, _MARK, False):
+        wrapped = _wrap_set_distribution(original)
+        # Every namespace that re-exports it (keras.distribution,
+        # keras.src.distribution, tf_keras's); later imports copy the
+        # wrapped one from distribution_lib.
+        for module in list(sys.modules.values()):
+            names = getattr(module, "__dict__", {})
+            if names.get("set_distribution") is original:
+                module.set_distribution = wrapped
+    wrap_once(((base_trainer.Trainer, "compile", _wrap_entry),
+               (tf_trainer.TensorFlowTrainer, "fit", _wrap_entry)),
+              mark=_MARK, needed_by="tfdist's keras.distribution guard")
