@@ -39,7 +39,6 @@ import numpy as np
 from absl import app, flags
 
 import _common
-import tfdist
 from tfdist.errors import ConfigError, TfdistError
 
 _common.define_flags()
@@ -130,14 +129,17 @@ def _variable_bytes(model: Any) -> int:
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in held))
 
 
-def _attach(strategy: Any, model_parallel: int) -> None:
-    """The mesh, when strategy_from_flags did not attach it (see the flag)."""
+def _attach(strategy: Any, model_parallel: int) -> bool:
+    """Attaches the mesh when strategy_from_flags did not (see the flag);
+    True if it did."""
     from tfdist import parallel
-    if parallel.mesh_of(strategy) is None and model_parallel > 1:
-        try:
-            parallel.attach(strategy, model_parallel)
-        except TfdistError as error:
-            _common.exit_with(error)
+    if parallel.mesh_of(strategy) is not None or model_parallel == 1:
+        return False
+    try:
+        parallel.attach(strategy, model_parallel)
+    except TfdistError as error:
+        _common.exit_with(error)
+    return True
 
 
 def main(_argv: list[str]) -> None:
@@ -152,10 +154,11 @@ def main(_argv: list[str]) -> None:
             _common.exit_with(ConfigError(name, FLAGS[name].value, "none: this script "
                                           "does not save a sharded model yet"))
     strategy = _common.strategy_from_flags()
-    _attach(strategy, FLAGS.model_parallel)
+    attached = _attach(strategy, FLAGS.model_parallel)
     mesh = parallel.mesh_of(strategy)
     tp = mesh.tp if mesh is not None else 1
-    print(f"mesh: {mesh.describe() if mesh else 'none (model_parallel=1)'}", flush=True)
+    if attached:  # Else describe() above showed it.
+        print(f"  mesh: {mesh.describe()}", flush=True)
     _common.print_settings(strategy)
     settings = dict(vocab=FLAGS.vocab_size, seq_len=FLAGS.seq_len, dim=FLAGS.embed_dim,
                     heads=FLAGS.num_heads, ff_dim=FLAGS.ff_dim, blocks=FLAGS.blocks,

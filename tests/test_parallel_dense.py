@@ -260,6 +260,17 @@ def test_the_wire_bytes_split_into_activations_and_gradients(dp2_tp2):
     per_step_dp = 2 * (dp - 1) / dp * shard + 2 * (n - 1) / n * whole
     assert sent["tensor_parallel"] == pytest.approx(steps * per_step_tp)
     assert sent["data_parallel"] == pytest.approx(steps * per_step_dp)
+    # The Keras callback logs the same per step, beside the dense reference
+    # (the full model's gradients all-reduced over the 4 replicas).
+    from tfdist.compression import CommunicationStats
+    stats = CommunicationStats(every_batch=True)
+    logs = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[stats]).history
+    assert logs["comm_tensor_parallel_bytes"] == [pytest.approx(per_step_tp)]
+    assert logs["comm_data_parallel_bytes"] == [pytest.approx(per_step_dp)]
+    full = (8 * 16 + 16 + 16 * 4 + 4) * f32
+    assert logs["comm_dense_bytes"] == [pytest.approx(2 * (n - 1) / n * full)]
+    assert stats.total_bytes == pytest.approx(steps * (per_step_tp + per_step_dp))
 
 
 def test_compression_applies_to_the_data_parallel_sums(tf_cpus):

@@ -20,7 +20,10 @@ EPOCH = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
 
 
 def _build(keras, col, row):
-    model = keras.Sequential([keras.Input((8,)), col(16, activation="relu"), row(4)])
+    # Named: the files' paths follow the names, which Keras numbers per process.
+    model = keras.Sequential([keras.Input((8,)),
+                              col(16, activation="relu", name="column_parallel_dense"),
+                              row(4, name="row_parallel_dense")])
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.MeanSquaredError())
     return model
 

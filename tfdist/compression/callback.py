@@ -74,10 +74,49 @@ class CommunicationStats(keras.callbacks.Callback):
             aggregator = CompressorAggregator(NoneCompressor())
         return aggregator.traffic(self._shapes(aggregator), n, step=step)
 
+    def _strategy_now(self) -> Any:
+        return self._strategy or getattr(self.model, "distribute_strategy", None) \
+            or tf.distribute.get_strategy()
+
+    def _mesh_traffic(self, strategy: Any) -> dict[str, float]:
+        """Under a (data, tensor) mesh: the bytes counted by the collectives
+        since the last call, split by kind, and the dense reference (the full
+        model's gradients all-reduced over every replica, as data
+        parallelism alone would send)."""
+        from tfdist.compression.traffic import all_reduce_bytes, nbytes
+        from tfdist.parallel import collectives, sharding
+        now = collectives.traffic(strategy)
+        before = getattr(self, "_mesh_seen", None) or {k: 0.0 for k in now}
+        self._mesh_seen = now
+        sent = {k: now[k] - before.get(k, 0.0) for k in now}
+        full = sum(nbytes(sharding.spec_of(v).full_shape if sharding.spec_of(v) else v.shape,
+                          v.dtype) for v in self.model.trainable_variables)
+        dense = all_reduce_bytes(full, strategy.num_replicas_in_sync)
+        total = sent["tensor_parallel"] + sent["data_parallel"]
+        return {"comm_bytes": total, "comm_dense_bytes": dense,
+                "comm_ratio": dense / total if total else float("inf"),
+                "comm_tensor_parallel_bytes": sent["tensor_parallel"],
+                "comm_data_parallel_bytes": sent["data_parallel"]}
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        from tfdist.parallel import collectives
+        self._mesh_seen = collectives.traffic(self._strategy_now()) or None
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         from tfdist.keras_accumulation import applies_this_step
+        from tfdist.parallel.mesh import mesh_of
 
         self.steps += 1
+        strategy = self._strategy_now()
+        if mesh_of(strategy) is not None:
+            # Measured by the collectives: the activations' traffic as well
+            # as the gradients'.
+            self.mesh_logs = self._mesh_traffic(strategy)
+            self.total_bytes += self.mesh_logs["comm_bytes"]
+            self.total_dense_bytes += self.mesh_logs["comm_dense_bytes"]
+            if self.every_batch and logs is not None:
+                logs.update(self.mesh_logs)
+            return
         optimizer = self.model.optimizer
         hvd = _horovod_settings(optimizer)
         if not (hvd.sent_last_step(getattr(optimizer, "inner_optimizer", optimizer))
@@ -91,5 +130,7 @@ class CommunicationStats(keras.callbacks.Callback):
             logs.update(self.last.as_logs())
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if logs is not None and self.last is not None:
+        if logs is not None and getattr(self, "mesh_logs", None) is not None:
+            logs.update(self.mesh_logs)
+        elif logs is not None and self.last is not None:
             logs.update(self.last.as_logs())

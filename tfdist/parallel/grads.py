@@ -44,7 +44,11 @@ class GroupComm(ReplicaComm):
     # every replica from one replica's closure.
     def _sum(self, tensors):
         p = collectives.current()
-        return [p.runtime.dp[p.replica].all_reduce(tf.convert_to_tensor(t)) for t in tensors]
+        launcher = p.runtime.dp[p.replica]
+        # IndexedSlices (a vocabulary shard's) are gathered, as the replica
+        # context's all_reduce does.
+        return [launcher.all_reduce_indexed_slices(t) if isinstance(t, tf.IndexedSlices)
+                else launcher.all_reduce(tf.convert_to_tensor(t)) for t in tensors]
 
     def _gather_rows(self, rows):
         p = collectives.current()
@@ -58,19 +62,23 @@ class GroupComm(ReplicaComm):
                 + all_gather_bytes(gathered, self.num_replicas))
 
 
-def _dense(g: Any) -> tf.Tensor:
-    # A vocabulary shard's IndexedSlices, for a compression aggregator: its
-    # rows differ per replica, and the shard is small next to the full
-    # table; summed dense. Without compression they are gathered
-    # (_dp_gather_slices).
-    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+def _dense(g: Any, v: Any) -> tf.Tensor:
+    if isinstance(g, tf.IndexedSlices):
+        # A vocabulary shard's: gathered, by the aggregator as it does a
+        # replicated table's, or by _dp_gather_slices.
+        return g
+    g = tf.convert_to_tensor(g)
+    # The variable's static shape (a Dense kernel's gradient from a 3-D
+    # input has none): the aggregator's compressors and byte counts need it.
+    g.set_shape(v.shape)
+    return g
 
 
 def _reduce_sharded(optimizer, pairs, p: collectives.Placement) -> list:
     if p.mesh.dp < 2:  # Each shard is held once: nothing to sum.
         return [g for g, _ in pairs]
     aggregator = keras_hook.strategy_aggregator(tf.distribute.get_strategy())
-    present = [(i, _dense(g), v) for i, (g, v) in enumerate(pairs) if g is not None]
+    present = [(i, _dense(g, v), v) for i, (g, v) in enumerate(pairs) if g is not None]
     out: list = [None] * len(pairs)
     if aggregator is None:
         for i, (g, _) in enumerate(pairs):
