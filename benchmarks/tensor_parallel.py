@@ -69,7 +69,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("features", 32, "Input features per position.")
     flags.DEFINE_integer("per_replica_batch", 4, "Rows per replica per step.")
     flags.DEFINE_integer("steps", 8, "Steps per epoch.")
-    flags.DEFINE_integer("epochs", 6, "Epochs per timed run; the first is warm-up.")
+    flags.DEFINE_integer("epochs", 10, "Timed epochs per layout (interleaved rounds), after "
+                         "an untimed one.")
     flags.DEFINE_list("layouts", list(LAYOUTS), "Layouts to run (T1 and T2 are required).")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
     flags.DEFINE_string("name", "tensor_parallel", "Base name of the result files.")
@@ -172,29 +173,10 @@ def per_device_bytes(strategy: Any, model: Any) -> dict[str, dict[str, int]]:
     return parts
 
 
-class EpochTimer:
-    """Wall time of every epoch (a Keras callback, built lazily)."""
-
-    def __new__(cls):
-        import keras
-
-        class _Timer(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.times: list[float] = []
-
-            def on_epoch_begin(self, epoch, logs=None):
-                self._start = time.perf_counter()
-
-            def on_epoch_end(self, epoch, logs=None):
-                self.times.append(time.perf_counter() - self._start)
-
-        return _Timer()
-
-
-def run_config(tp: int, compression: str | None, initial: list, data: Any,
-               settings: dict) -> dict:
-    """Trains one configuration on the 4 devices; memory, traffic and times."""
+def prepare(tp: int, compression: str | None, initial: list, data: Any,
+            settings: dict) -> dict:
+    """Builds one layout on the 4 devices from the full initial weights and
+    trains one untimed epoch (tracing, Adam's slots)."""
     import tfdist
     from tfdist import parallel
     strategy = tfdist.strategy_from_config(cpu_replicas=4, model_parallel=tp,
@@ -203,24 +185,35 @@ def run_config(tp: int, compression: str | None, initial: list, data: Any,
         model = build_model(**settings)
     for variable, value in zip(model.weights, initial):
         parallel.assign_full(variable, value)
-    timer = EpochTimer()
-    # The first epoch traces and builds (and creates Adam's slots).
-    model.fit(data, epochs=1, verbose=0, shuffle=False)
+    history = model.fit(data, epochs=1, verbose=0, shuffle=False)
     parallel.reset_traffic(strategy)
-    history = model.fit(data, epochs=FLAGS.epochs, verbose=0, shuffle=False,
-                        callbacks=[timer])
+    return {"strategy": strategy, "model": model, "tp": tp, "compression": compression,
+            "loss": [float(x) for x in history.history["loss"]], "epoch_seconds": []}
+
+
+def timed_epoch(run: dict, data: Any) -> None:
+    """One more epoch of ``fit``, timed."""
+    start = time.perf_counter()
+    history = run["model"].fit(data, epochs=1, verbose=0, shuffle=False)
+    run["epoch_seconds"].append(time.perf_counter() - start)
+    run["loss"] += [float(x) for x in history.history["loss"]]
+
+
+def finish(run: dict) -> dict:
+    """Memory, traffic and times of one layout after its timed epochs."""
+    from tfdist import parallel
+    strategy, model, tp = run["strategy"], run["model"], run["tp"]
     sent = parallel.traffic(strategy)
-    steps = FLAGS.epochs * FLAGS.steps
+    steps = len(run["epoch_seconds"]) * FLAGS.steps
     # Full bytes of what this layout shards, and of what it replicates.
     sharded = sum(_nbytes(v) * parallel.spec_of(v).tp for v in model.weights
                   if parallel.spec_of(v) is not None)
     replicated = sum(_nbytes(v) for v in model.weights if parallel.spec_of(v) is None)
-    times = timer.times[1:] if len(timer.times) > 1 else timer.times
+    times = run["epoch_seconds"]
     return {
         "model_parallel": tp,
         "data_parallel": 4 // tp,
-        "compression": compression or "none",
-        "describe": strategy.describe().splitlines()[0] if hasattr(strategy, "describe") else "",
+        "compression": run["compression"] or "none",
         "mesh": parallel.mesh_of(strategy).describe() if parallel.mesh_of(strategy) else None,
         "bytes_per_device": per_device_bytes(strategy, model),
         "sent_per_step": {k: v / steps for k, v in sent.items()} if sent else None,
@@ -229,7 +222,7 @@ def run_config(tp: int, compression: str | None, initial: list, data: Any,
         "epoch_seconds": times,
         "median_epoch_s": statistics.median(times),
         "median_step_ms": 1000 * statistics.median(times) / FLAGS.steps,
-        "loss": [float(x) for x in history.history["loss"]],
+        "loss": run["loss"],
         "full_weights": [parallel.full_value(v) for v in model.weights],
         "paths": [v.path for v in model.weights],
     }
@@ -259,9 +252,14 @@ def measure() -> dict:
     keys = [k for k in LAYOUTS if k in FLAGS.layouts]
     if not {"T1", "T2"} <= set(keys):
         raise SystemExit(f"--layouts must include T1 and T2; received {FLAGS.layouts}")
+    prepared = {key: prepare(*LAYOUTS[key], initial, data, settings) for key in keys}
+    # Interleaved rounds (one epoch of each layout, the order rotating), so
+    # that the shared machine's load drifts over every layout alike.
+    for i in range(FLAGS.epochs):
+        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
+            timed_epoch(prepared[key], data)
     for key in keys:
-        tp, compression = LAYOUTS[key]
-        runs[key] = run_config(tp, compression, initial, data, settings)
+        runs[key] = finish(prepared[key])
         print(f"{key}: median step {runs[key]['median_step_ms']:.1f} ms, sent "
               f"{runs[key]['sent_per_step']}", flush=True)
     return summarize(runs, settings, global_batch, sum(w.size for w in initial))
@@ -320,6 +318,8 @@ def summarize(runs: dict, settings: dict, global_batch: int, params: int) -> dic
         agree[key] = {
             "max_loss_diff": float(np.max(np.abs(np.subtract(runs[key]["loss"], base["loss"])))),
             "max_weight_diff": max(d for d, p in zip(diffs, paths) if not p.endswith("key/bias")),
+            "max_weight_diff_at": max((d, p) for d, p in zip(diffs, paths)
+                                      if not p.endswith("key/bias"))[1],
             "max_key_bias_diff": max((d for d, p in zip(diffs, paths)
                                       if p.endswith("key/bias")), default=0.0),
         }
@@ -330,7 +330,7 @@ def summarize(runs: dict, settings: dict, global_batch: int, params: int) -> dic
                  "d_model": d, "heads": settings["heads"], "ff_dim": settings["ff"],
                  "seq_len": seq, "features": settings["features"],
                  "per_replica_batch": rows, "global_batch": global_batch,
-                 "steps_per_epoch": FLAGS.steps, "timed_epochs": FLAGS.epochs - 1,
+                 "steps_per_epoch": FLAGS.steps, "timed_epochs": FLAGS.epochs,
                  "load_after": load,
                  "meshes": {k: r["mesh"] for k, r in runs.items() if r["mesh"]}},
         "memory": memory,
@@ -504,7 +504,9 @@ def markdown(results: dict) -> str:
             f"average pool → Dense(1); {meta['params']:,} parameters; sequence "
             f"{meta['seq_len']}, {meta['per_replica_batch']} rows per replica (global batch "
             f"{meta['global_batch']}), {meta['steps_per_epoch']} steps per epoch, "
-            f"{meta['timed_epochs']} timed epochs after a warm-up one. Load average (1 min) "
+            f"{meta['timed_epochs']} timed epochs per layout after an untimed one, in "
+            f"interleaved rounds (one epoch of each layout per round, the order rotating). "
+            f"Load average (1 min) "
             f"after: {meta['load_after']:.1f}. Meshes: "
             + "; ".join(f"{k} `{v}`" for k, v in meta["meshes"].items()) + ".", "",
             "## Memory per device (weights + Adam's two slots)", "",
@@ -556,8 +558,10 @@ def markdown(results: dict) -> str:
                   "memory. Same initial weights and batches: largest loss difference "
                   "against T=1 " + ", ".join(f"{k} {v['max_loss_diff']:.1e}"
                                              for k, v in agree.items())
-                  + "; largest weight difference " + ", ".join(
-                      f"{k} {v['max_weight_diff']:.1e}" for k, v in agree.items())
+                  + f" after {meta['timed_epochs'] + 1} epochs of Adam; largest weight "
+                  "difference " + ", ".join(f"{k} {v['max_weight_diff']:.1e} "
+                                            f"(`{v['max_weight_diff_at']}`)"
+                                            for k, v in agree.items())
                   + " (attention key biases, whose true gradient is 0 and which Adam moves "
                   "by rounding noise, apart: " + ", ".join(
                       f"{k} {v['max_key_bias_diff']:.1e}" for k, v in agree.items()) + ")."]
