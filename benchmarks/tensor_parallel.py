@@ -82,6 +82,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("cap_steps", 4, "Capacity run: training steps.")
     flags.DEFINE_integer("cap_limit_mb", 0, "Capacity: the cgroup limit per worker in MiB; "
                          "0 = halfway between the measured T=2 and T=1 peaks.")
+    flags.DEFINE_bool("markdown_only", False, "Rewrite the Markdown from the JSON only.")
     flags.DEFINE_bool("cap_worker", False, "Internal: one capacity worker process.")
     flags.DEFINE_integer("cap_tp", 2, "Internal: the worker's model_parallel.")
 
@@ -596,7 +597,14 @@ def markdown(results: dict) -> str:
                     lines.append(f"| T={tp} {title} | {limit} | worker:{i} | {w['returncode']} "
                                  f"| {'yes' if r else 'no'} | {held} | {rss} "
                                  f"| {w['cgroup_max_usage_mb']:.0f} MiB | {w['oom_kills']} |")
-        lines += ["", f"Verdict: under a {cap['limit_mb']} MiB limit per process, T=2 "
+        lines += ["", "Variable bytes held: weights and Adam's slots, from the worker's variable "
+                  "components. Peak RSS (VmHWM, from /proc) also counts the mapped shared "
+                  "libraries (TensorFlow's), whose page cache is charged to the cgroup that "
+                  "first read them, so it can exceed the cgroup's peak. The rest of a peak is "
+                  "the gradients, the collectives' buffers and Keras's step. Exit -9 is the "
+                  "kernel's OOM kill; a worker whose peer dies fails in its next collective "
+                  "(exit 1). The cgroups are removed after each job.",
+                  "", f"Verdict: under a {cap['limit_mb']} MiB limit per process, T=2 "
                   f"{'trained' if cap['limited']['2']['trained'] else '**did not train**'} and "
                   f"T=1 {'**trained too**' if cap['limited']['1']['trained'] else 'failed (OOM-killed)'}."]
     return "\n".join(lines) + "\n"
@@ -617,6 +625,9 @@ def main(argv: list[str]) -> None:
         return
     path = Path(FLAGS.results_dir) / f"{FLAGS.name}.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
+    if FLAGS.markdown_only:
+        write(previous)
+        return
     if FLAGS.capacity:
         results = {**previous, "capacity": capacity()}
     else:
