@@ -28,10 +28,16 @@ then switches a unit's gradient for one example, and Adam carries that on:
 the weights then drift apart by ~1e-4 to 1e-2 over some 100 steps while the
 losses still agree to ~1e-6. With gelu (the default here) they stay within
 ~1e-5.
+
+``--model_dir`` gets a checkpoint per epoch, ``model.keras`` and
+``results.json``, all with full weights: the model loads with no strategy or
+any T that divides its widths (``import tfdist.parallel`` and this script's
+``_token_and_position_embedding()`` register its classes).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -39,14 +45,11 @@ import numpy as np
 from absl import app, flags
 
 import _common
-from tfdist.errors import ConfigError, TfdistError
+import tfdist
+from tfdist.errors import TfdistError
 
 _common.define_flags()
 FLAGS = flags.FLAGS
-if "model_parallel" not in FLAGS:
-    # Until tfdist.define_flags() has --model_parallel (the model_parallel
-    # option of strategy_from_config); main() then attaches the mesh itself.
-    flags.DEFINE_integer("model_parallel", None, "Tensor-parallel group size T.")
 FLAGS.set_default("strategy", "mirrored")
 FLAGS.set_default("cpu_replicas", 2)
 FLAGS.set_default("model_parallel", 2)
@@ -82,25 +85,30 @@ def make_text_data(examples: int, vocab: int, seq_len: int,
     return tokens.astype("int32"), labels.astype("int32")
 
 
-def build_model(*, vocab: int, seq_len: int, dim: int, heads: int, ff_dim: int,
-                blocks: int, activation: str, learning_rate: float) -> Any:
-    """The compiled classifier; tensor-parallel under a mesh, Keras's otherwise."""
+_EMBEDDING = []
+
+
+def _token_and_position_embedding() -> Any:
+    """keras-io's TokenAndPositionEmbedding (a registered Keras class, made
+    once), with the token table split over the group and the positions a
+    plain replicated weight: an Embedding of positions would give Adam
+    IndexedSlices summed over the batch, which Keras treats differently on
+    one device and on several."""
+    if _EMBEDDING:
+        return _EMBEDDING[0]
     import keras
     from tfdist import parallel
 
+    @keras.saving.register_keras_serializable(package="tfdist_examples")
     class TokenAndPositionEmbedding(keras.layers.Layer):
-        """keras-io's layer, with the token table split over the group and
-        the positions a plain (replicated) weight: an Embedding of positions
-        would give Adam IndexedSlices summed over the batch, which Keras
-        treats differently on one device and on several."""
-
-        def __init__(self, **kwargs):
+        def __init__(self, vocab: int, seq_len: int, dim: int, **kwargs):
             super().__init__(**kwargs)
+            self.vocab, self.seq_len, self.dim = vocab, seq_len, dim
             self.tokens = parallel.VocabParallelEmbedding(vocab, dim, mask_zero=True)
 
         def build(self, input_shape):
             self.tokens.build(input_shape)
-            self.positions = self.add_weight(name="positions", shape=(seq_len, dim),
+            self.positions = self.add_weight(name="positions", shape=(self.seq_len, self.dim),
                                              initializer="uniform")
 
         def call(self, ids):
@@ -109,8 +117,22 @@ def build_model(*, vocab: int, seq_len: int, dim: int, heads: int, ff_dim: int,
         def compute_mask(self, ids, mask=None):
             return self.tokens.compute_mask(ids)
 
+        def get_config(self):
+            return {**super().get_config(), "vocab": self.vocab, "seq_len": self.seq_len,
+                    "dim": self.dim}
+
+    _EMBEDDING.append(TokenAndPositionEmbedding)
+    return TokenAndPositionEmbedding
+
+
+def build_model(*, vocab: int, seq_len: int, dim: int, heads: int, ff_dim: int,
+                blocks: int, activation: str, learning_rate: float) -> Any:
+    """The compiled classifier; tensor-parallel under a mesh, Keras's otherwise."""
+    import keras
+    from tfdist import parallel
+
     ids = keras.Input((seq_len,), dtype="int32")
-    x = TokenAndPositionEmbedding()(ids)
+    x = _token_and_position_embedding()(vocab, seq_len, dim)(ids)
     for _ in range(blocks):
         x = parallel.TransformerBlock(heads, dim // heads, ff_dim, dropout=0.0,
                                       activation=activation)(x)
@@ -129,36 +151,16 @@ def _variable_bytes(model: Any) -> int:
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in held))
 
 
-def _attach(strategy: Any, model_parallel: int) -> bool:
-    """Attaches the mesh when strategy_from_flags did not (see the flag);
-    True if it did."""
-    from tfdist import parallel
-    if parallel.mesh_of(strategy) is not None or model_parallel == 1:
-        return False
-    try:
-        parallel.attach(strategy, model_parallel)
-    except TfdistError as error:
-        _common.exit_with(error)
-    return True
-
-
 def main(_argv: list[str]) -> None:
     """Builds the mesh, trains, and reports."""
     import tensorflow as tf
     from tfdist import parallel
 
-    for name in ("model_dir", "backup_dir"):
-        if FLAGS[name].value:
-            # model.save and checkpoints of a sharded model need
-            # tfdist.parallel.saving (else they keep shard 0 only).
-            _common.exit_with(ConfigError(name, FLAGS[name].value, "none: this script "
-                                          "does not save a sharded model yet"))
+    # --model_parallel: strategy_from_config(model_parallel=T) builds the
+    # mesh; describe() shows it.
     strategy = _common.strategy_from_flags()
-    attached = _attach(strategy, FLAGS.model_parallel)
     mesh = parallel.mesh_of(strategy)
     tp = mesh.tp if mesh is not None else 1
-    if attached:  # Else describe() above showed it.
-        print(f"  mesh: {mesh.describe()}", flush=True)
     _common.print_settings(strategy)
     settings = dict(vocab=FLAGS.vocab_size, seq_len=FLAGS.seq_len, dim=FLAGS.embed_dim,
                     heads=FLAGS.num_heads, ff_dim=FLAGS.ff_dim, blocks=FLAGS.blocks,
@@ -188,7 +190,14 @@ def main(_argv: list[str]) -> None:
     chief = getattr(strategy, "is_chief", True)
     parallel.reset_traffic(strategy)
     start = time.perf_counter()
-    history = model.fit(data, epochs=FLAGS.epochs, verbose=2 if chief else 0, shuffle=False)
+    callbacks = []
+    if FLAGS.model_dir:  # Files hold full weights (tfdist.parallel.saving).
+        callbacks.append(tfdist.ModelCheckpoint(
+            os.path.join(FLAGS.model_dir, "checkpoints", "epoch-{epoch:02d}.keras")))
+    if FLAGS.backup_dir:
+        callbacks.append(tfdist.BackupAndRestore(FLAGS.backup_dir))
+    history = model.fit(data, epochs=FLAGS.epochs, verbose=2 if chief else 0, shuffle=False,
+                        callbacks=callbacks)
     seconds = time.perf_counter() - start
     sent = parallel.traffic(strategy)
     full = [parallel.full_value(v) for v in model.weights]
@@ -213,6 +222,8 @@ def main(_argv: list[str]) -> None:
         print("sent per replica per step: " + ", ".join(
             f"{kind} {value:.0f} bytes" for kind, value in result["sent_bytes_per_step"].items()),
             flush=True)
+    if FLAGS.model_dir:
+        result["saved_model"] = _common._save_model(model, strategy, FLAGS.model_dir)
     if FLAGS.compare:
         result["compare"] = _compare(reference, x, y, global_batch, result["loss"], full)
         print(f"against unsharded on one device: {result['compare']}", flush=True)

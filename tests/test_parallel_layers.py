@@ -388,3 +388,28 @@ def test_block_with_bf16_compression(tf_cpus, data):
     for v, w in zip(model.weights, ref.get_weights()):
         np.testing.assert_allclose(tp.full_value(v), w, atol=2e-2, rtol=0, err_msg=v.path)
     assert tp.traffic(strategy)["data_parallel"] > 0
+
+
+def test_block_saved_at_t2_loads_anywhere(pair, data, tmp_path):
+    """model.save at T=2 stores full weights (the attention's sub-layers
+    included); keras.models.load_model gives the same predictions with no
+    strategy and again at T=2."""
+    import keras
+    from tfdist import parallel as tp
+    keras.utils.set_random_seed(6)
+    ref = _compiled("block", parallel=False)
+    with pair.scope():
+        model = _compiled("block", parallel=True)
+    model.set_weights(ref.get_weights())
+    ids = data["ids"][:BATCH]
+    expected = ref.predict(ids, verbose=0)
+    path = str(tmp_path / "block.keras")
+    model.save(path)
+    plain = keras.models.load_model(path)
+    assert [w.shape for w in plain.get_weights()] == [w.shape for w in ref.get_weights()]
+    np.testing.assert_allclose(plain.predict(ids, verbose=0), expected, atol=TOL, rtol=0)
+    with pair.scope():
+        again = keras.models.load_model(path)
+    assert sum(tp.spec_of(v) is not None for v in again.weights) == 11
+    np.testing.assert_allclose(again.predict(ids, batch_size=BATCH, verbose=0), expected,
+                               atol=TOL, rtol=0)

@@ -106,6 +106,7 @@ class _HeadsEinsumDense(keras.layers.EinsumDense):
         return self.activation(y) if self.activation is not None else y
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
     """``keras.layers.MultiHeadAttention`` whose heads are split over the tensor group.
 

@@ -29,6 +29,7 @@ from tfdist.parallel.dense import ColumnParallelDense, RowParallelDense
 __all__ = ["TransformerBlock"]
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class TransformerBlock(keras.layers.Layer):
     """A post-norm transformer encoder block whose attention and MLP are
     tensor-parallel.

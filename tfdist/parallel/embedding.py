@@ -28,6 +28,7 @@ def _runtime() -> Any:
     return getattr(tf.distribute.get_strategy(), "_tfdist_parallel", None)
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class VocabParallelEmbedding(keras.layers.Embedding):
     """``keras.layers.Embedding`` whose vocabulary is split over the tensor group.
 
