@@ -342,3 +342,27 @@ def test_elastic_benchmark_runs_a_short_job(tmp_path):
     assert runs["elastic"]["iterations"] == runs["uninterrupted"]["iterations"] == 6 * 84
     assert runs["elastic"]["changes"]["grow"]["retrained"] == 0
     assert 0 <= runs["elastic"]["changes"]["shrink"]["retrained"] <= 20 + 1
+
+
+def test_tensor_parallel_benchmark_halves_the_block_and_splits_the_wire_bytes(tmp_path):
+    # The smallest run: T=1 against T=2 (DP=2) on 4 logical CPUs, 2 steps.
+    args = [sys.executable, "benchmarks/tensor_parallel.py", "--d_model=64", "--epochs=2",
+            "--steps=2", "--layouts=T1,T2", f"--results_dir={tmp_path}"]
+    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "tensor_parallel.json").read_text())
+    memory = results["memory"]
+    assert memory["sharded_layers"]["T2_ratio"] < 0.6
+    assert memory["sharded_layers"]["T2_ratio"] < memory["model"]["T2_ratio"] < 1
+    # Two devices per shard: T=2's four devices hold two different byte counts at most.
+    assert len(memory["sharded_layers"]["T2_devices"]) == 4
+    rows = {row["key"]: row for row in results["traffic"]}
+    assert rows["T1"]["measured"] is None  # no mesh at T=1
+    sent = rows["T2"]["measured"]
+    assert sent["tensor_parallel"] > 0 and sent["data_parallel"] > 0
+    assert rows["T2"]["matches"], rows["T2"]
+    # Sharding halves the gradients that cross the data-parallel group.
+    assert sent["data_parallel"] < rows["T1"]["predicted"]["data_parallel"] / 2
+    assert results["agreement"]["T2"]["max_loss_diff"] < 1e-5
+    assert "| T=2 (DP=2) | none |" in (tmp_path / "tensor_parallel.md").read_text()

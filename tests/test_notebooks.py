@@ -85,3 +85,8 @@ def test_notebook_runs(path, monkeypatch):
         assert "[tfdist launch] all tasks finished" in text
         assert "identical final weights on both workers: True" in text
         assert "(matches the workers)" in text
+    if path.name == "05_tensor_parallel.ipynb":
+        assert images >= 1, "no plot was displayed"
+        assert "mesh: data 2 x tensor 2; tensor groups [0, 1] [2, 3]" in text
+        assert "largest loss difference" in text and "each replica holds" in text
+        assert "block:" in text and "tensor-parallel" in text
