@@ -277,7 +277,6 @@ def test_compression_applies_to_the_data_parallel_sums(tf_cpus):
     # With every weight sharded (no row bias) and an elementwise compressor,
     # DP=2 x T=2 is the unsharded model on DP=2 with the same compression:
     # tensor group d holds the rows that replica d holds there.
-    import keras
     x, y = data()
     sums = {}
     for setting in ("fp16", "none"):
@@ -293,8 +292,6 @@ def test_compression_applies_to_the_data_parallel_sums(tf_cpus):
         np.testing.assert_allclose(got, expected, rtol=TOL)
         assert_close(full_weights(model), reference.get_weights())
         sums[setting] = tp.traffic(mesh)
-        del keras
-        import keras  # noqa: F811 (kept local: the module imports Keras lazily)
     assert sums["fp16"]["data_parallel"] == pytest.approx(sums["none"]["data_parallel"] / 2)
     assert sums["fp16"]["tensor_parallel"] == sums["none"]["tensor_parallel"]
 

@@ -31,11 +31,6 @@ from tfdist.parallel import collectives, sharding
 __all__ = ["ParallelMultiHeadAttention"]
 
 
-def _runtime() -> Any:
-    import tensorflow as tf
-    return getattr(tf.distribute.get_strategy(), "_tfdist_parallel", None)
-
-
 def _full(variable: Any) -> Any:
     return None if variable is None else sharding.local_full_tensor(variable)
 
@@ -61,7 +56,7 @@ class _HeadsEinsumDense(keras.layers.EinsumDense):
         self.partial = partial
 
     def build(self, input_shape):
-        if _runtime() is None:
+        if collectives.runtime_of() is None:
             return super().build(input_shape)
         kernel_shape, bias_shape, _, input_axes, output_axes = _analyze_einsum_string(
             self.equation, self.bias_axes, input_shape, self.partial_output_shape)
@@ -131,7 +126,7 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
                  **kwargs: Any):
         super().__init__(num_heads, key_dim, value_dim=value_dim, dropout=dropout,
                          use_bias=use_bias, output_shape=output_shape, **kwargs)
-        runtime = _runtime()
+        runtime = collectives.runtime_of()
         if runtime is not None:
             self._check_heads(runtime.mesh.tp)
 
@@ -163,7 +158,7 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
             activation="sigmoid" if name == "gate" else None, **common)
 
     def build(self, query_shape, value_shape, key_shape=None):
-        runtime = _runtime()
+        runtime = collectives.runtime_of()
         if runtime is None:
             return super().build(query_shape, value_shape, key_shape)
         self._check_heads(runtime.mesh.tp)

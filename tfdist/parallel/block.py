@@ -68,8 +68,7 @@ class TransformerBlock(keras.layers.Layer):
         self.supports_masking = True
 
     def _check(self) -> None:
-        import tensorflow as tf
-        runtime = getattr(tf.distribute.get_strategy(), "_tfdist_parallel", None)
+        runtime = collectives.runtime_of()
         if runtime is None:
             return
         tp = runtime.mesh.tp

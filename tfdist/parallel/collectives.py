@@ -152,7 +152,11 @@ class Placement:
         return self.runtime.mesh.tp
 
 
-def _runtime(strategy: Any) -> Runtime | None:
+def runtime_of(strategy: Any = None) -> Runtime | None:
+    """The mesh runtime of ``strategy`` (default: the current strategy);
+    None without a mesh."""
+    if strategy is None:
+        strategy = tf.distribute.get_strategy()
     return getattr(strategy, "_tfdist_parallel", None)
 
 
@@ -162,7 +166,7 @@ def current() -> Placement | None:
     ctx = tf.distribute.get_replica_context()
     if ctx is None:
         return None
-    runtime = _runtime(ctx.strategy)
+    runtime = runtime_of(ctx.strategy)
     if runtime is None:
         return None
     replica = tf.get_static_value(ctx.replica_id_in_sync_group)
@@ -304,7 +308,7 @@ def traffic(strategy: Any) -> dict[str, float]:
     """Bytes one replica sent so far, per kind (the mean over this process's
     replicas): ``tensor_parallel`` (activations and their gradients) and
     ``data_parallel`` (gradients). Empty without a mesh."""
-    runtime = _runtime(strategy)
+    runtime = runtime_of(strategy)
     if runtime is None:
         return {}
     return {kind: float(v.numpy()) / runtime.local_replicas()
@@ -313,7 +317,7 @@ def traffic(strategy: Any) -> dict[str, float]:
 
 def reset_traffic(strategy: Any) -> None:
     """Sets the byte counters to zero."""
-    runtime = _runtime(strategy)
+    runtime = runtime_of(strategy)
     if runtime is not None:
         for v in runtime.sent.values():
             v.assign(tf.zeros([], tf.float64))

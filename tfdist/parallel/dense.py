@@ -38,11 +38,6 @@ def _refuse_quantization(layer: keras.layers.Dense) -> None:
                           source="tfdist.parallel")
 
 
-def _runtime() -> Any:
-    import tensorflow as tf
-    return getattr(tf.distribute.get_strategy(), "_tfdist_parallel", None)
-
-
 @keras.saving.register_keras_serializable(package="tfdist")
 class ColumnParallelDense(keras.layers.Dense):
     """``keras.layers.Dense`` whose output units are split over the tensor group.
@@ -61,7 +56,7 @@ class ColumnParallelDense(keras.layers.Dense):
         self.gather_output = bool(gather_output)
 
     def build(self, input_shape):
-        if _runtime() is None:
+        if collectives.runtime_of() is None:
             return super().build(input_shape)
         _refuse_quantization(self)
         in_dim = int(input_shape[-1])
@@ -114,7 +109,7 @@ class RowParallelDense(keras.layers.Dense):
         self.input_is_parallel = bool(input_is_parallel)
 
     def build(self, input_shape):
-        runtime = _runtime()
+        runtime = collectives.runtime_of()
         if runtime is None:
             return super().build(input_shape)
         _refuse_quantization(self)

@@ -23,11 +23,6 @@ from tfdist.parallel import collectives, sharding
 __all__ = ["VocabParallelEmbedding"]
 
 
-def _runtime() -> Any:
-    import tensorflow as tf
-    return getattr(tf.distribute.get_strategy(), "_tfdist_parallel", None)
-
-
 @keras.saving.register_keras_serializable(package="tfdist")
 class VocabParallelEmbedding(keras.layers.Embedding):
     """``keras.layers.Embedding`` whose vocabulary is split over the tensor group.
@@ -55,7 +50,7 @@ class VocabParallelEmbedding(keras.layers.Embedding):
     def build(self, input_shape=None):
         if self.built:
             return
-        if _runtime() is None:
+        if collectives.runtime_of() is None:
             return super().build(input_shape)
         if self.quantization_mode or self.lora_rank:
             what = (f"quantization_mode={self.quantization_mode!r}" if self.quantization_mode

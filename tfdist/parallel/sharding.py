@@ -223,7 +223,7 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
     """
     import keras
     strategy = tf.distribute.get_strategy()
-    runtime = getattr(strategy, "_tfdist_parallel", None)
+    runtime = collectives.runtime_of(strategy)
     shape = tuple(int(s) for s in shape)
     if runtime is None:
         return layer.add_weight(name=name, shape=shape, initializer=initializer,
