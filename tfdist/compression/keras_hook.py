@@ -49,6 +49,14 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tfdist.compression.aggregate import Aggregator, Item, ReplicaComm
 
 _MARK = "_tfdist_wrapped"
+#: A strategy attribute: an object watching the gradient reduction
+#: (:class:`tfdist.profiling.instrument.Profiler`). It is told when the
+#: gradients are ready (``before_reduce(pairs, step) -> pairs``), supplies
+#: the aggregator's collectives (``make_comm()``), wraps Keras's own
+#: all-reduce (``keras_reduce(pairs, run)``) and is told when the reduced
+#: gradients are ready (``after_reduce(grads)``). Compression knows nothing
+#: else of it.
+OBSERVER = "_tfdist_profiler"
 _PREFIX = "tfdist_"
 log = logging.getLogger("tfdist.compression")
 
@@ -149,9 +157,17 @@ def _wrap_reduce(original):
         # refuses to count them without the model that says how many rows.
         _TRACED_SLICES[self] = [(tuple(g.values.shape[1:]), g.indices.dtype.name)
                                 for g, _ in pairs if isinstance(g, tf.IndexedSlices)]
-        aggregator = strategy_aggregator(tf.distribute.get_strategy())
+        strategy = tf.distribute.get_strategy()
+        observer = getattr(strategy, OBSERVER, None)
+        if observer is not None and tf.distribute.get_replica_context():
+            pairs = observer.before_reduce(pairs, self.iterations)
+        aggregator = strategy_aggregator(strategy)
         if aggregator is None or not tf.distribute.get_replica_context():
-            return original(self, pairs)
+            if observer is None or not tf.distribute.get_replica_context():
+                return original(self, pairs)
+            out = observer.keras_reduce(pairs, lambda: original(self, pairs))
+            observer.after_reduce([g for g, _ in out])
+            return out
         state = getattr(self, "_tfdist_state", None)
         if state is None or getattr(self, "_tfdist_aggregator", None) is not aggregator:
             needs = any(aggregator.state_specs(tuple(v.shape), v.dtype.name, i)
@@ -166,8 +182,10 @@ def _wrap_reduce(original):
         keys = [self._get_variable_index(v) for _, v in pairs]
         items = [Item(g, key, state.get(key, {})) for (g, _), key in zip(pairs, keys)]
         step = tf.convert_to_tensor(getattr(self.iterations, "value", self.iterations))
-        comm = ReplicaComm()
+        comm = observer.make_comm() if observer is not None else ReplicaComm()
         reduced = aggregator.aggregate(items, step, comm)
+        if observer is not None:
+            observer.after_reduce(reduced)
         # The gradients sent as IndexedSlices, for CommunicationStats to check.
         aggregator.traced_slices = _TRACED_SLICES[self]
         if not getattr(self, "_tfdist_logged", False):
