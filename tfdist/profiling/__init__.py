@@ -1,8 +1,25 @@
 """Where a distributed step's time goes: per-step phases, a timeline, stragglers.
 
-See :mod:`tfdist.profiling.records` for what is measured.
+* :class:`StepProfile` (a Keras callback) measures every step of every
+  worker inside the step (:mod:`~tfdist.profiling.instrument`), gathers the
+  records to the chief each epoch, and reports the phases in the logs and in
+  TensorBoard, names stragglers and compressors that do not pay, and writes
+  the timeline (:mod:`~tfdist.profiling.timeline`).
+* :class:`StepRecord` and :func:`phases` (:mod:`~tfdist.profiling.records`)
+  are the measured instants and what they mean, without TensorFlow.
+
+``TFDIST_TIMELINE=path`` (or ``tfdist launch --timeline path``) turns the
+profiler on for every ``fit`` under a tfdist strategy.
 """
 
 from tfdist.profiling.records import PHASES, Span, StepRecord, mean_phases, phases
 
-__all__ = ["PHASES", "Span", "StepRecord", "mean_phases", "phases"]
+__all__ = ["PHASES", "Span", "StepRecord", "mean_phases", "phases", "StepProfile"]
+
+
+def __getattr__(name):
+    # The callback imports TensorFlow and Keras; the records do not.
+    if name == "StepProfile":
+        from tfdist.profiling.callback import StepProfile
+        return StepProfile
+    raise AttributeError(f"module 'tfdist.profiling' has no attribute {name!r}")

@@ -19,7 +19,8 @@ import dataclasses
 import math
 from typing import Any, Iterable, Mapping
 
-__all__ = ["Span", "StepRecord", "PHASES", "phases", "busy", "union_length", "mean_phases"]
+__all__ = ["Span", "StepRecord", "PHASES", "phases", "busy", "union_length", "mean_phases",
+           "to_row", "from_row", "row_width"]
 
 #: The phases of a step, in the order they happen.
 PHASES = ("input", "compute", "wait", "compress", "communicate", "decompress",
@@ -187,3 +188,39 @@ def mean_phases(records: Iterable[StepRecord]) -> dict[int, dict[str, float]]:
             if k != "steps":
                 acc[k] /= n
     return dict(sorted(sums.items()))
+
+
+_INSTANTS = ("host_begin", "input_ready", "grads_ready", "peers_ready", "reduced", "end",
+             "host_end")
+_KIND_CODES = {"all_reduce": 1.0, "all_gather": 2.0}
+_KINDS = {v: k for k, v in _KIND_CODES.items()}
+
+
+def row_width(max_spans: int) -> int:
+    """Floats in a record's row (see :func:`to_row`)."""
+    return 4 + len(_INSTANTS) + 4 * max_spans
+
+
+def to_row(record: StepRecord, max_spans: int) -> list[float]:
+    """``record`` as a fixed-width row of floats, to send between workers:
+    worker, step, epoch, the instants, the span count, then each span's
+    kind code, start, end and bytes (zeros past the last)."""
+    spans = record.spans[:max_spans]
+    row = [float(record.worker), float(record.step), float(record.epoch)]
+    row += [float(getattr(record, name)) for name in _INSTANTS]
+    row.append(float(len(spans)))
+    for s in spans:
+        row += [_KIND_CODES[s.kind], s.start, s.end, s.bytes]
+    row += [0.0] * (row_width(max_spans) - len(row))
+    return row
+
+
+def from_row(row: Iterable[float]) -> StepRecord:
+    """Inverse of :func:`to_row`."""
+    row = [float(v) for v in row]
+    head = 3 + len(_INSTANTS)
+    count = int(row[head])
+    spans = [Span(_KINDS[row[i]], row[i + 1], row[i + 2], row[i + 3])
+             for i in range(head + 1, head + 1 + 4 * count, 4)]
+    return StepRecord(int(row[0]), int(row[1]), int(row[2]),
+                      **dict(zip(_INSTANTS, row[3:head])), spans=spans)
