@@ -19,7 +19,8 @@ LOGICAL_CPUS = 4
 #: Variables that change strategy detection; tests start without them.
 _DETECTION_VARS = ("TF_CONFIG", "TPU_NAME", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
                    "SLURM_NTASKS", "TFDIST_CPU_REPLICAS", "TFDIST_REGISTER_TIMEOUT",
-                   "TFDIST_COLLECTIVE_TIMEOUT", "TFDIST_COMMUNICATION", "TFDIST_MODEL_PARALLEL")
+                   "TFDIST_COLLECTIVE_TIMEOUT", "TFDIST_COMMUNICATION", "TFDIST_MODEL_PARALLEL",
+                   "TFDIST_TIMELINE")
 
 
 @pytest.fixture(autouse=True)

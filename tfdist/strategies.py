@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
 import re
 import socket
 import sys
@@ -128,6 +129,10 @@ class TfdistStrategy:
         from tfdist import keras_preemption, keras_saving
         keras_saving.install()
         keras_preemption.install()
+        if os.environ.get("TFDIST_TIMELINE", "").strip():
+            # HOROVOD_TIMELINE's counterpart: every fit gets a StepProfile.
+            from tfdist.profiling.callback import install_timeline
+            install_timeline()
         if self.kind in ("mirrored", "multi_worker_mirrored"):
             from tfdist.compression import keras_hook, make_aggregator
             # Installed without compression too: it records which gradients

@@ -16,11 +16,13 @@ merged one (:mod:`tfdist.profiling.timeline`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -33,7 +35,7 @@ from tfdist.profiling.records import (PHASES, StepRecord, from_row, mean_phases,
                                       row_width, to_row)
 from tfdist.profiling.stragglers import Straggler, check_factor, find_stragglers
 
-__all__ = ["StepProfile", "TIMELINE_ENV", "SUPPORTED_KINDS"]
+__all__ = ["StepProfile", "LoopProfile", "TIMELINE_ENV", "SUPPORTED_KINDS", "install_timeline"]
 
 log = logging.getLogger("tfdist.profiling")
 
@@ -130,8 +132,14 @@ class StepProfile(keras.callbacks.Callback):
     # -- set-up ------------------------------------------------------------
     def set_model(self, model: Any) -> None:
         super().set_model(model)
-        instrument.install()
         strategy = model.distribute_strategy
+        self._attach(strategy)
+        if getattr(model, instrument.MODEL_ATTR, None) is not self.profiler:
+            setattr(model, instrument.MODEL_ATTR, self.profiler)
+            model.train_function = None  # Rebuilt by fit with the marks.
+
+    def _attach(self, strategy: Any) -> None:
+        instrument.install()
         kind = _kind(strategy)
         if kind not in SUPPORTED_KINDS:
             raise ConfigError("strategy", kind, "one of " + ", ".join(SUPPORTED_KINDS)
@@ -146,9 +154,6 @@ class StepProfile(keras.callbacks.Callback):
         if self.profiler is None or self.profiler.strategy is not strategy:
             self.profiler = instrument.Profiler(strategy, barrier=self.barrier)
         self.profiler.attach()
-        if getattr(model, instrument.MODEL_ATTR, None) is not self.profiler:
-            setattr(model, instrument.MODEL_ATTR, self.profiler)
-            model.train_function = None  # Rebuilt by fit with the marks.
 
     def _strategy(self) -> Any:
         return self.model.distribute_strategy
@@ -260,8 +265,10 @@ class StepProfile(keras.callbacks.Callback):
         if aggregator is None or self.link is None or mine is None:
             return None
         n = self._strategy().num_replicas_in_sync
-        dense = all_reduce_bytes(sum(nbytes(v.shape, v.dtype) for v in
-                                     self.model.trainable_variables), n)
+        variables = self._trainable_variables()
+        if not variables:
+            return None
+        dense = all_reduce_bytes(sum(nbytes(v.shape, v.dtype) for v in variables), n)
         saved = max(0.0, dense - mine["bytes"]) / self.link.bandwidth
         cost = mine["compress"] + mine["decompress"]
         pays = cost < saved
@@ -277,6 +284,9 @@ class StepProfile(keras.callbacks.Callback):
                  "dense_bytes": dense, "bytes": mine["bytes"], "message": message}
         self.compression_checks.append(check)
         return check
+
+    def _trainable_variables(self) -> list:
+        return list(self.model.trainable_variables)
 
     def _write(self, epoch: int, records: list[StepRecord], figures: dict,
                stragglers: list[Straggler]) -> None:
@@ -329,3 +339,115 @@ class StepProfile(keras.callbacks.Callback):
         if self.chief:
             timeline.write(self.timeline, self.all_records,
                            offsets=timeline.align(self.all_records))
+
+
+class LoopProfile(StepProfile):
+    """:class:`StepProfile` for a custom training loop.
+
+    Create it before the step function first runs (the marks are traced into
+    it), then::
+
+        profile = tfdist.profiling.LoopProfile(strategy, log_dir="logs")
+        with profile:
+            for epoch in range(epochs):
+                for _ in range(steps):
+                    with profile.step():
+                        train_step(iterator)   # strategy.run(...) of a step
+                logs = profile.end_epoch()     # every worker, at the same point
+
+    The step function's ``optimizer.apply_gradients`` is where the gradients
+    are reduced; the phases up to the reduced gradients are measured there.
+    Without :meth:`mark_input` (``x = profile.mark_input(x)`` first in the
+    replica function) the input counts as compute; the optimizer's update
+    counts as ``other``.
+
+    Args:
+        strategy: The strategy the loop runs under.
+        variables: The trainable variables, to judge a compressor's cost
+            against the wire time it saves; None skips that check.
+        **kwargs: As for :class:`StepProfile`.
+    """
+
+    def __init__(self, strategy: Any, variables: Sequence[Any] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._loop_strategy = strategy
+        self._variables = list(variables) if variables is not None else []
+        self._attach(strategy)
+        self._begun = False
+
+    def _strategy(self) -> Any:
+        return self._loop_strategy
+
+    def _trainable_variables(self) -> list:
+        return self._variables
+
+    def mark_input(self, data: Any) -> Any:
+        """Marks the batch ready (inside the replica function); returns it."""
+        return self.profiler.mark_input(data)
+
+    def __enter__(self) -> "LoopProfile":
+        self.profiler.attach()
+        self.on_train_begin()
+        self._begun = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._begun = False
+        self.on_train_end()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Times one step; the step function must run inside it."""
+        if not self._begun:
+            raise RuntimeError("tfdist: LoopProfile.step() runs inside `with profile:`; "
+                               "expected the training loop in that block. Received a step "
+                               "outside it")
+        self.on_train_batch_begin(0)
+        yield
+        self.on_train_batch_end(0)
+
+    def end_epoch(self) -> dict[str, float]:
+        """Gathers the epoch's records (every worker must call it at the same
+        point) and returns this worker's figures, as ``fit``'s logs get them."""
+        logs: dict[str, float] = {}
+        self.on_epoch_end(self._epoch, logs)
+        self._epoch += 1
+        return logs
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        try:
+            if self.timeline is not None:
+                self._write_timeline()
+        finally:
+            for writer in self.__dict__.pop("_writers", {}).values():
+                writer.close()
+            self.profiler.detach()
+
+
+def _wrap_fit(original):
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        if os.environ.get(TIMELINE_ENV, "").strip() and _kind(
+                self.distribute_strategy) in SUPPORTED_KINDS:
+            callbacks = kwargs.get("callbacks")
+            if callbacks is None and len(args) > 5:  # fit(x, y, batch_size, epochs, verbose, callbacks)
+                callbacks = args[5]
+            listed = list(getattr(callbacks, "callbacks", callbacks) or [])
+            if not any(isinstance(c, StepProfile) for c in listed):
+                if len(args) > 5:
+                    args = (*args[:5], [*listed, StepProfile()], *args[6:])
+                else:
+                    kwargs["callbacks"] = [*listed, StepProfile()]
+        return original(self, *args, **kwargs)
+    return fit
+
+
+def install_timeline() -> None:
+    """With ``$TFDIST_TIMELINE`` set, every ``fit`` under a strategy the
+    profiler supports gets a :class:`StepProfile` writing the timeline there
+    (unless it has one); idempotent. tfdist's strategies call it."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from tfdist.compression.keras_hook import wrap_once
+    wrap_once([(tf_trainer.TensorFlowTrainer, "fit", _wrap_fit)],
+              mark="_tfdist_timeline", needed_by="TFDIST_TIMELINE")

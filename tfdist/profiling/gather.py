@@ -19,7 +19,8 @@ __all__ = ["worker_index", "local_replicas", "gather_rows"]
 
 def local_replicas(strategy: Any) -> int:
     """Replicas this worker runs (its devices), >= 1."""
-    return max(1, len(getattr(strategy.extended, "worker_devices", ()) or ()))
+    from tfdist.profiling.instrument import worker_devices
+    return max(1, len(worker_devices(strategy)))
 
 
 def worker_index(strategy: Any) -> int:

@@ -61,6 +61,14 @@ _ATTR = keras_hook.OBSERVER
 MODEL_ATTR = "_tfdist_step_profiler"
 
 
+def worker_devices(strategy: Any) -> list[str]:
+    """The devices of this worker's replicas; none for the default strategy."""
+    try:
+        return list(getattr(strategy.extended, "worker_devices", ()) or ())
+    except RuntimeError:  # The default strategy has no worker devices.
+        return []
+
+
 def profiler_of(strategy: Any = None) -> "Profiler | None":
     """The profiler active on ``strategy`` (default: the current one)."""
     strategy = strategy or tf.distribute.get_strategy()
@@ -117,7 +125,7 @@ class Profiler:
     def __init__(self, strategy: tf.distribute.Strategy, barrier: bool = True) -> None:
         self.strategy = strategy
         self.barrier = barrier
-        devices = list(getattr(strategy.extended, "worker_devices", ()) or ())
+        devices = worker_devices(strategy)
         self._primary = tf.DeviceSpec.from_string(devices[0]).to_string() if devices else None
         self._local_replicas = max(1, len(devices))
         with tf.device(devices[0] if devices else None):
@@ -200,7 +208,9 @@ class Profiler:
         if here:
             self._write([_GRADS, _STEP], [self._stamp(grads), step])
         ctx = tf.distribute.get_replica_context()
-        if not self.barrier or ctx is None or ctx.num_replicas_in_sync == 1:
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return pairs  # No peer to wait for: peers_ready = grads_ready.
+        if not self.barrier:
             if here:
                 self.mark(_PEERS, grads)
             return pairs
@@ -233,6 +243,8 @@ class Profiler:
         ctx = tf.distribute.get_replica_context()
         grads = [g for g, _ in pairs if g is not None]
         n = ctx.num_replicas_in_sync if ctx is not None else 1
+        if n == 1:
+            return run()  # Nothing crosses a wire.
         return self.span("all_reduce", grads, run, sent_by_all_reduce(grads, n))
 
     def span(self, kind: str, inputs: Any, run: Callable[[], Any], sent: Any) -> Any:
