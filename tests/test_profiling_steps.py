@@ -254,3 +254,22 @@ def test_a_tensor_parallel_mesh_is_refused_at_fit(tf_cpus):
     x, y = _data()
     with pytest.raises(ConfigError, match="model_parallel"):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[StepProfile()])
+
+
+def test_steps_per_execution_measures_the_last_step_of_each_call(tf_cpus, tmp_path):
+    import keras
+    import tfdist
+    from tfdist.profiling import StepProfile
+    strategy = tfdist.strategy_from_config(strategy="mirrored", cpu_replicas=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", steps_per_execution=2,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    profile = StepProfile(predict=False)
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[profile])
+    # 6 steps in 3 calls; the first call traces.
+    assert [r.step for r in profile.records] == [3, 5]
+    for r in profile.records:
+        assert phases(r)["input"] == 0 and r.host_begin == r.input_ready
+        assert r.input_ready < r.grads_ready <= r.peers_ready <= r.reduced <= r.end <= r.host_end

@@ -51,6 +51,8 @@ _LAZY = {
     "Preempted": "tfdist.preemption",
     "PreemptionError": "tfdist.preemption",
     "PREEMPTED_EXIT_CODE": "tfdist.preemption",
+    "StepProfile": "tfdist.profiling.callback",
+    "LoopProfile": "tfdist.profiling.callback",
 }
 
 __all__ = ["ClusterSpecError", "ConfigError", "TfdistError", *_LAZY]

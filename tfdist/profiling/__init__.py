@@ -14,12 +14,13 @@ profiler on for every ``fit`` under a tfdist strategy.
 
 from tfdist.profiling.records import PHASES, Span, StepRecord, mean_phases, phases
 
-__all__ = ["PHASES", "Span", "StepRecord", "mean_phases", "phases", "StepProfile"]
+__all__ = ["PHASES", "Span", "StepRecord", "mean_phases", "phases", "StepProfile",
+           "LoopProfile"]
 
 
 def __getattr__(name):
-    # The callback imports TensorFlow and Keras; the records do not.
-    if name == "StepProfile":
-        from tfdist.profiling.callback import StepProfile
-        return StepProfile
+    # The callbacks import TensorFlow and Keras; the records do not.
+    if name in ("StepProfile", "LoopProfile"):
+        from tfdist.profiling import callback
+        return getattr(callback, name)
     raise AttributeError(f"module 'tfdist.profiling' has no attribute {name!r}")

@@ -70,7 +70,8 @@ class StepProfile(keras.callbacks.Callback):
     peer), ``compress``, ``communicate`` (inside collectives, with the bytes
     sent), ``decompress``, ``update`` (optimizer and metrics) and ``other``
     (the host's share). With ``steps_per_execution=k`` the last step of each
-    execution is measured. The first step of each ``fit``, which traces the
+    execution is measured, from its batch on (its ``input`` is not
+    measured). The first step of each ``fit``, which traces the
     step function, is left out.
 
     Args:
@@ -197,6 +198,10 @@ class StepProfile(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         record = self.profiler.record(worker=self.worker, epoch=self._epoch,
                                       host_begin=self._host_begin, host_end=time.time())
+        if (getattr(self.model, "steps_per_execution", 1) or 1) > 1:
+            # The host called k steps; the marks are the last one's. The
+            # record covers that step alone, from its batch on.
+            record.host_begin = record.input_ready
         if not self._traced:
             # The first step of a fit traces the step function: seconds of
             # Python that no later step pays, left out of every figure.
