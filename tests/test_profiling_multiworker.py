@@ -53,12 +53,12 @@ def test_the_slowed_worker_is_named_and_the_fast_one_is_not(job):
     assert results[1]["warnings"] == []  # Only the chief warns.
     slow, fast = results[1]["history"], results[0]["history"]
     for e in range(EPOCHS):
-        # Where the time went: the slow worker waited for its input, the fast
-        # one for the slow one; their steps took as long.
-        assert slow["profile_input_ms"][e] > 0.5 * SLEEP * 1e3
-        assert fast["profile_wait_ms"][e] > 0.5 * SLEEP * 1e3
-        assert fast["profile_input_ms"][e] < 0.5 * slow["profile_input_ms"][e]
-        assert slow["profile_wait_ms"][e] < 0.5 * fast["profile_wait_ms"][e]
+        # Where the time went: the slow worker waited for its input (the
+        # dataset's sleeps overlap in part, so less than SLEEP per step), the
+        # fast one as long for the slow one; their steps took as long.
+        assert slow["profile_input_ms"][e] > 5 * fast["profile_input_ms"][e]
+        assert fast["profile_wait_ms"][e] > 5 * slow["profile_wait_ms"][e]
+        assert fast["profile_wait_ms"][e] == pytest.approx(slow["profile_input_ms"][e], rel=0.35)
         assert slow["profile_step_ms"][e] == pytest.approx(fast["profile_step_ms"][e], rel=0.2)
 
 

@@ -8,14 +8,16 @@
                   [--ps M] [--evaluator] [--max-restarts K] [--grace S] [--preempt-signal SIG]
                   [--worker-failed restart|shrink] [--host-discovery-script PATH]
                   [--discovery-interval S] [--show-all] [--verbose] [--spec SPEC]
-                  [--log-dir D] [--netns]
+                  [--log-dir D] [--netns] [--timeline PATH]
                   SCRIPT|-m MODULE|-c CODE [ARGS...]
+    tfdist profile LOGDIR [--output PNG]
     tfdist horovodrun -np N [-H HOST:SLOTS,...|--hostfile F] [--max-restarts K]
                       [--verbose] [--start-timeout S] [--output-filename D] COMMAND...
     tfdist hosts SPEC [--python P] [--evaluator] -- SCRIPT [ARGS...]
     tfdist tfjob SPEC --name N --image I [--namespace NS] -- COMMAND [ARGS...]
 
-``validate``, ``tf-config``, ``hosts``, ``tfjob`` and ``horovodrun`` never import TensorFlow, so
+``validate``, ``tf-config``, ``hosts``, ``tfjob``, ``horovodrun`` and ``profile`` never import
+TensorFlow, so
 they answer at once. ``info`` and ``launch`` leave TensorFlow's start-up
 noise out of the terminal (see :mod:`tfdist.quiet`); ``--verbose`` shows it.
 """
@@ -175,7 +177,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_horovodrun(sub)
     _add_hosts(sub)
     _add_tfjob(sub)
+    profile = sub.add_parser("profile", help="plot where each worker's step time went",
+                             description="Reads LOGDIR/steps.jsonl, written by "
+                             "tfdist.StepProfile(log_dir=LOGDIR), prints the mean "
+                             "milliseconds per step of each phase for every worker and "
+                             "draws them to a PNG (needs matplotlib).")
+    profile.add_argument("logdir", help="the StepProfile log_dir")
+    profile.add_argument("--output", default=None,
+                         help="the PNG to write (default: LOGDIR/profile.png)")
+    profile.set_defaults(func=_profile)
     return parser
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from tfdist.profiling import plot as plot_lib
+
+    figures = plot_lib.plot(args.logdir, args.output)
+    print(plot_lib.table(figures["workers"]))
+    print(f"{figures['steps']} step records; plot: {figures['output']}")
+    return 0
 
 
 def _add_launch(sub) -> None:
@@ -233,6 +253,10 @@ def _add_launch(sub) -> None:
     launch.add_argument("--log-dir", default=None, help="keep each task's full log here")
     launch.add_argument("--netns", action="store_true",
                         help="run the job in a private network namespace (unshare -n)")
+    launch.add_argument("--timeline", default=None, metavar="PATH",
+                        help="profile every fit (tfdist.StepProfile): the chief writes a "
+                        "Chrome-trace timeline of every worker's steps to PATH, each "
+                        "worker its own beside it (exported as TFDIST_TIMELINE)")
     # -m and -c as options: argparse refuses a positional that starts with '-'.
     launch.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE",
                         help="run a module, as python -m MODULE [ARGS...]")
@@ -304,8 +328,14 @@ def _launch(args: argparse.Namespace) -> int:
             print(format_host_commands(host_commands(spec, script[-1] if len(script) == 1
                                                      else script[0], script[1:] + rest)))
             return 2
+    env = None
+    if args.timeline is not None:
+        if not args.timeline.strip() or os.path.isdir(args.timeline):
+            raise ConfigError("timeline", args.timeline, "a file path for the merged "
+                              "Chrome-trace JSON, e.g. trace.json", source="tfdist launch")
+        env = {"TFDIST_TIMELINE": os.path.abspath(args.timeline)}
     result = launch_lib.launch(
-        script, rest, workers=workers, chief=args.chief, ps=args.ps,
+        script, rest, workers=workers, chief=args.chief, ps=args.ps, env=env,
         evaluator=args.evaluator, max_restarts=args.max_restarts, show_all=args.show_all,
         spec=args.spec, log_dir=args.log_dir, verbose=args.verbose,
         python=python or sys.executable, grace=args.grace, preempt_signal=args.preempt_signal,

@@ -52,7 +52,8 @@ data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
 if task["index"] == args.slow_worker:
     def slow(a, b):
         slept = tf.py_function(lambda: time.sleep(args.sleep) or 0.0, [], tf.float32)
-        return a + 0.0 * slept, b  # The batch waits for the sleep.
+        with tf.control_dependencies([slept]):  # The batch waits for the sleep.
+            return tf.identity(a), b
     data = data.map(slow)
 options = tf.data.Options()
 options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
