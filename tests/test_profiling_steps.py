@@ -273,3 +273,13 @@ def test_steps_per_execution_measures_the_last_step_of_each_call(tf_cpus, tmp_pa
     for r in profile.records:
         assert phases(r)["input"] == 0 and r.host_begin == r.input_ready
         assert r.input_ready < r.grads_ready <= r.peers_ready <= r.reduced <= r.end <= r.host_end
+
+
+def test_a_log_dir_without_tensorboard_installed_is_refused_at_once(monkeypatch, tmp_path):
+    import sys
+    from tfdist.callbacks import TensorBoardNotInstalledError
+    from tfdist.profiling import StepProfile
+    monkeypatch.setitem(sys.modules, "tensorboard.summary.v2", None)  # import fails
+    with pytest.raises(TensorBoardNotInstalledError, match="pip install"):
+        StepProfile(log_dir=str(tmp_path))
+    assert StepProfile().log_dir is None  # Logs and warnings only: nothing to install.

@@ -132,7 +132,7 @@ def test_tfdist_profile_prints_the_table_and_refuses_a_bad_logdir(tmp_path, caps
 def test_launch_timeline_reaches_every_task(tmp_path):
     import subprocess
     import sys
-    from conftest import REPO, subprocess_env
+    from conftest import subprocess_env
     out = tmp_path / "env"
     code = ("import os, sys; open(sys.argv[1] + os.environ['TF_CONFIG'][-3:-2], 'w')"
             ".write(os.environ.get('TFDIST_TIMELINE', ''))")

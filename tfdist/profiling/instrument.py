@@ -32,7 +32,6 @@ does anyway.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -136,11 +135,8 @@ class Profiler:
 
     # -- attaching ---------------------------------------------------------
     def attach(self) -> "Profiler":
-        """Makes the strategy's steps record into this profiler."""
-        current = profiler_of(self.strategy)
-        if current is not None and current is not self:
-            raise RuntimeError("tfdist: a step profiler is already attached to this strategy; "
-                               "expected one StepProfile per fit. Received a second one")
+        """Makes the strategy's steps record into this profiler (replacing
+        one a failed ``fit`` left attached)."""
         setattr(self.strategy, _ATTR, self)
         return self
 
@@ -381,12 +377,3 @@ def install() -> None:
     keras_hook.install()
     keras_hook.wrap_once([(tf_trainer.TensorFlowTrainer, "_make_function", _wrap_make_function)],
                          mark="_tfdist_profiled", needed_by="tfdist.profiling")
-
-
-@contextlib.contextmanager
-def attached(profiler: Profiler):
-    profiler.attach()
-    try:
-        yield profiler
-    finally:
-        profiler.detach()
