@@ -16,11 +16,12 @@ worker, in two configurations:
 * ``fp32``: no compression (Keras's own all-reduce);
 * ``powersgd``: PowerSGD rank 4 without dense warm-up steps.
 
-Each configuration runs with the profiler off and on (``StepProfile``), in
-interleaved pairs (off on, then on off, ...) so that drift in the machine's
-load hits both arms alike. A run's figure is its median host step time
-after ``--skip`` steps; the overhead is the median over pairs of on / off
-(goal: <= 1.03). The profiled runs also give where the time went: the
+Each configuration runs with the profiler off, on (``StepProfile()``) and on
+with its per-step barrier (``StepProfile(barrier=True)``), in interleaved
+rounds (off on barrier, then barrier on off, ...) so that drift in the
+machine's load hits every arm alike. A run's figure is its median host step
+time after ``--skip`` steps; the overhead is the median over rounds of on /
+off (goal: <= 1.03). The profiled runs also give where the time went: the
 shares of compute (forward, backward, compress, decompress) and of
 communication in each configuration.
 
@@ -63,8 +64,9 @@ def define_flags() -> None:
     flags.DEFINE_string("rate", "100mbit", "tc tbf rate of the loopback; 'none': no limit.")
     flags.DEFINE_list("layers", ["256", "2048", "2048", "512", "10"], "MLP widths.")
     flags.DEFINE_list("configs", list(CONFIGS), "Configurations: fp32, powersgd.")
-    flags.DEFINE_list("arms", ["off", "on"], "Profiler arms to run: off, on.")
-    flags.DEFINE_integer("pairs", 3, "Interleaved (off, on) pairs per configuration.")
+    flags.DEFINE_list("arms", ["off", "on", "barrier"], "Profiler arms to run: off, on "
+                      "(StepProfile's defaults), barrier (StepProfile(barrier=True)).")
+    flags.DEFINE_integer("pairs", 3, "Interleaved rounds of the arms per configuration.")
     flags.DEFINE_integer("steps", 12, "Steps per run.")
     flags.DEFINE_integer("skip", 3, "Steps left out of a run's median (start-up).")
     flags.DEFINE_integer("batch", 32, "Batch per worker.")
@@ -73,6 +75,7 @@ def define_flags() -> None:
     flags.DEFINE_string("work_dir", None, "Where runs keep their files (default: a temp dir).")
     flags.DEFINE_string("config", "fp32", "worker: the configuration.")
     flags.DEFINE_bool("profile", False, "worker: run with StepProfile.")
+    flags.DEFINE_bool("barrier", False, "worker: StepProfile's per-step barrier.")
     flags.DEFINE_string("out", None, "worker: the run's directory.")
     flags.DEFINE_multi_string("note", [], "A note for the report (repeatable).")
 
@@ -129,7 +132,7 @@ def worker() -> None:
     callbacks = [Timer()]
     profile = None
     if FLAGS.profile:
-        profile = tfdist.StepProfile(log_dir=str(out / "logs"))
+        profile = tfdist.StepProfile(log_dir=str(out / "logs"), barrier=FLAGS.barrier)
         callbacks.append(profile)
     model.fit(strategy.distribute_datasets_from_function(dataset), epochs=1,
               steps_per_epoch=FLAGS.steps, verbose=0, callbacks=callbacks)
@@ -141,10 +144,10 @@ def worker() -> None:
     (out / f"worker{rank}.json").write_text(json.dumps(result))
 
 
-def run_job(config: str, profile: bool, work: Path, timeout: float = 900.0) -> dict:
-    """Runs one 2-worker job with ``tfdist launch``; returns worker 0's result
-    (with its directory)."""
-    out = work / f"{config}_{'on' if profile else 'off'}_{int(time.time() * 1e3)}"
+def run_job(config: str, arm: str, work: Path, timeout: float = 900.0) -> dict:
+    """Runs one 2-worker job with ``tfdist launch`` in profiler arm ``arm``;
+    returns worker 0's result (with its directory)."""
+    out = work / f"{config}_{arm}_{int(time.time() * 1e3)}"
     out.mkdir(parents=True)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -153,13 +156,14 @@ def run_job(config: str, profile: bool, work: Path, timeout: float = 900.0) -> d
     args = [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--show-all",
             __file__, "--mode=worker", f"--config={config}", f"--out={out}",
             f"--layers={','.join(FLAGS.layers)}", f"--steps={FLAGS.steps}",
-            f"--batch={FLAGS.batch}"] + (["--profile"] if profile else [])
+            f"--batch={FLAGS.batch}"] + {"off": [], "on": ["--profile"],
+                                         "barrier": ["--profile", "--barrier"]}[arm]
     with open(out / "launch.log", "w") as log:
         done = subprocess.run(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=timeout, cwd=REPO)
     if done.returncode != 0 or not (out / "worker0.json").exists():
         tail = (out / "launch.log").read_text()[-3000:]
-        raise RuntimeError(f"{config} (profile {profile}) failed with exit code "
+        raise RuntimeError(f"{config} (profiler {arm}) failed with exit code "
                            f"{done.returncode}; its log ends:\n{tail}")
     result = json.loads((out / "worker0.json").read_text())
     result["dir"] = str(out)
@@ -175,7 +179,7 @@ def median_step(times: Sequence[float], skip: int) -> float:
 
 
 def arm_order(pair: int, arms: Sequence[str]) -> list[str]:
-    """The arms of pair ``pair``: as given, then reversed, alternately."""
+    """The arms of round ``pair``: as given, then reversed, alternately."""
     return list(arms) if pair % 2 == 0 else list(reversed(arms))
 
 
@@ -193,7 +197,7 @@ def inside() -> None:
     for pair in range(FLAGS.pairs):
         for config in FLAGS.configs:
             for arm in arm_order(pair, FLAGS.arms):
-                result = run_job(config, arm == "on", work)
+                result = run_job(config, arm, work)
                 runs.append({"config": config, "arm": arm, "pair": pair,
                              "step_s": median_step(result["step_times"], FLAGS.skip),
                              **{k: result[k] for k in ("step_times", "params", "dir")},
@@ -221,19 +225,22 @@ def shares(phases: dict) -> dict[str, float]:
 
 
 def summarize(raw: dict) -> dict:
-    """Per configuration: median step off and on, the overhead (median over
-    pairs of on / off) and the measured shares of the profiled runs."""
+    """Per configuration: median step of each arm, the overheads (median over
+    rounds of on / off, barrier / off) and the measured shares of the
+    profiled runs."""
     rows = {}
     for config in dict.fromkeys(r["config"] for r in raw["runs"]):
         runs = [r for r in raw["runs"] if r["config"] == config]
         by_pair: dict[int, dict[str, float]] = {}
         for r in runs:
             by_pair.setdefault(r["pair"], {})[r["arm"]] = r["step_s"]
-        ratios = [p["on"] / p["off"] for p in by_pair.values() if "on" in p and "off" in p]
         profiled = [shares(r["phases"]) for r in runs if r["arm"] == "on" and "phases" in r]
-        row = {"off_s": _median([r["step_s"] for r in runs if r["arm"] == "off"]),
-               "on_s": _median([r["step_s"] for r in runs if r["arm"] == "on"]),
-               "overhead": _median(ratios), "ratios": ratios}
+        row = {"off_s": _median([r["step_s"] for r in runs if r["arm"] == "off"])}
+        for arm, key in (("on", "overhead"), ("barrier", "overhead_barrier")):
+            ratios = [p[arm] / p["off"] for p in by_pair.values() if arm in p and "off" in p]
+            row[f"{arm}_s"] = _median([r["step_s"] for r in runs if r["arm"] == arm])
+            row[key] = _median(ratios)
+            row[f"{key}_pairs"] = ratios
         if profiled:
             for key in ("compute", "communicate", "wait", "bytes"):
                 row[key] = statistics.median(p[key] for p in profiled)
@@ -265,24 +272,27 @@ def markdown(raw: dict, rows: dict) -> str:
         f"private network namespace; MLP {'-'.join(map(str, meta['layers']))} "
         f"({meta['params']:,} parameters), batch {meta['batch']} per worker, "
         f"{meta['steps']} steps per run (median after {meta['skip']}), "
-        f"{meta['pairs']} interleaved (off, on) pairs per configuration.",
+        f"{meta['pairs']} interleaved rounds of the arms per configuration.",
         "",
         f"| configuration | step, profiler off | step, on | overhead (goal <= {GOAL}) "
-        "| compute share | communicate share | wait share | bytes per step | larger |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| with barrier=True | compute share | communicate share | wait share "
+        "| bytes per step | larger |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for config, row in rows.items():
         ok = row["overhead"] is not None and row["overhead"] <= GOAL
         lines.append(
             f"| {config} | {_ms(row['off_s'])} | {_ms(row['on_s'])} "
             f"| {_fmt(row['overhead'], '.3f')}{' (met)' if ok else ''} "
+            f"| {_fmt(row.get('overhead_barrier'), '.3f')} "
             f"| {_fmt(row.get('compute'), '.1%')} | {_fmt(row.get('communicate'), '.1%')} "
             f"| {_fmt(row.get('wait'), '.1%')} | {_fmt(row.get('bytes'), ',.0f')} "
             f"| {row.get('larger', '—')} |")
     lines += ["", "Compute is forward, backward, compress and decompress, as StepProfile "
-              "measured them on worker 0; the shares are of its host step time. The "
-              "overhead is the median over pairs of the profiled / unprofiled median "
-              "step time."]
+              "measured them on worker 0 (the `on` runs); the shares are of its host step "
+              "time. The overhead is the median over rounds of the profiled / unprofiled "
+              "median step time; `barrier=True` adds a one-float all-reduce per step to "
+              "measure the wait directly. Per-round ratios are in the JSON."]
     for note in meta.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"

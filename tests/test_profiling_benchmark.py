@@ -43,5 +43,5 @@ def test_summary_takes_the_median_ratio_over_pairs_and_the_larger_share():
             "load": [0.1, 0.2, 0.3], "rate": "100mbit", "layers": [4, 2], "params": 10,
             "batch": 32, "steps": 12, "skip": 3, "pairs": 3}
     text = bench.markdown({"meta": meta, "runs": runs}, rows)
-    assert "| fp32 | 1000.0 ms | 1020.0 ms | 1.020 (met) |" in text
+    assert "| fp32 | 1000.0 ms | 1020.0 ms | 1.020 (met) | — |" in text
     assert "| communicate |" in text

@@ -174,8 +174,11 @@ def test_top_k_is_gathered(tf_cpus, tmp_path):
     import tfdist
     strategy = tfdist.strategy_from_config(strategy="mirrored", cpu_replicas=2,
                                            compression="topk:0.05")
-    _, profile, sent, _ = _fit(strategy, tmp_path)
+    # With the barrier: one more (scalar) all-reduce, before the gradients'.
+    _, profile, sent, _ = _fit(strategy, tmp_path, barrier=True)
     assert [r.bytes for r in profile.records] == sent[1:]
+    for r in profile.records:
+        assert r.grads_ready < r.peers_ready <= min(s.start for s in r.spans)
     kinds = {tuple(s.kind for s in r.spans) for r in profile.records}
     assert all("all_gather" in k for k in kinds), kinds
 

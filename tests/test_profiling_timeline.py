@@ -10,8 +10,8 @@ import pytest
 from tfdist import cli
 from tfdist.profiling import plot as plot_lib
 from tfdist.profiling import timeline
-from tfdist.profiling.records import (PHASES, Span, StepRecord, from_row, mean_phases, phases,
-                                      row_width, to_row, union_length)
+from tfdist.profiling.records import (PHASES, Span, StepRecord, derive_waits, from_row,
+                                      mean_phases, phases, row_width, to_row, union_length)
 
 
 def _record(worker, step, t0, skew=0.0, wait=0.01, spans=2):
@@ -147,3 +147,22 @@ def test_launch_timeline_reaches_every_task(tmp_path):
                            "-c", "pass"], cwd=tmp_path, env=subprocess_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "timeline" in done.stderr and str(tmp_path) in done.stderr
+
+
+def test_without_a_barrier_the_wait_is_the_first_collectives_excess():
+    # Worker 1 joins the collective 30 ms late; both leave it together.
+    def record(worker, joins, step=3):
+        t = 50.0
+        first = Span("all_reduce", t + joins, t + 0.05, 100.0)
+        second = Span("all_reduce", t + 0.051, t + 0.06, 10.0)
+        return StepRecord(worker, step, 0, t - 0.01, t - 0.009, t + joins, t + joins,
+                          t + 0.061, t + 0.07, t + 0.071, [first, second])
+    fast, slow, alone = record(0, 0.0), record(1, 0.03), record(0, 0.0, step=4)
+    derive_waits([fast, slow, alone])
+    assert phases(fast)["wait"] == pytest.approx(0.03)
+    assert phases(slow)["wait"] == pytest.approx(0.0)
+    assert phases(fast)["communicate"] == pytest.approx(phases(slow)["communicate"])
+    assert phases(alone)["wait"] == 0.0  # No peer's record for that step: left alone.
+    assert fast.bytes == slow.bytes == 110.0
+    offsets = timeline.align([fast, slow])
+    assert offsets[1] == pytest.approx(0.0, abs=1e-9)

@@ -31,8 +31,8 @@ import tensorflow as tf
 from tfdist.errors import ConfigError
 from tfdist.profiling import instrument
 from tfdist.profiling.gather import gather_rows, local_replicas, worker_index
-from tfdist.profiling.records import (PHASES, StepRecord, from_row, mean_phases, phases,
-                                      row_width, to_row)
+from tfdist.profiling.records import (PHASES, StepRecord, derive_waits, from_row,
+                                      mean_phases, phases, row_width, to_row)
 from tfdist.profiling.stragglers import Straggler, check_factor, find_stragglers
 
 __all__ = ["StepProfile", "LoopProfile", "TIMELINE_ENV", "SUPPORTED_KINDS", "install_timeline"]
@@ -86,9 +86,14 @@ class StepProfile(keras.callbacks.Callback):
         predict: Measure the link once at the start (a few all-reduces; the
             one ``compression="auto"`` made is reused) and report the
             predicted communication time beside the measured one.
-        barrier: Measure the wait for the slowest peer with a one-float
-            all-reduce per step; False counts the wait in the first
-            collective.
+        barrier: How the wait for the slowest peer is measured. False (the
+            default): from the first collective of each step, which every
+            worker leaves together; a worker's wait is its duration minus
+            the shortest worker's (:func:`~tfdist.profiling.records.derive_waits`),
+            at no cost. True: a one-float all-reduce issued with the
+            gradients, which also separates the replicas of one process,
+            at the cost of one more collective per step (about one link
+            latency).
         every_batch: Also put each step's own figures in the batch logs.
 
     Raises:
@@ -99,7 +104,7 @@ class StepProfile(keras.callbacks.Callback):
     def __init__(self, log_dir: str | os.PathLike | None = None,
                  timeline: str | os.PathLike | None = None, *,
                  straggler_factor: float = 1.3, predict: bool = True,
-                 barrier: bool = True, every_batch: bool = False) -> None:
+                 barrier: bool = False, every_batch: bool = False) -> None:
         super().__init__()
         self.log_dir = os.fspath(log_dir) if log_dir is not None else None
         if timeline is None:
@@ -221,6 +226,11 @@ class StepProfile(keras.callbacks.Callback):
                         np.float64).reshape(-1, width)
         gathered = gather_rows(self._strategy(), rows)
         records = [from_row(row) for worker_rows in gathered for row in worker_rows]
+        if not self.barrier:
+            derive_waits(records)
+            own = [r for r in records if r.worker == self.worker]
+            if mine and len(own) == len(mine):
+                self.records[-len(mine):] = own
         self.all_records.extend(records)
         summary = mean_phases(records)
         self.summaries.append(summary)

@@ -20,7 +20,7 @@ import math
 from typing import Any, Iterable, Mapping
 
 __all__ = ["Span", "StepRecord", "PHASES", "phases", "busy", "union_length", "mean_phases",
-           "to_row", "from_row", "row_width"]
+           "to_row", "from_row", "row_width", "derive_waits"]
 
 #: The phases of a step, in the order they happen.
 PHASES = ("input", "compute", "wait", "compress", "communicate", "decompress",
@@ -224,3 +224,33 @@ def from_row(row: Iterable[float]) -> StepRecord:
              for i in range(head + 1, head + 1 + 4 * count, 4)]
     return StepRecord(int(row[0]), int(row[1]), int(row[2]),
                       **dict(zip(_INSTANTS, row[3:head])), spans=spans)
+
+
+def derive_waits(records: Iterable[StepRecord]) -> list[StepRecord]:
+    """Separates the wait for the slowest peer from the first collective, for
+    steps measured without a barrier.
+
+    A collective returns on every worker once the last one has joined it, so
+    the worker that joined last spent only the transfer in it and every
+    other worker the transfer plus its wait. Per step, each worker's wait is
+    its first collective's duration minus the shortest one's (clock-free:
+    durations only). The first span then starts after the wait, and
+    ``peers_ready`` moves there. Steps that only one worker measured are
+    left as they are. Returns the records (changed in place) in their order.
+    """
+    records = list(records)
+    by_step: dict[int, list[StepRecord]] = {}
+    for r in records:
+        if r.spans:
+            by_step.setdefault(r.step, []).append(r)
+    for group in by_step.values():
+        if len({r.worker for r in group}) < 2:
+            continue
+        firsts = [min(r.spans, key=lambda s: s.start) for r in group]
+        shortest = min(s.seconds for s in firsts)
+        for r, first in zip(group, firsts):
+            wait = first.seconds - shortest
+            start = first.start + wait
+            r.spans[r.spans.index(first)] = Span(first.kind, start, first.end, first.bytes)
+            r.peers_ready = max(r.peers_ready, start)
+    return records

@@ -8,8 +8,8 @@ a start ``ts`` and a duration ``dur`` in microseconds) on a process
 thread, its phases (:data:`~tfdist.profiling.records.PHASES`): one
 ``communicate`` event per collective, with the bytes it sent in ``args``.
 
-Workers on different hosts have different clocks. Every worker leaves the
-per-step barrier at the same instant (give or take one latency), so
+Workers on different hosts have different clocks. Every worker leaves a
+step's first collective at the same instant (give or take one latency), so
 :func:`align` takes each worker's median offset from worker 0 at that
 instant and the merged trace shifts the workers by it. Pure Python.
 """
@@ -37,12 +37,14 @@ def worker_path(path: str | os.PathLike, worker: int) -> str:
 def align(records: Iterable[StepRecord]) -> dict[int, float]:
     """Seconds to subtract from each worker's instants to put them on worker
     0's clock: the median, over the steps both measured, of the difference
-    of the instants they left the barrier (``peers_ready``). A worker with no
-    step in common with worker 0 (or no barrier) gets 0."""
+    of the instants they left the step's first collective, which every
+    worker leaves together. A worker with no step in common with worker 0
+    gets 0."""
     by_worker: dict[int, dict[int, float]] = {}
     for r in records:
-        if r.peers_ready > r.grads_ready or r.spans:
-            by_worker.setdefault(r.worker, {})[r.step] = r.peers_ready
+        if r.spans:
+            first = min(r.spans, key=lambda s: s.start)
+            by_worker.setdefault(r.worker, {})[r.step] = first.end
     reference = by_worker.get(0, {})
     offsets = {}
     for worker, steps in by_worker.items():
