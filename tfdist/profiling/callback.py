@@ -94,7 +94,10 @@ class StepProfile(keras.callbacks.Callback):
             gradients, which also separates the replicas of one process,
             at the cost of one more collective per step (about one link
             latency).
-        every_batch: Also put each step's own figures in the batch logs.
+        every_batch: Also put each step's own figures in the batch logs
+            (without the barrier, their ``wait`` is still inside
+            ``communicate``: it is separated when the epoch's records of
+            every worker are gathered).
 
     Raises:
         ConfigError: A strategy it cannot take apart (parameter server,

@@ -8,10 +8,13 @@ step. The marks are taken at:
 * ``input_ready``: the batch handed to ``train_step`` (Keras ``fit``, via
   :func:`wrap_step`; a custom loop may call :meth:`Profiler.mark_input`);
 * ``grads_ready``: every gradient handed to the optimizer;
-* ``peers_ready``: a scalar all-reduce, issued once the gradients are ready,
-  returned. It returns when the slowest replica has issued its own, so the
-  time before it is the wait for the slowest peer, and the gradients'
-  collectives after it measure the transfer alone;
+* ``peers_ready``, with ``barrier=True``: a scalar all-reduce, issued once
+  the gradients are ready, returned. It returns when the slowest replica
+  has issued its own, so the time before it is the wait for the slowest
+  peer, and the gradients' collectives after it measure the transfer alone.
+  Without the barrier (the default) the wait stays inside the first
+  collective, and :func:`~tfdist.profiling.records.derive_waits` separates
+  it once every worker's records are gathered;
 * one span per collective (its input ready, its output ready, the bytes this
   replica sent through it), from :class:`ProfiledComm` or around Keras's own
   all-reduce;
@@ -24,10 +27,10 @@ timestamps among them, in program order; under MirroredStrategy every
 replica's ops are traced into one graph, so a second replica's marks would
 wait for the first replica's. One replica per worker keeps them true.
 
-The scalar all-reduce is the profiler's only extra collective: one float per
-step, about one latency of the link. It serialises the gradients' transfer
-after the backward pass, which TensorFlow's default (one pack per step)
-does anyway.
+The profiler adds no collective by default; the barrier adds one float per
+step, about one latency of the link. Either way a span's start waits for
+every gradient, so the gradients' transfer follows the backward pass, as
+TensorFlow's default (one pack per step) does anyway.
 """
 
 from __future__ import annotations
@@ -118,10 +121,10 @@ class Profiler:
         strategy: The strategy the steps run under.
         barrier: Measure the wait for the slowest peer with a scalar
             all-reduce before the gradients' collectives. Without it the
-            wait is counted in the first collective.
+            wait is inside the first collective's span.
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, barrier: bool = True) -> None:
+    def __init__(self, strategy: tf.distribute.Strategy, barrier: bool = False) -> None:
         self.strategy = strategy
         self.barrier = barrier
         devices = worker_devices(strategy)
@@ -305,9 +308,8 @@ def _payload_bytes(tensors: Sequence[Any]) -> tuple[Any, Any]:
     for t in tensors:
         if isinstance(t, tf.IndexedSlices):
             row = int(np.prod(t.values.shape.as_list()[1:]))
-            per_row = slices_nbytes(1, row, t.values.dtype.name, t.indices.dtype.name) \
-                - slices_nbytes(0, row, t.values.dtype.name, t.indices.dtype.name)
             fixed = slices_nbytes(0, row, t.values.dtype.name, t.indices.dtype.name)
+            per_row = slices_nbytes(1, row, t.values.dtype.name, t.indices.dtype.name) - fixed
             rows = tf.cast(tf.shape(t.indices)[0], tf.float64)
             sparse.append(fixed + per_row * rows)
         elif t is not None:
