@@ -34,7 +34,7 @@ _LAZY = {
     "CompressorAggregator": "aggregate",
     "PowerSGD": "powersgd",
     "Traffic": "traffic",
-    "predict_traffic": "traffic",
+    "predict_traffic": "predict",
     "SparseGradient": "sparse",
     "CommunicationStats": "callback",
     "step_traffic": "loop_traffic",

@@ -472,7 +472,7 @@ def check_error_feedback(compressor: Compressor, error_feedback: bool | None) ->
     None means the default for that compressor; True with a lossless
     compressor raises.
     """
-    from tfdist.compression.registry import default_error_feedback
+    from tfdist.compression.setting import default_error_feedback
 
     if error_feedback is None:
         return default_error_feedback(compressor)

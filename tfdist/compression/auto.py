@@ -234,7 +234,7 @@ def compute_cost(candidate: Any, entries: int,
     kind = _kind(candidate)
     cost = per_entry.get(kind, max(per_entry.values()))
     if kind == "powersgd":
-        from tfdist.compression.registry import make_aggregator
+        from tfdist.compression.factory import fixed_aggregator as make_aggregator
         cost += POWERSGD_S_PER_ENTRY_RANK * make_aggregator(candidate).rank
     return cost * entries
 
@@ -261,7 +261,7 @@ def predict_costs(
         bandwidth + compute * link.compute_scale) * step factor``, bytes from
         the candidate's traffic formula after any warm-up.
     """
-    from tfdist.compression.registry import make_aggregator
+    from tfdist.compression.factory import fixed_aggregator as make_aggregator
 
     factors = STEP_FACTOR if step_factor is None else step_factor
     entries = _dense_entries(shapes)
@@ -306,7 +306,7 @@ def choose(
     if costs[label(best)] > MIN_GAIN * costs["none"]:
         best = "none"
     if _kind(best) == "powersgd":
-        from tfdist.compression.registry import make_aggregator
+        from tfdist.compression.factory import fixed_aggregator as make_aggregator
         chosen = make_aggregator(best)
         if not chosen.warmup_dtype_given:
             chosen = copy.copy(chosen)  # The caller's object stays as it was.
@@ -435,7 +435,7 @@ class AutoCompression(Aggregator):
                  repeats: int = 3, compute_per_entry: dict[str, float] | None = None,
                  step_factor: dict[str, float] | None = None) -> None:
         from tfdist.compression.base import check_int
-        from tfdist.compression.registry import make_aggregator
+        from tfdist.compression.factory import fixed_aggregator as make_aggregator
 
         self.candidates = tuple(candidates)
         if not self.candidates:
@@ -474,7 +474,7 @@ class AutoCompression(Aggregator):
         Returns:
             The :class:`Decision`, also kept as ``self.decision``.
         """
-        from tfdist.compression.registry import make_aggregator
+        from tfdist.compression.factory import fixed_aggregator as make_aggregator
 
         if self.decision is not None:
             return self.decision
@@ -509,7 +509,7 @@ class AutoCompression(Aggregator):
 
     def traffic(self, shapes, num_replicas, step=None):
         if self.passthrough:
-            from tfdist.compression.registry import make_aggregator
+            from tfdist.compression.factory import fixed_aggregator as make_aggregator
             return make_aggregator("none").traffic(shapes, num_replicas, step=step)
         return self._require().traffic(shapes, num_replicas, step=step)
 

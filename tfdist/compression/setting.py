@@ -127,3 +127,35 @@ def parse_compression(setting: Any) -> CompressionSetting:
     if number < 1:
         raise _bad(setting, f"'{name}:N' with N a positive integer ({kind})")
     return CompressionSetting(name, number)
+
+
+#: Whether error feedback is on by default: the biased compressors need it
+#: to converge; the unbiased or near-lossless ones do not. Random-k is
+#: unbiased (scaled) by default; ``RandomKCompressor(unbiased=False)`` gets
+#: error feedback (see :func:`default_error_feedback`).
+_DEFAULT_EF = {
+    "none": False, "fp16": False, "bf16": False, "qsgd": False, "randomk": False,
+    "topk": True, "sign": True, "powersgd": True,
+    "auto": False,  # Each candidate keeps its own default.
+}
+
+
+def default_error_feedback(name: Any) -> bool:
+    """Whether error feedback should be on by default for a compressor.
+
+    True for top-k and sign (biased: the literature needs error feedback
+    for convergence); False for none, fp16, bf16, QSGD and random-k
+    (lossless, nearly so, or unbiased; random-k's default scaling does not
+    admit error feedback). A ``RandomKCompressor(unbiased=False)`` object
+    gets True.
+
+    Args:
+        name: A name from :data:`COMPRESSOR_NAMES`, or a compressor.
+    """
+    if not isinstance(name, str):
+        if getattr(name, "name", None) == "randomk":
+            return bool(getattr(name, "contractive", False))
+        name = getattr(name, "name", name)
+    if name not in COMPRESSOR_NAMES:
+        raise ConfigError("name", name, "one of " + ", ".join(map(repr, COMPRESSOR_NAMES)))
+    return _DEFAULT_EF[name]
