@@ -433,15 +433,6 @@ class LoopProfile(StepProfile):
         self._epoch += 1
         return logs
 
-    def on_train_end(self, logs: dict | None = None) -> None:
-        try:
-            if self.timeline is not None:
-                self._write_timeline()
-        finally:
-            for writer in self.__dict__.pop("_writers", {}).values():
-                writer.close()
-            self.profiler.detach()
-
 
 def _wrap_fit(original):
     @functools.wraps(original)
