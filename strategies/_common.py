@@ -69,9 +69,9 @@ def adopt_flags() -> None:
     """Lists the tfdist and training flags in the script's ``--help``.
 
     absl's ``--help`` shows the main module's key flags only; the flags are
-    defined in ``tfdist.flags`` and here.
+    defined in ``tfdist.strategies.flags`` and here.
     """
-    import tfdist.flags as tfdist_flags
+    import tfdist.strategies.flags as tfdist_flags
     main_module = sys.argv[0]
     for module in (tfdist_flags, sys.modules[__name__]):
         for flag in FLAGS.get_flags_for_module(module.__name__):
@@ -142,7 +142,7 @@ def weights_sha256(weights: list[np.ndarray]) -> str:
 
 
 def _is_chief(strategy: Any) -> bool:
-    from tfdist.callbacks import is_chief
+    from tfdist.training.callbacks import is_chief
     return is_chief(strategy)
 
 

@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 import pytest
 
 from conftest import REPO, subprocess_env
-from tfdist.net import free_ports
+from tfdist.engines.net import free_ports
 
 #: The daemons the fixture starts; clients are found next to them on PATH.
 DAEMONS = ("slurmctld", "slurmd")

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from conftest import finish, result_line, start
-from tfdist import cluster
-from tfdist.net import local_spec
+from tfdist import spec as cluster
+from tfdist.engines.net import local_spec
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ import pytest
 
 import tfdist
 from conftest import REPO, finish, result_line, start
-from tfdist import cluster
+from tfdist import spec as cluster
 from tfdist.errors import ConfigError
-from tfdist.net import local_spec
+from tfdist.engines.net import local_spec
 
 sys.path.insert(0, str(REPO / "strategies"))
 import _common  # noqa: E402  (the scripts' model and data)
@@ -37,7 +37,7 @@ def strategy(tf_cpus):
 
 @pytest.fixture(scope="module")
 def callbacks_mod(tf_cpus):
-    from tfdist import callbacks
+    from tfdist.training import callbacks
     return callbacks
 
 

@@ -133,7 +133,7 @@ def _host_lines(stdout):
 
 
 def test_hosts_prints_every_tasks_command_grouped_by_host():
-    from tfdist import cluster
+    from tfdist import spec as cluster
     proc = tfdist("hosts", "chief_and_workers", "--python", "python3 -u", "--",
                   "train.py", "--epochs", "3", "--name", "a b", "--")
     assert proc.returncode == 0, proc.stderr
@@ -168,7 +168,7 @@ def test_hosts_reads_stdin_and_adds_the_evaluator_on_its_host():
 
 
 def test_hosts_errors_exit_2_with_the_cluster_message(tmp_path):
-    from tfdist import cluster
+    from tfdist import spec as cluster
     from tfdist.errors import ClusterSpecError
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:1"]}}))
@@ -273,7 +273,7 @@ REAL_ERRORS = [
 
 
 def test_the_noise_filter_drops_the_observed_lines_and_keeps_real_errors():
-    from tfdist.quiet import NoiseFilter
+    from tfdist.engines.quiet import NoiseFilter
     assert [line for line in REAL_ERRORS if NoiseFilter().is_noise(line)] == []
     noise = NoiseFilter()
     assert [line for line in OBSERVED_NOISE if not noise.is_noise(line)] == []
@@ -295,7 +295,7 @@ def test_filtered_stderr_passes_real_errors_even_when_the_process_aborts():
     lines = OBSERVED_NOISE[:3] + [REAL_ERRORS[1]] + OBSERVED_NOISE[3:] + [REAL_ERRORS[3]]
     code = (
         "import os, sys, traceback\n"
-        "from tfdist.quiet import filtered_stderr\n"
+        "from tfdist.engines.quiet import filtered_stderr\n"
         "lines = sys.argv[1:]\n"
         "with filtered_stderr():\n"
         "    os.write(2, ''.join(l + '\\n' for l in lines[:-1]).encode())\n"
@@ -317,7 +317,7 @@ def test_filtered_stderr_passes_real_errors_even_when_the_process_aborts():
 
 
 def _noise_lines(text):
-    from tfdist.quiet import NoiseFilter
+    from tfdist.engines.quiet import NoiseFilter
     noise = NoiseFilter()
     return [line for line in text.splitlines() if noise.is_noise(line)]
 

@@ -1,4 +1,4 @@
-"""Tests for tfdist.cluster (TF_CONFIG parsing, validation and generation).
+"""Tests for tfdist.spec (TF_CONFIG parsing, validation and generation).
 
 Pure Python: no TensorFlow is imported, so the whole file runs in well under
 a second (one short subprocess checks the no-TensorFlow promise).
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tfdist import cluster
-from tfdist.cluster import TFConfig
+from tfdist import spec as cluster
+from tfdist.spec import TFConfig
 from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -503,7 +503,7 @@ def test_import_does_not_load_tensorflow():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, "-c", "import tfdist.cluster, sys; assert 'tensorflow' not in sys.modules"],
+        [sys.executable, "-c", "import tfdist.spec, sys; assert 'tensorflow' not in sys.modules"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr

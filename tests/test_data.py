@@ -1,4 +1,4 @@
-"""Global batch size and the auto-shard policy choice (tfdist.data).
+"""Global batch size and the auto-shard policy choice (tfdist.training.data).
 
 The policies are checked against TensorFlow's own auto-shard rewrite
 (``_AutoShardDataset``, what ``experimental_distribute_dataset`` applies on
@@ -21,7 +21,7 @@ RECORDS = 4  # per file
 
 @pytest.fixture(scope="module")
 def data_mod(tf_cpus):
-    from tfdist import data
+    from tfdist.training import data
     return data
 
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from tfdist import cluster
-from tfdist.detect import choose
+from tfdist import spec as cluster
+from tfdist.spec.detect import choose
 from tfdist.errors import ConfigError
-from tfdist.options import make_options
+from tfdist.spec.options import make_options
 
 WORKERS = {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}
 CHIEF_WORKERS = {"chief": ["127.0.0.1:20000"], **WORKERS}
@@ -219,7 +219,7 @@ def test_bad_compression_names_the_value(setting):
 
 
 def test_detection_does_not_import_tensorflow():
-    code = ("import sys, tfdist.detect as d, tfdist.cli, tfdist.flags;"
+    code = ("import sys, tfdist.spec.detect as d, tfdist.cli.commands, tfdist.strategies.flags;"
             "d.choose({'cluster': {'worker': ['127.0.0.1:1', '127.0.0.1:2']},"
             " 'task': {'type': 'worker', 'index': 0}}, env={});"
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")
@@ -228,7 +228,7 @@ def test_detection_does_not_import_tensorflow():
 
 
 def test_a_collective_timeout_is_on_by_default_and_can_be_turned_off():
-    from tfdist.options import make_options
+    from tfdist.spec.options import make_options
     assert make_options(env={}).collective_timeout == 600.0
     assert make_options(env={}, collective_timeout="none").collective_timeout is None
     assert make_options(env={"TFDIST_COLLECTIVE_TIMEOUT": "none"}).collective_timeout is None

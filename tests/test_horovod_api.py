@@ -225,7 +225,7 @@ def test_init_after_tensorflow_started_says_what_to_move():
     import sys
 
     from conftest import REPO, subprocess_env
-    from tfdist.net import free_ports
+    from tfdist.engines.net import free_ports
     tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]},
                  "task": {"type": "worker", "index": 0}}
     code = ("import tensorflow as tf; tf.constant(1.0); import tfdist.horovod as hvd\n"

@@ -195,7 +195,7 @@ def test_metric_average_on_one_process_keeps_the_logs():
 @pytest.mark.slow
 def test_two_workers_broadcast_average_and_warm_up(tmp_path):
     """One 2-worker job: broadcast (model and optimizer slots), metric mean, warm-up."""
-    from tfdist.launch import launch
+    from tfdist.engines.launch import launch
 
     out = io.StringIO()
     result = launch(str(REPO / "tests" / "workers" / "hvd_callbacks.py"), [str(tmp_path)],

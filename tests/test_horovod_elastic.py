@@ -264,7 +264,7 @@ def test_a_kill_during_a_commit_never_leaves_half_a_commit(tmp_path):
 @pytest.mark.slow
 def test_a_job_killed_twice_resumes_from_its_commits(tmp_path):
     """2 workers, max_restarts=2: a custom loop and a fit each lose a worker once."""
-    from tfdist.launch import launch
+    from tfdist.engines.launch import launch
 
     out = io.StringIO()
     result = launch(str(REPO / "tests" / "workers" / "hvd_elastic.py"), [str(tmp_path)],

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, subprocess_env
-from tfdist import cli, horovodrun
+from tfdist.cli import commands as cli
+from tfdist.engines import horovodrun
 from tfdist.errors import ConfigError
-from tfdist.horovodrun import HostSlots
+from tfdist.engines.horovodrun import HostSlots
 
 TASK = str(REPO / "tests" / "workers" / "task.py")
 RUN_MAIN = str(REPO / "tests" / "workers" / "hvd_run_main.py")

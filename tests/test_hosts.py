@@ -1,10 +1,10 @@
-"""Tests for tfdist.hosts: per-host commands, TFJob manifests (checked against
+"""Tests for tfdist.engines.hosts: per-host commands, TFJob manifests (checked against
 Kubeflow's TFJob structure; there is no Kubernetes cluster here), the YAML
 writer, and a Slurm step of 2 tasks on localhost without Slurm.
 
 Everything but the Slurm test is pure Python (no TensorFlow). Expected values
 are computed from the spec files themselves, or by parsing what tfdist wrote
-(``shlex.split``, ``tfdist.cluster.parse``, PyYAML when installed).
+(``shlex.split``, ``tfdist.spec.parse``, PyYAML when installed).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, finish, result_line, start, subprocess_env
-from tfdist import cluster, hosts
+from tfdist import spec as cluster
+from tfdist.engines import hosts
 from tfdist.errors import ClusterSpecError, ConfigError
-from tfdist.net import free_ports
+from tfdist.engines.net import free_ports
 
 SPECS = sorted((REPO / "cluster_specs").glob("*.json"))
 JOB_ORDER = ("chief", "worker", "ps")  # TF_CONFIG's job order, written out again here.
@@ -555,7 +556,7 @@ def test_numbers_and_manifests_round_trip_through_pyyaml():
 
 
 def test_hosts_and_cli_do_not_import_tensorflow():
-    code = ("import sys, tfdist.hosts, tfdist.cli; "
+    code = ("import sys, tfdist.engines.hosts, tfdist.cli.commands; "
             "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=subprocess_env(), timeout=60)

@@ -4,7 +4,7 @@ The worker (tests/workers/keras_tutorial_save.py) does what TensorFlow's
 multi-worker Keras tutorial does: fit with Keras's BackupAndRestore and
 ModelCheckpoint, ``model.save`` on every worker (the tutorial's
 ``write_filepath`` way, and every worker to the same path), ``load_model``
-right after. Before tfdist.keras_saving, the two workers wrote the same
+right after. Before tfdist.training.saving, the two workers wrote the same
 files: "unable to lock file" (BlockingIOError) in fit, a ``.keras`` archive
 with a bad CRC, and worker 1 loading the chief's model before it existed
 ("File not found").
@@ -26,7 +26,7 @@ import pytest
 
 import tfdist
 from conftest import REPO
-from tfdist import keras_saving
+from tfdist.training import saving as keras_saving
 
 SCRIPT = str(REPO / "tests" / "workers" / "keras_tutorial_save.py")
 EPOCHS, STEPS = 3, 6
@@ -47,7 +47,7 @@ def lines_with(prefix: str, lines: list[str]) -> list[dict]:
 
 
 def run_job(out_dir, tmp_dir, **env):
-    from tfdist.launch import launch
+    from tfdist.engines.launch import launch
     out = io.StringIO()
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "strategies")]),
            "TMPDIR": str(tmp_dir), "TF_CPP_MIN_LOG_LEVEL": "2", **env}

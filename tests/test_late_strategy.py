@@ -15,7 +15,7 @@ import os
 import pytest
 
 from conftest import REPO
-from tfdist.launch import launch
+from tfdist.engines.launch import launch
 
 SCRIPT = str(REPO / "tests" / "workers" / "late_strategy.py")
 

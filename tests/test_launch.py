@@ -20,7 +20,7 @@ import pytest
 
 import tfdist
 from conftest import REPO, subprocess_env
-from tfdist.launch import launch
+from tfdist.engines.launch import launch
 
 TASK = str(REPO / "tests" / "workers" / "task.py")
 
@@ -172,7 +172,7 @@ def _results(lines):
 
 @pytest.mark.slow
 def test_a_port_taken_by_another_process_relaunches_on_new_ports():
-    from tfdist.net import free_ports
+    from tfdist.engines.net import free_ports
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -269,7 +269,7 @@ def test_tensorflows_start_up_noise_is_in_the_logs_and_shown_only_with_verbose(t
     # Two tasks that start TensorFlow (its start-up noise on a CPU machine),
     # log a real error, and worker 1 raises: as a user runs it, without
     # TF_CPP_MIN_LOG_LEVEL.
-    from tfdist.quiet import NoiseFilter
+    from tfdist.engines.quiet import NoiseFilter
 
     def noise_in(lines):
         filters = {}  # One per task: the filter follows each process's stream.

@@ -8,8 +8,8 @@ import pytest
 
 import tfdist
 from conftest import finish, result_line, start
-from tfdist import cluster
-from tfdist.net import local_spec
+from tfdist import spec as cluster
+from tfdist.engines.net import local_spec
 from test_strategies import fit_losses
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_four_workers_dp2_tp2_match_the_unsharded_model(tmp_path):
-    from tfdist import cluster
-    from tfdist.net import local_spec
+    from tfdist import spec as cluster
+    from tfdist.engines.net import local_spec
     procs = [start(["tests/workers/parallel_fit_mw.py"], tf_config=config)
              for _, _, config in cluster.all_task_configs(local_spec(4))]
     results = finish(procs, timeout=300)

@@ -11,7 +11,7 @@ import pytest
 import tfdist
 from conftest import REPO, subprocess_env
 from tfdist.errors import ConfigError
-from tfdist.options import ENV_VARS, make_options
+from tfdist.spec.options import ENV_VARS, make_options
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def test_a_bad_environment_value_is_named_too():
 def test_flag_is_passed_through_and_builds_the_mesh(tf_cpus):
     from absl import flags
 
-    from tfdist.flags import options_from_flags
+    from tfdist.strategies.flags import options_from_flags
     from tfdist.parallel.mesh import mesh_of
     values = flags.FlagValues()
     tfdist.define_flags(values)

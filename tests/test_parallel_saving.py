@@ -331,8 +331,8 @@ def test_two_workers_save_and_load_full_values(tf_cpus, tmp_path):
     a gather both workers join, in model.save, get_weights and the
     checkpoint alike."""
     from conftest import finish, result_line, start
-    from tfdist import cluster
-    from tfdist.net import local_spec
+    from tfdist import spec as cluster
+    from tfdist.engines.net import local_spec
     procs = [start(["tests/workers/parallel_saving_mw.py"], tf_config=config,
                    TFDIST_TEST_DIR=str(tmp_path))
              for _, _, config in cluster.all_task_configs(local_spec(2))]

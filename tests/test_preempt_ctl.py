@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, subprocess_env
-from tfdist import cluster
-from tfdist.net import local_spec
+from tfdist import spec as cluster
+from tfdist.engines.net import local_spec
 
 SCRIPT = REPO / "tests" / "workers" / "preempt_ctl.py"
 TOTAL_STEPS, STEPS_PER_EPOCH, SIGNAL_AT = 48, 16, 20
@@ -209,7 +209,7 @@ def test_checkpointable_iterator_resumes_with_the_next_batch(tf_cpus, tmp_path):
     assert [_values(take(restored), strategy) for _ in range(3)] == expected[5:8]
 
     # A step traced over the old iterator would keep reading it: refused.
-    from tfdist.resumable import IteratorRestoreError
+    from tfdist.training.resumable import IteratorRestoreError
     take(iterator)
     with pytest.raises(IteratorRestoreError, match="before the first training step"):
         tf.train.Checkpoint(iterator=iterator).restore(path)

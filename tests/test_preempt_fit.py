@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from conftest import finish, result_line, start
-from tfdist.net import local_spec
-from tfdist.preemption import PREEMPTED_EXIT_CODE
+from tfdist.engines.net import local_spec
+from tfdist.training.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Preemption under the Horovod API: ``hvd.elastic`` stops every rank at the
 same commit and the restarted job resumes from it, with no step lost.
 
-One real 2-rank job under ``tfdist.launch.launch`` with ``max_restarts=1``:
+One real 2-rank job under ``tfdist.engines.launch.launch`` with ``max_restarts=1``:
 rank 1 gets SIGTERM mid-run, every rank writes the next commit and exits
 with code 143, the launcher restarts the job, and it resumes at that commit.
 Its final weights equal an uninterrupted job's.
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, subprocess_env
-from tfdist.launch import launch
+from tfdist.engines.launch import launch
 
 pytestmark = pytest.mark.slow
 

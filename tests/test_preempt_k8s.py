@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, subprocess_env
-from tfdist import hosts
+from tfdist.engines import hosts
 from tfdist.errors import ConfigError
 
 yaml = pytest.importorskip("yaml")  # A test dependency (pyproject [test]).
@@ -105,7 +105,7 @@ def test_the_default_policy_restarts_a_preemption_and_fails_a_crash():
     # exits as tfdist does after saving on preemption.
     crash = subprocess.run([sys.executable, "-c", "raise RuntimeError('bug')"],
                            capture_output=True, timeout=60).returncode
-    from tfdist import preemption
+    from tfdist.training import preemption
     preempted = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.exit({preemption.PREEMPTED_EXIT_CODE})"],
         timeout=60).returncode

@@ -22,8 +22,8 @@ import pytest
 
 import tfdist
 from conftest import REPO, subprocess_env
-from tfdist.launch import launch
-from tfdist.launch_elastic import parse_slots, parse_workers
+from tfdist.engines.launch import launch
+from tfdist.engines.elastic import parse_slots, parse_workers
 
 TASK = str(REPO / "tests" / "workers" / "preempt_task.py")
 SAVED = re.compile(r"preempted: saved at step (\d+) \(epoch (\d+), batch (\d+)\); "

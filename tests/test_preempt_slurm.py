@@ -28,7 +28,7 @@ import pytest
 
 from conftest import REPO
 from slurm_engine import SlurmCluster, slurm_cluster  # noqa: F401 - a fixture
-from tfdist.callbacks import read_backup_pointer
+from tfdist.training.callbacks import read_backup_pointer
 
 pytestmark = pytest.mark.slow
 

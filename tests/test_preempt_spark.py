@@ -1,5 +1,5 @@
 """Preemption on Spark: a barrier job whose task gets SIGTERM saves at one
-step, and :func:`tfdist.spark.run`'s next attempt resumes at that step.
+step, and :func:`tfdist.engines.spark.run`'s next attempt resumes at that step.
 
 Spark does not retry a failed barrier result stage (it retries a barrier
 stage only behind a shuffle, and ``BarrierTaskContext`` has no stage attempt
@@ -29,8 +29,8 @@ import pytest
 
 from conftest import REPO
 from test_spark import spark, spark_cluster  # noqa: F401 - the fixtures
-from tfdist import spark as tfspark
-from tfdist.preemption import PREEMPTED_EXIT_CODE, Preempted
+from tfdist.engines import spark as tfspark
+from tfdist.training.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 WORKERS = REPO / "tests" / "workers"
 

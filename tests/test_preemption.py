@@ -1,4 +1,4 @@
-"""tfdist.preemption and tfdist.resume in one process: signals, the watcher
+"""tfdist.training.preemption and tfdist.training.resume in one process: signals, the watcher
 without peers, status records, the size-change policy, bad input.
 
 The multi-worker agreement is tested with real processes in
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist import resume
+from tfdist.training import resume
 from tfdist.errors import ConfigError
-from tfdist.preemption import (PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher,
+from tfdist.training.preemption import (PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher,
                                preemption_signal)
 
 # TensorFlow starts here with the suite's logical CPUs, whatever runs first.

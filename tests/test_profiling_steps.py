@@ -280,7 +280,7 @@ def test_steps_per_execution_measures_the_last_step_of_each_call(tf_cpus, tmp_pa
 
 def test_a_log_dir_without_tensorboard_installed_is_refused_at_once(monkeypatch, tmp_path):
     import sys
-    from tfdist.callbacks import TensorBoardNotInstalledError
+    from tfdist.training.callbacks import TensorBoardNotInstalledError
     from tfdist.profiling import StepProfile
     monkeypatch.setitem(sys.modules, "tensorboard.summary.v2", None)  # import fails
     with pytest.raises(TensorBoardNotInstalledError, match="pip install"):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tfdist import cli
+from tfdist.cli import commands as cli
 from tfdist.profiling import plot as plot_lib
 from tfdist.profiling import timeline
 from tfdist.profiling.records import (PHASES, Span, StepRecord, derive_waits, from_row,

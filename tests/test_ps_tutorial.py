@@ -26,8 +26,8 @@ import pytest
 from conftest import finish, result_line, start
 
 import tfdist
-from tfdist import cluster as cluster_lib
-from tfdist import detect
+from tfdist import spec as cluster_lib
+from tfdist.spec import detect
 from tfdist.errors import ConfigError
 
 
@@ -161,7 +161,7 @@ def test_a_multi_worker_resolver_is_read_like_its_tf_config():
 
 
 def test_a_local_cluster_stands_for_its_chief_tf_config():
-    from tfdist.ps_cluster import LocalCluster
+    from tfdist.engines.local_cluster import LocalCluster
 
     # A cluster that was never started: only its addresses matter here.
     cluster = LocalCluster(
@@ -185,7 +185,7 @@ def test_tape_gradient_of_keras_variables_holding_shards_equals_the_whole():
     import tensorflow as tf
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-    from tfdist import keras_ps
+    from tfdist.training import ps_patches as keras_ps
 
     keras_ps.install()  # What tfdist's ParameterServerStrategy installs.
     rs = np.random.RandomState(0)

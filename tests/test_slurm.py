@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tfdist.detect import choose
+from tfdist.spec.detect import choose
 from tfdist.errors import ConfigError
 
 STEP = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
@@ -24,7 +24,7 @@ def slurm_step(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here
     from tensorflow.python.distribute.cluster_resolver import (
         slurm_cluster_resolver as tf_slurm)
-    from tfdist import slurm
+    from tfdist.strategies import slurm
     return tf_slurm, slurm
 
 

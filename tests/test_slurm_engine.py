@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO
 from slurm_engine import SlurmCluster, slurm_cluster  # noqa: F401 - a fixture
-from tfdist import slurm as tfdist_slurm
+from tfdist.strategies import slurm as tfdist_slurm
 
 pytestmark = pytest.mark.slow
 

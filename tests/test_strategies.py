@@ -167,7 +167,7 @@ def test_strategy_from_flags(tf_cpus):
     tfdist.define_flags(values)
     values(["prog", "--cpu_replicas=2", "--compression=topk:0.05",
             "--register_timeout=30", "--noerror_feedback"])
-    from tfdist.flags import options_from_flags
+    from tfdist.strategies.flags import options_from_flags
     kwargs = options_from_flags(values)
     assert kwargs == {"cpu_replicas": 2, "register_timeout": 30.0,
                       "strategy": "auto", "compression": "topk:0.05",

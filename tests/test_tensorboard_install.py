@@ -66,7 +66,7 @@ def test_tensorboard_without_the_package_says_how_to_install_it():
 
 
 def test_the_install_hint_names_an_extra_that_exists():
-    from tfdist.callbacks import TensorBoard
+    from tfdist.training.callbacks import TensorBoard
     pyproject = (REPO / "pyproject.toml").read_text()
     extras = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
     assert "pip install 'tfdist[tensorboard]'" in TensorBoard.INSTALL_HINT

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tfdist.watchdog import PeerWatchdog
+from tfdist.strategies.watchdog import PeerWatchdog
 
 
 class FakeTF:
@@ -98,7 +98,7 @@ def test_a_timeout_must_be_positive(timeout):
 def test_a_peer_that_exits_first_is_not_warned_about_until_half_the_timeout(caplog):
     fake = FakeTF(silent={PEERS[0]})
     dog, last_ok = watchdog(fake, timeout=60.0), {}
-    with caplog.at_level("WARNING", logger="tfdist.watchdog"):
+    with caplog.at_level("WARNING", logger="tfdist.strategies.watchdog"):
         while fake.now < 15:  # Probes of 10 s: 20 s of silence.
             assert dog.check_once(last_ok) is None
         assert not caplog.records  # A job's normal end: the peer left first.

@@ -2,7 +2,7 @@
 
 ``tfdist.strategy_from_config()`` returns the right tf.distribute strategy for
 wherever the script runs. TensorFlow is imported lazily, on first use of a
-name that needs it, so that ``tfdist.cluster`` and the CLI's spec commands
+name that needs it, so that ``tfdist.spec`` and the CLI's spec commands
 stay fast and work without TensorFlow.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tfdist._lazy import lazy_attributes
 from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
+from tfdist import plugins as _plugins
 
 __version__ = "0.1.0"
 
@@ -28,32 +29,38 @@ _LAZY = {
     "TPUNotFoundError": "tfdist.strategies",
     "StrategyOrderError": "tfdist.strategies",
     "KerasDistributionError": "tfdist.parallel.guard",
-    "fit": "tfdist.training",
-    "evaluate": "tfdist.training",
-    "predict": "tfdist.training",
-    "ParameterServerError": "tfdist.training",
-    "StepTimeoutError": "tfdist.training",
-    "local_cluster": "tfdist.ps_cluster",
-    "LocalCluster": "tfdist.ps_cluster",
-    "define_flags": "tfdist.flags",
-    "strategy_from_flags": "tfdist.flags",
+    "fit": "tfdist.training.parameter_server",
+    "evaluate": "tfdist.training.parameter_server",
+    "predict": "tfdist.training.parameter_server",
+    "ParameterServerError": "tfdist.training.parameter_server",
+    "StepTimeoutError": "tfdist.training.parameter_server",
+    "local_cluster": "tfdist.engines.local_cluster",
+    "LocalCluster": "tfdist.engines.local_cluster",
+    "define_flags": "tfdist.strategies.flags",
+    "strategy_from_flags": "tfdist.strategies.flags",
     "parse_compression": "tfdist.compression",
-    "BackupAndRestore": "tfdist.callbacks",
-    "ModelCheckpoint": "tfdist.callbacks",
-    "TensorBoard": "tfdist.callbacks",
-    "LearningRateWarmup": "tfdist.callbacks",
-    "scale_learning_rate": "tfdist.callbacks",
-    "global_batch_size": "tfdist.data",
-    "choose_shard_policy": "tfdist.data",
-    "distribute_dataset": "tfdist.data",
-    "CheckpointableIterator": "tfdist.resumable",
-    "PreemptionWatcher": "tfdist.preemption",
-    "Preempted": "tfdist.preemption",
-    "PreemptionError": "tfdist.preemption",
-    "PREEMPTED_EXIT_CODE": "tfdist.preemption",
+    "BackupAndRestore": "tfdist.training.callbacks",
+    "ModelCheckpoint": "tfdist.training.callbacks",
+    "TensorBoard": "tfdist.training.callbacks",
+    "LearningRateWarmup": "tfdist.training.callbacks",
+    "scale_learning_rate": "tfdist.training.callbacks",
+    "global_batch_size": "tfdist.training.data",
+    "choose_shard_policy": "tfdist.training.data",
+    "distribute_dataset": "tfdist.training.data",
+    "CheckpointableIterator": "tfdist.training.resumable",
+    "PreemptionWatcher": "tfdist.training.preemption",
+    "Preempted": "tfdist.training.preemption",
+    "PreemptionError": "tfdist.training.preemption",
+    "PREEMPTED_EXIT_CODE": "tfdist.training.preemption",
     "StepProfile": "tfdist.profiling.callback",
     "LoopProfile": "tfdist.profiling.callback",
 }
+
+#: The layers above the strategies that plug into every strategy
+#: (:mod:`tfdist.plugins`), in the order they install. This package
+#: runs before any ``tfdist.*`` module, so no import path misses them.
+PLUGINS = ("tfdist.parallel.plugin", "tfdist.training.plugin", "tfdist.profiling.plugin")
+_plugins.use(*PLUGINS)
 
 __all__ = ["ClusterSpecError", "ConfigError", "TfdistError", *_LAZY]
 

@@ -117,7 +117,7 @@ class ConfigError(TfdistError, ValueError):
 
 
 class ClusterSpecError(ConfigError):
-    """A problem in a TF_CONFIG or cluster spec (everything ``tfdist.cluster`` raises).
+    """A problem in a TF_CONFIG or cluster spec (everything ``tfdist.spec`` raises).
 
     The message starts with ``TF_CONFIG`` and, in brackets, where it came from
     (a file path, ``<string>``, ``<dict>``), e.g.::

@@ -31,14 +31,14 @@ def train(strategy, *, k: int, micro_steps: int, seed: int = 0) -> dict:
     Returns:
         ``weights``, ``iterations``, and ``states``: after each step, whether
         the compression state (residuals, PowerSGD's Q) changed, and whether
-        the step applied (per :func:`tfdist.keras_accumulation.applies_this_step`);
+        the step applied (per :func:`tfdist.training.accumulation.applies_this_step`);
         ``sent``: the bytes of each step (:func:`tfdist.compression.step_traffic`);
         ``examples``: how many examples all replicas saw.
     """
     import keras
 
     from tfdist.compression.keras_hook import state_variables
-    from tfdist.keras_accumulation import applies_this_step
+    from tfdist.compression.applied import applies_this_step
 
     n = strategy.num_replicas_in_sync
     x, y = data(n, micro_steps * PER_REPLICA_BATCH, seed)
@@ -57,7 +57,7 @@ def reference(strategy, *, k: int, micro_steps: int, seed: int = 0) -> dict:
     import keras
 
     from tfdist.compression.keras_hook import state_variables
-    from tfdist.keras_accumulation import applies_this_step
+    from tfdist.compression.applied import applies_this_step
 
     n = strategy.num_replicas_in_sync
     x, y = data(n, micro_steps * PER_REPLICA_BATCH, seed)

@@ -21,8 +21,8 @@ import tensorflow as tf
 
 import _common
 import tfdist
-from tfdist.callbacks import BackupAndRestore, ModelCheckpoint, TensorBoard
-from tfdist.data import distribute_dataset
+from tfdist.training.callbacks import BackupAndRestore, ModelCheckpoint, TensorBoard
+from tfdist.training.data import distribute_dataset
 
 backup_dir = os.environ["TFDIST_TEST_BACKUP_DIR"]
 ckpt_path = os.environ.get("TFDIST_TEST_CKPT_PATH")

@@ -116,7 +116,7 @@ if MODE == "tf_handler":
     # TensorFlow's documented use: the handler restores the latest checkpoint
     # of the manager when it is created, and saves and exits when any worker
     # got SIGTERM (its own exit is sys.exit(42) off Google Cloud; under a
-    # tfdist strategy 143, with a status record: tfdist.tf_handler).
+    # tfdist strategy 143, with a status record: tfdist.training.tf_handler).
     handler = tf.distribute.experimental.PreemptionCheckpointHandler(resolver, manager)
     start = int(step_var.numpy())
     print(f"tfdist start: {start} restored={manager.latest_checkpoint}", flush=True)

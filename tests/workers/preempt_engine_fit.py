@@ -30,7 +30,7 @@ import tensorflow as tf
 
 import _common
 import tfdist
-from tfdist.data import distribute_dataset
+from tfdist.training.data import distribute_dataset
 
 EPOCHS = 3
 STEPS_PER_EPOCH = 20

@@ -84,7 +84,7 @@ class Progress(keras.callbacks.Callback):
 
 x, y = data()
 backup = os.path.join(WORKDIR, "backup")
-from tfdist.callbacks import read_backup_pointer  # noqa: E402
+from tfdist.training.callbacks import read_backup_pointer  # noqa: E402
 at_start = read_backup_pointer(backup)
 print(f"tfdist start: {json.dumps(at_start)}", flush=True)
 progress = Progress()

@@ -110,7 +110,7 @@ try:
         history = tfdist.fit(model, dataset, epochs=EPOCHS, verbose=2)
         result["history"] = history.history
         emb = model.layers[0].embeddings
-        from tfdist import keras_ps
+        from tfdist.training import ps_patches as keras_ps
         raw = keras_ps.raw_variable(emb)
         result["sharded"] = keras_ps.is_sharded(emb)
         result["shard_devices"] = sorted({v.device for v in getattr(raw, "variables", [raw])})
@@ -175,7 +175,7 @@ try:
         except tfdist.ParameterServerError as error:
             result["error"] = str(error)
             result["error_after"] = time.monotonic() - (kill.killed_at or started)
-        from tfdist.callbacks import read_backup_pointer
+        from tfdist.training.callbacks import read_backup_pointer
         result["pointer"] = read_backup_pointer(backup)
         raise SystemExit(0)  # The ps is gone, and the variables with it.
     elif SCENARIO == "resume":

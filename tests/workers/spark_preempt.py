@@ -34,7 +34,7 @@ def train(ctx, *, pid_dir: str, step_sleep: float = 0.15) -> dict:
 
     import _common
     import tfdist
-    from tfdist.data import distribute_dataset
+    from tfdist.training.data import distribute_dataset
 
     strategy = ctx.strategy
     Path(pid_dir, f"task-{ctx.worker_index}.pid").write_text(str(os.getpid()))

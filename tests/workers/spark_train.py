@@ -26,7 +26,7 @@ def train(ctx, *, epochs: int = 3, pid_dir: str | None = None,
     """Fits the model; the chief returns every task's report.
 
     Args:
-        ctx: The tfdist.spark.TrainContext.
+        ctx: The tfdist.engines.spark.TrainContext.
         epochs: Epochs to fit.
         pid_dir: Where each task writes ``task-N.pid`` (its process id).
         fail_task: The worker that raises at the start of ``fail_epoch``.
@@ -39,8 +39,8 @@ def train(ctx, *, epochs: int = 3, pid_dir: str | None = None,
     import tensorflow as tf
 
     import _common
-    from tfdist.callbacks import BackupAndRestore
-    from tfdist.data import distribute_dataset
+    from tfdist.training.callbacks import BackupAndRestore
+    from tfdist.training.data import distribute_dataset
 
     strategy = ctx.strategy
     if pid_dir:

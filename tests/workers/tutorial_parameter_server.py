@@ -40,7 +40,7 @@ import traceback
 import tensorflow as tf
 
 import tfdist
-from tfdist.net import free_ports
+from tfdist.engines.net import free_ports
 
 WORKDIR = sys.argv[1]
 result = {"errors": {}}

@@ -7,6 +7,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfdist.compression.applied import applies_this_step
 from tfdist.compression.keras_hook import strategy_aggregator
 from tfdist.compression.traffic import Traffic
 
@@ -14,6 +15,12 @@ from tfdist.compression.traffic import Traffic
 def _horovod_settings(optimizer: Any) -> Any:
     """A ``tfdist.horovod.DistributedOptimizer``'s settings, else None."""
     return getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd", None)
+
+
+def _mesh_runtime(strategy: Any) -> Any:
+    """The tensor-parallel mesh runtime a strategy carries (set by
+    :func:`tfdist.parallel.mesh.attach`), or None."""
+    return getattr(strategy, "_tfdist_parallel", None)
 
 
 class CommunicationStats(keras.callbacks.Callback):
@@ -78,20 +85,16 @@ class CommunicationStats(keras.callbacks.Callback):
         return self._strategy or getattr(self.model, "distribute_strategy", None) \
             or tf.distribute.get_strategy()
 
-    def _mesh_traffic(self, strategy: Any) -> dict[str, float]:
+    def _mesh_traffic(self, runtime: Any, strategy: Any) -> dict[str, float]:
         """Under a (data, tensor) mesh: the bytes counted by the collectives
         since the last call, split by kind, and the dense reference (the full
         model's gradients all-reduced over every replica, as data
         parallelism alone would send)."""
-        from tfdist.compression.traffic import all_reduce_bytes, nbytes
-        from tfdist.parallel import collectives, sharding
-        now = collectives.traffic(strategy)
+        now = runtime.traffic()
         before = getattr(self, "_mesh_seen", None) or {k: 0.0 for k in now}
         self._mesh_seen = now
         sent = {k: now[k] - before.get(k, 0.0) for k in now}
-        full = sum(nbytes(sharding.spec_of(v).full_shape if sharding.spec_of(v) else v.shape,
-                          v.dtype) for v in self.model.trainable_variables)
-        dense = all_reduce_bytes(full, strategy.num_replicas_in_sync)
+        dense = runtime.dense_gradient_bytes(self.model, strategy.num_replicas_in_sync)
         total = sent["tensor_parallel"] + sent["data_parallel"]
         return {"comm_bytes": total, "comm_dense_bytes": dense,
                 "comm_ratio": dense / total if total else float("inf"),
@@ -99,19 +102,17 @@ class CommunicationStats(keras.callbacks.Callback):
                 "comm_data_parallel_bytes": sent["data_parallel"]}
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from tfdist.parallel import collectives
-        self._mesh_seen = collectives.traffic(self._strategy_now()) or None
+        runtime = _mesh_runtime(self._strategy_now())
+        self._mesh_seen = runtime.traffic() if runtime is not None else None
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        from tfdist.keras_accumulation import applies_this_step
-        from tfdist.parallel.mesh import mesh_of
-
         self.steps += 1
         strategy = self._strategy_now()
-        if mesh_of(strategy) is not None:
+        runtime = _mesh_runtime(strategy)
+        if runtime is not None:
             # Measured by the collectives: the activations' traffic as well
             # as the gradients'.
-            self.mesh_logs = self._mesh_traffic(strategy)
+            self.mesh_logs = self._mesh_traffic(runtime, strategy)
             self.total_bytes += self.mesh_logs["comm_bytes"]
             self.total_dense_bytes += self.mesh_logs["comm_dense_bytes"]
             if self.every_batch and logs is not None:

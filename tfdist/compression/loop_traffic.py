@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from tfdist.compression.applied import applies_this_step
 from tfdist.compression.keras_hook import strategy_aggregator, traced_slices
 from tfdist.compression.sparse import check_traced, model_gradients, rows_per_replica
 from tfdist.compression.traffic import Traffic
@@ -68,7 +69,6 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
             ``batch_size`` say how many rows; or the model's Embedding tables
             do not match what was sent.
     """
-    from tfdist.keras_accumulation import applies_this_step
 
     hvd = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd", None)
     strategy = (strategy or getattr(optimizer, "_distribution_strategy", None)

@@ -84,7 +84,7 @@ from tfdist.errors import ConfigError, TfdistError
 from tfdist.horovod import collectives, runtime
 from tfdist.horovod.callbacks import model_state_variables
 from tfdist.horovod.commits import CommitStore, commit_dir
-from tfdist.preemption import PreemptionWatcher
+from tfdist.training.preemption import PreemptionWatcher
 
 __all__ = [
     "State",
@@ -169,7 +169,7 @@ class State:
         Inside :func:`run`, a preemption signal to any rank makes every rank
         stop at the same commit, the one after the signal: that commit is
         written, and every process exits with code 143
-        (:mod:`tfdist.preemption`). The restarted job resumes from it, with
+        (:mod:`tfdist.training.preemption`). The restarted job resumes from it, with
         no step lost. Host changes themselves come from the launcher:
         ``tfdist launch --workers MIN:MAX`` restarts the job at a new size.
         """

@@ -7,7 +7,7 @@ environment a launcher gives each process, in this order:
    chief (if any) is rank 0, then the workers in order, the order
    MultiWorkerMirroredStrategy numbers replicas in.
 2. A Slurm job step (``srun``): ``SLURM_PROCID`` and the step's node list,
-   with ports as :mod:`tfdist.slurm` places them.
+   with ports as :mod:`tfdist.strategies.slurm` places them.
 3. Horovod's (``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``...)
    or Open MPI's (``OMPI_COMM_WORLD_RANK``...) variables. They give ranks but
    no addresses: every rank on this host (``local_size == size``) listens on
@@ -34,7 +34,7 @@ __all__ = ["Topology", "discover", "WORKER_JOBS"]
 #: The jobs whose tasks are ranks; the chief comes first.
 WORKER_JOBS = ("chief", "worker")
 
-#: TFDIST_PORT_BASE default range (as tfdist.slurm: below the ephemeral ports).
+#: TFDIST_PORT_BASE default range (as tfdist.strategies.slurm: below the ephemeral ports).
 _PORT_LOW, _PORT_HIGH, _PORT_SPAN = 20000, 32768, 256
 
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
@@ -121,7 +121,7 @@ def _int(env: Mapping[str, str], name: str, source: str, minimum: int = 0) -> in
 
 
 def _from_tf_config(env: Mapping[str, str]) -> Topology | None:
-    from tfdist import cluster as cluster_lib
+    from tfdist import spec as cluster_lib
 
     raw = env.get("TF_CONFIG", "")
     if not raw.strip():
@@ -148,12 +148,12 @@ def _from_tf_config(env: Mapping[str, str]) -> Topology | None:
 
 
 def _from_slurm(env: Mapping[str, str]) -> Topology | None:
-    from tfdist.detect import slurm_step_tasks
+    from tfdist.spec.detect import slurm_step_tasks
 
     tasks = slurm_step_tasks(env)
     if not tasks or tasks < 2:
         return None
-    from tfdist.slurm import SlurmClusterResolver
+    from tfdist.strategies.slurm import SlurmClusterResolver
 
     # auto_set_gpu=False: Horovod scripts pick their GPU with local_rank();
     # narrowing CUDA_VISIBLE_DEVICES here would make gpus[local_rank] fail.

@@ -1,7 +1,7 @@
 """``horovod.run(func, np=...)`` on tfdist's launcher.
 
 :func:`run` starts ``np`` worker processes on this machine through
-:func:`tfdist.launch.launch` (each with its ``TF_CONFIG``: worker ``i`` is
+:func:`tfdist.engines.launch.launch` (each with its ``TF_CONFIG``: worker ``i`` is
 rank ``i``), calls ``func(*args, **kwargs)`` in each and returns the return
 values ordered by rank, as ``horovod.run`` does::
 
@@ -23,7 +23,7 @@ cloudpickle a ``__main__`` function goes by name: each worker loads the
 script as ``__mp_main__`` first, as :mod:`multiprocessing` does, so the call
 to ``run`` must sit under ``if __name__ == "__main__":``.
 
-Each rank runs :mod:`tfdist._hvd_worker`, which imports TensorFlow only
+Each rank runs :mod:`tfdist.engines.hvd_worker`, which imports TensorFlow only
 when ``func`` does (``hvd.init()`` inside it).
 """
 
@@ -38,7 +38,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from tfdist import _hvd_worker, horovodrun
+from tfdist.engines import hvd_worker as _hvd_worker
+from tfdist.engines import horovodrun
 from tfdist.errors import ConfigError, TfdistError
 
 __all__ = ["run", "RunError"]
@@ -139,7 +140,7 @@ def run(
 ) -> list[Any]:
     """Runs ``func(*args, **kwargs)`` in ``np`` local processes; returns their results.
 
-    Horovod's ``horovod.run`` on :func:`tfdist.launch.launch`: each process
+    Horovod's ``horovod.run`` on :func:`tfdist.engines.launch.launch`: each process
     gets its ``TF_CONFIG`` (worker ``i`` is rank ``i``), so ``hvd.init()``
     inside ``func`` finds its rank. Every rank's output is shown, prefixed
     with ``[worker:RANK]``.
@@ -189,7 +190,7 @@ def run(
             ``use_mpi``, or ``func`` that cannot be pickled.
         KeyboardInterrupt: Ctrl-C; every rank was stopped.
     """
-    from tfdist import launch as launch_lib
+    from tfdist.engines import launch as launch_lib
 
     if _hvd_worker.LOADING_MAIN:
         raise TfdistError(

@@ -22,7 +22,7 @@ them; Horovod matched them by name. Two guards keep a mismatch from hanging:
   ``collective_timeout`` seconds (``TFDIST_COLLECTIVE_TIMEOUT``, or
   Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``) with
   :class:`CollectiveTimeoutError`, and a peer that dies or stops answering
-  is caught by the coordination service and :mod:`tfdist.watchdog`.
+  is caught by the coordination service and :mod:`tfdist.strategies.watchdog`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ _state: _State | None = None
 
 
 def _timeout_from_env() -> float | None:
-    from tfdist.options import make_options
+    from tfdist.spec.options import make_options
 
     stall = os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
     if stall and "TFDIST_COLLECTIVE_TIMEOUT" not in os.environ:
@@ -142,8 +142,8 @@ def _configure(topo: Topology) -> None:
     from tensorflow.python.eager import context
     from tensorflow.python.training.server_lib import ClusterSpec
 
-    from tfdist.options import make_options
-    from tfdist.strategies import _configure_coordination
+    from tfdist.spec.options import make_options
+    from tfdist.strategies.multi_worker import _configure_coordination
 
     ctx = context.context()
     spec = ClusterSpec(topo.cluster)
@@ -264,7 +264,7 @@ def _start_watchdogs(state: _State) -> None:
     timeout = state.collective_timeout
     if not timeout:
         return
-    from tfdist.watchdog import PeerWatchdog
+    from tfdist.strategies.watchdog import PeerWatchdog
 
     me = (state.topo.task_type, state.topo.task_id)
     peers = [f"/job:{job}/replica:0/task:{i}" for job, i, _ in state.topo.tasks

@@ -133,6 +133,24 @@ class Runtime:
     def local_replicas(self) -> int:
         return len(self.devices)
 
+    def traffic(self) -> dict[str, float]:
+        """Bytes one replica sent so far, per kind (see :func:`traffic`)."""
+        return {kind: float(v.numpy()) / self.local_replicas() for kind, v in self.sent.items()}
+
+    def dense_gradient_bytes(self, model: Any, replicas: int) -> float:
+        """What data parallelism alone would send per step: the full model's
+        gradients all-reduced over ``replicas``. For
+        :class:`~tfdist.compression.CommunicationStats`, which reaches the mesh
+        through this runtime (compression does not import tfdist.parallel)."""
+        from tfdist.compression.traffic import all_reduce_bytes, nbytes
+        # Here, not at the top: sharding imports this module.
+        from tfdist.parallel import sharding
+        full = 0.0
+        for v in model.trainable_variables:
+            spec = sharding.spec_of(v)
+            full += nbytes(spec.full_shape if spec else v.shape, v.dtype)
+        return all_reduce_bytes(full, replicas)
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -309,10 +327,7 @@ def traffic(strategy: Any) -> dict[str, float]:
     replicas): ``tensor_parallel`` (activations and their gradients) and
     ``data_parallel`` (gradients). Empty without a mesh."""
     runtime = runtime_of(strategy)
-    if runtime is None:
-        return {}
-    return {kind: float(v.numpy()) / runtime.local_replicas()
-            for kind, v in runtime.sent.items()}
+    return runtime.traffic() if runtime is not None else {}
 
 
 def reset_traffic(strategy: Any) -> None:

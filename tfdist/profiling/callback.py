@@ -118,11 +118,11 @@ class StepProfile(keras.callbacks.Callback):
         self.barrier = bool(barrier)
         self.every_batch = bool(every_batch)
         if self.log_dir is not None:
-            from tfdist.callbacks import TensorBoard
+            from tfdist.training.callbacks import TensorBoard
             try:
                 import tensorboard.summary.v2  # noqa: F401
             except ImportError as error:
-                from tfdist.callbacks import TensorBoardNotInstalledError
+                from tfdist.training.callbacks import TensorBoardNotInstalledError
                 raise TensorBoardNotInstalledError(
                     "StepProfile(log_dir=...) writes TensorBoard scalars with tf.summary, "
                     f"which needs the 'tensorboard' package ({error}). Install it with: "
@@ -168,7 +168,7 @@ class StepProfile(keras.callbacks.Callback):
         return self.model.distribute_strategy
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from tfdist.callbacks import is_chief
+        from tfdist.training.callbacks import is_chief
         strategy = self._strategy()
         self.worker = worker_index(strategy)
         self.workers = max(1, strategy.num_replicas_in_sync // local_replicas(strategy))

@@ -43,7 +43,7 @@ parameter-server training:
   and handled the same way while the ps still serves its variables. A
   worker server serves on until the coordinator saved or its grace period
   ends, then leaves (exit 143); the job goes on without it
-  (:mod:`tfdist.ps_preemption`).
+  (:mod:`tfdist.training.ps_preemption`).
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import keras_ps
+from tfdist.training import ps_patches as keras_ps
 from tfdist.errors import ConfigError, TfdistError, require_int
-from tfdist.preemption import Preempted
+from tfdist.training.preemption import Preempted
 
 __all__ = ["fit", "evaluate", "predict", "ParameterServerError", "StepTimeoutError"]
 
@@ -371,7 +371,7 @@ def _build(model: Any, strategy: Any, data: Any) -> None:
 
 def _keras_train_step(model: Any, data: Any) -> dict:
     """Keras 3's TF ``train_step``, with gradients that work on sharded
-    variables (see :func:`tfdist.keras_ps.gradients`)."""
+    variables (see :func:`tfdist.training.ps_patches.gradients`)."""
     from keras.src import tree
     from keras.src.losses import loss as loss_module
     from keras.src.trainers import data_adapters
@@ -423,7 +423,7 @@ def _numpy_logs(logs: Any) -> dict:
 
 
 def _cluster_spec(strategy: Any) -> dict:
-    from tfdist.callbacks import _cluster
+    from tfdist.training.callbacks.workers import _cluster
     return _cluster(strategy)[0]
 
 
@@ -578,8 +578,8 @@ class _ParameterServerFit:
             # Saved; the servers leave once they see the status record. Detach
             # from them first, or this process's exit tries to reach them for
             # each function it ran ("Failed to connect ... refused").
-            from tfdist.ps_cluster import _disconnect_coordinator
-            _disconnect_coordinator(_cluster_spec(self.strategy))
+            from tfdist.strategies.coordinator import disconnect_coordinator
+            disconnect_coordinator(_cluster_spec(self.strategy))
             raise
         callbacks.on_train_end(logs=training_logs)
         return model.history
@@ -642,7 +642,7 @@ class _ParameterServerFit:
 def _watchers(callbacks: Any) -> list:
     """The preemption watchers of the callbacks: ``tfdist.BackupAndRestore``'s,
     and Keras's BackupAndRestore's under a tfdist strategy
-    (:mod:`tfdist.keras_preemption`). They exist from ``on_train_begin``."""
+    (:mod:`tfdist.training.fit_preemption`). They exist from ``on_train_begin``."""
     found = []
     for callback in getattr(callbacks, "callbacks", callbacks or ()):
         watcher = (getattr(callback, "watcher", None)
@@ -666,9 +666,9 @@ def _no_stop(watchers: list):
 def _training_marker(watchers: list):
     """While this coordinator trains with a preemption watcher, a marker in
     the notice directory tells a signalled server to wait for the backup
-    (:mod:`tfdist.ps_preemption`); without it, a server stops at once (the
+    (:mod:`tfdist.training.ps_preemption`); without it, a server stops at once (the
     job is ending anyway)."""
-    from tfdist.ps_preemption import TRAINING_MARKER, notice_dir
+    from tfdist.training.ps_preemption import TRAINING_MARKER, notice_dir
     directory = notice_dir() if watchers else None
     path = None
     if directory is not None:
@@ -699,7 +699,7 @@ class _PsNotices:
     INTERVAL = 0.2
 
     def __init__(self, watchers: list) -> None:
-        from tfdist.ps_preemption import notice_dir
+        from tfdist.training.ps_preemption import notice_dir
         self.watchers = watchers
         self.directory = notice_dir() if watchers else None
         self._next = 0.0
@@ -734,7 +734,7 @@ def _resume_step(model: Any) -> int:
     ``model.train_function`` that skips them; here the epoch simply starts
     at that step.
     """
-    from tfdist.callbacks import _SkipSteps, _unwrap_train_function
+    from tfdist.training.callbacks.backup import _SkipSteps, _unwrap_train_function
     fn = getattr(model, "train_function", None)
     skip = fn.remaining if isinstance(fn, _SkipSteps) else 0
     _unwrap_train_function(model)

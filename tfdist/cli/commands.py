@@ -19,7 +19,7 @@
 ``validate``, ``tf-config``, ``hosts``, ``tfjob``, ``horovodrun`` and ``profile`` never import
 TensorFlow, so
 they answer at once. ``info`` and ``launch`` leave TensorFlow's start-up
-noise out of the terminal (see :mod:`tfdist.quiet`); ``--verbose`` shows it.
+noise out of the terminal (see :mod:`tfdist.engines.quiet`); ``--verbose`` shows it.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ import shlex
 import sys
 from typing import Sequence
 
-from tfdist import cluster, horovodrun
+from tfdist import spec as cluster
+from tfdist.engines import horovodrun
 from tfdist.errors import ConfigError, TfdistError
-from tfdist.quiet import filtered_stderr
+from tfdist.engines.quiet import filtered_stderr
 
 
 def _info(args: argparse.Namespace) -> int:
-    from tfdist.detect import choose
-    from tfdist.options import check_model_parallel, make_options
+    from tfdist.spec.detect import choose
+    from tfdist.spec.options import check_model_parallel, make_options
 
     options = {}
     if args.cpu_replicas is not None:
@@ -69,7 +70,7 @@ def _info(args: argparse.Namespace) -> int:
         print(f"mesh:     {mesh}")
     cfg = choice.tf_config
     if choice.slurm:
-        from tfdist.slurm import SlurmClusterResolver
+        from tfdist.strategies.slurm import SlurmClusterResolver
         resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
         spec = resolver.cluster_spec().as_dict()
         cfg = cluster.parse({"cluster": spec, "task": {
@@ -269,8 +270,8 @@ def _add_launch(sub) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from tfdist import launch as launch_lib
-    from tfdist import launch_elastic
+    from tfdist.engines import launch as launch_lib
+    from tfdist.engines import elastic as launch_elastic
 
     script, rest = [args.script], list(args.args)
     for flag, words in (("-m", args.module), ("-c", args.code)):
@@ -321,7 +322,7 @@ def _launch(args: argparse.Namespace) -> int:
         spec = cluster.parse(args.spec, require_task=False).to_dict()
         if launch_lib.non_local_hosts(spec):
             # Not ours to start: say how to start each task on its host.
-            from tfdist.hosts import format_host_commands, host_commands
+            from tfdist.engines.hosts import format_host_commands, host_commands
             print("tfdist launch: the spec names other hosts "
                   f"({', '.join(launch_lib.non_local_hosts(spec))}); tfdist launch starts "
                   "processes on this machine only. Run on each host:", file=sys.stderr)
@@ -407,7 +408,7 @@ def _add_horovodrun(sub) -> None:
 
 
 def _horovodrun(args: argparse.Namespace) -> int:
-    from tfdist import launch as launch_lib
+    from tfdist.engines import launch as launch_lib
 
     source = "tfdist horovodrun"
     for field, names in _HOROVOD_REJECTED.items():
@@ -522,7 +523,7 @@ def _add_hosts(sub) -> None:
 
 
 def _hosts(args: argparse.Namespace) -> int:
-    from tfdist import hosts as hosts_lib
+    from tfdist.engines import hosts as hosts_lib
 
     words = _command_after_dashes(args, args.head(), "SCRIPT")
     commands = hosts_lib.host_commands(
@@ -575,7 +576,7 @@ def _add_tfjob(sub) -> None:
 
 
 def _tfjob(args: argparse.Namespace) -> int:
-    from tfdist import hosts as hosts_lib
+    from tfdist.engines import hosts as hosts_lib
 
     head = args.head()
     command = _command_after_dashes(args, head, "COMMAND")

@@ -1,0 +1,178 @@
+"""Keras's own ``BackupAndRestore`` under a tfdist strategy: saves on
+preemption, and resumes at the batch it saved.
+
+Keras 3.15's callback, unchanged, loses work twice over: it never sees the
+preemption signal (TensorFlow's coordination service takes SIGTERM), and a
+resume restarts the saved epoch from its first batch, training those batches
+again; its mid-epoch saves also record epoch 0 during the first epoch after a
+resume (it counts epochs only in ``on_epoch_end``). Under a tfdist strategy
+:func:`install` wraps the class so that, with no change to the script:
+
+* a :class:`tfdist.training.preemption.PreemptionWatcher` runs during ``fit``; on a
+  signal to any worker every worker stops after the same batch, the callback
+  saves there (the chief writes, :mod:`tfdist.training.saving`), and the
+  process exits with code 143;
+* every save records the batches done in the epoch (``tfdist_batches_done``
+  in Keras's ``training_metadata.json``, beside Keras's own fields), and a
+  resume skips them (read, not trained), as :class:`tfdist.BackupAndRestore`
+  does.
+
+Under TensorFlow's own strategies nothing changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+from absl import logging
+
+from tfdist.training.preemption import PreemptionWatcher
+
+_MARK = "_tfdist_preemption_wrapped"
+
+
+def _under_tfdist(model: Any) -> bool:
+    import tensorflow as tf
+    strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
+    return type(strategy).__module__.startswith("tfdist.")
+
+
+def _strategy(model: Any):
+    import tensorflow as tf
+    return getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
+
+
+def _read_metadata(callback: Any) -> dict | None:
+    try:
+        with open(callback._training_metadata_path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def metadata(callback: Any) -> dict:
+    """The fields tfdist adds to a save's ``training_metadata.json``."""
+    strategy = _strategy(callback.model)
+    return {"tfdist_batches_done": int(callback.__dict__.get("_tfdist_done", 0)),
+            "tfdist_preempted": bool(callback.__dict__.get("_tfdist_preempting", False)),
+            "replicas": strategy.num_replicas_in_sync,
+            "steps_per_epoch": (callback.params or {}).get("steps")}
+
+
+def _wrap_begin(original):
+    @functools.wraps(original)
+    def on_train_begin(self, logs=None):
+        original(self, logs)
+        state = self.__dict__
+        state.update(_tfdist_done=0, _tfdist_calls=0, _tfdist_resume=None,
+                     _tfdist_preempting=False, _tfdist_watcher=None)
+        if not _under_tfdist(self.model):
+            return
+        from tfdist.training import resume
+        from tfdist.training.callbacks.backup import _SkipSteps, _unwrap_train_function
+        _unwrap_train_function(self.model)
+        saved = _read_metadata(self)
+        if saved and saved.get("tfdist_batches_done") and os.path.exists(self._weights_path):
+            meta = {"step": saved["tfdist_batches_done"], "epoch": saved["epoch"],
+                    "replicas": saved.get("replicas"),
+                    "steps_per_epoch": saved.get("steps_per_epoch")}
+            done = resume.resize(meta, _strategy(self.model).num_replicas_in_sync,
+                                 (self.params or {}).get("steps"), self.model.optimizer)
+            if done:
+                self.model.train_function = _SkipSteps(self.model, self.model.train_function,
+                                                       done)
+                state["_tfdist_resume"] = (int(saved["epoch"]), done)
+                logging.info("tfdist: Keras BackupAndRestore resumes at epoch %d, batch %d",
+                             saved["epoch"], done)
+        state["_tfdist_watcher"] = PreemptionWatcher(_strategy(self.model), name="fit").start()
+    return on_train_begin
+
+
+def _wrap_epoch_begin(original):
+    @functools.wraps(original)
+    def on_epoch_begin(self, epoch, logs=None):
+        # Keras only counts epochs at their end: a mid-epoch save in the
+        # first epoch after a resume would record epoch 0.
+        self._current_epoch = epoch
+        resumed = self.__dict__.get("_tfdist_resume")
+        self.__dict__["_tfdist_done"] = resumed[1] if resumed and resumed[0] == epoch else 0
+        self.__dict__["_tfdist_resume"] = None
+        return original(self, epoch, logs)
+    return on_epoch_begin
+
+
+def _wrap_batch_end(original):
+    @functools.wraps(original)
+    def on_train_batch_end(self, batch, logs=None):
+        state = self.__dict__
+        state["_tfdist_done"] = max(batch + 1, state.get("_tfdist_done", 0))
+        original(self, batch, logs)
+        watcher = state.get("_tfdist_watcher")
+        if watcher is None:
+            return
+        state["_tfdist_calls"] = state.get("_tfdist_calls", 0) + 1
+        if watcher.should_stop(state["_tfdist_calls"]):
+            state["_tfdist_preempting"] = True
+            self._last_batch_seen = batch
+            self._save_model()
+            watcher.exit({"epoch": self._current_epoch, "batch": state["_tfdist_done"],
+                          "backup": str(self.backup_dir)})
+    return on_train_batch_end
+
+
+def _wrap_epoch_end(original):
+    @functools.wraps(original)
+    def on_epoch_end(self, epoch, logs=None):
+        self.__dict__["_tfdist_done"] = 0  # An epoch-end save starts the next epoch.
+        return original(self, epoch, logs)
+    return on_epoch_end
+
+
+def _wrap_save(original):
+    @functools.wraps(original)
+    def _save_model(self):
+        result = original(self)
+        if not _under_tfdist(self.model):
+            return result
+        from tfdist.training import saving as keras_saving
+        on, chief = keras_saving.active(self.model)
+        if chief and not on:
+            # Keras wrote its own fields; add tfdist's (atomically). (In a
+            # multi-worker job tfdist's save writes them in one go.)
+            saved = _read_metadata(self) or {"epoch": self._current_epoch,
+                                              "batch": self._last_batch_seen}
+            keras_saving._write_json(self._training_metadata_path, {**saved, **metadata(self)})
+        return result
+    return _save_model
+
+
+def _wrap_end(original):
+    @functools.wraps(original)
+    def on_train_end(self, logs=None):
+        watcher = self.__dict__.pop("_tfdist_watcher", None)
+        if watcher is not None:
+            watcher.stop()
+        if _under_tfdist(self.model):
+            from tfdist.training.callbacks.backup import _unwrap_train_function
+            _unwrap_train_function(self.model)
+        return original(self, logs)
+    return on_train_end
+
+
+def install() -> None:
+    """Wraps Keras's BackupAndRestore once; idempotent. Install after
+    :func:`tfdist.training.saving.install` (its save is then the inner one)."""
+    from keras.src.callbacks.backup_and_restore import BackupAndRestore
+
+    from tfdist.compression.keras_hook import wrap_once
+    wrap_once((
+        (BackupAndRestore, "on_train_begin", _wrap_begin),
+        (BackupAndRestore, "on_epoch_begin", _wrap_epoch_begin),
+        (BackupAndRestore, "on_train_batch_end", _wrap_batch_end),
+        (BackupAndRestore, "on_epoch_end", _wrap_epoch_end),
+        (BackupAndRestore, "_save_model", _wrap_save),
+        (BackupAndRestore, "on_train_end", _wrap_end),
+    ), mark=_MARK, needed_by="tfdist's preemption handling")
