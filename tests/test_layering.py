@@ -40,8 +40,9 @@ LAYERS = (
     ("horovod", ("tfdist.horovod",)),
     ("cli", ("tfdist.cli",)),
 )
-#: Above every layer: the facade and ``python -m tfdist``.
-FACADE = ("tfdist", "tfdist.__main__")
+#: Above every layer: the facade, ``python -m tfdist`` and ``tfdist.spark``
+#: (users' spelling of tfdist.engines.spark).
+FACADE = ("tfdist", "tfdist.__main__", "tfdist.spark")
 #: What the launcher-side processes may never load.
 NO_TENSORFLOW = ("tensorflow", "keras", "jax", "torch")
 

@@ -1,5 +1,5 @@
 """Preemption on Spark: a barrier job whose task gets SIGTERM saves at one
-step, and :func:`tfdist.engines.spark.run`'s next attempt resumes at that step.
+step, and :func:`tfdist.spark.run`'s next attempt resumes at that step.
 
 Spark does not retry a failed barrier result stage (it retries a barrier
 stage only behind a shuffle, and ``BarrierTaskContext`` has no stage attempt
@@ -29,7 +29,7 @@ import pytest
 
 from conftest import REPO
 from test_spark import spark, spark_cluster  # noqa: F401 - the fixtures
-from tfdist.engines import spark as tfspark
+from tfdist.engines import spark_session, spark_task
 from tfdist.training.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 WORKERS = REPO / "tests" / "workers"
@@ -57,14 +57,14 @@ SIGNAL_AT = spark_preempt.STEPS_PER_EPOCH + 5
 
 def _task_failure(error: BaseException, partition: int = 1) -> str:
     """The message a task's RuntimeError carries, as _run_task builds it."""
-    spec = tfspark._TaskSpec(
+    spec = spark_task._TaskSpec(
         train_fn=None, pass_context=True, train_kwargs={}, num_workers=2, attempt=0,
         compression=None, error_feedback=None, options={}, env={}, host=None,
         backup_dir="/b")
     try:
         raise error
     except BaseException as caught:  # noqa: BLE001 - as in _run_task
-        return tfspark._encode_failure(spec, partition, caught)
+        return spark_task._encode_failure(spec, partition, caught)
 
 
 def test_a_preempted_task_reaches_the_driver_as_a_preemption():
@@ -72,7 +72,7 @@ def test_a_preempted_task_reaches_the_driver_as_a_preemption():
               "signal_time": 1.0, "saved_time": 1.5, "exit_time": 1.6}
     text = ("org.apache.spark.SparkException: Job aborted due to stage failure: "
             + _task_failure(Preempted(record)))
-    error = tfspark._job_error(RuntimeError(text), 0, 2, 2)
+    error = spark_session._job_error(RuntimeError(text), 0, 2, 2)
     assert error.preempted == record
     assert error.partition == 1
     assert "preempted on attempt 1 of 2" in str(error)
@@ -83,7 +83,7 @@ def test_a_preempted_task_reaches_the_driver_as_a_preemption():
 def test_other_failures_and_exits_are_not_preemptions():
     for raised in (RuntimeError("boom"), SystemExit(PREEMPTED_EXIT_CODE), SystemExit(1)):
         text = _task_failure(raised, partition=0)
-        error = tfspark._job_error(RuntimeError(text), 0, 1, 2)
+        error = spark_session._job_error(RuntimeError(text), 0, 1, 2)
         assert error.preempted is None, raised
         assert "Spark task 0 (worker 0 of 2" in str(error)
 

@@ -1,4 +1,4 @@
-"""tfdist.engines.spark: argument checks (quick), and jobs on a real local Spark cluster.
+"""tfdist.spark: argument checks (quick), and jobs on a real local Spark cluster.
 
 The slow tests share one ``local-cluster[2,1,1024]`` session (a Spark master,
 a worker and 2 executor JVMs of 1 core each, on 127.0.0.1): starting one
@@ -29,7 +29,8 @@ import pytest
 
 import tfdist
 from conftest import REPO, subprocess_env
-from tfdist.engines import spark as tfspark
+from tfdist import spark as tfspark
+from tfdist.engines import spark_session
 from tfdist.errors import ConfigError
 
 WORKERS = REPO / "tests" / "workers"
@@ -70,7 +71,7 @@ def test_missing_pyspark_error_names_the_extra(monkeypatch):
 
 
 def test_importing_tfdist_spark_loads_neither_pyspark_nor_tensorflow():
-    code = ("import sys, tfdist, tfdist.engines.spark; from tfdist import spark; "
+    code = ("import sys, tfdist, tfdist.spark; from tfdist import spark; "
             "print(sorted(m for m in ('pyspark', 'tensorflow', 'keras') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
@@ -191,8 +192,8 @@ def test_run_refuses_keywords_train_fn_cannot_take(train_fn, kwargs, field, says
 
 def test_context_outside_a_task_says_where_it_works():
     with pytest.raises(tfdist.TfdistError, match=re.escape(
-            "tfdist.engines.spark.context() works only inside train_fn, on a Spark task "
-            "started by tfdist.engines.spark.run(train_fn, ...)")):
+            "tfdist.spark.context() works only inside train_fn, on a Spark task "
+            "started by tfdist.spark.run(train_fn, ...)")):
         tfspark.context()
 
 
@@ -204,7 +205,7 @@ def test_a_spark_failure_outside_train_fn_names_the_partition():
             "unsuccessfully.\norg.apache.spark.SparkException: Python worker "
             "exited unexpectedly (crashed)\n\tat org.apache.spark.api.python."
             "BasePythonRunner.read(PythonRunner.scala:1)\n")
-    error = tfspark._job_error(RuntimeError(text), 0, 2, 2)
+    error = spark_session._job_error(RuntimeError(text), 0, 2, 2)
     assert error.partition == 1
     assert error.task_traceback is None
     assert "Python worker exited unexpectedly" in str(error)
@@ -235,7 +236,7 @@ class SparkCluster:
     def wait_for_executors(self, seconds: float = 90) -> None:
         """Waits until both executors are up (Spark replaces a lost one)."""
         deadline = time.monotonic() + seconds
-        while (tfspark._task_slots(self.session.sparkContext) or 0) < 2:
+        while (spark_session._task_slots(self.session.sparkContext) or 0) < 2:
             if time.monotonic() > deadline:
                 pytest.fail(f"the Spark executors did not come back within "
                             f"{seconds:g} s\n{self.logs()}", pytrace=False)
@@ -480,7 +481,7 @@ def test_without_a_session_run_gets_one_and_calls_train_fn_with_keywords(tmp_pat
         "spark.pyspark.python": sys.executable}, output
     assert all(a.startswith("127.0.0.1:") for a in result["tf_config"]["cluster"]["worker"])
     # train_fn(**kwargs) ran in the strategy's scope on both tasks; its context
-    # came from tfdist.engines.spark.context().
+    # came from tfdist.spark.context().
     chief, other = result["tasks"]
     assert result["replicas"] == 2
     assert [chief["task"], other["task"]] == ["worker:0", "worker:1"]

@@ -4,4 +4,6 @@ from tfdist._moved import moved
 
 __getattr__, __dir__, __all__ = moved(__name__, [
     'tfdist.engines.hosts',
+    'tfdist.engines.tfjob',
+    'tfdist.engines.yaml_text',
 ])

@@ -1,7 +1,11 @@
-"""Deprecated: ``tfdist.spark`` is now :mod:`tfdist.engines.spark` (works until the next release)."""
+"""``tfdist.spark``: users' spelling of :mod:`tfdist.engines.spark` (Spark barrier jobs).
 
-from tfdist._moved import moved
+Not deprecated: like ``horovod.spark``, it is where a Spark user looks. It is
+the same module object, so ``tfdist.spark is tfdist.engines.spark``.
+"""
 
-__getattr__, __dir__, __all__ = moved(__name__, [
-    'tfdist.engines.spark',
-])
+import sys
+
+from tfdist.engines import spark as _spark
+
+sys.modules[__name__] = _spark

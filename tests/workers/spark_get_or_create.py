@@ -1,9 +1,9 @@
-"""tfdist.engines.spark.run as spark-tensorflow-distributor's runner is used.
+"""tfdist.spark.run as spark-tensorflow-distributor's runner is used.
 
 Run as a script by tests/test_spark.py, in a fresh process with no Spark
 session: ``run(train, num_workers=2, epochs=..., learning_rate=...)`` must get
 its session itself (``SparkSession.builder.getOrCreate()``), and ``train``
-takes no context: it reads it from ``tfdist.engines.spark.context()``. ``train`` is
+takes no context: it reads it from ``tfdist.spark.context()``. ``train`` is
 defined here, in ``__main__``, so cloudpickle sends it by value; the tasks
 import ``_common`` (strategies/) from the PYTHONPATH they inherit.
 
@@ -23,9 +23,9 @@ def train(epochs: int, learning_rate: float = 0.01) -> dict:
     import tensorflow as tf
 
     import _common
-    import tfdist.engines.spark
+    import tfdist.spark
 
-    ctx = tfdist.engines.spark.context()
+    ctx = tfdist.spark.context()
     in_scope = tf.distribute.get_strategy()
     x, y = _common.make_data(1024, 3)
     model = _common.build_model(learning_rate, 3)
@@ -49,10 +49,10 @@ def train(epochs: int, learning_rate: float = 0.01) -> dict:
 def main() -> None:
     from pyspark.sql import SparkSession
 
-    import tfdist.engines.spark
+    import tfdist.spark
 
     before = SparkSession.getActiveSession()
-    result = tfdist.engines.spark.run(train, num_workers=2, epochs=int(sys.argv[1]),
+    result = tfdist.spark.run(train, num_workers=2, epochs=int(sys.argv[1]),
                               learning_rate=0.02, timeout=300,
                               env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     session = SparkSession.getActiveSession()

@@ -26,7 +26,7 @@ def train(ctx, *, epochs: int = 3, pid_dir: str | None = None,
     """Fits the model; the chief returns every task's report.
 
     Args:
-        ctx: The tfdist.engines.spark.TrainContext.
+        ctx: The tfdist.spark.TrainContext.
         epochs: Epochs to fit.
         pid_dir: Where each task writes ``task-N.pid`` (its process id).
         fail_task: The worker that raises at the start of ``fail_epoch``.

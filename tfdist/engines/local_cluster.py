@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 
 from tfdist.engines import net
 # What each server runs and how a taken port shows: as in ``tfdist launch``.
-from tfdist.engines.launch import _PORT_TAKEN, SERVER_CODE
+from tfdist.engines.launch_results import _PORT_TAKEN, SERVER_CODE
 from tfdist.errors import ConfigError, TfdistError, require_int
 from tfdist.strategies.coordinator import disconnect_coordinator as _disconnect_coordinator
 

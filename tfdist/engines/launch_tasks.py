@@ -1,0 +1,152 @@
+"""The processes of one attempt of ``tfdist launch``: each task's process and output,
+the signals the launcher received, and stopping every task. No TensorFlow.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+from tfdist import spec as cluster
+from tfdist.engines.quiet import NoiseFilter
+from tfdist.engines.launch_results import TaskExit, _IMPORTANT, _PORT_TAKEN, _TAIL, _TF_INFO
+
+
+class _Signals:
+    """The stop signals the launcher received (set by its signal handler).
+
+    The handler only records the signal: the attempt's watch loop passes it
+    on and runs the grace period, so a signal never cuts a stop short.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # The first one.
+        self.last: int | None = None
+        self.time = 0.0
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any = None) -> None:
+        if self.count == 0:
+            self.signum, self.time = signum, time.monotonic()
+        self.last = signum
+        self.count += 1
+
+
+class _Task:
+    """One child process and the thread that copies its output."""
+
+    def __init__(self, task: str, argv: list[str], env: dict, out: "_Output",
+                 shown: bool, log_path: Path | None, verbose: bool = False) -> None:
+        self.task = task
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
+        self.port_taken = False
+        self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115
+        # Own session: the launcher signals the whole group, grandchildren too.
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, text=True,
+            encoding="utf-8", errors="replace", bufsize=1)
+        self._thread = threading.Thread(target=self._pump, args=(out, shown, verbose),
+                                        daemon=True)
+        self._thread.start()
+
+    def _pump(self, out: "_Output", shown: bool, verbose: bool) -> None:
+        in_traceback = False
+        noise = None if verbose else NoiseFilter()
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            if self._log:
+                self._log.write(line + "\n")
+            if _PORT_TAKEN.search(line):
+                self.port_taken = True
+            if noise is not None and noise.is_noise(line):
+                continue  # In the log file only.
+            self.tail.append(line)
+            in_traceback = in_traceback or line.startswith("Traceback")
+            if shown or in_traceback or (_IMPORTANT.search(line)
+                                         and not _TF_INFO.match(line)):
+                out.line(f"[{self.task}] {line}")
+        if self._log:
+            self._log.close()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Waits for the output to drain after the process ended."""
+        self._thread.join(timeout)
+
+    def exit(self) -> TaskExit:
+        return TaskExit(self.task, self.proc.returncode, tuple(self.tail))
+
+
+class _Output:
+    """Serializes lines from several threads onto one stream."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            self._stream.write(text + "\n")
+            self._stream.flush()
+
+    def say(self, text: str) -> None:
+        self.line(f"[tfdist launch] {text}")
+
+
+def _stop_all(tasks: list[_Task], timeout: float) -> None:
+    """SIGTERM every running task's process group, then SIGKILL what is left.
+
+    Each task leads its own process group, so this also reaches processes
+    the task started (data loaders, shells) even after the task itself
+    exited: the group keeps its id while any member lives.
+    """
+    running = [t for t in tasks if t.poll() is None]
+    for t in running:
+        t.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for t in running:
+        try:
+            t.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for t in tasks:
+        t.signal(signal.SIGKILL)
+        if t.poll() is None:
+            t.proc.wait()
+        t.finish(1.0)
+
+
+def _json(config: dict) -> str:
+    return json.dumps(config, separators=(",", ":"))
+
+
+def _tasks_of(spec: dict, evaluator: bool) -> list[tuple[str, int, dict]]:
+    tasks = [(t, i, cfg) for t, i, cfg in cluster.all_task_configs(spec)]
+    if evaluator:
+        # The evaluator stays outside `cluster`, as TensorFlow expects.
+        tasks.append(("evaluator", 0, {"cluster": spec["cluster"],
+                                       "task": {"type": "evaluator", "index": 0}}))
+    return tasks
+
+
+def _position(record: dict) -> str:
+    """``"step 37 (epoch 1, batch 12)"`` from a status record."""
+    text = f"step {record.get('step')}"
+    if record.get("epoch") is not None:
+        text += f" (epoch {record['epoch']}, batch {record.get('batch')})"
+    return text
