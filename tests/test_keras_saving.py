@@ -26,6 +26,7 @@ import pytest
 
 import tfdist
 from conftest import REPO
+from tfdist.training import chief_save
 from tfdist.training import saving as keras_saving
 
 SCRIPT = str(REPO / "tests" / "workers" / "keras_tutorial_save.py")
@@ -190,7 +191,7 @@ def test_the_chief_moves_a_sharded_save_and_leaves_no_temporary_files(tf_cpus, t
 
     model = mlp()
     path = tmp_path / "model.weights.json"
-    keras_saving._chief_save(str(path), lambda p: model.save_weights(p, max_shard_size=5e-5))
+    chief_save._chief_save(str(path), lambda p: model.save_weights(p, max_shard_size=5e-5))
     names = sorted(os.listdir(tmp_path))  # The map and its shards; nothing else.
     assert names == ["model.weights.json"] + [
         f"model_{i:05d}.weights.h5" for i in range(len(names) - 1)] and len(names) >= 4
@@ -202,7 +203,7 @@ def test_the_chief_moves_a_sharded_save_and_leaves_no_temporary_files(tf_cpus, t
 def test_a_failed_save_leaves_the_previous_file_whole(tf_cpus, tmp_path):
     model = _trained_model(tf_cpus)
     path = tmp_path / "model.keras"
-    keras_saving._chief_save(str(path), model.save)
+    chief_save._chief_save(str(path), model.save)
     before = path.read_bytes()
 
     def interrupted(staged):
@@ -211,7 +212,7 @@ def test_a_failed_save_leaves_the_previous_file_whole(tf_cpus, tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        keras_saving._chief_save(str(path), interrupted)
+        chief_save._chief_save(str(path), interrupted)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["model.keras"]
 
@@ -221,7 +222,7 @@ def test_an_unzipped_model_directory_is_replaced_whole(tf_cpus, tmp_path):
     model = _trained_model(tf_cpus)
     path = tmp_path / "model_dir"
     for _ in range(2):  # The second save replaces the first directory.
-        keras_saving._chief_save(str(path), lambda p: model.save(p, zipped=False))
+        chief_save._chief_save(str(path), lambda p: model.save(p, zipped=False))
     assert os.listdir(tmp_path) == ["model_dir"]
     assert digest(keras.models.load_model(path).get_weights()) == digest(model.get_weights())
 
@@ -238,5 +239,5 @@ def test_temporary_directories_of_killed_saves_are_swept(tf_cpus, tmp_path):
     for d in (stale, live):
         d.mkdir()
         (d / "model.keras").write_bytes(b"partial")
-    keras_saving._chief_save(str(tmp_path / "model.keras"), model.save)
+    chief_save._chief_save(str(tmp_path / "model.keras"), model.save)
     assert sorted(os.listdir(tmp_path)) == sorted(["model.keras", live.name])

@@ -211,7 +211,7 @@ def test_gradients_of_sharded_variables_equal_those_of_the_whole():
 def test_training_data_needs_a_length_it_can_know():
     import tensorflow as tf
 
-    from tfdist.training.parameter_server import _TrainData
+    from tfdist.training.ps_data import _TrainData
 
     infinite = tf.data.Dataset.from_tensor_slices(np.zeros((8, 2), "float32")).repeat()
     with pytest.raises(ConfigError) as caught:

@@ -4,4 +4,5 @@ from tfdist._moved import moved
 
 __getattr__, __dir__, __all__ = moved(__name__, [
     'tfdist.training.saving',
+    'tfdist.training.chief_save',
 ])

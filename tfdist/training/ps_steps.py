@@ -1,0 +1,125 @@
+"""One step of parameter-server training, scheduled on a worker by the coordinator:
+Keras's train step, waiting for its result with a timeout, and a failed ps
+turned into a :class:`~tfdist.training.ps_data.ParameterServerError` naming it.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from typing import Any, Callable
+import numpy as np
+import tensorflow as tf
+from tfdist.training import ps_patches as keras_ps
+from tfdist.training.ps_data import ParameterServerError, StepTimeoutError, _check_positive_int
+
+
+# --------------------------------------------------------------------------
+# The steps.
+
+
+def _keras_train_step(model: Any, data: Any) -> dict:
+    """Keras 3's TF ``train_step``, with gradients that work on sharded
+    variables (see :func:`tfdist.training.ps_patches.gradients`)."""
+    from keras.src import tree
+    from keras.src.losses import loss as loss_module
+    from keras.src.trainers import data_adapters
+
+    x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        if model._call_has_training_arg:
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                   sample_weight=sample_weight, training=True)
+        model._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+    if model.trainable_weights:
+        weights = model.trainable_weights
+        grads = keras_ps.gradients(tape, loss, weights)
+        model.optimizer.apply_gradients(zip(grads, weights))
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _step_fn(model: Any) -> Callable:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    own = type(model).train_step
+    if own is TensorFlowTrainer.train_step:
+        return lambda data: _keras_train_step(model, data)
+    return model.train_step  # The user's own train_step.
+
+
+def _wait(remote: Any, timeout: float | None, what: str) -> Any:
+    """``remote.fetch()`` with a time limit."""
+    event = getattr(remote, "_status_available_event", None)
+    if timeout is not None and event is not None and not event.wait(timeout):
+        raise StepTimeoutError(
+            f"{what} did not finish within step_timeout={timeout:g}s: no worker "
+            "ran it. Are all workers down? Restart them (they rejoin), or raise "
+            "step_timeout.")
+    return remote.fetch()
+
+
+def _numpy_logs(logs: Any) -> dict:
+    if not isinstance(logs, dict):
+        return {}
+    return {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
+            for k, v in logs.items()}
+
+
+def _cluster_spec(strategy: Any) -> dict:
+    from tfdist.training.callbacks.workers import _cluster
+    return _cluster(strategy)[0]
+
+
+def _answers(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at ``host:port``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _ps_failure(error: Exception, strategy: Any) -> ParameterServerError:
+    ps = [str(a) for a in _cluster_spec(strategy).get("ps", [])]
+    text = str(error)
+    lost = [f"ps:{i} ({addr})" for i, addr in enumerate(ps)
+            if f":{addr.rsplit(':', 1)[-1]}" in text or not _answers(addr)]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    detail = next((line for line in lines if re.search(
+        r"connect|refused|socket closed|unavailable|reset", line, re.I)),
+        lines[0] if lines else type(error).__name__)
+    who = (", ".join(lost) + " is unreachable") if lost else \
+        f"a parameter server is unreachable (ps: {', '.join(ps)})"
+    return ParameterServerError(
+        f"training stopped: {who}. {type(error).__name__}: {detail[:300]}. "
+        "A ps holds its share of the variables, and they are gone with it: "
+        "restart the cluster and resume from the last backup "
+        "(tfdist.BackupAndRestore keeps only complete ones).")
+
+
+def _evaluate(model: Any, data: tf.data.Dataset, steps: int | None,
+              callbacks: Any) -> dict:
+    """Evaluates on the coordinator: every batch once, variables read from the ps."""
+    _check_positive_int("validation_steps", steps)
+    test_step = getattr(model, "_tfdist_test_step", None)
+    if test_step is None:
+        test_step = tf.function(model.test_step, reduce_retracing=True)
+        model._tfdist_test_step = test_step
+    model.reset_metrics()
+    callbacks.on_test_begin()
+    logs: dict = {}
+    data = data.take(steps) if steps else data
+    for step, batch in enumerate(data):
+        callbacks.on_test_batch_begin(step)
+        logs = _numpy_logs(test_step(batch))
+        callbacks.on_test_batch_end(step, logs)
+    logs = _numpy_logs(model._get_metrics_result_or_logs(logs))
+    callbacks.on_test_end(logs)
+    return logs
