@@ -51,6 +51,8 @@ from pathlib import Path
 from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
+from benchlib.timing import step_timer  # noqa: E402
 TEST_EXAMPLES = 8192  # Held out; 1 accuracy point = 82 examples.
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -126,16 +128,9 @@ def run_one(strategy, setting: str, *, epochs: int, examples: int, global_batch:
 
     times: list[float] = []
 
-    class StepTimer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self._t = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self._t)
-
     stats = CommunicationStats()
     history = model.fit(data, epochs=epochs, verbose=0, shuffle=False,
-                        callbacks=[StepTimer(), stats])
+                        callbacks=[step_timer(times), stats])
     steps_per_epoch = len(times) // epochs
     # Steady state: skip the first epoch (tracing, warm-up).
     step_time = statistics.median(times[steps_per_epoch:])
@@ -195,8 +190,8 @@ def bench_replicas() -> list[dict]:
 
 def bench_workers() -> list[dict]:
     """Each setting on 2 worker processes (MultiWorkerMirrored on 127.0.0.1)."""
-    from tfdist import cluster
-    from tfdist.net import local_spec
+    from tfdist import spec as cluster
+    from tfdist.engines.net import local_spec
     rows = []
     for setting in FLAGS.settings:
         spec = local_spec(2)

@@ -62,6 +62,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
+from benchlib.timing import step_timer  # noqa: E402
 import overhead  # noqa: E402 - benchmarks/ is not a package; reuse its pure pieces.
 
 ARMS = ("hvd", "hvd_logs", "mwms")
@@ -193,8 +194,8 @@ def run_job(worker_args: list[str], work: Path, timeout: float = 600) -> list[di
 
     Started as benchmarks/overhead.py starts its workers: one TF_CONFIG each.
     """
-    from tfdist import cluster
-    from tfdist.net import local_spec
+    from tfdist import spec as cluster
+    from tfdist.engines.net import local_spec
 
     procs, outs, logs = [], [], []
     for rank, (_, _, config) in enumerate(cluster.all_task_configs(local_spec(2))):
@@ -708,14 +709,7 @@ def overhead_worker() -> None:
             model.compile(optimizer=make(), loss=loss)
     times: list[float] = []
 
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t)
-
-    model.fit(data, epochs=1, steps_per_epoch=total, verbose=0, callbacks=[Timer()])
+    model.fit(data, epochs=1, steps_per_epoch=total, verbose=0, callbacks=[step_timer(times)])
     Path(FLAGS.out).write_text(json.dumps({"times": times[FLAGS.warmup_steps:]}))
 
 

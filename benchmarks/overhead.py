@@ -40,6 +40,8 @@ from typing import Sequence
 from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
+from benchlib.timing import step_timer  # noqa: E402
 REPO = HERE.parent
 RESULTS = HERE / "results"
 ARMS = ("tfdist", "tf")
@@ -153,14 +155,7 @@ def fit_step_times(strategy) -> list[float]:
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     times: list[float] = []
 
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t)
-
-    model.fit(data, epochs=1, verbose=0, callbacks=[Timer()])
+    model.fit(data, epochs=1, verbose=0, callbacks=[step_timer(times)])
     return times[FLAGS.warmup_steps:]
 
 
@@ -222,8 +217,8 @@ def bench_mirrored() -> dict:
 
 def bench_workers() -> dict:
     """Interleaved 2-process jobs, one arm per job."""
-    from tfdist import cluster
-    from tfdist.net import local_spec
+    from tfdist import spec as cluster
+    from tfdist.engines.net import local_spec
     medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
     work = Path(FLAGS.results_dir)
     for i in range(FLAGS.pairs):

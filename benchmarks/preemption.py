@@ -392,8 +392,8 @@ class _Lock:
 
 
 def _start_job(model: str, arm: str, work: Path, extra: Sequence[str], tag: str) -> list:
-    from tfdist import cluster
-    from tfdist.net import local_spec
+    from tfdist import spec as cluster
+    from tfdist.engines.net import local_spec
     procs = []
     for rank, (_, _, config) in enumerate(cluster.all_task_configs(local_spec(2))):
         env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",

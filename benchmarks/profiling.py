@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from slow_network import initial_weights, param_count, tc_command  # noqa: E402
+from benchlib import netns  # noqa: E402
+from benchlib.mlp import initial_weights, param_count  # noqa: E402
+from benchlib.timing import median_step, step_timer  # noqa: E402
 
 #: The overhead goal: profiled step time / unprofiled.
 GOAL = 1.03
@@ -121,15 +122,8 @@ def worker() -> None:
 
     times: list[float] = []
 
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t)
-
     out = Path(FLAGS.out)
-    callbacks = [Timer()]
+    callbacks = [step_timer(times)]
     profile = None
     if FLAGS.profile:
         profile = tfdist.StepProfile(log_dir=str(out / "logs"), barrier=FLAGS.barrier)
@@ -170,14 +164,6 @@ def run_job(config: str, arm: str, work: Path, timeout: float = 900.0) -> dict:
     return result
 
 
-def median_step(times: Sequence[float], skip: int) -> float:
-    """The median step time after the first ``skip`` steps."""
-    kept = list(times)[skip:]
-    if not kept:
-        raise ValueError(f"Expected more than {skip} step times. Received: {len(times)}")
-    return statistics.median(kept)
-
-
 def arm_order(pair: int, arms: Sequence[str]) -> list[str]:
     """The arms of round ``pair``: as given, then reversed, alternately."""
     return list(arms) if pair % 2 == 0 else list(reversed(arms))
@@ -186,11 +172,10 @@ def arm_order(pair: int, arms: Sequence[str]) -> list[str]:
 def inside() -> None:
     """Runs every job inside the private network namespace; writes the raw JSON."""
     if FLAGS.rate != "none":
-        for args in (["ip", "link", "set", "lo", "up"], ["ip", "link", "set", "lo", "mtu", "1500"],
-                     tc_command(FLAGS.rate)):
-            subprocess.run(args, check=True)
+        netns.loopback_up(mtu=1500)
+        subprocess.run(netns.tc_command(FLAGS.rate), check=True)
     else:
-        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        netns.loopback_up()
     work = Path(FLAGS.work_dir or tempfile.mkdtemp(prefix="tfdist-profiling-"))
     runs = []
     started = time.time()
@@ -322,16 +307,9 @@ def main(argv) -> None:
     elif FLAGS.mode == "report":
         report()
     else:
-        if os.geteuid() != 0:
-            raise SystemExit("benchmarks/profiling.py needs root: it creates a network "
-                             "namespace (unshare -n) and limits its loopback with tc.")
-        for tool in ("unshare", "ip", "tc"):
-            if shutil.which(tool) is None:
-                raise SystemExit(f"benchmarks/profiling.py needs {tool!r} (util-linux, "
-                                 "iproute2).")
-        args = [sys.executable, __file__] + sys.argv[1:]
-        subprocess.run(["unshare", "-n", "--"] + args + ["--mode=inside"], check=True)
-        subprocess.run(args + ["--mode=report"], check=True)
+        netns.require("benchmarks/profiling.py")
+        netns.rerun_inside(__file__, sys.argv[1:])
+        subprocess.run([sys.executable, __file__] + sys.argv[1:] + ["--mode=report"], check=True)
 
 
 if __name__ == "__main__":

@@ -413,8 +413,8 @@ def _env() -> dict:
 def capacity_job(tp: int, limit: int | None, tag: str, cgroups: bool = True) -> dict:
     """Runs the two workers of one job; each in a fresh memory cgroup
     (without ``cgroups``: plain processes, peak RSS only)."""
-    from tfdist import cluster
-    from tfdist.net import local_spec
+    from tfdist import spec as cluster
+    from tfdist.engines.net import local_spec
     groups, procs = [], []
     try:
         for i, (_, _, config) in enumerate(cluster.all_task_configs(local_spec(2))):

@@ -33,7 +33,8 @@ def test_compression_benchmark_runs_and_identity_equals_plain(tmp_path):
 # ------------------------------------------------ pure pieces of the new benchmarks
 
 def _load_benchmark(name: str):
-    """Imports benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    """Imports benchmarks/<name>.py as a module (benchmarks/ is not a package; each
+    script puts it on sys.path, for its shared pieces in benchmarks/benchlib)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -67,16 +68,17 @@ def test_overhead_markdown_marks_the_goal():
 
 
 def test_slow_network_model_and_link_helpers():
-    sn = _load_benchmark("slow_network")
-    assert sn.param_count([256, 2048, 2048, 512, 10]) == 5_776_906
-    assert sn.parse_rate("100mbit") == 1e8 and sn.parse_rate("1gbit") == 1e9
-    assert sn.parse_rate("none") == float("inf")
-    assert sn.tc_command("100mbit") == ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
+    sn = _load_benchmark("slow_network_report")
+    from benchlib import mlp, netns
+    assert mlp.param_count([256, 2048, 2048, 512, 10]) == 5_776_906
+    assert netns.parse_rate("100mbit") == 1e8 and netns.parse_rate("1gbit") == 1e9
+    assert netns.parse_rate("none") == float("inf")
+    assert netns.tc_command("100mbit") == ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
                                         "rate", "100mbit", "burst", "256kb", "latency", "200ms"]
     assert sn.link_name("100mbit") == "100 Mbit/s" and sn.link_name("1gbit") == "1 Gbit/s"
     import pytest
     with pytest.raises(ValueError):
-        sn.tc_command("fast")
+        netns.tc_command("fast")
     assert sn.speed_skip("tf/powersgd:4") == sn.SPEED_WARMUP + 1 == sn.speed_skip("tf/auto")
     assert sn.speed_skip("ddp/dense") == 1
     assert sn.timed_steps("tf/fp32", "100mbit", 4, 16, 12) == 4
@@ -86,7 +88,8 @@ def test_slow_network_model_and_link_helpers():
 
 def test_slow_network_workers_split_every_global_batch():
     import numpy as np
-    sn = _load_benchmark("slow_network")
+    _load_benchmark("slow_network")  # Its workers import the MLP from benchlib.
+    from benchlib import mlp as sn
     x = np.arange(24, dtype="float32").reshape(12, 2)
     y = np.arange(12)
     parts = [sn.worker_slice(x, y, r, 2, 3) for r in range(2)]
@@ -104,7 +107,8 @@ def test_slow_network_workers_split_every_global_batch():
 
 
 def test_slow_network_target_and_time():
-    sn = _load_benchmark("slow_network")
+    sn = _load_benchmark("slow_network_report")
+    from benchlib import timing
     evals = [(20, 0.3, 1.0), (40, 0.5, 2.0), (60, 0.56, 3.0), (80, 0.54, 4.0)]
     assert sn.steps_to_target(evals, 0.55) == 60
     assert sn.steps_to_target(evals, 0.9) is None
@@ -112,7 +116,7 @@ def test_slow_network_target_and_time():
     # 10 warm-up steps at the dense rate, the other 50 at the compressed one.
     assert abs(sn.time_to_target(60, 0.1, warmup=10, warmup_s=4.0) - 45.0) < 1e-9
     assert sn.time_to_target(None, 0.1) is None
-    assert sn.median_step([9.0, 1.0, 2.0, 3.0], skip=1) == 2.0
+    assert timing.median_step([9.0, 1.0, 2.0, 3.0], skip=1) == 2.0
     assert sn.ratio(4.0, 2.0) == 2.0 and sn.ratio(None, 2.0) is None
     assert sn.fmt(None) == "—" and sn.fmt(1.23456, ".2f") == "1.23"
 
@@ -144,7 +148,7 @@ def _raw_slow_network():
 
 
 def test_slow_network_summary_goals_and_table():
-    sn = _load_benchmark("slow_network")
+    sn = _load_benchmark("slow_network_report")
     summary = sn.summarize(_raw_slow_network())
     cells = {(r["config"], r["link"]): r for r in summary["rows"]}
     # PowerSGD: 10 warm-up steps at the dense 4 s, then 50 at 0.1 s.
@@ -168,7 +172,7 @@ def test_slow_network_summary_goals_and_table():
 
 
 def test_slow_network_bf16_warm_up_is_counted_at_the_bf16_rate():
-    sn = _load_benchmark("slow_network")
+    sn = _load_benchmark("slow_network_report")
     raw = _raw_slow_network()
     curve = [(20, 0.3), (40, 0.5), (60, 0.6)]
     raw["runs"] += [
@@ -194,7 +198,7 @@ def test_slow_network_bf16_warm_up_is_counted_at_the_bf16_rate():
 
 
 def test_slow_network_missed_goal_is_reported():
-    sn = _load_benchmark("slow_network")
+    sn = _load_benchmark("slow_network_report")
     raw = _raw_slow_network()
     for r in raw["runs"]:
         if r["config"] == "tf/powersgd:4" and r["link"] == "100mbit":
@@ -208,14 +212,14 @@ def test_slow_network_missed_goal_is_reported():
 def test_slow_network_plot_is_written(tmp_path):
     import pytest
     pytest.importorskip("matplotlib")
-    sn = _load_benchmark("slow_network")
+    sn = _load_benchmark("slow_network_report")
     path = tmp_path / "plot.png"
     sn.plot(sn.summarize(_raw_slow_network()), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_slow_network_failure_reason_finds_the_abort():
-    sn = _load_benchmark("slow_network")
+    sn = _load_benchmark("slow_network_report")
     tail = "some log\nterminate called after throwing an instance of 'std::system_error'\n" \
            "  what():  Resource temporarily unavailable\n  File x, line 3\n"
     assert sn.failure_reason("x failed: exit codes [-6, -6]\n" + tail) == \

@@ -224,7 +224,7 @@ def test_tfjob_errors_name_the_field_and_exit_2():
     assert "field 'restart_policy'" in proc.stderr and "'Never'" in proc.stderr
 
 
-# --- TensorFlow's start-up noise (tfdist/quiet.py) --------------------------
+# --- TensorFlow's start-up noise (tfdist/engines/quiet.py) --------------------------
 
 #: Lines TensorFlow 2.21 printed here, on a CPU machine, in `tfdist info`.
 OBSERVED_NOISE = [

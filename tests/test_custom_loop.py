@@ -1,7 +1,7 @@
 """Custom training loops (strategy.run + apply_gradients, no fit) under tfdist.
 
 On 2 logical CPUs in this process, and on 2 worker processes through
-``tfdist launch`` (slow). Before tfdist's fixes (tfdist/keras_loops.py):
+``tfdist launch`` (slow). Before tfdist's fixes (tfdist/training/loops.py):
 
 * without compression, TensorFlow's custom-training tutorial loop failed with
   "You must feed a value for placeholder tensor 'cond/else/_1/cond/Placeholder'"

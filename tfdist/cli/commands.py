@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
-from tfdist.errors import TfdistError
-from tfdist.engines.quiet import filtered_stderr
+
 from tfdist.cli.launch_commands import _add_horovodrun, _add_launch
 from tfdist.cli.spec_commands import _add_hosts, _add_tfjob, _info, _tf_config, _validate
+from tfdist.engines.quiet import filtered_stderr
+from tfdist.errors import TfdistError
 
 
 def build_parser() -> argparse.ArgumentParser:

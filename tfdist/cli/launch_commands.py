@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
 from tfdist import spec as cluster
 from tfdist.engines import horovodrun
 from tfdist.errors import ConfigError
@@ -82,8 +83,8 @@ def _add_launch(sub) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from tfdist.engines import launch as launch_lib
     from tfdist.engines import elastic as launch_elastic
+    from tfdist.engines import launch as launch_lib
 
     script, rest = [args.script], list(args.args)
     for flag, words in (("-m", args.module), ("-c", args.code)):

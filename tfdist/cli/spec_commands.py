@@ -10,9 +10,10 @@ import json
 import os
 import shlex
 import sys
+
 from tfdist import spec as cluster
-from tfdist.errors import TfdistError
 from tfdist.cli.launch_commands import _command_after_dashes
+from tfdist.errors import TfdistError
 
 
 def _info(args: argparse.Namespace) -> int:

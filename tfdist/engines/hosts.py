@@ -33,13 +33,14 @@ import os
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
 from tfdist import spec as cluster
-from tfdist.errors import ClusterSpecError
 # The manifests and their YAML, public here as before they had their own modules.
-from tfdist.engines.tfjob import (DEFAULT_BACKUP_MOUNT, DEFAULT_GRACE_SECONDS,  # noqa: E402,F401
-                                  DEFAULT_RESTART_POLICY, REPLICA_TYPES, RESTART_POLICIES,
-                                  _fail, _word, replica_counts, tfjob_manifest)
-from tfdist.engines.yaml_text import to_yaml  # noqa: E402,F401
+from tfdist.engines.tfjob import (DEFAULT_BACKUP_MOUNT, DEFAULT_GRACE_SECONDS,  # noqa: F401
+                                  DEFAULT_RESTART_POLICY, REPLICA_TYPES, RESTART_POLICIES, _fail,
+                                  _word, replica_counts, tfjob_manifest)
+from tfdist.engines.yaml_text import to_yaml  # noqa: F401
+from tfdist.errors import ClusterSpecError
 
 __all__ = [
     "HostCommand",

@@ -50,17 +50,16 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import IO, Any, Sequence
+
 from tfdist import spec as cluster
 from tfdist.engines import elastic as launch_elastic
-from tfdist.errors import ConfigError, require_int
+from tfdist.engines.launch_attempt import _Attempt, _AttemptEnd, _Settings, read_status_records
+from tfdist.engines.launch_results import (_LOCAL_HOSTS, DEFAULT_GRACE, PREEMPTED_EXIT_CODE,
+                                           SERVER_CODE, STATUS_DIR, LaunchResult, TaskExit)
+from tfdist.engines.launch_tasks import _Output, _position, _Signals
 from tfdist.engines.net import local_spec
-from tfdist.engines.launch_attempt import _Attempt, _AttemptEnd, _Settings
-from tfdist.engines.launch_attempt import read_status_records
-from tfdist.engines.launch_results import (_LOCAL_HOSTS, DEFAULT_GRACE,
-                                           PREEMPTED_EXIT_CODE, SERVER_CODE, STATUS_DIR,
-                                           LaunchResult, TaskExit)
 from tfdist.engines.netns import netns_command, run_in_netns
-from tfdist.engines.launch_tasks import _Output, _Signals, _position
+from tfdist.errors import ConfigError, require_int
 
 __all__ = ["launch", "LaunchResult", "TaskExit", "SERVER_CODE", "PREEMPTED_EXIT_CODE",
            "DEFAULT_GRACE", "read_status_records", "netns_command", "run_in_netns"]

@@ -12,10 +12,13 @@ import signal
 import time
 from pathlib import Path
 from typing import Any
+
 from tfdist.engines import elastic as launch_elastic
+from tfdist.engines.launch_results import (EVALUATOR_GRACE, PREEMPTED_EXIT_CODE, RESEND_SECONDS,
+                                           SERVER_CODE, TaskExit)
+from tfdist.engines.launch_tasks import (_json, _Output, _position, _Signals, _stop_all, _Task,
+                                         _tasks_of)
 from tfdist.errors import ConfigError
-from tfdist.engines.launch_results import EVALUATOR_GRACE, PREEMPTED_EXIT_CODE, RESEND_SECONDS, SERVER_CODE, TaskExit
-from tfdist.engines.launch_tasks import _Output, _Signals, _Task, _json, _position, _stop_all, _tasks_of
 
 
 @dataclasses.dataclass

@@ -9,7 +9,6 @@ import dataclasses
 import re
 import signal
 
-
 #: What ps and worker tasks of a parameter-server job run.
 SERVER_CODE = ("import tfdist.strategies as s, tfdist.spec as c; "
                "s.serve(c.parse())")

@@ -13,9 +13,10 @@ import threading
 import time
 from pathlib import Path
 from typing import IO, Any
+
 from tfdist import spec as cluster
+from tfdist.engines.launch_results import _IMPORTANT, _PORT_TAKEN, _TAIL, _TF_INFO, TaskExit
 from tfdist.engines.quiet import NoiseFilter
-from tfdist.engines.launch_results import TaskExit, _IMPORTANT, _PORT_TAKEN, _TAIL, _TF_INFO
 
 
 class _Signals:

@@ -9,8 +9,9 @@ import signal
 import subprocess
 import threading
 from typing import IO, Sequence
-from tfdist.errors import ConfigError
+
 from tfdist.engines.launch_results import DEFAULT_GRACE
+from tfdist.errors import ConfigError
 
 
 def netns_command(argv: Sequence[str]) -> list[str]:

@@ -164,6 +164,7 @@ def filtered_stderr(enabled: bool = True) -> Iterator[None]:
 
 if __name__ == "__main__":
     import signal
+
     # Ctrl-C reaches the whole process group: the filter goes on until its
     # input ends, so that it shows the last lines of the process it serves.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -71,13 +71,13 @@ import math
 import os
 import time
 from typing import Any, Callable, Mapping
-from tfdist.errors import ConfigError, require_int
+
 # The settings are public here too, as before the split.
-from tfdist.engines.spark_session import (INSTALL_HINT,  # noqa: F401 LOCAL_SETTINGS, LOOPBACK_SETTINGS,
-                                          SESSION_SETTINGS, _SOURCE, SparkJobError,
-                                          SparkTimeoutError, _check_worker_reuse, _context_of,
-                                          _submit, _wait_for_slots, local_session)
+from tfdist.engines.spark_session import (  # noqa: F401
+    _SOURCE, INSTALL_HINT, LOCAL_SETTINGS, LOOPBACK_SETTINGS, SESSION_SETTINGS, SparkJobError,
+    SparkTimeoutError, _check_worker_reuse, _context_of, _submit, _wait_for_slots, local_session)
 from tfdist.engines.spark_task import TrainContext, _TaskSpec, context
+from tfdist.errors import ConfigError, require_int
 
 __all__ = [
     "INSTALL_HINT",

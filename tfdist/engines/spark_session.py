@@ -14,9 +14,9 @@ import sys
 import time
 import uuid
 from typing import Any, Mapping
-from tfdist.errors import ConfigError, TfdistError, require_int
-from tfdist.engines.spark_task import _MARK_RE, _RESULT_TASK_RE, _TB_RE, _TaskSpec, _run_task
 
+from tfdist.engines.spark_task import _MARK_RE, _RESULT_TASK_RE, _TB_RE, _run_task, _TaskSpec
+from tfdist.errors import ConfigError, TfdistError, require_int
 
 #: How to install what this module needs.
 INSTALL_HINT = "pip install 'tfdist[spark]'"

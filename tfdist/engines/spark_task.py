@@ -15,8 +15,8 @@ import re
 import socket
 import traceback
 from typing import Any, Callable, Iterable, Iterator
-from tfdist.errors import ConfigError, TfdistError
 
+from tfdist.errors import ConfigError, TfdistError
 
 # A failing task puts its partition and traceback in its exception message
 # (see _encode_failure); the driver finds them in Spark's error text.

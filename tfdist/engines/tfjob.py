@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 import numbers
+import os
 import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
+
 from tfdist import spec as cluster
 from tfdist.errors import ClusterSpecError, ConfigError
-
 
 #: tfdist task type -> TFJob replica type (``spec.tfReplicaSpecs`` key).
 REPLICA_TYPES = {"chief": "Chief", "worker": "Worker", "ps": "PS", "evaluator": "Evaluator"}

@@ -12,7 +12,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-
 # --------------------------------------------------------------------------
 # A small YAML emitter.
 # --------------------------------------------------------------------------

@@ -71,12 +71,14 @@ from __future__ import annotations
 
 import functools
 from typing import Any, Callable
+
 import keras
+
 from tfdist.errors import ConfigError
 from tfdist.horovod import runtime
-from tfdist.training.preemption import PreemptionWatcher
 from tfdist.horovod.elastic_state import (KerasState, ObjectState, State, TensorFlowKerasState,
                                           TensorFlowState)
+from tfdist.training.preemption import PreemptionWatcher
 
 __all__ = [
     "State",

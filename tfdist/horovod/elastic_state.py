@@ -10,14 +10,15 @@ import itertools
 import logging
 import pickle
 from typing import Any, Callable, Iterable
+
 import keras
 import numpy as np
 import tensorflow as tf
+
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.horovod import collectives, runtime
 from tfdist.horovod.callbacks import model_state_variables
 from tfdist.horovod.commits import CommitStore, commit_dir
-
 
 log = logging.getLogger("tfdist.horovod")
 _SOURCE = "tfdist.horovod.elastic"

@@ -38,8 +38,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from tfdist.engines import hvd_worker as _hvd_worker
 from tfdist.engines import horovodrun
+from tfdist.engines import hvd_worker as _hvd_worker
 from tfdist.errors import ConfigError, TfdistError
 
 __all__ = ["run", "RunError"]

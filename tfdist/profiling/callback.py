@@ -31,8 +31,8 @@ import tensorflow as tf
 from tfdist.errors import ConfigError
 from tfdist.profiling import instrument
 from tfdist.profiling.gather import gather_rows, local_replicas, worker_index
-from tfdist.profiling.records import (PHASES, StepRecord, derive_waits, from_row,
-                                      mean_phases, phases, row_width, to_row)
+from tfdist.profiling.records import (PHASES, StepRecord, derive_waits, from_row, mean_phases,
+                                      phases, row_width, to_row)
 from tfdist.profiling.stragglers import Straggler, check_factor, find_stragglers
 
 __all__ = ["StepProfile", "LoopProfile", "TIMELINE_ENV", "SUPPORTED_KINDS", "install_timeline"]
@@ -457,6 +457,7 @@ def install_timeline() -> None:
     profiler supports gets a :class:`StepProfile` writing the timeline there
     (unless it has one); idempotent. tfdist's strategies call it."""
     from keras.src.backend.tensorflow import trainer as tf_trainer
+
     from tfdist.compression.keras_hook import wrap_once
     wrap_once([(tf_trainer.TensorFlowTrainer, "fit", _wrap_fit)],
               mark="_tfdist_timeline", needed_by="TFDIST_TIMELINE")

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from tfdist.spec.address import parse_address, parse_task
 from tfdist.spec.generate import all_task_configs, spec_from_hosts, tf_config_for_task
-from tfdist.spec.names import (CLUSTER_JOBS, DEFAULT_SPEC_DIR, KINDS, RESOLVER_SOURCE,
-                               SPEC_DIR_ENV, STRATEGIES, TASK_TYPES)
+from tfdist.spec.names import (CLUSTER_JOBS, DEFAULT_SPEC_DIR, KINDS, RESOLVER_SOURCE, SPEC_DIR_ENV,
+                               STRATEGIES, TASK_TYPES)
 from tfdist.spec.parse import is_cluster_resolver, parse
 from tfdist.spec.tf_config import TFConfig
 from tfdist.spec.validate import validate

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from typing import Any
+
 from tfdist.errors import ClusterSpecError
 from tfdist.spec.names import TASK_TYPES, _did_you_mean, _quoted, _short
 

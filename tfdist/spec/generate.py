@@ -8,10 +8,11 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
-from tfdist.errors import ClusterSpecError
-from tfdist.spec.address import _BadAddress, _check_host, _check_ipv6, _format_address, _split_address
-from tfdist.spec.parse import parse
 
+from tfdist.errors import ClusterSpecError
+from tfdist.spec.address import (_BadAddress, _check_host, _check_ipv6, _format_address,
+                                 _split_address)
+from tfdist.spec.parse import parse
 
 # Generation.
 # --------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-
 #: Task types TensorFlow knows, in the order tasks are listed.
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 #: Jobs allowed inside ``cluster`` (the evaluator runs outside the cluster).

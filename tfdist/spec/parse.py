@@ -14,11 +14,11 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
 from tfdist.errors import ClusterSpecError
 from tfdist.spec.names import DEFAULT_SPEC_DIR, RESOLVER_SOURCE, SPEC_DIR_ENV
 from tfdist.spec.tf_config import TFConfig
 from tfdist.spec.validate import _Validator, validate
-
 
 # Reading sources.
 # --------------------------------------------------------------------------

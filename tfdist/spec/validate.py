@@ -11,11 +11,14 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping
 from typing import Any, NoReturn
+
 from tfdist.errors import ClusterSpecError
 from tfdist.spec.address import _BadAddress, _split_address
-from tfdist.spec.names import CLUSTER_JOBS, RESOLVER_SOURCE, STRATEGIES, TASK_TYPES, _IGNORED_TASK_KEYS, _IGNORED_TOP_LEVEL_KEYS, _RPC_LAYERS, _SINGLE_MACHINE_STRATEGIES, _TASK_EXAMPLE, _TASK_KEYS, _TOP_LEVEL_KEYS, _did_you_mean, _quoted, _short
+from tfdist.spec.names import (_IGNORED_TASK_KEYS, _IGNORED_TOP_LEVEL_KEYS, _RPC_LAYERS,
+                               _SINGLE_MACHINE_STRATEGIES, _TASK_EXAMPLE, _TASK_KEYS,
+                               _TOP_LEVEL_KEYS, CLUSTER_JOBS, RESOLVER_SOURCE, STRATEGIES,
+                               TASK_TYPES, _did_you_mean, _quoted, _short)
 from tfdist.spec.tf_config import TFConfig
-
 
 # --------------------------------------------------------------------------
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 from typing import Any
+
 import tensorflow as tf
 from tensorflow.python.distribute import multi_worker_util
+
 from tfdist import plugins
 from tfdist.compression import CompressionSetting, parse_compression
-from tfdist.spec.detect import Choice
 from tfdist.errors import ConfigError, TfdistError
+from tfdist.spec.detect import Choice
 from tfdist.spec.options import StrategyOptions
 
 
@@ -83,6 +85,7 @@ class TfdistStrategy:
         plugins.run("install", self)
         if self.kind in ("mirrored", "multi_worker_mirrored"):
             from tfdist.compression import keras_hook, make_aggregator
+
             # Installed without compression too: it records which gradients
             # are IndexedSlices, for step_traffic, and otherwise hands over
             # to Keras.

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
 import tensorflow as tf
 from absl import logging
+
 from tfdist import plugins
 from tfdist.compression import CompressionSetting, parse_compression
-from tfdist.spec.detect import Choice, choose
 from tfdist.errors import ConfigError
+from tfdist.spec.detect import Choice, choose
 from tfdist.spec.options import StrategyOptions, check_model_parallel, make_options
 from tfdist.strategies.base import TfdistStrategy, _communication_options, compression_for
 from tfdist.strategies.local import MirroredStrategy, OneDeviceStrategy, _logical_cpus

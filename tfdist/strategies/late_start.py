@@ -31,8 +31,7 @@ from tensorflow.python.data.ops import options as data_options
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
-from tensorflow.python.ops import gen_experimental_dataset_ops
-from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops import gen_experimental_dataset_ops, resource_variable_ops
 
 from tfdist.errors import TfdistError
 

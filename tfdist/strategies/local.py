@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from typing import Any
+
 import tensorflow as tf
-from tfdist.spec.detect import Choice
+
 from tfdist.errors import ConfigError
+from tfdist.spec.detect import Choice
 from tfdist.strategies.base import TfdistStrategy, _next_key_base
 
 

@@ -12,18 +12,20 @@ import contextlib
 import re
 import sys
 from typing import Any
+
 import tensorflow as tf
 from absl import logging
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
+
 from tfdist import plugins
-from tfdist.strategies import late_start
-from tfdist.spec.detect import Choice
 from tfdist.errors import ConfigError
+from tfdist.spec.detect import Choice
 from tfdist.spec.options import make_options
-from tfdist.strategies.watchdog import PeerWatchdog
+from tfdist.strategies import late_start
 from tfdist.strategies.base import ClusterJoinError, TfdistStrategy, _next_key_base
+from tfdist.strategies.watchdog import PeerWatchdog
 
 
 def _rank(strategy: tf.distribute.Strategy, value: Any) -> int | None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import sys
 from typing import Any
+
 import tensorflow as tf
 from absl import logging
-from tfdist import spec as cluster_lib
+
 from tfdist import plugins
+from tfdist import spec as cluster_lib
 from tfdist.spec.detect import Choice
 from tfdist.strategies.base import TfdistStrategy
 

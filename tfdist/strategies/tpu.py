@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import socket
 from typing import Any
+
 import tensorflow as tf
+
 from tfdist import spec as cluster_lib
-from tfdist.spec.detect import Choice
 from tfdist.errors import ConfigError
-from tfdist.strategies.base import TPUNotFoundError, TfdistStrategy
+from tfdist.spec.detect import Choice
+from tfdist.strategies.base import TfdistStrategy, TPUNotFoundError
 
 
 class TPUStrategy(TfdistStrategy, tf.distribute.TPUStrategy):

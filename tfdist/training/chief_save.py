@@ -16,9 +16,10 @@ import threading
 import time
 import uuid
 from typing import Any, Callable
-from absl import logging
-from tfdist.errors import TfdistError
 
+from absl import logging
+
+from tfdist.errors import TfdistError
 
 #: Seconds a non-chief worker waits for the chief's matching save, on top of
 #: twice the time its own save took.

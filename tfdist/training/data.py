@@ -44,8 +44,8 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.core.framework import graph_pb2
 
-from tfdist.training.callbacks import num_workers as _num_workers
 from tfdist.errors import ConfigError, require_int
+from tfdist.training.callbacks import num_workers as _num_workers
 
 __all__ = [
     "ShardingWarning",

@@ -49,11 +49,14 @@ parameter-server training:
 from __future__ import annotations
 
 from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
+
 from tfdist.errors import ConfigError
-from tfdist.training.ps_data import ParameterServerError, StepTimeoutError, _PS, _SOURCE, _build, _check_model, _check_positive_int, _local_dataset, _verbose
+from tfdist.training.ps_data import (_PS, _SOURCE, ParameterServerError, StepTimeoutError, _build,
+                                     _check_model, _check_positive_int, _local_dataset, _verbose)
 from tfdist.training.ps_loop import _ParameterServerFit
 from tfdist.training.ps_steps import _evaluate
 

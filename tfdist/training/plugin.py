@@ -40,6 +40,7 @@ def parameter_server(strategy: Any) -> None:
 
 def serve(task_type: str, task_index: int, server: Any) -> bool:
     from tfdist.training import ps_preemption
+
     # Not server.join(): it never returns, so no Python signal handler runs.
     ps_preemption.serve_until_preempted(task_type, task_index, server)
     return True

@@ -282,8 +282,8 @@ class PreemptionWatcher:
     @staticmethod
     def _set(key: str, value: str, exists_ok: bool = False) -> bool:
         """Sets a key; False if it existed already (and exists_ok)."""
-        from tensorflow.python.eager import context
         import tensorflow as tf
+        from tensorflow.python.eager import context
         try:
             context.context().set_config_key_value(key, value)
             return True

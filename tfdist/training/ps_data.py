@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 from typing import Any, Callable
+
 import numpy as np
 import tensorflow as tf
-from tfdist.errors import ConfigError, TfdistError
 
+from tfdist.errors import ConfigError, TfdistError
 
 _PS = tf.distribute.experimental.ParameterServerStrategy
 _SOURCE = "tfdist.fit"

@@ -11,13 +11,18 @@ import json
 import os
 import time
 from typing import Any, Callable
+
 import keras
 import tensorflow as tf
-from tfdist.training import ps_patches as keras_ps
+
 from tfdist.errors import ConfigError, require_int
+from tfdist.training import ps_patches as keras_ps
 from tfdist.training.preemption import Preempted
-from tfdist.training.ps_data import _IN_FLIGHT_PER_WORKER, _SOURCE, _TrainData, _build, _check_model, _check_positive_int, _is_dataset_fn, _local_dataset, _verbose
-from tfdist.training.ps_steps import _cluster_spec, _evaluate, _numpy_logs, _ps_failure, _step_fn, _wait
+from tfdist.training.ps_data import (_IN_FLIGHT_PER_WORKER, _SOURCE, _build, _check_model,
+                                     _check_positive_int, _is_dataset_fn, _local_dataset,
+                                     _TrainData, _verbose)
+from tfdist.training.ps_steps import (_cluster_spec, _evaluate, _numpy_logs, _ps_failure, _step_fn,
+                                      _wait)
 
 
 class _ParameterServerFit:

@@ -46,8 +46,8 @@ from keras.src.backend.tensorflow import core as keras_tf_core
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.optimizers import base_optimizer
-from tensorflow.python.eager import backprop
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
+from tensorflow.python.eager import backprop
 
 __all__ = ["install", "gradients", "is_sharded", "raw_variable"]
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import re
 import socket
 from typing import Any, Callable
+
 import numpy as np
 import tensorflow as tf
+
 from tfdist.training import ps_patches as keras_ps
 from tfdist.training.ps_data import ParameterServerError, StepTimeoutError, _check_positive_int
-
 
 # --------------------------------------------------------------------------
 # The steps.

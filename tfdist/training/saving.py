@@ -62,7 +62,10 @@ import time
 import uuid
 import weakref
 from typing import Any, Callable
-from tfdist.training.chief_save import WAIT_SECONDS, ChiefSaveError, unsynchronized, _MARK, _STATE, _TMP_PREFIX, _coordinated, _fsync, _local, _multi_worker, _next_key, _publish, _wait, active
+
+from tfdist.training.chief_save import (_MARK, _STATE, _TMP_PREFIX, WAIT_SECONDS, ChiefSaveError,
+                                        _coordinated, _fsync, _local, _multi_worker, _next_key,
+                                        _publish, _wait, active, unsynchronized)
 
 __all__ = ["ChiefSaveError", "install", "active", "unsynchronized", "WAIT_SECONDS"]
 

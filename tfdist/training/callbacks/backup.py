@@ -12,15 +12,21 @@ import socket
 import time
 import uuid
 from typing import Any
+
 import keras
 import tensorflow as tf
 from absl import logging
-from tfdist.training import saving as keras_saving
-from tfdist.training import resume
+
 from tfdist.errors import ConfigError
+from tfdist.training import resume
+from tfdist.training import saving as keras_saving
+from tfdist.training.callbacks.files import (_CKPT_PREFIX, _CKPT_SUFFIX, _TMP_PREFIX, POINTER,
+                                             BackupError, _check_backup_dir, _fsync_dir,
+                                             _fsync_file, _sha256, _write_json_atomically,
+                                             read_backup_pointer)
+from tfdist.training.callbacks.workers import (_drop_scratch, _make_scratch, _model_strategy,
+                                               _task_name, is_chief, num_workers)
 from tfdist.training.preemption import PreemptionWatcher
-from tfdist.training.callbacks.files import BackupError, POINTER, _CKPT_PREFIX, _CKPT_SUFFIX, _TMP_PREFIX, _check_backup_dir, _fsync_dir, _fsync_file, _sha256, _write_json_atomically, read_backup_pointer
-from tfdist.training.callbacks.workers import _drop_scratch, _make_scratch, _model_strategy, _task_name, is_chief, num_workers
 
 
 class _SkipSteps:

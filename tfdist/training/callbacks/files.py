@@ -8,6 +8,7 @@ import json
 import os
 import uuid
 from typing import Any
+
 from tfdist.errors import ConfigError, TfdistError
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
 import keras
+
 from tfdist.errors import ConfigError, require_int
 from tfdist.training.callbacks.workers import _model_strategy
-
 
 # --------------------------------------------------------------------------
 # Learning rate: linear scaling and warm-up.

@@ -11,9 +11,9 @@ import atexit
 import shutil
 import tempfile
 from typing import Any
+
 import tensorflow as tf
 from tensorflow.python.distribute import multi_worker_util
-
 
 # --------------------------------------------------------------------------
 # Who is the chief.

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 from typing import Any
-import keras
-from tfdist.errors import TfdistError
-from tfdist.training.callbacks.workers import _drop_scratch, _make_scratch, _model_strategy, is_chief
 
+import keras
+
+from tfdist.errors import TfdistError
+from tfdist.training.callbacks.workers import (_drop_scratch, _make_scratch, _model_strategy,
+                                               is_chief)
 
 # --------------------------------------------------------------------------
 # ModelCheckpoint and TensorBoard: chief writes, others write to scratch.
