@@ -12,6 +12,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The tests sit in one directory per part of tfdist (tests/spec, tests/training,
+# ...). Some share helpers across parts (test_strategies.fit_losses, the
+# slurm_engine and Spark fixtures): every part's directory is importable.
+for _part in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _part.is_dir() and _part.name not in ("workers", "__pycache__"):
+        if str(_part) not in sys.path:
+            sys.path.append(str(_part))
+
 #: Logical CPUs the test process splits its CPU into, once, before
 #: TensorFlow starts: enough for every Mirrored test in this process.
 LOGICAL_CPUS = 4

@@ -1,6 +1,6 @@
 """Gradient accumulation against a k times larger batch, in a custom loop.
 
-Shared by tests/test_grad_accumulation.py (2 logical CPUs) and
+Shared by tests/training/test_grad_accumulation.py (2 logical CPUs) and
 tests/workers/accumulation_worker.py (2 worker processes). Each replica gets
 its own examples (``experimental_distribute_values_from_function``), so the
 k micro-batches a replica accumulates are exactly the batch it gets in the

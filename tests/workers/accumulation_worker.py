@@ -1,6 +1,6 @@
 """One worker of the 2-process gradient-accumulation test.
 
-Run through ``tfdist launch --workers 2`` (tests/test_grad_accumulation.py).
+Run through ``tfdist launch --workers 2`` (tests/training/test_grad_accumulation.py).
 For each setting in argv[1] ("none", "powersgd": PowerSGD rank 1 after one
 dense step) it trains with ``gradient_accumulation_steps=4`` and with a 4x
 larger batch under MultiWorkerMirrored, and prints one 'tfdist result:' line.

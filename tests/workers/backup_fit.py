@@ -1,4 +1,4 @@
-"""A worker of the BackupAndRestore tests (tests/test_callbacks.py).
+"""A worker of the BackupAndRestore tests (tests/training/test_callbacks.py).
 
 Fits the scripts' model for TFDIST_TEST_EPOCHS epochs with tfdist's
 BackupAndRestore in TFDIST_TEST_BACKUP_DIR (every TFDIST_TEST_SAVE_FREQ

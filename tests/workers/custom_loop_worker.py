@@ -1,4 +1,4 @@
-"""One worker of the 2-process custom-loop test (tests/test_custom_loop.py).
+"""One worker of the 2-process custom-loop test (tests/training/test_custom_loop.py).
 
 Run through ``tfdist launch --workers 2``. For each compression setting in
 argv[1] (comma-separated; "none" for none) it builds the strategy with

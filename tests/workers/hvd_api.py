@@ -1,4 +1,4 @@
-"""Horovod's collectives and optimizers on 2 ranks (tests/test_horovod_api.py).
+"""Horovod's collectives and optimizers on 2 ranks (tests/horovod/test_horovod_api.py).
 
 Prints one ``tfdist result:`` JSON; the test compares ranks and checks values
 computed here from each rank's own inputs.

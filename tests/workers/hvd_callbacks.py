@@ -1,4 +1,4 @@
-"""A 2-worker Horovod-style fit for tests/test_horovod_callbacks.py.
+"""A 2-worker Horovod-style fit for tests/horovod/test_horovod_callbacks.py.
 
 Usage: ``tfdist launch --workers 2 hvd_callbacks.py OUT_DIR``. Every rank
 writes OUT_DIR/rank-N.json with what it saw:

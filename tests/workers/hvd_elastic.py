@@ -1,4 +1,4 @@
-"""Two elastic loops that fail once each, for tests/test_horovod_elastic.py.
+"""Two elastic loops that fail once each, for tests/horovod/test_horovod_elastic.py.
 
 Usage: ``tfdist launch --workers 2 --max-restarts 2 hvd_elastic.py OUT_DIR``.
 

@@ -1,4 +1,4 @@
-"""An in-graph collective that only rank 0 issues (tests/test_horovod_traps.py).
+"""An in-graph collective that only rank 0 issues (tests/horovod/test_horovod_traps.py).
 
 Rank 0 calls a tf.function that all-reduces; rank 1 never does and stays
 alive past the timeout, so the failure must come from collective_timeout.

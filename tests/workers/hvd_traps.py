@@ -1,4 +1,4 @@
-"""Horovod's semantic traps, one 2-rank job (tests/test_horovod_traps.py).
+"""Horovod's semantic traps, one 2-rank job (tests/horovod/test_horovod_traps.py).
 
 Run under ``tfdist launch --workers 2`` with TFDIST_COLLECTIVE_TIMEOUT set.
 Each check prints ``tfdist result: {...}`` once at the end; the timeout check

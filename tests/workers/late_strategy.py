@@ -1,5 +1,5 @@
 """A multi-worker script that does TensorFlow work before creating its strategy
-(tests/test_late_strategy.py), as a script ported from the Keras multi-worker
+(tests/strategies/test_late_strategy.py), as a script ported from the Keras multi-worker
 tutorial's notebook may: it builds its tf.data pipeline first (mode
 ``dataset``), or also a Keras model (mode ``model``, which must fail with a
 message saying what to move). Prints one 'tfdist result:' line.

@@ -1,6 +1,6 @@
 """A custom training loop with a check that its gradients were compressed.
 
-Shared by tests/test_custom_loop.py (2 logical CPUs) and
+Shared by tests/training/test_custom_loop.py (2 logical CPUs) and
 tests/workers/custom_loop_worker.py (2 worker processes). The loop is the
 pattern of TensorFlow's custom-training tutorials: a model and an optimizer
 created in ``strategy.scope()``, ``strategy.run(step)`` in a ``tf.function``,

@@ -1,4 +1,4 @@
-"""One worker of the 2-process Keras 3 fit test (tests/test_multi_worker.py).
+"""One worker of the 2-process Keras 3 fit test (tests/strategies/test_multi_worker.py).
 
 Reads its TF_CONFIG, builds the strategy through strategy_from_config, fits
 the scripts' model, then shows that TensorFlow's own reduce() fails on what

@@ -1,4 +1,4 @@
-"""One worker of the DP=2 x T=2 multi-process check (tests/test_parallel_multiworker.py).
+"""One worker of the DP=2 x T=2 multi-process check (tests/parallel/test_parallel_multiworker.py).
 
 Four MultiWorkerMirrored workers (one CPU replica each: TensorFlow gives a
 worker without GPUs one replica) form a 2 x 2 mesh through

@@ -1,4 +1,4 @@
-"""One worker of the 2-process save/load check (tests/test_parallel_saving.py).
+"""One worker of the 2-process save/load check (tests/parallel/test_parallel_saving.py).
 
 Two MultiWorkerMirrored workers with one replica each form one tensor group
 (T=2, the group spans the processes, so a full value is a gather every

@@ -1,4 +1,4 @@
-"""One worker of a custom training loop that saves on preemption (tests/test_preempt_ctl.py).
+"""One worker of a custom training loop that saves on preemption (tests/training/test_preempt_ctl.py).
 
     python preempt_ctl.py MODE WORKDIR
 

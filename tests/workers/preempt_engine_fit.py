@@ -1,4 +1,4 @@
-"""A worker of the engine preemption tests (tests/test_preempt_slurm.py).
+"""A worker of the engine preemption tests (tests/engines/test_preempt_slurm.py).
 
 Started once per task by the engine (``srun -n2 python preempt_engine_fit.py
 BACKUP_DIR PROGRESS_DIR``), with no TF_CONFIG: the strategy comes from the

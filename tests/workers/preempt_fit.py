@@ -1,4 +1,4 @@
-"""A worker of the preemption tests (tests/test_preempt_fit.py).
+"""A worker of the preemption tests (tests/training/test_preempt_fit.py).
 
 Fits a small MLP on fixed data (no shuffle, no random ops: a resumed run can
 match an uninterrupted one exactly) for TFDIST_TEST_EPOCHS epochs of 16

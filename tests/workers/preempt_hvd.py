@@ -1,4 +1,4 @@
-"""A Horovod-API elastic loop for tests/test_preempt_hvd.py.
+"""A Horovod-API elastic loop for tests/horovod/test_preempt_hvd.py.
 
 Usage: ``tfdist launch --workers 2 --max-restarts 1 preempt_hvd.py OUT_DIR``.
 

@@ -1,5 +1,5 @@
 """A worker of the launcher's end-to-end preemption tests
-(tests/test_preempt_launch.py), run by ``tfdist launch``.
+(tests/engines/test_preempt_launch.py), run by ``tfdist launch``.
 
 A small MLP on fixed data (512 examples in global batches of 32: 16 batches
 an epoch at any number of workers), 3 epochs, SGD with momentum and a

@@ -1,4 +1,4 @@
-"""The chief of a parameter-server job preempted mid-epoch (tests/test_preempt_ps.py).
+"""The chief of a parameter-server job preempted mid-epoch (tests/training/test_preempt_ps.py).
 
     python preempt_ps.py SIGNAL WORKDIR
 

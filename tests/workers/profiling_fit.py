@@ -1,4 +1,4 @@
-"""One worker of a profiled multi-worker fit (tests/test_profiling_multiworker.py).
+"""One worker of a profiled multi-worker fit (tests/profiling/test_profiling_multiworker.py).
 
 Trains an MLP under ``strategy_from_config()`` with ``StepProfile`` and
 ``CommunicationStats`` and prints one 'tfdist result:' line with what both

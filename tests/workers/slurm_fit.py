@@ -1,4 +1,4 @@
-"""One task of the real-Slurm fit test (tests/test_slurm_engine.py).
+"""One task of the real-Slurm fit test (tests/engines/test_slurm_engine.py).
 
 Started by ``srun -n2 python tests/workers/slurm_fit.py``: no TF_CONFIG, only
 the Slurm step's environment. Builds the strategy through

@@ -1,6 +1,6 @@
 """tfdist.spark.run as spark-tensorflow-distributor's runner is used.
 
-Run as a script by tests/test_spark.py, in a fresh process with no Spark
+Run as a script by tests/engines/test_spark.py, in a fresh process with no Spark
 session: ``run(train, num_workers=2, epochs=..., learning_rate=...)`` must get
 its session itself (``SparkSession.builder.getOrCreate()``), and ``train``
 takes no context: it reads it from ``tfdist.spark.context()``. ``train`` is

@@ -1,4 +1,4 @@
-"""The train_fn of the Spark preemption test (tests/test_preempt_spark.py).
+"""The train_fn of the Spark preemption test (tests/engines/test_preempt_spark.py).
 
 Spark pickles :func:`train` by reference; the executors import this module
 (tests/workers is on their PYTHONPATH). TensorFlow is imported inside the

@@ -1,4 +1,4 @@
-"""The train_fn of the Spark tests (tests/test_spark.py).
+"""The train_fn of the Spark tests (tests/engines/test_spark.py).
 
 Spark pickles :func:`train` by reference, so the executors import this
 module: the test session puts tests/workers and strategies/ on their

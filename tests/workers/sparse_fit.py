@@ -1,4 +1,4 @@
-"""One worker of the 2-process sparse-gradient test (tests/test_sparse_gradients.py).
+"""One worker of the 2-process sparse-gradient test (tests/compression/test_sparse_gradients.py).
 
 Under tfdist's MultiWorkerMirroredStrategy with ``compression="bf16"``:
 

@@ -1,4 +1,4 @@
-"""A task for `tfdist launch` that starts TensorFlow (tests/test_launch.py).
+"""A task for `tfdist launch` that starts TensorFlow (tests/engines/test_launch.py).
 
 Importing TensorFlow and listing its devices prints TensorFlow's start-up
 noise on a CPU machine. Then each task prints one line, and logs one real

@@ -1,4 +1,4 @@
-"""TensorFlow's "Distributed input" tutorial, step by step (tests/test_tutorials_input.py).
+"""TensorFlow's "Distributed input" tutorial, step by step (tests/tutorials/test_tutorials_input.py).
 
 tensorflow/docs site/en/tutorials/distribute/input.ipynb: the script splits
 the CPU into 2 logical devices itself, before anything else, and then creates

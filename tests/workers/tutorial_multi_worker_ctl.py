@@ -1,7 +1,7 @@
 """TensorFlow's "Custom training loop with Keras and MultiWorkerMirroredStrategy".
 
 One worker of ``tfdist launch --workers 2 tests/workers/tutorial_multi_worker_ctl.py
-WORKDIR``, run by tests/test_tutorials_multi_worker.py. It follows the
+WORKDIR``, run by tests/tutorials/test_tutorials_multi_worker.py. It follows the
 tutorial's main.py (tensorflow/docs site/en/tutorials/distribute/
 multi_worker_with_ctl.ipynb) step by step, with tfdist.strategy_from_config
 as the only tfdist-specific line (compression from TFDIST_TEST_COMPRESSION):

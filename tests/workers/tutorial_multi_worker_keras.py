@@ -1,6 +1,6 @@
 """TensorFlow's "Multi-worker training with Keras" tutorial, one worker of it.
 
-Run by tests/test_tutorials_multi_worker.py as every task of
+Run by tests/tutorials/test_tutorials_multi_worker.py as every task of
 ``tfdist launch --workers 2 tests/workers/tutorial_multi_worker_keras.py WORKDIR``.
 It follows tensorflow/docs site/en/tutorials/distribute/multi_worker_with_keras.ipynb
 step by step, with tfdist.strategy_from_config as the only tfdist-specific

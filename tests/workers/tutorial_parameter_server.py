@@ -1,6 +1,6 @@
 """TensorFlow's "Parameter server training" tutorial, step by step.
 
-Run by tests/test_tutorials_parameter_server.py in its own process (the
+Run by tests/tutorials/test_tutorials_parameter_server.py in its own process (the
 coordinator's TensorFlow context cannot share the pytest process). It follows
 tensorflow/docs site/en/tutorials/distribute/parameter_server_training.ipynb
 on Keras 3, with tfdist.strategy_from_config as the only tfdist-specific line:

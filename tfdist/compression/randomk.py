@@ -37,7 +37,7 @@ class RandomKCompressor(Compressor):
     tenfold (at 0.9): at ratio 0.01, about 1000 steps' worth of one
     coordinate's gradient within a few steps. That diverged, the old default
     (0.28 held-out accuracy against 0.97 uncompressed on the digits-like
-    task of ``tests/test_compression_defaults.py``; 0.17 against 0.76 in
+    task of ``tests/compression/test_compression_defaults.py``; 0.17 against 0.76 in
     ``benchmarks/compression.py``).
 
     The default, 25% scaled without error feedback, is within a point of

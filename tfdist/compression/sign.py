@@ -24,7 +24,7 @@ class SignCompressor(Compressor):
     error feedback then spreads a small, decisive tensor's update (a bias,
     a 64x10 output kernel) over many steps. Compressing them too cost 4.6
     accuracy points on the digits-like task of
-    ``tests/test_compression_defaults.py``, for a few hundred bytes per
+    ``tests/compression/test_compression_defaults.py``, for a few hundred bytes per
     step. ``min_size=0`` compresses every tensor.
 
     Args:

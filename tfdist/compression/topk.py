@@ -25,7 +25,7 @@ class TopKCompressor(Compressor):
     and is then applied with all it accumulated, which momentum amplifies
     further: on a small tensor that carries the model's output (a 64x10
     kernel keeps 7 of its 640 entries at 1%) this cost 4.8 accuracy points
-    on the digits-like task of ``tests/test_compression_defaults.py``, for
+    on the digits-like task of ``tests/compression/test_compression_defaults.py``, for
     bytes that do not matter. ``min_size=0`` compresses every tensor.
 
     Args:

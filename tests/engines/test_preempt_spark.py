@@ -6,7 +6,7 @@ stage only behind a shuffle, and ``BarrierTaskContext`` has no stage attempt
 number), so ``run`` submits the job again itself (``max_retries``). The
 quick tests check how a preempted task's failure reaches the driver; the
 slow one runs on a real ``local-cluster`` (the fixtures of
-tests/test_spark.py, skipped without pyspark or Java as there): in the middle
+tests/engines/test_spark.py, skipped without pyspark or Java as there): in the middle
 of an epoch of a Keras fit with ``tfdist.BackupAndRestore``, the test sends
 SIGTERM to worker 1's process (a host being preempted). Every task must stop
 after the same step, the chief save there, and the second attempt resume at

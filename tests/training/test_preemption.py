@@ -2,7 +2,7 @@
 without peers, status records, the size-change policy, bad input.
 
 The multi-worker agreement is tested with real processes in
-tests/test_preempt_fit.py and tests/test_preempt_hvd.py.
+tests/training/test_preempt_fit.py and tests/horovod/test_preempt_hvd.py.
 """
 
 from __future__ import annotations

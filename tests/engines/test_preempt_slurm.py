@@ -1,5 +1,5 @@
 """Preemption under Slurm: ``scancel --signal=TERM`` of a running step on the
-real slurmctld and slurmd (tests/slurm_engine.py), then a requeued run.
+real slurmctld and slurmd (tests/engines/slurm_engine.py), then a requeued run.
 
 The batch job carries the README's preemption directives (``--signal=TERM@60``,
 ``--requeue``, ``--open-mode=append``) and requeues itself when its step ends

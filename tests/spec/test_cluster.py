@@ -19,7 +19,7 @@ from tfdist import spec as cluster
 from tfdist.spec import TFConfig
 from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = REPO_ROOT / "cluster_specs"
 
 W2 = ["127.0.0.1:1111", "127.0.0.1:1112"]  # Two valid worker addresses.

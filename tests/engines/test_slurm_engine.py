@@ -1,6 +1,6 @@
 """tfdist on a real Slurm cluster: slurmctld and slurmd on 127.0.0.1.
 
-The module starts one single-node cluster (tests/slurm_engine.py) and runs
+The module starts one single-node cluster (tests/engines/slurm_engine.py) and runs
 ``srun -n2`` and ``sbatch`` jobs on it: a Keras fit through
 ``strategy_from_config()`` with no TF_CONFIG, ``tfdist info`` inside a step,
 the README's batch script, and a step whose task fails. Without Slurm the

@@ -2,7 +2,7 @@
 same command resumes (the command of the README's Slurm batch script).
 
 One process (``strategies/mirrored.py``, 2 logical CPUs), so no lock and no
-engine: the Slurm test (tests/test_preempt_slurm.py) covers the multi-worker
+engine: the Slurm test (tests/engines/test_preempt_slurm.py) covers the multi-worker
 step. The epochs are long enough (1,000 steps) that the signal lands
 mid-epoch.
 """
