@@ -190,13 +190,13 @@ def bench_replicas() -> list[dict]:
 
 def bench_workers() -> list[dict]:
     """Each setting on 2 worker processes (MultiWorkerMirrored on 127.0.0.1)."""
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
     rows = []
     for setting in FLAGS.settings:
         spec = local_spec(2)
         procs, outs = [], []
-        for i, (_, _, config) in enumerate(cluster.all_task_configs(spec)):
+        for i, (_, _, config) in enumerate(spec_lib.all_task_configs(spec)):
             out = Path(FLAGS.results_dir) / f".worker{i}.json"
             outs.append(out)
             env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",

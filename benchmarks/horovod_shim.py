@@ -194,11 +194,11 @@ def run_job(worker_args: list[str], work: Path, timeout: float = 600) -> list[di
 
     Started as benchmarks/overhead.py starts its workers: one TF_CONFIG each.
     """
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
 
     procs, outs, logs = [], [], []
-    for rank, (_, _, config) in enumerate(cluster.all_task_configs(local_spec(2))):
+    for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
         outs.append(work / f"rank{rank}.json")
         logs.append(work / f"rank{rank}.log")
         env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",

@@ -217,14 +217,14 @@ def bench_mirrored() -> dict:
 
 def bench_workers() -> dict:
     """Interleaved 2-process jobs, one arm per job."""
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
     medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
     work = Path(FLAGS.results_dir)
     for i in range(FLAGS.pairs):
         for arm in pair_order(i):
             outs, procs = [], []
-            for rank, (_, _, config) in enumerate(cluster.all_task_configs(local_spec(2))):
+            for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
                 out = work / f".overhead_worker{rank}.json"
                 outs.append(out)
                 env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",

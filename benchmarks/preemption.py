@@ -392,10 +392,10 @@ class _Lock:
 
 
 def _start_job(model: str, arm: str, work: Path, extra: Sequence[str], tag: str) -> list:
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
     procs = []
-    for rank, (_, _, config) in enumerate(cluster.all_task_configs(local_spec(2))):
+    for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
         env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",
                    TFDIST_JOB_DIR=str(work / "job"), PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

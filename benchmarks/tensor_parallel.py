@@ -413,11 +413,11 @@ def _env() -> dict:
 def capacity_job(tp: int, limit: int | None, tag: str, cgroups: bool = True) -> dict:
     """Runs the two workers of one job; each in a fresh memory cgroup
     (without ``cgroups``: plain processes, peak RSS only)."""
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
     groups, procs = [], []
     try:
-        for i, (_, _, config) in enumerate(cluster.all_task_configs(local_spec(2))):
+        for i, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
             group = _cgroup(f"tfdist_tpbench_{os.getpid()}_{tag}_{i}", limit) if cgroups else None
             groups.append(group)
             env = _env()

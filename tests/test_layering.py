@@ -23,7 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tfdist"
@@ -251,7 +250,6 @@ def test_the_spec_layer_and_the_launcher_load_no_tensorflow():
     assert above == []
 
 
-@pytest.mark.slow
 def test_importing_each_layer_loads_nothing_above_it():
     """In one fresh interpreter, the layers are imported lowest first; after
     each, no module of a higher layer may be loaded."""

@@ -133,7 +133,7 @@ def _host_lines(stdout):
 
 
 def test_hosts_prints_every_tasks_command_grouped_by_host():
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     proc = tfdist("hosts", "chief_and_workers", "--python", "python3 -u", "--",
                   "train.py", "--epochs", "3", "--name", "a b", "--")
     assert proc.returncode == 0, proc.stderr
@@ -143,7 +143,7 @@ def test_hosts_prints_every_tasks_command_grouped_by_host():
     tasks = []
     for tf_config, argv in groups["127.0.0.1"]:
         assert argv == ["python3", "-u", "train.py", "--epochs", "3", "--name", "a b", "--"]
-        parsed = cluster.parse(tf_config)
+        parsed = spec_lib.parse(tf_config)
         assert tf_config["cluster"] == spec["cluster"]
         tasks.append(parsed.task_id)
     assert tasks == ["chief:0", "worker:0", "worker:1"]
@@ -168,12 +168,12 @@ def test_hosts_reads_stdin_and_adds_the_evaluator_on_its_host():
 
 
 def test_hosts_errors_exit_2_with_the_cluster_message(tmp_path):
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.errors import ClusterSpecError
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:1"]}}))
     with pytest.raises(ClusterSpecError) as expected:
-        cluster.parse(str(bad), require_task=False)
+        spec_lib.parse(str(bad), require_task=False)
     proc = tfdist("hosts", str(bad), "--", "t.py")
     assert proc.returncode == 2
     assert str(expected.value) in proc.stderr

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import finish, result_line, start
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.engines.net import local_spec
 
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ def test_two_workers_measure_once_and_choose_alike():
     spec = local_spec(2)
     procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
                    TFDIST_TEST_COMPRESSION="auto")
-             for _, _, config in cluster.all_task_configs(spec)]
+             for _, _, config in spec_lib.all_task_configs(spec)]
     results = finish(procs, timeout=240)
     for code, out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"

@@ -308,11 +308,11 @@ def test_the_wire_dtype_of_the_slices_in_the_traced_collectives(tf_cpus, setting
 @pytest.mark.slow
 def test_two_workers_gather_slices_in_bf16_and_count_them():
     from conftest import finish, result_line, start
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
 
     procs = [start(["tests/workers/sparse_fit.py"], tf_config=config)
-             for _, _, config in cluster.all_task_configs(local_spec(2))]
+             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
     results = finish(procs, timeout=300)
     for code, out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, finish, result_line, start, subprocess_env
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.engines import hosts
 from tfdist.errors import ClusterSpecError, ConfigError
 from tfdist.engines.net import free_ports
@@ -66,7 +66,7 @@ def test_every_task_of_every_spec_gets_its_own_command(path):
         assert argv == ["python", "train.py", "--epochs", "3"]
         assert command.env == {"TF_CONFIG": command.tf_config_json}
         # What the process will read is a valid TF_CONFIG naming this task.
-        parsed = cluster.parse(command.tf_config_json)
+        parsed = spec_lib.parse(command.tf_config_json)
         assert parsed.task_id == f"{task_type}:{index}" == command.task_id
         assert "evaluator" not in parsed.cluster
 
@@ -147,7 +147,7 @@ def test_a_bad_spec_raises_the_cluster_error_unchanged(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"cluster": {"worker": ["h:1", "h:1"]}}))
     with pytest.raises(ClusterSpecError) as expected:
-        cluster.parse(bad, require_task=False)
+        spec_lib.parse(bad, require_task=False)
     with pytest.raises(ClusterSpecError) as got:
         hosts.host_commands(bad, "t.py")
     assert got.value.field == expected.value.field == "cluster.worker[1]"

@@ -16,10 +16,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_four_workers_dp2_tp2_match_the_unsharded_model(tmp_path):
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
     procs = [start(["tests/workers/parallel_fit_mw.py"], tf_config=config)
-             for _, _, config in cluster.all_task_configs(local_spec(4))]
+             for _, _, config in spec_lib.all_task_configs(local_spec(4))]
     results = finish(procs, timeout=300)
     for code, out, err in results:
         assert code == 0, f"worker failed ({code}):\n{out[-2000:]}\n{err[-4000:]}"

@@ -331,11 +331,11 @@ def test_two_workers_save_and_load_full_values(tf_cpus, tmp_path):
     a gather both workers join, in model.save, get_weights and the
     checkpoint alike."""
     from conftest import finish, result_line, start
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
     procs = [start(["tests/workers/parallel_saving_mw.py"], tf_config=config,
                    TFDIST_TEST_DIR=str(tmp_path))
-             for _, _, config in cluster.all_task_configs(local_spec(2))]
+             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
     results = finish(procs, timeout=240)
     for code, out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.spec import TFConfig
 from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
 
@@ -142,12 +142,12 @@ def _assert_cluster_error(excinfo: pytest.ExceptionInfo, field: str, fragment: s
 )
 def test_bad_input(source, kwargs, field, fragment):
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(source, env={}, **kwargs)
+        spec_lib.parse(source, env={}, **kwargs)
     _assert_cluster_error(excinfo, field, fragment)
     if isinstance(source, dict) and source:
         # The same TF_CONFIG as a JSON string fails on the same field.
         with pytest.raises(ClusterSpecError) as excinfo:
-            cluster.parse(json.dumps(source), env={}, **kwargs)
+            spec_lib.parse(json.dumps(source), env={}, **kwargs)
         assert excinfo.value.field == field
 
 
@@ -155,14 +155,14 @@ def test_bad_input(source, kwargs, field, fragment):
 def test_bad_address_in_cluster(address):
     data = _tf_config({"worker": ["ok:1", address]})
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(data, require_task=False)
+        spec_lib.parse(data, require_task=False)
     _assert_cluster_error(excinfo, "cluster.worker[1]", repr(address))
 
 
 @pytest.mark.parametrize("address", BAD_ADDRESSES, ids=repr)
 def test_parse_address_bad(address):
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse_address(address)
+        spec_lib.parse_address(address)
     _assert_cluster_error(excinfo, "address", repr(address))
 
 
@@ -171,14 +171,14 @@ def test_bad_input_from_json_string_same_field():
     text = json.dumps(_tf_config({"worker": W2}, _worker_task("1")))
     for source, env in ((text, None), (None, {"TF_CONFIG": text})):
         with pytest.raises(ClusterSpecError) as excinfo:
-            cluster.parse(source, env=env)
+            spec_lib.parse(source, env=env)
         _assert_cluster_error(excinfo, "task.index", "'1'")
 
 
 def test_message_format():
     data = _tf_config({"worker": W2}, _worker_task(5))
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(json.dumps(data))
+        spec_lib.parse(json.dumps(data))
     assert str(excinfo.value) == (
         "TF_CONFIG (<string>): field 'task.index': expected an integer in [0, 1] "
         "(the 'worker' job has 2 tasks). Received: 5"
@@ -190,7 +190,7 @@ def test_message_format():
 def test_json_syntax_error_line_and_column():
     text = '{\n  "cluster": {\n    "worker": ["a:1" "b:2"]\n  }\n}'
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(text)
+        spec_lib.parse(text)
     error = excinfo.value
     assert error.field == "<json>"
     assert (error.line, error.column) == (3, 22)
@@ -200,7 +200,7 @@ def test_json_syntax_error_line_and_column():
 
 def test_json_error_from_env_names_tf_config():
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(env={"TF_CONFIG": "{"})
+        spec_lib.parse(env={"TF_CONFIG": "{"})
     assert str(excinfo.value).startswith("TF_CONFIG: field '<json>'")
     assert excinfo.value.line == 1
 
@@ -208,14 +208,14 @@ def test_json_error_from_env_names_tf_config():
 def test_long_values_are_truncated():
     data = _tf_config({"worker": ["a" * 1000]})
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(data, require_task=False)
+        spec_lib.parse(data, require_task=False)
     assert len(str(excinfo.value)) < 600
     assert "..." in str(excinfo.value)
 
 
 def test_error_pickles():
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(_tf_config({"worker": W2}, _worker_task("1")))
+        spec_lib.parse(_tf_config({"worker": W2}, _worker_task("1")))
     copy = pickle.loads(pickle.dumps(excinfo.value))
     assert type(copy) is ClusterSpecError
     assert (copy.field, copy.value, str(copy)) == ("task.index", "1", str(excinfo.value))
@@ -236,7 +236,7 @@ def test_config_error_is_generic():
 
 @pytest.mark.parametrize("env", [{}, {"TF_CONFIG": ""}, {"TF_CONFIG": "  \n"}])
 def test_env_absent_or_empty_is_local(env):
-    config = cluster.parse(env=env)
+    config = spec_lib.parse(env=env)
     assert config == TFConfig(cluster={}, task_type=None, task_index=None, source="TF_CONFIG")
     assert config.kind == "local"
     assert config.is_chief
@@ -247,14 +247,14 @@ def test_env_absent_or_empty_is_local(env):
 
 def test_env_default_is_os_environ(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    assert cluster.parse().kind == "local"
+    assert spec_lib.parse().kind == "local"
     monkeypatch.setenv("TF_CONFIG", json.dumps(_tf_config({"worker": W2}, _worker_task(1))))
-    assert cluster.parse().task_id == "worker:1"
+    assert spec_lib.parse().task_id == "worker:1"
 
 
 def test_env_tf_config():
     text = json.dumps(_tf_config({"worker": W2}, _worker_task(1)))
-    config = cluster.parse(env={"TF_CONFIG": text})
+    config = spec_lib.parse(env={"TF_CONFIG": text})
     assert config.source == "TF_CONFIG"
     assert config.kind == "multi_worker"
     assert (config.task_type, config.task_index) == ("worker", 1)
@@ -267,10 +267,10 @@ def test_env_tf_config():
 
 def test_valid_variants():
     # One task needs no 'task'; a single-task cluster is local.
-    single = cluster.parse(_tf_config({"worker": ["a:1"]}), strategy="mirrored")
+    single = spec_lib.parse(_tf_config({"worker": ["a:1"]}), strategy="mirrored")
     assert single.kind == "local" and single.is_chief
     # Vertex AI / AI Platform extra keys are accepted and dropped.
-    vertex = cluster.parse(
+    vertex = spec_lib.parse(
         {
             "cluster": {"chief": ["c:2222"], "worker": ["w:2222"]},
             "task": {"type": "chief", "index": 0, "trial": ""},
@@ -283,17 +283,17 @@ def test_valid_variants():
     assert vertex.is_chief
     assert set(vertex.to_dict()) == {"cluster", "task", "rpc_layer", "environment"}
     # IPv6 and host names.
-    ipv6 = cluster.parse(_tf_config({"worker": ["[::1]:1", "[::1]:2", "my-host.example_1:3"]}), require_task=False)
+    ipv6 = spec_lib.parse(_tf_config({"worker": ["[::1]:1", "[::1]:2", "my-host.example_1:3"]}), require_task=False)
     assert ipv6.num_tasks == 3
-    assert cluster.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="auto").kind == "parameter_server"
+    assert spec_lib.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="auto").kind == "parameter_server"
     # TF class names are accepted as strategy names.
-    cluster.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="ParameterServerStrategy")
+    spec_lib.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="ParameterServerStrategy")
     with pytest.raises(ClusterSpecError):
-        cluster.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="MultiWorkerMirroredStrategy")
+        spec_lib.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="MultiWorkerMirroredStrategy")
 
 
 def test_jobs_are_normalized():
-    config = cluster.parse(
+    config = spec_lib.parse(
         {"cluster": {"ps": ["p:1"], "worker": ["w:1"], "chief": ["c:1"]}, "task": {"type": "ps", "index": 0}}
     )
     assert list(config.cluster) == ["chief", "worker", "ps"]
@@ -305,20 +305,20 @@ def test_jobs_are_normalized():
 
 def test_tfconfig_validate_and_with_task():
     config = TFConfig(cluster={"worker": ["a:1", "b:1"]}, task_type="worker", task_index=0)
-    assert cluster.validate(config) == config
-    assert cluster.parse(config).is_chief
+    assert spec_lib.validate(config) == config
+    assert spec_lib.parse(config).is_chief
     assert config.with_task("worker", 1).task_address == "b:1"
     with pytest.raises(ClusterSpecError) as excinfo:
         config.with_task("worker", 2)
     _assert_cluster_error(excinfo, "task.index", "Received: 2")
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.validate(TFConfig(cluster={"worker": ("a:1", "a:1")}, task_type=None, task_index=None, source="mine"))
+        spec_lib.validate(TFConfig(cluster={"worker": ("a:1", "a:1")}, task_type=None, task_index=None, source="mine"))
     assert str(excinfo.value).startswith("TF_CONFIG (mine): field 'cluster.worker[1]'")
     assert config.with_task(None, None).task_type is None
 
 
 def test_evaluator_config():
-    config = cluster.parse(_tf_config(PS_CLUSTER, {"type": "evaluator", "index": 0}))
+    config = spec_lib.parse(_tf_config(PS_CLUSTER, {"type": "evaluator", "index": 0}))
     assert config.task_type == "evaluator" and config.task_address is None
     assert not config.is_chief
     assert config.kind == "parameter_server"
@@ -342,20 +342,20 @@ def test_spec_dir_is_populated():
 
 @pytest.mark.parametrize("path", SPEC_FILES, ids=lambda path: path.stem)
 def test_spec_file_is_valid(path):
-    config = cluster.parse(path, require_task=False)
+    config = spec_lib.parse(path, require_task=False)
     assert config.source.endswith(path.name)
-    assert cluster.parse(str(path), require_task=False) == config
+    assert spec_lib.parse(str(path), require_task=False) == config
     # Bare names are looked up in cluster_specs/.
-    assert cluster.parse(path.stem, require_task=False, env={}).cluster == config.cluster
-    assert cluster.parse(path.name, require_task=False, env={}).cluster == config.cluster
+    assert spec_lib.parse(path.stem, require_task=False, env={}).cluster == config.cluster
+    assert spec_lib.parse(path.name, require_task=False, env={}).cluster == config.cluster
     addresses = [address for _, _, address in config.tasks()]
     assert all(address.startswith("127.0.0.1:") for address in addresses)
     if path.stem.startswith("parameter_server"):
         assert config.kind == "parameter_server"
     if path.stem == "parameter_server_evaluator":
         assert (config.task_type, config.task_index) == ("evaluator", 0)
-        assert cluster.parse(path).task_type == "evaluator"  # A full TF_CONFIG.
-        assert config.cluster == cluster.parse("parameter_server", require_task=False).cluster
+        assert spec_lib.parse(path).task_type == "evaluator"  # A full TF_CONFIG.
+        assert config.cluster == spec_lib.parse("parameter_server", require_task=False).cluster
     else:
         assert config.task_type is None
     if path.stem == "single_worker":
@@ -366,10 +366,10 @@ def test_spec_file_is_valid(path):
 
 def test_spec_dir_env_override(tmp_path):
     (tmp_path / "mine.json").write_text(json.dumps(_tf_config({"worker": ["x:1", "x:2"]})))
-    config = cluster.parse("mine", require_task=False, env={cluster.SPEC_DIR_ENV: str(tmp_path)})
+    config = spec_lib.parse("mine", require_task=False, env={spec_lib.SPEC_DIR_ENV: str(tmp_path)})
     assert config.cluster == {"worker": ("x:1", "x:2")}
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse("two_workers", env={cluster.SPEC_DIR_ENV: str(tmp_path)})
+        spec_lib.parse("two_workers", env={spec_lib.SPEC_DIR_ENV: str(tmp_path)})
     _assert_cluster_error(excinfo, "path", "'two_workers'")
     assert str(tmp_path) in str(excinfo.value) and "mine" in str(excinfo.value)
 
@@ -378,11 +378,11 @@ def test_bad_spec_file_names_the_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(_tf_config({"worker": W2}, _worker_task(5))))
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(path)
+        spec_lib.parse(path)
     assert str(excinfo.value).startswith(f"TF_CONFIG ({path}): field 'task.index'")
     path.write_text("{\n\n  oops\n}")
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.parse(path)
+        spec_lib.parse(path)
     assert (excinfo.value.field, excinfo.value.line, excinfo.value.column) == ("<json>", 3, 3)
 
 
@@ -393,14 +393,14 @@ def test_bad_spec_file_names_the_file(tmp_path):
 
 @pytest.mark.parametrize("path", SPEC_FILES, ids=lambda path: path.stem)
 def test_all_task_configs_round_trip(path):
-    spec = cluster.parse(path, require_task=False)
-    configs = cluster.all_task_configs(path)
+    spec = spec_lib.parse(path, require_task=False)
+    configs = spec_lib.all_task_configs(path)
     assert [(t, i) for t, i, _ in configs] == [(t, i) for t, i, _ in spec.tasks()]
     assert len(configs) == spec.num_tasks
     addresses = set()
     for task_type, index, tf_config in configs:
         assert tf_config["task"] == {"type": task_type, "index": index}
-        parsed = cluster.parse(json.dumps(tf_config), require_task=True)
+        parsed = spec_lib.parse(json.dumps(tf_config), require_task=True)
         assert (parsed.task_type, parsed.task_index) == (task_type, index)
         assert parsed.cluster == spec.cluster
         expected_chief = task_type == "chief" or (
@@ -409,13 +409,13 @@ def test_all_task_configs_round_trip(path):
         assert parsed.is_chief == expected_chief
         addresses.add(parsed.task_address)
     assert len(addresses) == len(configs)
-    assert sum(parsed.is_chief for parsed in (cluster.parse(c) for _, _, c in configs)) == 1
+    assert sum(parsed.is_chief for parsed in (spec_lib.parse(c) for _, _, c in configs)) == 1
 
 
 def test_tf_config_for_task():
-    tf_config = cluster.tf_config_for_task("two_workers", "worker", 1)
+    tf_config = spec_lib.tf_config_for_task("two_workers", "worker", 1)
     assert tf_config["task"] == {"type": "worker", "index": 1}
-    evaluator = cluster.tf_config_for_task("parameter_server", "evaluator", 0)
+    evaluator = spec_lib.tf_config_for_task("parameter_server", "evaluator", 0)
     assert evaluator == json.loads((SPEC_DIR / "parameter_server_evaluator.json").read_text())
     for task_type, index, field in [
         ("worker", 2, "task.index"),
@@ -425,24 +425,24 @@ def test_tf_config_for_task():
         ("boss", 0, "task.type"),
     ]:
         with pytest.raises(ClusterSpecError) as excinfo:
-            cluster.tf_config_for_task("two_workers", task_type, index)
+            spec_lib.tf_config_for_task("two_workers", task_type, index)
         _assert_cluster_error(excinfo, field, repr(task_type if field == "task.type" else index))
 
 
 def test_spec_from_hosts_workers():
-    assert cluster.spec_from_hosts(["a", "b"]) == {"cluster": {"worker": ["a:2222", "b:2222"]}}
-    local = cluster.spec_from_hosts(["localhost"] * 4, port=3000)
+    assert spec_lib.spec_from_hosts(["a", "b"]) == {"cluster": {"worker": ["a:2222", "b:2222"]}}
+    local = spec_lib.spec_from_hosts(["localhost"] * 4, port=3000)
     assert local == {"cluster": {"worker": [f"localhost:{3000 + i}" for i in range(4)]}}
-    cluster.parse(local, require_task=False)
+    spec_lib.parse(local, require_task=False)
     # Ports already given explicitly are skipped for the same host.
-    mixed = cluster.spec_from_hosts(["h:2222", "h", "[::1]", "[::1]:5"])
+    mixed = spec_lib.spec_from_hosts(["h:2222", "h", "[::1]", "[::1]:5"])
     assert mixed["cluster"]["worker"] == ["h:2222", "h:2223", "[::1]:2222", "[::1]:5"]
 
 
 def test_spec_from_hosts_chief_and_ps():
-    spec = cluster.spec_from_hosts(["c", "w1", "w2"], chief=True)
+    spec = spec_lib.spec_from_hosts(["c", "w1", "w2"], chief=True)
     assert spec == {"cluster": {"chief": ["c:2222"], "worker": ["w1:2222", "w2:2222"]}}
-    spec = cluster.spec_from_hosts(["localhost"] * 5, chief=True, num_ps=2)
+    spec = spec_lib.spec_from_hosts(["localhost"] * 5, chief=True, num_ps=2)
     assert spec == {
         "cluster": {
             "chief": ["localhost:2222"],
@@ -450,8 +450,8 @@ def test_spec_from_hosts_chief_and_ps():
             "ps": ["localhost:2223", "localhost:2224"],
         }
     }
-    assert cluster.parse(spec, require_task=False).kind == "parameter_server"
-    assert cluster.spec_from_hosts(["c"], chief=True) == {"cluster": {"chief": ["c:2222"]}}
+    assert spec_lib.parse(spec, require_task=False).kind == "parameter_server"
+    assert spec_lib.spec_from_hosts(["c"], chief=True) == {"cluster": {"chief": ["c:2222"]}}
 
 
 @pytest.mark.parametrize(
@@ -480,23 +480,23 @@ def test_spec_from_hosts_chief_and_ps():
 )
 def test_spec_from_hosts_bad(hosts, kwargs, field, fragment):
     with pytest.raises(ClusterSpecError) as excinfo:
-        cluster.spec_from_hosts(hosts, **kwargs)
+        spec_lib.spec_from_hosts(hosts, **kwargs)
     _assert_cluster_error(excinfo, field, fragment)
     assert str(excinfo.value).startswith("spec_from_hosts(): ")
 
 
 def test_parse_task_and_address():
-    assert cluster.parse_task("worker:1") == ("worker", 1)
-    assert cluster.parse_task(" chief:0 ") == ("chief", 0)
-    assert cluster.parse_task("evaluator:0") == ("evaluator", 0)
+    assert spec_lib.parse_task("worker:1") == ("worker", 1)
+    assert spec_lib.parse_task(" chief:0 ") == ("chief", 0)
+    assert spec_lib.parse_task("evaluator:0") == ("evaluator", 0)
     for text in ["worker", "worker:", "worker:x", "worker:-1", "workers:1", ":1", "", 1, None]:
         with pytest.raises(ClusterSpecError) as excinfo:
-            cluster.parse_task(text)
+            spec_lib.parse_task(text)
         _assert_cluster_error(excinfo, "task", repr(text))
-    assert cluster.parse_address("localhost:2222") == ("localhost", 2222)
-    assert cluster.parse_address("10.0.0.1:1") == ("10.0.0.1", 1)
-    assert cluster.parse_address("[::1]:2222") == ("::1", 2222)
-    assert cluster.parse_address("[fe80::1%eth0]:65535") == ("fe80::1%eth0", 65535)
+    assert spec_lib.parse_address("localhost:2222") == ("localhost", 2222)
+    assert spec_lib.parse_address("10.0.0.1:1") == ("10.0.0.1", 1)
+    assert spec_lib.parse_address("[::1]:2222") == ("::1", 2222)
+    assert spec_lib.parse_address("[fe80::1%eth0]:65535") == ("fe80::1%eth0", 65535)
 
 
 def test_import_does_not_load_tensorflow():

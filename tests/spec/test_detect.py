@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.spec.detect import choose
 from tfdist.errors import ConfigError
 from tfdist.spec.options import make_options
@@ -224,7 +224,7 @@ def test_detection_does_not_import_tensorflow():
             " 'task': {'type': 'worker', 'index': 0}}, env={});"
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")
     subprocess.run([sys.executable, "-c", code], check=True,
-                   cwd=cluster.DEFAULT_SPEC_DIR.parent)
+                   cwd=spec_lib.DEFAULT_SPEC_DIR.parent)
 
 
 def test_a_collective_timeout_is_on_by_default_and_can_be_turned_off():

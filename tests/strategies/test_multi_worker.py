@@ -8,7 +8,7 @@ import pytest
 
 import tfdist
 from conftest import finish, result_line, start
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.engines.net import local_spec
 from test_strategies import fit_losses
 
@@ -21,7 +21,7 @@ def test_two_worker_keras_fit_through_strategy_from_config(tf_cpus):
     spec = local_spec(2)
     procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
                    TFDIST_TEST_BYTES_PER_PACK=str(1 << 20))
-             for _, _, config in cluster.all_task_configs(spec)]
+             for _, _, config in spec_lib.all_task_configs(spec)]
     results = finish(procs, timeout=240)
     for code, out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
@@ -59,7 +59,7 @@ def test_two_worker_fit_with_compression_ends_with_identical_weights(tf_cpus, co
     spec = local_spec(2)
     procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
                    TFDIST_TEST_COMPRESSION=compression, TFDIST_TEST_STEPS=str(steps))
-             for _, _, config in cluster.all_task_configs(spec)]
+             for _, _, config in spec_lib.all_task_configs(spec)]
     results = finish(procs, timeout=240)
     for code, out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
@@ -80,9 +80,9 @@ def test_a_peer_that_never_starts_is_named_within_the_timeout():
     # it. Start one of each in two separate 2-worker clusters, alone.
     leader_spec, follower_spec = local_spec(2), local_spec(2)
     leader = start(["-c", SERVE], TFDIST_REGISTER_TIMEOUT="5",
-                   tf_config=cluster.tf_config_for_task(leader_spec, "worker", 0))
+                   tf_config=spec_lib.tf_config_for_task(leader_spec, "worker", 0))
     follower = start(["-c", SERVE], TFDIST_REGISTER_TIMEOUT="5",
-                     tf_config=cluster.tf_config_for_task(follower_spec, "worker", 1))
+                     tf_config=spec_lib.tf_config_for_task(follower_spec, "worker", 1))
     (lead_code, _, lead_err), (follow_code, _, follow_err) = finish(
         [leader, follower], timeout=120)
     assert lead_code != 0
@@ -117,7 +117,7 @@ print("tfdist result: {\\"total\\": %s, \\"variable_device\\": \\"%s\\"}"
 
 def test_parameter_server_cluster_servers_and_chief():
     spec = local_spec(2, chief=True, ps=1)
-    configs = {(t, i): c for t, i, c in cluster.all_task_configs(spec)}
+    configs = {(t, i): c for t, i, c in spec_lib.all_task_configs(spec)}
     servers = [start(["-c", SERVE], tf_config=configs[key])
                for key in configs if key[0] != "chief"]
     try:
@@ -144,7 +144,7 @@ def test_collectives_keep_threads_flat_and_a_hung_peer_fails_the_other():
     # all-reduce (300 for these 150); tfdist's watchdog keeps one thread.
     procs = [start(["tests/workers/watchdog_job.py"], tf_config=config,
                    TFDIST_COLLECTIVE_TIMEOUT="6")
-             for _, _, config in cluster.all_task_configs(local_spec(2))]
+             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
     outs = []
     try:
         procs[0].wait(timeout=180)

@@ -18,7 +18,7 @@ import pytest
 
 import tfdist
 from conftest import REPO, finish, result_line, start
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.errors import ConfigError
 from tfdist.engines.net import local_spec
 
@@ -325,7 +325,7 @@ def test_warmup_with_explicit_rates_and_bad_arguments(tf_cpus, strategy, callbac
 
 def _run_workers(spec, tmp_path, check=True, per_worker_env=None, **env):
     procs = []
-    for i, (task_type, index, config) in enumerate(cluster.all_task_configs(spec)):
+    for i, (task_type, index, config) in enumerate(spec_lib.all_task_configs(spec)):
         scratch = tmp_path / f"tmp-{task_type}{index}"
         scratch.mkdir(exist_ok=True)
         extra = dict(env, **(per_worker_env[i] if per_worker_env else {}))

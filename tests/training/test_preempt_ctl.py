@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, subprocess_env
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.engines.net import local_spec
 
 SCRIPT = REPO / "tests" / "workers" / "preempt_ctl.py"
@@ -45,7 +45,7 @@ def run_job(mode: str, workdir, victim: int | None = None, at: int = SIGNAL_AT,
         TFDIST_TEST_STEPS_PER_EPOCH=str(STEPS_PER_EPOCH),
         TFDIST_TEST_STEP_SLEEP="0.05")
     procs, lines = [], []
-    for _, _, config in cluster.all_task_configs(local_spec(2)):
+    for _, _, config in spec_lib.all_task_configs(local_spec(2)):
         procs.append(subprocess.Popen(
             [sys.executable, str(SCRIPT), mode, str(workdir)], cwd=REPO,
             env=subprocess_env(TF_CONFIG=json.dumps(config), **env),

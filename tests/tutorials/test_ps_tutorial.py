@@ -26,7 +26,7 @@ import pytest
 from conftest import finish, result_line, start
 
 import tfdist
-from tfdist import spec as cluster_lib
+from tfdist import spec as spec_lib
 from tfdist.spec import detect
 from tfdist.errors import ConfigError
 
@@ -134,7 +134,7 @@ def test_a_resolver_of_workers_and_ps_makes_this_process_the_coordinator():
     resolver = _resolver(_PS_CLUSTER, rpc_layer="grpc")
     choice = detect.choose(resolver)
     assert choice.name == "parameter_server" and choice.role == "trainer"
-    assert choice.tf_config.source == cluster_lib.RESOLVER_SOURCE
+    assert choice.tf_config.source == spec_lib.RESOLVER_SOURCE
     assert choice.tf_config.cluster == {job: tuple(a) for job, a in _PS_CLUSTER.items()}
     assert choice.tf_config.task_type is None
 

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.engines import horovodrun
 from tfdist.errors import ConfigError
 
@@ -132,7 +132,7 @@ def _launch(args: argparse.Namespace) -> int:
         if not horovodrun.is_local(ranks):
             return _print_rank_commands("tfdist launch", ranks, script, rest, python)
     if args.spec is not None:
-        spec = cluster.parse(args.spec, require_task=False).to_dict()
+        spec = spec_lib.parse(args.spec, require_task=False).to_dict()
         if launch_lib.non_local_hosts(spec):
             # Not ours to start: say how to start each task on its host.
             from tfdist.engines.hosts import format_host_commands, host_commands

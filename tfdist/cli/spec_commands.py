@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.cli.launch_commands import _command_after_dashes
 from tfdist.errors import TfdistError
 
@@ -52,7 +52,7 @@ def _info(args: argparse.Namespace) -> int:
         from tfdist.strategies.slurm import SlurmClusterResolver
         resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
         spec = resolver.cluster_spec().as_dict()
-        cfg = cluster.parse({"cluster": spec, "task": {
+        cfg = spec_lib.parse({"cluster": spec, "task": {
             "type": resolver.task_type, "index": resolver.task_id}})
         print("source:   Slurm job step (SLURM_PROCID="
               f"{os.environ['SLURM_PROCID']})")
@@ -96,7 +96,7 @@ def _read_source(path: str) -> str | dict:
 
 def _validate(args: argparse.Namespace) -> int:
     source = _read_source(args.file)
-    cfg = cluster.parse(source, require_task=args.require_task,
+    cfg = spec_lib.parse(source, require_task=args.require_task,
                         strategy=args.strategy)
     jobs = ", ".join(f"{len(a)} {job}" for job, a in cfg.cluster.items())
     task = f", task {cfg.task_id}" if cfg.task_id else ""
@@ -105,8 +105,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _tf_config(args: argparse.Namespace) -> int:
-    task_type, task_index = cluster.parse_task(args.task)
-    config = cluster.tf_config_for_task(_read_source(args.spec), task_type,
+    task_type, task_index = spec_lib.parse_task(args.task)
+    config = spec_lib.tf_config_for_task(_read_source(args.spec), task_type,
                                         task_index)
     text = json.dumps(config, separators=(",", ":"))
     print(f"export TF_CONFIG={shlex.quote(text)}" if args.export else text)

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -267,7 +267,7 @@ def split_python(words: Sequence[str], *, field: str = "command",
 
 def multi_host_spec(ranks: Sequence[str], port: int = DEFAULT_PORT) -> dict:
     """A cluster spec with one worker per rank: ``port``, ``port + 1``... per host."""
-    return cluster.spec_from_hosts(list(ranks), port=port)
+    return spec_lib.spec_from_hosts(list(ranks), port=port)
 
 
 def format_commands(ranks: Sequence[str], script: Sequence[str], args: Sequence[str],

@@ -34,7 +34,7 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 # The manifests and their YAML, public here as before they had their own modules.
 from tfdist.engines.tfjob import (DEFAULT_BACKUP_MOUNT, DEFAULT_GRACE_SECONDS,  # noqa: F401
                                   DEFAULT_RESTART_POLICY, REPLICA_TYPES, RESTART_POLICIES, _fail,
@@ -181,7 +181,7 @@ def host_commands(
             ``evaluator_host``; the message names the field.
     """
     source = "host_commands()"
-    config = cluster.parse(spec, require_task=False)
+    config = spec_lib.parse(spec, require_task=False)
     if not config.cluster:
         raise ClusterSpecError(
             "cluster", config.to_dict()["cluster"], "a cluster with at least one task",
@@ -200,7 +200,7 @@ def host_commands(
 
     commands = []
     for task_type, index, address in config.tasks():
-        host, _ = cluster.parse_address(address)
+        host, _ = spec_lib.parse_address(address)
         commands.append(HostCommand(
             host=host, task_type=task_type, task_index=index, address=address,
             tf_config=config.with_task(task_type, index).to_dict(), argv=argv,

@@ -51,7 +51,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Sequence
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.engines import elastic as launch_elastic
 from tfdist.engines.launch_attempt import _Attempt, _AttemptEnd, _Settings, read_status_records
 from tfdist.engines.launch_results import (_LOCAL_HOSTS, DEFAULT_GRACE, PREEMPTED_EXIT_CODE,
@@ -97,7 +97,7 @@ def _signal_number(value: Any) -> int:
 def non_local_hosts(spec: dict) -> list[str]:
     """The hosts of a spec that are not this machine's loopback."""
     addresses = [a for job in spec["cluster"].values() for a in job]
-    return sorted({cluster.parse_address(a)[0] for a in addresses} - _LOCAL_HOSTS)
+    return sorted({spec_lib.parse_address(a)[0] for a in addresses} - _LOCAL_HOSTS)
 
 
 def launch(
@@ -200,7 +200,7 @@ def launch(
         if elastic:
             raise ConfigError("spec", spec, "no spec with an elastic --workers MIN:MAX",
                               source=source, hint="An elastic job picks its own ports.")
-        spec = cluster.parse(spec, require_task=False).to_dict()
+        spec = spec_lib.parse(spec, require_task=False).to_dict()
         jobs = spec["cluster"]
         # Later attempts use new ports for a cluster of the same shape.
         min_workers = max_workers = len(jobs.get("worker", []))

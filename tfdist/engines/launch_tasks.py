@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.engines.launch_results import _IMPORTANT, _PORT_TAKEN, _TAIL, _TF_INFO, TaskExit
 from tfdist.engines.quiet import NoiseFilter
 
@@ -137,7 +137,7 @@ def _json(config: dict) -> str:
 
 
 def _tasks_of(spec: dict, evaluator: bool) -> list[tuple[str, int, dict]]:
-    tasks = [(t, i, cfg) for t, i, cfg in cluster.all_task_configs(spec)]
+    tasks = [(t, i, cfg) for t, i, cfg in spec_lib.all_task_configs(spec)]
     if evaluator:
         # The evaluator stays outside `cluster`, as TensorFlow expects.
         tasks.append(("evaluator", 0, {"cluster": spec["cluster"],

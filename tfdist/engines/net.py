@@ -26,7 +26,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def local_spec(workers: int, *, chief: bool = False, ps: int = 0,
                host: str = "127.0.0.1") -> dict:
     """A cluster spec on free local ports: ``{"cluster": {...}}``."""
-    from tfdist import spec as cluster
+    from tfdist import spec as spec_lib
     ports = free_ports(int(chief) + ps + workers, host)
-    return cluster.spec_from_hosts([f"{host}:{p}" for p in ports],
+    return spec_lib.spec_from_hosts([f"{host}:{p}" for p in ports],
                                    chief=chief, num_ps=ps)

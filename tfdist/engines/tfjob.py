@@ -17,7 +17,7 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.errors import ClusterSpecError, ConfigError
 
 #: tfdist task type -> TFJob replica type (``spec.tfReplicaSpecs`` key).
@@ -74,7 +74,7 @@ def _is_counts(value: Any) -> bool:
     return (
         isinstance(value, Mapping)
         and bool(value)
-        and all(isinstance(key, str) and key in cluster.TASK_TYPES for key in value)
+        and all(isinstance(key, str) and key in spec_lib.TASK_TYPES for key in value)
         and not any(isinstance(count, (list, tuple)) for count in value.values())
     )
 
@@ -105,14 +105,14 @@ def replica_counts(spec_or_counts: Any) -> dict[str, int]:
                 _fail(f"counts.{task_type}", count, "a non-negative integer", source)
             counts[task_type] = int(count)
     else:
-        config = cluster.parse(spec_or_counts, require_task=False)
+        config = spec_lib.parse(spec_or_counts, require_task=False)
         if not config.cluster:
             raise ClusterSpecError("cluster", {}, "a cluster with at least one chief or worker",
                                    source=config.source)
         counts = {job: len(addresses) for job, addresses in config.cluster.items()}
         if config.task_type == "evaluator":
             counts["evaluator"] = 1
-    counts = {t: counts[t] for t in cluster.TASK_TYPES if counts.get(t)}
+    counts = {t: counts[t] for t in spec_lib.TASK_TYPES if counts.get(t)}
 
     for task_type in ("chief", "evaluator"):
         if counts.get(task_type, 0) > 1:

@@ -121,12 +121,12 @@ def _int(env: Mapping[str, str], name: str, source: str, minimum: int = 0) -> in
 
 
 def _from_tf_config(env: Mapping[str, str]) -> Topology | None:
-    from tfdist import spec as cluster_lib
+    from tfdist import spec as spec_lib
 
     raw = env.get("TF_CONFIG", "")
     if not raw.strip():
         return None
-    cfg = cluster_lib.parse(env=env)
+    cfg = spec_lib.parse(env=env)
     if not cfg.cluster:
         return None
     extra = sorted(set(cfg.cluster) - set(WORKER_JOBS))

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping
 
-from tfdist import spec as cluster
+from tfdist import spec as spec_lib
 from tfdist.errors import ConfigError
 from tfdist.spec.options import StrategyOptions, canonical_strategy_name
 
@@ -43,7 +43,7 @@ class Choice:
 
     name: str
     reason: str
-    tf_config: cluster.TFConfig
+    tf_config: spec_lib.TFConfig
     slurm: bool = False
     tpu: str | None = None
     role: str = "trainer"
@@ -86,7 +86,7 @@ def _tf_device_count(kind: str) -> int:
                for device in tf.config.get_visible_devices(device_type))
 
 
-def _describe_cluster(cfg: cluster.TFConfig) -> str:
+def _describe_cluster(cfg: spec_lib.TFConfig) -> str:
     jobs = ", ".join(f"{len(addrs)} {job}" for job, addrs in cfg.cluster.items())
     return f"{cfg.source} lists {jobs}"
 
@@ -120,7 +120,7 @@ def choose(config: Any = None,
     options = options or StrategyOptions()
     count = count_devices or _tf_device_count
     name = canonical_strategy_name(strategy)
-    cfg = cluster.parse(config, env=env,
+    cfg = spec_lib.parse(config, env=env,
                         strategy=None if name == "auto" else name)
     in_cluster = bool(cfg.cluster)
     slurm_tasks = None if (in_cluster or config is not None) else (

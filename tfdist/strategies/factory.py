@@ -17,7 +17,8 @@ from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice, choose
 from tfdist.spec.options import StrategyOptions, check_model_parallel, make_options
-from tfdist.strategies.base import TfdistStrategy, _communication_options, compression_for
+from tfdist.strategies.base import (ClusterJoinError, TfdistStrategy, TPUNotFoundError,
+                                    _communication_options, compression_for)
 from tfdist.strategies.local import MirroredStrategy, OneDeviceStrategy, _logical_cpus
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy, _resolver, serve
@@ -207,6 +208,6 @@ def describe(strategy: tf.distribute.Strategy) -> str:
 # Their public path, as before the strategies were split into modules: reprs,
 # pickles and type names read "tfdist.strategies.<Class>".
 for _cls in (TfdistStrategy, OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy,
-             ParameterServerStrategy, TPUStrategy):
+             ParameterServerStrategy, TPUStrategy, ClusterJoinError, TPUNotFoundError):
     _cls.__module__ = __name__.rpartition(".")[0]
 del _cls

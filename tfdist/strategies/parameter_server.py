@@ -11,7 +11,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist import plugins
-from tfdist import spec as cluster_lib
+from tfdist import spec as spec_lib
 from tfdist.spec.detect import Choice
 from tfdist.strategies.base import TfdistStrategy
 
@@ -50,14 +50,14 @@ class ParameterServerStrategy(TfdistStrategy,
         plugins.run("parameter_server", self)
 
 
-def _resolver(cfg: cluster_lib.TFConfig):
+def _resolver(cfg: spec_lib.TFConfig):
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({job: list(a) for job, a in cfg.cluster.items()}),
         task_type=cfg.task_type, task_id=cfg.task_index,
         rpc_layer=cfg.rpc_layer or "grpc")
 
 
-def serve(cfg: cluster_lib.TFConfig) -> None:
+def serve(cfg: spec_lib.TFConfig) -> None:
     """Runs this ps or worker task as a server of a parameter-server job.
 
     The chief drives training; ps and worker tasks only serve it. This never

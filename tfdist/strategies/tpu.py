@@ -8,7 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfdist import spec as cluster_lib
+from tfdist import spec as spec_lib
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice
 from tfdist.strategies.base import TfdistStrategy, TPUNotFoundError
@@ -59,7 +59,7 @@ def check_tpu(tpu: str, connect_timeout: float = 3.0) -> None:
         return
     if tpu.startswith("grpc://"):
         try:
-            host, port = cluster_lib.parse_address(tpu[len("grpc://"):])
+            host, port = spec_lib.parse_address(tpu[len("grpc://"):])
         except ConfigError as error:
             raise ConfigError("tpu", tpu, "'grpc://host:port'",
                               source="strategy_from_config") from error
