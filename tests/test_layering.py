@@ -23,7 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tfdist"
 
