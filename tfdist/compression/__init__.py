@@ -6,6 +6,11 @@ that :func:`tfdist.strategy_from_config` accepts. The compressors
 are stateless objects turning one gradient into a payload and back. Importing
 this package does not import TensorFlow; the compressor names are loaded on
 first access.
+
+It sits below the strategies: it imports the spec layer and :mod:`tfdist.errors`
+only, never the strategies, parallel, the Keras integration, profiling, horovod,
+the engines or the CLI. What it needs of a strategy (its aggregator, a
+tensor-parallel mesh) it reads from attributes the strategy carries.
 """
 
 from tfdist._lazy import lazy_attributes

@@ -8,6 +8,9 @@ strategy, as in Horovod; the ranks come from the launcher's environment
 and Open MPI's variables) and the collectives are TensorFlow's own.
 
 Differences from Horovod are listed in the README ("Coming from Horovod").
+
+It sits above the engines (``hvd.run`` starts ranks through ``tfdist launch``) and
+below the CLI: it imports every part but the CLI.
 """
 
 from tfdist.horovod.collectives import (Adasum, Average, Max, Min, Product, ReduceOp, Sum,

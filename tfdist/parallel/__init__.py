@@ -5,6 +5,11 @@ a (data, tensor) mesh (:mod:`tfdist.parallel.mesh`); the layers here split
 their weights over each tensor group, Megatron-style, and run under plain
 ``model.fit``. With T = 1, or outside any strategy, each layer is its Keras
 counterpart, so one model definition runs anywhere.
+
+It sits above the strategies and below the Keras integration: it imports the
+strategies, compression and the spec layer, never training, profiling, horovod,
+the engines or the CLI. A strategy reaches it through :mod:`tfdist.plugins`
+(:mod:`~tfdist.parallel.plugin`).
 """
 
 from tfdist.parallel.attention import ParallelMultiHeadAttention

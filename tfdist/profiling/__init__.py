@@ -10,6 +10,10 @@
 
 ``TFDIST_TIMELINE=path`` (or ``tfdist launch --timeline path``) turns the
 profiler on for every ``fit`` under a tfdist strategy.
+
+It sits above the Keras integration: it imports training, parallel, the
+strategies, compression and the spec layer, never horovod, the engines or the
+CLI.
 """
 
 from tfdist.profiling.records import PHASES, Span, StepRecord, mean_phases, phases
