@@ -33,14 +33,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import slow_network as sn  # noqa: E402
+# slow_network.py is split by phase: each name comes from the module that defines it.
+import slow_network_configs as configs  # noqa: E402
+from slow_network import run_job  # noqa: E402
+from slow_network_report import final_accuracy, steps_to_target  # noqa: E402
 
 FLAGS = flags.FLAGS
 CONFIGS = ["tf/powersgd:4", "ddp/powersgd:4"]
 
 
 def define_flags() -> None:
-    sn.define_flags()
+    configs.define_flags()
     flags.DEFINE_integer("seeds", 3, "Seeds of PowerSGD's initial Q per framework.")
 
 
@@ -55,7 +58,7 @@ def markdown(raw: dict) -> str:
         "",
         f"MLP {'-'.join(map(str, meta['layers']))}, 2 workers, batch {meta['batch']} per "
         f"worker, SGD lr {meta['learning_rate']} momentum 0.9, {meta['acc_steps']} steps, the "
-        f"first {sn.ACC_WARMUP} dense; rank 4 with error feedback and warm start in both. "
+        f"first {configs.ACC_WARMUP} dense; rank 4 with error feedback and warm start in both. "
         "Final accuracy: mean held-out accuracy of the last 3 evaluations (every "
         f"{meta['eval_every']} steps, {meta['test_examples']} examples). Seeds change "
         "PowerSGD's initial Q only.",
@@ -70,7 +73,7 @@ def markdown(raw: dict) -> str:
             continue
         accs = [r["final"] for r in runs]
         steps = [str(r["steps_to_target"]) if r["steps_to_target"] else "—" for r in runs]
-        lines.append(f"| {sn.LABELS[config]} | {', '.join(f'{a:.3f}' for a in accs)} | "
+        lines.append(f"| {configs.LABELS[config]} | {', '.join(f'{a:.3f}' for a in accs)} | "
                      f"{statistics.mean(accs):.3f} | {', '.join(steps)} |")
     means = {c: raw["summary"].get(c) for c in CONFIGS}
     if None not in means.values():
@@ -91,12 +94,12 @@ def main(argv) -> None:
     for seed in range(FLAGS.seeds):
         for config in CONFIGS:  # Interleaved.
             FLAGS.seed = seed
-            result = sn.run_job(config, 2, FLAGS.acc_steps, sn.ACC_WARMUP, FLAGS.eval_every,
-                                work)
+            result = run_job(config, 2, FLAGS.acc_steps, configs.ACC_WARMUP,
+                             FLAGS.eval_every, work)
             runs.append({"config": config, "seed": seed, "evals": result["evals"],
-                         "final": sn.final_accuracy(result["evals"]),
-                         "steps_to_target": sn.steps_to_target(result["evals"],
-                                                               FLAGS.target)})
+                         "final": final_accuracy(result["evals"]),
+                         "steps_to_target": steps_to_target(result["evals"],
+                                                            FLAGS.target)})
             print(f"{config} seed {seed}: final {runs[-1]['final']:.3f}, steps to target "
                   f"{runs[-1]['steps_to_target']}", flush=True)
     meta = {"command": "python benchmarks/powersgd_accuracy.py",

@@ -63,13 +63,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from absl import app
+from absl import app, flags
 
 # The shared pieces and this benchmark's other phases sit beside this script.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import netns  # noqa: E402
 from benchlib.mlp import param_count  # noqa: E402
 from benchlib.netns import NO_LIMIT, parse_rate, tc_command  # noqa: E402
+import slow_network_configs  # noqa: E402
 from slow_network_configs import ACC_WARMUP, FLAGS, REPO, SPEED_WARMUP, define_flags  # noqa: E402
 from slow_network_report import (load_snapshot, markdown, plot, speed_skip,  # noqa: E402
                                  summarize, timed_steps)
@@ -312,4 +313,7 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     define_flags()
+    # The flags are defined in slow_network_configs: adopting them keeps them in
+    # this script's --help (absl lists only the main module's key flags).
+    flags.adopt_module_key_flags(slow_network_configs)
     app.run(main)

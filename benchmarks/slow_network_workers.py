@@ -7,11 +7,11 @@ MultiWorkerMirrored with one compression configuration) or a PyTorch DDP rank
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Sequence
 from benchlib import torch_peer
 from benchlib.mlp import accuracy, initial_weights, make_data, param_count, worker_slice
+from benchlib.timing import step_timer
 from slow_network_configs import ACC_WARMUP, FLAGS
 
 
@@ -88,18 +88,19 @@ def tf_worker() -> None:
     times: list[float] = []
     evals: list[list[float]] = []
 
-    class Record(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t = time.perf_counter()
+    class Evaluate(keras.callbacks.Callback):
+        """Held-out accuracy every ``--evals`` steps on rank 0, with the seconds so far."""
 
         def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t)
             if FLAGS.evals and (batch + 1) % FLAGS.evals == 0 and rank == 0:
                 evals.append([batch + 1, accuracy(self.model.get_weights(), xt, yt),
                               sum(times)])
 
     data = strategy.distribute_datasets_from_function(dataset)
-    model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0, callbacks=[Record()])
+    # The timer first: Keras calls callbacks in order, so this step's time is
+    # in ``times`` before Evaluate sums them, and the evaluation is not timed.
+    model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0,
+              callbacks=[step_timer(times), Evaluate()])
     _write({"step_times": times, "evals": evals, "compression": str(strategy.compression),
             "describe": strategy.describe(), "params": model.count_params(), "rank": rank})
 

@@ -7,8 +7,8 @@ and the ones below, at module level or inside a function:
     base (errors, plugins, ...) < spec < compression < strategies < parallel
     < training < profiling < engines < horovod < cli
 
-The facade (``tfdist/__init__.py``, which names the plugins) and the
-deprecated stubs at old paths sit above every layer. The import graph is read
+The facade (``tfdist/__init__.py``, which names the plugins) sits above
+every layer. The import graph is read
 from the source (``import``, ``from ... import``, ``importlib.import_module``
 with a constant, and the values of lazy-name tables), so a forbidden import
 fails here even on a code path no other test runs. Two fresh interpreters check
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tfdist"
 
 LAYERS = (
-    ("base", ("tfdist.errors", "tfdist._lazy", "tfdist._moved", "tfdist.plugins")),
+    ("base", ("tfdist.errors", "tfdist._lazy", "tfdist.plugins")),
     ("spec", ("tfdist.spec",)),
     ("compression", ("tfdist.compression",)),
     ("strategies", ("tfdist.strategies",)),
@@ -55,11 +55,6 @@ def _module_names() -> dict[str, Path]:
 
 
 MODULES = _module_names()
-
-
-def _is_stub(path: Path) -> bool:
-    """A deprecated old path: it only calls ``tfdist._moved.moved``."""
-    return "from tfdist._moved import moved" in path.read_text()
 
 
 def layer_of(module: str) -> int | None:
@@ -122,7 +117,7 @@ GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
 
 def test_every_module_belongs_to_a_layer():
     loose = [name for name, path in MODULES.items()
-             if name not in FACADE and not _is_stub(path) and layer_of(name) is None]
+             if name not in FACADE and layer_of(name) is None]
     assert loose == [], f"modules in no layer of tests/test_layering.py: {loose}"
 
 
@@ -183,7 +178,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def _edges(module_level_only: bool) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
     for name, imports in GRAPH.items():
-        if name in FACADE or _is_stub(MODULES[name]):
+        if name in FACADE:
             continue
         for target, _, top in imports:
             # ``from tfdist.pkg import x`` runs pkg/__init__ as well.
@@ -253,7 +248,7 @@ def test_importing_each_layer_loads_nothing_above_it():
     """In one fresh interpreter, the layers are imported lowest first; after
     each, no module of a higher layer may be loaded."""
     order = [[name for name in sorted(MODULES)
-              if layer_of(name) == index and not _is_stub(MODULES[name])
+              if layer_of(name) == index
               and name not in ("tfdist.engines.spark",)]  # Needs pyspark.
              for index in range(len(LAYERS))]
     code = "\n".join([

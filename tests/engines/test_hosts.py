@@ -597,7 +597,7 @@ def _free_port_pair() -> int:
 
 @pytest.mark.slow
 def test_a_slurm_step_of_two_tasks_trains_as_two_workers():
-    # What `srun -n2` on one node sets (see tfdist/slurm.py and DESIGN.md), by hand.
+    # What `srun -n2` on one node sets (see tfdist/strategies/slurm.py and DESIGN.md), by hand.
     base = _free_port_pair()
     step = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "777",

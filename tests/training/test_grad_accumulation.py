@@ -3,7 +3,7 @@
 Under TensorFlow's MirroredStrategy, Keras 3.15 fails to trace an optimizer
 with gradient accumulation (keras-team/keras#20582: "`merge_call` called
 while defining a new graph or a tf.function"), in fit and in custom loops;
-tfdist's strategies fix it (tfdist/keras_accumulation.py). k accumulated
+tfdist's strategies fix it (tfdist/training/accumulation.py). k accumulated
 steps must equal one step on a k times larger batch, and with compression
 the accumulated gradient is compressed and sent once every k steps.
 """

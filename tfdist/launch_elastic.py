@@ -1,7 +1,0 @@
-"""Deprecated: ``tfdist.launch_elastic`` is now :mod:`tfdist.engines.elastic` (works until the next release)."""
-
-from tfdist._moved import moved
-
-__getattr__, __dir__, __all__ = moved(__name__, [
-    'tfdist.engines.elastic',
-])
