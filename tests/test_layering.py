@@ -4,7 +4,7 @@ import no TensorFlow.
 The layers, lowest first (README "Layout"); a module may import its own layer
 and the ones below, at module level or inside a function:
 
-    base (errors, plugins, ...) < spec < compression < strategies < parallel
+    base (errors, plugins, compat, ...) < spec < compression < strategies < parallel
     < training < profiling < engines < horovod < cli
 
 The facade (``tfdist/__init__.py``, which names the plugins) sits above
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tfdist"
 
 LAYERS = (
-    ("base", ("tfdist.errors", "tfdist._lazy", "tfdist.plugins")),
+    ("base", ("tfdist.errors", "tfdist._lazy", "tfdist.plugins", "tfdist.compat")),
     ("spec", ("tfdist.spec",)),
     ("compression", ("tfdist.compression",)),
     ("strategies", ("tfdist.strategies",)),

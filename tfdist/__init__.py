@@ -9,10 +9,15 @@ stay fast and work without TensorFlow.
 from __future__ import annotations
 
 from tfdist._lazy import lazy_attributes
+from tfdist.compat import versions as _versions
 from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
 from tfdist import plugins as _plugins
 
 __version__ = "0.1.0"
+
+# A TensorFlow or Keras outside the tested range fails here, with the
+# versions named, not later as an ImportError from deep inside TF.
+_versions.check_supported()
 
 # Public name -> module that defines it; imported on first access.
 _LAZY = {
@@ -54,6 +59,8 @@ _LAZY = {
     "PREEMPTED_EXIT_CODE": "tfdist.training.preemption",
     "StepProfile": "tfdist.profiling.callback",
     "LoopProfile": "tfdist.profiling.callback",
+    "UnsupportedVersionError": "tfdist.compat.versions",
+    "PatchError": "tfdist.compat.patching",
 }
 
 #: The layers above the strategies that plug into every strategy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -88,11 +89,21 @@ def test_info_explains_its_choice(spec, task, says):
 
 
 def test_info_without_cluster_and_with_cpu_replicas():
-    proc = tfdist("info", "--cpu-replicas", "2")
+    proc = tfdist("info", "--cpu-replicas", "2", "--patches")
     assert proc.returncode == 0, proc.stderr
     assert "strategy: mirrored" in proc.stdout
     assert "cpu_replicas=2" in proc.stdout
     assert "cluster:  none" in proc.stdout
+    # The versions with the supported range, and every patch of the registry
+    # with its state on them.
+    from tfdist.compat import registry, versions
+    low, high = versions.SUPPORTED["keras"]
+    assert f"keras >={low},<{high})" in proc.stdout
+    states = re.findall(r"^  (ok|not needed|MISMATCH) +(\S+) ", proc.stdout, re.M)
+    assert [name for _, name in states] == [p.name for p in registry.PATCHES]
+    applying = sum(state == "ok" for state, _ in states)
+    assert f"patches:  {applying} apply on these versions" in proc.stdout
+    assert "MISMATCH" not in proc.stdout
 
 
 def test_info_reports_a_bad_tf_config_instead_of_a_traceback():

@@ -53,13 +53,13 @@ def test_install_is_idempotent(keras):
     compat.install()
     assert compat.is_installed()
     assert keras.Model.compile is compile_fn
-    # Calling the internals again must not wrap twice either.
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-    trainer = next(c for c in keras.Model.__mro__ if "compile" in c.__dict__)
-    compat._patch_compile(trainer)
-    compat._patch_optimizer_classes(BaseOptimizer)
+    # Installing the registry's feature again must not wrap twice either.
+    from tfdist import compat as compat_layer
+    from tfdist.compat.keras_src import BaseOptimizer
+    assert compat_layer.install("horovod_spellings")
     assert keras.Model.compile is compile_fn
     assert BaseOptimizer.__dict__["variables"].fget is variables_prop.fget
+    assert keras.Model.compile.__tfdist_patches__.count("horovod_spellings.compile") == 1
 
 
 def test_compile_drops_experimental_run_tf_function_and_warns_once(keras):

@@ -107,12 +107,17 @@ def test_install_is_idempotent(keras_mod):
     from keras.src.distribution import distribution_lib
     guard.install()
     wrapped, fit = distribution_lib.set_distribution, TensorFlowTrainer.fit
+    public = keras_mod.distribution.set_distribution
     guard.install()
-    assert distribution_lib.set_distribution is wrapped is keras_mod.distribution.set_distribution
+    assert distribution_lib.set_distribution is wrapped
+    assert keras_mod.distribution.set_distribution is public
     assert TensorFlowTrainer.fit is fit
-    # One layer of wrapping: the wrapper's original is Keras's own function.
-    assert not hasattr(wrapped.__wrapped__, "__wrapped__")
-    assert wrapped.__wrapped__.__module__ == "keras.src.distribution.distribution_lib"
+    # One layer of wrapping in each namespace, around Keras's own function.
+    for function in (wrapped, public):
+        assert function.__tfdist_patches__ == ("distribution_guard.set_distribution",)
+        assert not hasattr(function.__wrapped__, "__wrapped__")
+        assert function.__wrapped__.__module__ == "keras.src.distribution.distribution_lib"
+        assert function.__wrapped__ is public.__wrapped__
 
 
 def test_a_fresh_process_in_the_order_users_write_it():

@@ -266,20 +266,24 @@ def test_a_shard_shaped_saved_value_is_refused(env, trained):
 
 
 def test_wrappers_compose_with_compression_once(env):
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
+    from tfdist import compat
+    from tfdist.compat.keras_src import BaseOptimizer
     from tfdist.compression import keras_hook
-    _, _, _, tp = env
+    from tfdist.parallel import saving
+    saving.install()  # Installs compression's first: the registry orders them anyway.
     before = (BaseOptimizer.save_own_variables, BaseOptimizer.load_own_variables)
     keras_hook.install()
-    tp.saving.install()
+    saving.install()
     assert (BaseOptimizer.save_own_variables, BaseOptimizer.load_own_variables) == before
-    for method in before:
-        # Ours outside, compression's inside (its state keys stay its own).
-        assert getattr(method, "_tfdist_parallel_full", False)
-        assert getattr(method, "_tfdist_wrapped", False)
-        assert getattr(method.__wrapped__, "_tfdist_wrapped", False)
-        assert not getattr(method.__wrapped__, "_tfdist_parallel_full", False)
+    for method, name in zip(before, ("save_own_variables", "load_own_variables")):
+        # Ours outside, compression's inside (its state keys stay its own),
+        # each once, around Keras's own method.
+        kind = name.split("_")[0]
+        assert method.__tfdist_patches__ == (f"compression.{kind}",
+                                             f"tensor_parallel.{kind}_optimizer")
+        assert method.__wrapped__.__wrapped__ is compat.pristine(BaseOptimizer, name)
+        assert method.__wrapped__.__code__.co_filename.endswith("compression/keras_hook.py")
+        assert method.__code__.co_filename.endswith("parallel/saving.py")
 
 
 def test_compression_state_saves_with_the_shards(env, trained):

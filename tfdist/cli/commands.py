@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also show TensorFlow's start-up messages (CUDA, "
                       "oneDNN, CPU instructions), hidden by default")
     # TensorFlow writes its start-up noise to fd 2 itself: main() filters it.
+    info.add_argument("--patches", action="store_true",
+                      help="list every change tfdist makes to Keras/TF (tfdist/compat/"
+                           "registry.py), with why and whether it fits the installed versions")
     info.set_defaults(func=_info, filter_stderr=True)
 
     validate = sub.add_parser("validate", help="check a TF_CONFIG or spec "

@@ -81,9 +81,38 @@ def _info(args: argparse.Namespace) -> int:
         names = ", ".join(d.name.replace("/physical_device:", "") for d in found)
         print(f"{kind.lower() + 's:':<10}{len(found)}"
               + (f" ({names})" if found else ""))
+    from tfdist.compat import versions
+    low = {package: f">={lo},<{hi}" for package, (lo, hi) in versions.SUPPORTED.items()}
     print(f"versions: tensorflow {tf.__version__}, keras "
-          f"{__import__('keras').__version__}")
+          f"{__import__('keras').__version__} (supported: tensorflow {low['tensorflow']}, "
+          f"keras {low['keras']})")
+    _print_patches(verbose=args.patches)
     return 0
+
+
+def _print_patches(verbose: bool) -> None:
+    """The registry's patches and how each fits the installed Keras/TF."""
+    from tfdist import compat
+    from tfdist.compat import registry
+
+    report = compat.check()
+    skipped = [n for n, problem in report.items() if problem == "not needed on this version"]
+    broken = {n: problem for n, problem in report.items()
+              if problem and n not in skipped}
+    applies = len(report) - len(skipped)
+    features = sorted({p.feature for p in registry.PATCHES if p.name not in skipped})
+    print(f"patches:  {applies} apply on these versions ({len(skipped)} not needed), "
+          f"{len(features)} features; {len(broken)} do not fit"
+          + ("" if verbose else " (--patches lists them)"))
+    for name, problem in broken.items():
+        print(f"  ! {name}: {problem}")
+    if verbose:
+        for patch in registry.PATCHES:
+            state = ("not needed" if patch.name in skipped
+                     else "MISMATCH" if patch.name in broken else "ok")
+            target = patch.target.replace("tfdist.compat.keras_src:", "keras:")
+            print(f"  {state:<10} {patch.name:<40} {target}")
+            print(f"             why: {patch.why}")
 
 
 def _read_source(path: str) -> str | dict:

@@ -29,11 +29,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import tensorflow as tf
+
 # Private, but it is where ReductionToOneDevice picks its reduce device; using
 # the same helpers keeps both classes choosing the same device.
-from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
-from tensorflow.python.ops import resource_variable_ops
-
+from tfdist.compat.tf_python import cross_device_ops as tf_cross_device_ops
+from tfdist.compat.tf_python import resource_variable_ops
 from tfdist.compression.aggregate import Aggregator, CompressorAggregator
 from tfdist.compression.base import Compressor, reduce_compressed
 from tfdist.compression.memory import ErrorFeedback

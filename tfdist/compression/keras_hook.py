@@ -27,7 +27,7 @@ the build wrapper, before the state is created: it measures the link with
 a few all-reduces (every worker builds at the same point of ``fit``) and
 then behaves as the aggregator it chose, or as Keras's own all-reduce.
 
-The Keras range tested is pinned in pyproject.toml; the wrapped methods are
+The wrapped methods are declared in :mod:`tfdist.compat.registry` and
 checked when installing, so an incompatible Keras fails loudly here rather
 than training uncompressed.
 """
@@ -42,13 +42,11 @@ import weakref
 from typing import Any
 
 import tensorflow as tf
-from keras.src import backend
-from keras.src.backend.tensorflow.optimizer import TFOptimizer
-from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+from tfdist import compat
+from tfdist.compat.keras_src import backend, standardize_dtype
 from tfdist.compression.aggregate import Aggregator, Item, ReplicaComm
 
-_MARK = "_tfdist_wrapped"
 #: A strategy attribute: an object watching the gradient reduction
 #: (:class:`tfdist.profiling.instrument.Profiler`). It is told when the
 #: gradients are ready (``before_reduce(pairs, step) -> pairs``), supplies
@@ -98,7 +96,7 @@ def _create_state(optimizer, aggregator: Aggregator, strategy, variables) -> Non
     flat = []
     with strategy.scope(), backend.name_scope(optimizer.name, caller=optimizer):
         for index, var in enumerate(variables):
-            specs = aggregator.state_specs(tuple(var.shape), backend.standardize_dtype(var.dtype),
+            specs = aggregator.state_specs(tuple(var.shape), standardize_dtype(var.dtype),
                                            index)
             colocate = var.value if isinstance(var, backend.Variable) else var
             for spec in specs:
@@ -121,7 +119,7 @@ def _create_state(optimizer, aggregator: Aggregator, strategy, variables) -> Non
     optimizer.__dict__["_tfdist_aggregator"] = aggregator
 
 
-def _wrap_build(original):
+def wrap_build(original):
     @functools.wraps(original)
     def build(self, variables):
         original(self, variables)
@@ -149,7 +147,7 @@ def traced_slices(optimizer: Any) -> list | None:
     return _TRACED_SLICES.get(optimizer)
 
 
-def _wrap_reduce(original):
+def wrap_reduce(original):
     @functools.wraps(original)
     def _all_reduce_sum_gradients(self, grads_and_vars):
         pairs = list(grads_and_vars)
@@ -234,7 +232,7 @@ def _replica_copies(optimizer, variable) -> tuple:
     return local if len(local) == strategy.num_replicas_in_sync > 1 else ()
 
 
-def _wrap_save(original):
+def wrap_save(original):
     @functools.wraps(original)
     def save_own_variables(self, store):
         original(self, store)
@@ -249,7 +247,7 @@ def _wrap_save(original):
     return save_own_variables
 
 
-def _wrap_load(original):
+def wrap_load(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
         saved = _ordered_keys(store)
@@ -279,44 +277,14 @@ def _wrap_load(original):
     return load_own_variables
 
 
-_TARGETS = (
-    (TFOptimizer, "_all_reduce_sum_gradients", _wrap_reduce),
-    (BaseOptimizer, "build", _wrap_build),
-    (BaseOptimizer, "save_own_variables", _wrap_save),
-    (BaseOptimizer, "load_own_variables", _wrap_load),
-)
-
-
-def wrap_once(targets, *, mark: str, needed_by: str) -> None:
-    """Replaces each ``cls.name`` with ``wrap(original)`` unless already done.
-
-    Args:
-        targets: ``(cls, method name, wrap)`` triples.
-        mark: Attribute set on a wrapper, so that a second call skips it.
-        needed_by: Who needs the method, for the error message.
-
-    Raises:
-        RuntimeError: This Keras lacks one of the methods.
-    """
-    for cls, name, wrap in targets:
-        original = getattr(cls, name, None)
-        if original is None:
-            import keras
-            raise RuntimeError(
-                f"{needed_by} needs {cls.__name__}.{name}, which Keras "
-                f"{keras.__version__} does not have; use a Keras version in the range "
-                "pyproject.toml pins")
-        if getattr(original, mark, False):
-            continue
-        wrapped = wrap(original)
-        setattr(wrapped, mark, True)
-        setattr(cls, name, wrapped)
-
-
 def install() -> None:
     """Wraps Keras's gradient aggregation, build, save and load once; idempotent.
 
+    The patches are declared in :mod:`tfdist.compat.registry` (feature
+    ``"compression"``).
+
     Raises:
-        RuntimeError: This Keras lacks a method tfdist wraps.
+        tfdist.compat.PatchError: This Keras lacks a method tfdist wraps, or
+            its signature changed.
     """
-    wrap_once(_TARGETS, mark=_MARK, needed_by="tfdist compression")
+    compat.install("compression")

@@ -163,7 +163,7 @@ def sum_dense(tensors: Sequence[tf.Tensor], merge: str = "Add") -> list[tf.Tenso
 def _reduce_other(launcher, packed: tf.Tensor, merge: str) -> tf.Tensor:
     """Min/Max/Product: TensorFlow's all_reduce_v2 with another merge op, keyed
     and ordered like the launcher's own all-reduces."""
-    from tensorflow.python.ops import collective_ops
+    from tfdist.compat.tf_python import collective_ops
 
     with tf.device(launcher._device):  # noqa: SLF001
         return collective_ops.all_reduce_v2(

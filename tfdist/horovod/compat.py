@@ -36,13 +36,11 @@ import threading
 import warnings
 from typing import Any, Callable
 
-__all__ = ["HorovodSpellingWarning", "install", "is_installed"]
+__all__ = ["HorovodSpellingWarning", "install", "is_installed", "wrap_compile", "wrap_variables",
+           "wrap_init_subclass", "wrap_lr", "wrap_set_value", "wrap_batch_set_value"]
 
 #: The Keras 2 ``compile`` argument that Keras 3 dropped.
 RUN_TF_FUNCTION_ARG = "experimental_run_tf_function"
-
-#: Set on every function or property this module made, so install() never wraps twice.
-_MARK = "_tfdist_horovod_compat"
 
 #: Frames in these directories are wrappers, not the script: all of tfdist
 #: (its other wrappers of compile and fit, e.g. tfdist.parallel's guard);
@@ -116,24 +114,18 @@ class _CallableVariables(list):
         return list(children)
 
 
-def _patch_compile(trainer_cls: type) -> None:
-    """Makes ``trainer_cls.compile`` drop ``experimental_run_tf_function``."""
-    original = trainer_cls.__dict__["compile"]
-    if getattr(original, _MARK, False):
-        return
-
+def wrap_compile(original: Callable) -> Callable:
+    """``Trainer.compile`` that drops ``experimental_run_tf_function``."""
     @functools.wraps(original)
     def compile(self, *args, **kwargs):  # noqa: A001 - Keras's own name
         if RUN_TF_FUNCTION_ARG in kwargs:
             kwargs.pop(RUN_TF_FUNCTION_ARG)
             _warn_once("compile")
         return original(self, *args, **kwargs)
-
-    setattr(compile, _MARK, True)
-    trainer_cls.compile = compile
+    return compile
 
 
-def _callable_variables_property(prop: property) -> property:
+def wrap_variables(prop: property) -> property:
     """Wraps a ``variables`` property so that its list is also callable."""
     getter: Callable[[Any], Any] = prop.fget
 
@@ -144,17 +136,14 @@ def _callable_variables_property(prop: property) -> property:
             value = _CallableVariables(value)
         return value
 
-    wrapped = property(variables, prop.fset, prop.fdel, prop.__doc__)
-    # property objects take no attributes; mark the getter instead.
-    setattr(variables, _MARK, True)
-    return wrapped
+    return property(variables, prop.fset, prop.fdel, prop.__doc__)
 
 
 def _patch_variables(cls: type) -> None:
     """Wraps ``cls.variables`` if ``cls`` itself defines it as a property."""
-    prop = cls.__dict__.get("variables")
-    if isinstance(prop, property) and not getattr(prop.fget, _MARK, False):
-        setattr(cls, "variables", _callable_variables_property(prop))
+    from tfdist import compat
+    if isinstance(cls.__dict__.get("variables"), property):
+        compat.apply_to("horovod_spellings.variables", cls, "variables")
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -167,28 +156,22 @@ def _all_subclasses(cls: type) -> list[type]:
     return found
 
 
-def _patch_optimizer_classes(base: type) -> None:
-    """Patches ``variables`` on ``base``, its subclasses and future subclasses.
+def wrap_init_subclass(original: Any) -> classmethod:
+    """``BaseOptimizer.__init_subclass__`` that also patches each new class.
 
-    Keras's LossScaleOptimizer and MultiOptimizer override the property; a
-    subclass made later (tfdist's DistributedOptimizer, a user's optimizer) may
-    too, so a subclass hook patches each new class as it is created.
+    Keras's LossScaleOptimizer and MultiOptimizer override ``variables``; a
+    subclass made later (tfdist's DistributedOptimizer, a user's optimizer)
+    may too.
     """
-    for cls in [base, *_all_subclasses(base)]:
-        _patch_variables(cls)
-    hook = base.__dict__.get("__init_subclass__")
-    if hook is not None and getattr(getattr(hook, "__func__", hook), _MARK, False):
-        return
-
     def __init_subclass__(cls, **kwargs):
-        super(base, cls).__init_subclass__(**kwargs)
+        original.__get__(None, cls)(**kwargs)
         _patch_variables(cls)
 
-    setattr(__init_subclass__, _MARK, True)
-    base.__init_subclass__ = classmethod(__init_subclass__)
+    return classmethod(__init_subclass__)
 
 
-def _lr_property() -> property:
+def wrap_lr(_absent: Any) -> property:
+    """The ``lr`` property Keras 3 does not have."""
     def lr(self):
         _warn_once("lr")
         return self.learning_rate
@@ -197,19 +180,7 @@ def _lr_property() -> property:
         _warn_once("lr")
         self.learning_rate = value
 
-    setattr(lr, _MARK, True)
     return property(lr, set_lr, doc="Keras 2 name of `learning_rate` (Horovod-era scripts).")
-
-
-def _patch_lr(base: type) -> None:
-    """Adds ``lr`` to ``base`` unless Keras already has it."""
-    existing = None
-    for cls in base.__mro__:
-        if "lr" in cls.__dict__:
-            existing = cls.__dict__["lr"]
-            break
-    if existing is None:
-        base.lr = _lr_property()
 
 
 def _assign(variable, value) -> None:
@@ -236,28 +207,34 @@ def _batch_set_value(tuples) -> None:
             _assign(x, value)
 
 
+def wrap_set_value(_original: Callable) -> Callable:
+    return _set_value
+
+
+def wrap_batch_set_value(_original: Callable) -> Callable:
+    return _batch_set_value
+
+
 def _patch_legacy_backend() -> None:
     """Replaces ``set_value``/``batch_set_value`` where Keras exports them."""
-    import importlib
+    from tfdist import compat
+    from tfdist.compat import keras_src
 
-    legacy = importlib.import_module("keras.src.legacy.backend")
+    legacy = keras_src.legacy_backend
     modules = [legacy]
-    try:  # tf.keras.backend in TF >= 2.16
-        modules.append(importlib.import_module("keras._tf_keras.keras.backend"))
-    except ImportError:
-        pass
-    for name, replacement in (("set_value", _set_value), ("batch_set_value", _batch_set_value)):
-        original = legacy.__dict__.get(name)
-        if original is None or getattr(original, _MARK, False):
+    if "tf_keras_backend" not in keras_src.unresolved():  # tf.keras.backend, TF >= 2.16
+        modules.append(keras_src.tf_keras_backend)
+    for name in ("set_value", "batch_set_value"):
+        if name not in legacy.__dict__:
             continue
-        setattr(replacement, _MARK, True)
+        original = compat.pristine(legacy, name)
         for module in modules:
-            if module.__dict__.get(name) is original:
-                setattr(module, name, replacement)
+            if module is legacy or module.__dict__.get(name) is original:
+                compat.apply_to(f"horovod_spellings.{name}", module, name)
 
 
 def _register_tree_node() -> None:
-    from keras.src.tree import tree_api
+    from tfdist.compat.keras_src import tree_api
 
     try:
         tree_api.register_tree_node_class(_CallableVariables)
@@ -266,7 +243,8 @@ def _register_tree_node() -> None:
 
 
 def install() -> None:
-    """Accepts the Horovod-era Keras spellings in this process (idempotent).
+    """Accepts the Horovod-era Keras spellings in this process (the registry's
+    ``horovod_spellings``); idempotent.
 
     Imports Keras (and so TensorFlow), but does not start the TF runtime.
     """
@@ -277,19 +255,22 @@ def install() -> None:
         import keras
         import tensorflow as tf
 
+        from tfdist import compat
+        from tfdist.compat.keras_src import BaseOptimizer
+
         _SKIP_DIRS += tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                             for m in (keras, tf))
         # Not converted by autograph inside a tf.function (Horovod's examples
         # call opt.variables() there): plain Python, run once at trace time.
         _CallableVariables.__call__ = tf.autograph.experimental.do_not_convert(
             _CallableVariables.__call__)
-        from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-        trainer_cls = next(c for c in keras.Model.__mro__ if "compile" in c.__dict__)
-        _patch_compile(trainer_cls)
+        if not compat.install("horovod_spellings"):
+            return  # Switched off, with a warning naming the target.
         _register_tree_node()
-        _patch_optimizer_classes(BaseOptimizer)
-        _patch_lr(BaseOptimizer)
+        for cls in [BaseOptimizer, *_all_subclasses(BaseOptimizer)]:
+            _patch_variables(cls)
+        if not any("lr" in vars(cls) for cls in BaseOptimizer.__mro__):
+            compat.apply_to("horovod_spellings.lr", BaseOptimizer, "lr")
         _patch_legacy_backend()
         _installed = True
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src import backend
 
+from tfdist.compat.keras_src import backend, standardize_dtype
 from tfdist.compression.aggregate import Item, ReplicaComm
 from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, runtime
@@ -163,7 +163,7 @@ class _DistributedMixin:
         from tfdist.horovod.compression import resolved
         settings.aggregator = resolved(settings.aggregator, list(variables))
         if any(settings.aggregator.state_specs(tuple(v.shape),
-                                               backend.standardize_dtype(v.dtype), i)
+                                               standardize_dtype(v.dtype), i)
                for i, v in enumerate(variables)):
             _create_state(self, settings.aggregator, tf.distribute.get_strategy(),
                           list(variables))
@@ -362,10 +362,7 @@ def load_model(filepath: str, custom_optimizers: list | None = None,
 
 # --- Keras 3 patches, installed by hvd.init() -------------------------------
 
-_MARK = "_tfdist_hvd_wrapped"
-
-
-def _wrap_check_finite(original):
+def wrap_check_finite(original):
     @functools.wraps(original)
     def check_finite(self, grads):
         finite = original(self, grads)
@@ -378,7 +375,7 @@ def _wrap_check_finite(original):
     return check_finite
 
 
-def _wrap_compile(original):
+def wrap_compile(original):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):  # noqa: A001 - Keras's name.
         original(self, *args, **kwargs)
@@ -392,13 +389,16 @@ def _wrap_compile(original):
 
 
 def install() -> None:
-    """Installs the LossScaleOptimizer and jit_compile fixes; idempotent."""
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-    from keras.src.trainers.trainer import Trainer
+    """Installs the LossScaleOptimizer and jit_compile fixes (the registry's
+    ``horovod``); idempotent.
 
-    from tfdist.compression.keras_hook import install as install_hook, wrap_once
+    Raises:
+        tfdist.ConfigError: A target changed in this Keras and the fixes
+            were switched off (with a warning).
+    """
+    from tfdist import compat
+    from tfdist.compression.keras_hook import install as install_hook
 
     install_hook()
-    wrap_once(((LossScaleOptimizer, "check_finite", _wrap_check_finite),
-               (Trainer, "compile", _wrap_compile)), mark=_MARK,
-              needed_by="tfdist.horovod")
+    compat.install("horovod")
+    compat.require("horovod", "tfdist.horovod")

@@ -138,10 +138,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 def _configure(topo: Topology) -> None:
     """Configures coordination and collectives; starts nothing."""
-    from tensorflow.core.protobuf import tensorflow_server_pb2
-    from tensorflow.python.eager import context
-    from tensorflow.python.training.server_lib import ClusterSpec
-
+    from tfdist.compat.tf_python import ClusterSpec, tensorflow_server_pb2
+    from tfdist.compat.tf_python import eager_context as context
     from tfdist.spec.options import make_options
     from tfdist.strategies.multi_worker import _configure_coordination
 
@@ -241,7 +239,8 @@ def launcher():
     with state.lock:
         if state.launcher is None:
             import tensorflow as tf
-            from tensorflow.python.distribute import collective_util, cross_device_utils
+
+            from tfdist.compat.tf_python import collective_util, cross_device_utils
 
             topo = state.topo
             # One process, one device: the GPU the script made visible, else the CPU.
@@ -284,8 +283,8 @@ def _watch_stalls(state: _State) -> None:
     ``started`` ahead of ``finished`` that does not move for the timeout is a
     collective some rank never joined.
     """
-    from tensorflow.python.eager import context
-    from tensorflow.python.framework import errors
+    from tfdist.compat.tf_python import eager_context as context
+    from tfdist.compat.tf_python import framework_errors as errors
 
     interval = min(1.0, state.collective_timeout / 4)
     seen, since = None, time.monotonic()
@@ -362,7 +361,7 @@ def created_eagerly():
     lifting: a creator that goes straight to TensorFlow's default one skips
     that check.
     """
-    from tensorflow.python.ops import resource_variable_ops, variable_scope
+    from tfdist.compat.tf_python import resource_variable_ops, variable_scope
 
     def direct(next_creator, **kwargs):
         return resource_variable_ops.default_variable_creator_v2(None, **kwargs)

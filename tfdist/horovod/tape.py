@@ -47,8 +47,8 @@ def tape_state(aggregator: Any) -> dict:
 
 def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
     import keras
-    from keras.src import backend
 
+    from tfdist.compat.keras_src import standardize_dtype
     from tfdist.horovod.compression import resolved
     store = tape_state(aggregator)
     store["aggregator"] = resolved(aggregator, sources)
@@ -61,7 +61,7 @@ def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
             if id(var) in store["vars"]:
                 continue
             specs = aggregator.state_specs(tuple(var.shape),
-                                           backend.standardize_dtype(var.dtype), len(store["vars"]))
+                                           standardize_dtype(var.dtype), len(store["vars"]))
             made = {s.name: keras.Variable(initializer=s.initializer, shape=s.shape,
                                            dtype=s.dtype, trainable=False,
                                            name=f"hvd_tape_{s.name}") for s in specs}
@@ -149,14 +149,14 @@ def tape_traffic(variables: Any, compression: Any = None):
     Raises:
         ValueError: No tape with this compression has reduced gradients yet.
     """
-    from keras.src import backend
+    from tfdist.compat.keras_src import standardize_dtype
 
     aggregator = _AGGREGATORS.get(_key(compression))
     store = _STATE.get(id(aggregator)) if aggregator is not None else None
     if store is None or store["step"] is None or int(store["step"].numpy()) < 1:
         raise ValueError("tape_traffic: expected a DistributedGradientTape with compression="
                          f"{compression!r} to have reduced gradients. Received: none yet")
-    shapes = [(tuple(int(d) for d in v.shape), backend.standardize_dtype(v.dtype))
+    shapes = [(tuple(int(d) for d in v.shape), standardize_dtype(v.dtype))
               for v in tf.nest.flatten(variables)]
     return store["aggregator"].traffic(shapes, collectives.runtime.size(),
                               step=int(store["step"].numpy()) - 1)

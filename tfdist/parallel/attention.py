@@ -20,11 +20,10 @@ from typing import Any
 
 import keras
 from keras import ops
-from keras.src import backend
-from keras.src.layers.attention.multi_head_attention import (
-    _build_proj_equation, _get_output_shape)
-from keras.src.layers.core.einsum_dense import _analyze_einsum_string
 
+from tfdist.compat.keras_src import analyze_einsum_string as _analyze_einsum_string
+from tfdist.compat.keras_src import mha_build_proj_equation as _build_proj_equation
+from tfdist.compat.keras_src import mha_output_shape as _get_output_shape
 from tfdist.errors import ConfigError
 from tfdist.parallel import collectives, sharding
 
@@ -202,9 +201,12 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
         p = collectives.current()
         if key is None:
             key = value
-        query_mask = backend.get_keras_mask(query)
+        # Here, not at module level: Keras < 3.6 has no mask helpers, and
+        # tfdist.parallel must still import there.
+        from tfdist.compat.keras_src import get_keras_mask, set_keras_mask
+        query_mask = get_keras_mask(query)
         for x in (query, value, key):
-            backend.set_keras_mask(x, None)
+            set_keras_mask(x, None)
         # The mask of this replica's rows (explicit, causal and the inputs'
         # Keras masks), then the group's rows like the inputs.
         attention_mask = self._compute_attention_mask(
@@ -228,7 +230,7 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
             output = ops.multiply(output, gate)
         output = self._output_dense(output)
         if query_mask is not None:
-            backend.set_keras_mask(output, query_mask)
+            set_keras_mask(output, query_mask)
         if not return_attention_scores:
             return output
         if p is not None:

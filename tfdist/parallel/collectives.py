@@ -50,7 +50,7 @@ def check_tensorflow() -> None:
     Raises:
         RuntimeError: Naming the missing API and the TensorFlow version.
     """
-    from tensorflow.python.distribute import collective_util, cross_device_utils
+    from tfdist.compat.tf_python import collective_util, cross_device_utils
     needs = [(cross_device_utils, "CollectiveReplicaLauncher"), (collective_util, "Options")]
     for module, name in needs:
         if not hasattr(module, name):
@@ -105,8 +105,8 @@ class Runtime:
     """
 
     def __init__(self, strategy: Any, mesh: Mesh) -> None:
-        from tensorflow.python.distribute import collective_util, cross_device_utils
-        from tensorflow.python.ops import resource_variable_ops
+        from tfdist.compat.tf_python import (collective_util, cross_device_utils,
+                                             resource_variable_ops)
         check_tensorflow()
         self.mesh = mesh
         self.devices = tuple(strategy.extended.worker_devices)

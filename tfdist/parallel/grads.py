@@ -22,15 +22,11 @@ import functools
 from typing import Any
 
 import tensorflow as tf
-from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
 from tfdist.compression import keras_hook
 from tfdist.compression.aggregate import Item, ReplicaComm
 from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
 from tfdist.parallel import collectives, sharding
-
-_MARK = "_tfdist_parallel_wrapped"
-
 
 class GroupComm(ReplicaComm):
     """An aggregator's collectives over this replica's data-parallel group."""
@@ -128,7 +124,7 @@ def _count_replicated(pairs, p: collectives.Placement) -> None:
     p.runtime.sent["data_parallel"].assign_add(tf.constant(sent, tf.float64))
 
 
-def _wrap_reduce(original):
+def wrap_reduce(original):
     @functools.wraps(original)
     def _all_reduce_sum_gradients(self, grads_and_vars):
         pairs = list(grads_and_vars)
@@ -150,7 +146,7 @@ def _wrap_reduce(original):
     return _all_reduce_sum_gradients
 
 
-def _wrap_check_finite(original):
+def wrap_check_finite(original):
     @functools.wraps(original)
     def check_finite(self, grads):
         finite = original(self, grads)
@@ -169,9 +165,14 @@ def _wrap_check_finite(original):
 
 def install() -> None:
     """Wraps Keras's gradient sum (over tfdist's compression wrapper) and the
-    loss scale optimizer's finiteness check; idempotent."""
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    loss scale optimizer's finiteness check: the registry's
+    ``tensor_parallel``, with :mod:`tfdist.parallel.saving`; idempotent.
+
+    Raises:
+        tfdist.ConfigError: A target changed in this Keras and tensor
+            parallelism was switched off (with a warning).
+    """
+    from tfdist import compat
     keras_hook.install()
-    keras_hook.wrap_once([(TFOptimizer, "_all_reduce_sum_gradients", _wrap_reduce),
-                          (LossScaleOptimizer, "check_finite", _wrap_check_finite)],
-                         mark=_MARK, needed_by="tfdist.parallel")
+    compat.install("tensor_parallel")
+    compat.require("tensor_parallel", "model_parallel")

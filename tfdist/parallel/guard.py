@@ -36,9 +36,7 @@ from typing import Any
 from tfdist.errors import TfdistError
 
 __all__ = ["KerasDistributionError", "install", "check_no_distribution",
-           "register_strategy"]
-
-_MARK = "_tfdist_distribution_guard"
+           "register_strategy", "wrap_set_distribution", "wrap_entry"]
 
 #: The tfdist strategies of this process that are alive.
 _strategies: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -71,7 +69,7 @@ def _error(distribution: Any, when: str) -> KerasDistributionError:
 
 
 def _current_distribution() -> Any:
-    from keras.src.distribution import distribution_lib
+    from tfdist.compat.keras_src import distribution_lib
     return distribution_lib.distribution()
 
 
@@ -94,7 +92,7 @@ def register_strategy(strategy: Any) -> None:
     _strategies.add(strategy)
 
 
-def _wrap_set_distribution(original):
+def wrap_set_distribution(original):
     @functools.wraps(original)
     def set_distribution(value):
         if value is not None and _on_tensorflow():
@@ -103,7 +101,6 @@ def _wrap_set_distribution(original):
                 raise _error(value, "was set while a tfdist strategy exists in this "
                              f"process ({type(alive[0]).__name__})")
         return original(value)
-    setattr(set_distribution, _MARK, True)
     return set_distribution
 
 
@@ -117,7 +114,7 @@ def _model_strategy(model: Any) -> Any:
     return None
 
 
-def _wrap_entry(original):
+def wrap_entry(original):
     @functools.wraps(original)
     def entry(self, *args, **kwargs):
         strategy = _model_strategy(self)
@@ -131,37 +128,31 @@ def _wrap_entry(original):
 
 
 def install() -> None:
-    """Wraps Keras's ``set_distribution``, ``compile`` and ``fit`` once.
+    """Wraps Keras's ``set_distribution``, ``compile`` and ``fit`` once (the
+    registry's ``distribution_guard``).
 
     ``set_distribution`` is replaced where Keras defines it (which
     ``Distribution.scope()`` calls) and in every module that re-exports it,
     such as ``keras.distribution``. Idempotent.
 
     Raises:
-        RuntimeError: This Keras lacks a function the guard wraps.
+        tfdist.compat.PatchError: This Keras lacks a function the guard
+            wraps, or its signature changed.
     """
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-    from keras.src.distribution import distribution_lib
-    from keras.src.trainers import trainer as base_trainer
+    from tfdist import compat
+    from tfdist.compat.keras_src import distribution_lib
 
-    from tfdist.compression.keras_hook import wrap_once
-
-    original = getattr(distribution_lib, "set_distribution", None)
-    if original is None:
-        import keras
-        raise RuntimeError(
-            "tfdist's keras.distribution guard needs keras.distribution."
-            f"set_distribution, which Keras {keras.__version__} does not have; "
-            "use a Keras version in the range pyproject.toml pins")
-    if not getattr(original, _MARK, False):
-        wrapped = _wrap_set_distribution(original)
-        # Every namespace that re-exports it (keras.distribution,
-        # keras.src.distribution, tf_keras's); later imports copy the
-        # wrapped one from distribution_lib.
-        for module in list(sys.modules.values()):
-            names = getattr(module, "__dict__", {})
-            if names.get("set_distribution") is original:
-                module.set_distribution = wrapped
-    wrap_once(((base_trainer.Trainer, "compile", _wrap_entry),
-               (tf_trainer.TensorFlowTrainer, "fit", _wrap_entry)),
-              mark=_MARK, needed_by="tfdist's keras.distribution guard")
+    if not compat.install("distribution_guard"):
+        return
+    original = compat.pristine(distribution_lib, "set_distribution")
+    # Every namespace that re-exports it (keras.distribution,
+    # keras.src.distribution, tf_keras's); later imports copy the wrapped
+    # one from distribution_lib.
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", {})
+        if names.get("set_distribution") is original or (
+                module is distribution_lib):
+            if not compat.apply_to("distribution_guard.set_distribution", module):
+                raise compat.PatchError(
+                    f"tfdist's keras.distribution guard cannot wrap {module.__name__}."
+                    "set_distribution: it no longer takes (value)")

@@ -52,11 +52,13 @@ import tensorflow as tf
 
 from tfdist.parallel import sharding
 
-__all__ = ["install", "cover", "full_weights"]
+__all__ = ["install", "cover", "full_weights", "wrap_get_weights", "wrap_set_weights",
+           "wrap_save", "wrap_load", "wrap_legacy_subset", "wrap_legacy_optimizer",
+           "wrap_legacy_set", "wrap_optimizer_set", "wrap_slot", "wrap_serialize",
+           "wrap_restore"]
 
 #: Marks this module's wrappers (functools.wraps copies an inner wrapper's
 #: marks outward, so tfdist's other wrappers see theirs too).
-_MARK = "_tfdist_parallel_full"
 _PATCHED = "_tfdist_full_io"
 _PENDING = "_tfdist_pending_restore"
 _VALUE_KEY = "VARIABLE_VALUE"
@@ -73,7 +75,7 @@ def full_weights(variables: Iterable[Any]) -> list[np.ndarray]:
 
 # --- get_weights / set_weights -------------------------------------------------
 
-def _wrap_get_weights(original):
+def wrap_get_weights(original):
     @functools.wraps(original)
     def get_weights(self):
         weights = self.weights
@@ -83,7 +85,7 @@ def _wrap_get_weights(original):
     return get_weights
 
 
-def _wrap_set_weights(original):
+def wrap_set_weights(original):
     @functools.wraps(original)
     def set_weights(self, weights):
         variables = self.weights
@@ -181,14 +183,14 @@ def _full_io(variables: Iterable[Any]):
 
 def _own_variables(obj: Any) -> list:
     """The variables a saveable writes in its own ``save_own_variables``."""
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from tfdist.compat.keras_src import BaseOptimizer
     if isinstance(obj, BaseOptimizer):
         return list(obj.variables)
     return (list(getattr(obj, "_trainable_variables", []))
             + list(getattr(obj, "_non_trainable_variables", [])))
 
 
-def _wrap_save(original):
+def wrap_save(original):
     @functools.wraps(original)
     def save_own_variables(self, store):
         variables = _own_variables(self)
@@ -199,7 +201,7 @@ def _wrap_save(original):
     return save_own_variables
 
 
-def _wrap_load(original):
+def wrap_load(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
         variables = _own_variables(self)
@@ -213,11 +215,23 @@ def _wrap_load(original):
 def cover(cls: type) -> None:
     """Makes ``cls.save_own_variables`` / ``load_own_variables`` write and read
     full values of its sharded variables; idempotent (also for subclasses of
-    a covered class)."""
-    from tfdist.compression.keras_hook import wrap_once
-    wrap_once([(cls, "save_own_variables", _wrap_save),
-               (cls, "load_own_variables", _wrap_load)],
-              mark=_MARK, needed_by="tfdist.parallel's saving")
+    a covered class).
+
+    ``Layer`` and ``BaseOptimizer`` are covered by :func:`install`; a
+    subclass that defines its own method (Keras's ``Dense`` does) gets the
+    registry's dynamic ``tensor_parallel.save_subclass`` / ``load_subclass``
+    on the class that defines it.
+    """
+    from tfdist import compat
+    for method, patch in (("save_own_variables", "tensor_parallel.save_subclass"),
+                          ("load_own_variables", "tensor_parallel.load_subclass")):
+        definer = next((klass for klass in cls.__mro__ if method in vars(klass)), None)
+        if definer is None or definer.__module__.startswith("tfdist."):
+            continue
+        if getattr(definer, "__name__", "") in ("Layer", "BaseOptimizer") \
+                and definer.__module__.startswith("keras."):
+            continue  # The static patches of install().
+        compat.apply_to(patch, definer, method)
 
 
 # --- legacy HDF5 (model.save("m.h5")) ------------------------------------------
@@ -238,7 +252,7 @@ def _full_or_same(variables: Iterable[Any]) -> list:
     return [_Full(v) if sharding.is_sharded(v) else v for v in variables]
 
 
-def _wrap_legacy_subset(original):
+def wrap_legacy_subset(original):
     @functools.wraps(original)
     def save_subset_weights_to_hdf5_group(group, weights):
         return original(group, _full_or_same(weights))
@@ -253,7 +267,7 @@ class _Weights:
         self.weights = weights
 
 
-def _wrap_legacy_optimizer(original):
+def wrap_legacy_optimizer(original):
     @functools.wraps(original)
     def save_optimizer_weights_to_hdf5_group(group, optimizer):
         variables = list(getattr(optimizer, "variables", []))
@@ -284,7 +298,7 @@ def _assign_checked(variables: list, values: list, what: str, skip_mismatch: boo
     return rest
 
 
-def _wrap_legacy_set(original):
+def wrap_legacy_set(original):
     @functools.wraps(original)
     def _set_weights(instance, symbolic_weights, weight_values, name, skip_mismatch=False):
         if not any(sharding.is_sharded(v) for v in symbolic_weights):
@@ -299,7 +313,7 @@ def _wrap_legacy_set(original):
     return _set_weights
 
 
-def _wrap_optimizer_set(original):
+def wrap_optimizer_set(original):
     @functools.wraps(original)
     def set_weights(self, weights):
         variables = list(getattr(self, "_variables", []))
@@ -318,7 +332,7 @@ def _wrap_optimizer_set(original):
 
 # --- optimizer slots -------------------------------------------------------------
 
-def _wrap_slot(original):
+def wrap_slot(original):
     @functools.wraps(original)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
         spec = sharding.spec_of(reference_variable)
@@ -377,7 +391,7 @@ def _assign_full_tensor(variable: Any, value: Any) -> Any:
     return tf.group(ops) if not tf.executing_eagerly() else None
 
 
-def _wrap_serialize(original):
+def wrap_serialize(original):
     @functools.wraps(original)
     def _serialize_to_tensors(self):
         if sharding.is_sharded(self):
@@ -386,7 +400,7 @@ def _wrap_serialize(original):
     return _serialize_to_tensors
 
 
-def _wrap_restore(original):
+def wrap_restore(original):
     @functools.wraps(original)
     def _restore_from_tensors(self, restored_tensors):
         if sharding.is_sharded(self):
@@ -406,29 +420,18 @@ def _wrap_restore(original):
 # --- install ----------------------------------------------------------------------
 
 def install() -> None:
-    """Wraps Keras's weight access, saving and checkpointing once; idempotent.
+    """Wraps Keras's weight access, saving and checkpointing once: the
+    registry's ``tensor_parallel``, with :mod:`tfdist.parallel.grads`;
+    idempotent.
 
     Raises:
-        RuntimeError: This Keras lacks a method wrapped here.
+        tfdist.ConfigError: A target changed in this Keras and tensor
+            parallelism was switched off (with a warning).
     """
-    from keras.src.backend.tensorflow import core as keras_tf_core
-    from keras.src.layers.layer import Layer
-    from keras.src.legacy.saving import legacy_h5_format
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
+    from tfdist import compat
     from tfdist.compression import keras_hook
-    # Compression's wrappers of the optimizer's save/load go inside ours.
+    # Compression's wrappers of the optimizer's save/load go inside ours
+    # (the registry's order).
     keras_hook.install()
-    keras_hook.wrap_once([
-        (Layer, "get_weights", _wrap_get_weights),
-        (Layer, "set_weights", _wrap_set_weights),
-        (BaseOptimizer, "add_variable_from_reference", _wrap_slot),
-        (keras_tf_core.Variable, "_serialize_to_tensors", _wrap_serialize),
-        (keras_tf_core.Variable, "_restore_from_tensors", _wrap_restore),
-        (BaseOptimizer, "set_weights", _wrap_optimizer_set),
-        (legacy_h5_format, "save_subset_weights_to_hdf5_group", _wrap_legacy_subset),
-        (legacy_h5_format, "save_optimizer_weights_to_hdf5_group", _wrap_legacy_optimizer),
-        (legacy_h5_format, "_set_weights", _wrap_legacy_set),
-    ], mark=_MARK, needed_by="tfdist.parallel's saving")
-    cover(Layer)
-    cover(BaseOptimizer)
+    compat.install("tensor_parallel")
+    compat.require("tensor_parallel", "model_parallel")

@@ -157,7 +157,7 @@ def local_full_tensor(variable: Any) -> tf.Tensor:
         return variable
     local = _local_group(variable, spec)
     if local is None:
-        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+        from tfdist.compat.keras_src import in_symbolic_scope
         if in_symbolic_scope():
             # Keras infers shapes (compute_output_spec, fit's symbolic
             # build): the values are never read.

@@ -35,7 +35,8 @@ from tfdist.profiling.records import (PHASES, StepRecord, derive_waits, from_row
                                       phases, row_width, to_row)
 from tfdist.profiling.stragglers import Straggler, check_factor, find_stragglers
 
-__all__ = ["StepProfile", "LoopProfile", "TIMELINE_ENV", "SUPPORTED_KINDS", "install_timeline"]
+__all__ = ["StepProfile", "LoopProfile", "TIMELINE_ENV", "SUPPORTED_KINDS", "install_timeline",
+           "wrap_fit"]
 
 log = logging.getLogger("tfdist.profiling")
 
@@ -434,7 +435,7 @@ class LoopProfile(StepProfile):
         return logs
 
 
-def _wrap_fit(original):
+def wrap_fit(original):
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
         if os.environ.get(TIMELINE_ENV, "").strip() and _kind(
@@ -455,9 +456,7 @@ def _wrap_fit(original):
 def install_timeline() -> None:
     """With ``$TFDIST_TIMELINE`` set, every ``fit`` under a strategy the
     profiler supports gets a :class:`StepProfile` writing the timeline there
-    (unless it has one); idempotent. tfdist's strategies call it."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    from tfdist.compression.keras_hook import wrap_once
-    wrap_once([(tf_trainer.TensorFlowTrainer, "fit", _wrap_fit)],
-              mark="_tfdist_timeline", needed_by="TFDIST_TIMELINE")
+    (unless it has one): the registry's ``timeline``; idempotent. tfdist's
+    strategies call it."""
+    from tfdist import compat
+    compat.install("timeline")

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import multi_worker_util
+
+from tfdist.compat.tf_python import multi_worker_util
 
 __all__ = ["worker_index", "local_replicas", "gather_rows"]
 

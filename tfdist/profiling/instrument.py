@@ -40,15 +40,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
 
+from tfdist.compat.tf_python import resource_variable_ops
 from tfdist.compression import keras_hook
 from tfdist.compression.aggregate import ReplicaComm
 from tfdist.compression.sparse import slices_nbytes
 from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
 from tfdist.profiling.records import Span, StepRecord
 
-__all__ = ["Profiler", "ProfiledComm", "HEADER", "MAX_SPANS", "wrap_step", "profiler_of"]
+__all__ = ["Profiler", "ProfiledComm", "HEADER", "MAX_SPANS", "wrap_step", "profiler_of",
+           "wrap_make_function"]
 
 #: Slots of the marks vector before the spans.
 HEADER = 8
@@ -362,7 +363,7 @@ def wrap_step(step_function: Callable, profiler: Profiler) -> Callable:
     return profiled_step
 
 
-def _wrap_make_function(original):
+def wrap_make_function(original):
     @functools.wraps(original)
     def _make_function(self, step_function):
         profiler = getattr(self, MODEL_ATTR, None)
@@ -374,8 +375,14 @@ def _wrap_make_function(original):
 
 def install() -> None:
     """Lets ``fit`` build its train function with the marks of the profiler
-    set on the model (:data:`MODEL_ATTR`); idempotent."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
+    set on the model (:data:`MODEL_ATTR`): the registry's ``profiling``;
+    idempotent.
+
+    Raises:
+        tfdist.ConfigError: ``_make_function`` changed in this Keras and
+            the profiler was switched off (with a warning).
+    """
+    from tfdist import compat
     keras_hook.install()
-    keras_hook.wrap_once([(tf_trainer.TensorFlowTrainer, "_make_function", _wrap_make_function)],
-                         mark="_tfdist_profiled", needed_by="tfdist.profiling")
+    compat.install("profiling")
+    compat.require("profiling", "StepProfile")

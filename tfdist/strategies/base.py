@@ -12,9 +12,9 @@ import itertools
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.distribute import multi_worker_util
 
 from tfdist import plugins
+from tfdist.compat.tf_python import multi_worker_util
 from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.spec.detect import Choice

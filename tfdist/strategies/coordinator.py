@@ -29,7 +29,7 @@ def disconnect_coordinator(cluster: Mapping[str, Sequence[str]]) -> None:
     """
     if "tensorflow" not in sys.modules:
         return  # This process never talked to the servers.
-    from tensorflow.python.eager import context
+    from tfdist.compat.tf_python import eager_context as context
 
     ctx = context.context()
     server_def = ctx.get_server_def()

@@ -25,14 +25,12 @@ import traceback
 from typing import Any, Iterator
 
 from absl import logging
-from tensorflow.core.framework import graph_pb2
-from tensorflow.python.data.ops import dataset_ops, iterator_ops
-from tensorflow.python.data.ops import options as data_options
-from tensorflow.python.distribute import multi_worker_util
-from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import gen_experimental_dataset_ops, resource_variable_ops
 
+from tfdist.compat.tf_python import (data_options, dataset_ops, gen_experimental_dataset_ops,
+                                     graph_pb2, iterator_ops, multi_worker_util,
+                                     resource_variable_ops)
+from tfdist.compat.tf_python import eager_context as context
+from tfdist.compat.tf_python import framework_ops as ops
 from tfdist.errors import TfdistError
 
 #: The device job of everything created before collectives are enabled.

@@ -15,11 +15,10 @@ from typing import Any
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-from tensorflow.python.distribute import multi_worker_util
-from tensorflow.python.eager import context
 
 from tfdist import plugins
+from tfdist.compat.tf_python import coordination_config_pb2, multi_worker_util
+from tfdist.compat.tf_python import eager_context as context
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice
 from tfdist.spec.options import make_options

@@ -15,9 +15,7 @@ import subprocess
 import zlib
 from typing import Mapping
 
-from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
-from tensorflow.python.training.server_lib import ClusterSpec
-
+from tfdist.compat.tf_python import ClusterSpec, slurm_cluster_resolver
 from tfdist.errors import ConfigError
 
 #: Ports handed to one job step span at most this many per node.

@@ -36,14 +36,14 @@ MAX_PROBE_SECONDS = 10.0
 
 
 def _tf_probe(peer: str, timeout_s: float) -> None:
-    from tensorflow.python.eager import context
+    from tfdist.compat.tf_python import eager_context as context
     context.context().check_collective_ops_peer_health(
         peer, timeout_in_ms=max(1, int(timeout_s * 1000)))
 
 
 def _tf_abort(message: str) -> None:
-    from tensorflow.python.eager import context
-    from tensorflow.python.framework import errors
+    from tfdist.compat.tf_python import eager_context as context
+    from tfdist.compat.tf_python import framework_errors as errors
     context.context().abort_collective_ops(errors.UNAVAILABLE, message)
 
 

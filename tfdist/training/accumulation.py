@@ -33,15 +33,13 @@ import types
 from typing import Any, Callable
 
 import tensorflow as tf
-from keras.src.backend.tensorflow.optimizer import TFOptimizer
-from keras.src.optimizers import base_optimizer
 
+from tfdist.compat.keras_src import TFOptimizer
 from tfdist.compression.applied import applies_this_step  # noqa: F401 - re-exported
 from tfdist.training.loops import in_tfdist_replica_context
 
-__all__ = ["install", "keras_has_accumulation_fix", "replica_cond", "applies_this_step"]
-
-_MARK = "_tfdist_accumulation"
+__all__ = ["install", "keras_has_accumulation_fix", "replica_cond", "applies_this_step",
+           "wrap_ops", "wrap_backend"]
 #: TFOptimizer methods of Keras 3.15 about accumulation; a Keras that adds
 #: others there (keras PR #23592 overrides the applying branch for
 #: tf.distribute) handles accumulation under distribution itself.
@@ -102,19 +100,53 @@ def install() -> None:
     itself (:func:`keras_has_accumulation_fix`).
 
     Raises:
-        RuntimeError: Keras's optimizer module has no ``ops`` to wrap.
+        tfdist.compat.PatchError: Keras's optimizer module has no ``ops``
+            with a ``cond`` to wrap.
     """
+    from tfdist import compat
+
     if keras_has_accumulation_fix():
         return
-    ops = getattr(base_optimizer, "ops", None)
-    if ops is None or not callable(getattr(ops, "cond", None)):
-        import keras
-        raise RuntimeError(
-            "tfdist needs keras.src.optimizers.base_optimizer.ops.cond, which Keras "
-            f"{keras.__version__} does not have; use a Keras version in the range "
-            "pyproject.toml pins")
-    if getattr(ops, _MARK, False):
-        return
-    wrapped = _OptimizerOps(ops)
-    setattr(wrapped, _MARK, True)
-    base_optimizer.ops = wrapped
+    compat.install("accumulation")
+
+
+def wrap_ops(original: types.ModuleType) -> types.ModuleType:
+    """Keras's optimizer ``ops`` (Keras < 3.16) with the distribution-aware ``cond``.
+
+    Raises:
+        tfdist.compat.PatchError: ``ops`` has no ``cond``.
+    """
+    _check_cond(original)
+    return _OptimizerOps(original)
+
+
+class _OptimizerBackend(types.ModuleType):
+    """``keras.src.backend`` as Keras's optimizer module sees it (Keras >= 3.16,
+    which calls ``backend.ops.cond``), with :class:`_OptimizerOps` as ``ops``."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+        self.ops = _OptimizerOps(real.ops)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def wrap_backend(original: types.ModuleType) -> types.ModuleType:
+    """Keras's optimizer ``backend`` (Keras >= 3.16) whose ``ops.cond`` is
+    distribution-aware; everything else is Keras's own.
+
+    Raises:
+        tfdist.compat.PatchError: ``backend.ops`` has no ``cond``.
+    """
+    _check_cond(getattr(original, "ops", None))
+    return _OptimizerBackend(original)
+
+
+def _check_cond(ops: Any) -> None:
+    if not callable(getattr(ops, "cond", None)):
+        from tfdist import compat
+        raise compat.PatchError(
+            "tfdist's gradient accumulation wraps Keras's ops.cond, which the ops module "
+            f"Keras's optimizer uses ({ops!r}) does not have")

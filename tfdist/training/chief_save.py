@@ -25,7 +25,6 @@ from tfdist.errors import TfdistError
 #: twice the time its own save took.
 WAIT_SECONDS = 120.0
 
-_MARK = "_tfdist_multi_worker_saving"
 _KEY_PREFIX = "tfdist/keras_saving"
 _TMP_PREFIX = ".tfdist-save-"
 _STATE = threading.local()
@@ -77,7 +76,7 @@ def active(model: Any = None) -> tuple[bool, bool]:
 
 
 def _local(path: str) -> bool:
-    from keras.src.utils import file_utils
+    from tfdist.compat.keras_src import file_utils
     return not (file_utils.is_remote_path(path) or path.startswith("hf://"))
 
 
@@ -94,7 +93,7 @@ def _next_key(path: str) -> str:
 
 
 def _coordination():
-    from tensorflow.python.eager import context
+    from tfdist.compat.tf_python import eager_context as context
     ctx = context.context()
     return ctx if ctx.coordination_service is not None else None
 

@@ -42,8 +42,8 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.core.framework import graph_pb2
 
+from tfdist.compat.tf_python import graph_pb2
 from tfdist.errors import ConfigError, require_int
 from tfdist.training.callbacks import num_workers as _num_workers
 

@@ -31,7 +31,8 @@ from absl import logging
 
 from tfdist.training.preemption import PreemptionWatcher
 
-_MARK = "_tfdist_preemption_wrapped"
+__all__ = ["install", "wrap_begin", "wrap_epoch_begin", "wrap_batch_end", "wrap_epoch_end",
+           "wrap_save", "wrap_end"]
 
 
 def _under_tfdist(model: Any) -> bool:
@@ -62,7 +63,7 @@ def metadata(callback: Any) -> dict:
             "steps_per_epoch": (callback.params or {}).get("steps")}
 
 
-def _wrap_begin(original):
+def wrap_begin(original):
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
         original(self, logs)
@@ -91,7 +92,7 @@ def _wrap_begin(original):
     return on_train_begin
 
 
-def _wrap_epoch_begin(original):
+def wrap_epoch_begin(original):
     @functools.wraps(original)
     def on_epoch_begin(self, epoch, logs=None):
         # Keras only counts epochs at their end: a mid-epoch save in the
@@ -104,7 +105,7 @@ def _wrap_epoch_begin(original):
     return on_epoch_begin
 
 
-def _wrap_batch_end(original):
+def wrap_batch_end(original):
     @functools.wraps(original)
     def on_train_batch_end(self, batch, logs=None):
         state = self.__dict__
@@ -123,7 +124,7 @@ def _wrap_batch_end(original):
     return on_train_batch_end
 
 
-def _wrap_epoch_end(original):
+def wrap_epoch_end(original):
     @functools.wraps(original)
     def on_epoch_end(self, epoch, logs=None):
         self.__dict__["_tfdist_done"] = 0  # An epoch-end save starts the next epoch.
@@ -131,7 +132,7 @@ def _wrap_epoch_end(original):
     return on_epoch_end
 
 
-def _wrap_save(original):
+def wrap_save(original):
     @functools.wraps(original)
     def _save_model(self):
         result = original(self)
@@ -149,7 +150,7 @@ def _wrap_save(original):
     return _save_model
 
 
-def _wrap_end(original):
+def wrap_end(original):
     @functools.wraps(original)
     def on_train_end(self, logs=None):
         watcher = self.__dict__.pop("_tfdist_watcher", None)
@@ -163,16 +164,8 @@ def _wrap_end(original):
 
 
 def install() -> None:
-    """Wraps Keras's BackupAndRestore once; idempotent. Install after
-    :func:`tfdist.training.saving.install` (its save is then the inner one)."""
-    from keras.src.callbacks.backup_and_restore import BackupAndRestore
-
-    from tfdist.compression.keras_hook import wrap_once
-    wrap_once((
-        (BackupAndRestore, "on_train_begin", _wrap_begin),
-        (BackupAndRestore, "on_epoch_begin", _wrap_epoch_begin),
-        (BackupAndRestore, "on_train_batch_end", _wrap_batch_end),
-        (BackupAndRestore, "on_epoch_end", _wrap_epoch_end),
-        (BackupAndRestore, "_save_model", _wrap_save),
-        (BackupAndRestore, "on_train_end", _wrap_end),
-    ), mark=_MARK, needed_by="tfdist's preemption handling")
+    """Wraps Keras's BackupAndRestore once (the registry's ``fit_preemption``,
+    which composes outside :mod:`tfdist.training.saving`'s wrappers of the same
+    methods); idempotent."""
+    from tfdist import compat
+    compat.install("fit_preemption")

@@ -38,13 +38,11 @@ import functools
 from typing import Any
 
 import tensorflow as tf
-from keras.src import backend
-from keras.src.backend.tensorflow import core as tf_core
-from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-__all__ = ["install", "in_tfdist_replica_context", "needs_cross_replica_build"]
+from tfdist.compat.keras_src import backend
 
-_MARK = "_tfdist_loops"
+__all__ = ["install", "in_tfdist_replica_context", "needs_cross_replica_build",
+           "wrap_initialize", "wrap_apply"]
 
 
 def in_tfdist_replica_context() -> bool:
@@ -72,7 +70,7 @@ def needs_cross_replica_build(optimizer: Any) -> bool:
             and getattr(strategy, "_tfdist_aggregator", None) is not None)
 
 
-def _wrap_initialize(original):
+def wrap_initialize(original):
     @functools.wraps(original)
     def _initialize(self, value):
         if tf.inside_function() and in_tfdist_replica_context():
@@ -82,7 +80,7 @@ def _wrap_initialize(original):
     return _initialize
 
 
-def _wrap_apply(original):
+def wrap_apply(original):
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is not None and needs_cross_replica_build(self):
@@ -108,10 +106,9 @@ def install() -> None:
     ``BaseOptimizer.apply`` once; idempotent.
 
     Raises:
-        RuntimeError: This Keras lacks one of the methods.
+        tfdist.compat.PatchError: This Keras lacks one of the methods, or
+            their signatures changed.
     """
-    from tfdist.compression.keras_hook import wrap_once
+    from tfdist import compat
 
-    wrap_once(((tf_core.Variable, "_initialize", _wrap_initialize),
-               (BaseOptimizer, "apply", _wrap_apply)),
-              mark=_MARK, needed_by="tfdist")
+    compat.install("loops")

@@ -283,7 +283,8 @@ class PreemptionWatcher:
     def _set(key: str, value: str, exists_ok: bool = False) -> bool:
         """Sets a key; False if it existed already (and exists_ok)."""
         import tensorflow as tf
-        from tensorflow.python.eager import context
+
+        from tfdist.compat.tf_python import eager_context as context
         try:
             context.context().set_config_key_value(key, value)
             return True
@@ -299,7 +300,7 @@ class PreemptionWatcher:
 
     def _watch(self) -> None:
         """Waits for the agreed step, records it, acknowledges it."""
-        from tensorflow.python.eager import context
+        from tfdist.compat.tf_python import eager_context as context
         try:
             value = context.context().get_config_key_value(self._key("stop_after"))
         except Exception as error:  # noqa: BLE001 - the job is ending.
@@ -360,7 +361,7 @@ class PreemptionWatcher:
             self._held -= 1
 
     def _wait_for_acks(self) -> None:
-        from tensorflow.python.eager import context
+        from tfdist.compat.tf_python import eager_context as context
         timeout = ack_timeout()
         deadline = time.monotonic() + timeout
         for i in range(self.workers):
@@ -382,7 +383,7 @@ class PreemptionWatcher:
         the rest of a job at its first exit cannot cut that save short."""
         if self.workers == 1 or self._prefix == "":
             return
-        from tensorflow.python.eager import context
+        from tfdist.compat.tf_python import eager_context as context
         if self.index == 0:
             self._set(self._key("saved"), "1", exists_ok=True)
             return

@@ -73,7 +73,7 @@ class _ParameterServerFit:
                 raise ConfigError("validation_split", validation_split,
                                   "0 unless x is arrays; pass validation_data",
                                   source=_SOURCE)
-            from keras.src.trainers.data_adapters import array_slicing
+            from tfdist.compat.keras_src import array_slicing
             (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
         data = _TrainData(x, y, sample_weight, batch_size, shuffle, steps_per_epoch)

@@ -40,19 +40,18 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common.stateless_scope import in_stateless_scope
-from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-from keras.src.backend.tensorflow import core as keras_tf_core
-from keras.src.backend.tensorflow.optimizer import TFOptimizer
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-from keras.src.optimizers import base_optimizer
-from tensorflow.python.distribute.sharded_variable import ShardedVariable
-from tensorflow.python.eager import backprop
 
-__all__ = ["install", "gradients", "is_sharded", "raw_variable"]
+from tfdist.compat.keras_src import (in_stateless_scope,
+                                     in_symbolic_scope)
+from tfdist.compat.keras_src import base_optimizer_module as base_optimizer
+from tfdist.compat.tf_python import ShardedVariable
+
+__all__ = ["install", "gradients", "is_sharded", "raw_variable", "wrap_assign_add",
+           "wrap_assign_sub", "wrap_numpy", "wrap_array", "wrap_update_step",
+           "wrap_slot_from_reference", "wrap_fit", "wrap_evaluate", "wrap_predict",
+           "wrap_tape_gradient"]
 
 _PS = tf.distribute.experimental.ParameterServerStrategy
-_installed = False
 
 
 def _under_parameter_server() -> bool:
@@ -68,7 +67,6 @@ def _atomic(method: str, keras_method: Any) -> Any:
         value = tf.cast(value, self._value.dtype)
         getattr(self._value, method)(value, read_value=False)
         return self._value
-    assign._tfdist_atomic = True
     return assign
 
 
@@ -84,7 +82,6 @@ def _update_step(keras_method: Any) -> Any:
             else:
                 plain.append((grad, var))
         return keras_method(self, distribution, plain, learning_rate)
-    update._tfdist_sharded = True
     return update
 
 
@@ -103,7 +100,6 @@ def _slot_from_reference(keras_method: Any) -> Any:
         with tf.init_scope():
             return base_optimizer.BaseOptimizer.add_variable_from_reference(
                 self, reference_variable, name=name, initializer=initializer)
-    add_variable_from_reference._tfdist_sharded = True
     return add_variable_from_reference
 
 
@@ -113,7 +109,6 @@ def _whole(keras_method: Any, to_numpy: Any) -> Any:
         if isinstance(self._value, ShardedVariable):
             return to_numpy(tf.convert_to_tensor(self._value).numpy(), *args, **kwargs)
         return keras_method(self, *args, **kwargs)
-    read._tfdist_sharded = True
     return read
 
 
@@ -132,7 +127,6 @@ def _tape_gradient(tf_method: Any) -> Any:
         joined = [_join(grad, [int(v.shape[0]) for v in parts]) if parts else grad
                   for parts, grad in zip(shards, grads)]
         return tf.nest.pack_sequence_as(sources, joined)
-    gradient._tfdist_sharded = True
     return gradient
 
 
@@ -159,41 +153,56 @@ def _route(keras_method: Any, tfdist_function: str) -> Any:
             return keras_method(self, *args, **kwargs)
         from tfdist.training import parameter_server as training
         return getattr(training, tfdist_function)(self, *args, **kwargs)
-    method._tfdist_routed = True
     return method
 
 
 def install() -> None:
-    """Installs the fixes (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    cls = keras_tf_core.Variable
-    for method in ("assign_add", "assign_sub"):
-        current = getattr(cls, method)
-        if not getattr(current, "_tfdist_atomic", False):
-            setattr(cls, method, _atomic(method, current))
+    """Installs the fixes (the registry's ``parameter_server``); idempotent."""
+    from tfdist import compat
+    compat.install("parameter_server")
+
+
+# The wrappers the registry names (tfdist.compat.registry), one per target.
+def wrap_assign_add(original: Any) -> Any:
+    return _atomic("assign_add", original)
+
+
+def wrap_assign_sub(original: Any) -> Any:
+    return _atomic("assign_sub", original)
+
+
+def wrap_numpy(original: Any) -> Any:
     # Saving reads variables with numpy()/__array__, which ShardedVariable
     # lacks: read the whole value instead.
-    if not getattr(cls.numpy, "_tfdist_sharded", False):
-        cls.numpy = _whole(cls.numpy, lambda value: value)
-    if not getattr(cls.__array__, "_tfdist_sharded", False):
-        cls.__array__ = _whole(cls.__array__,
-                               lambda value, dtype=None, **_: np.asarray(value, dtype))
-    current = TFOptimizer._distributed_tf_update_step
-    if not getattr(current, "_tfdist_sharded", False):
-        TFOptimizer._distributed_tf_update_step = _update_step(current)
-    current = TFOptimizer.add_variable_from_reference
-    if not getattr(current, "_tfdist_sharded", False):
-        TFOptimizer.add_variable_from_reference = _slot_from_reference(current)
-    for name in ("fit", "evaluate", "predict"):
-        current = getattr(TensorFlowTrainer, name)
-        if not getattr(current, "_tfdist_routed", False):
-            setattr(TensorFlowTrainer, name, _route(current, name))
-    current = backprop.GradientTape.gradient
-    if not getattr(current, "_tfdist_sharded", False):
-        backprop.GradientTape.gradient = _tape_gradient(current)
-    _installed = True
+    return _whole(original, lambda value: value)
+
+
+def wrap_array(original: Any) -> Any:
+    return _whole(original, lambda value, dtype=None, **_: np.asarray(value, dtype))
+
+
+def wrap_update_step(original: Any) -> Any:
+    return _update_step(original)
+
+
+def wrap_slot_from_reference(original: Any) -> Any:
+    return _slot_from_reference(original)
+
+
+def wrap_fit(original: Any) -> Any:
+    return _route(original, "fit")
+
+
+def wrap_evaluate(original: Any) -> Any:
+    return _route(original, "evaluate")
+
+
+def wrap_predict(original: Any) -> Any:
+    return _route(original, "predict")
+
+
+def wrap_tape_gradient(original: Any) -> Any:
+    return _tape_gradient(original)
 
 
 def raw_variable(weight: Any) -> Any:

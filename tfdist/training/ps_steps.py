@@ -22,9 +22,7 @@ from tfdist.training.ps_data import ParameterServerError, StepTimeoutError, _che
 def _keras_train_step(model: Any, data: Any) -> dict:
     """Keras 3's TF ``train_step``, with gradients that work on sharded
     variables (see :func:`tfdist.training.ps_patches.gradients`)."""
-    from keras.src import tree
-    from keras.src.losses import loss as loss_module
-    from keras.src.trainers import data_adapters
+    from tfdist.compat.keras_src import data_adapters, loss_module, tree
 
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
@@ -47,7 +45,7 @@ def _keras_train_step(model: Any, data: Any) -> dict:
 
 
 def _step_fn(model: Any) -> Callable:
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from tfdist.compat.keras_src import TensorFlowTrainer
     own = type(model).train_step
     if own is TensorFlowTrainer.train_step:
         return lambda data: _keras_train_step(model, data)

@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import tensorflow as tf
-from tensorflow.python.trackable import base as trackable
 
+from tfdist.compat.tf_python import trackable_base as trackable
 from tfdist.errors import ConfigError, TfdistError
 
 __all__ = ["CheckpointableIterator", "IteratorRestoreError"]

@@ -63,32 +63,34 @@ import uuid
 import weakref
 from typing import Any, Callable
 
-from tfdist.training.chief_save import (_MARK, _STATE, _TMP_PREFIX, WAIT_SECONDS, ChiefSaveError,
+from tfdist.training.chief_save import (_STATE, _TMP_PREFIX, WAIT_SECONDS, ChiefSaveError,
                                         _coordinated, _fsync, _local, _multi_worker, _next_key,
                                         _publish, _wait, active, unsynchronized)
 
-__all__ = ["ChiefSaveError", "install", "active", "unsynchronized", "WAIT_SECONDS"]
+__all__ = ["ChiefSaveError", "install", "active", "unsynchronized", "WAIT_SECONDS",
+           "wrap_save_model", "wrap_save_weights", "wrap_save_h5", "wrap_checkpoint_save",
+           "wrap_backup_save", "wrap_backup_begin", "wrap_backup_end", "wrap_manager_save"]
 
 
 # --------------------------------------------------------------------------
 # The wrapped Keras functions.
 
 
-def _wrap_save_model(original):
+def wrap_save_model(original):
     @functools.wraps(original)
     def save_model(model, filepath, *args, **kwargs):
         return _coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
     return save_model
 
 
-def _wrap_save_weights(original):
+def wrap_save_weights(original):
     @functools.wraps(original)
     def save_weights_only(model, filepath, *args, **kwargs):
         return _coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
     return save_weights_only
 
 
-def _wrap_save_h5(original):
+def wrap_save_h5(original):
     @functools.wraps(original)
     def save_model_to_hdf5(model, filepath, *args, **kwargs):
         return _coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
@@ -99,7 +101,7 @@ def _scratch_root(path: str, scratch: str) -> str:
     return os.path.join(scratch, os.path.abspath(path).lstrip(os.sep))
 
 
-def _wrap_checkpoint_save(original):
+def wrap_checkpoint_save(original):
     @functools.wraps(original)
     def _save_model(self, epoch, batch, logs):
         on, chief = active(self.model)
@@ -144,7 +146,7 @@ def _copy_atomically(source: str, target: str) -> None:
             os.remove(tmp)
 
 
-def _wrap_backup_save(original):
+def wrap_backup_save(original):
     @functools.wraps(original)
     def _save_model(self):
         on, chief = active(self.model)
@@ -176,7 +178,7 @@ def _wrap_backup_save(original):
     return _save_model
 
 
-def _wrap_backup_begin(original):
+def wrap_backup_begin(original):
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
         on, chief = active(self.model)
@@ -199,7 +201,7 @@ def _wrap_backup_begin(original):
     return on_train_begin
 
 
-def _wrap_backup_end(original):
+def wrap_backup_end(original):
     @functools.wraps(original)
     def on_train_end(self, logs=None):
         on, chief = active(self.model)
@@ -254,7 +256,7 @@ def _manager_save_to_scratch(manager: Any, original: Callable, chief_dir: str,
     return path
 
 
-def _wrap_manager_save(original):
+def wrap_manager_save(original):
     @functools.wraps(original)
     def save(self, *args, **kwargs):
         # TensorFlow writes a checkpoint and its state file atomically, but a
@@ -298,31 +300,12 @@ def _wrap_manager_save(original):
 
 
 def install() -> None:
-    """Wraps Keras's save functions and checkpoint callbacks once; idempotent.
+    """Wraps Keras's save functions and checkpoint callbacks once (the
+    registry's ``saving``); idempotent.
 
     Raises:
-        RuntimeError: This Keras lacks a function tfdist wraps (the message
-            names it), or is not Keras 3.
+        tfdist.compat.PatchError: This Keras lacks a function tfdist wraps,
+            or its signature changed (the message names it).
     """
-    import keras
-    import tensorflow as tf
-    from keras.src.callbacks.backup_and_restore import BackupAndRestore
-    from keras.src.callbacks.model_checkpoint import ModelCheckpoint
-    from keras.src.legacy.saving import legacy_h5_format
-    from keras.src.saving import saving_lib
-
-    from tfdist.compression.keras_hook import wrap_once
-
-    if not keras.__version__.startswith("3."):
-        raise RuntimeError(f"tfdist's multi-worker saving needs Keras 3; found Keras "
-                           f"{keras.__version__}")
-    wrap_once((
-        (tf.train.CheckpointManager, "save", _wrap_manager_save),
-        (saving_lib, "save_model", _wrap_save_model),
-        (saving_lib, "save_weights_only", _wrap_save_weights),
-        (legacy_h5_format, "save_model_to_hdf5", _wrap_save_h5),
-        (ModelCheckpoint, "_save_model", _wrap_checkpoint_save),
-        (BackupAndRestore, "_save_model", _wrap_backup_save),
-        (BackupAndRestore, "on_train_begin", _wrap_backup_begin),
-        (BackupAndRestore, "on_train_end", _wrap_backup_end),
-    ), mark=_MARK, needed_by="tfdist's multi-worker saving")
+    from tfdist import compat
+    compat.install("saving")

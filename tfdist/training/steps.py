@@ -23,11 +23,12 @@ import types
 from typing import Any
 
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as tf_trainer
 
-__all__ = ["install", "needs_inline_step"]
+from tfdist import compat
+from tfdist.compat.keras_src import tf_trainer_module as tf_trainer
 
-_MARK = "_tfdist_inline_steps"
+__all__ = ["install", "needs_inline_step", "wrap_make_function"]
+
 #: Keras's name for the one-step function ``_make_function`` wraps.
 _STEP_NAME = "one_step_on_data"
 
@@ -61,7 +62,7 @@ class _InlineStepTF:
         return self._real.function(func, **kwargs)
 
 
-def _wrap(original):
+def wrap_make_function(original):
     @functools.wraps(original)
     def _make_function(self, step_function):
         if not needs_inline_step(self):
@@ -76,12 +77,11 @@ def _wrap(original):
 
 
 def install() -> None:
-    """Wraps ``TensorFlowTrainer._make_function`` once; idempotent.
+    """Wraps ``TensorFlowTrainer._make_function`` once (the registry's
+    ``inline_steps``); idempotent.
 
     Raises:
-        RuntimeError: This Keras has no ``_make_function`` to wrap.
+        tfdist.compat.PatchError: This Keras has no ``_make_function`` of
+            the expected signature to wrap.
     """
-    from tfdist.compression.keras_hook import wrap_once
-
-    wrap_once(((tf_trainer.TensorFlowTrainer, "_make_function", _wrap),), mark=_MARK,
-              needed_by="tfdist")
+    compat.install("inline_steps")

@@ -25,9 +25,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["install"]
-
-_MARK = "_tfdist_exit"
+__all__ = ["install", "wrap_init"]
 
 
 def _record(handler: Any) -> dict:
@@ -55,7 +53,7 @@ def _exit(handler: Any) -> None:
     sys.exit(PREEMPTED_EXIT_CODE)
 
 
-def _wrap_init(original):
+def wrap_init(original):
     @functools.wraps(original)
     def __init__(self, cluster_resolver, checkpoint_or_checkpoint_manager,
                  checkpoint_dir=None, termination_config=None):
@@ -65,13 +63,11 @@ def _wrap_init(original):
                 exit_fn=lambda: _exit(self))
         original(self, cluster_resolver, checkpoint_or_checkpoint_manager,
                  checkpoint_dir, termination_config)
-    setattr(__init__, _MARK, True)
     return __init__
 
 
 def install() -> None:
-    """Wraps ``PreemptionCheckpointHandler.__init__`` once; idempotent."""
-    from tensorflow.python.distribute.failure_handling import failure_handling
-    cls = failure_handling.PreemptionCheckpointHandler
-    if not getattr(cls.__init__, _MARK, False):
-        cls.__init__ = _wrap_init(cls.__init__)
+    """Wraps ``PreemptionCheckpointHandler.__init__`` once (the registry's
+    ``preemption_handler``); idempotent."""
+    from tfdist import compat
+    compat.install("preemption_handler")

@@ -13,7 +13,8 @@ import tempfile
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.distribute import multi_worker_util
+
+from tfdist.compat.tf_python import multi_worker_util
 
 # --------------------------------------------------------------------------
 # Who is the chief.

@@ -1,0 +1,323 @@
+"""Every change tfdist makes to Keras and TensorFlow, in one table.
+
+Each :class:`~tfdist.compat.patching.Patch` names its target, the wrapper
+that builds the replacement (in the feature's own module, imported only when
+the feature is installed), the feature, the upstream issue, the versions
+that need it and the test that shows stock Keras/TF still does. Patches of
+one target compose in the order listed here: the first is closest to
+Keras's original. ``tfdist info`` prints this table with each target's
+check on the installed versions.
+
+A feature marked ``required`` is part of what a tfdist strategy is: if a
+target changed, creating the strategy fails with the target named. The
+others switch off with a warning, and using them raises ConfigError.
+"""
+
+from __future__ import annotations
+
+from tfdist.compat.patching import Patch
+
+#: Feature -> what it is, and whether tfdist can run without it.
+FEATURES: dict[str, dict] = {
+    "compression": {"description": "gradient compression in Keras fit", "required": True},
+    "inline_steps": {"description": "steps_per_execution > 1 under Mirrored",
+                     "required": True},
+    "loops": {"description": "custom training loops under Mirrored", "required": True},
+    "accumulation": {"description": "gradient_accumulation_steps under Mirrored",
+                     "required": True},
+    "preemption_handler": {"description": "TF's PreemptionCheckpointHandler exit",
+                           "required": True},
+    "saving": {"description": "multi-worker saving (chief writes)", "required": True},
+    "fit_preemption": {"description": "BackupAndRestore on preemption", "required": True},
+    "parameter_server": {"description": "Keras training under ParameterServerStrategy",
+                         "required": True},
+    "distribution_guard": {"description": "the keras.distribution guard", "required": True},
+    "tensor_parallel": {"description": "tensor parallelism (tfdist.parallel)",
+                        "required": False},
+    "profiling": {"description": "the step profiler (tfdist.profiling)", "required": False},
+    "timeline": {"description": "TFDIST_TIMELINE's automatic StepProfile",
+                 "required": False},
+    "horovod": {"description": "tfdist.horovod's Keras fixes", "required": False},
+    "horovod_spellings": {"description": "Horovod-era Keras spellings (tfdist.horovod)",
+                          "required": False},
+}
+
+#: Targets name their owner through the table of Keras internals
+#: (:mod:`tfdist.compat.keras_src`), which knows where each lives in each
+#: supported Keras.
+_K = "tfdist.compat.keras_src:"
+_TFT = f"{_K}TensorFlowTrainer"
+_TFO = f"{_K}TFOptimizer"
+_BASE_OPT = f"{_K}BaseOptimizer"
+_BACKUP = f"{_K}BackupAndRestore"
+_LAYER = f"{_K}Layer"
+_H5 = f"{_K}legacy_h5_format"
+_LSO = f"{_K}LossScaleOptimizer"
+_VARIABLE = f"{_K}KerasVariable"
+
+_COMPRESSION_WHY = ("Keras 3 all-reduces gradients in exactly one place, "
+                    "TFOptimizer._all_reduce_sum_gradients; tfdist's compression "
+                    "replaces that all-reduce (no upstream hook exists)")
+_SAVING_WHY = ("every worker of MultiWorkerMirrored writes the same files: h5py 'unable "
+               "to lock file', interleaved .keras zips (TF's documented pattern: the "
+               "chief writes, the others write to a scratch location)")
+_BACKUP_WHY = ("Keras's BackupAndRestore never sees the preemption signal and resumes "
+               "an epoch from its first batch")
+_PS_WHY = ("Keras 3 under ParameterServerStrategy: model.fit is unsupported "
+           "(keras-team/keras#18624), assign_add is a read then a write (lost "
+           "increments), ShardedVariable has no handle")
+_TP_WHY = ("tfdist.parallel's sharded weights: Keras reads a MirroredVariable from "
+           "its first component, so saving and get_weights would keep shard 0 alone")
+
+#: Every patch, grouped by feature; within one target, innermost first.
+PATCHES: tuple[Patch, ...] = (
+    # --- gradient aggregation -------------------------------------------------
+    Patch("compression.reduce", f"{_TFO}._all_reduce_sum_gradients",
+          "tfdist.compression.keras_hook:wrap_reduce", "compression", _COMPRESSION_WHY,
+          params=("self", "grads_and_vars"),
+          canary="no upstream bug: a hook point; tests/compression/test_compression_fit.py"),
+    Patch("tensor_parallel.reduce", f"{_TFO}._all_reduce_sum_gradients",
+          "tfdist.parallel.grads:wrap_reduce", "tensor_parallel",
+          "a shard's gradient is summed over its data-parallel group only, outside "
+          "compression", params=("self", "grads_and_vars"),
+          canary="no upstream bug: tfdist's own sharding"),
+    Patch("compression.build", f"{_BASE_OPT}.build", "tfdist.compression.keras_hook:wrap_build",
+          "compression", "compression state (residuals, PowerSGD's Q) is created with the "
+          "optimizer's variables", params=("self", "variables"),
+          canary="no upstream bug: a hook point"),
+    Patch("compression.save", f"{_BASE_OPT}.save_own_variables",
+          "tfdist.compression.keras_hook:wrap_save", "compression",
+          "model.save stores the compression state after the optimizer's variables",
+          params=("self", "store"), canary="no upstream bug: a hook point"),
+    Patch("compression.load", f"{_BASE_OPT}.load_own_variables",
+          "tfdist.compression.keras_hook:wrap_load", "compression",
+          "load_model restores the compression state, or ignores it with a warning",
+          params=("self", "store"), canary="no upstream bug: a hook point"),
+    Patch("tensor_parallel.save_optimizer", f"{_BASE_OPT}.save_own_variables",
+          "tfdist.parallel.saving:wrap_save", "tensor_parallel", _TP_WHY,
+          params=("self", "store"), canary="no upstream bug: tfdist's own sharding"),
+    Patch("tensor_parallel.load_optimizer", f"{_BASE_OPT}.load_own_variables",
+          "tfdist.parallel.saving:wrap_load", "tensor_parallel", _TP_WHY,
+          params=("self", "store"), canary="no upstream bug: tfdist's own sharding"),
+    # --- the fit and loop fixes -----------------------------------------------
+    Patch("inline_steps.make_function", f"{_TFT}._make_function",
+          "tfdist.training.steps:wrap_make_function", "inline_steps",
+          "compile(steps_per_execution>1) under Mirrored fails with 'You must feed a value "
+          "for placeholder tensor' (keras-team/keras#19246)",
+          params=("self", "step_function"),
+          canary="tests/training/test_keras_steps.py::"
+                 "test_stock_keras_fails_with_several_steps_per_execution_under_mirrored"),
+    Patch("profiling.make_function", f"{_TFT}._make_function",
+          "tfdist.profiling.instrument:wrap_make_function", "profiling",
+          "the profiler's in-graph timestamps wrap Keras's step",
+          params=("self", "step_function"), canary="no upstream bug: instrumentation"),
+    Patch("loops.initialize", f"{_VARIABLE}._initialize",
+          "tfdist.training.loops:wrap_initialize", "loops",
+          "variables created inside a traced step under Mirrored fail with 'You must feed "
+          "a value for placeholder tensor' (keras-team/keras#23085)",
+          params=("self", "value"),
+          canary="tests/training/test_custom_loop.py::"
+                 "test_tensorflows_mirrored_fails_on_the_tutorial_loop"),
+    Patch("loops.apply", f"{_BASE_OPT}.apply", "tfdist.training.loops:wrap_apply", "loops",
+          "the first apply of an unbuilt optimizer under a compressing strategy builds "
+          "it in cross-replica context", params=("self", "grads", "trainable_variables"),
+          canary="no upstream bug: tfdist's compression state"),
+    Patch("accumulation.ops", f"{_K}base_optimizer_module.ops",
+          "tfdist.training.accumulation:wrap_ops", "accumulation",
+          "gradient_accumulation_steps under Mirrored fails with 'merge_call called while "
+          "defining a new graph' (keras-team/keras#20582; fix in keras PR #23592, not "
+          "released)", kind="module", needed="keras<3.16",
+          canary="tests/training/test_grad_accumulation.py::"
+                 "test_stock_mirrored_fails_with_gradient_accumulation"),
+    Patch("accumulation.backend", f"{_K}base_optimizer_module.backend",
+          "tfdist.training.accumulation:wrap_backend", "accumulation",
+          "the same bug; Keras 3.16 calls backend.ops.cond in the optimizer",
+          kind="module", needed="keras>=3.16",
+          canary="tests/training/test_grad_accumulation.py::"
+                 "test_stock_mirrored_fails_with_gradient_accumulation"),
+    Patch("preemption_handler.init",
+          "tensorflow:distribute.experimental.PreemptionCheckpointHandler.__init__",
+          "tfdist.training.tf_handler:wrap_init", "preemption_handler",
+          "off Google Cloud the handler's default exit is sys.exit(42), an ordinary "
+          "failure to launchers", params=("self", "cluster_resolver",
+                                          "checkpoint_or_checkpoint_manager",
+                                          "checkpoint_dir", "termination_config"),
+          canary="no upstream bug: TF's documented default"),
+    # --- multi-worker saving and preemption ----------------------------------
+    Patch("saving.manager_save", "tensorflow:train.CheckpointManager.save",
+          "tfdist.training.saving:wrap_manager_save", "saving", _SAVING_WHY,
+          params=("self",), canary="tests/tutorials/test_tutorials_multi_worker.py"),
+    Patch("saving.save_model", f"{_K}saving_lib.save_model",
+          "tfdist.training.saving:wrap_save_model", "saving", _SAVING_WHY,
+          params=("model", "filepath"),
+          canary="tests/tutorials/test_tutorials_multi_worker.py"),
+    Patch("saving.save_weights", f"{_K}saving_lib.save_weights_only",
+          "tfdist.training.saving:wrap_save_weights", "saving", _SAVING_WHY,
+          params=("model", "filepath"),
+          canary="tests/tutorials/test_tutorials_multi_worker.py"),
+    Patch("saving.save_h5", f"{_H5}.save_model_to_hdf5",
+          "tfdist.training.saving:wrap_save_h5", "saving", _SAVING_WHY,
+          params=("model", "filepath"),
+          canary="tests/tutorials/test_tutorials_multi_worker.py"),
+    Patch("saving.checkpoint", f"{_K}ModelCheckpoint._save_model",
+          "tfdist.training.saving:wrap_checkpoint_save", "saving", _SAVING_WHY,
+          params=("self", "epoch", "batch", "logs"),
+          canary="tests/tutorials/test_tutorials_multi_worker.py::"
+                 "test_keras_tutorial_stock_model_checkpoint"),
+    Patch("saving.backup_save", f"{_BACKUP}._save_model",
+          "tfdist.training.saving:wrap_backup_save", "saving", _SAVING_WHY,
+          params=("self",), canary="tests/tutorials/test_tutorials_multi_worker.py::"
+                                   "test_keras_tutorial_stock_backup_and_restore"),
+    Patch("saving.backup_begin", f"{_BACKUP}.on_train_begin",
+          "tfdist.training.saving:wrap_backup_begin", "saving", _SAVING_WHY,
+          params=("self", "logs")),
+    Patch("saving.backup_end", f"{_BACKUP}.on_train_end",
+          "tfdist.training.saving:wrap_backup_end", "saving", _SAVING_WHY,
+          params=("self", "logs")),
+    Patch("fit_preemption.train_begin", f"{_BACKUP}.on_train_begin",
+          "tfdist.training.fit_preemption:wrap_begin", "fit_preemption", _BACKUP_WHY,
+          params=("self", "logs"),
+          canary="tests/training/test_preempt_fit.py"),
+    Patch("fit_preemption.epoch_begin", f"{_BACKUP}.on_epoch_begin",
+          "tfdist.training.fit_preemption:wrap_epoch_begin", "fit_preemption", _BACKUP_WHY,
+          params=("self", "epoch", "logs")),
+    Patch("fit_preemption.batch_end", f"{_BACKUP}.on_train_batch_end",
+          "tfdist.training.fit_preemption:wrap_batch_end", "fit_preemption", _BACKUP_WHY,
+          params=("self", "batch", "logs")),
+    Patch("fit_preemption.epoch_end", f"{_BACKUP}.on_epoch_end",
+          "tfdist.training.fit_preemption:wrap_epoch_end", "fit_preemption", _BACKUP_WHY,
+          params=("self", "epoch", "logs")),
+    Patch("fit_preemption.save", f"{_BACKUP}._save_model",
+          "tfdist.training.fit_preemption:wrap_save", "fit_preemption", _BACKUP_WHY,
+          params=("self",)),
+    Patch("fit_preemption.train_end", f"{_BACKUP}.on_train_end",
+          "tfdist.training.fit_preemption:wrap_end", "fit_preemption", _BACKUP_WHY,
+          params=("self", "logs")),
+    # --- parameter servers ----------------------------------------------------
+    Patch("parameter_server.assign_add",
+          f"{_VARIABLE}.assign_add",
+          "tfdist.training.ps_patches:wrap_assign_add", "parameter_server", _PS_WHY,
+          params=("self", "value"), canary="tests/training/test_parameter_server.py"),
+    Patch("parameter_server.assign_sub",
+          f"{_VARIABLE}.assign_sub",
+          "tfdist.training.ps_patches:wrap_assign_sub", "parameter_server", _PS_WHY,
+          params=("self", "value")),
+    Patch("parameter_server.numpy", f"{_VARIABLE}.numpy",
+          "tfdist.training.ps_patches:wrap_numpy", "parameter_server", _PS_WHY,
+          params=("self",)),
+    Patch("parameter_server.array", f"{_VARIABLE}.__array__",
+          "tfdist.training.ps_patches:wrap_array", "parameter_server", _PS_WHY,
+          params=("self",)),
+    Patch("parameter_server.update_step", f"{_TFO}._distributed_tf_update_step",
+          "tfdist.training.ps_patches:wrap_update_step", "parameter_server", _PS_WHY,
+          params=("self", "distribution", "grads_and_vars", "learning_rate")),
+    Patch("parameter_server.slot", f"{_TFO}.add_variable_from_reference",
+          "tfdist.training.ps_patches:wrap_slot_from_reference", "parameter_server",
+          _PS_WHY, params=("self", "reference_variable")),
+    Patch("parameter_server.fit", f"{_TFT}.fit", "tfdist.training.ps_patches:wrap_fit",
+          "parameter_server", _PS_WHY, params=("self",),
+          canary="tests/tutorials/test_tutorials_parameter_server.py"),
+    Patch("parameter_server.evaluate", f"{_TFT}.evaluate",
+          "tfdist.training.ps_patches:wrap_evaluate", "parameter_server", _PS_WHY,
+          params=("self",)),
+    Patch("parameter_server.predict", f"{_TFT}.predict",
+          "tfdist.training.ps_patches:wrap_predict", "parameter_server", _PS_WHY,
+          params=("self",)),
+    Patch("parameter_server.tape", "tensorflow:GradientTape.gradient",
+          "tfdist.training.ps_patches:wrap_tape_gradient", "parameter_server", _PS_WHY,
+          params=("self", "target", "sources", "output_gradients")),
+    # --- keras.distribution guard ---------------------------------------------
+    Patch("distribution_guard.set_distribution",
+          "modules re-exporting keras.src.distribution.distribution_lib:set_distribution",
+          "tfdist.parallel.guard:wrap_set_distribution", "distribution_guard",
+          "keras.distribution on the TF backend is a prototype ('DO NOT USE'): layouts "
+          "are ignored and the model trains unsharded (keras-team/keras#20585)",
+          params=("value",), dynamic=True,
+          canary="tests/parallel/test_parallel_guard.py"),
+    Patch("distribution_guard.compile", f"{_K}Trainer.compile",
+          "tfdist.parallel.guard:wrap_entry", "distribution_guard",
+          "the same, when a distribution is set after the strategy", params=("self",)),
+    Patch("distribution_guard.fit", f"{_TFT}.fit", "tfdist.parallel.guard:wrap_entry",
+          "distribution_guard", "the same, when a distribution is set after the strategy",
+          params=("self",)),
+    # --- tensor parallelism ---------------------------------------------------
+    Patch("tensor_parallel.check_finite", f"{_LSO}.check_finite",
+          "tfdist.parallel.grads:wrap_check_finite", "tensor_parallel",
+          "a shard's overflow must stop every replica's step", params=("self", "grads")),
+    Patch("tensor_parallel.get_weights", f"{_LAYER}.get_weights",
+          "tfdist.parallel.saving:wrap_get_weights", "tensor_parallel", _TP_WHY,
+          params=("self",)),
+    Patch("tensor_parallel.set_weights", f"{_LAYER}.set_weights",
+          "tfdist.parallel.saving:wrap_set_weights", "tensor_parallel", _TP_WHY,
+          params=("self", "weights")),
+    Patch("tensor_parallel.slot", f"{_BASE_OPT}.add_variable_from_reference",
+          "tfdist.parallel.saving:wrap_slot", "tensor_parallel",
+          "an optimizer slot of a sharded weight is sharded like it",
+          params=("self", "reference_variable")),
+    Patch("tensor_parallel.serialize",
+          f"{_VARIABLE}._serialize_to_tensors",
+          "tfdist.parallel.saving:wrap_serialize", "tensor_parallel", _TP_WHY,
+          params=("self",)),
+    Patch("tensor_parallel.restore",
+          f"{_VARIABLE}._restore_from_tensors",
+          "tfdist.parallel.saving:wrap_restore", "tensor_parallel", _TP_WHY,
+          params=("self", "restored_tensors")),
+    Patch("tensor_parallel.optimizer_set_weights", f"{_BASE_OPT}.set_weights",
+          "tfdist.parallel.saving:wrap_optimizer_set", "tensor_parallel", _TP_WHY,
+          params=("self", "weights")),
+    Patch("tensor_parallel.h5_subset", f"{_H5}.save_subset_weights_to_hdf5_group",
+          "tfdist.parallel.saving:wrap_legacy_subset", "tensor_parallel", _TP_WHY,
+          params=("*", "weights")),  # Keras 3.8 names it f, 3.15 group.
+    Patch("tensor_parallel.h5_optimizer", f"{_H5}.save_optimizer_weights_to_hdf5_group",
+          "tfdist.parallel.saving:wrap_legacy_optimizer", "tensor_parallel", _TP_WHY,
+          params=("*", "optimizer")),  # hdf5_group in Keras 3.8.
+    Patch("tensor_parallel.h5_set", f"{_H5}._set_weights",
+          "tfdist.parallel.saving:wrap_legacy_set", "tensor_parallel", _TP_WHY,
+          params=("instance", "symbolic_weights", "weight_values", "name")),
+    Patch("tensor_parallel.save_layer", f"{_LAYER}.save_own_variables",
+          "tfdist.parallel.saving:wrap_save", "tensor_parallel", _TP_WHY,
+          params=("self", "store")),
+    Patch("tensor_parallel.load_layer", f"{_LAYER}.load_own_variables",
+          "tfdist.parallel.saving:wrap_load", "tensor_parallel", _TP_WHY,
+          params=("self", "store")),
+    Patch("tensor_parallel.save_subclass", "subclasses of Layer with their own "
+          "save_own_variables", "tfdist.parallel.saving:wrap_save", "tensor_parallel",
+          _TP_WHY, params=("self", "store"), dynamic=True),
+    Patch("tensor_parallel.load_subclass", "subclasses of Layer with their own "
+          "load_own_variables", "tfdist.parallel.saving:wrap_load", "tensor_parallel",
+          _TP_WHY, params=("self", "store"), dynamic=True),
+    # --- profiling ------------------------------------------------------------
+    Patch("timeline.fit", f"{_TFT}.fit", "tfdist.profiling.callback:wrap_fit", "timeline",
+          "TFDIST_TIMELINE adds a StepProfile to every fit", params=("self",),
+          canary="no upstream bug: instrumentation"),
+    # --- tfdist.horovod -------------------------------------------------------
+    Patch("horovod.check_finite", f"{_LSO}.check_finite",
+          "tfdist.horovod.optimizer:wrap_check_finite", "horovod",
+          "under mixed precision every rank must skip the same steps",
+          params=("self", "grads")),
+    Patch("horovod.compile", f"{_K}Trainer.compile",
+          "tfdist.horovod.optimizer:wrap_compile", "horovod",
+          "jit_compile with a DistributedOptimizer fails in merge_call "
+          "(keras-team/keras#18666)", params=("self",)),
+    Patch("horovod_spellings.compile", f"{_K}Trainer.compile",
+          "tfdist.horovod.compat:wrap_compile", "horovod_spellings",
+          "Keras 3 rejects compile(experimental_run_tf_function=...) of Horovod-era "
+          "scripts", params=("self",), canary="tests/horovod/test_horovod_compat.py"),
+    Patch("horovod_spellings.variables", "subclasses of BaseOptimizer defining variables",
+          "tfdist.horovod.compat:wrap_variables", "horovod_spellings",
+          "opt.variables() of Horovod-era scripts: a list property in Keras 3",
+          kind="property", dynamic=True, canary="tests/horovod/test_horovod_compat.py"),
+    Patch("horovod_spellings.init_subclass", f"{_BASE_OPT}.__init_subclass__",
+          "tfdist.horovod.compat:wrap_init_subclass", "horovod_spellings",
+          "optimizer classes made later get the callable variables too", kind="value"),
+    Patch("horovod_spellings.lr", f"{_BASE_OPT}.lr", "tfdist.horovod.compat:wrap_lr",
+          "horovod_spellings", "opt.lr of Horovod-era scripts (Keras 3 has only "
+          "learning_rate)", kind="new", dynamic=True),
+    Patch("horovod_spellings.set_value", "modules exporting keras.src.legacy.backend:set_value",
+          "tfdist.horovod.compat:wrap_set_value", "horovod_spellings",
+          "K.set_value on a Keras 3 variable", params=("x", "value"), dynamic=True),
+    Patch("horovod_spellings.batch_set_value",
+          "modules exporting keras.src.legacy.backend:batch_set_value",
+          "tfdist.horovod.compat:wrap_batch_set_value", "horovod_spellings",
+          "K.batch_set_value on Keras 3 variables", params=("tuples",), dynamic=True),
+)
