@@ -135,3 +135,20 @@ def test_ci_tests_every_pair():
                             text=True, cwd=REPO, timeout=60)
     assert result.stdout.split() == [v for pair in versions.TESTED_PAIRS[:-1] for v in pair]
     assert (REPO / ".ci" / "matrix").stat().st_mode & 0o111
+
+
+@pytest.mark.parametrize("feature,options", [
+    ("model_parallel", {"cpu_replicas": 2, "model_parallel": 2}),
+    ("compression", {"cpu_replicas": 2, "compression": "powersgd:2"}),
+    ("mirrored", {"cpu_replicas": 2})])
+def test_strategy_creation_checks_the_minimum_of_each_setting(tf_cpus, monkeypatch, feature,
+                                                               options):
+    """Checked before anything is built, not as a TypeError inside Keras."""
+    import keras
+
+    import tfdist
+    monkeypatch.setitem(versions.FEATURE_MINIMUMS, feature, {"keras": "9.0"})
+    with pytest.raises(ConfigError) as error:
+        tfdist.strategy_from_config(**options)
+    assert (f"field '{feature}': expected keras>=9.0. Received: keras {keras.__version__}"
+            in str(error.value))

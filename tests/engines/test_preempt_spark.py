@@ -56,14 +56,14 @@ SIGNAL_AT = spark_preempt.STEPS_PER_EPOCH + 5
 
 
 def _task_failure(error: BaseException, partition: int = 1) -> str:
-    """The message a task's RuntimeError carries, as _run_task builds it."""
-    spec = spark_task._TaskSpec(
+    """The message a task's RuntimeError carries, as run_task builds it."""
+    spec = spark_task.TaskSpec(
         train_fn=None, pass_context=True, train_kwargs={}, num_workers=2, attempt=0,
         compression=None, error_feedback=None, options={}, env={}, host=None,
         backup_dir="/b")
     try:
         raise error
-    except BaseException as caught:  # noqa: BLE001 - as in _run_task
+    except BaseException as caught:  # noqa: BLE001 - as in run_task
         return spark_task._encode_failure(spec, partition, caught)
 
 

@@ -211,24 +211,24 @@ def test_gradients_of_sharded_variables_equal_those_of_the_whole():
 def test_training_data_needs_a_length_it_can_know():
     import tensorflow as tf
 
-    from tfdist.training.ps_data import _TrainData
+    from tfdist.training.ps_data import TrainData
 
     infinite = tf.data.Dataset.from_tensor_slices(np.zeros((8, 2), "float32")).repeat()
     with pytest.raises(ConfigError) as caught:
-        _TrainData(infinite, None, None, None, True, None)
+        TrainData(infinite, None, None, None, True, None)
     assert caught.value.field == "steps_per_epoch"
     with pytest.raises(ConfigError) as caught:
-        _TrainData(lambda ctx: infinite, None, None, None, True, None)
+        TrainData(lambda ctx: infinite, None, None, None, True, None)
     assert caught.value.field == "steps_per_epoch"
     finite = tf.data.Dataset.from_tensor_slices(np.zeros((10, 2), "float32")).batch(4)
-    assert _TrainData(finite, None, None, None, True, None).steps_per_epoch == 3
-    arrays = _TrainData(np.zeros((100, 2)), np.zeros(100), None, 32, True, None)
+    assert TrainData(finite, None, None, None, True, None).steps_per_epoch == 3
+    arrays = TrainData(np.zeros((100, 2)), np.zeros(100), None, 32, True, None)
     assert arrays.steps_per_epoch == 4
     with pytest.raises(ConfigError) as caught:
-        _TrainData(np.zeros((100, 2)), np.zeros(100), None, 32, True, 0)
+        TrainData(np.zeros((100, 2)), np.zeros(100), None, 32, True, 0)
     assert caught.value.field == "steps_per_epoch"
     with pytest.raises(ConfigError) as caught:
-        _TrainData(finite, np.zeros(10), None, None, True, None)
+        TrainData(finite, np.zeros(10), None, None, True, None)
     assert caught.value.field == "y"
 
 

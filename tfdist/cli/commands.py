@@ -28,8 +28,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from tfdist.cli.launch_commands import _add_horovodrun, _add_launch
-from tfdist.cli.spec_commands import _add_hosts, _add_tfjob, _info, _tf_config, _validate
+from tfdist.cli.launch_commands import add_horovodrun, add_launch
+from tfdist.cli.spec_commands import add_hosts, add_tfjob, run_info, run_tf_config, run_validate
 from tfdist.engines.quiet import filtered_stderr
 from tfdist.errors import TfdistError
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--patches", action="store_true",
                       help="list every change tfdist makes to Keras/TF (tfdist/compat/"
                            "registry.py), with why and whether it fits the installed versions")
-    info.set_defaults(func=_info, filter_stderr=True)
+    info.set_defaults(func=run_info, filter_stderr=True)
 
     validate = sub.add_parser("validate", help="check a TF_CONFIG or spec "
                               "file ('-' reads stdin)")
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--require-task", action="store_true",
                           help="the file is one process's TF_CONFIG and must "
                           "name its task")
-    validate.set_defaults(func=_validate)
+    validate.set_defaults(func=run_validate)
 
     tf_config = sub.add_parser("tf-config", help="print the TF_CONFIG of one "
                                "task of a spec")
@@ -76,11 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="TYPE:INDEX, e.g. worker:1")
     tf_config.add_argument("--export", action="store_true",
                            help="print a shell 'export TF_CONFIG=...' line")
-    tf_config.set_defaults(func=_tf_config)
-    _add_launch(sub)
-    _add_horovodrun(sub)
-    _add_hosts(sub)
-    _add_tfjob(sub)
+    tf_config.set_defaults(func=run_tf_config)
+    add_launch(sub)
+    add_horovodrun(sub)
+    add_hosts(sub)
+    add_tfjob(sub)
     profile = sub.add_parser("profile", help="plot where each worker's step time went",
                              description="Reads LOGDIR/steps.jsonl, written by "
                              "tfdist.StepProfile(log_dir=LOGDIR), prints the mean "

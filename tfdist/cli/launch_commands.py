@@ -12,7 +12,8 @@ from tfdist.engines import horovodrun
 from tfdist.errors import ConfigError
 
 
-def _add_launch(sub) -> None:
+def add_launch(sub) -> None:
+    """Adds the ``launch`` subcommand to ``sub``."""
     launch = sub.add_parser(
         "launch", help="run a multi-worker job as local processes, with restarts",
         description="Runs SCRIPT as every task of a local cluster on 127.0.0.1 with its "
@@ -181,7 +182,8 @@ _HOROVOD_REJECTED = {
 }
 
 
-def _add_horovodrun(sub) -> None:
+def add_horovodrun(sub) -> None:
+    """Adds the ``horovodrun`` subcommand to ``sub``."""
     run = sub.add_parser(
         "horovodrun", help="horovodrun's options on tfdist launch",
         usage="tfdist horovodrun -np N [-H HOST:SLOTS,...|--hostfile FILE] [--max-restarts K] "
@@ -263,25 +265,3 @@ def _horovodrun(args: argparse.Namespace) -> int:
         env=env, python=python or sys.executable, verbose=args.verbose,
         log_dir=args.output_filename or args.log_dir)
     return result.exit_code
-
-
-def _command_after_dashes(args: argparse.Namespace, head: argparse.ArgumentParser,
-                          what: str) -> list[str]:
-    """Parses ``SPEC [OPTIONS] -- WORDS...``: options on either side of SPEC.
-
-    The subcommand's positional is a REMAINDER (argparse would otherwise
-    take options placed after SPEC, or after '--', as its own); ``head``
-    parses what comes before the first '--' into ``args``, and the words
-    after it are returned.
-    """
-    rest = list(args.rest)
-    if "--" not in rest:
-        if "-h" in rest or "--help" in rest:
-            head.parse_args(["--help"])  # Prints the full help and exits.
-        head.error(f"put {what} after '--' (see the usage above)")
-    cut = rest.index("--")
-    head.parse_args(rest[:cut], namespace=args)
-    words = rest[cut + 1:]
-    if not words:
-        head.error(f"{what} is missing after '--'")
-    return words

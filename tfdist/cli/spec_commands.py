@@ -12,11 +12,11 @@ import shlex
 import sys
 
 from tfdist import spec as spec_lib
-from tfdist.cli.launch_commands import _command_after_dashes
 from tfdist.errors import TfdistError
 
 
-def _info(args: argparse.Namespace) -> int:
+def run_info(args: argparse.Namespace) -> int:
+    """Runs ``tfdist info``: the strategy chosen here and why; returns the exit code."""
     from tfdist.spec.detect import choose
     from tfdist.spec.options import check_model_parallel, make_options
 
@@ -123,7 +123,8 @@ def _read_source(path: str) -> str | dict:
     return path
 
 
-def _validate(args: argparse.Namespace) -> int:
+def run_validate(args: argparse.Namespace) -> int:
+    """Runs ``tfdist validate``: checks a TF_CONFIG or spec; returns the exit code."""
     source = _read_source(args.file)
     cfg = spec_lib.parse(source, require_task=args.require_task,
                         strategy=args.strategy)
@@ -133,7 +134,8 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tf_config(args: argparse.Namespace) -> int:
+def run_tf_config(args: argparse.Namespace) -> int:
+    """Runs ``tfdist tf-config``: prints one task's TF_CONFIG; returns the exit code."""
     task_type, task_index = spec_lib.parse_task(args.task)
     config = spec_lib.tf_config_for_task(_read_source(args.spec), task_type,
                                         task_index)
@@ -182,7 +184,30 @@ def _add_spec_command(sub, name: str, *, summary: str, usage: str, description: 
     parser.set_defaults(func=func, head=head)
 
 
-def _add_hosts(sub) -> None:
+def _command_after_dashes(args: argparse.Namespace, head: argparse.ArgumentParser,
+                          what: str) -> list[str]:
+    """Parses ``SPEC [OPTIONS] -- WORDS...``: options on either side of SPEC.
+
+    The subcommand's positional is a REMAINDER (argparse would otherwise
+    take options placed after SPEC, or after '--', as its own); ``head``
+    parses what comes before the first '--' into ``args``, and the words
+    after it are returned.
+    """
+    rest = list(args.rest)
+    if "--" not in rest:
+        if "-h" in rest or "--help" in rest:
+            head.parse_args(["--help"])  # Prints the full help and exits.
+        head.error(f"put {what} after '--' (see the usage above)")
+    cut = rest.index("--")
+    head.parse_args(rest[:cut], namespace=args)
+    words = rest[cut + 1:]
+    if not words:
+        head.error(f"{what} is missing after '--'")
+    return words
+
+
+def add_hosts(sub) -> None:
+    """Adds the ``hosts`` subcommand to ``sub``."""
     _add_spec_command(
         sub, "hosts", summary="print the command that starts each task of a spec on its host",
         usage=_HOSTS_USAGE, description=_HOSTS_DESCRIPTION, add_options=_hosts_options,
@@ -235,7 +260,8 @@ _TFJOB_DESCRIPTION = (
     "Apply it with: tfdist tfjob ... | kubectl apply -f -")
 
 
-def _add_tfjob(sub) -> None:
+def add_tfjob(sub) -> None:
+    """Adds the ``tfjob`` subcommand to ``sub``."""
     _add_spec_command(
         sub, "tfjob", summary="print a Kubeflow TFJob manifest for a spec",
         usage=_TFJOB_USAGE, description=_TFJOB_DESCRIPTION, add_options=_tfjob_options,

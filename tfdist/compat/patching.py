@@ -199,7 +199,9 @@ def _problem(patch: Patch, owner: Any, attribute: str) -> str | None:
     """Why ``patch`` cannot apply to ``owner.attribute``, or None."""
     slot = _slots.get((id(owner), attribute))
     try:
-        value, _ = _raw(owner, attribute) if slot is None else (slot.pristine, slot.own)
+        value, _ = _raw(owner, attribute)
+        if slot is not None and value is slot.installed:
+            value = slot.pristine  # Ours: check what it wraps.
     except AttributeError:
         return None if patch.kind == "new" else f"{_where(owner, attribute)} does not exist"
     where = _where(owner, attribute)
@@ -258,8 +260,9 @@ def check(feature: str | None = None) -> dict[str, str | None]:
 
 
 def _order(patch: Patch) -> int:
+    """The patch's position in the registry (unknown patches last)."""
     patches, _ = _registry()
-    return patches.index(patch)
+    return patches.index(patch) if patch in patches else len(patches)
 
 
 def _rebuild(slot: _Slot) -> None:

@@ -63,6 +63,8 @@ _SAVING_WHY = ("every worker of MultiWorkerMirrored writes the same files: h5py 
                "chief writes, the others write to a scratch location)")
 _BACKUP_WHY = ("Keras's BackupAndRestore never sees the preemption signal and resumes "
                "an epoch from its first batch")
+_SAVING_CANARY = ("no upstream bug: Keras writes from every worker by design, TF documents "
+                  "the chief-writes pattern (tests/tutorials/test_tutorials_multi_worker.py)")
 _PS_WHY = ("Keras 3 under ParameterServerStrategy: model.fit is unsupported "
            "(keras-team/keras#18624), assign_add is a read then a write (lost "
            "increments), ShardedVariable has no handle")
@@ -146,28 +148,26 @@ PATCHES: tuple[Patch, ...] = (
     # --- multi-worker saving and preemption ----------------------------------
     Patch("saving.manager_save", "tensorflow:train.CheckpointManager.save",
           "tfdist.training.saving:wrap_manager_save", "saving", _SAVING_WHY,
-          params=("self",), canary="tests/tutorials/test_tutorials_multi_worker.py"),
+          params=("self",), canary=_SAVING_CANARY),
     Patch("saving.save_model", f"{_K}saving_lib.save_model",
           "tfdist.training.saving:wrap_save_model", "saving", _SAVING_WHY,
           params=("model", "filepath"),
-          canary="tests/tutorials/test_tutorials_multi_worker.py"),
+          canary=_SAVING_CANARY),
     Patch("saving.save_weights", f"{_K}saving_lib.save_weights_only",
           "tfdist.training.saving:wrap_save_weights", "saving", _SAVING_WHY,
           params=("model", "filepath"),
-          canary="tests/tutorials/test_tutorials_multi_worker.py"),
+          canary=_SAVING_CANARY),
     Patch("saving.save_h5", f"{_H5}.save_model_to_hdf5",
           "tfdist.training.saving:wrap_save_h5", "saving", _SAVING_WHY,
           params=("model", "filepath"),
-          canary="tests/tutorials/test_tutorials_multi_worker.py"),
+          canary=_SAVING_CANARY),
     Patch("saving.checkpoint", f"{_K}ModelCheckpoint._save_model",
           "tfdist.training.saving:wrap_checkpoint_save", "saving", _SAVING_WHY,
           params=("self", "epoch", "batch", "logs"),
-          canary="tests/tutorials/test_tutorials_multi_worker.py::"
-                 "test_keras_tutorial_stock_model_checkpoint"),
+          canary=_SAVING_CANARY),
     Patch("saving.backup_save", f"{_BACKUP}._save_model",
           "tfdist.training.saving:wrap_backup_save", "saving", _SAVING_WHY,
-          params=("self",), canary="tests/tutorials/test_tutorials_multi_worker.py::"
-                                   "test_keras_tutorial_stock_backup_and_restore"),
+          params=("self",), canary=_SAVING_CANARY),
     Patch("saving.backup_begin", f"{_BACKUP}.on_train_begin",
           "tfdist.training.saving:wrap_backup_begin", "saving", _SAVING_WHY,
           params=("self", "logs")),
@@ -177,7 +177,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("fit_preemption.train_begin", f"{_BACKUP}.on_train_begin",
           "tfdist.training.fit_preemption:wrap_begin", "fit_preemption", _BACKUP_WHY,
           params=("self", "logs"),
-          canary="tests/training/test_preempt_fit.py"),
+          canary="no upstream bug: Keras's callback does not handle preemption by design "
+                 "(tests/training/test_preempt_fit.py tests tfdist's)"),
     Patch("fit_preemption.epoch_begin", f"{_BACKUP}.on_epoch_begin",
           "tfdist.training.fit_preemption:wrap_epoch_begin", "fit_preemption", _BACKUP_WHY,
           params=("self", "epoch", "logs")),
@@ -197,7 +198,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("parameter_server.assign_add",
           f"{_VARIABLE}.assign_add",
           "tfdist.training.ps_patches:wrap_assign_add", "parameter_server", _PS_WHY,
-          params=("self", "value"), canary="tests/training/test_parameter_server.py"),
+          params=("self", "value"),
+          canary="none: lost increments need concurrent workers; measured once (200 steps "
+                 "left iterations at 160), the fix tested in tests/training/"
+                 "test_parameter_server.py"),
     Patch("parameter_server.assign_sub",
           f"{_VARIABLE}.assign_sub",
           "tfdist.training.ps_patches:wrap_assign_sub", "parameter_server", _PS_WHY,
@@ -216,7 +220,8 @@ PATCHES: tuple[Patch, ...] = (
           _PS_WHY, params=("self", "reference_variable")),
     Patch("parameter_server.fit", f"{_TFT}.fit", "tfdist.training.ps_patches:wrap_fit",
           "parameter_server", _PS_WHY, params=("self",),
-          canary="tests/tutorials/test_tutorials_parameter_server.py"),
+          canary="tests/compat/test_canaries.py::"
+                 "test_stock_keras_fit_fails_under_tensorflows_parameter_server_strategy"),
     Patch("parameter_server.evaluate", f"{_TFT}.evaluate",
           "tfdist.training.ps_patches:wrap_evaluate", "parameter_server", _PS_WHY,
           params=("self",)),
@@ -233,7 +238,8 @@ PATCHES: tuple[Patch, ...] = (
           "keras.distribution on the TF backend is a prototype ('DO NOT USE'): layouts "
           "are ignored and the model trains unsharded (keras-team/keras#20585)",
           params=("value",), dynamic=True,
-          canary="tests/parallel/test_parallel_guard.py"),
+          canary="tests/parallel/test_parallel_guard.py::"
+                 "test_a_fresh_process_in_the_order_users_write_it"),
     Patch("distribution_guard.compile", f"{_K}Trainer.compile",
           "tfdist.parallel.guard:wrap_entry", "distribution_guard",
           "the same, when a distribution is set after the strategy", params=("self",)),
@@ -294,11 +300,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch("horovod.check_finite", f"{_LSO}.check_finite",
           "tfdist.horovod.optimizer:wrap_check_finite", "horovod",
           "under mixed precision every rank must skip the same steps",
-          params=("self", "grads")),
+          params=("self", "grads"),
+          canary="no upstream bug: Horovod's own semantics (tests/horovod/test_horovod_numbers.py)"),
     Patch("horovod.compile", f"{_K}Trainer.compile",
           "tfdist.horovod.optimizer:wrap_compile", "horovod",
           "jit_compile with a DistributedOptimizer fails in merge_call "
-          "(keras-team/keras#18666)", params=("self",)),
+          "(keras-team/keras#18666)", params=("self",),
+          canary="none yet: the bug needs XLA collectives, which CPUs lack (issue 29, XLA "
+                 "under strategies, adds one)"),
     Patch("horovod_spellings.compile", f"{_K}Trainer.compile",
           "tfdist.horovod.compat:wrap_compile", "horovod_spellings",
           "Keras 3 rejects compile(experimental_run_tf_function=...) of Horovod-era "

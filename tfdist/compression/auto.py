@@ -78,8 +78,8 @@ import tensorflow as tf
 from tfdist.compression.aggregate import Aggregator
 from tfdist.compression.auto_model import (CANDIDATES, COMPUTE_S_PER_ENTRY,  # noqa: F401
                                            LARGE_PROBE, MIN_GAIN, REFERENCE_PASS_S_PER_ENTRY,
-                                           SMALL_PROBE, STEP_FACTOR, Decision, LinkEstimate, _kind,
-                                           choose, label, predict_costs, warmup_dtype)
+                                           SMALL_PROBE, STEP_FACTOR, Decision, LinkEstimate,
+                                           kind_of, choose, label, predict_costs, warmup_dtype)
 from tfdist.errors import ConfigError
 
 __all__ = ["AutoCompression", "LinkEstimate", "Decision", "CANDIDATES", "COMPUTE_S_PER_ENTRY",
@@ -206,7 +206,7 @@ class AutoCompression(Aggregator):
         if not self.candidates:
             raise ConfigError("candidates", candidates, "at least one compression setting")
         for c in self.candidates:
-            if _kind(c) == "auto":
+            if kind_of(c) == "auto":
                 raise ConfigError("candidates", c, "settings other than 'auto'")
             make_aggregator(c)  # Fails now on a bad candidate.
         self.link = link

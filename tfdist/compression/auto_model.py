@@ -141,7 +141,8 @@ def label(candidate: Any) -> str:
     return repr(candidate)
 
 
-def _kind(candidate: Any) -> str:
+def kind_of(candidate: Any) -> str:
+    """The compression kind of ``candidate`` (e.g. ``"powersgd"``)."""
     from tfdist.compression.setting import parse_compression
     return parse_compression(candidate).name
 
@@ -158,7 +159,7 @@ def compute_cost(candidate: Any, entries: int,
                  per_entry: dict[str, float] | None = None) -> float:
     """Predicted compute seconds a candidate adds per step for ``entries`` gradient entries."""
     per_entry = COMPUTE_S_PER_ENTRY if per_entry is None else per_entry
-    kind = _kind(candidate)
+    kind = kind_of(candidate)
     cost = per_entry.get(kind, max(per_entry.values()))
     if kind == "powersgd":
         from tfdist.compression.factory import fixed_aggregator as make_aggregator
@@ -197,7 +198,7 @@ def predict_costs(
         traffic = make_aggregator(candidate).traffic(list(shapes), link.num_replicas)
         comm = traffic.collectives * link.latency + traffic.sent / link.bandwidth
         compute = compute_cost(candidate, entries, compute_per_entry) * link.compute_scale
-        costs[label(candidate)] = (comm + compute) * factors.get(_kind(candidate), 1.0)
+        costs[label(candidate)] = (comm + compute) * factors.get(kind_of(candidate), 1.0)
     return costs
 
 
@@ -232,7 +233,7 @@ def choose(
     best = min(candidates, key=lambda c: costs[label(c)])
     if costs[label(best)] > MIN_GAIN * costs["none"]:
         best = "none"
-    if _kind(best) == "powersgd":
+    if kind_of(best) == "powersgd":
         from tfdist.compression.factory import fixed_aggregator as make_aggregator
         chosen = make_aggregator(best)
         if not chosen.warmup_dtype_given:

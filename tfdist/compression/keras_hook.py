@@ -90,7 +90,7 @@ def state_variables(optimizer: Any) -> list:
     return list(getattr(optimizer, "_tfdist_variables", []))
 
 
-def _create_state(optimizer, aggregator: Aggregator, strategy, variables) -> None:
+def create_state(optimizer, aggregator: Aggregator, strategy, variables) -> None:
     """Creates the aggregator's per-replica state for each trainable variable."""
     state: dict[int, dict[str, Any]] = {}
     flat = []
@@ -131,7 +131,7 @@ def wrap_build(original):
         _resolve_auto(strategy, list(variables))
         aggregator = strategy_aggregator(strategy)
         if aggregator is not None:
-            _create_state(self, aggregator, strategy, list(variables))
+            create_state(self, aggregator, strategy, list(variables))
     return build
 
 

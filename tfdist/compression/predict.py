@@ -6,7 +6,7 @@ from typing import Any
 
 from tfdist.compression.registry import make_aggregator
 from tfdist.compression.sparse import SparseGradient, model_gradients, rows_per_replica
-from tfdist.compression.traffic import Traffic, _dtype_name
+from tfdist.compression.traffic import Traffic, dtype_name
 from tfdist.errors import ConfigError
 
 __all__ = ["predict_traffic"]
@@ -76,5 +76,5 @@ def _shapes_of(variables: Any, batch_size: int | None = None,
             shape, dtype = v
         else:
             shape, dtype = v.shape, v.dtype
-        out.append((tuple(int(d) for d in shape), _dtype_name(dtype)))
+        out.append((tuple(int(d) for d in shape), dtype_name(dtype)))
     return out

@@ -92,8 +92,8 @@ class SparseGradient:
 
 
 def _itemsize(dtype: str) -> int:
-    from tfdist.compression.traffic import _itemsize
-    return _itemsize(dtype)
+    from tfdist.compression.traffic import itemsize
+    return itemsize(dtype)
 
 
 def slices_nbytes(rows: int, row_size: int, value_dtype: str, index_dtype: str) -> int:

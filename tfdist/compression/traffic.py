@@ -42,28 +42,30 @@ def all_gather_bytes(payload: int, num_replicas: int) -> float:
     return float((num_replicas - 1) * payload)
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """The name of ``dtype`` (a TensorFlow/numpy dtype or a string)."""
     return getattr(dtype, "name", str(dtype))
 
 
-def _itemsize(dtype: Any) -> int:
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype`` (bfloat16: 2)."""
     size = getattr(dtype, "size", None)
     if size is None:
         import numpy as np  # Plain dtype strings, e.g. "float32".
 
-        size = np.dtype(dtype).itemsize if _dtype_name(dtype) != "bfloat16" else 2
+        size = np.dtype(dtype).itemsize if dtype_name(dtype) != "bfloat16" else 2
     return int(size)
 
 
 def nbytes(shape: Iterable[int], dtype: Any) -> int:
     """Bytes of a dense tensor."""
-    return math.prod(int(d) for d in shape) * _itemsize(dtype)
+    return math.prod(int(d) for d in shape) * itemsize(dtype)
 
 
 def wire_nbytes(shape: Iterable[int], dtype: Any) -> int:
     """Bytes of one all-gathered payload tensor, with its int32 padding."""
     size = nbytes(shape, dtype)
-    if _dtype_name(dtype) in GATHER_DTYPES:
+    if dtype_name(dtype) in GATHER_DTYPES:
         return size
     return -(-size // 4) * 4
 

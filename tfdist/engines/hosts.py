@@ -37,8 +37,8 @@ from typing import Any
 from tfdist import spec as spec_lib
 # The manifests and their YAML, public here as before they had their own modules.
 from tfdist.engines.tfjob import (DEFAULT_BACKUP_MOUNT, DEFAULT_GRACE_SECONDS,  # noqa: F401
-                                  DEFAULT_RESTART_POLICY, REPLICA_TYPES, RESTART_POLICIES, _fail,
-                                  _word, replica_counts, tfjob_manifest)
+                                  DEFAULT_RESTART_POLICY, REPLICA_TYPES, RESTART_POLICIES, fail,
+                                  command_word, replica_counts, tfjob_manifest)
 from tfdist.engines.yaml_text import to_yaml  # noqa: F401
 from tfdist.errors import ClusterSpecError
 
@@ -119,23 +119,23 @@ def _python_argv(python: str | Sequence[str], source: str) -> tuple[str, ...]:
         try:
             words = shlex.split(text)
         except ValueError as error:
-            _fail("python", python, expected, source, hint=f"It does not split into words: {error}.")
+            fail("python", python, expected, source, hint=f"It does not split into words: {error}.")
     elif isinstance(python, Sequence) and not isinstance(python, bytes):
-        words = [_word(word, f"python[{i}]", source) for i, word in enumerate(python)]
+        words = [command_word(word, f"python[{i}]", source) for i, word in enumerate(python)]
     else:
-        _fail("python", python, expected, source)
+        fail("python", python, expected, source)
     if not words or not words[0]:
-        _fail("python", python, expected, source)
+        fail("python", python, expected, source)
     return tuple(words)
 
 
 def _script_args(args: Any, source: str) -> list[str]:
     if isinstance(args, (str, bytes, os.PathLike)):
-        _fail("args", args, "a list of arguments", source,
-              hint=f"Wrap a single argument in a list: [{os.fsdecode(os.fspath(args))!r}].")
+        fail("args", args, "a list of arguments", source,
+             hint=f"Wrap a single argument in a list: [{os.fsdecode(os.fspath(args))!r}].")
     if isinstance(args, Mapping) or not isinstance(args, Iterable):
-        _fail("args", args, "a list of arguments", source)
-    return [_word(arg, f"args[{i}]", source) for i, arg in enumerate(args)]
+        fail("args", args, "a list of arguments", source)
+    return [command_word(arg, f"args[{i}]", source) for i, arg in enumerate(args)]
 
 
 def host_commands(
@@ -188,15 +188,15 @@ def host_commands(
             source=config.source,
             hint="Each task of the cluster needs an address; see cluster_specs/.",
         )
-    script_word = _word(script, "script", source)
+    script_word = command_word(script, "script", source)
     if not script_word:
-        _fail("script", script, "a non-empty script path", source)
+        fail("script", script, "a non-empty script path", source)
     argv = (*_python_argv(python, source), script_word, *_script_args(args, source))
 
     if evaluator is None:
         evaluator = config.task_type == "evaluator"
     elif not isinstance(evaluator, bool):
-        _fail("evaluator", evaluator, "True, False or None", source)
+        fail("evaluator", evaluator, "True, False or None", source)
 
     commands = []
     for task_type, index, address in config.tasks():
@@ -212,14 +212,14 @@ def host_commands(
                 char.isspace() for char in evaluator_host):
             host = evaluator_host
         else:
-            _fail("evaluator_host", evaluator_host, "a host name without spaces", source)
+            fail("evaluator_host", evaluator_host, "a host name without spaces", source)
         commands.append(HostCommand(
             host=host, task_type="evaluator", task_index=0, address=None,
             tf_config=config.with_task("evaluator", 0).to_dict(), argv=argv,
         ))
     elif evaluator_host is not None:
-        _fail("evaluator_host", evaluator_host, "None unless an evaluator is started", source,
-              hint="Pass evaluator=True to start one.")
+        fail("evaluator_host", evaluator_host, "None unless an evaluator is started", source,
+             hint="Pass evaluator=True to start one.")
     return commands
 
 

@@ -53,10 +53,10 @@ from typing import IO, Any, Sequence
 
 from tfdist import spec as spec_lib
 from tfdist.engines import elastic as launch_elastic
-from tfdist.engines.launch_attempt import _Attempt, _AttemptEnd, _Settings, read_status_records
-from tfdist.engines.launch_results import (_LOCAL_HOSTS, DEFAULT_GRACE, PREEMPTED_EXIT_CODE,
+from tfdist.engines.launch_attempt import Attempt, AttemptEnd, Settings, read_status_records
+from tfdist.engines.launch_results import (LOCAL_HOSTS, DEFAULT_GRACE, PREEMPTED_EXIT_CODE,
                                            SERVER_CODE, STATUS_DIR, LaunchResult, TaskExit)
-from tfdist.engines.launch_tasks import _Output, _position, _Signals
+from tfdist.engines.launch_tasks import Output, position, Signals
 from tfdist.engines.net import local_spec
 from tfdist.engines.netns import netns_command, run_in_netns
 from tfdist.errors import ConfigError, require_int
@@ -97,7 +97,7 @@ def _signal_number(value: Any) -> int:
 def non_local_hosts(spec: dict) -> list[str]:
     """The hosts of a spec that are not this machine's loopback."""
     addresses = [a for job in spec["cluster"].values() for a in job]
-    return sorted({spec_lib.parse_address(a)[0] for a in addresses} - _LOCAL_HOSTS)
+    return sorted({spec_lib.parse_address(a)[0] for a in addresses} - LOCAL_HOSTS)
 
 
 def launch(
@@ -235,7 +235,7 @@ def launch(
                           source=source)
     discovery = None
     size = max_workers
-    out = _Output(output or sys.stdout)
+    out = Output(output or sys.stdout)
     if host_discovery_script is not None:
         discovery = launch_elastic.Discovery(host_discovery_script, source=source)
         slots = discovery.slots()  # Bad output: a ConfigError before anything starts.
@@ -246,7 +246,7 @@ def launch(
     result = LaunchResult()
     if handle_signals is None:
         handle_signals = threading.current_thread() is threading.main_thread()
-    stops = _Signals()
+    stops = Signals()
     previous = {}
     if handle_signals:
         for signum in {signal.SIGTERM, signal.SIGINT, preempt_signum}:
@@ -259,7 +259,7 @@ def launch(
            "TFDIST_GRACE": f"{grace:g}"}
     if elastic:
         env.update(TFDIST_MIN_WORKERS=str(min_workers), TFDIST_MAX_WORKERS=str(max_workers))
-    settings = _Settings(
+    settings = Settings(
         evaluator=evaluator, script_argv=script_argv, args=list(args),
         parameter_server=ps > 0, show_all=show_all, env=env, python=python,
         log_dir=log_dir, stop_timeout=stop_timeout, out=out, verbose=verbose,
@@ -278,7 +278,7 @@ def launch(
             job_spec = (spec if spec is not None and attempt == 0
                         else local_spec(size, chief=chief, ps=ps))
             result.workers = size
-            end = _Attempt(settings, job_spec, attempt, size).run()
+            end = Attempt(settings, job_spec, attempt, size).run()
             attempt += 1
             if end.how == "finished":
                 result.outcome = "finished"
@@ -298,7 +298,7 @@ def launch(
                 old, size = size, end.target
                 result.resizes.append((old, size, "discovery"))
                 verb = "grew" if size > old else "shrank"
-                how = (f"the workers saved at {_position(end.record)}" if end.record
+                how = (f"the workers saved at {position(end.record)}" if end.record
                        else "nothing was saved; the job resumes from its last backup")
                 out.say(f"{verb} {old} -> {size} workers (MIN {min_workers}, MAX "
                         f"{max_workers}): {how}; relaunching at the new size "
@@ -313,13 +313,13 @@ def launch(
                 continue
             if end.how == "preempted":
                 what = (f"{failure.task} was preempted and the job saved at "
-                        f"{_position(end.record)}")
+                        f"{position(end.record)}")
             else:
                 what = f"{failure.task} {failure.how}"
             can_shrink = elastic and size > min_workers
             if result.restarts < max_restarts and not (can_shrink and worker_failed == "shrink"):
                 result.restarts += 1
-                resume = (f", resuming at {_position(end.record)}" if end.how == "preempted"
+                resume = (f", resuming at {position(end.record)}" if end.how == "preempted"
                           else "")
                 out.say(f"{what}; restart {result.restarts} of {max_restarts} on new "
                         f"ports{resume}")
@@ -329,7 +329,7 @@ def launch(
                 result.resizes.append((old, size, f"{failure.task} {failure.how}"))
                 why = ("--worker-failed shrink" if worker_failed == "shrink"
                        else "restarts spent")
-                origin = (f"at {_position(end.record)}" if end.how == "preempted"
+                origin = (f"at {position(end.record)}" if end.how == "preempted"
                           else "from its last backup")
                 out.say(f"{what}; {why}: shrinking {old} -> {size} workers (MIN "
                         f"{min_workers}); the job resumes {origin}; global batch kept "
@@ -362,8 +362,8 @@ def launch(
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _report_stop(end: "_AttemptEnd", signum: int, result: LaunchResult,
-                 out: _Output) -> LaunchResult:
+def _report_stop(end: "AttemptEnd", signum: int, result: LaunchResult,
+                 out: Output) -> LaunchResult:
     """The one line saying what a stop signal to the launcher led to."""
     name = signal.Signals(signum).name
     took = f"{end.drain_seconds:.1f} s after {name}"
@@ -373,7 +373,7 @@ def _report_stop(end: "_AttemptEnd", signum: int, result: LaunchResult,
     elif end.record is not None:
         result.outcome, result.saved = "preempted", end.record
         result.exit_code = 128 + signum
-        out.say(f"preempted: saved at {_position(end.record)}; run the same command to "
+        out.say(f"preempted: saved at {position(end.record)}; run the same command to "
                 f"resume ({took})")
     elif end.killed:
         result.outcome, result.exit_code = "killed", 128 + signum

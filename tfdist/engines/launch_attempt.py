@@ -16,13 +16,13 @@ from typing import Any
 from tfdist.engines import elastic as launch_elastic
 from tfdist.engines.launch_results import (EVALUATOR_GRACE, PREEMPTED_EXIT_CODE, RESEND_SECONDS,
                                            SERVER_CODE, TaskExit)
-from tfdist.engines.launch_tasks import (_json, _Output, _position, _Signals, _stop_all, _Task,
-                                         _tasks_of)
+from tfdist.engines.launch_tasks import (compact_json, Output, position, Signals, stop_all, Task,
+                                         tasks_of)
 from tfdist.errors import ConfigError
 
 
 @dataclasses.dataclass
-class _Settings:
+class Settings:
     """What every attempt of one launch shares."""
 
     evaluator: bool
@@ -34,11 +34,11 @@ class _Settings:
     python: str
     log_dir: Any
     stop_timeout: float
-    out: _Output
+    out: Output
     verbose: bool
     grace: float
     preempt_signal: int
-    stops: _Signals
+    stops: Signals
     status_dir: Path
     discovery: launch_elastic.Discovery | None
     discovery_interval: float
@@ -47,7 +47,7 @@ class _Settings:
 
 
 @dataclasses.dataclass
-class _AttemptEnd:
+class AttemptEnd:
     """How one attempt ended.
 
     ``how``: "finished", "failed", "port" (a task could not bind its port),
@@ -76,20 +76,20 @@ class _AttemptEnd:
         return self.records.get(self.lead) or self.records[sorted(self.records)[0]]
 
 
-class _Attempt:
+class Attempt:
     """Starts every task of one attempt, watches them, stops them all."""
 
-    def __init__(self, settings: _Settings, spec: dict, attempt: int, size: int) -> None:
+    def __init__(self, settings: Settings, spec: dict, attempt: int, size: int) -> None:
         self.s = settings
         self.spec = spec
         self.attempt = attempt
         self.size = size
-        self.tasks: list[_Task] = []
-        self.trainers: list[_Task] = []   # Run the script and save.
-        self.servers: list[_Task] = []    # A parameter-server job's ps and workers.
+        self.tasks: list[Task] = []
+        self.trainers: list[Task] = []   # Run the script and save.
+        self.servers: list[Task] = []    # A parameter-server job's ps and workers.
         self.lead = "chief:0" if "chief" in spec["cluster"] else "worker:0"
 
-    def run(self) -> _AttemptEnd:
+    def run(self) -> AttemptEnd:
         s = self.s
         seen = s.stops.count
         try:
@@ -113,7 +113,7 @@ class _Attempt:
                             and self._records().get(task.task)):
                         record = self._records()[task.task]
                         s.out.say(f"{task.task} exited {code} after saving at "
-                                  f"{_position(record)} (preempted); waiting up to "
+                                  f"{position(record)} (preempted); waiting up to "
                                   f"{s.grace:g} s for the other tasks to save and exit")
                         # The grace period runs from the task's signal when a
                         # record says when it came.
@@ -128,9 +128,9 @@ class _Attempt:
                                            task.exit())
                         return end
                     failure = task.exit()
-                    _stop_all(self.tasks, s.stop_timeout)
-                    return _AttemptEnd("port" if task.port_taken else "failed", failure,
-                                       lead=self.lead)
+                    stop_all(self.tasks, s.stop_timeout)
+                    return AttemptEnd("port" if task.port_taken else "failed", failure,
+                                      lead=self.lead)
                 if all(t.poll() == 0 for t in self.trainers):
                     # Training is done; a side-car evaluator gets a grace period
                     # to evaluate the last checkpoint, then it is stopped.
@@ -138,7 +138,7 @@ class _Attempt:
                     if all(t.poll() is not None for t in self.tasks
                            if t.task.startswith("evaluator")) \
                             or time.monotonic() > evaluator_deadline:
-                        return _AttemptEnd("finished", lead=self.lead)
+                        return AttemptEnd("finished", lead=self.lead)
                 # After the exits: a lost worker is a failure, even if the
                 # discovery script already reports its slot gone.
                 if s.discovery is not None and now >= next_check:
@@ -156,7 +156,7 @@ class _Attempt:
                         return end
                 time.sleep(0.05)
         finally:
-            _stop_all(self.tasks, s.stop_timeout)
+            stop_all(self.tasks, s.stop_timeout)
 
     def _start(self) -> None:
         s = self.s
@@ -168,14 +168,14 @@ class _Attempt:
         logs = Path(s.log_dir) / f"attempt-{self.attempt}" if s.log_dir else None
         if logs:
             logs.mkdir(parents=True, exist_ok=True)
-        for task_type, index, config in _tasks_of(self.spec, s.evaluator):
+        for task_type, index, config in tasks_of(self.spec, s.evaluator):
             name = f"{task_type}:{index}"
-            task_env = dict(base_env, TF_CONFIG=_json(config))
+            task_env = dict(base_env, TF_CONFIG=compact_json(config))
             server = s.parameter_server and task_type in ("ps", "worker")
             argv = ([s.python, "-c", SERVER_CODE] if server
                     else [s.python, *s.script_argv, *s.args])
-            task = _Task(name, argv, task_env, s.out, s.show_all or name == self.lead,
-                         logs / f"{name.replace(':', '-')}.log" if logs else None, s.verbose)
+            task = Task(name, argv, task_env, s.out, s.show_all or name == self.lead,
+                        logs / f"{name.replace(':', '-')}.log" if logs else None, s.verbose)
             self.tasks.append(task)
             if server:
                 self.servers.append(task)
@@ -215,7 +215,7 @@ class _Attempt:
             if task not in self.servers and task.poll() is None and task.task not in saved:
                 task.signal(self.s.preempt_signal)
 
-    def _drain(self, how: str, started: float) -> _AttemptEnd:
+    def _drain(self, how: str, started: float) -> AttemptEnd:
         """Waits up to the grace period (from ``started``) for the script's
         tasks to exit, SIGKILLs those still running, then stops the servers."""
         s = self.s
@@ -245,10 +245,10 @@ class _Attempt:
                 t.signal(signal.SIGKILL)
                 t.proc.wait()
         last_exit = time.monotonic()
-        _stop_all(self.servers, 1.0)
+        stop_all(self.servers, 1.0)
         for t in watched:
             t.finish(1.0)
-        return _AttemptEnd(
+        return AttemptEnd(
             how, records=self._records(), exits=[t.exit() for t in self.trainers],
             killed=killed, finished=all(t.proc.returncode == 0 for t in self.trainers),
             drain_seconds=last_exit - started, grace=s.grace, lead=self.lead,

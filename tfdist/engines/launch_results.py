@@ -13,17 +13,17 @@ import signal
 SERVER_CODE = ("import tfdist.strategies as s, tfdist.spec as c; "
                "s.serve(c.parse())")
 
-_PORT_TAKEN = re.compile(r"Could not start gRPC server|Address already in use|"
-                         r"Failed to add port to server")
+PORT_TAKEN = re.compile(r"Could not start gRPC server|Address already in use|"
+                        r"Failed to add port to server")
 #: Lines of a non-chief task shown by default: warnings, errors, tracebacks.
-_IMPORTANT = re.compile(r"\bwarn|error|exception|traceback|^[EFW]\d{4}", re.IGNORECASE)
+IMPORTANT = re.compile(r"\bwarn|error|exception|traceback|^[EFW]\d{4}", re.IGNORECASE)
 #: TensorFlow's INFO lines: not shown for a non-chief task, even with "error"
 #: in their text ("Ignoring error status when releasing ...").
-_TF_INFO = re.compile(r"I\d{4} \d\d:\d\d:[\d.]+ +\d+ [\w.]+:\d+\] ")
-_TAIL = 30
+TF_INFO = re.compile(r"I\d{4} \d\d:\d\d:[\d.]+ +\d+ [\w.]+:\d+\] ")
+TAIL = 30
 #: Seconds an evaluator may run on after the training tasks finished.
 EVALUATOR_GRACE = 60.0
-_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 #: A task's exit code after it saved on preemption (128 + SIGTERM), as in
 #: tfdist.training.preemption, which imports TensorFlow; the launcher does not.
 PREEMPTED_EXIT_CODE = 143
@@ -31,7 +31,7 @@ PREEMPTED_EXIT_CODE = 143
 #: KillWait, a spot VM's notice: about 30 s).
 DEFAULT_GRACE = 30.0
 #: Seconds between two sends of the preemption signal to a task that has
-#: not saved yet (see _Attempt._forward).
+#: not saved yet (see Attempt._forward).
 RESEND_SECONDS = 2.0
 #: Where, under TFDIST_JOB_DIR, the tasks write their preemption records.
 STATUS_DIR = "preempted"

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from tfdist import spec as spec_lib
-from tfdist.engines.launch_results import _IMPORTANT, _PORT_TAKEN, _TAIL, _TF_INFO, TaskExit
+from tfdist.engines.launch_results import IMPORTANT, PORT_TAKEN, TAIL, TF_INFO, TaskExit
 from tfdist.engines.quiet import NoiseFilter
 
 
-class _Signals:
+class Signals:
     """The stop signals the launcher received (set by its signal handler).
 
     The handler only records the signal: the attempt's watch loop passes it
@@ -39,13 +39,13 @@ class _Signals:
         self.count += 1
 
 
-class _Task:
+class Task:
     """One child process and the thread that copies its output."""
 
-    def __init__(self, task: str, argv: list[str], env: dict, out: "_Output",
+    def __init__(self, task: str, argv: list[str], env: dict, out: "Output",
                  shown: bool, log_path: Path | None, verbose: bool = False) -> None:
         self.task = task
-        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL)
         self.port_taken = False
         self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115
         # Own session: the launcher signals the whole group, grandchildren too.
@@ -57,21 +57,21 @@ class _Task:
                                         daemon=True)
         self._thread.start()
 
-    def _pump(self, out: "_Output", shown: bool, verbose: bool) -> None:
+    def _pump(self, out: "Output", shown: bool, verbose: bool) -> None:
         in_traceback = False
         noise = None if verbose else NoiseFilter()
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             if self._log:
                 self._log.write(line + "\n")
-            if _PORT_TAKEN.search(line):
+            if PORT_TAKEN.search(line):
                 self.port_taken = True
             if noise is not None and noise.is_noise(line):
                 continue  # In the log file only.
             self.tail.append(line)
             in_traceback = in_traceback or line.startswith("Traceback")
-            if shown or in_traceback or (_IMPORTANT.search(line)
-                                         and not _TF_INFO.match(line)):
+            if shown or in_traceback or (IMPORTANT.search(line)
+                                         and not TF_INFO.match(line)):
                 out.line(f"[{self.task}] {line}")
         if self._log:
             self._log.close()
@@ -93,7 +93,7 @@ class _Task:
         return TaskExit(self.task, self.proc.returncode, tuple(self.tail))
 
 
-class _Output:
+class Output:
     """Serializes lines from several threads onto one stream."""
 
     def __init__(self, stream: IO[str]) -> None:
@@ -109,7 +109,7 @@ class _Output:
         self.line(f"[tfdist launch] {text}")
 
 
-def _stop_all(tasks: list[_Task], timeout: float) -> None:
+def stop_all(tasks: list[Task], timeout: float) -> None:
     """SIGTERM every running task's process group, then SIGKILL what is left.
 
     Each task leads its own process group, so this also reaches processes
@@ -132,11 +132,13 @@ def _stop_all(tasks: list[_Task], timeout: float) -> None:
         t.finish(1.0)
 
 
-def _json(config: dict) -> str:
+def compact_json(config: dict) -> str:
+    """``config`` as JSON without spaces (a TF_CONFIG value)."""
     return json.dumps(config, separators=(",", ":"))
 
 
-def _tasks_of(spec: dict, evaluator: bool) -> list[tuple[str, int, dict]]:
+def tasks_of(spec: dict, evaluator: bool) -> list[tuple[str, int, dict]]:
+    """``(type, index, TF_CONFIG)`` of every task of ``spec``, and the evaluator if asked."""
     tasks = [(t, i, cfg) for t, i, cfg in spec_lib.all_task_configs(spec)]
     if evaluator:
         # The evaluator stays outside `cluster`, as TensorFlow expects.
@@ -145,7 +147,7 @@ def _tasks_of(spec: dict, evaluator: bool) -> list[tuple[str, int, dict]]:
     return tasks
 
 
-def _position(record: dict) -> str:
+def position(record: dict) -> str:
     """``"step 37 (epoch 1, batch 12)"`` from a status record."""
     text = f"step {record.get('step')}"
     if record.get("epoch") is not None:

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 
 from tfdist.engines import net
 # What each server runs and how a taken port shows: as in ``tfdist launch``.
-from tfdist.engines.launch_results import _PORT_TAKEN, SERVER_CODE
+from tfdist.engines.launch_results import PORT_TAKEN, SERVER_CODE
 from tfdist.errors import ConfigError, TfdistError, require_int
 from tfdist.strategies.coordinator import disconnect_coordinator as _disconnect_coordinator
 
@@ -202,7 +202,7 @@ class LocalCluster:
                 code = server.proc.poll()
                 if code is not None:
                     tail = server.tail()
-                    if _PORT_TAKEN.search(tail):
+                    if PORT_TAKEN.search(tail):
                         raise _PortTaken(task)
                     raise LocalClusterError(
                         f"{task} exited with code {code} while starting; its "

@@ -74,9 +74,9 @@ from typing import Any, Callable, Mapping
 
 # The settings are public here too, as before the split.
 from tfdist.engines.spark_session import (  # noqa: F401
-    _SOURCE, INSTALL_HINT, LOCAL_SETTINGS, LOOPBACK_SETTINGS, SESSION_SETTINGS, SparkJobError,
-    SparkTimeoutError, _check_worker_reuse, _context_of, _submit, _wait_for_slots, local_session)
-from tfdist.engines.spark_task import TrainContext, _TaskSpec, context
+    SOURCE, INSTALL_HINT, LOCAL_SETTINGS, LOOPBACK_SETTINGS, SESSION_SETTINGS, SparkJobError,
+    SparkTimeoutError, check_worker_reuse, context_of, submit, wait_for_task_slots, local_session)
+from tfdist.engines.spark_task import TrainContext, TaskSpec, context
 from tfdist.errors import ConfigError, require_int
 
 __all__ = [
@@ -99,7 +99,7 @@ def _check_env(env: Any) -> dict[str, str]:
             for k, v in env.items()):
         raise ConfigError("env", env, "a mapping of variable names to string "
                           "values, e.g. {'TF_CPP_MIN_LOG_LEVEL': '2'}",
-                          source=_SOURCE)
+                          source=SOURCE)
     return dict(env)
 
 
@@ -112,7 +112,7 @@ def _check_seconds(field: str, value: Any, *, allow_none: bool,
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(field, value, f"a number of seconds {bound}"
-                          + (" or None" if allow_none else ""), source=_SOURCE)
+                          + (" or None" if allow_none else ""), source=SOURCE)
     return float(value)
 
 
@@ -123,7 +123,7 @@ def _check_backup_dir(value: Any) -> str | None:
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip():
         raise ConfigError("backup_dir", value, "None or a directory path "
-                          "that every executor sees", source=_SOURCE)
+                          "that every executor sees", source=SOURCE)
     return value
 
 
@@ -166,7 +166,7 @@ def _plan_call(train_fn: Callable[..., Any],
         if name in named and name in option_names:
             raise ConfigError(
                 name, value, "a keyword that names either a parameter of "
-                "train_fn or a strategy option, not both", source=_SOURCE,
+                "train_fn or a strategy option, not both", source=SOURCE,
                 hint=f"train_fn has a parameter {name!r}, which is also an "
                 "option of tfdist.strategy_from_config: rename the parameter")
         if name in named:
@@ -179,13 +179,13 @@ def _plan_call(train_fn: Callable[..., Any],
             raise ConfigError(name, value, "no such option (tfdist.spark "
                               "builds each task's TF_CONFIG and always uses "
                               "the multi_worker_mirrored strategy)",
-                              source=_SOURCE)
+                              source=SOURCE)
         else:
             raise ConfigError(
                 name, value, "a parameter of train_fn ("
                 + (", ".join(sorted(named)) or "it has none") + ") or an "
                 "option of tfdist.strategy_from_config ("
-                + ", ".join(sorted(option_names)) + ")", source=_SOURCE)
+                + ", ".join(sorted(option_names)) + ")", source=SOURCE)
     if signature is not None:
         try:
             signature.bind(*([None] if pass_context else []), **train_kwargs)
@@ -194,7 +194,7 @@ def _plan_call(train_fn: Callable[..., Any],
                               + [f"{k}=..." for k in train_kwargs])
             raise ConfigError(
                 "train_fn", train_fn, f"a function the tasks can call as "
-                f"train_fn({shown})", source=_SOURCE,
+                f"train_fn({shown})", source=SOURCE,
                 hint=f"Python says: {error}. A required first positional "
                 "parameter gets the TrainContext; pass the others as keywords "
                 "of run()") from None
@@ -285,9 +285,9 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
     """
     if not callable(train_fn):
         raise ConfigError("train_fn", train_fn, "a callable: train_fn(ctx, "
-                          "**kwargs) or train_fn(**kwargs)", source=_SOURCE)
-    require_int("num_workers", num_workers, 1, source=_SOURCE)
-    require_int("max_retries", max_retries, 0, source=_SOURCE)
+                          "**kwargs) or train_fn(**kwargs)", source=SOURCE)
+    require_int("num_workers", num_workers, 1, source=SOURCE)
+    require_int("max_retries", max_retries, 0, source=SOURCE)
     timeout = _check_seconds("timeout", timeout, allow_none=True)
     wait_for_slots = _check_seconds("wait_for_slots", wait_for_slots,
                                     allow_none=False, allow_zero=True)
@@ -295,10 +295,10 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
     env = _check_env(env)
     if host is not None and (not isinstance(host, str) or not host.strip()):
         raise ConfigError("host", host, "None or a host name or IP address",
-                          source=_SOURCE)
+                          source=SOURCE)
     if error_feedback is not None and not isinstance(error_feedback, bool):
         raise ConfigError("error_feedback", error_feedback, "None, True or False",
-                          source=_SOURCE)
+                          source=SOURCE)
     pass_context, train_kwargs, options = _plan_call(train_fn, kwargs)
     # Fail here, not in every task: the options and compression, checked
     # without TensorFlow (the tasks read their own environment).
@@ -307,16 +307,16 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
     parse_compression(compression)
     make_options(env={}, **options)
 
-    sc, created_local = _context_of(spark)
+    sc, created_local = context_of(spark)
     if created_local and host is None:
         host = "127.0.0.1"  # Every task runs on this machine.
-    _check_worker_reuse(sc)
-    slots = _wait_for_slots(sc, num_workers, wait_for_slots)
+    check_worker_reuse(sc)
+    slots = wait_for_task_slots(sc, num_workers, wait_for_slots)
     if slots is not None and slots < num_workers:
         raise ConfigError(
             "num_workers", num_workers,
             f"at most {slots}, the task slots this Spark cluster has",
-            source=_SOURCE, hint="Barrier tasks run all at once, one slot "
+            source=SOURCE, hint="Barrier tasks run all at once, one slot "
             "each: add executors or cores, or lower num_workers.")
     if max_retries and backup_dir is None:
         from absl import logging
@@ -327,14 +327,14 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
     attempts = max_retries + 1
     failures: list[SparkJobError] = []
     for attempt in range(attempts):
-        spec = _TaskSpec(train_fn=train_fn, pass_context=pass_context,
-                         train_kwargs=dict(train_kwargs), num_workers=num_workers,
-                         attempt=attempt, compression=compression,
-                         error_feedback=error_feedback, options=dict(options),
-                         env=env, host=host, backup_dir=backup_dir)
+        spec = TaskSpec(train_fn=train_fn, pass_context=pass_context,
+                        train_kwargs=dict(train_kwargs), num_workers=num_workers,
+                        attempt=attempt, compression=compression,
+                        error_feedback=error_feedback, options=dict(options),
+                        env=env, host=host, backup_dir=backup_dir)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return _submit(sc, spec, left, attempts, timeout)
+            return submit(sc, spec, left, attempts, timeout)
         except SparkTimeoutError as error:
             error.failures = tuple(failures)
             raise

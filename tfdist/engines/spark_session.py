@@ -15,13 +15,13 @@ import time
 import uuid
 from typing import Any, Mapping
 
-from tfdist.engines.spark_task import _MARK_RE, _RESULT_TASK_RE, _TB_RE, _run_task, _TaskSpec
+from tfdist.engines.spark_task import MARK_RE, RESULT_TASK_RE, TB_RE, run_task, TaskSpec
 from tfdist.errors import ConfigError, TfdistError, require_int
 
 #: How to install what this module needs.
 INSTALL_HINT = "pip install 'tfdist[spark]'"
 
-_SOURCE = "tfdist.spark.run"
+SOURCE = "tfdist.spark.run"
 
 #: Settings :func:`run` needs on any master; it gives them to the session it
 #: creates when none is active.
@@ -138,7 +138,7 @@ def _get_or_create_session():
     return session, master
 
 
-def _context_of(spark: Any) -> tuple[Any, bool]:
+def context_of(spark: Any) -> tuple[Any, bool]:
     """The SparkContext to run on, and whether :func:`run` created it on a
     local master.
 
@@ -153,7 +153,7 @@ def _context_of(spark: Any) -> tuple[Any, bool]:
                  or pyspark.SparkContext._active_spark_context)
         if spark is None:
             session, master = _get_or_create_session()
-            return _context_of(session)[0], _is_local_master(master)
+            return context_of(session)[0], _is_local_master(master)
     if isinstance(spark, pyspark.SparkContext):
         return spark, False
     if hasattr(spark, "sparkContext"):
@@ -162,17 +162,18 @@ def _context_of(spark: Any) -> tuple[Any, bool]:
         except Exception as error:  # Spark Connect sessions have none.
             raise ConfigError(
                 "spark", spark, "a classic SparkSession (with a SparkContext)",
-                source=_SOURCE, hint="Spark Connect sessions have no RDD "
+                source=SOURCE, hint="Spark Connect sessions have no RDD "
                 f"barrier mode. Spark said: {error}") from None
     raise ConfigError("spark", spark, "a SparkSession, a SparkContext or None",
-                      source=_SOURCE)
+                      source=SOURCE)
 
 
-def _check_worker_reuse(sc: Any) -> None:
+def check_worker_reuse(sc: Any) -> None:
+    """Raises ConfigError unless the session has ``spark.python.worker.reuse=false``."""
     value = sc.getConf().get("spark.python.worker.reuse", "true")
     if str(value).strip().lower() != "false":
         raise ConfigError(
-            "spark.python.worker.reuse", value, "'false'", source=_SOURCE,
+            "spark.python.worker.reuse", value, "'false'", source=SOURCE,
             hint="TensorFlow's collectives can be configured once per "
             "process: a reused Python worker fails the next job ('Collective "
             "ops are already configured') or hangs. Build the session with "
@@ -190,7 +191,7 @@ def _task_slots(sc: Any) -> int | None:
         return None
 
 
-def _wait_for_slots(sc: Any, num_workers: int, seconds: float) -> int | None:
+def wait_for_task_slots(sc: Any, num_workers: int, seconds: float) -> int | None:
     """Waits until Spark has ``num_workers`` task slots; returns the slots."""
     deadline = time.monotonic() + seconds
     while True:
@@ -215,16 +216,16 @@ def _job_error(error: BaseException, attempt: int, attempts: int,
     text = str(error)
     spark_message = _without_java_frames(text)
     where = f"attempt {attempt + 1} of {attempts}"
-    match = _MARK_RE.search(text)
+    match = MARK_RE.search(text)
     if match:
         info = json.loads(match.group(1))
-        found = _TB_RE.search(text, match.end())
+        found = TB_RE.search(text, match.end())
         task_traceback = found.group(1) if found else "(not found in Spark's message)"
         partition = int(info["partition"])
         preempted = info.get("preempted")
         if preempted is not None:
             message = (
-                f"{_SOURCE}: the job was preempted on {where}: every task "
+                f"{SOURCE}: the job was preempted on {where}: every task "
                 f"stopped after step {preempted.get('step')} (epoch "
                 f"{preempted.get('epoch')}, batch {preempted.get('batch')}), the "
                 "chief saved a backup there, and the tasks exited with code "
@@ -232,7 +233,7 @@ def _job_error(error: BaseException, attempt: int, attempts: int,
                 "from backup_dir.")
         else:
             message = (
-                f"{_SOURCE}: Spark task {partition} (worker {partition} of "
+                f"{SOURCE}: Spark task {partition} (worker {partition} of "
                 f"{num_workers}, on {info['host']}, pid {info['pid']}) failed on "
                 f"{where}: {info['type']}: {info['message']}\n"
                 "Spark aborted the barrier stage and stopped the other tasks.\n\n"
@@ -240,10 +241,10 @@ def _job_error(error: BaseException, attempt: int, attempts: int,
         return SparkJobError(message, partition=partition, attempt=attempt,
                              task_traceback=task_traceback,
                              spark_message=spark_message, preempted=preempted)
-    found = _RESULT_TASK_RE.search(text)
+    found = RESULT_TASK_RE.search(text)
     partition = int(found.group(1)) if found else None
     who = f"task {partition}" if partition is not None else "a task"
-    message = (f"{_SOURCE}: the Spark job failed on {where} ({who}; the "
+    message = (f"{SOURCE}: the Spark job failed on {where} ({who}; the "
                "failure came from outside train_fn, e.g. a lost executor or "
                f"a killed Python worker). Spark said:\n{spark_message}")
     return SparkJobError(message, partition=partition, attempt=attempt,
@@ -255,8 +256,8 @@ def _preempted_exit_code() -> int:
     return PREEMPTED_EXIT_CODE
 
 
-def _submit(sc: Any, spec: _TaskSpec, seconds: float | None,
-            attempts: int, timeout: float | None) -> Any:
+def submit(sc: Any, spec: TaskSpec, seconds: float | None,
+           attempts: int, timeout: float | None) -> Any:
     """Runs one barrier job within ``seconds``; returns the chief's result."""
     pyspark = _pyspark()
     group = f"tfdist-{uuid.uuid4().hex[:12]}"
@@ -268,7 +269,7 @@ def _submit(sc: Any, spec: _TaskSpec, seconds: float | None,
         try:
             rdd = sc.parallelize(range(spec.num_workers), spec.num_workers)
             box["rows"] = (rdd.barrier()
-                           .mapPartitions(functools.partial(_run_task, spec))
+                           .mapPartitions(functools.partial(run_task, spec))
                            .collect())
         except BaseException as error:  # noqa: BLE001 - re-raised below
             box["error"] = error
@@ -285,7 +286,7 @@ def _submit(sc: Any, spec: _TaskSpec, seconds: float | None,
         sc.cancelJobGroup(group)
         thread.join(60)
         raise SparkTimeoutError(
-            f"{_SOURCE}: the job did not finish within timeout={timeout:g} s "
+            f"{SOURCE}: the job did not finish within timeout={timeout:g} s "
             f"(the whole run; this was attempt {spec.attempt + 1} of "
             f"{attempts}); its Spark job group {group!r} was cancelled, which "
             "kills its tasks. Raise timeout= if training needs longer. A hung "
@@ -301,7 +302,7 @@ def _submit(sc: Any, spec: _TaskSpec, seconds: float | None,
     rows = box["rows"]
     if len(rows) != 1:
         raise SparkJobError(
-            f"{_SOURCE}: expected one result, from the chief (task 0). "
+            f"{SOURCE}: expected one result, from the chief (task 0). "
             f"Received: {len(rows)}", attempt=spec.attempt)
     return pickle.loads(rows[0])
 
@@ -385,5 +386,5 @@ def local_session(num_workers: int = 2, *, master: str | None = None,
     for key, value in settings.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
-    _wait_for_slots(session.sparkContext, num_workers, wait_for_slots)
+    wait_for_task_slots(session.sparkContext, num_workers, wait_for_slots)
     return session

@@ -21,11 +21,11 @@ from tfdist.errors import ConfigError, TfdistError
 # A failing task puts its partition and traceback in its exception message
 # (see _encode_failure); the driver finds them in Spark's error text.
 _MARK = "tfdist-task-error"
-_MARK_RE = re.compile(_MARK + r" (\{.*\})")
+MARK_RE = re.compile(_MARK + r" (\{.*\})")
 _TB_START = "--- traceback of the failed task ---"
 _TB_END = "--- end of the traceback ---"
-_TB_RE = re.compile(re.escape(_TB_START) + r"\n(.*?)\n" + re.escape(_TB_END), re.S)
-_RESULT_TASK_RE = re.compile(r"ResultTask\(\d+, (\d+)\)")
+TB_RE = re.compile(re.escape(_TB_START) + r"\n(.*?)\n" + re.escape(_TB_END), re.S)
+RESULT_TASK_RE = re.compile(r"ResultTask\(\d+, (\d+)\)")
 #: Longest task traceback carried back to the driver, in characters.
 _MAX_TRACEBACK = 20_000
 # --------------------------------------------------------------------------
@@ -86,7 +86,7 @@ class TrainContext:
 
 
 @dataclasses.dataclass(frozen=True)
-class _TaskSpec:
+class TaskSpec:
     """Everything a task needs; pickled to the executors."""
 
     train_fn: Callable[..., Any]
@@ -116,7 +116,7 @@ def _preemption_record(error: BaseException) -> dict | None:
     return dict(error.record) if isinstance(error, Preempted) else None
 
 
-def _encode_failure(spec: _TaskSpec, partition: int, error: BaseException) -> str:
+def _encode_failure(spec: TaskSpec, partition: int, error: BaseException) -> str:
     """The message of the exception a failing task raises.
 
     Readable in Spark's logs as it is, and parsed by the driver: one line of
@@ -167,7 +167,7 @@ def context() -> TrainContext:
     return _CURRENT
 
 
-def _call_train_fn(spec: _TaskSpec, ctx: TrainContext) -> Any:
+def _call_train_fn(spec: TaskSpec, ctx: TrainContext) -> Any:
     """Calls train_fn in ``ctx.strategy.scope()``, as the anchor's runner does,
     with ``tfdist.spark.context()`` answering ``ctx`` meanwhile."""
     global _CURRENT
@@ -181,7 +181,7 @@ def _call_train_fn(spec: _TaskSpec, ctx: TrainContext) -> Any:
         _CURRENT = None
 
 
-def _run_task(spec: _TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
+def run_task(spec: TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
     """Body of each barrier task: TF_CONFIG, strategy, train_fn, result."""
     from pyspark import BarrierTaskContext
 

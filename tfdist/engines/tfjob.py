@@ -47,11 +47,12 @@ _DNS1123_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _QUANTITY_RE = re.compile(r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][-+]?[0-9]+)?")
 
 
-def _fail(field: str, value: Any, expected: str, source: str, hint: str | None = None) -> NoReturn:
+def fail(field: str, value: Any, expected: str, source: str, hint: str | None = None) -> NoReturn:
+    """Raises the ConfigError of ``field``."""
     raise ConfigError(field, value, expected, source=source, hint=hint)
 
 
-def _word(value: Any, field: str, source: str) -> str:
+def command_word(value: Any, field: str, source: str) -> str:
     """A command-line word: a string, a path or a number (not a bool)."""
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
@@ -60,7 +61,7 @@ def _word(value: Any, field: str, source: str) -> str:
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):
-        _fail(field, value, "a string (or a path or number)", source)
+        fail(field, value, "a string (or a path or number)", source)
     return value
 
 
@@ -102,7 +103,7 @@ def replica_counts(spec_or_counts: Any) -> dict[str, int]:
         counts = {}
         for task_type, count in spec_or_counts.items():
             if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
-                _fail(f"counts.{task_type}", count, "a non-negative integer", source)
+                fail(f"counts.{task_type}", count, "a non-negative integer", source)
             counts[task_type] = int(count)
     else:
         config = spec_lib.parse(spec_or_counts, require_task=False)
@@ -116,17 +117,17 @@ def replica_counts(spec_or_counts: Any) -> dict[str, int]:
 
     for task_type in ("chief", "evaluator"):
         if counts.get(task_type, 0) > 1:
-            _fail(f"counts.{task_type}", counts[task_type],
-                  f"at most one {task_type} (TensorFlow has a single {task_type})", source)
+            fail(f"counts.{task_type}", counts[task_type],
+                 f"at most one {task_type} (TensorFlow has a single {task_type})", source)
     if not counts.get("chief") and not counts.get("worker"):
-        _fail("counts", dict(spec_or_counts) if isinstance(spec_or_counts, Mapping) else counts,
-              "at least one chief or worker", source)
+        fail("counts", dict(spec_or_counts) if isinstance(spec_or_counts, Mapping) else counts,
+             "at least one chief or worker", source)
     if counts.get("ps"):
         if not counts.get("chief"):
-            _fail("counts.chief", 0, "1 when there are parameter servers (the coordinator)",
-                  source)
+            fail("counts.chief", 0, "1 when there are parameter servers (the coordinator)",
+                 source)
         if not counts.get("worker"):
-            _fail("counts.worker", 0, "at least 1 when there are parameter servers", source)
+            fail("counts.worker", 0, "at least 1 when there are parameter servers", source)
     return counts
 
 
@@ -146,16 +147,16 @@ def _check_name(name: Any, counts: Mapping[str, int], source: str) -> str:
         "letter or digit"
     )
     if not isinstance(name, str) or not name:
-        _fail("name", name, expected, source)
+        fail("name", name, expected, source)
     if len(name) > _MAX_NAME or not _DNS1035_RE.fullmatch(name):
-        _fail("name", name, expected, source, hint=_dns_hint(name, letter_first=True))
+        fail("name", name, expected, source, hint=_dns_hint(name, letter_first=True))
     # The operator names each replica's pod and Service NAME-TYPE-INDEX.
     longest = max((f"{name}-{t}-{c - 1}" for t, c in counts.items()), key=len)
     if len(longest) > _MAX_NAME:
-        _fail("name", name,
-              f"a name short enough for the Service names the operator derives from it "
-              f"(at most {_MAX_NAME} characters, e.g. {longest!r} has {len(longest)})",
-              source, hint=f"Use at most {_MAX_NAME - (len(longest) - len(name))} characters.")
+        fail("name", name,
+             f"a name short enough for the Service names the operator derives from it "
+             f"(at most {_MAX_NAME} characters, e.g. {longest!r} has {len(longest)})",
+             source, hint=f"Use at most {_MAX_NAME - (len(longest) - len(name))} characters.")
     return name
 
 
@@ -165,15 +166,15 @@ def _check_quantity(field: str, value: Any, source: str) -> str | None:
     expected = "a positive Kubernetes quantity such as '2', '500m' (CPU) or '4Gi' (memory)"
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         if not math.isfinite(value) or value <= 0:
-            _fail(field, value, expected, source)
+            fail(field, value, expected, source)
         text = str(value)
     elif isinstance(value, str):
         text = value.strip()
     else:
-        _fail(field, value, expected, source)
+        fail(field, value, expected, source)
     match = _QUANTITY_RE.fullmatch(text)
     if match is None or float(match.group(1)) == 0:
-        _fail(field, value, expected, source)
+        fail(field, value, expected, source)
     return text
 
 
@@ -184,14 +185,14 @@ def _check_command(field: str, value: Any, source: str, *, allow_empty: bool) ->
             hint = f"Split it into words: {shlex.split(value)!r}."
         except ValueError:
             hint = None
-        _fail(field, value, expected, source, hint=hint)
+        fail(field, value, expected, source, hint=hint)
     if isinstance(value, bytes):
-        _fail(field, value, expected, source)
+        fail(field, value, expected, source)
     if isinstance(value, Mapping) or not isinstance(value, Iterable):
-        _fail(field, value, expected, source)
-    words = [_word(word, f"{field}[{i}]", source) for i, word in enumerate(value)]
+        fail(field, value, expected, source)
+    words = [command_word(word, f"{field}[{i}]", source) for i, word in enumerate(value)]
     if not words and not allow_empty:
-        _fail(field, [], expected + " (not empty)", source)
+        fail(field, [], expected + " (not empty)", source)
     return words
 
 
@@ -219,7 +220,7 @@ def _check_grace(value: Any, source: str) -> int:
         if (isinstance(number, numbers.Real) and not isinstance(number, bool)
                 and math.isfinite(number) and number >= 1):
             hint = f"Kubernetes takes whole seconds: use {math.ceil(number)}."
-        _fail("grace", value, expected, source, hint=hint)
+        fail("grace", value, expected, source, hint=hint)
     return int(value)
 
 
@@ -227,21 +228,21 @@ def _check_backup_volume(claim: Any, mount: Any, source: str) -> str | None:
     """Checks the backup claim and mount path; returns the mount path."""
     if claim is None:
         if mount is not None:
-            _fail("backup_mount", mount, "None when there is no backup_claim", source,
-                  hint="Name the PersistentVolumeClaim to mount with backup_claim "
+            fail("backup_mount", mount, "None when there is no backup_claim", source,
+                 hint="Name the PersistentVolumeClaim to mount with backup_claim "
                        "(--backup-claim).")
         return None
     if (not isinstance(claim, str) or len(claim) > 253
             or not _DNS1123_SUBDOMAIN_RE.fullmatch(claim)):
-        _fail("backup_claim", claim,
-              "None or the name of a PersistentVolumeClaim: lowercase letters, digits, "
-              "'-' and '.', starting and ending with a letter or digit", source,
-              hint=_dns_hint(claim, letter_first=False) if isinstance(claim, str) else None)
+        fail("backup_claim", claim,
+             "None or the name of a PersistentVolumeClaim: lowercase letters, digits, "
+             "'-' and '.', starting and ending with a letter or digit", source,
+             hint=_dns_hint(claim, letter_first=False) if isinstance(claim, str) else None)
     mount = DEFAULT_BACKUP_MOUNT if mount is None else mount
     if (not isinstance(mount, str) or not mount.startswith("/") or ":" in mount
             or any(c.isspace() for c in mount)):
-        _fail("backup_mount", mount, "an absolute path in the container, without ':' or "
-              "spaces, e.g. '/backup'", source)
+        fail("backup_mount", mount, "an absolute path in the container, without ':' or "
+             "spaces, e.g. '/backup'", source)
     return mount
 
 
@@ -327,25 +328,25 @@ def tfjob_manifest(
     counts = replica_counts(spec_or_counts)
     name = _check_name(name, counts, source)
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
-        _fail("image", image, "a non-empty container image reference without spaces, "
-              "e.g. 'registry.example.com/train:1'", source)
+        fail("image", image, "a non-empty container image reference without spaces, "
+             "e.g. 'registry.example.com/train:1'", source)
     command_words = _check_command("command", command, source, allow_empty=False)
     arg_words = _check_command("args", args, source, allow_empty=True)
     if namespace is not None and (
             not isinstance(namespace, str) or len(namespace) > _MAX_NAME
             or not _DNS1123_RE.fullmatch(namespace)):
-        _fail("namespace", namespace,
-              "None or a DNS-1123 label: at most 63 lowercase letters, digits and '-', "
-              "starting and ending with a letter or digit", source,
-              hint=_dns_hint(namespace, letter_first=False) if isinstance(namespace, str) else None)
+        fail("namespace", namespace,
+             "None or a DNS-1123 label: at most 63 lowercase letters, digits and '-', "
+             "starting and ending with a letter or digit", source,
+             hint=_dns_hint(namespace, letter_first=False) if isinstance(namespace, str) else None)
     if restart_policy not in RESTART_POLICIES:
         hint = None
         if isinstance(restart_policy, str):
             lowered = {policy.lower(): policy for policy in RESTART_POLICIES}
             close = difflib.get_close_matches(restart_policy.lower(), list(lowered), n=1)
             hint = f"Did you mean {lowered[close[0]]!r}?" if close else None
-        _fail("restart_policy", restart_policy,
-              "one of " + ", ".join(repr(p) for p in RESTART_POLICIES), source, hint=hint)
+        fail("restart_policy", restart_policy,
+             "one of " + ", ".join(repr(p) for p in RESTART_POLICIES), source, hint=hint)
     grace = _check_grace(grace, source)
     backup_mount = _check_backup_volume(backup_claim, backup_mount, source)
     resources: dict[str, str] = {}

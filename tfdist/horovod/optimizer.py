@@ -159,14 +159,14 @@ class _DistributedMixin:
     def build(self, variables):
         super().build(variables)
         settings = self._tfdist_hvd
-        from tfdist.compression.keras_hook import _create_state
+        from tfdist.compression.keras_hook import create_state
         from tfdist.horovod.compression import resolved
         settings.aggregator = resolved(settings.aggregator, list(variables))
         if any(settings.aggregator.state_specs(tuple(v.shape),
                                                standardize_dtype(v.dtype), i)
                for i, v in enumerate(variables)):
-            _create_state(self, settings.aggregator, tf.distribute.get_strategy(),
-                          list(variables))
+            create_state(self, settings.aggregator, tf.distribute.get_strategy(),
+                         list(variables))
         if settings.backward_passes_per_step > 1:
             with backend.name_scope(self.name, caller=self):
                 self._tfdist_hvd_acc = [

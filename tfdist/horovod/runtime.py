@@ -141,7 +141,7 @@ def _configure(topo: Topology) -> None:
     from tfdist.compat.tf_python import ClusterSpec, tensorflow_server_pb2
     from tfdist.compat.tf_python import eager_context as context
     from tfdist.spec.options import make_options
-    from tfdist.strategies.multi_worker import _configure_coordination
+    from tfdist.strategies.multi_worker import configure_coordination
 
     ctx = context.context()
     spec = ClusterSpec(topo.cluster)
@@ -154,7 +154,7 @@ def _configure(topo: Topology) -> None:
             source="tfdist.horovod",
             hint="Move `hvd.init()` to the top of the script, as Horovod's examples do; "
                  "tf.config.list_physical_devices and set_visible_devices may come after it.")
-    _configure_coordination(spec, make_options().register_timeout)
+    configure_coordination(spec, make_options().register_timeout)
     ctx.configure_collective_ops(
         collective_leader=topo.leader,
         scoped_allocator_enabled_ops=("CollectiveReduce",),

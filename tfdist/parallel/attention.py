@@ -57,11 +57,18 @@ class _HeadsEinsumDense(keras.layers.EinsumDense):
     def build(self, input_shape):
         if collectives.runtime_of() is None:
             return super().build(input_shape)
-        kernel_shape, bias_shape, _, input_axes, output_axes = _analyze_einsum_string(
+        # Keras 3.15 also returns the kernel's input and output axes (for
+        # VarianceScaling's fans); earlier versions return the shapes only.
+        shapes = _analyze_einsum_string(
             self.equation, self.bias_axes, input_shape, self.partial_output_shape)
+        kernel_shape, bias_shape = shapes[0], shapes[1]
+        input_axes, output_axes = shapes[3:5] if len(shapes) >= 5 else (None, None)
+        # Keras 3.10 to 3.14 answer compute_output_shape from it (build sets it).
+        self.full_output_shape = tuple(shapes[2])
         self.input_spec = keras.InputSpec(ndim=len(input_shape))
         initializer = self.kernel_initializer
-        if isinstance(initializer, keras.initializers.VarianceScaling) and (
+        if isinstance(initializer, keras.initializers.VarianceScaling) \
+                and input_axes is not None and (
                 initializer.input_axes is None or initializer.output_axes is None):
             # Keras's fans for the full kernel; the seed stays as configured
             # so that sharding can give every worker the same one.
@@ -171,7 +178,8 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
         self._query_dense.build(query_shape)
         self._key_dense = self._projection("key", len(key_shape), self._key_dim)
         self._key_dense.build(key_shape)
-        if self._use_gate:
+        # MultiHeadAttention's gate (use_gate=True) is new in Keras 3.15.
+        if getattr(self, "_use_gate", False):
             self._gate_dense = self._projection("gate", len(query_shape), self._value_dim)
             self._gate_dense.build(query_shape)
         self._value_dense = self._projection("value", len(value_shape), self._value_dim)
@@ -220,7 +228,7 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
                     gathered[id(x)] = collectives.gather_rows(x)
             query, value, key = (gathered[id(x)] for x in (query, value, key))
             attention_mask = _gather_mask(attention_mask, len(query.shape))
-        gate = self._gate_dense(query) if self._use_gate else None
+        gate = self._gate_dense(query) if getattr(self, "_use_gate", False) else None
         q = self._query_dense(query)
         k = self._key_dense(key)
         v = self._value_dense(value)

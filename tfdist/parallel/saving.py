@@ -359,7 +359,7 @@ def _full_tensor(variable: Any) -> tf.Tensor:
     """The full value as a tensor; graph-safe (a multi-task checkpoint saves
     inside a tf.function)."""
     spec = sharding.spec_of(variable)
-    components = list(spec.strategy.experimental_local_results(sharding._values(variable)))
+    components = list(spec.strategy.experimental_local_results(sharding.inner_variable(variable)))
     runtime = spec.runtime
     if sharding.holds_whole_groups(runtime.first, len(components), spec.tp):
         # Every tensor group holds the same full weight: read one held here.
@@ -383,7 +383,7 @@ def _assign_full_tensor(variable: Any, value: Any) -> Any:
             f"{getattr(variable, 'path', variable.name)} has shape {tuple(value.shape)}; "
             f"expected the full shape {spec.full_shape}")
     parts = tf.split(value, spec.tp, axis=spec.axis)
-    components = spec.strategy.experimental_local_results(sharding._values(variable))
+    components = spec.strategy.experimental_local_results(sharding.inner_variable(variable))
     ops = []
     for i, component in enumerate(components):
         _, t = spec.mesh.coords(spec.runtime.first + i)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -27,7 +28,7 @@ from tfdist.parallel import collectives
 from tfdist.parallel.mesh import Mesh
 
 __all__ = ["ShardSpec", "add_sharded_weight", "spec_of", "full_value", "assign_full",
-           "shard_of", "register_like", "local_full_tensor", "is_sharded"]
+           "shard_of", "register_like", "local_full_tensor", "is_sharded", "inner_variable"]
 
 _ATTR = "_tfdist_shard"
 
@@ -61,7 +62,7 @@ class ShardSpec:
         return tuple(shape)
 
 
-def _values(variable: Any) -> Any:
+def inner_variable(variable: Any) -> Any:
     """The tf.Variable behind a Keras variable (a MirroredVariable here)."""
     inner = getattr(variable, "_value", None)
     return inner if inner is not None else variable
@@ -107,7 +108,7 @@ def shard_of(value: Any, spec: ShardSpec, t: int) -> np.ndarray:
 
 
 def _components(variable: Any, spec: ShardSpec) -> list:
-    return list(spec.strategy.experimental_local_results(_values(variable)))
+    return list(spec.strategy.experimental_local_results(inner_variable(variable)))
 
 
 def holds_whole_groups(first: int, local: int, tp: int) -> bool:
@@ -161,7 +162,7 @@ def local_full_tensor(variable: Any) -> tf.Tensor:
         if in_symbolic_scope():
             # Keras infers shapes (compute_output_spec, fit's symbolic
             # build): the values are never read.
-            return tf.zeros(spec.full_shape, _values(variable).dtype)
+            return tf.zeros(spec.full_shape, inner_variable(variable).dtype)
         raise RuntimeError(
             "tfdist.parallel: a tensor-parallel layer was called outside the replica "
             "context, and its shards are held by other processes. Expected: call the "
@@ -264,10 +265,13 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
     return variable
 
 
-class _GroupRegularizer:
+class _GroupRegularizer(keras.regularizers.Regularizer):
     """A regularizer of a sharded weight: the tensor group's sum of each
     shard's penalty, which is the full weight's penalty for the ones Keras
-    has (L1, L2: sums over elements)."""
+    has (L1, L2: sums over elements).
+
+    A ``Regularizer``: Keras 3.10 to 3.14 accept nothing else as a
+    variable's regularizer."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner

@@ -28,8 +28,8 @@ def worker_index(strategy: Any) -> int:
     """This worker's rank among the workers that train in sync (the chief,
     then the workers in order), as MultiWorkerMirrored numbers them; 0
     without a cluster."""
-    from tfdist.training.callbacks.workers import _cluster
-    spec, task_type, task_id = _cluster(strategy)
+    from tfdist.training.callbacks.workers import cluster
+    spec, task_type, task_id = cluster(strategy)
     if not spec or task_type not in ("chief", "worker"):
         return 0
     return multi_worker_util.id_in_cluster(spec, task_type, task_id)

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from tfdist.errors import ClusterSpecError
-from tfdist.spec.names import TASK_TYPES, _did_you_mean, _quoted, _short
+from tfdist.spec.names import TASK_TYPES, did_you_mean, quoted, short
 
 _ADDRESS_EXPECTED = "a 'host:port' address with a non-empty host and an integer port in 1..65535"
 _HOST_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -22,7 +22,7 @@ _TASK_RE = re.compile(r"\s*([A-Za-z_]+)\s*:\s*(-?[0-9]+)\s*")
 # --------------------------------------------------------------------------
 
 
-class _BadAddress(Exception):
+class BadAddress(Exception):
     """Internal: why an address is wrong (turned into a ClusterSpecError)."""
 
     def __init__(self, hint: str | None = None, expected: str = _ADDRESS_EXPECTED) -> None:
@@ -31,67 +31,68 @@ class _BadAddress(Exception):
         self.expected = expected
 
 
-def _check_host(host: str) -> None:
-    """Raises _BadAddress unless ``host`` is a plausible host name or IPv4."""
+def check_host(host: str) -> None:
+    """Raises BadAddress unless ``host`` is a plausible host name or IPv4."""
     if not host:
-        raise _BadAddress("Add the host before the port, e.g. 'localhost:2222'.")
+        raise BadAddress("Add the host before the port, e.g. 'localhost:2222'.")
     if "://" in host:
-        raise _BadAddress(
+        raise BadAddress(
             "Remove the scheme (e.g. 'grpc://'): cluster addresses are plain host:port; "
             "set \"rpc_layer\": \"grpc\" instead."
         )
     if not _HOST_RE.fullmatch(host):
-        raise _BadAddress(
-            f"The host {_short(repr(host))} is not a valid name or IP address "
+        raise BadAddress(
+            f"The host {short(repr(host))} is not a valid name or IP address "
             "(letters, digits, '.', '-' and '_' only)."
         )
 
 
-def _check_ipv6(host: str) -> None:
+def check_ipv6(host: str) -> None:
+    """Raises BadAddress unless ``host`` is an IPv6 address."""
     try:
         ipaddress.IPv6Address(host)
     except ValueError:
-        raise _BadAddress(f"{_short(repr(host))} in brackets is not an IPv6 address.") from None
+        raise BadAddress(f"{short(repr(host))} in brackets is not an IPv6 address.") from None
 
 
-def _split_address(addr: Any) -> tuple[str, int]:
-    """Splits ``"host:port"`` / ``"[v6]:port"`` or raises _BadAddress."""
+def split_address(addr: Any) -> tuple[str, int]:
+    """Splits ``"host:port"`` / ``"[v6]:port"`` or raises BadAddress."""
     if not isinstance(addr, str):
-        raise _BadAddress(
+        raise BadAddress(
             'Write the address as a quoted string with a host, e.g. "localhost:2222".',
             expected=_ADDRESS_EXPECTED + " as a string",
         )
     if addr != addr.strip() or any(char.isspace() for char in addr):
-        raise _BadAddress("Remove the spaces.")
+        raise BadAddress("Remove the spaces.")
     if "://" in addr:
-        _check_host(addr)  # Raises the scheme hint.
+        check_host(addr)  # Raises the scheme hint.
     if addr.startswith("["):
         end = addr.find("]")
         if end < 0:
-            raise _BadAddress("Close the bracket of the IPv6 address, e.g. '[::1]:2222'.")
+            raise BadAddress("Close the bracket of the IPv6 address, e.g. '[::1]:2222'.")
         host, rest = addr[1:end], addr[end + 1 :]
-        _check_ipv6(host)
+        check_ipv6(host)
         if not rest.startswith(":"):
-            raise _BadAddress(f"Add a port after the bracket, e.g. '[{_short(host)}]:2222'.")
+            raise BadAddress(f"Add a port after the bracket, e.g. '[{short(host)}]:2222'.")
         port_text = rest[1:]
     else:
         host, sep, port_text = addr.rpartition(":")
         if not sep:
-            raise _BadAddress(f"Add a port, e.g. '{_short(addr)}:2222'.")
+            raise BadAddress(f"Add a port, e.g. '{short(addr)}:2222'.")
         if ":" in host:
-            raise _BadAddress("Write IPv6 addresses in brackets, e.g. '[::1]:2222'.")
-        _check_host(host)
+            raise BadAddress("Write IPv6 addresses in brackets, e.g. '[::1]:2222'.")
+        check_host(host)
     if not port_text:
-        raise _BadAddress("Add the port after the colon, e.g. 'localhost:2222'.")
+        raise BadAddress("Add the port after the colon, e.g. 'localhost:2222'.")
     if not (port_text.isascii() and port_text.isdigit()):
-        raise _BadAddress(f"The port {_short(repr(port_text))} is not a number.")
+        raise BadAddress(f"The port {short(repr(port_text))} is not a number.")
     port = int(port_text)
     if not 1 <= port <= 65535:
-        raise _BadAddress(f"Port {port} is out of range; use one in 1..65535 (e.g. 2222).")
+        raise BadAddress(f"Port {port} is out of range; use one in 1..65535 (e.g. 2222).")
     return host, port
 
 
-def _format_address(host: str, port: int) -> str:
+def format_address(host: str, port: int) -> str:
     """Joins host and port, bracketing IPv6 hosts."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -109,8 +110,8 @@ def parse_address(addr: str) -> tuple[str, int]:
         ClusterSpecError: ``field='address'`` for a malformed address.
     """
     try:
-        return _split_address(addr)
-    except _BadAddress as bad:
+        return split_address(addr)
+    except BadAddress as bad:
         raise ClusterSpecError(
             "address", addr, bad.expected, source="parse_address()", hint=bad.hint
         ) from None
@@ -130,7 +131,7 @@ def parse_task(text: str) -> tuple[str, int]:
             type.
     """
     expected = (
-        f"'TYPE:INDEX' with TYPE one of {_quoted(TASK_TYPES)} and INDEX a "
+        f"'TYPE:INDEX' with TYPE one of {quoted(TASK_TYPES)} and INDEX a "
         "non-negative integer, e.g. 'worker:1'"
     )
     match = _TASK_RE.fullmatch(text) if isinstance(text, str) else None
@@ -140,7 +141,7 @@ def parse_task(text: str) -> tuple[str, int]:
     if task_type not in TASK_TYPES:
         raise ClusterSpecError(
             "task", text, expected, source="parse_task()",
-            hint=_did_you_mean(task_type, TASK_TYPES),
+            hint=did_you_mean(task_type, TASK_TYPES),
         )
     if index < 0:
         raise ClusterSpecError(

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from tfdist.errors import ClusterSpecError
-from tfdist.spec.address import (_BadAddress, _check_host, _check_ipv6, _format_address,
-                                 _split_address)
+from tfdist.spec.address import (BadAddress, check_host, check_ipv6, format_address,
+                                 split_address)
 from tfdist.spec.parse import parse
 
 # Generation.
@@ -62,11 +62,11 @@ def _split_host(entry: str) -> tuple[str, int | None]:
     text = entry.strip()
     if text.startswith("[") and text.endswith("]"):
         host = text[1:-1]
-        _check_ipv6(host)
+        check_ipv6(host)
         return host, None
     if ":" in text or text.startswith("["):
-        return _split_address(text)
-    _check_host(text)
+        return split_address(text)
+    check_host(text)
     return text, None
 
 
@@ -136,7 +136,7 @@ def spec_from_hosts(
             fail(field, entry, "a 'host' or 'host:port' string")
         try:
             host, host_port = _split_host(entry)
-        except _BadAddress as bad:
+        except BadAddress as bad:
             fail(field, entry, "a 'host' or 'host:port' string with a valid host and port", bad.hint)
         if host_port is not None:
             key = (host.lower(), host_port)
@@ -162,7 +162,7 @@ def spec_from_hosts(
                      hint="Pass a lower port= or give the ports explicitly.")
             next_port[host.lower()] = candidate + 1
             host_port = candidate
-        addresses.append(_format_address(host, host_port))
+        addresses.append(format_address(host, host_port))
 
     cluster: dict[str, list[str]] = {}
     start = 0

@@ -24,15 +24,15 @@ STRATEGIES = (
     "default",
     "tpu",
 )
-_SINGLE_MACHINE_STRATEGIES = ("mirrored", "one_device", "default", "tpu")
+SINGLE_MACHINE_STRATEGIES = ("mirrored", "one_device", "default", "tpu")
 
-_TOP_LEVEL_KEYS = ("cluster", "task", "rpc_layer", "environment")
+TOP_LEVEL_KEYS = ("cluster", "task", "rpc_layer", "environment")
 # Set by Google Cloud AI Platform / Vertex AI next to the TensorFlow keys;
 # accepted and ignored so that a TF_CONFIG written by the platform parses.
-_IGNORED_TOP_LEVEL_KEYS = ("job",)
-_TASK_KEYS = ("type", "index")
-_IGNORED_TASK_KEYS = ("trial", "cloud")
-_RPC_LAYERS = ("grpc",)
+IGNORED_TOP_LEVEL_KEYS = ("job",)
+TASK_KEYS = ("type", "index")
+IGNORED_TASK_KEYS = ("trial", "cloud")
+RPC_LAYERS = ("grpc",)
 #: ``TFConfig.source`` of a config read from a ``ClusterResolver``.
 RESOLVER_SOURCE = "<ClusterResolver>"
 
@@ -41,21 +41,21 @@ SPEC_DIR_ENV = "TFDIST_SPEC_DIR"
 #: The repository's ``cluster_specs/`` directory (next to the package).
 DEFAULT_SPEC_DIR = Path(__file__).resolve().parents[2] / "cluster_specs"
 
-_TASK_EXAMPLE = '{"type": "worker", "index": 0}'
+TASK_EXAMPLE = '{"type": "worker", "index": 0}'
 
 
-def _short(text: Any, limit: int = 60) -> str:
+def short(text: Any, limit: int = 60) -> str:
     """Shortens a value embedded in a hint."""
     text = str(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _quoted(names: Iterable[str]) -> str:
+def quoted(names: Iterable[str]) -> str:
     """``('a', 'b')`` -> ``"'a', 'b'"``."""
     return ", ".join(f"'{name}'" for name in names)
 
 
-def _did_you_mean(word: Any, choices: Sequence[str]) -> str | None:
+def did_you_mean(word: Any, choices: Sequence[str]) -> str | None:
     """A "Did you mean ...?" hint for a likely typo, or None."""
     if not isinstance(word, str):
         return None

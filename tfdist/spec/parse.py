@@ -18,7 +18,7 @@ from typing import Any
 from tfdist.errors import ClusterSpecError
 from tfdist.spec.names import DEFAULT_SPEC_DIR, RESOLVER_SOURCE, SPEC_DIR_ENV
 from tfdist.spec.tf_config import TFConfig
-from tfdist.spec.validate import _Validator, validate
+from tfdist.spec.validate import Validator, validate
 
 # Reading sources.
 # --------------------------------------------------------------------------
@@ -183,25 +183,25 @@ def parse(
         # A parameter-server resolver is read by the coordinator, which need
         # not be one of the cluster's tasks.
         ps_job = "ps" in data.get("cluster", {})
-        return _Validator(RESOLVER_SOURCE).run(
+        return Validator(RESOLVER_SOURCE).run(
             data, require_task=require_task and not ps_job, strategy=strategy)
     if source is None:
         text = environ.get("TF_CONFIG")
         data = {} if text is None or not str(text).strip() else _loads(str(text), "TF_CONFIG")
-        return _Validator("TF_CONFIG").run(data, require_task=require_task, strategy=strategy)
+        return Validator("TF_CONFIG").run(data, require_task=require_task, strategy=strategy)
     if isinstance(source, TFConfig):
         return validate(source, require_task=require_task, strategy=strategy)
     if isinstance(source, Mapping):
-        return _Validator("<dict>").run(source, require_task=require_task, strategy=strategy)
+        return Validator("<dict>").run(source, require_task=require_task, strategy=strategy)
     if isinstance(source, str):
         stripped = source.strip()
         if not stripped or stripped[0] in "{[" or stripped == "null":
             data = _loads(source, "<string>") if stripped else {}
-            return _Validator("<string>").run(data, require_task=require_task, strategy=strategy)
+            return Validator("<string>").run(data, require_task=require_task, strategy=strategy)
     if isinstance(source, (str, os.PathLike)):
         path = _find_spec(source, environ)
         data = _loads(_read_spec(path), _display_path(path))
-        return _Validator(_display_path(path)).run(
+        return Validator(_display_path(path)).run(
             data, require_task=require_task, strategy=strategy
         )
     raise ClusterSpecError(

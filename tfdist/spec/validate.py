@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from tfdist.errors import ClusterSpecError
-from tfdist.spec.address import _BadAddress, _split_address
-from tfdist.spec.names import (_IGNORED_TASK_KEYS, _IGNORED_TOP_LEVEL_KEYS, _RPC_LAYERS,
-                               _SINGLE_MACHINE_STRATEGIES, _TASK_EXAMPLE, _TASK_KEYS,
-                               _TOP_LEVEL_KEYS, CLUSTER_JOBS, RESOLVER_SOURCE, STRATEGIES,
-                               TASK_TYPES, _did_you_mean, _quoted, _short)
+from tfdist.spec.address import BadAddress, split_address
+from tfdist.spec.names import (IGNORED_TASK_KEYS, IGNORED_TOP_LEVEL_KEYS, RPC_LAYERS,
+                               SINGLE_MACHINE_STRATEGIES, TASK_EXAMPLE, TASK_KEYS,
+                               TOP_LEVEL_KEYS, CLUSTER_JOBS, RESOLVER_SOURCE, STRATEGIES,
+                               TASK_TYPES, did_you_mean, quoted, short)
 from tfdist.spec.tf_config import TFConfig
 
 # --------------------------------------------------------------------------
@@ -39,12 +39,12 @@ def _normalize_strategy(strategy: Any, source: str) -> str | None:
             if name.replace("_", "") == key:
                 return name
     raise ClusterSpecError(
-        "strategy", strategy, f"None or one of {_quoted(STRATEGIES)}", source=source,
-        hint=_did_you_mean(strategy, STRATEGIES),
+        "strategy", strategy, f"None or one of {quoted(STRATEGIES)}", source=source,
+        hint=did_you_mean(strategy, STRATEGIES),
     )
 
 
-class _Validator:
+class Validator:
     """Checks raw TF_CONFIG data (parsed JSON) and builds a TFConfig."""
 
     def __init__(self, source: str) -> None:
@@ -67,7 +67,7 @@ class _Validator:
         strategy = _normalize_strategy(strategy, self.source)
         if not isinstance(data, Mapping):
             self.fail(
-                "<root>", data, f'a JSON object like {{"cluster": {{...}}, "task": {_TASK_EXAMPLE}}}',
+                "<root>", data, f'a JSON object like {{"cluster": {{...}}, "task": {TASK_EXAMPLE}}}',
                 received="null" if data is None else None,
             )
         self._check_top_level_keys(data)
@@ -86,11 +86,11 @@ class _Validator:
 
     def _check_top_level_keys(self, data: Mapping) -> None:
         for key in data:
-            if key in _TOP_LEVEL_KEYS or key in _IGNORED_TOP_LEVEL_KEYS:
+            if key in TOP_LEVEL_KEYS or key in IGNORED_TOP_LEVEL_KEYS:
                 continue
             self.fail(
-                str(key), key, f"only the top-level keys {_quoted(_TOP_LEVEL_KEYS)}",
-                hint=_did_you_mean(key, _TOP_LEVEL_KEYS),
+                str(key), key, f"only the top-level keys {quoted(TOP_LEVEL_KEYS)}",
+                hint=did_you_mean(key, TOP_LEVEL_KEYS),
             )
 
     def _check_cluster(self, data: Mapping) -> dict[str, tuple[str, ...]]:
@@ -127,8 +127,8 @@ class _Validator:
                 )
             if name not in CLUSTER_JOBS:
                 self.fail(
-                    f"cluster.{name}", name, f"a job name among {_quoted(CLUSTER_JOBS)}",
-                    hint=_did_you_mean(name, CLUSTER_JOBS),
+                    f"cluster.{name}", name, f"a job name among {quoted(CLUSTER_JOBS)}",
+                    hint=did_you_mean(name, CLUSTER_JOBS),
                 )
 
         cluster: dict[str, tuple[str, ...]] = {}
@@ -157,8 +157,8 @@ class _Validator:
             for index, address in enumerate(addresses):
                 item = f"{field}[{index}]"
                 try:
-                    host, port = _split_address(address)
-                except _BadAddress as bad:
+                    host, port = split_address(address)
+                except BadAddress as bad:
                     self.fail(item, address, bad.expected, hint=bad.hint)
                 key = (host.lower(), port)
                 if key in seen:
@@ -232,7 +232,7 @@ class _Validator:
                     '"chief": ["host:port"].',
                 )
         num_tasks = sum(len(addresses) for addresses in cluster.values())
-        if strategy in _SINGLE_MACHINE_STRATEGIES and num_tasks > 1:
+        if strategy in SINGLE_MACHINE_STRATEGIES and num_tasks > 1:
             self.fail(
                 "cluster", data.get("cluster"),
                 f"at most one task for strategy='{strategy}', which runs on one machine",
@@ -248,7 +248,7 @@ class _Validator:
             if require_task and num_tasks > 1:
                 self.fail(
                     "task", None,
-                    f"a 'task' saying which task this process is, e.g. {_TASK_EXAMPLE}",
+                    f"a 'task' saying which task this process is, e.g. {TASK_EXAMPLE}",
                     received="no 'task' key",
                     hint=f"A cluster of {num_tasks} tasks needs a 'task' in each process's "
                     "TF_CONFIG (TensorFlow fails with 'No such job in cluster: None'); "
@@ -258,24 +258,24 @@ class _Validator:
 
         task = data["task"]
         if not isinstance(task, Mapping):
-            self.fail("task", task, f"a JSON object like {_TASK_EXAMPLE}")
+            self.fail("task", task, f"a JSON object like {TASK_EXAMPLE}")
         for key in task:
-            if key not in _TASK_KEYS and key not in _IGNORED_TASK_KEYS:
+            if key not in TASK_KEYS and key not in IGNORED_TASK_KEYS:
                 self.fail(
                     f"task.{key}", key, "only the keys 'type' and 'index' in 'task'",
-                    hint=_did_you_mean(key, _TASK_KEYS),
+                    hint=did_you_mean(key, TASK_KEYS),
                 )
 
         if "type" not in task:
             self.fail(
                 "task.type", dict(task),
-                f"a 'type' in 'task', one of {_quoted(TASK_TYPES)}",
+                f"a 'type' in 'task', one of {quoted(TASK_TYPES)}",
             )
         task_type = task["type"]
         if not isinstance(task_type, str) or task_type not in TASK_TYPES:
             self.fail(
-                "task.type", task_type, f"one of {_quoted(TASK_TYPES)}",
-                hint=_did_you_mean(task_type, TASK_TYPES),
+                "task.type", task_type, f"one of {quoted(TASK_TYPES)}",
+                hint=did_you_mean(task_type, TASK_TYPES),
             )
         if task_type == "evaluator":
             if "chief" not in cluster and "worker" not in cluster:
@@ -285,7 +285,7 @@ class _Validator:
                     "or 'worker' job to evaluate",
                 )
         elif task_type not in cluster:
-            jobs = _quoted(cluster) if cluster else "none"
+            jobs = quoted(cluster) if cluster else "none"
             self.fail(
                 "task.type", task_type,
                 f"a job of the cluster (jobs: {jobs}) or 'evaluator'",
@@ -298,7 +298,7 @@ class _Validator:
         if isinstance(index, bool) or not isinstance(index, numbers.Integral):
             hint = None
             if isinstance(index, str) and index.strip().lstrip("-").isdigit():
-                hint = f'Write the index as a number: "index": {_short(index.strip())}, not "{_short(index)}".'
+                hint = f'Write the index as a number: "index": {short(index.strip())}, not "{short(index)}".'
             self.fail(
                 "task.index", index, "an integer (the task's position in its job, from 0)",
                 hint=hint,
@@ -323,9 +323,9 @@ class _Validator:
 
     def _check_extras(self, data: Mapping) -> tuple[str | None, str | None]:
         rpc_layer = data.get("rpc_layer")
-        if rpc_layer is not None and (not isinstance(rpc_layer, str) or rpc_layer not in _RPC_LAYERS):
+        if rpc_layer is not None and (not isinstance(rpc_layer, str) or rpc_layer not in RPC_LAYERS):
             self.fail(
-                "rpc_layer", rpc_layer, f"one of {_quoted(_RPC_LAYERS)} (or no 'rpc_layer')",
+                "rpc_layer", rpc_layer, f"one of {quoted(RPC_LAYERS)} (or no 'rpc_layer')",
                 hint="TensorFlow 2 only ships the 'grpc' RPC layer.",
             )
         environment = data.get("environment")
@@ -376,7 +376,7 @@ def validate(
         data["rpc_layer"] = config.rpc_layer
     if config.environment is not None:
         data["environment"] = config.environment
-    return _Validator(config.source).run(data, require_task=require_task, strategy=strategy)
+    return Validator(config.source).run(data, require_task=require_task, strategy=strategy)
 
 
 # --------------------------------------------------------------------------

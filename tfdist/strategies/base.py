@@ -37,11 +37,13 @@ _KEY_STRIDE = 100_000
 _key_bases = itertools.count(1)
 
 
-def _next_key_base() -> int:
+def next_key_base() -> int:
+    """A fresh base for a strategy's collective instance keys."""
     return next(_key_bases) * _KEY_STRIDE
 
 
-def _communication_options(options: StrategyOptions):
+def communication_options(options: StrategyOptions):
+    """The CommunicationOptions of ``options``, without a per-collective timeout."""
     # No timeout_seconds: TensorFlow's per-collective timeout costs one
     # sleeping thread per collective for the whole timeout (see
     # tfdist.strategies.watchdog); collective_timeout is enforced by the watchdog.

@@ -13,15 +13,16 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist import plugins
+from tfdist.compat import versions
 from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice, choose
 from tfdist.spec.options import StrategyOptions, check_model_parallel, make_options
 from tfdist.strategies.base import (ClusterJoinError, TfdistStrategy, TPUNotFoundError,
-                                    _communication_options, compression_for)
-from tfdist.strategies.local import MirroredStrategy, OneDeviceStrategy, _logical_cpus
+                                    communication_options, compression_for)
+from tfdist.strategies.local import MirroredStrategy, OneDeviceStrategy, logical_cpus
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
-from tfdist.strategies.parameter_server import ParameterServerStrategy, _resolver, serve
+from tfdist.strategies.parameter_server import ParameterServerStrategy, resolver_of, serve
 from tfdist.strategies.tpu import TPUStrategy, check_tpu
 
 
@@ -112,6 +113,14 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
     comp = dataclasses.replace(parse_compression(compression), error_feedback=error_feedback)
     config, resolver = _config_source(config)
     choice = choose(config, strategy=strategy, options=opts)
+    # A setting whose feature needs a newer Keras/TF than installed fails
+    # here, naming it (tfdist.compat.versions.FEATURE_MINIMUMS), never later
+    # inside Keras.
+    versions.require(choice.name)
+    if comp.enabled:
+        versions.require("compression")
+    if opts.model_parallel and opts.model_parallel > 1:
+        versions.require("model_parallel")
     logging.info("tfdist: %s, because %s", choice.name, choice.reason)
     return _build(choice, opts, comp, resolver)
 
@@ -161,7 +170,7 @@ def _build(choice: Choice, opts: StrategyOptions, comp: CompressionSetting,
     if choice.name == "mirrored":
         devices = list(opts.devices) if opts.devices else None
         if opts.cpu_replicas and opts.cpu_replicas > 1:
-            devices = _logical_cpus(opts.cpu_replicas)
+            devices = logical_cpus(opts.cpu_replicas)
         cross_device_ops = None
         if opts.communication == "NCCL":
             if not tf.config.list_physical_devices("GPU"):
@@ -176,15 +185,15 @@ def _build(choice: Choice, opts: StrategyOptions, comp: CompressionSetting,
             from tfdist.strategies.slurm import SlurmClusterResolver
             resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
         elif resolver is None:
-            resolver = _resolver(cfg)
+            resolver = resolver_of(cfg)
         return MultiWorkerMirroredStrategy(
-            resolver, _communication_options(opts), compression=comp,
+            resolver, communication_options(opts), compression=comp,
             register_timeout=opts.register_timeout,
             collective_timeout=opts.collective_timeout,
             model_parallel=model_parallel, choice=choice)
     if choice.name == "parameter_server":
         return ParameterServerStrategy(
-            resolver or _resolver(cfg), opts.variable_partitioner,
+            resolver or resolver_of(cfg), opts.variable_partitioner,
             compression=comp, choice=choice)
     if choice.name == "tpu":
         check_tpu(choice.tpu)

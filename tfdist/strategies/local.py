@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice
-from tfdist.strategies.base import TfdistStrategy, _next_key_base
+from tfdist.strategies.base import TfdistStrategy, next_key_base
 
 
 class OneDeviceStrategy(TfdistStrategy, tf.distribute.OneDeviceStrategy):
@@ -35,13 +35,13 @@ class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
     def __init__(self, devices=None, cross_device_ops=None, *,
                  compression: Any = None, model_parallel: int = 1,
                  choice: Choice | None = None):
-        self._collective_key_base = _next_key_base()
+        self._collective_key_base = next_key_base()
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._tfdist_init(compression, choice)
         self._tfdist_attach(model_parallel)
 
 
-def _logical_cpus(count: int) -> list[str]:
+def logical_cpus(count: int) -> list[str]:
     """Splits the CPU into ``count`` logical devices and returns their names."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)

@@ -23,7 +23,7 @@ from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice
 from tfdist.spec.options import make_options
 from tfdist.strategies import late_start
-from tfdist.strategies.base import ClusterJoinError, TfdistStrategy, _next_key_base
+from tfdist.strategies.base import ClusterJoinError, TfdistStrategy, next_key_base
 from tfdist.strategies.watchdog import PeerWatchdog
 
 
@@ -71,7 +71,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
                  compression: Any = None, register_timeout: float | None = None,
                  collective_timeout: float | None = None,
                  model_parallel: int = 1, choice: Choice | None = None):
-        self._collective_key_base = _next_key_base()
+        self._collective_key_base = next_key_base()
         if cluster_resolver is None:
             cluster_resolver = (
                 tf.distribute.cluster_resolver.TFConfigClusterResolver())
@@ -82,7 +82,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
                     for job in ("chief", "worker")) > 1
         if multi and cluster_resolver.task_type in ("chief", "worker"):
             _refuse_beside_horovod()
-            _configure_coordination(spec, register_timeout)
+            configure_coordination(spec, register_timeout)
         call = ("tfdist.strategy_from_config()" if choice is not None
                 else "tfdist.MultiWorkerMirroredStrategy()")
         late = contextlib.nullcontext()
@@ -158,7 +158,7 @@ def _refuse_beside_horovod() -> None:
                  "strategy in one script, not both.")
 
 
-def _configure_coordination(spec, register_timeout: float) -> None:
+def configure_coordination(spec, register_timeout: float) -> None:
     """Sets up TF's coordination service with a registration deadline.
 
     This is what MultiWorkerMirroredStrategy configures itself, plus

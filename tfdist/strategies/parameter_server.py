@@ -50,7 +50,8 @@ class ParameterServerStrategy(TfdistStrategy,
         plugins.run("parameter_server", self)
 
 
-def _resolver(cfg: spec_lib.TFConfig):
+def resolver_of(cfg: spec_lib.TFConfig):
+    """A SimpleClusterResolver of ``cfg``'s cluster and task."""
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({job: list(a) for job, a in cfg.cluster.items()}),
         task_type=cfg.task_type, task_id=cfg.task_index,
@@ -70,7 +71,7 @@ def serve(cfg: spec_lib.TFConfig) -> None:
     print(f"tfdist: {cfg.task_id} is serving the parameter-server cluster "
           f"at {cfg.task_address}", file=sys.stderr, flush=True)
     server = tf.distribute.Server(
-        _resolver(cfg).cluster_spec(), job_name=cfg.task_type,
+        resolver_of(cfg).cluster_spec(), job_name=cfg.task_type,
         task_index=cfg.task_index, protocol=cfg.rpc_layer or "grpc", start=True)
     # tfdist.training.plugin serves until preempted; server.join() would
     # never return, so no Python signal handler would run.

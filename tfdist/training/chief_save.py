@@ -26,8 +26,8 @@ from tfdist.errors import TfdistError
 WAIT_SECONDS = 120.0
 
 _KEY_PREFIX = "tfdist/keras_saving"
-_TMP_PREFIX = ".tfdist-save-"
-_STATE = threading.local()
+TMP_PREFIX = ".tfdist-save-"
+STATE = threading.local()
 _COUNTS: dict[str, int] = {}
 _COUNTS_LOCK = threading.Lock()
 
@@ -44,15 +44,15 @@ class ChiefSaveError(TfdistError, RuntimeError):
 def unsynchronized():
     """Saves inside run as Keras runs them (for callers that coordinate
     their writers themselves, e.g. :class:`tfdist.BackupAndRestore`)."""
-    previous = getattr(_STATE, "off", False)
-    _STATE.off = True
+    previous = getattr(STATE, "off", False)
+    STATE.off = True
     try:
         yield
     finally:
-        _STATE.off = previous
+        STATE.off = previous
 
 
-def _multi_worker(strategy: Any) -> tuple[bool, bool]:
+def multi_worker(strategy: Any) -> tuple[bool, bool]:
     """(tfdist multi-worker strategy of >= 2 workers, this task is the chief)."""
     from tfdist.strategies import MultiWorkerMirroredStrategy
     if not isinstance(strategy, MultiWorkerMirroredStrategy):
@@ -68,14 +68,15 @@ def _multi_worker(strategy: Any) -> tuple[bool, bool]:
 def active(model: Any = None) -> tuple[bool, bool]:
     """Whether saves of ``model`` are coordinated here, and whether this
     task is the chief: (False, True) outside a tfdist multi-worker job."""
-    if getattr(_STATE, "off", False):
+    if getattr(STATE, "off", False):
         return False, True
     import tensorflow as tf
     strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
-    return _multi_worker(strategy)
+    return multi_worker(strategy)
 
 
-def _local(path: str) -> bool:
+def local(path: str) -> bool:
+    """Whether ``path`` is on a local (or mounted) filesystem."""
     from tfdist.compat.keras_src import file_utils
     return not (file_utils.is_remote_path(path) or path.startswith("hf://"))
 
@@ -84,7 +85,8 @@ def _local(path: str) -> bool:
 # Coordination: the chief publishes each save, the others wait for it.
 
 
-def _next_key(path: str) -> str:
+def next_key(path: str) -> str:
+    """The coordination-service key of the next save to ``path``."""
     name = os.path.basename(path.rstrip("/")) or path
     with _COUNTS_LOCK:
         count = _COUNTS.get(name, 0) + 1
@@ -98,13 +100,14 @@ def _coordination():
     return ctx if ctx.coordination_service is not None else None
 
 
-def _publish(key: str, record: dict) -> None:
+def publish(key: str, record: dict) -> None:
+    """Sets ``key`` to ``record`` (JSON) in the coordination service, if any."""
     ctx = _coordination()
     if ctx is not None:
         ctx.set_config_key_value(key, json.dumps(record))
 
 
-def _wait(key: str, path: str, own_seconds: float) -> dict | None:
+def wait(key: str, path: str, own_seconds: float) -> dict | None:
     """The chief's record for ``key``; None if it did not come in time."""
     ctx = _coordination()
     if ctx is None:
@@ -132,7 +135,8 @@ def _wait(key: str, path: str, own_seconds: float) -> dict | None:
 # Files.
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str) -> None:
+    """Flushes the file or directory at ``path`` to disk, if it can."""
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
     try:
         fd = os.open(path, flags)
@@ -148,7 +152,7 @@ def _fsync(path: str) -> None:
 
 def _sweep(directory: str) -> None:
     """Removes temporary directories of earlier saves killed on this host."""
-    mark = f"{_TMP_PREFIX}{socket.gethostname()}-"
+    mark = f"{TMP_PREFIX}{socket.gethostname()}-"
     try:
         names = os.listdir(directory)
     except OSError:
@@ -185,22 +189,22 @@ def _move_into(staging: str, name: str, directory: str) -> None:
         elif os.stat(staging).st_dev == os.stat(directory).st_dev:
             os.replace(source, target)
         else:
-            tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+            tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
             shutil.move(source, tmp)
             os.replace(tmp, target)
-    _fsync(directory)
+    fsync(directory)
 
 
 def _staged(path: str, save: Callable[[str], Any], directory: str) -> Any:
     """Runs ``save(staged_path)`` in a fresh directory inside ``directory``."""
-    staging = os.path.join(directory, f"{_TMP_PREFIX}{socket.gethostname()}-"
+    staging = os.path.join(directory, f"{TMP_PREFIX}{socket.gethostname()}-"
                                       f"{os.getpid()}-{uuid.uuid4().hex}")
     os.mkdir(staging)
     name = os.path.basename(path)
     try:
         value = save(os.path.join(staging, name))
         for entry in os.listdir(staging):
-            _fsync(os.path.join(staging, entry))
+            fsync(os.path.join(staging, entry))
         _move_into(staging, name, os.path.dirname(path) or ".")
         return value
     finally:
@@ -208,11 +212,11 @@ def _staged(path: str, save: Callable[[str], Any], directory: str) -> Any:
 
 
 def _chief_save(path: str, save: Callable[[str], Any]) -> Any:
-    key = _next_key(path)
+    key = next_key(path)
     directory = os.path.dirname(os.path.abspath(path))
-    record = {"path": os.path.abspath(path) if _local(path) else path, "ok": False}
+    record = {"path": os.path.abspath(path) if local(path) else path, "ok": False}
     try:
-        if _local(path) and os.path.isdir(directory):
+        if local(path) and os.path.isdir(directory):
             _sweep(directory)
             value = _staged(os.path.abspath(path), save, directory)
         else:  # Remote (object stores replace whole objects), or Keras's own error.
@@ -223,12 +227,12 @@ def _chief_save(path: str, save: Callable[[str], Any]) -> Any:
         record["error"] = f"{type(error).__name__}: {error}"
         raise
     finally:
-        _publish(key, record)
+        publish(key, record)
 
 
 def _worker_save(path: str, save: Callable[[str], Any]) -> Any:
-    key = _next_key(path)
-    if _local(path) and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    key = next_key(path)
+    if local(path) and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         # The chief fails on this path before any collective: fail alike,
         # rather than wait in one (scratch would have let the save start).
         return save(path)
@@ -236,17 +240,17 @@ def _worker_save(path: str, save: Callable[[str], Any]) -> Any:
     try:
         started = time.monotonic()
         value = save(os.path.join(scratch, os.path.basename(path.rstrip("/"))))
-        record = _wait(key, path, time.monotonic() - started)
+        record = wait(key, path, time.monotonic() - started)
         if record is not None and not record["ok"]:
             raise ChiefSaveError(
                 f"The chief failed to save {record['path']} ({record.get('error')}); "
                 f"this worker's save of {path} fails with it.")
-        mine = os.path.abspath(path) if _local(path) else path
+        mine = os.path.abspath(path) if local(path) else path
         if record is None:
             # The chief's path is unknown: write only where nothing is yet.
-            own = _local(path) and not os.path.exists(mine)
+            own = local(path) and not os.path.exists(mine)
         else:
-            own = _local(path) and record["path"] != mine
+            own = local(path) and record["path"] != mine
         if own:
             # Its own path (e.g. the tutorial's workertemp_<id>/): as asked.
             _move_into(scratch, os.path.basename(path), os.path.dirname(mine))
@@ -255,7 +259,8 @@ def _worker_save(path: str, save: Callable[[str], Any]) -> Any:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _coordinated(path: Any, model: Any, save: Callable[[str], Any]) -> Any:
+def coordinated(path: Any, model: Any, save: Callable[[str], Any]) -> Any:
+    """Runs ``save(path)``, on the chief and workers coordinated when active."""
     on, chief = active(model)
     if not on or not isinstance(path, (str, os.PathLike)):
         return save(path)  # File objects are private to the caller.

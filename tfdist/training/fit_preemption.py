@@ -73,8 +73,8 @@ def wrap_begin(original):
         if not _under_tfdist(self.model):
             return
         from tfdist.training import resume
-        from tfdist.training.callbacks.backup import _SkipSteps, _unwrap_train_function
-        _unwrap_train_function(self.model)
+        from tfdist.training.callbacks.backup import SkipSteps, unwrap_train_function
+        unwrap_train_function(self.model)
         saved = _read_metadata(self)
         if saved and saved.get("tfdist_batches_done") and os.path.exists(self._weights_path):
             meta = {"step": saved["tfdist_batches_done"], "epoch": saved["epoch"],
@@ -83,8 +83,8 @@ def wrap_begin(original):
             done = resume.resize(meta, _strategy(self.model).num_replicas_in_sync,
                                  (self.params or {}).get("steps"), self.model.optimizer)
             if done:
-                self.model.train_function = _SkipSteps(self.model, self.model.train_function,
-                                                       done)
+                self.model.train_function = SkipSteps(self.model, self.model.train_function,
+                                                      done)
                 state["_tfdist_resume"] = (int(saved["epoch"]), done)
                 logging.info("tfdist: Keras BackupAndRestore resumes at epoch %d, batch %d",
                              saved["epoch"], done)
@@ -145,7 +145,7 @@ def wrap_save(original):
             # multi-worker job tfdist's save writes them in one go.)
             saved = _read_metadata(self) or {"epoch": self._current_epoch,
                                               "batch": self._last_batch_seen}
-            keras_saving._write_json(self._training_metadata_path, {**saved, **metadata(self)})
+            keras_saving.write_json(self._training_metadata_path, {**saved, **metadata(self)})
         return result
     return _save_model
 
@@ -157,8 +157,8 @@ def wrap_end(original):
         if watcher is not None:
             watcher.stop()
         if _under_tfdist(self.model):
-            from tfdist.training.callbacks.backup import _unwrap_train_function
-            _unwrap_train_function(self.model)
+            from tfdist.training.callbacks.backup import unwrap_train_function
+            unwrap_train_function(self.model)
         return original(self, logs)
     return on_train_end
 

@@ -55,10 +55,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
-from tfdist.training.ps_data import (_PS, _SOURCE, ParameterServerError, StepTimeoutError, _build,
-                                     _check_model, _check_positive_int, _local_dataset, _verbose)
-from tfdist.training.ps_loop import _ParameterServerFit
-from tfdist.training.ps_steps import _evaluate
+from tfdist.training.ps_data import (PS, SOURCE, ParameterServerError, StepTimeoutError, build,
+                                     check_model, check_positive_int, local_dataset, verbosity)
+from tfdist.training.ps_loop import ParameterServerFit
+from tfdist.training.ps_steps import evaluate_on_coordinator
 
 __all__ = ["fit", "evaluate", "predict", "ParameterServerError", "StepTimeoutError"]
 
@@ -122,7 +122,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         StepTimeoutError: No step finished within ``step_timeout``.
     """
     strategy = _strategy_of(model)
-    if not isinstance(strategy, _PS):
+    if not isinstance(strategy, PS):
         return model.fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
             callbacks=callbacks, validation_split=validation_split,
@@ -132,7 +132,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
             validation_steps=validation_steps,
             validation_batch_size=validation_batch_size,
             validation_freq=validation_freq)
-    return _ParameterServerFit(model, strategy, step_timeout).run(
+    return ParameterServerFit(model, strategy, step_timeout).run(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
         callbacks=callbacks, validation_split=validation_split,
         validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
@@ -153,17 +153,17 @@ def evaluate(model: keras.Model, x: Any = None, y: Any = None,
     ``model.evaluate``.
     """
     strategy = _strategy_of(model)
-    if not isinstance(strategy, _PS):
+    if not isinstance(strategy, PS):
         return model.evaluate(x, y, batch_size=batch_size, verbose=verbose,
                               sample_weight=sample_weight, steps=steps,
                               callbacks=callbacks, return_dict=return_dict)
-    _check_model(model, strategy)
-    data = _local_dataset(x, y, sample_weight, batch_size, "x")
-    _build(model, strategy, data)
+    check_model(model, strategy)
+    data = local_dataset(x, y, sample_weight, batch_size, "x")
+    build(model, strategy, data)
     callback_list = keras.callbacks.CallbackList(
-        callbacks, add_progbar=verbose != 0, verbose=_verbose(verbose), epochs=1,
+        callbacks, add_progbar=verbose != 0, verbose=verbosity(verbose), epochs=1,
         steps=steps, model=model)
-    logs = _evaluate(model, data, steps, callback_list)
+    logs = evaluate_on_coordinator(model, data, steps, callback_list)
     if return_dict:
         return logs
     return [logs[name] for name in model.metrics_names if name in logs] or \
@@ -180,17 +180,17 @@ def predict(model: keras.Model, x: Any, batch_size: int | None = None,
     ``x`` once (``steps`` batches, or all). Elsewhere it is ``model.predict``.
     """
     strategy = _strategy_of(model)
-    if not isinstance(strategy, _PS):
+    if not isinstance(strategy, PS):
         return model.predict(x, batch_size=batch_size, verbose=verbose, steps=steps,
                              callbacks=callbacks)
-    _check_positive_int("steps", steps)
-    data = _local_dataset(x, None, None, batch_size, "x")
+    check_positive_int("steps", steps)
+    data = local_dataset(x, None, None, batch_size, "x")
     step = getattr(model, "_tfdist_predict_step", None)
     if step is None:
         step = tf.function(model.predict_step, reduce_retracing=True)
         model._tfdist_predict_step = step
     callback_list = keras.callbacks.CallbackList(
-        callbacks, add_progbar=verbose != 0, verbose=_verbose(verbose), epochs=1,
+        callbacks, add_progbar=verbose != 0, verbose=verbosity(verbose), epochs=1,
         steps=steps, model=model)
     callback_list.on_predict_begin()
     outputs = []
@@ -200,5 +200,5 @@ def predict(model: keras.Model, x: Any, batch_size: int | None = None,
         callback_list.on_predict_batch_end(index, {"outputs": outputs[-1]})
     callback_list.on_predict_end()
     if not outputs:
-        raise ConfigError("x", "no batch", "data with at least one batch", source=_SOURCE)
+        raise ConfigError("x", "no batch", "data with at least one batch", source=SOURCE)
     return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)

@@ -118,8 +118,8 @@ def status_dir() -> str | None:
 
 def _cluster_of(strategy: Any) -> tuple[str, int, int]:
     """(task name, id among the training tasks, number of training tasks)."""
-    from tfdist.training.callbacks.workers import _cluster  # The callbacks import TensorFlow.
-    spec, task_type, task_id = _cluster(strategy)
+    from tfdist.training.callbacks.workers import cluster  # The callbacks import TensorFlow.
+    spec, task_type, task_id = cluster(strategy)
     trainers = [(job, i) for job in ("chief", "worker") for i in range(len(spec.get(job, [])))]
     if task_type is None or (task_type, task_id) not in trainers:
         return f"{task_type or 'worker'}:{task_id or 0}", 0, 1

@@ -13,10 +13,10 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError, TfdistError
 
-_PS = tf.distribute.experimental.ParameterServerStrategy
-_SOURCE = "tfdist.fit"
+PS = tf.distribute.experimental.ParameterServerStrategy
+SOURCE = "tfdist.fit"
 #: Closures kept in flight per worker: enough to keep every worker busy.
-_IN_FLIGHT_PER_WORKER = 4
+IN_FLIGHT_PER_WORKER = 4
 
 
 class ParameterServerError(TfdistError, RuntimeError):
@@ -31,35 +31,39 @@ class StepTimeoutError(TfdistError, RuntimeError):
 # Checks and data.
 
 
-def _verbose(verbose: Any) -> int:
+def verbosity(verbose: Any) -> int:
+    """Keras's ``verbose`` with ``"auto"`` as 1."""
     return 1 if verbose == "auto" else verbose
 
 
-def _check_model(model: Any, strategy: Any) -> None:
+def check_model(model: Any, strategy: Any) -> None:
+    """Raises ConfigError unless ``model`` was compiled under ``strategy``."""
     if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
         raise ConfigError("model", type(model).__name__,
                           "a model compiled with an optimizer, inside strategy.scope()",
-                          source=_SOURCE)
+                          source=SOURCE)
     if getattr(model, "_distribute_strategy", None) is not strategy:
         raise ConfigError(
             "model", getattr(model, "name", type(model).__name__),
             "a model created and compiled inside strategy.scope() of the "
-            "ParameterServerStrategy", source=_SOURCE,
+            "ParameterServerStrategy", source=SOURCE,
             hint="Under ParameterServerStrategy the variables live on the ps; "
             "build the model with `with strategy.scope(): model = ...; "
             "model.compile(...)`.")
 
 
-def _is_dataset_fn(x: Any) -> bool:
+def is_dataset_fn(x: Any) -> bool:
+    """Whether ``x`` is a dataset function rather than data."""
     return callable(x) and not isinstance(x, (tf.data.Dataset, np.ndarray, tf.Tensor))
 
 
-def _check_positive_int(field: str, value: Any, *, allow_none: bool = True) -> None:
+def check_positive_int(field: str, value: Any, *, allow_none: bool = True) -> None:
+    """Raises ConfigError unless ``value`` is an integer >= 1 (or None if allowed)."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(field, value, "an integer >= 1" + (" or None" if allow_none else ""),
-                          source=_SOURCE)
+                          source=SOURCE)
 
 
 def _as_tuple(x: Any, y: Any, sample_weight: Any) -> tuple:
@@ -72,24 +76,24 @@ def _num_rows(x: Any) -> int:
     return int(first.shape[0])
 
 
-def _local_dataset(x: Any, y: Any, sample_weight: Any, batch_size: int | None,
-                   field: str) -> tf.data.Dataset:
+def local_dataset(x: Any, y: Any, sample_weight: Any, batch_size: int | None,
+                  field: str) -> tf.data.Dataset:
     """A dataset the coordinator itself reads (validation, building)."""
     if isinstance(x, tf.data.Dataset):
         return x
-    if _is_dataset_fn(x):
+    if is_dataset_fn(x):
         return x(tf.distribute.InputContext())
     if isinstance(x, tuple) and y is None and len(x) in (2, 3):
         x, y, *rest = x
         sample_weight = rest[0] if rest else sample_weight
     if x is None:
         raise ConfigError(field, None, "a tf.data.Dataset, a dataset function or "
-                          "arrays", source=_SOURCE)
+                          "arrays", source=SOURCE)
     data = tf.data.Dataset.from_tensor_slices(_as_tuple(x, y, sample_weight))
     return data.batch(batch_size or 32)
 
 
-class _TrainData:
+class TrainData:
     """Training data as the coordinator needs it: a per-worker dataset."""
 
     def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None,
@@ -101,23 +105,23 @@ class _TrainData:
         if isinstance(x, tf.data.Dataset):
             if y is not None:
                 raise ConfigError("y", type(y).__name__, "None when x is a dataset "
-                                  "(the dataset yields (x, y))", source=_SOURCE)
+                                  "(the dataset yields (x, y))", source=SOURCE)
             cardinality = int(x.cardinality())
             if steps_per_epoch is None:
                 if cardinality < 0:
                     raise ConfigError(
                         "steps_per_epoch", None, "a number of steps: this dataset's "
-                        "length is unknown or infinite", source=_SOURCE,
+                        "length is unknown or infinite", source=SOURCE,
                         hint="Under ParameterServerStrategy an epoch is "
                         "steps_per_epoch steps over all workers.")
                 steps_per_epoch = cardinality
             # Serialized by the coordinator and rebuilt on each worker.
             self.dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
             self.sample = next(iter(x.take(1)))
-        elif _is_dataset_fn(x):
+        elif is_dataset_fn(x):
             if steps_per_epoch is None:
                 raise ConfigError("steps_per_epoch", None, "a number of steps when x "
-                                  "is a dataset function", source=_SOURCE)
+                                  "is a dataset function", source=SOURCE)
             fn = x
 
             def make(context):
@@ -125,7 +129,7 @@ class _TrainData:
                 if not isinstance(dataset, tf.data.Dataset):
                     raise ConfigError("x", f"a function returning {type(dataset).__name__}",
                                       "a function returning a tf.data.Dataset",
-                                      source=_SOURCE)
+                                      source=SOURCE)
                 # (Traced: the length may only be known when it runs.)
                 if tf.get_static_value(dataset.cardinality()) != tf.data.INFINITE_CARDINALITY:
                     dataset = dataset.repeat()
@@ -135,9 +139,9 @@ class _TrainData:
         else:
             if x is None:
                 raise ConfigError("x", None, "a tf.data.Dataset, a dataset function "
-                                  "or arrays", source=_SOURCE)
+                                  "or arrays", source=SOURCE)
             batch = batch_size or 32
-            _check_positive_int("batch_size", batch)
+            check_positive_int("batch_size", batch)
             tensors = _as_tuple(x, y, sample_weight)
             rows = _num_rows(x)
             if steps_per_epoch is None:
@@ -153,11 +157,11 @@ class _TrainData:
                 return data.repeat().batch(batch).prefetch(2)
             self.sample = tf.nest.map_structure(lambda t: t[:batch], tensors)
             self.make = make
-        _check_positive_int("steps_per_epoch", steps_per_epoch, allow_none=False)
+        check_positive_int("steps_per_epoch", steps_per_epoch, allow_none=False)
         self.steps_per_epoch = int(steps_per_epoch)
 
 
-def _build(model: Any, strategy: Any, data: Any) -> None:
+def build(model: Any, strategy: Any, data: Any) -> None:
     """Creates every variable (model, optimizer, metrics) on the ps, now.
 
     Scheduled functions cannot create variables, so Keras's lazy building

@@ -18,14 +18,14 @@ import tensorflow as tf
 from tfdist.errors import ConfigError, require_int
 from tfdist.training import ps_patches as keras_ps
 from tfdist.training.preemption import Preempted
-from tfdist.training.ps_data import (_IN_FLIGHT_PER_WORKER, _SOURCE, _build, _check_model,
-                                     _check_positive_int, _is_dataset_fn, _local_dataset,
-                                     _TrainData, _verbose)
-from tfdist.training.ps_steps import (_cluster_spec, _evaluate, _numpy_logs, _ps_failure, _step_fn,
-                                      _wait)
+from tfdist.training.ps_data import (IN_FLIGHT_PER_WORKER, SOURCE, build, check_model,
+                                     check_positive_int, is_dataset_fn, local_dataset,
+                                     TrainData, verbosity)
+from tfdist.training.ps_steps import (cluster_spec, evaluate_on_coordinator, numpy_logs,
+                                      ps_failure, train_step_fn, wait)
 
 
-class _ParameterServerFit:
+class ParameterServerFit:
     """One ``fit`` call under ParameterServerStrategy, run on the coordinator."""
 
     def __init__(self, model: Any, strategy: Any, step_timeout: float | None) -> None:
@@ -33,18 +33,18 @@ class _ParameterServerFit:
                                          isinstance(step_timeout, (int, float))
                                          or step_timeout <= 0):
             raise ConfigError("step_timeout", step_timeout, "seconds > 0 or None",
-                              source=_SOURCE)
-        _check_model(model, strategy)
+                              source=SOURCE)
+        check_model(model, strategy)
         keras_ps.install()
         self.model, self.strategy, self.step_timeout = model, strategy, step_timeout
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        self.num_workers = len(_cluster_spec(strategy).get("worker", ()))
+        self.num_workers = len(cluster_spec(strategy).get("worker", ()))
         self._functions: dict[int, Callable] = {}
 
     def _train_function(self, steps: int) -> Callable:
         """A tf.function running ``steps`` steps on one worker."""
         if steps not in self._functions:
-            step_fn = _step_fn(self.model)
+            step_fn = train_step_fn(self.model)
             strategy = self.strategy
 
             @tf.function
@@ -63,26 +63,26 @@ class _ParameterServerFit:
         model = self.model
         if class_weight is not None:
             raise ConfigError("class_weight", class_weight, "None under "
-                              "ParameterServerStrategy", source=_SOURCE,
+                              "ParameterServerStrategy", source=SOURCE,
                               hint="Put per-sample weights in the data instead.")
-        require_int("epochs", epochs, minimum=0, source=_SOURCE)
-        _check_positive_int("validation_freq", validation_freq, allow_none=False)
-        _check_positive_int("steps_per_epoch", steps_per_epoch)
+        require_int("epochs", epochs, minimum=0, source=SOURCE)
+        check_positive_int("validation_freq", validation_freq, allow_none=False)
+        check_positive_int("steps_per_epoch", steps_per_epoch)
         if validation_split:
-            if isinstance(x, tf.data.Dataset) or _is_dataset_fn(x):
+            if isinstance(x, tf.data.Dataset) or is_dataset_fn(x):
                 raise ConfigError("validation_split", validation_split,
                                   "0 unless x is arrays; pass validation_data",
-                                  source=_SOURCE)
+                                  source=SOURCE)
             from tfdist.compat.keras_src import array_slicing
             (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
-        data = _TrainData(x, y, sample_weight, batch_size, shuffle, steps_per_epoch)
+        data = TrainData(x, y, sample_weight, batch_size, shuffle, steps_per_epoch)
         steps = data.steps_per_epoch
         val_data = None
         if validation_data is not None:
-            val_data = _local_dataset(validation_data, None, None,
-                                      validation_batch_size or batch_size, "validation_data")
-        _build(model, self.strategy, data.sample)
+            val_data = local_dataset(validation_data, None, None,
+                                     validation_batch_size or batch_size, "validation_data")
+        build(model, self.strategy, data.sample)
 
         strategy, make = self.strategy, data.make
         if data.dataset is not None:
@@ -93,12 +93,12 @@ class _ParameterServerFit:
                 lambda: strategy.distribute_datasets_from_function(make))
         iterator = iter(per_worker)
         per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
-        window = _IN_FLIGHT_PER_WORKER * max(1, self.num_workers)
+        window = IN_FLIGHT_PER_WORKER * max(1, self.num_workers)
 
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = keras.callbacks.CallbackList(
                 callbacks, add_history=True, add_progbar=verbose != 0,
-                verbose=_verbose(verbose), epochs=epochs, steps=steps, model=model)
+                verbose=verbosity(verbose), epochs=epochs, steps=steps, model=model)
         model.stop_training = False
         callbacks.on_train_begin()
         start_step = _resume_step(model)
@@ -112,9 +112,10 @@ class _ParameterServerFit:
                     logs = self._run_epoch(iterator, callbacks, start_step, steps,
                                            per_call, window)
                     start_step = 0
-                    epoch_logs = _numpy_logs(model._get_metrics_result_or_logs(logs))
+                    epoch_logs = numpy_logs(model._get_metrics_result_or_logs(logs))
                     if val_data is not None and model._should_eval(epoch, validation_freq):
-                        val_logs = _evaluate(model, val_data, validation_steps, callbacks)
+                        val_logs = evaluate_on_coordinator(model, val_data, validation_steps,
+                                                           callbacks)
                         epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                     callbacks.on_epoch_end(epoch, epoch_logs)
                     training_logs = epoch_logs
@@ -122,13 +123,13 @@ class _ParameterServerFit:
                         break
         except (tf.errors.UnavailableError, tf.errors.AbortedError,
                 tf.errors.CancelledError) as error:
-            raise _ps_failure(error, self.strategy) from error
+            raise ps_failure(error, self.strategy) from error
         except Preempted:
             # Saved; the servers leave once they see the status record. Detach
             # from them first, or this process's exit tries to reach them for
             # each function it ran ("Failed to connect ... refused").
             from tfdist.strategies.coordinator import disconnect_coordinator
-            disconnect_coordinator(_cluster_spec(self.strategy))
+            disconnect_coordinator(cluster_spec(self.strategy))
             raise
         callbacks.on_train_end(logs=training_logs)
         return model.history
@@ -176,7 +177,7 @@ class _ParameterServerFit:
 
     def _logs(self, remote: Any, end_step: int, previous: dict) -> dict:
         try:
-            return _numpy_logs(_wait(remote, self.step_timeout, f"step {end_step}"))
+            return numpy_logs(wait(remote, self.step_timeout, f"step {end_step}"))
         except tf.errors.UnavailableError:
             # The step ran, but its worker died before its logs were read
             # (they live on the worker). A failed ps or cluster is raised by
@@ -283,8 +284,8 @@ def _resume_step(model: Any) -> int:
     ``model.train_function`` that skips them; here the epoch simply starts
     at that step.
     """
-    from tfdist.training.callbacks.backup import _SkipSteps, _unwrap_train_function
+    from tfdist.training.callbacks.backup import SkipSteps, unwrap_train_function
     fn = getattr(model, "train_function", None)
-    skip = fn.remaining if isinstance(fn, _SkipSteps) else 0
-    _unwrap_train_function(model)
+    skip = fn.remaining if isinstance(fn, SkipSteps) else 0
+    unwrap_train_function(model)
     return int(skip)

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.training import ps_patches as keras_ps
-from tfdist.training.ps_data import ParameterServerError, StepTimeoutError, _check_positive_int
+from tfdist.training.ps_data import ParameterServerError, StepTimeoutError, check_positive_int
 
 # --------------------------------------------------------------------------
 # The steps.
@@ -44,7 +44,8 @@ def _keras_train_step(model: Any, data: Any) -> dict:
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def _step_fn(model: Any) -> Callable:
+def train_step_fn(model: Any) -> Callable:
+    """The train step the workers run: Keras's, or the model's own."""
     from tfdist.compat.keras_src import TensorFlowTrainer
     own = type(model).train_step
     if own is TensorFlowTrainer.train_step:
@@ -52,7 +53,7 @@ def _step_fn(model: Any) -> Callable:
     return model.train_step  # The user's own train_step.
 
 
-def _wait(remote: Any, timeout: float | None, what: str) -> Any:
+def wait(remote: Any, timeout: float | None, what: str) -> Any:
     """``remote.fetch()`` with a time limit."""
     event = getattr(remote, "_status_available_event", None)
     if timeout is not None and event is not None and not event.wait(timeout):
@@ -63,16 +64,18 @@ def _wait(remote: Any, timeout: float | None, what: str) -> Any:
     return remote.fetch()
 
 
-def _numpy_logs(logs: Any) -> dict:
+def numpy_logs(logs: Any) -> dict:
+    """``logs`` with numpy values (floats for scalars)."""
     if not isinstance(logs, dict):
         return {}
     return {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
             for k, v in logs.items()}
 
 
-def _cluster_spec(strategy: Any) -> dict:
-    from tfdist.training.callbacks.workers import _cluster
-    return _cluster(strategy)[0]
+def cluster_spec(strategy: Any) -> dict:
+    """The cluster spec dict of ``strategy``."""
+    from tfdist.training.callbacks.workers import cluster
+    return cluster(strategy)[0]
 
 
 def _answers(address: str, timeout: float = 1.0) -> bool:
@@ -85,8 +88,9 @@ def _answers(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def _ps_failure(error: Exception, strategy: Any) -> ParameterServerError:
-    ps = [str(a) for a in _cluster_spec(strategy).get("ps", [])]
+def ps_failure(error: Exception, strategy: Any) -> ParameterServerError:
+    """The ParameterServerError of ``error``, naming the unreachable ps."""
+    ps = [str(a) for a in cluster_spec(strategy).get("ps", [])]
     text = str(error)
     lost = [f"ps:{i} ({addr})" for i, addr in enumerate(ps)
             if f":{addr.rsplit(':', 1)[-1]}" in text or not _answers(addr)]
@@ -103,10 +107,10 @@ def _ps_failure(error: Exception, strategy: Any) -> ParameterServerError:
         "(tfdist.BackupAndRestore keeps only complete ones).")
 
 
-def _evaluate(model: Any, data: tf.data.Dataset, steps: int | None,
-              callbacks: Any) -> dict:
+def evaluate_on_coordinator(model: Any, data: tf.data.Dataset, steps: int | None,
+                            callbacks: Any) -> dict:
     """Evaluates on the coordinator: every batch once, variables read from the ps."""
-    _check_positive_int("validation_steps", steps)
+    check_positive_int("validation_steps", steps)
     test_step = getattr(model, "_tfdist_test_step", None)
     if test_step is None:
         test_step = tf.function(model.test_step, reduce_retracing=True)
@@ -117,8 +121,8 @@ def _evaluate(model: Any, data: tf.data.Dataset, steps: int | None,
     data = data.take(steps) if steps else data
     for step, batch in enumerate(data):
         callbacks.on_test_batch_begin(step)
-        logs = _numpy_logs(test_step(batch))
+        logs = numpy_logs(test_step(batch))
         callbacks.on_test_batch_end(step, logs)
-    logs = _numpy_logs(model._get_metrics_result_or_logs(logs))
+    logs = numpy_logs(model._get_metrics_result_or_logs(logs))
     callbacks.on_test_end(logs)
     return logs

@@ -63,13 +63,14 @@ import uuid
 import weakref
 from typing import Any, Callable
 
-from tfdist.training.chief_save import (_STATE, _TMP_PREFIX, WAIT_SECONDS, ChiefSaveError,
-                                        _coordinated, _fsync, _local, _multi_worker, _next_key,
-                                        _publish, _wait, active, unsynchronized)
+from tfdist.training.chief_save import (STATE, TMP_PREFIX, WAIT_SECONDS, ChiefSaveError,
+                                        coordinated, fsync, local, multi_worker, next_key,
+                                        publish, wait, active, unsynchronized)
 
 __all__ = ["ChiefSaveError", "install", "active", "unsynchronized", "WAIT_SECONDS",
            "wrap_save_model", "wrap_save_weights", "wrap_save_h5", "wrap_checkpoint_save",
-           "wrap_backup_save", "wrap_backup_begin", "wrap_backup_end", "wrap_manager_save"]
+           "wrap_backup_save", "wrap_backup_begin", "wrap_backup_end", "wrap_manager_save",
+           "write_json"]
 
 
 # --------------------------------------------------------------------------
@@ -79,21 +80,21 @@ __all__ = ["ChiefSaveError", "install", "active", "unsynchronized", "WAIT_SECOND
 def wrap_save_model(original):
     @functools.wraps(original)
     def save_model(model, filepath, *args, **kwargs):
-        return _coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
+        return coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
     return save_model
 
 
 def wrap_save_weights(original):
     @functools.wraps(original)
     def save_weights_only(model, filepath, *args, **kwargs):
-        return _coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
+        return coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
     return save_weights_only
 
 
 def wrap_save_h5(original):
     @functools.wraps(original)
     def save_model_to_hdf5(model, filepath, *args, **kwargs):
-        return _coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
+        return coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
     return save_model_to_hdf5
 
 
@@ -105,7 +106,7 @@ def wrap_checkpoint_save(original):
     @functools.wraps(original)
     def _save_model(self, epoch, batch, logs):
         on, chief = active(self.model)
-        if not on or chief or not _local(str(self.filepath)):
+        if not on or chief or not local(str(self.filepath)):
             return original(self, epoch, batch, logs)
         # The same save under a private root: the directories Keras creates
         # are this worker's own, and the file name (the sync key) is kept.
@@ -119,9 +120,10 @@ def wrap_checkpoint_save(original):
     return _save_model
 
 
-def _write_json(path: str, data: dict) -> None:
+def write_json(path: str, data: dict) -> None:
+    """Writes ``data`` to ``path`` as JSON through a temporary file and a rename."""
     directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.json")
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.json")
     try:
         with open(tmp, "w") as f:
             f.write(json.dumps(data))
@@ -131,15 +133,15 @@ def _write_json(path: str, data: dict) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    _fsync(directory)
+    fsync(directory)
 
 
 def _copy_atomically(source: str, target: str) -> None:
     tmp = os.path.join(os.path.dirname(target) or ".",
-                       f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+                       f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     try:
         shutil.copyfile(source, tmp)
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -150,7 +152,7 @@ def wrap_backup_save(original):
     @functools.wraps(original)
     def _save_model(self):
         on, chief = active(self.model)
-        if not on or not _local(str(self.backup_dir)):
+        if not on or not local(str(self.backup_dir)):
             return original(self)
         if not chief:
             # The weight save may read on_read variables: a collective. Run
@@ -172,9 +174,9 @@ def wrap_backup_save(original):
                     _copy_atomically(path, previous)
         self.model.save_weights(filepath=self._weights_path, overwrite=True)
         from tfdist.training.fit_preemption import metadata
-        _write_json(self._training_metadata_path,
-                    {"epoch": self._current_epoch, "batch": self._last_batch_seen,
-                     **metadata(self)})
+        write_json(self._training_metadata_path,
+                   {"epoch": self._current_epoch, "batch": self._last_batch_seen,
+                    **metadata(self)})
     return _save_model
 
 
@@ -223,7 +225,7 @@ def set_job_strategy(strategy: Any) -> None:
 
 
 def _same_directory(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b) if _local(a) and _local(b) else a == b
+    return os.path.realpath(a) == os.path.realpath(b) if local(a) and local(b) else a == b
 
 
 def _manager_save_to_scratch(manager: Any, original: Callable, chief_dir: str,
@@ -267,13 +269,13 @@ def wrap_manager_save(original):
         # chief's directory (the same script on every worker) saves into a
         # private directory instead: only the chief writes there.
         strategy = _JOB_STRATEGY()
-        on, chief = ((False, True) if strategy is None or getattr(_STATE, "off", False)
-                     else _multi_worker(strategy))
+        on, chief = ((False, True) if strategy is None or getattr(STATE, "off", False)
+                     else multi_worker(strategy))
         if not on:
             return original(self, *args, **kwargs)
-        key = _next_key("tf.train.CheckpointManager.save")
+        key = next_key("tf.train.CheckpointManager.save")
         if chief:
-            _publish(f"{key}/directory", {"path": str(self.directory)})
+            publish(f"{key}/directory", {"path": str(self.directory)})
             record = {"path": str(self.directory), "ok": False}
             try:
                 value = original(self, *args, **kwargs)
@@ -283,14 +285,14 @@ def wrap_manager_save(original):
                 record["error"] = f"{type(error).__name__}: {error}"
                 raise
             finally:
-                _publish(key, record)
+                publish(key, record)
         started = time.monotonic()
-        chief_dir = _wait(f"{key}/directory", str(self.directory), 0.0)
+        chief_dir = wait(f"{key}/directory", str(self.directory), 0.0)
         if chief_dir is not None and _same_directory(chief_dir["path"], str(self.directory)):
             value = _manager_save_to_scratch(self, original, chief_dir["path"], args, kwargs)
         else:
             value = original(self, *args, **kwargs)
-        record = _wait(key, str(self.directory), time.monotonic() - started)
+        record = wait(key, str(self.directory), time.monotonic() - started)
         if record is not None and not record["ok"]:
             raise ChiefSaveError(
                 f"The chief failed to save a checkpoint in {record['path']} "

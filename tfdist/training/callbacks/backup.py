@@ -20,16 +20,16 @@ from absl import logging
 from tfdist.errors import ConfigError
 from tfdist.training import resume
 from tfdist.training import saving as keras_saving
-from tfdist.training.callbacks.files import (_CKPT_PREFIX, _CKPT_SUFFIX, _TMP_PREFIX, POINTER,
-                                             BackupError, _check_backup_dir, _fsync_dir,
-                                             _fsync_file, _sha256, _write_json_atomically,
+from tfdist.training.callbacks.files import (CKPT_PREFIX, CKPT_SUFFIX, TMP_PREFIX, POINTER,
+                                             BackupError, check_backup_dir, fsync_dir,
+                                             fsync_file, sha256, write_json_atomically,
                                              read_backup_pointer)
-from tfdist.training.callbacks.workers import (_drop_scratch, _make_scratch, _model_strategy,
-                                               _task_name, is_chief, num_workers)
+from tfdist.training.callbacks.workers import (drop_scratch, make_scratch, model_strategy,
+                                               task_name, is_chief, num_workers)
 from tfdist.training.preemption import PreemptionWatcher
 
 
-class _SkipSteps:
+class SkipSteps:
     """Stands in for ``model.train_function`` for the first calls of a
     resumed epoch: it consumes the batches the backup already trained on,
     without training, so that the epoch goes on with the next batch.
@@ -57,9 +57,10 @@ class _SkipSteps:
         return {}
 
 
-def _unwrap_train_function(model: Any) -> None:
+def unwrap_train_function(model: Any) -> None:
+    """Restores ``model.train_function`` from under any SkipSteps wrappers."""
     fn = getattr(model, "train_function", None)
-    while isinstance(fn, _SkipSteps):
+    while isinstance(fn, SkipSteps):
         fn = fn.original
     if fn is not getattr(model, "train_function", None):
         model.train_function = fn
@@ -125,7 +126,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
                  delete_checkpoint: bool = True, save_on_preemption: bool = True) -> None:
         super().__init__()
-        self.backup_dir = _check_backup_dir(backup_dir)
+        self.backup_dir = check_backup_dir(backup_dir)
         if save_freq != "epoch" and (isinstance(save_freq, bool)
                                      or not isinstance(save_freq, int)
                                      or save_freq < 1):
@@ -172,9 +173,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
-        strategy = _model_strategy(model)
+        strategy = model_strategy(model)
         self._chief = is_chief(strategy)
-        _unwrap_train_function(model)
+        unwrap_train_function(model)
         if self._chief:
             os.makedirs(self.backup_dir, exist_ok=True)
 
@@ -220,7 +221,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         model._initial_epoch = epoch
         self._resume_epoch, self._resume_step = epoch, step
         if step > 0:
-            model.train_function = _SkipSteps(model, model.train_function, step)
+            model.train_function = SkipSteps(model, model.train_function, step)
         logging.info("tfdist BackupAndRestore: resuming at epoch %d, batch %d "
                      "from %s", epoch, step, meta["file"])
 
@@ -231,7 +232,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise BackupError(f"{self.backup_dir}: the pointer names {meta['file']}, "
                               "which does not exist here. Is backup_dir a directory "
                               "that every worker sees?")
-        size, digest = os.path.getsize(path), _sha256(path)
+        size, digest = os.path.getsize(path), sha256(path)
         if size != meta["size"] or digest != meta["sha256"]:
             raise BackupError(f"{path} is damaged (size {size}, expected "
                               f"{meta['size']}; sha256 mismatch: "
@@ -251,7 +252,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 # (One process holding every replica already has each copy in
                 # the weights file.)
                 resume.load_replica_state(model.optimizer, strategy, self.backup_dir,
-                                          meta["file"], _task_name(strategy), saved)
+                                          meta["file"], task_name(strategy), saved)
 
     @staticmethod
     def _multi_worker(strategy: Any) -> bool:
@@ -283,7 +284,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         sums, squares = total[:4], total[4:]
         if error is None and all(n * q == s * s for s, q in zip(sums, squares)):
             return
-        mine = (f"this worker ({_task_name(strategy)}) "
+        mine = (f"this worker ({task_name(strategy)}) "
                 + (f"failed: {error}" if error else
                    f"read epoch={values[1]:g} step={values[2]:g}"
                    if meta else "found no backup"))
@@ -298,8 +299,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         kept = keep.split(".", 1)[0] if keep else None  # "ckpt-000003"
         for name in os.listdir(self.backup_dir):
             # A checkpoint, or a worker's state file of one, not kept.
-            orphan = name.startswith(_CKPT_PREFIX) and name.split(".", 1)[0] != kept
-            if name.startswith(_TMP_PREFIX) or orphan:
+            orphan = name.startswith(CKPT_PREFIX) and name.split(".", 1)[0] != kept
+            if name.startswith(TMP_PREFIX) or orphan:
                 try:
                     os.remove(self._path(name))
                 except OSError:
@@ -353,39 +354,39 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._since_save = 0
         self._save_count += 1
         self._last_save = (epoch, step)
-        name = f"{_CKPT_PREFIX}{self._save_count:06d}{_CKPT_SUFFIX}"
-        strategy = _model_strategy(self.model)
+        name = f"{CKPT_PREFIX}{self._save_count:06d}{CKPT_SUFFIX}"
+        strategy = model_strategy(self.model)
         if self._multi_worker(strategy):
             # Each worker's own replicas, before the weights save: that save
             # is a collective the chief completes only after every worker
             # joined it, so its pointer never names a backup whose state
             # files are not all written.
             resume.save_replica_state(self.model.optimizer, strategy, self.backup_dir, name,
-                                      _task_name(strategy))
+                                      task_name(strategy))
         if not self._chief:
-            scratch = _make_scratch("tfdist-backup-")
+            scratch = make_scratch("tfdist-backup-")
             self.scratch_dirs.append(scratch)
             try:
                 with keras_saving.unsynchronized():  # Coordinated here.
                     self.model.save_weights(os.path.join(scratch, name))
             finally:
-                _drop_scratch(scratch)
+                drop_scratch(scratch)
             self.saves_discarded += 1
             return
 
         os.makedirs(self.backup_dir, exist_ok=True)
-        tmp = self._path(f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{_CKPT_SUFFIX}")
+        tmp = self._path(f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{CKPT_SUFFIX}")
         final = self._path(name)
         try:
             with keras_saving.unsynchronized():  # Its own temp file and rename.
                 self.model.save_weights(tmp)
-            _fsync_file(tmp)
+            fsync_file(tmp)
             os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        _fsync_dir(self.backup_dir)
-        meta = {"file": name, "sha256": _sha256(final),
+        fsync_dir(self.backup_dir)
+        meta = {"file": name, "sha256": sha256(final),
                 "size": os.path.getsize(final), "save_count": self._save_count}
         self._write_pointer(meta, epoch, step, preempted=preempted)
         previous, self._current_file = self._current_file, name
@@ -395,14 +396,14 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _write_pointer(self, meta: dict, epoch: int, step: int,
                        preempted: bool = False) -> None:
-        strategy = _model_strategy(self.model)
+        strategy = model_strategy(self.model)
         meta = dict(meta, epoch=epoch, step=step, format=1, preempted=preempted,
                     global_step=self._global_step,
                     steps_per_epoch=(self.params or {}).get("steps"),
-                    writer=_task_name(strategy), host=socket.gethostname(),
+                    writer=task_name(strategy), host=socket.gethostname(),
                     pid=os.getpid(), time=time.time(),
                     replicas=strategy.num_replicas_in_sync)
-        _write_json_atomically(self._path(POINTER), meta)
+        write_json_atomically(self._path(POINTER), meta)
         self._pointer_meta = meta
 
     # -- train end -----------------------------------------------------------
@@ -411,7 +412,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
-        _unwrap_train_function(self.model)
+        unwrap_train_function(self.model)
         self.model._initial_epoch = None  # Keras 3 leaves it set for the next fit.
         if not (self.delete_checkpoint and self._chief):
             return

@@ -20,13 +20,14 @@ class BackupError(TfdistError, RuntimeError):
 # Atomic file writes.
 
 
-def _fsync_file(path: str) -> None:
+def fsync_file(path: str) -> None:
+    """Flushes the file at ``path`` to disk."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str) -> None:
-    # Makes a rename durable; some filesystems refuse directory fsync.
+def fsync_dir(path: str) -> None:
+    """Makes a rename durable; some filesystems refuse directory fsync."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -39,7 +40,8 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _sha256(path: str) -> str:
+def sha256(path: str) -> str:
+    """The SHA-256 hex digest of the file at ``path``."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -47,9 +49,10 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _write_json_atomically(path: str, data: dict) -> None:
+def write_json_atomically(path: str, data: dict) -> None:
+    """Writes ``data`` to ``path`` as JSON through a temporary file and a rename."""
     directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.json")
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.json")
     try:
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
@@ -59,7 +62,7 @@ def _write_json_atomically(path: str, data: dict) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 # --------------------------------------------------------------------------
@@ -67,9 +70,9 @@ def _write_json_atomically(path: str, data: dict) -> None:
 
 #: Name of the pointer file in a backup directory.
 POINTER = "checkpoint.json"
-_TMP_PREFIX = ".tmp-"
-_CKPT_PREFIX = "ckpt-"
-_CKPT_SUFFIX = ".weights.h5"
+TMP_PREFIX = ".tmp-"
+CKPT_PREFIX = "ckpt-"
+CKPT_SUFFIX = ".weights.h5"
 _POINTER_KEYS = ("file", "sha256", "size", "epoch", "step", "save_count")
 
 
@@ -100,7 +103,8 @@ def read_backup_pointer(backup_dir: str | os.PathLike) -> dict | None:
     return meta
 
 
-def _check_backup_dir(value: Any) -> str:
+def check_backup_dir(value: Any) -> str:
+    """``value`` as a local directory path, or raises ConfigError."""
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip():

@@ -10,7 +10,7 @@ from typing import Any
 import keras
 
 from tfdist.errors import ConfigError, require_int
-from tfdist.training.callbacks.workers import _model_strategy
+from tfdist.training.callbacks.workers import model_strategy
 
 # --------------------------------------------------------------------------
 # Learning rate: linear scaling and warm-up.
@@ -150,7 +150,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         current = self._optimizer_lr(self.model)  # Also checks it is settable.
         self._target = self.target_lr or self._seen_target or current
-        replicas = _model_strategy(self.model).num_replicas_in_sync
+        replicas = model_strategy(self.model).num_replicas_in_sync
         self._initial = (self._target / replicas if self.initial_lr is None
                          else self.initial_lr)
         steps = self.steps_per_epoch or (self.params or {}).get("steps")

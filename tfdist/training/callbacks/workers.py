@@ -27,7 +27,8 @@ def _resolver(strategy: Any):
             or getattr(getattr(strategy, "extended", None), "_cluster_resolver", None))
 
 
-def _cluster(strategy: Any) -> tuple[dict, str | None, int | None]:
+def cluster(strategy: Any) -> tuple[dict, str | None, int | None]:
+    """``(cluster spec dict, task type, task id)`` of ``strategy``, or ``({}, None, None)``."""
     resolver = _resolver(strategy)
     if resolver is None or not getattr(resolver, "task_type", None):
         return {}, None, None
@@ -50,7 +51,7 @@ def is_chief(strategy: Any = None) -> bool:
     own = getattr(strategy, "is_chief", None)
     if isinstance(own, bool):
         return own
-    spec, task_type, task_id = _cluster(strategy)
+    spec, task_type, task_id = cluster(strategy)
     if not spec or task_type is None:
         return True
     return multi_worker_util.is_chief(spec, task_type, task_id)
@@ -59,16 +60,18 @@ def is_chief(strategy: Any = None) -> bool:
 def num_workers(strategy: Any = None) -> int:
     """Worker processes that train in sync (``chief`` + ``worker`` tasks), >= 1."""
     strategy = strategy or tf.distribute.get_strategy()
-    spec, _, _ = _cluster(strategy)
+    spec, _, _ = cluster(strategy)
     return max(1, len(spec.get("chief", ())) + len(spec.get("worker", ())))
 
 
-def _task_name(strategy: Any) -> str:
-    _, task_type, task_id = _cluster(strategy)
+def task_name(strategy: Any) -> str:
+    """``"type:index"`` of this task, or ``"local"`` without a cluster."""
+    _, task_type, task_id = cluster(strategy)
     return f"{task_type}:{task_id}" if task_type else "local"
 
 
-def _model_strategy(model: Any):
+def model_strategy(model: Any):
+    """The strategy ``model`` was built under, or the current one."""
     return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
 
 
@@ -87,14 +90,15 @@ def _remove_scratch() -> None:
 atexit.register(_remove_scratch)
 
 
-def _make_scratch(prefix: str) -> str:
+def make_scratch(prefix: str) -> str:
     """A temporary directory, removed at process exit if not before."""
     path = tempfile.mkdtemp(prefix=prefix)
     _SCRATCH.add(path)
     return path
 
 
-def _drop_scratch(path: str | None) -> None:
+def drop_scratch(path: str | None) -> None:
+    """Removes a directory from :func:`make_scratch` (None: nothing)."""
     if path:
         shutil.rmtree(path, ignore_errors=True)
         _SCRATCH.discard(path)

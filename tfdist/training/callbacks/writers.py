@@ -11,7 +11,7 @@ from typing import Any
 import keras
 
 from tfdist.errors import TfdistError
-from tfdist.training.callbacks.workers import (_drop_scratch, _make_scratch, _model_strategy,
+from tfdist.training.callbacks.workers import (drop_scratch, make_scratch, model_strategy,
                                                is_chief)
 
 # --------------------------------------------------------------------------
@@ -39,18 +39,18 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self.scratch_dir: str | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        _drop_scratch(self.scratch_dir)
+        drop_scratch(self.scratch_dir)
         self.scratch_dir = None
         self.filepath = self.chief_filepath
-        if not is_chief(_model_strategy(self.model)):
-            self.scratch_dir = _make_scratch("tfdist-ckpt-")
+        if not is_chief(model_strategy(self.model)):
+            self.scratch_dir = make_scratch("tfdist-ckpt-")
             self.filepath = os.path.join(self.scratch_dir,
                                          os.path.basename(self.chief_filepath))
         super().on_train_begin(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         super().on_train_end(logs)
-        _drop_scratch(self.scratch_dir)
+        drop_scratch(self.scratch_dir)
         self.filepath = self.chief_filepath
 
 
@@ -97,15 +97,15 @@ class TensorBoard(keras.callbacks.TensorBoard):
 
     def set_model(self, model: Any) -> None:
         # Keras derives the writers' directories from log_dir here.
-        _drop_scratch(self.scratch_dir)
+        drop_scratch(self.scratch_dir)
         self.scratch_dir = None
         self.log_dir = self.chief_log_dir
-        if not is_chief(_model_strategy(model)):
-            self.scratch_dir = _make_scratch("tfdist-tensorboard-")
+        if not is_chief(model_strategy(model)):
+            self.scratch_dir = make_scratch("tfdist-tensorboard-")
             self.log_dir = self.scratch_dir
         super().set_model(model)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         super().on_train_end(logs)  # Closes the writers first.
-        _drop_scratch(self.scratch_dir)
+        drop_scratch(self.scratch_dir)
         self.log_dir = self.chief_log_dir
