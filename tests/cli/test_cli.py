@@ -268,6 +268,39 @@ OBSERVED_NOISE = [
     "Coordination agent has successfully connected.",
 ]
 
+#: Lines TensorFlow 2.16 and 2.19 printed on the same machine (their own log
+#: format besides glog's; CUDA plugins registered twice).
+OBSERVED_OLDER_NOISE = [
+    "2026-11-26 16:13:36.141490: I tensorflow/core/util/port.cc:113] oneDNN custom "
+    "operations are on. You may see slightly different numerical results due to "
+    "floating-point round-off errors from different computation orders. To turn them off, "
+    "set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.",
+    "2026-11-26 16:13:36.141490: I external/local_tsl/tsl/cuda/cudart_stub.cc:32] Could not "
+    "find cuda drivers on your machine, GPU will not be used.",
+    "2026-11-26 16:13:36.991078: E external/local_xla/xla/stream_executor/cuda/cuda_fft.cc:467]"
+    " Unable to register cuFFT factory: Attempting to register factory for plugin cuFFT when "
+    "one has already been registered",
+    "E0000 00:00:1795709616.153805   11991 cuda_dnn.cc:8579] Unable to register cuDNN "
+    "factory: Attempting to register factory for plugin cuDNN when one has already been "
+    "registered",
+    "2026-11-26 16:13:36.991078: E external/local_xla/xla/stream_executor/cuda/"
+    "cuda_blas.cc:1442] Unable to register cuBLAS factory: Attempting to register factory "
+    "for plugin cuBLAS when one has already been registered",
+    "W0000 00:00:1795709616.168312   11991 computation_placer.cc:177] computation placer "
+    "already registered. Please check linkage and avoid linking the same target more than "
+    "once.",
+    "2026-11-26 16:13:36.991078: I tensorflow/core/platform/cpu_feature_guard.cc:210] This "
+    "TensorFlow binary is optimized to use available CPU instructions in "
+    "performance-critical operations.",
+    "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.",
+    "2026-11-26 16:13:36.991078: W tensorflow/compiler/tf2tensorrt/utils/py_utils.cc:38] "
+    "TF-TRT Warning: Could not find TensorRT",
+    "2026-11-26 16:13:37.991078: E external/local_xla/xla/stream_executor/cuda/"
+    "cuda_platform.cc:51] failed call to cuInit: INTERNAL: CUDA error: Failed call to "
+    "cuInit: UNKNOWN ERROR (303)",
+]
+
 #: Real problems that look alike; the filter keeps every one.
 REAL_ERRORS = [
     "E0000 00:00:1795432477.875512    8183 cuda_platform.cc:52] failed call to cuInit: "
@@ -280,6 +313,11 @@ REAL_ERRORS = [
     "Traceback (most recent call last):",
     "RuntimeError: Could not find cuda drivers on your machine, GPU will not be used.",
     "ERROR:absl:Started server with target: grpc://127.0.0.1:1",
+    "2026-11-26 16:13:36.991078: E tensorflow/core/kernels/collective_ops.cc:12] Collective "
+    "ops timed out",
+    "E0000 00:00:1795709616.153805   11991 cuda_dnn.cc:8579] Unable to register cuDNN "
+    "factory: Attempting to register factory for plugin cuBLAS when one has already been "
+    "registered",  # Two different plugins: not the known duplicate.
 ]
 
 
@@ -288,6 +326,8 @@ def test_the_noise_filter_drops_the_observed_lines_and_keeps_real_errors():
     assert [line for line in REAL_ERRORS if NoiseFilter().is_noise(line)] == []
     noise = NoiseFilter()
     assert [line for line in OBSERVED_NOISE if not noise.is_noise(line)] == []
+    older = NoiseFilter()
+    assert [line for line in OBSERVED_OLDER_NOISE if not older.is_noise(line)] == []
     # One stream, real lines among the noise: exactly the real lines come out.
     real = iter(REAL_ERRORS[1:])
     mixed = []

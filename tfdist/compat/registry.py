@@ -105,7 +105,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("inline_steps.make_function", f"{_TFT}._make_function",
           "tfdist.training.steps:wrap_make_function", "inline_steps",
           "compile(steps_per_execution>1) under Mirrored fails with 'You must feed a value "
-          "for placeholder tensor' (keras-team/keras#19246)",
+          "for placeholder tensor' (keras-team/keras#19246); while it builds the function "
+          "the wrapper also swaps the trainer module's `tf` for one whose tf.function "
+          "leaves the one-step function inline, and puts it back",
           params=("self", "step_function"),
           canary="tests/training/test_keras_steps.py::"
                  "test_stock_keras_fails_with_several_steps_per_execution_under_mirrored"),

@@ -42,14 +42,21 @@ __all__ = ["NOISE", "NoiseFilter", "filtered_stderr"]
 
 
 def _glog(level: str, file: str, message: str) -> re.Pattern[str]:
-    """A glog line: level, MMDD (0000 before InitializeLog), time, thread,
-    ``file:line]``, message (all regular expressions)."""
-    return re.compile(rf"{level}\d{{4}} \d\d:\d\d:[\d.]+ +\d+ {file}:\d+\] {message}")
+    """A log line in either of TensorFlow's formats (regular expressions):
+
+    * glog: level, MMDD (0000 before InitializeLog), time, thread,
+      ``file:line]``, message;
+    * TF 2.16 to 2.20's own: ``YYYY-MM-DD HH:MM:SS.ffffff: LEVEL
+      path/to/file:line] message``.
+    """
+    return re.compile(rf"(?:{level}\d{{4}} \d\d:\d\d:[\d.]+ +\d+ "
+                      rf"|\d{{4}}-\d\d-\d\d \d\d:\d\d:[\d.]+: {level} (?:\S+/)?)"
+                      rf"{file}:\d+\] {message}")
 
 
-#: The start-up lines dropped, by name, as observed with TensorFlow 2.21 on
-#: a CPU machine (``tfdist info``; tasks of ``tfdist launch``). Each must
-#: match a whole line.
+#: The start-up lines dropped, by name, as observed with TensorFlow 2.16 to
+#: 2.21 on a CPU machine (``tfdist info``; tasks of ``tfdist launch``). Each
+#: must match a whole line.
 NOISE: dict[str, re.Pattern[str]] = {
     "absl-preinit": re.compile(
         r"WARNING: All log messages before absl::InitializeLog\(\) is called "
@@ -72,6 +79,16 @@ NOISE: dict[str, re.Pattern[str]] = {
         r"operations, rebuild TensorFlow with the appropriate compiler flags\."),
     # Dropped only after "no-cuda-driver" in the same process.
     "cuinit": _glog("E", r"cuda_platform\.cc", r"failed call to cuInit: .*"),
+    # TF 2.16 to 2.19 register their CUDA plugins twice, on any machine.
+    "plugin-registered-twice": _glog(
+        "E", r"cuda_(?:fft|dnn|blas)\.cc", r"Unable to register (cu[A-Za-z]+) factory: "
+        r"Attempting to register factory for plugin \1 when one has already been "
+        r"registered"),
+    "placer-registered-twice": _glog(
+        "W", r"computation_placer\.cc", r"computation placer already registered\. Please "
+        r"check linkage and avoid linking the same target more than once\."),
+    # TF 2.16 without TensorRT (never needed on a CPU).
+    "no-tensorrt": _glog("W", r"py_utils\.cc", r"TF-TRT Warning: Could not find TensorRT"),
     # A multi-worker task's cluster start-up, at INFO level.
     "cluster-start": _glog(
         "I", r"(?:coordination_service(?:_agent)?\.(?:cc|h)|grpc_server_lib\.cc)",
