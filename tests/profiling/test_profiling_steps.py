@@ -178,7 +178,9 @@ def test_top_k_is_gathered(tf_cpus, tmp_path):
     _, profile, sent, _ = _fit(strategy, tmp_path, barrier=True)
     assert [r.bytes for r in profile.records] == sent[1:]
     for r in profile.records:
-        assert r.grads_ready < r.peers_ready <= min(s.start for s in r.spans)
+        # Equal when the barrier returns within the clock's resolution (a
+        # float64 epoch time: about 0.2 us), as it did once in CI's run here.
+        assert r.grads_ready <= r.peers_ready <= min(s.start for s in r.spans)
     kinds = {tuple(s.kind for s in r.spans) for r in profile.records}
     assert all("all_gather" in k for k in kinds), kinds
 

@@ -45,8 +45,9 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "tf_trainer_module": ("keras.src.backend.tensorflow.trainer",),
     # The backend-independent trainer module (parallel.guard wraps Trainer.compile).
     "trainer_module": ("keras.src.trainers.trainer",),
-    # accumulation replaces this module's global ``ops`` (its ``ops.cond``);
-    # ps_patches calls BaseOptimizer through it.
+    # accumulation replaces this module's global ``ops`` (Keras < 3.16) or
+    # ``backend`` (3.16, which calls ``backend.ops.cond``); ps_patches calls
+    # BaseOptimizer through it.
     "base_optimizer_module": ("keras.src.optimizers.base_optimizer",),
     # Keras's tree utilities (tree.flatten) in the PS train step.
     "tree": ("keras.src.tree",),
