@@ -24,7 +24,8 @@ import tensorflow as tf
 from tfdist.compression.base import Compressor
 from tfdist.compression.memory import ErrorFeedback
 from tfdist.compression.sparse import add_sparse, slices_nbytes, split_sparse
-from tfdist.compression.traffic import GATHER_DTYPES, Traffic, nbytes, wire_nbytes
+from tfdist.compression.traffic import (GATHER_DTYPES, Traffic, dtype_name, nbytes,
+                                        wire_nbytes)
 from tfdist.errors import ConfigError
 
 __all__ = ["StateSpec", "Item", "Comm", "LocalComm", "ReplicaComm", "Aggregator",
@@ -185,9 +186,9 @@ class LocalComm(Comm):
 class ReplicaComm(Comm):
     """Collectives through the current replica context.
 
-    Works under MirroredStrategy and MultiWorkerMirroredStrategy alike. All
-    tensors of one call go in one collective (two for an all-gather that
-    mixes float16 with other dtypes).
+    Works under MirroredStrategy and MultiWorkerMirroredStrategy alike. The
+    tensors of one call go in one collective per dtype (an all-gather: one
+    for float16, one for everything else, packed as int32 words).
     """
 
     def __init__(self) -> None:
@@ -198,7 +199,18 @@ class ReplicaComm(Comm):
     # fresh replica context (MirroredStrategy's call_for_each_replica).
     def _all_reduce(self, tensors):
         sent = [_slices_to_wire(t) for t in tensors]
-        out = self._sum(sent)
+        # One call per dtype: inside a tf.function TensorFlow packs a call's
+        # dense tensors into one concat, which fails on mixed dtypes (a
+        # cast's 16-bit payloads beside a float32 or integer gradient sent
+        # as it is). IndexedSlices, gathered apart anyway, go in one call.
+        groups: dict[str, list[int]] = {}
+        for i, t in enumerate(sent):
+            key = "slices" if isinstance(t, tf.IndexedSlices) else t.dtype.name
+            groups.setdefault(key, []).append(i)
+        out: list[Any] = [None] * len(sent)
+        for members in groups.values():
+            for i, o in zip(members, self._sum([sent[i] for i in members])):
+                out[i] = o
         return [_slices_from_wire(o, t) for o, t in zip(out, tensors)]
 
     def _sum(self, tensors: list) -> list:
@@ -451,18 +463,26 @@ class CompressorAggregator(Aggregator):
     def traffic(self, shapes, num_replicas, step=None):
         t = Traffic(num_replicas)
         shapes, sparse = split_sparse(shapes)
+        # The dtypes each collective carries: ReplicaComm makes one call per
+        # all-reduced dtype and per gathered word dtype.
+        reduced: set[str] = set()
+        gathered: set[str] = set()
         for shape, dtype in shapes:
             size = nbytes(shape, dtype)
             t.dense += size
             if not is_float(dtype) or not shape or 0 in shape:
                 t.all_reduce += size
+                reduced.add(dtype_name(dtype))
                 continue
             spec = self.compressor.payload_spec(shape, dtype)
             if self.compressor.summable:
                 t.all_reduce += sum(nbytes(s, d) for s, d in spec)
+                reduced.update(dtype_name(d) for _, d in spec)
             else:
                 t.all_gather += sum(wire_nbytes(s, d) for s, d in spec)
-        t.collectives = int(t.all_reduce > 0) + int(t.all_gather > 0)
+                gathered.update("float16" if dtype_name(d) == "float16" else "int32"
+                                for _, d in spec)
+        t.collectives = len(reduced) + len(gathered)
         return add_sparse(t, sparse, self.slice_dtype)
 
 

@@ -147,6 +147,20 @@ def traced_slices(optimizer: Any) -> list | None:
     return _TRACED_SLICES.get(optimizer)
 
 
+def with_variable_shape(grad: Any, variable: Any) -> Any:
+    """A dense gradient with its variable's static shape.
+
+    Traced gradients may lose it (a Dense kernel's, from a 3-D input such as
+    a transformer's hidden states: ``(None, 64)``); the aggregator would then
+    send them uncompressed, unlike what its byte count says.
+    """
+    if isinstance(grad, tf.Tensor) and not grad.shape.is_fully_defined():
+        shape = tf.TensorShape(variable.shape)
+        if shape.is_fully_defined():
+            grad.set_shape(shape)
+    return grad
+
+
 def wrap_reduce(original):
     @functools.wraps(original)
     def _all_reduce_sum_gradients(self, grads_and_vars):
@@ -178,7 +192,8 @@ def wrap_reduce(original):
                     f"Received: an optimizer built under {type(self._distribution_strategy).__name__}")
             state = {}
         keys = [self._get_variable_index(v) for _, v in pairs]
-        items = [Item(g, key, state.get(key, {})) for (g, _), key in zip(pairs, keys)]
+        items = [Item(with_variable_shape(g, v), key, state.get(key, {}))
+                 for (g, v), key in zip(pairs, keys)]
         step = tf.convert_to_tensor(getattr(self.iterations, "value", self.iterations))
         comm = observer.make_comm() if observer is not None else ReplicaComm()
         reduced = aggregator.aggregate(items, step, comm)

@@ -125,7 +125,9 @@ def rows_per_replica(batch_size: Any, num_replicas: int) -> int:
 
 
 def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
-    """A Keras model's trainable Embedding tables.
+    """A Keras model's trainable Embedding tables whose gradients are
+    IndexedSlices: a table tied to a ``reverse=True`` projection (GPT-2's
+    logits) gets a dense gradient and is left out.
 
     Returns:
         ``{id(table variable): (layer, ids per example, index dtype)}``.
@@ -145,10 +147,15 @@ def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
         table = getattr(layer, "embeddings", None)
         if table is None or not getattr(table, "trainable", False):
             continue
+        nodes = [node for node in getattr(layer, "_inbound_nodes", [])
+                 if getattr(node, "input_tensors", None)]
+        # A ReversibleEmbedding called with reverse=True and tied weights
+        # (GPT-2's logits) multiplies by its table: the gradient is dense.
+        if getattr(layer, "tie_weights", True) and any(_reverse(node) for node in nodes):
+            continue
         # A layer called on several inputs (a shared table) gets one gradient:
         # the slices of every call, concatenated.
-        specs = [node.input_tensors[0] for node in getattr(layer, "_inbound_nodes", [])
-                 if getattr(node, "input_tensors", None)]
+        specs = [node.input_tensors[0] for node in nodes if not _reverse(node)]
         shapes = [tuple(spec.shape)[1:] for spec in specs]
         if not shapes or any(d is None for shape in shapes for d in shape):
             raise ConfigError(
@@ -165,6 +172,15 @@ def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
         index = "int64" if any(str(spec.dtype) == "int64" for spec in specs) else "int32"
         tables[id(table)] = (layer, sum(math.prod(shape) for shape in shapes), index)
     return tables
+
+
+def _reverse(node: Any) -> bool:
+    """Whether a layer call was ``reverse=True`` (a ReversibleEmbedding's
+    projection of hidden states onto the vocabulary, not a lookup)."""
+    arguments = getattr(node, "arguments", None)
+    args, kwargs = getattr(arguments, "args", ()), getattr(arguments, "kwargs", {}) or {}
+    reverse = kwargs.get("reverse", args[1] if len(args) > 1 else False)
+    return reverse is True
 
 
 def model_gradients(model: Any, examples: int | None) -> list:
