@@ -15,7 +15,13 @@ resume (it counts epochs only in ``on_epoch_end``). Under a tfdist strategy
 * every save records the batches done in the epoch (``tfdist_batches_done``
   in Keras's ``training_metadata.json``, beside Keras's own fields), and a
   resume skips them (read, not trained), as :class:`tfdist.BackupAndRestore`
-  does.
+  does;
+* in a multi-worker job, before anything is loaded, the tasks agree on the
+  backup they all resume from, and each task whose ``backup_dir`` is its own
+  (no shared filesystem) writes its backup there
+  (:mod:`tfdist.training.backup_dirs`): workers never resume at different
+  points; if their backups hold no point in common every task fails at once,
+  naming what each holds (:mod:`tfdist.training.backup_agreement`).
 
 Under TensorFlow's own strategies nothing changes.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 from typing import Any
 
 from absl import logging
@@ -54,29 +61,81 @@ def _read_metadata(callback: Any) -> dict | None:
         return None
 
 
-def metadata(callback: Any) -> dict:
-    """The fields tfdist adds to a save's ``training_metadata.json``."""
+def metadata(callback: Any, digest: bool | None = None) -> dict:
+    """The fields tfdist adds to a save's ``training_metadata.json``.
+
+    Args:
+        callback: Keras's BackupAndRestore, after its weights were saved.
+        digest: Add the weights file's sha256 and size (which tie the
+            metadata to it); default: in a multi-worker job, where the
+            workers check their backups against each other's at resume.
+    """
+    from tfdist.training import backup_dirs
+    from tfdist.training import saving as keras_saving
     strategy = _strategy(callback.model)
-    return {"tfdist_batches_done": int(callback.__dict__.get("_tfdist_done", 0)),
-            "tfdist_preempted": bool(callback.__dict__.get("_tfdist_preempting", False)),
-            "replicas": strategy.num_replicas_in_sync,
-            "steps_per_epoch": (callback.params or {}).get("steps")}
+    fields = {"tfdist_batches_done": int(callback.__dict__.get("_tfdist_done", 0)),
+              "tfdist_preempted": bool(callback.__dict__.get("_tfdist_preempting", False)),
+              "replicas": strategy.num_replicas_in_sync,
+              "steps_per_epoch": (callback.params or {}).get("steps")}
+    if digest is None:
+        digest = keras_saving.active(callback.model)[0]
+    if digest and os.path.exists(callback._weights_path):
+        fields.update(backup_dirs.weights_digest(callback._weights_path))
+    return fields
+
+
+def _agreed_load(callback: Any, original: Any, logs: Any) -> dict | None:
+    """A multi-worker job: the tasks agree on the backup (and on who writes
+    which directory), then each loads its backup of the agreed point.
+
+    Returns:
+        The loaded backup's metadata, or None (a fresh start on every task).
+    """
+    from tfdist.training import backup_agreement, backup_dirs
+    from tfdist.training import saving as keras_saving
+    decision = backup_dirs.decide(callback, _strategy(callback.model))
+    chief = keras_saving.active(callback.model)[1]
+    callback.__dict__["_tfdist_own_copy"] = decision.writes and not chief
+    if decision.slot is None:
+        return None
+    with backup_dirs.loading(callback, decision.slot):
+        original(callback, logs)
+        saved = _read_metadata(callback)
+    if decision.slot == "previous" and decision.writes:
+        backup_dirs.roll_back(callback)
+    logging.info("tfdist: the workers agreed to resume Keras's BackupAndRestore at %s "
+                 "(this task's %s backup in %s)", backup_agreement.describe(decision.point),
+                 decision.slot, callback.backup_dir)
+    return saved
+
+
+def _agrees(callback: Any) -> bool:
+    """Whether this fit's backups are agreed on across tasks (a tfdist
+    multi-worker job with a local ``backup_dir``)."""
+    from tfdist.training import saving as keras_saving
+    from tfdist.training.chief_save import local
+    return keras_saving.active(callback.model)[0] and local(str(callback.backup_dir))
 
 
 def wrap_begin(original):
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
-        original(self, logs)
         state = self.__dict__
         state.update(_tfdist_done=0, _tfdist_calls=0, _tfdist_resume=None,
-                     _tfdist_preempting=False, _tfdist_watcher=None)
+                     _tfdist_preempting=False, _tfdist_watcher=None, _tfdist_own_copy=False)
         if not _under_tfdist(self.model):
-            return
+            return original(self, logs)
         from tfdist.training import resume
         from tfdist.training.callbacks.backup import SkipSteps, unwrap_train_function
         unwrap_train_function(self.model)
-        saved = _read_metadata(self)
-        if saved and saved.get("tfdist_batches_done") and os.path.exists(self._weights_path):
+        if _agrees(self):
+            # Keras loads what this task's directory holds; in a multi-worker
+            # job that must be the same point on every task.
+            saved = _agreed_load(self, original, logs)
+        else:
+            original(self, logs)
+            saved = _read_metadata(self) if os.path.exists(self._weights_path) else None
+        if saved and saved.get("tfdist_batches_done"):
             meta = {"step": saved["tfdist_batches_done"], "epoch": saved["epoch"],
                     "replicas": saved.get("replicas"),
                     "steps_per_epoch": saved.get("steps_per_epoch")}
@@ -135,6 +194,11 @@ def wrap_epoch_end(original):
 def wrap_save(original):
     @functools.wraps(original)
     def _save_model(self):
+        if self.__dict__.get("_tfdist_own_copy"):
+            # A non-chief task that writes its own backup_dir (decided at
+            # train begin), instead of saving into scratch.
+            from tfdist.training import backup_dirs
+            return backup_dirs.save_own(self, metadata(self, digest=False))
         result = original(self)
         if not _under_tfdist(self.model):
             return result
@@ -159,7 +223,11 @@ def wrap_end(original):
         if _under_tfdist(self.model):
             from tfdist.training.callbacks.backup import unwrap_train_function
             unwrap_train_function(self.model)
-        return original(self, logs)
+        result = original(self, logs)
+        if self.__dict__.pop("_tfdist_own_copy", False) and self.delete_checkpoint:
+            # The chief deletes its own; this task wrote this one.
+            shutil.rmtree(str(self.backup_dir), ignore_errors=True)
+        return result
     return on_train_end
 
 

@@ -18,7 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist.errors import ConfigError
-from tfdist.training import resume
+from tfdist.training import resume, task_exchange
 from tfdist.training import saving as keras_saving
 from tfdist.training.callbacks.files import (CKPT_PREFIX, CKPT_SUFFIX, TMP_PREFIX, POINTER,
                                              BackupError, check_backup_dir, fsync_dir,
@@ -284,15 +284,23 @@ class BackupAndRestore(keras.callbacks.Callback):
         sums, squares = total[:4], total[4:]
         if error is None and all(n * q == s * s for s, q in zip(sums, squares)):
             return
-        mine = (f"this worker ({task_name(strategy)}) "
-                + (f"failed: {error}" if error else
-                   f"read epoch={values[1]:g} step={values[2]:g}"
-                   if meta else "found no backup"))
+        mine = (f"failed: {error}" if error else
+                f"read epoch={values[1]:g} step={values[2]:g} (save {meta['save_count']})"
+                if meta else "found no backup")
+        try:
+            # Every worker is here (they all saw the same sums): tell each
+            # other what each found, for one message naming them all.
+            views = task_exchange.exchange(strategy, "tfdist-backup-disagree",
+                                           {"task": task_name(strategy), "view": mine})
+            found = "; ".join(f"{v['task']} {v['view']}" for v in views)
+        except task_exchange.ExchangeError:
+            found = f"this worker ({task_name(strategy)}) {mine}"
         raise BackupError(
-            f"The workers did not find the same backup in {self.backup_dir} "
-            f"({int(sums[0])} of {n} replicas read theirs without error); "
-            f"{mine}. backup_dir must be one directory that every worker "
-            "sees (a shared filesystem).") from error
+            f"The workers did not find the same backup in {self.backup_dir}: expected "
+            f"every worker to read one complete backup (or none), received: {found} "
+            f"({int(sums[0])} of {n} replicas read theirs without error). Nothing was "
+            "loaded. backup_dir must be one directory that every worker sees (a shared "
+            "filesystem).") from error
 
     def _sweep(self, keep: str | None) -> None:
         """Removes leftovers of interrupted saves: temp files, orphan backups."""
