@@ -37,6 +37,7 @@ _LAZY = {
     "fit": "tfdist.training.parameter_server",
     "evaluate": "tfdist.training.parameter_server",
     "predict": "tfdist.training.parameter_server",
+    "shards": "tfdist.training.parameter_server",
     "ParameterServerError": "tfdist.training.parameter_server",
     "StepTimeoutError": "tfdist.training.parameter_server",
     "local_cluster": "tfdist.engines.local_cluster",

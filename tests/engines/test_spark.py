@@ -197,6 +197,38 @@ def test_context_outside_a_task_says_where_it_works():
         tfspark.context()
 
 
+def test_strategy_from_config_in_a_task_returns_the_task_strategy(tf_cpus):
+    # What run_task sets up around train_fn, with a local strategy standing
+    # for the task's (a real MultiWorkerMirrored needs the Spark job below).
+    from tfdist.strategies.provided import provide
+    task_strategy = tfdist.strategy_from_config(strategy="mirrored", cpu_replicas=2,
+                                                compression="fp16")
+    tf_config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                 "task": {"type": "worker", "index": 1}}
+    with provide(task_strategy, tf_config=tf_config, compression="fp16",
+                 error_feedback=None, options={"cpu_replicas": 2},
+                 source="tfdist.spark.run"):
+        # Nothing asked, or the same settings: the task's strategy.
+        assert tfdist.strategy_from_config() is task_strategy
+        assert tfdist.strategy_from_config(
+            json.dumps(tf_config), compression="fp16", cpu_replicas=2) is task_strategy
+        # Another setting of the task's strategy: refused, naming run().
+        with pytest.raises(ConfigError) as caught:
+            tfdist.strategy_from_config(compression="bf16")
+        assert caught.value.field == "compression"
+        assert "expected None or the setting given to tfdist.spark.run (fp16)" in str(
+            caught.value)
+        assert "Received: 'bf16'" in str(caught.value)
+        with pytest.raises(ConfigError) as caught:
+            tfdist.strategy_from_config(cpu_replicas=3)
+        assert caught.value.field == "cpu_replicas"
+        # Another kind of strategy is built as asked.
+        other = tfdist.strategy_from_config(strategy="one_device")
+        assert other is not task_strategy and other.kind == "one_device"
+    # Outside the task: a new strategy again.
+    assert tfdist.strategy_from_config(strategy="mirrored", cpu_replicas=2) is not task_strategy
+
+
 def test_a_spark_failure_outside_train_fn_names_the_partition():
     # What Spark says when an executor or Python worker dies: no task
     # traceback, so the partition comes from Spark's text, Java frames cut.
@@ -370,6 +402,23 @@ def test_two_barrier_tasks_train_in_sync_with_the_compression_given(spark):
     assert result["compression"] == "fp16"
     assert chief["compression"] == other["compression"] == "fp16"
     assert "compression: fp16 (FP16Compressor" in result["description"], context
+
+
+@pytest.mark.slow
+def test_a_train_fn_without_arguments_that_makes_its_own_strategy(spark):
+    # spark-tensorflow-distributor's convention: train_fn() calls
+    # tfdist.strategy_from_config() and enters its scope, inside the scope
+    # run() already entered. It gets the task's strategy (one per process:
+    # TensorFlow's collectives are configured once), with run()'s compression.
+    chief, other = spark.run(spark_train.train_own_strategy, compression="fp16")
+    context = f"\n{chief}\n{other}\n{spark.logs()}"
+    assert [chief["task"], other["task"]] == ["worker:0", "worker:1"], context
+    assert chief["is_ctx_strategy"] and other["is_ctx_strategy"], context
+    assert chief["compression"] == other["compression"] == "fp16"
+    assert chief["variables_mirrored"] == "MirroredVariable"
+    assert chief["weights_sha256"] == other["weights_sha256"], context
+    assert chief["loss"] == other["loss"]
+    assert chief["loss"][-1] < chief["loss"][0], context
 
 
 @pytest.mark.slow

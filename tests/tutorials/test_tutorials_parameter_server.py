@@ -34,12 +34,26 @@ def no_error(result: dict, name: str):
     return result[name]
 
 
+def expected_shards(shape: list[int], partitions: list[int]) -> list[list[int]]:
+    """The shard shapes TensorFlow makes of ``shape`` for ``partitions`` (a
+    partitioner's answer): rows split along axis 0, the first ones one longer."""
+    count = partitions[0]
+    rows, rest = divmod(shape[0], count)
+    return [[rows + (i < rest), *shape[1:]] for i in range(count)]
+
+
 def test_ps_tutorial_strategy_from_the_resolver_shards_the_embedding(tutorial):
     result, _ = tutorial
     assert result["strategy"] == "ParameterServerStrategy"
-    # Vocabulary 7 + 1 OOV rows x 16384 floats = 512 KiB; 256 KiB minimum per
-    # shard, at most 2: two (4, 16384) shards, one on each ps.
-    assert [shape for shape, _ in result["shards"]] == [[4, 16384], [4, 16384]]
+    # Keras 3 lists one weight for the table, the whole (vocabulary, 16384)
+    # (the tutorial, on TF-Keras, checks for the shards in layer.weights).
+    [table_shape] = result["layer_weights"]
+    # The partitioner shards this table over both ps (vocabulary 7 + 1 OOV
+    # rows x 16384 float32 = 512 KiB, 256 KiB at least per shard)...
+    assert result["partitions"][0] == 2, result["partitions"]
+    # ...and the shards behind that weight are the ones it asked for, one per ps.
+    assert [shape for shape, _ in result["shards"]] == expected_shards(
+        table_shape, result["partitions"])
     assert sorted(device.split("/task:")[1][0] for _, device in result["shards"]) == ["0", "1"]
 
 
@@ -65,6 +79,10 @@ def test_ps_tutorial_coordinator_loop_trains_the_sharded_model(tutorial):
     assert loop["data_accuracy"] > 0.9 and loop["data_loss"] < math.log(2), loop
     assert len(loop["accuracy"]) == 4 and all(0 < a <= 1 for a in loop["accuracy"]), loop
     assert loop["final_loss"] > 0 and loop["regularization"] > 0, loop
+    # RMSprop's slot of the table, built in a scheduled step, is sharded as
+    # the table is.
+    table_shards = [shape for shape, _ in tutorial[0]["shards"]]
+    assert loop["slot_shards"] == [table_shards], loop
 
 
 def test_ps_tutorial_evaluations(tutorial):

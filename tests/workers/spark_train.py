@@ -105,3 +105,32 @@ def hang(ctx, *, pid_dir: str) -> None:
     if ctx.worker_index == 1:
         time.sleep(3600)
     ctx.barrier()
+
+
+def train_own_strategy(epochs: int = 2) -> dict:
+    """spark-tensorflow-distributor's convention: no context argument, and
+    train_fn makes its strategy itself, with ``tfdist.strategy_from_config()``.
+    """
+    import numpy as np
+
+    import _common
+    import tfdist
+    import tfdist.spark
+
+    strategy = tfdist.strategy_from_config()
+    ctx = tfdist.spark.context()
+    x, y = _common.make_data(512, 3)
+    with strategy.scope():
+        model = _common.build_model(0.01, 3)
+    history = model.fit(x, y, batch_size=64, epochs=epochs, verbose=0,
+                        shuffle=False)
+    weights = np.concatenate([w.ravel() for w in model.get_weights()])
+    report = {
+        "task": strategy.task,
+        "is_ctx_strategy": strategy is ctx.strategy,
+        "compression": str(strategy.compression),
+        "variables_mirrored": type(model.trainable_variables[0].value).__name__,
+        "loss": [float(v) for v in history.history["loss"]],
+        "weights_sha256": hashlib.sha256(weights.astype("<f4").tobytes()).hexdigest(),
+    }
+    return [json.loads(r) for r in ctx.all_gather(json.dumps(report))]

@@ -167,10 +167,14 @@ with strategy.scope():
     accuracy = tf.keras.metrics.Accuracy()
 
 # The tutorial checks that the embedding is split in two (4, 16384) shards on
-# the 2 ps. Keras 3 keeps one weight per layer variable; its TensorFlow value
-# holds the shards.
-shards = getattr(emb_layer.embeddings.value, "variables", [emb_layer.embeddings.value])
-result["shards"] = [[list(s.shape), s.device] for s in shards]
+# the 2 ps, in emb_layer.weights. Keras 3 keeps one weight per layer variable
+# (TF-Keras listed the shards): tfdist.shards gives the partitioner's shards.
+table = emb_layer.embeddings
+result["layer_weights"] = [list(w.shape) for w in emb_layer.weights]
+result["shards"] = [[list(s.shape), s.device] for s in tfdist.shards(table)]
+# What the partitioner itself asks for, for this variable's shape and dtype.
+result["partitions"] = [int(n) for n in variable_partitioner(
+    shape=tf.TensorShape(table.shape), dtype=tf.as_dtype(table.dtype))]
 
 
 @tf.function
@@ -227,7 +231,11 @@ def loop():
     result["loop"] = {"accuracy": accuracies, "final_loss": final_loss,
                       "data_loss": float(data_loss), "data_accuracy": float(data_accuracy),
                       "regularization": float(tf.add_n(model.losses)),
-                      "iterations": int(optimizer.iterations.numpy())}
+                      "iterations": int(optimizer.iterations.numpy()),
+                      # RMSprop's slot of the table, built in a scheduled step.
+                      "slot_shards": [[list(s.shape) for s in tfdist.shards(v)]
+                                      for v in optimizer.variables
+                                      if tuple(v.shape) == tuple(table.shape)]}
 
 
 @section("inline_eval")

@@ -26,7 +26,8 @@ As spark-tensorflow-distributor's ``MirroredStrategyRunner.run(train_fn,
 ``train_fn(epochs=3)`` when its first parameter is not a required
 positional one (the context is then :func:`context`), and with no active
 session gets one from ``SparkSession.builder.getOrCreate()`` with the
-settings below (the loopback ones for a local master only).
+settings below (the loopback ones for a local master only). A ``train_fn``
+that calls ``tfdist.strategy_from_config()`` itself gets the task's strategy.
 
 Failures: when one task fails, Spark aborts the barrier stage as a whole and
 kills the other tasks; :func:`run` raises :class:`SparkJobError` with the

@@ -41,7 +41,8 @@ class TrainContext:
         strategy: tfdist's ``MultiWorkerMirroredStrategy`` for this task,
             built by :func:`tfdist.strategy_from_config` (with the
             ``compression`` and options given to :func:`run`). Build the
-            model and optimizer inside ``strategy.scope()``.
+            model and optimizer inside ``strategy.scope()``. In the task,
+            ``tfdist.strategy_from_config()`` returns this same strategy.
         worker_index: This task's worker index, equal to its Spark
             partition id. Worker 0 is the chief.
         num_workers: Number of tasks (workers) of the job.
@@ -169,11 +170,17 @@ def context() -> TrainContext:
 
 def _call_train_fn(spec: TaskSpec, ctx: TrainContext) -> Any:
     """Calls train_fn in ``ctx.strategy.scope()``, as the anchor's runner does,
-    with ``tfdist.spark.context()`` answering ``ctx`` meanwhile."""
+    with ``tfdist.spark.context()`` answering ``ctx`` meanwhile, and
+    ``tfdist.strategy_from_config()`` answering ``ctx.strategy`` (a train_fn
+    that makes its own strategy gets the task's, whose scope it is in)."""
+    from tfdist.strategies.provided import provide
     global _CURRENT
     _CURRENT = ctx
     try:
-        with ctx.strategy.scope():
+        with provide(ctx.strategy, tf_config=ctx.tf_config,
+                     compression=spec.compression,
+                     error_feedback=spec.error_feedback, options=spec.options,
+                     source="tfdist.spark.run"), ctx.strategy.scope():
             if spec.pass_context:
                 return spec.train_fn(ctx, **spec.train_kwargs)
             return spec.train_fn(**spec.train_kwargs)

@@ -23,6 +23,7 @@ from tfdist.strategies.base import (ClusterJoinError, TfdistStrategy, TPUNotFoun
 from tfdist.strategies.local import MirroredStrategy, OneDeviceStrategy, logical_cpus
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy, resolver_of, serve
+from tfdist.strategies import provided
 from tfdist.strategies.tpu import TPUStrategy, check_tpu
 
 
@@ -96,6 +97,10 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
     On a ps or worker task of a parameter-server cluster this call serves
     the cluster and does not return: the chief runs the training.
 
+    Inside a ``train_fn`` that ``tfdist.spark.run`` started, a call that
+    names no other cluster returns the task's strategy (built with
+    ``run``'s compression and options), not a second one.
+
     Returns:
         A tfdist strategy (a subclass of the matching tf.distribute one), or
         TensorFlow's default strategy for ``strategy="default"``.
@@ -111,6 +116,11 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
     """
     opts = make_options(**options)
     comp = dataclasses.replace(parse_compression(compression), error_feedback=error_feedback)
+    # Inside a tfdist.spark task: the task's strategy, not a second one.
+    task_strategy = provided.lookup(config, strategy, compression,
+                                    error_feedback, options)
+    if task_strategy is not None:
+        return task_strategy
     config, resolver = _config_source(config)
     choice = choose(config, strategy=strategy, options=opts)
     # A setting whose feature needs a newer Keras/TF than installed fails

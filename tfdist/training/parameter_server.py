@@ -58,9 +58,10 @@ from tfdist.errors import ConfigError
 from tfdist.training.ps_data import (PS, SOURCE, ParameterServerError, StepTimeoutError, build,
                                      check_model, check_positive_int, local_dataset, verbosity)
 from tfdist.training.ps_loop import ParameterServerFit
+from tfdist.training.ps_patches import shards
 from tfdist.training.ps_steps import evaluate_on_coordinator
 
-__all__ = ["fit", "evaluate", "predict", "ParameterServerError", "StepTimeoutError"]
+__all__ = ["fit", "evaluate", "predict", "shards", "ParameterServerError", "StepTimeoutError"]
 
 
 # --------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from tfdist.compat.keras_src import (in_stateless_scope,
 from tfdist.compat.keras_src import base_optimizer_module as base_optimizer
 from tfdist.compat.tf_python import ShardedVariable
 
-__all__ = ["install", "gradients", "is_sharded", "raw_variable", "wrap_assign_add",
+__all__ = ["install", "gradients", "is_sharded", "raw_variable", "shards", "wrap_assign_add",
            "wrap_assign_sub", "wrap_numpy", "wrap_array", "wrap_update_step",
            "wrap_slot_from_reference", "wrap_fit", "wrap_evaluate", "wrap_predict",
            "wrap_tape_gradient"]
@@ -212,6 +212,29 @@ def raw_variable(weight: Any) -> Any:
 
 def is_sharded(weight: Any) -> bool:
     return isinstance(raw_variable(weight), ShardedVariable)
+
+
+def shards(weight: Any) -> list[tf.Variable]:
+    """The variables that hold ``weight``, one per shard, in row order.
+
+    Keras 3 keeps one ``keras.Variable`` per layer weight: under a
+    ``variable_partitioner``, ``layer.weights`` lists one variable of the
+    whole shape (an Embedding's ``(8, 16384)`` table), and the partitioner's
+    shards are behind it. TF-Keras listed the shards themselves in
+    ``layer.weights``, which TensorFlow's parameter-server tutorial checks.
+
+    Args:
+        weight: A Keras variable, a ``tf.Variable`` or a ``ShardedVariable``.
+
+    Returns:
+        Its shard variables (each with its ``shape`` and the ``device`` of
+        its ps), or ``[variable]`` for one that is not sharded.
+    """
+    parts = _shards(weight)
+    if parts is not None:
+        return parts
+    return [getattr(weight, "_value", weight) if isinstance(weight, keras.Variable)
+            else weight]
 
 
 def _join(parts: Sequence[Any], shard_rows: Sequence[int]) -> Any:
