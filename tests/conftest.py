@@ -92,3 +92,11 @@ def result_line(stdout: str) -> dict:
         if line.startswith("tfdist result: "):
             return json.loads(line[len("tfdist result: "):])
     raise AssertionError(f"no 'tfdist result:' line in output:\n{stdout[-3000:]}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Prints the model corpus's losses (tests/models) when it trained any."""
+    report = sys.modules.get("corpus_report")
+    if report is not None and report.ROWS:
+        terminalreporter.write_sep("=", "model corpus: first and last loss")
+        terminalreporter.write_line(report.table())

@@ -1,0 +1,118 @@
+"""The models users train, under each tfdist path, on 2 logical CPU replicas.
+
+keras-hub's GPT-2, BERT and Gemma and keras.applications' MobileNets (one
+with synchronized BatchNorm), built from tiny configs with nothing
+downloaded, train under Mirrored with every compression setting, under
+``mixed_bfloat16`` and with gradient accumulation. Each must learn; where the
+arithmetic allows it (no compression, no per-replica statistics), 2 replicas
+must equal one device on the same global batches within 1e-5. The
+multi-worker and parameter-server paths are in test_model_corpus_cluster.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import corpus
+import corpus_report
+import tfdist
+
+SETTINGS = ["fp16", "bf16", "topk:0.1", "randomk:0.25", "sign", "qsgd:16", "powersgd:2",
+            "auto"]
+TOLERANCE = 1e-5
+
+
+def case(name: str) -> corpus.Case:
+    """The corpus entry, or a skip naming why keras-hub is missing."""
+    entry = corpus.CASES[name]
+    if entry.hub:
+        pytest.importorskip("keras_hub", reason=corpus.HUB_MISSING)
+    return entry
+
+
+@pytest.fixture(scope="module")
+def one_device(tf_cpus):
+    """One-device runs, computed once per model and setting."""
+    cache = {}
+
+    def run(name: str, **kwargs) -> dict:
+        key = (name, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = corpus.train(case(name), tfdist.strategy_from_config(cpu_replicas=1),
+                                      **kwargs)
+        return cache[key]
+    return run
+
+
+def assert_learns(result: dict):
+    losses = result["epochs"]
+    assert np.all(np.isfinite(result["losses"])), result["losses"]
+    assert losses[-1] < losses[0], f"the loss did not fall: epochs {losses}"
+
+
+@pytest.mark.parametrize("name", list(corpus.CASES))
+def test_mirrored_equals_one_device(tf_cpus, one_device, name):
+    entry = case(name)
+    strategy = tfdist.strategy_from_config(cpu_replicas=2)
+    if not entry.exact_steps:  # Per-replica BatchNorm: it must learn.
+        ours = corpus.train(entry, strategy, epochs=3)
+        corpus_report.add(name, "mirrored x2", "none", ours["losses"])
+        assert_learns(ours)
+        return
+    ours = corpus.train(entry, strategy, **corpus.exact_run(entry))
+    reference = one_device(name, **corpus.exact_run(entry))
+    difference = corpus.max_difference(ours["weights"], reference["weights"])
+    corpus_report.add(name, "mirrored x2", "none", ours["losses"], difference)
+    np.testing.assert_allclose(ours["losses"], reference["losses"], rtol=TOLERANCE)
+    assert difference <= TOLERANCE, difference
+    if entry.exact_steps >= 6:
+        assert_learns(ours)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("name", list(corpus.CASES))
+def test_mirrored_with_compression_learns(tf_cpus, name, setting):
+    entry = case(name)
+    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=setting)
+    ours = corpus.train(entry, strategy, epochs=3)
+    corpus_report.add(name, "mirrored x2", setting, ours["losses"])
+    assert_learns(ours)
+
+
+@pytest.fixture
+def mixed_bfloat16():
+    import keras
+    before = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    yield
+    keras.mixed_precision.set_global_policy(before)
+
+
+@pytest.mark.parametrize("name", list(corpus.CASES))
+def test_mixed_bfloat16_learns(tf_cpus, mixed_bfloat16, name):
+    entry = case(name)
+    ours = corpus.train(entry, tfdist.strategy_from_config(cpu_replicas=2), epochs=3)
+    corpus_report.add(name, "mirrored x2", "bf16 policy", ours["losses"])
+    assert_learns(ours)
+
+
+@pytest.mark.parametrize("name", list(corpus.CASES))
+def test_gradient_accumulation_equals_one_device(tf_cpus, one_device, name):
+    # Two micro-batches per update, on 2 replicas and on one device.
+    entry = case(name)
+    strategy = tfdist.strategy_from_config(cpu_replicas=2)
+    if not entry.exact_steps:
+        ours = corpus.train(entry, strategy, epochs=3, steps=4, accumulation=2)
+        corpus_report.add(name, "mirrored x2", "accumulate 2", ours["losses"])
+        assert_learns(ours)
+        return
+    # As many micro-batches as make the updates that can be exact.
+    run = {"steps": 4, "epochs": 2} if entry.exact_steps >= 6 else {
+        "steps": 2 * entry.exact_steps, "epochs": 1}
+    ours = corpus.train(entry, strategy, accumulation=2, **run)
+    reference = one_device(name, accumulation=2, **run)
+    difference = corpus.max_difference(ours["weights"], reference["weights"])
+    corpus_report.add(name, "mirrored x2", "accumulate 2", ours["losses"], difference)
+    assert difference <= TOLERANCE, difference
+    np.testing.assert_allclose(ours["losses"], reference["losses"], rtol=TOLERANCE)
