@@ -98,5 +98,5 @@ def pytest_terminal_summary(terminalreporter):
     """Prints the model corpus's losses (tests/models) when it trained any."""
     report = sys.modules.get("corpus_report")
     if report is not None and report.ROWS:
-        terminalreporter.write_sep("=", "model corpus: first and last loss")
+        terminalreporter.write_sep("=", "model corpus: first and last epoch's loss")
         terminalreporter.write_line(report.table())

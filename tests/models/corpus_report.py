@@ -1,7 +1,8 @@
 """The corpus's figures, printed at the end of a pytest run (tests/conftest.py).
 
-Each test that trains a model adds a row: model, path, setting, first and
-last loss, and its difference from one device where that comparison holds.
+Each test that trains a model adds a row: model, path, setting, the first
+and last epoch's mean loss, and the largest difference of its weights from
+one device's where that comparison holds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ ROWS: list[dict] = []
 
 
 def add(model: str, path: str, setting: str, losses: list, difference: float | None = None):
+    """Records one run; ``losses`` are its epochs' means."""
     ROWS.append({"model": model, "path": path, "setting": setting,
                  "first": losses[0], "last": losses[-1], "difference": difference})
 
