@@ -7,7 +7,6 @@ same global batches, where corpus.Case.exact_steps says they can.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
