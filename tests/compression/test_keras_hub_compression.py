@@ -1,12 +1,15 @@
-"""A keras-hub GPT-2 under every compression setting on 2 logical CPUs.
+"""A keras-hub GPT-2 and BERT under every compression setting on 2 logical CPUs.
 
-The model a user trains, not one of ours: its Dense kernels see 3-D hidden
+The models a user trains, not ours. GPT-2's Dense kernels see 3-D hidden
 states, so their traced gradients have no static first axis, and its token
 table is tied to the output projection (a ReversibleEmbedding called with
-``reverse=True``), so its gradient is dense. Each setting must train, and
-the bytes tfdist accounts for a step (``CommunicationStats``) must equal the
-bytes of the tensors the step really hands to the replica context's
-collectives, measured at run time.
+``reverse=True``), so its gradient is dense. BERT's token and segment tables
+get sparse gradients (IndexedSlices, all-gathered), its position table a
+dense one (a slice of the table), and its inputs leave the sequence length
+open, so the ids per example are only known from the traced step. Each
+setting must train, and the bytes tfdist accounts for a step
+(``CommunicationStats``) must equal the bytes of the tensors the step really
+hands to the replica context's collectives, measured at run time.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ pytestmark = pytest.mark.usefixtures("tf_cpus")
 
 VOCAB, SEQ, BATCH, STEPS = 1000, 16, 8, 4
 SETTINGS = ["none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd", "powersgd", "auto"]
+MODELS = ["gpt2", "bert"]
+#: TensorFlow all-gathers each replica's row count (an int32) before the
+#: values and indices of an IndexedSlices.
+ROW_COUNT_BYTES = 4
 
 
 def _compression(setting):
@@ -55,9 +62,25 @@ def _gpt2(strategy):
     return model
 
 
-def _dataset(tf):
+def _bert(strategy):
+    import corpus  # tests/models: keras-hub's BertTextClassifier from a tiny config.
+    import keras
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = corpus.bert()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _dataset(tf, name="gpt2"):
     # One batch, repeated: a few steps on it must lower the loss. Batched as
     # users batch, so the batch axis is unknown when the step is traced.
+    if name == "bert":
+        import corpus
+        x, y, _ = corpus._tokens(BATCH, 0, causal=False)
+        assert x["token_ids"].shape == (BATCH, SEQ)
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat(STEPS)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, (BATCH, SEQ + 1)).astype("int32")
     x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((BATCH, SEQ), "int32")}
@@ -66,10 +89,15 @@ def _dataset(tf):
         BATCH).repeat(STEPS)
 
 
+BUILDERS = {"gpt2": _gpt2, "bert": _bert}
+
+
 class _Recorder:
-    """Bytes of every dense tensor handed to ``ReplicaContext.all_reduce`` /
+    """Bytes of every tensor handed to ``ReplicaContext.all_reduce`` /
     ``all_gather`` in a train step, per replica thread, as run-time tensors
-    (a traced gradient's shape may be partly unknown)."""
+    (a traced gradient's shape may be partly unknown). An IndexedSlices
+    handed to ``all_reduce`` is all-gathered by TensorFlow: its row count,
+    values and indices count as gathered (and as ``sliced``)."""
 
     def __init__(self, tf):
         self.tf, self.local = tf, threading.local()
@@ -95,6 +123,10 @@ class _Recorder:
         tf = self.tf
         if isinstance(t, tf.IndexedSlices):
             self.local.slices += 1
+            size = ROW_COUNT_BYTES + sum(tf.cast(tf.size(p), tf.float64) * p.dtype.size
+                                         for p in (t.values, t.indices))
+            self.local.gathered.append(size)
+            self.local.sliced.append(size)
             return
         t = tf.convert_to_tensor(t)
         sizes.append(tf.cast(tf.size(t), tf.float64) * t.dtype.size)
@@ -105,24 +137,24 @@ class _Recorder:
 
         def train_step(data):
             self.local.reduced, self.local.gathered, self.local.slices = [], [], 0
+            self.local.sliced = []
             logs = dict(original(data))
             graph = tf.compat.v1.get_default_graph()
-            for kind in ("reduced", "gathered"):
+            for kind in ("reduced", "gathered", "sliced"):
                 sizes = getattr(self.local, kind)
                 # A size traced in a cond branch cannot be read here.
                 assert all(s.graph is graph for s in sizes), "collective inside a cond"
                 logs[f"traced_{kind}"] = tf.add_n(sizes) if sizes else tf.constant(0., tf.float64)
             logs["traced_slices"] = tf.constant(self.local.slices)
-            self.local.reduced = self.local.gathered = None
+            self.local.reduced = self.local.gathered = self.local.sliced = None
             return logs
         model.train_step = train_step
 
 
-@pytest.fixture(scope="module")
-def runs(tf_cpus):
-    """Each setting's GPT-2 fit: losses, last step's accounted and traced bytes."""
+def _fit_every_setting(tf, name):
+    """Each setting's fit of model ``name``: losses, last step's accounted
+    and traced bytes."""
     import keras
-    tf = tf_cpus
     recorder = _Recorder(tf)
     out = {}
 
@@ -139,57 +171,110 @@ def runs(tf_cpus):
         for setting in SETTINGS:
             strategy = tfdist.strategy_from_config(cpu_replicas=2,
                                                    compression=_compression(setting))
-            model = _gpt2(strategy)
+            model = BUILDERS[name](strategy)
             recorder.wrap(model)
             stats, keep = CommunicationStats(every_batch=True), Keep()
-            model.fit(_dataset(tf), epochs=1, verbose=0, callbacks=[stats, keep])
+            model.fit(_dataset(tf, name), epochs=1, verbose=0, callbacks=[stats, keep])
             out[setting] = dict(model=model, strategy=strategy, logs=keep.logs,
                                 accounted=stats.last)
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(tf_cpus):
+    """``runs(name)[setting]``: each model's fits, made on first use."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            done[name] = _fit_every_setting(tf_cpus, name)
+        return done[name]
+    return get
+
+
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_gpt2_trains_under_every_setting(runs, setting):
-    # bf16 and fp16 raised "ConcatV2 ... [bfloat16, ..., float32, ...]": the
-    # 4 Dense kernels' gradients, shapeless, went uncompressed into the same
-    # all-reduce as the 16-bit payloads.
-    losses = [logs["loss"] for logs in runs[setting]["logs"]]
+def test_trains_under_every_setting(runs, name, setting):
+    # bf16 and fp16 raised "ConcatV2 ... [bfloat16, ..., float32, ...]" on
+    # GPT-2: the 4 Dense kernels' gradients, shapeless, went uncompressed
+    # into the same all-reduce as the 16-bit payloads.
+    losses = [logs["loss"] for logs in runs(name)[setting]["logs"]]
     assert len(losses) == STEPS and np.isfinite(losses).all()
     assert losses[-1] < losses[0], losses
 
 
+def _sparse_tables(model):
+    """The trainable variables whose gradients are IndexedSlices."""
+    from tfdist.compression.sparse import embedding_tables
+    tables = embedding_tables(model)
+    return [v for v in model.trainable_variables if id(v) in tables]
+
+
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_accounted_bytes_equal_the_traced_collectives(runs, setting):
-    run = runs[setting]
+def test_accounted_bytes_equal_the_traced_collectives(runs, name, setting):
+    run = runs(name)[setting]
     accounted, logs = run["accounted"], run["logs"][-1]
     traced_reduce, traced_gather = logs["traced_reduced"], logs["traced_gathered"]
-    # GPT-2's tied token table gets a dense gradient: no IndexedSlices.
-    assert logs["traced_slices"] == 0 and accounted.dense_gather == 0
     assert (accounted.all_reduce, accounted.all_gather) == (traced_reduce, traced_gather)
     assert accounted.sent == (all_reduce_bytes(traced_reduce, 2)
                               + all_gather_bytes(traced_gather, 2))
+    # GPT-2's tied token table gets a dense gradient; BERT's token and
+    # segment tables IndexedSlices: one row per id of the replica's half of
+    # the batch, whatever the setting (a cast sends 16-bit values).
+    sparse = _sparse_tables(run["model"])
+    assert logs["traced_slices"] == len(sparse) == {"gpt2": 0, "bert": 2}[name]
+    rows = BATCH // 2 * SEQ
+
+    def slices(value_size):
+        return sum(ROW_COUNT_BYTES + rows * (int(np.prod(v.shape[1:])) * value_size + 4)
+                   for v in sparse)
     params = sum(int(np.prod(v.shape)) for v in run["model"].trainable_variables)
-    assert accounted.dense == params * 4
+    dense = params - sum(int(np.prod(v.shape)) for v in sparse)
+    assert accounted.dense == dense * 4 and accounted.dense_gather == slices(4)
+    half = setting in ("fp16", "bf16")
+    assert logs["traced_sliced"] == slices(2 if half else 4)
     if setting == "none":
-        assert traced_reduce == params * 4 and traced_gather == 0
-    elif setting in ("fp16", "bf16"):  # Every gradient in 16 bits, nothing left in float32.
-        assert traced_reduce == params * 2 and traced_gather == 0
+        assert traced_reduce == dense * 4 and traced_gather == slices(4)
+    elif half:  # Every gradient in 16 bits, nothing left in float32.
+        assert traced_reduce == dense * 2 and traced_gather == slices(2)
     else:
-        assert traced_reduce + traced_gather < params * 4
-    # The prediction before training says the same.
+        assert traced_reduce + traced_gather - slices(4) < dense * 4
+    # The prediction says the same (BERT's ids per example: from the trace).
     agg = getattr(run["strategy"], "_tfdist_aggregator", None) or "none"
     assert predict_traffic(run["model"], agg, num_replicas=2, batch_size=BATCH) == accounted
 
 
 def test_the_tied_token_table_is_counted_as_a_dense_gradient(runs):
     from tfdist.compression.sparse import embedding_tables
-    model = runs["none"]["model"]
+    model = runs("gpt2")["none"]["model"]
     assert embedding_tables(model) == {}  # Its reverse call multiplies by the table.
     table = model.backbone.token_embedding.embeddings
     # The gradient really is dense (not IndexedSlices) in the traced step.
-    assert runs["none"]["logs"][-1]["traced_slices"] == 0
+    assert runs("gpt2")["none"]["logs"][-1]["traced_slices"] == 0
     t = predict_traffic(model, "none", num_replicas=2)  # No batch size needed.
     assert t.dense_gather == 0 and t.dense >= int(np.prod(table.shape)) * 4
+
+
+def test_bert_token_and_segment_tables_are_sparse_of_traced_length(runs, tf_cpus):
+    from tfdist.compression.sparse import embedding_tables, traced_slices
+    model = runs("bert")["none"]["model"]
+    backbone = model.backbone
+    tables = embedding_tables(model)
+    # The model leaves the sequence open: (batch, None) token ids.
+    token, segment = backbone.token_embedding.embeddings, backbone.segment_embedding.embeddings
+    assert {id(token), id(segment)} == set(tables)
+    assert [tables[id(v)][1:] for v in (token, segment)] == [(None, "int32")] * 2
+    # keras-hub's PositionEmbedding slices its table: a dense gradient.
+    position = backbone.position_embedding.position_embeddings
+    assert id(position) not in tables
+    # The traced step knew the ids per example: the dataset's sequence length.
+    assert [t.ids_per_example for t in traced_slices(model.optimizer)] == [SEQ, SEQ]
+    # Before any step there is nothing to read them from.
+    fresh = _bert(tfdist.strategy_from_config(cpu_replicas=2))
+    with pytest.raises(tfdist.ConfigError, match="ids per example") as info:
+        predict_traffic(fresh, "none", num_replicas=2, batch_size=BATCH)
+    assert info.value.field == "model"
 
 
 @pytest.mark.parametrize("setting", ["bf16", "fp16"])

@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import logging
 import warnings
-import weakref
 from typing import Any
 
 import tensorflow as tf
@@ -46,6 +45,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.compat.keras_src import backend, standardize_dtype
 from tfdist.compression.aggregate import Aggregator, Item, ReplicaComm
+from tfdist.compression.sparse import TracedSlices, record_traced, traced_slices
 
 #: A strategy attribute: an object watching the gradient reduction
 #: (:class:`tfdist.profiling.instrument.Profiler`). It is told when the
@@ -135,16 +135,32 @@ def wrap_build(original):
     return build
 
 
-#: Optimizer -> (row shape, index dtype) of each IndexedSlices gradient its
-#: last traced step aggregated. Kept outside the optimizer: Keras tracks the
-#: lists set on it.
-_TRACED_SLICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+def ids_per_example(indices: Any) -> int | None:
+    """Ids each example looked up, for the indices of a gather's gradient.
+
+    TensorFlow's gradient of ``tf.gather`` flattens the ids with a Reshape
+    (gradients of several calls are concatenated), so the indices' own shape
+    is ``(None,)`` when the batch is unknown, but the ids' static shape (say
+    ``(None, 16)``) still says how many each example looked up. None where
+    the trace does not know it (eager, or another producer).
+    """
+    op = getattr(indices, "op", None) if not tf.executing_eagerly() else None
+    if op is None:
+        return None
+    if op.type in ("Identity", "Cast"):
+        return ids_per_example(op.inputs[0])
+    if op.type == "ConcatV2":  # One table looked up by several calls.
+        parts = [ids_per_example(t) for t in op.inputs[:-1]]
+        return None if None in parts else sum(parts)
+    if op.type == "Reshape":
+        shape = op.inputs[0].shape
+        return None if shape.rank is None or shape.rank < 1 else shape[1:].num_elements()
+    return None
 
 
-def traced_slices(optimizer: Any) -> list | None:
-    """The IndexedSlices gradients of ``optimizer``'s last traced step, as
-    ``(row shape, index dtype)`` pairs; None before its first step."""
-    return _TRACED_SLICES.get(optimizer)
+def _traced(grad: tf.IndexedSlices) -> TracedSlices:
+    return TracedSlices(tuple(grad.values.shape[1:]), grad.indices.dtype.name,
+                        ids_per_example(grad.indices))
 
 
 def with_variable_shape(grad: Any, variable: Any) -> Any:
@@ -167,8 +183,9 @@ def wrap_reduce(original):
         pairs = list(grads_and_vars)
         # Which gradients are IndexedSlices, compressed or not: step_traffic
         # refuses to count them without the model that says how many rows.
-        _TRACED_SLICES[self] = [(tuple(g.values.shape[1:]), g.indices.dtype.name)
-                                for g, _ in pairs if isinstance(g, tf.IndexedSlices)]
+        # Their ids per example too: a model may leave an Embedding's input
+        # length open (BERT's token ids), the traced batches do not.
+        record_traced(self, [_traced(g) for g, _ in pairs if isinstance(g, tf.IndexedSlices)])
         strategy = tf.distribute.get_strategy()
         observer = getattr(strategy, OBSERVER, None)
         if observer is not None and tf.distribute.get_replica_context():
@@ -200,7 +217,7 @@ def wrap_reduce(original):
         if observer is not None:
             observer.after_reduce(reduced)
         # The gradients sent as IndexedSlices, for CommunicationStats to check.
-        aggregator.traced_slices = _TRACED_SLICES[self]
+        aggregator.traced_slices = traced_slices(self)
         if not getattr(self, "_tfdist_logged", False):
             self._tfdist_logged = True
             # Sparse gradients' rows follow the batch: CommunicationStats counts them.

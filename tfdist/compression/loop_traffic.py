@@ -88,7 +88,7 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
     traced = traced_slices(getattr(optimizer, "inner_optimizer", optimizer))
     if model is not None:
         examples = None if batch_size is None else rows_per_replica(batch_size, n)
-        shapes = model_gradients(model, examples)
+        shapes = model_gradients(model, examples, traced)
         check_traced(shapes, traced)
     else:
         if traced:

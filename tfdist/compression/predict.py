@@ -45,6 +45,9 @@ def predict_traffic(
             ``Embedding(2000, 32)`` fed 4 ids per example, a batch of 64 on
             2 replicas, sends 128 rows of 32 float32 values and their int32
             indices, plus one int32 row count, from each replica.
+            An Embedding whose input length the model leaves open
+            (keras-hub's BERT) counts the ids per example of the step its
+            optimizer last traced, so it needs a ``fit`` step first.
 
     Returns:
         A :class:`Traffic`.

@@ -30,20 +30,25 @@ are.
 :class:`SparseGradient` describes one such gradient for byte accounting;
 :func:`model_gradients` finds a Keras model's Embedding tables;
 :class:`StepGradients` follows each ``fit`` step's examples for
-``CommunicationStats``. This module runs no TensorFlow op of its own.
+``CommunicationStats``. Where a model leaves an Embedding's input length
+open (keras-hub's BERT takes ``(batch, None)`` token ids), the ids per
+example come from the step the optimizer traced (:class:`TracedSlices`,
+recorded by the Keras hook): the static shape of the ids its gather
+flattened. This module runs no TensorFlow op of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 from tfdist.errors import ConfigError
 
 __all__ = ["SparseGradient", "LENGTH_BYTES", "slices_nbytes", "split_sparse", "add_sparse",
            "model_gradients", "embedding_tables", "rows_per_replica", "StepGradients",
-           "check_traced"]
+           "check_traced", "TracedSlices", "record_traced", "traced_slices"]
 
 #: Bytes of the row count each replica all-gathers before its slices.
 LENGTH_BYTES = 4
@@ -124,17 +129,57 @@ def rows_per_replica(batch_size: Any, num_replicas: int) -> int:
     return -(-batch_size // num_replicas)
 
 
+class TracedSlices(NamedTuple):
+    """One IndexedSlices gradient as an optimizer's traced step aggregated it.
+
+    Attributes:
+        row_shape: The shape of one slice (the table's shape without its
+            first axis).
+        index_dtype: The indices' dtype name.
+        ids_per_example: Ids each example looked up, from the static shape
+            of the ids the gather flattened (a BERT fed batches of 16 token
+            ids: 16), where the trace knew it; else None.
+    """
+
+    row_shape: tuple
+    index_dtype: str
+    ids_per_example: int | None = None
+
+
+#: Optimizer -> the TracedSlices of its last traced step. Kept outside the
+#: optimizer: Keras tracks the lists set on it.
+_TRACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def record_traced(optimizer: Any, slices: list[TracedSlices]) -> None:
+    """Records the IndexedSlices gradients ``optimizer``'s step traced."""
+    _TRACED[optimizer] = list(slices)
+
+
+def traced_slices(optimizer: Any) -> list[TracedSlices] | None:
+    """The IndexedSlices gradients of ``optimizer``'s last traced step (a
+    LossScaleOptimizer's: its inner optimizer's); None before its first."""
+    for candidate in (getattr(optimizer, "inner_optimizer", None), optimizer):
+        try:
+            found = _TRACED.get(candidate) if candidate is not None else None
+        except TypeError:  # Not weakly referenceable: never recorded.
+            found = None
+        if found is not None:
+            return found
+    return None
+
+
 def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
     """A Keras model's trainable Embedding tables whose gradients are
     IndexedSlices: a table tied to a ``reverse=True`` projection (GPT-2's
     logits) gets a dense gradient and is left out.
 
     Returns:
-        ``{id(table variable): (layer, ids per example, index dtype)}``.
-
-    Raises:
-        ConfigError: An Embedding layer whose input shape (without the batch
-            axis) is not fully known, so its rows cannot be counted.
+        ``{id(table variable): (layer, ids per example, index dtype)}``;
+        ids per example is None where the layer's input length is not
+        known from the model (keras-hub's BERT takes ``(batch, None)``
+        token ids): :func:`model_gradients` then takes it from the traced
+        step.
     """
     import keras
 
@@ -157,21 +202,34 @@ def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
         # the slices of every call, concatenated.
         specs = [node.input_tensors[0] for node in nodes if not _reverse(node)]
         shapes = [tuple(spec.shape)[1:] for spec in specs]
-        if not shapes or any(d is None for shape in shapes for d in shape):
-            raise ConfigError(
-                "model", getattr(layer, "name", layer),
-                "Embedding layers whose input shape is known (build the model on a "
-                "keras.Input of fixed length)",
-                received=f"Embedding {layer.name!r} with input shapes "
-                         f"{[tuple(spec.shape) for spec in specs] or 'unknown'}",
-                hint="Pass the variables as a list of (shape, dtype) pairs and "
-                     "tfdist.compression.SparseGradient(shape, dtype, rows, index_dtype) "
-                     "entries instead.")
+        known = shapes and not any(d is None for shape in shapes for d in shape)
         # Each call's ids keep an int64 input's dtype, else become int32;
         # TensorFlow concatenates mixed ones as int64.
         index = "int64" if any(str(spec.dtype) == "int64" for spec in specs) else "int32"
-        tables[id(table)] = (layer, sum(math.prod(shape) for shape in shapes), index)
+        tables[id(table)] = (layer, sum(math.prod(shape) for shape in shapes) if known
+                             else None, index)
     return tables
+
+
+def _ids_of(traced: Any) -> int | None:
+    """Ids per example of a TracedSlices (None for a bare (row shape, index dtype))."""
+    return traced[2] if len(traced) > 2 else None
+
+
+def _unknown_length(layer: Any, traced: list | None) -> ConfigError:
+    specs = [node.input_tensors[0] for node in getattr(layer, "_inbound_nodes", [])
+             if getattr(node, "input_tensors", None) and not _reverse(node)]
+    seen = ("no traced step yet" if traced is None else
+            f"a traced step whose ids per example are {[_ids_of(t) for t in traced]}")
+    return ConfigError(
+        "model", getattr(layer, "name", layer),
+        "Embedding layers whose ids per example are known: a keras.Input of fixed "
+        "length, or (once fit has traced a step) batches of fixed length",
+        received=f"Embedding {layer.name!r} with input shapes "
+                 f"{[tuple(spec.shape) for spec in specs] or 'unknown'} and {seen}",
+        hint="Pass the variables as a list of (shape, dtype) pairs and "
+             "tfdist.compression.SparseGradient(shape, dtype, rows, index_dtype) "
+             "entries instead.")
 
 
 def _reverse(node: Any) -> bool:
@@ -183,19 +241,26 @@ def _reverse(node: Any) -> bool:
     return reverse is True
 
 
-def model_gradients(model: Any, examples: int | None) -> list:
+def model_gradients(model: Any, examples: int | None, traced: list | None = None) -> list:
     """Gradient specs of a Keras model's trainable variables, in order:
     ``(shape, dtype)`` for dense ones, :class:`SparseGradient` for
     Embedding tables looked up ``examples`` times ids per example.
+
+    An Embedding whose input length the model leaves open (keras-hub's
+    BERT) takes its ids per example from the traced step: the n-th
+    IndexedSlices traced is the n-th table in variable order.
 
     Args:
         model: A built Keras model.
         examples: Examples the fullest replica holds in the step; may be
             None only for a model without Embedding tables.
+        traced: The :class:`TracedSlices` of the step; None: those of the
+            model's optimizer, if it has traced one.
 
     Raises:
         ConfigError: The model has Embedding tables and ``examples`` is
-            None, or an Embedding's input length is unknown.
+            None, or an Embedding's ids per example are known neither from
+            the model nor from a traced step.
     """
     tables = embedding_tables(model)
     if tables and examples is None:
@@ -205,6 +270,9 @@ def model_gradients(model: Any, examples: int | None) -> list:
             "the global batch size (as passed to fit) for a model with Embedding layers",
             hint=f"The gradients of Embedding {names} are IndexedSlices: one row per id "
                  "looked up, so what is sent depends on the batch, not on the table.")
+    if traced is None:
+        traced = traced_slices(getattr(model, "optimizer", None))
+    order = [id(v) for v in model.trainable_variables if id(v) in tables]
     out = []
     for v in model.trainable_variables:
         shape = tuple(int(d) for d in v.shape)
@@ -212,9 +280,15 @@ def model_gradients(model: Any, examples: int | None) -> list:
         found = tables.get(id(v))
         if found is None:
             out.append((shape, dtype))
-        else:
-            _, ids, index = found
-            out.append(SparseGradient(shape, dtype, examples * ids, index))
+            continue
+        layer, ids, index = found
+        if ids is None:
+            # Known once a step is traced: the ids the gather flattened.
+            at = order.index(id(v))
+            if traced is None or len(traced) != len(order) or _ids_of(traced[at]) is None:
+                raise _unknown_length(layer, traced)
+            ids = _ids_of(traced[at])
+        out.append(SparseGradient(shape, dtype, examples * ids, index))
     return out
 
 
@@ -272,21 +346,27 @@ class StepGradients:
     def __call__(self, aggregator: Any = None) -> list:
         """The specs of the step just taken.
 
+        The sparse gradients the step traced (the rows' shapes and index
+        dtypes, from the model's optimizer or else ``aggregator``) must be
+        those the model's Embedding tables predict; an Embedding of unknown
+        input length takes its ids per example from them.
+
         Args:
-            aggregator: The strategy's aggregator, if any. The sparse
-                gradients it traced (the rows' shapes and index dtypes) must
-                be those the model's Embedding tables predict.
+            aggregator: The strategy's aggregator, if any.
 
         Raises:
             ConfigError: They are not (say, a layer of your own that gathers
                 from a weight, or an Embedding also used as a dense matrix).
         """
+        traced = traced_slices(getattr(self.model, "optimizer", None))
+        if traced is None:
+            traced = getattr(aggregator, "traced_slices", None)
         if self._static is not None:
             specs = self._static
         else:
             examples = self.examples if self.examples is not None else self._step_examples()
-            specs = model_gradients(self.model, examples)
-        check_traced(specs, getattr(aggregator, "traced_slices", None))
+            specs = model_gradients(self.model, examples, traced)
+        check_traced(specs, traced)
         return specs
 
     def _step_examples(self) -> int:
@@ -320,8 +400,9 @@ def check_traced(specs: list, traced: list | None) -> None:
 
     Args:
         specs: Gradient specs, :class:`SparseGradient` for the sparse ones.
-        traced: ``(row shape, index dtype)`` of each IndexedSlices the
-            aggregation sent, in order; None: not known (nothing checked).
+        traced: :class:`TracedSlices` (or ``(row shape, index dtype)``
+            pairs) of each IndexedSlices the aggregation sent, in order;
+            None: not known (nothing checked).
 
     Raises:
         ConfigError: The counts, row shapes or index dtypes differ.
@@ -330,7 +411,7 @@ def check_traced(specs: list, traced: list | None) -> None:
         return
     _, sparse = split_sparse(specs)
     predicted = [(s.shape[1:], s.index_dtype) for s in sparse]
-    sent = [(tuple(shape), index) for shape, index in traced]
+    sent = [(tuple(t[0]), t[1]) for t in traced]
     if predicted != sent:
         raise ConfigError(
             "model", predicted, "sparse gradients matching what the step sends",
