@@ -156,9 +156,9 @@ def run_job(config: str, arm: str, work: Path, timeout: float = 900.0) -> dict:
         done = subprocess.run(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=timeout, cwd=REPO)
     if done.returncode != 0 or not (out / "worker0.json").exists():
-        tail = (out / "launch.log").read_text()[-3000:]
+        tail = (out / "launch.log").read_text()[-6000:]
         raise RuntimeError(f"{config} (profiler {arm}) failed with exit code "
-                           f"{done.returncode}; its log ends:\n{tail}")
+                           f"{done.returncode}; its log ({out / 'launch.log'}) ends:\n{tail}")
     result = json.loads((out / "worker0.json").read_text())
     result["dir"] = str(out)
     return result
@@ -308,7 +308,14 @@ def main(argv) -> None:
         report()
     else:
         netns.require("benchmarks/profiling.py")
-        netns.rerun_inside(__file__, sys.argv[1:])
+        try:
+            netns.rerun_inside(__file__, sys.argv[1:])
+        except subprocess.CalledProcessError as error:
+            # The inner run printed its own error (the failed job and its log)
+            # on this stderr: end with one line pointing there, not a traceback.
+            raise SystemExit(f"benchmarks/profiling.py: the run in the network namespace "
+                             f"failed with exit code {error.returncode}; its error is "
+                             "above") from None
         subprocess.run([sys.executable, __file__] + sys.argv[1:] + ["--mode=report"], check=True)
 
 

@@ -4,6 +4,7 @@ recorded in benchmarks/results/profiling.md; the notebook runs it small)."""
 from __future__ import annotations
 
 import statistics
+import subprocess
 import sys
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import profiling as bench  # noqa: E402
+from benchlib import netns  # noqa: E402
 
 
 def _phases(compute, communicate, step):
@@ -45,3 +47,19 @@ def test_summary_takes_the_median_ratio_over_pairs_and_the_larger_share():
     text = bench.markdown({"meta": meta, "runs": runs}, rows)
     assert "| fp32 | 1000.0 ms | 1020.0 ms | 1.020 (met) | — |" in text
     assert "| communicate |" in text
+
+
+@pytest.mark.skipif(netns.missing_requirements() is not None,
+                    reason=f"needs {netns.missing_requirements()}")
+def test_a_failure_inside_the_namespace_shows_its_error_not_a_bare_calledprocesserror(tmp_path):
+    # What notebooks/06_profiling.ipynb shows when the benchmark fails: the
+    # inner run's own error, then one line, no traceback of the outer process.
+    done = subprocess.run(
+        [sys.executable, "benchmarks/profiling.py", "--rate=fast", f"--results_dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "Expected a rate like '100mbit' or '1gbit'. Received: 'fast'" in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("benchmarks/profiling.py: the run in the network namespace failed "
+                           "with exit code 1"), done.stderr
+    assert "CalledProcessError" not in done.stderr

@@ -38,9 +38,11 @@ def weights(path) -> list:
 
 def test_two_workers_under_launch_equal_one_device(tf_cpus, tmp_path):
     names = available(corpus.CASES)
+    # GPT-2 again with bf16 compression, from a second strategy in each worker.
+    wanted = names + (["gpt2:bf16"] if "gpt2" in names else [])
     [(code, out, err)] = finish([start(
         ["-m", "tfdist", "launch", "--workers", "2", sys.executable, WORKER, "multi_worker",
-         tmp_path, *names])], timeout=900)
+         tmp_path, *wanted])], timeout=900)
     assert code == 0, (out[-3000:], err[-3000:])
     for name in names:
         entry = corpus.CASES[name]
@@ -64,6 +66,10 @@ def test_two_workers_under_launch_equal_one_device(tf_cpus, tmp_path):
         else:
             corpus_report.add(name, "launch 2 workers", "none", _epochs(out, key))
             assert _epochs(out, key)[-1] < _epochs(out, key)[0], name
+    if "gpt2" in names:
+        epochs = _epochs(out, "gpt2-bf16")
+        corpus_report.add("gpt2", "launch 2 workers", "bf16", epochs)
+        assert epochs[-1] < epochs[0], epochs
 
 
 def _cases(out):

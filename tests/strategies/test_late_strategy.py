@@ -3,6 +3,8 @@
 TensorFlow refuses with "Collective ops must be configured at program
 startup". tfdist carries tf.data datasets built first over to the worker's
 device, and for a model built first raises an error that says what to move.
+A later strategy in a process whose collectives already run swaps every
+task's collective state together (tfdist.strategies.rejoin).
 Two real worker processes through ``tfdist launch --workers 2``.
 """
 
@@ -14,8 +16,10 @@ import os
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, finish, result_line, start
+from tfdist import spec as spec_lib
 from tfdist.engines.launch import launch
+from tfdist.engines.net import local_spec
 
 SCRIPT = str(REPO / "tests" / "workers" / "late_strategy.py")
 
@@ -62,3 +66,32 @@ def test_a_model_built_before_the_strategy_says_what_to_move():
         "before it" in text
     assert "Move the strategy line up" in text
     assert "TensorFlow said: Collective ops must be configured at program startup" in text
+
+
+@pytest.mark.slow
+def test_strategies_created_in_sequence_each_train_and_an_unmatched_one_fails():
+    # worker:0 lags 2 s before each later strategy: before tfdist.strategies.rejoin
+    # the two waited forever at the second model's first variable.
+    count = 3
+    procs = [start(["tests/workers/strategy_sequence.py", count, 2], tf_config=config)
+             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+    results = finish(procs, timeout=180)
+    for code, _, err in results:
+        assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
+    one, two = (result_line(out) for _, out, _ in results)
+    assert [one["task"], two["task"]] == ["worker:0", "worker:1"]
+    assert len(one["fits"]) == len(two["fits"]) == count
+    for first, second in zip(one["fits"], two["fits"]):
+        assert first["replicas"] == second["replicas"] == 2
+        # Each worker fits its own half of every batch: equal weights only
+        # if the new strategy's all-reduces ran.
+        assert first["kernel"] == pytest.approx(second["kernel"], abs=1e-6)
+        assert first["loss"] == pytest.approx(second["loss"], rel=1e-6)
+        assert first["loss"][-1] < first["loss"][0]
+    # A strategy worker:1 never creates fails on worker:0 after its
+    # register_timeout of 3 s, naming the task, instead of waiting forever.
+    assert two["unmatched"] is None
+    error = one["unmatched"]["error"]
+    assert f"multi-worker strategy #{count + 1} of this process" in error
+    assert "this task (worker:0)" in error and "worker:1 did not arrive" in error
+    assert 3 <= one["unmatched"]["seconds"] < 30

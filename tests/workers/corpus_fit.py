@@ -33,8 +33,8 @@ else:
     made = {}
 
     def make(setting):
-        # One strategy per setting, shared by the cases: a process sets up
-        # its collectives for the cluster once.
+        # One strategy per setting, shared by the cases (each later
+        # strategy re-creates the collectives, in step on every worker).
         if setting not in made:
             made[setting] = tfdist.strategy_from_config(compression=setting,
                                                         register_timeout=90)

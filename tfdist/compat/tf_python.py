@@ -34,7 +34,8 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # --- tensorflow.python.eager ----------------------------------------------
     # The eager context: coordination-service key/values (preemption,
     # chief_save), collective health checks and aborts (watchdog, Horovod),
-    # enabling collectives late (late_start, multi_worker).
+    # enabling collectives late (late_start, multi_worker), barriers (rejoin,
+    # exit_barrier).
     "eager_context": ("tensorflow.python.eager.context",),
     # GradientTape's defining module: ps_patches wraps GradientTape.gradient.
     "backprop": ("tensorflow.python.eager.backprop",),

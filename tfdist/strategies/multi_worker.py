@@ -2,8 +2,11 @@
 
 It adds the fix for Keras 3 ``fit`` (keras-team/keras#20585), a registration
 timeout that names the task that did not join, a watchdog that fails the
-collectives of a job whose peer stopped answering, and a strategy built after
-TensorFlow's runtime started (:mod:`~tfdist.strategies.late_start`).
+collectives of a job whose peer stopped answering, a strategy built after
+TensorFlow's runtime started (:mod:`~tfdist.strategies.late_start`), later
+strategies of a process created in step on every task
+(:mod:`~tfdist.strategies.rejoin`), and workers that leave the cluster
+together at exit (:mod:`~tfdist.strategies.exit_barrier`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from tfdist.compat.tf_python import eager_context as context
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice
 from tfdist.spec.options import make_options
-from tfdist.strategies import late_start
+from tfdist.strategies import exit_barrier, late_start, rejoin
 from tfdist.strategies.base import ClusterJoinError, TfdistStrategy, next_key_base
 from tfdist.strategies.watchdog import PeerWatchdog
 
@@ -91,8 +94,14 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
             # first); late_start carries datasets over or says what to move.
             late = late_start.after_start(spec, cluster_resolver.task_type,
                                           cluster_resolver.task_id, call)
+        in_step = contextlib.nullcontext()
+        if multi and cluster_resolver.task_type in ("chief", "worker"):
+            # A later strategy replaces the collective server's state: all
+            # tasks together, or a peer's first collective is lost.
+            in_step = rejoin.in_step(
+                f"{cluster_resolver.task_type}:{cluster_resolver.task_id}", register_timeout)
         try:
-            with late:
+            with late, in_step:
                 super().__init__(cluster_resolver=cluster_resolver,
                                  communication_options=communication_options)
         except tf.errors.DeadlineExceededError as error:
@@ -123,6 +132,12 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
                      for i in range(len(spec.as_dict().get(job, ())))
                      if (job, i) != this]
             self.watchdog = PeerWatchdog(peers, collective_timeout).start()
+        if multi and cluster_resolver.task_type in ("chief", "worker"):
+            # A task that just exits looks crashed to the peers still alive
+            # 10 s later: leave the coordination service together.
+            watchdog = self.watchdog
+            exit_barrier.leave_together(
+                lambda: watchdog is not None and watchdog.failure is not None)
 
     def reduce(self, reduce_op, value, axis):
         """Reduces ``value`` across replicas, as Keras 3 ``fit`` calls it.
@@ -158,13 +173,20 @@ def _refuse_beside_horovod() -> None:
                  "strategy in one script, not both.")
 
 
-def configure_coordination(spec, register_timeout: float) -> None:
+def configure_coordination(spec, register_timeout: float,
+                           heartbeat_timeout: float | None = None) -> None:
     """Sets up TF's coordination service with a registration deadline.
 
     This is what MultiWorkerMirroredStrategy configures itself, plus
     ``cluster_register_timeout_in_ms`` and a registration barrier: without
     the barrier the leader waits forever in ``ensure_initialized`` for a
     peer that never starts, even with a timeout.
+
+    Args:
+        spec: The cluster (a ``tf.train.ClusterSpec``).
+        register_timeout: Seconds every task has to join.
+        heartbeat_timeout: Seconds without a heartbeat before the service
+            declares a task crashed; None: TensorFlow's default (10 s).
     """
     ctx = context.context()
     if ctx.coordination_service is not None:
@@ -176,7 +198,8 @@ def configure_coordination(spec, register_timeout: float) -> None:
         service_type="standalone",
         service_leader=multi_worker_util.coordination_leader(spec),
         coordinated_jobs=jobs,
-        cluster_register_timeout_in_ms=int(register_timeout * 1000))
+        cluster_register_timeout_in_ms=int(register_timeout * 1000),
+        heartbeat_timeout_in_ms=int((heartbeat_timeout or 0) * 1000))
     ctx.coordination_service.cluster_register_with_barrier = True
 
 
