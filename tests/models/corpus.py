@@ -33,18 +33,20 @@ class Case:
         exact_steps: How many steps 2 replicas equal one device on the same
             global batches within 1e-5; 0 where they cannot (per-replica
             BatchNorm statistics).
-        sparse: Whether some gradient is an IndexedSlices (an Embedding).
         hub: Whether it comes from keras-hub (an optional test dependency).
         learning_rate: SGD's rate for this model.
+        adam_rate: Adam's rate for this model. BERT learns its task slowly
+            under SGD (one device, 18 steps: 1.095 -> 0.937); Adam(1e-2)
+            takes it to 0.53 in 12. The CNNs' BatchNorm swings at 1e-2.
     """
 
     name: str
     build: Callable[[], object]
     data: Callable[[int, int], tuple]
     exact_steps: int
-    sparse: bool
     hub: bool
     learning_rate: float
+    adam_rate: float = 1e-2
 
 
 def _tokens(examples: int, seed: int, *, causal: bool):
@@ -128,17 +130,19 @@ def mobilenet_v3_synchronized():
 # images do no better).
 CASES = {
     "gpt2": Case("gpt2", gpt2, lambda n, s: _tokens(n, s, causal=True),
-                 exact_steps=6, sparse=True, hub=True, learning_rate=0.5),
+                 exact_steps=6, hub=True, learning_rate=0.5),
     "bert": Case("bert", bert, lambda n, s: _tokens(n, s, causal=False),
-                 exact_steps=6, sparse=True, hub=True, learning_rate=0.1),
+                 exact_steps=6, hub=True, learning_rate=0.1),
     "gemma": Case("gemma", gemma, lambda n, s: _tokens(n, s, causal=True),
-                  exact_steps=6, sparse=True, hub=True, learning_rate=0.5),
+                  exact_steps=6, hub=True, learning_rate=0.5),
     "mobilenet_v2": Case("mobilenet_v2", mobilenet_v2,
                          lambda n, s: _images(n, s, IMAGE),
-                         exact_steps=0, sparse=False, hub=False, learning_rate=0.01),
+                         exact_steps=0, hub=False, learning_rate=0.01,
+                         adam_rate=1e-3),
     "mobilenet_v3_sync": Case("mobilenet_v3_sync", mobilenet_v3_synchronized,
                               lambda n, s: _images(n, s, SMALL_IMAGE),
-                              exact_steps=1, sparse=False, hub=False, learning_rate=0.01),
+                              exact_steps=1, hub=False, learning_rate=0.01,
+                              adam_rate=1e-3),
 }
 
 
@@ -173,9 +177,10 @@ def train(case: Case, strategy, *, steps: int = 3, epochs: int = 2, global_batch
         if optimizer == "sgd":
             opt = keras.optimizers.SGD(case.learning_rate, momentum=0.9,
                                        gradient_accumulation_steps=accumulation)
+        elif optimizer == "adam":
+            opt = keras.optimizers.Adam(case.adam_rate, gradient_accumulation_steps=accumulation)
         else:
-            opt = keras.optimizers.Adam(1e-3 if case.sparse else 3e-3,
-                                        gradient_accumulation_steps=accumulation)
+            raise ValueError(f"optimizer: expected 'sgd' or 'adam', got {optimizer!r}")
         model.compile(optimizer=opt, loss=loss_for(case))
     running = []
     record = keras.callbacks.LambdaCallback(

@@ -179,16 +179,27 @@ def loading(callback: Any, slot: str) -> Iterator[None]:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _replace_with_copy(source: str, target: str) -> None:
-    tmp = os.path.join(os.path.dirname(target), f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+@contextlib.contextmanager
+def _atomic_file(target: str, suffix: str = "") -> Iterator[str]:
+    """Yields a temporary path beside ``target``; once written, it is synced
+    and renamed over ``target``, so a kill leaves the old file or the new
+    one, never half of one. (``suffix``: Keras saves weights only to a
+    ``.weights.h5`` name.)"""
+    tmp = os.path.join(os.path.dirname(target),
+                       f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{suffix}")
     try:
-        shutil.copyfile(source, tmp)
+        yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _replace_with_copy(source: str, target: str) -> None:
+    with _atomic_file(target) as tmp:
+        shutil.copyfile(source, tmp)
 
 
 def roll_back(callback: Any) -> None:
@@ -221,18 +232,11 @@ def save_own(callback: Any, metadata: dict) -> None:
                                (meta_path, callback._prev_training_metadata_path)):
             if os.path.exists(path):
                 _replace_with_copy(path, previous)
-    tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.weights.h5")
-    try:
+    with _atomic_file(weights, suffix=".weights.h5") as tmp:
         with keras_saving.unsynchronized():  # Its own file: nobody to wait for.
             callback.model.save_weights(filepath=tmp, overwrite=True)
         # The chief's coordinated save of this name counted one more.
         next_key(weights)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, weights)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     keras_saving.write_json(meta_path, {"epoch": callback._current_epoch,
                                         "batch": callback._last_batch_seen, **metadata,
                                         **weights_digest(weights)})
