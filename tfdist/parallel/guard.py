@@ -29,6 +29,7 @@ module makes it an error (:class:`KerasDistributionError`) in each order:
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import weakref
 from typing import Any
@@ -38,8 +39,11 @@ from tfdist.errors import TfdistError
 __all__ = ["KerasDistributionError", "install", "check_no_distribution",
            "register_strategy", "wrap_set_distribution", "wrap_entry"]
 
-#: The tfdist strategies of this process that are alive.
-_strategies: "weakref.WeakSet[Any]" = weakref.WeakSet()
+#: The tfdist strategies of this process that are alive, with the order they
+#: were made in (the error names the newest: an older one may wait for the
+#: garbage collector).
+_strategies: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_made = itertools.count()
 
 
 class KerasDistributionError(TfdistError, RuntimeError):
@@ -89,17 +93,19 @@ def check_no_distribution(kind: str = "tfdist") -> None:
 
 def register_strategy(strategy: Any) -> None:
     """Records a live tfdist strategy, so that ``set_distribution`` refuses."""
-    _strategies.add(strategy)
+    _strategies[strategy] = next(_made)
 
 
 def wrap_set_distribution(original):
     @functools.wraps(original)
     def set_distribution(value):
         if value is not None and _on_tensorflow():
-            alive = list(_strategies)
+            alive = sorted(_strategies.items(), key=lambda item: item[1])
             if alive:
+                newest = type(alive[-1][0]).__name__
+                others = f", and {len(alive) - 1} older" if len(alive) > 1 else ""
                 raise _error(value, "was set while a tfdist strategy exists in this "
-                             f"process ({type(alive[0]).__name__})")
+                             f"process ({newest}{others})")
         return original(value)
     return set_distribution
 
