@@ -58,6 +58,9 @@ def define_flags() -> None:
                         "(checkpoints/), the trained model (model.keras) and "
                         "results.json; default: nothing is written.")
     flags.DEFINE_integer("seed", 0, "Seed for the data and the weights.")
+    flags.DEFINE_enum("jit_compile", "auto", ["auto", "true", "false"],
+                      "XLA (Keras compile's jit_compile): 'true' compiles each "
+                      "replica's step; 'auto' turns it on where Keras would (a GPU).")
     flags.DEFINE_string("backup_dir", None,
                         "tfdist.BackupAndRestore directory, one that every worker "
                         "sees: a rerun (a restarted or requeued job) resumes from it. "
@@ -110,13 +113,16 @@ def make_data(examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype("int32")
 
 
-def build_model(learning_rate: float, seed: int, steps_per_execution: int = 1) -> Any:
+def build_model(learning_rate: float, seed: int, steps_per_execution: int = 1,
+                jit_compile: bool | str = "auto") -> Any:
     """The scripts' model: a compiled 16-64-3 MLP with fixed initial weights.
 
     Args:
         learning_rate: Adam's learning rate.
         seed: Seeds Keras's initializers.
         steps_per_execution: Keras's ``compile`` argument.
+        jit_compile: Keras's ``compile`` argument: XLA (True, False or
+            ``"auto"``).
 
     Returns:
         A compiled ``keras.Sequential``; call this inside ``strategy.scope()``.
@@ -131,7 +137,8 @@ def build_model(learning_rate: float, seed: int, steps_per_execution: int = 1) -
     model.compile(
         optimizer=keras.optimizers.Adam(learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"], steps_per_execution=steps_per_execution)
+        metrics=["accuracy"], steps_per_execution=steps_per_execution,
+        jit_compile=jit_compile)
     return model
 
 
@@ -169,7 +176,7 @@ def _save_model(model: Any, strategy: Any, model_dir: str) -> str:
 def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
           examples: int, learning_rate: float, seed: int,
           callbacks: list | None = None, model_dir: str | None = None,
-          steps_per_execution: int = 1) -> dict:
+          steps_per_execution: int = 1, jit_compile: bool | str = "auto") -> dict:
     """Fits the model under ``strategy``; returns the final metrics.
 
     Args:
@@ -184,6 +191,7 @@ def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
             ``model_dir/checkpoints/`` and the trained model to
             ``model_dir/model.keras`` (written by the chief only).
         steps_per_execution: Steps per call of Keras's train function.
+        jit_compile: XLA: True, False or ``"auto"`` (Keras's ``compile``).
 
     Returns:
         The strategy's name, replicas, global batch, the loss per epoch, the
@@ -202,7 +210,7 @@ def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
         tf.data.experimental.AutoShardPolicy.DATA)
     data = data.with_options(options)
     with strategy.scope():
-        model = build_model(learning_rate, seed, steps_per_execution)
+        model = build_model(learning_rate, seed, steps_per_execution, jit_compile)
     callbacks = list(callbacks or [])
     if model_dir:
         callbacks.append(tfdist.ModelCheckpoint(
@@ -254,6 +262,11 @@ def report(result: dict, strategy: Any) -> None:
             json.dump(result, f)
 
 
+def jit_compile_flag() -> bool | str:
+    """``--jit_compile`` as Keras's ``compile`` takes it."""
+    return {"true": True, "false": False}.get(FLAGS.jit_compile, "auto")
+
+
 def main(_argv: list[str]) -> None:
     """Builds the strategy from the flags, trains, and reports."""
     strategy = strategy_from_flags()
@@ -269,7 +282,7 @@ def main(_argv: list[str]) -> None:
                        per_replica_batch_size=FLAGS.per_replica_batch_size,
                        examples=FLAGS.examples, learning_rate=FLAGS.learning_rate,
                        seed=FLAGS.seed, callbacks=callbacks + backup,
-                       model_dir=FLAGS.model_dir)
+                       model_dir=FLAGS.model_dir, jit_compile=jit_compile_flag())
     except TfdistError as error:
         exit_with(error)
     if callbacks and callbacks[0].last is not None:

@@ -370,3 +370,24 @@ def test_tensor_parallel_benchmark_halves_the_block_and_splits_the_wire_bytes(tm
     assert sent["data_parallel"] < rows["T1"]["predicted"]["data_parallel"] / 2
     assert results["agreement"]["T2"]["max_loss_diff"] < 1e-5
     assert "| T=2 (DP=2) | none |" in (tmp_path / "tensor_parallel.md").read_text()
+
+
+def test_xla_benchmark_names_the_error_and_marks_the_rows():
+    xla = _load_benchmark("xla")
+    log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+           "ValueError: Attempt to convert a value (PerReplica:{\n  0: 1\n}) with an "
+           "unsupported type")
+    assert xla._error_line(log) == "ValueError: Attempt to convert a value (PerReplica:{"
+    aborted = "W0000 something\nF0000 Collectives are not yet implemented for CPU devices"
+    assert xla._error_line(aborted).startswith("F0000 Collectives are not yet implemented")
+    assert [xla.pair_order(i)[0] for i in range(3)] == ["off", "xla", "off"]
+    row = xla._row("Mirrored, 2 logical CPUs", "mlp", {"off": [0.010, 0.012],
+                                                       "xla": [0.015, 0.012]}, "fails: x")
+    assert row["ratios"] == [1.5, 1.0] and row["median_ratio"] == 1.25
+    alone = xla._row("no strategy, one device", "mlp", {"off": [0.01], "xla": [0.02]}, None)
+    meta = {"when": "now", "cpus": 2, "tf": "2.21.0", "keras": "3.15.1", "models": ["mlp"],
+            "pairs": 2, "steps": 15, "warmup_steps": 5, "load_before": 1.0,
+            "load_after": 1.0}
+    table = xla.markdown({"meta": meta, "rows": [row, alone]})
+    assert "| Mirrored, 2 logical CPUs | mlp | 11.0 | 13.5 | 1.25 | 1.50, 1.00 | fails:" in table
+    assert "| no strategy, one device | mlp | 10.0 | 20.0 | 2.00 | 2.00 | - |" in table

@@ -162,7 +162,8 @@ def dataset(case: Case, global_batch: int, steps: int, seed: int = 0):
 
 
 def train(case: Case, strategy, *, steps: int = 3, epochs: int = 2, global_batch: int = 16,
-          optimizer: str = "sgd", accumulation: int | None = None) -> dict:
+          optimizer: str = "sgd", accumulation: int | None = None,
+          jit_compile: bool | str = "auto") -> dict:
     """Builds, compiles and fits ``case`` under ``strategy``, from seed 0.
 
     Returns:
@@ -181,7 +182,7 @@ def train(case: Case, strategy, *, steps: int = 3, epochs: int = 2, global_batch
             opt = keras.optimizers.Adam(case.adam_rate, gradient_accumulation_steps=accumulation)
         else:
             raise ValueError(f"optimizer: expected 'sgd' or 'adam', got {optimizer!r}")
-        model.compile(optimizer=opt, loss=loss_for(case))
+        model.compile(optimizer=opt, loss=loss_for(case), jit_compile=jit_compile)
     running = []
     record = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: running.append((batch, logs["loss"])))

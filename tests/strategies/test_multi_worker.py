@@ -50,15 +50,21 @@ def test_two_worker_keras_fit_through_strategy_from_config(tf_cpus):
                                                   "collectives": 3}
 
 
-@pytest.mark.parametrize("compression,steps", [("powersgd:2", 1), ("topk:0.05", 3)])
+@pytest.mark.parametrize("compression,steps,jit", [("powersgd:2", 1, False),
+                                                    ("topk:0.05", 3, False),
+                                                    ("powersgd:2", 2, True)])
 def test_two_worker_fit_with_compression_ends_with_identical_weights(tf_cpus, compression,
-                                                                     steps):
+                                                                     steps, jit):
     # PowerSGD: two all-reduces, warm-up cond and Q state across processes;
     # top-k: an all-gather across processes, with error feedback, 3 steps
-    # per execution (Keras 3 fails there without tfdist's fix).
+    # per execution (Keras 3 fails there without tfdist's fix); PowerSGD
+    # again with jit_compile=True and 2 steps per execution (Keras 3's XLA
+    # step aborts the workers: no collectives on CPU under XLA; tfdist
+    # all-reduces outside it).
     spec = local_spec(2)
     procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
-                   TFDIST_TEST_COMPRESSION=compression, TFDIST_TEST_STEPS=str(steps))
+                   TFDIST_TEST_COMPRESSION=compression, TFDIST_TEST_STEPS=str(steps),
+                   TFDIST_TEST_JIT="1" if jit else "0")
              for _, _, config in spec_lib.all_task_configs(spec)]
     results = finish(procs, timeout=240)
     for code, out, err in results:

@@ -79,6 +79,10 @@ def test_variables_partitioned_over_two_ps_train_and_save(tmp_path):
     # Every example of the last epoch counted once by the loss metric.
     assert result["loss_count"] == STEPS * BATCH
     assert result["reloaded_equal"] is True
+    # compile(jit_compile=True) is refused, naming the strategy and the way out.
+    refused = result["jit_refused"]
+    assert refused is not None and "field 'jit_compile'" in refused
+    assert "ParameterServerStrategy" in refused and "jit_compile=False" in refused
 
 
 @pytest.mark.slow

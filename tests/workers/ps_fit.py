@@ -118,6 +118,13 @@ try:
         path = os.path.join(WORKDIR, "partitioned.keras")
         model.save(path)
         result["reloaded_equal"] = weights_sha(keras.models.load_model(path)) == weights_sha(model)
+        # XLA cannot compile steps against variables on parameter servers.
+        try:
+            with strategy.scope():
+                model.compile(optimizer="adam", loss="mse", jit_compile=True)
+            result["jit_refused"] = None
+        except tfdist.ConfigError as error:
+            result["jit_refused"] = str(error)
     elif SCENARIO == "worker_kill":
         # TensorFlow logs when a restarted worker is back in the cluster.
         import logging

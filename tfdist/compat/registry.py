@@ -37,6 +37,8 @@ FEATURES: dict[str, dict] = {
     "profiling": {"description": "the step profiler (tfdist.profiling)", "required": False},
     "timeline": {"description": "TFDIST_TIMELINE's automatic StepProfile",
                  "required": False},
+    "xla": {"description": "jit_compile under Mirrored and MultiWorkerMirrored",
+            "required": True},
     "horovod": {"description": "tfdist.horovod's Keras fixes", "required": False},
     "horovod_spellings": {"description": "Horovod-era Keras spellings (tfdist.horovod)",
                           "required": False},
@@ -70,6 +72,14 @@ _PS_WHY = ("Keras 3 under ParameterServerStrategy: model.fit is unsupported "
            "increments), ShardedVariable has no handle")
 _TP_WHY = ("tfdist.parallel's sharded weights: Keras reads a MirroredVariable from "
            "its first component, so saving and get_weights would keep shard 0 alone")
+
+_XLA_WHY = ("compile(jit_compile=True) under Mirrored compiles strategy.run whole: 'Trying "
+            "to access resource .../replica_1/... located in device CPU:1 from device "
+            "CPU:0'; under MultiWorkerMirrored on CPU 'Collectives are not yet implemented "
+            "for CPU devices when compiling with XLA' (keras-team/keras#20763, #21366, "
+            "#18666): tfdist compiles each replica's step and all-reduces outside XLA")
+_XLA_CANARY = ("tests/training/test_xla.py::"
+               "test_stock_keras_fails_with_jit_compile_under_mirrored")
 
 #: Every patch, grouped by feature; within one target, innermost first.
 PATCHES: tuple[Patch, ...] = (
@@ -298,6 +308,33 @@ PATCHES: tuple[Patch, ...] = (
     Patch("timeline.fit", f"{_TFT}.fit", "tfdist.profiling.callback:wrap_fit", "timeline",
           "TFDIST_TIMELINE adds a StepProfile to every fit", params=("self",),
           canary="no upstream bug: instrumentation"),
+    # --- XLA ------------------------------------------------------------------
+    # After inline_steps and profiling: the outermost wrapper of _make_function,
+    # so the steps those wrap are already the replica's XLA step.
+    Patch("xla.make_function", f"{_TFT}._make_function",
+          "tfdist.training.xla:wrap_make_function", "xla", _XLA_WHY,
+          params=("self", "step_function"), canary=_XLA_CANARY),
+    Patch("xla.compile", f"{_K}Trainer.compile", "tfdist.training.xla:wrap_compile", "xla",
+          "jit_compile=True where XLA cannot work (parameter servers, TPU, layers without "
+          "XLA, collectives on CPU) must fail at compile, not deep in a graph",
+          params=("self",), canary="no upstream bug: tfdist's refusals"),
+    Patch("xla.resolve_auto", f"{_K}Trainer._resolve_auto_jit_compile",
+          "tfdist.training.xla:wrap_resolve_auto", "xla",
+          "Keras resolves jit_compile='auto' to False whenever a strategy is set",
+          params=("self",),
+          canary="none: Keras chooses XLA only where a GPU is visible (untested here); "
+                 "tests/training/test_xla.py checks the CPU resolution"),
+    Patch("xla.apply_gradients", f"{_BASE_OPT}.apply_gradients",
+          "tfdist.training.xla:wrap_apply_gradients", "xla",
+          "inside the replica's XLA step the apply is recorded and run after it, outside "
+          "XLA (the all-reduce cannot be compiled)", params=("self", "grads_and_vars"),
+          canary=_XLA_CANARY),
+    Patch("xla.apply", f"{_BASE_OPT}.apply", "tfdist.training.xla:wrap_apply", "xla",
+          "the same, for a train_step that calls optimizer.apply",
+          params=("self", "grads", "trainable_variables"), canary=_XLA_CANARY),
+    Patch("xla.loss_scale_apply", f"{_LSO}.apply", "tfdist.training.xla:wrap_apply", "xla",
+          "the same, for LossScaleOptimizer's own apply",
+          params=("self", "grads", "trainable_variables"), canary=_XLA_CANARY),
     # --- tfdist.horovod -------------------------------------------------------
     Patch("horovod.check_finite", f"{_LSO}.check_finite",
           "tfdist.horovod.optimizer:wrap_check_finite", "horovod",

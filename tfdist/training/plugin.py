@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist.training import accumulation, fit_preemption, loops, saving, steps, tf_handler
+from tfdist.training import (accumulation, fit_preemption, loops, saving, steps, tf_handler,
+                             xla)
 
 
 def install(strategy: Any) -> None:
@@ -23,6 +24,11 @@ def install(strategy: Any) -> None:
     tf_handler.install()
     saving.install()
     fit_preemption.install()
+    xla.install()
+
+
+def describe(strategy: Any) -> str | None:
+    return xla.describe_line(strategy)
 
 
 def multi_worker(strategy: Any) -> None:
