@@ -314,9 +314,15 @@ PATCHES: tuple[Patch, ...] = (
     Patch("xla.make_function", f"{_TFT}._make_function",
           "tfdist.training.xla:wrap_make_function", "xla", _XLA_WHY,
           params=("self", "step_function"), canary=_XLA_CANARY),
+    Patch("xla.predict_function", f"{_TFT}.make_predict_function",
+          "tfdist.training.xla:wrap_make_predict_function", "xla",
+          "Keras 3.10 hands strategy.run its jit-compiled predict step itself, which "
+          "strategy.run compiles around every replica ('Trying to access resource "
+          ".../replica_1/...'); there predict runs without XLA",
+          params=("self", "force"), canary=_XLA_CANARY),
     Patch("xla.compile", f"{_K}Trainer.compile", "tfdist.training.xla:wrap_compile", "xla",
           "jit_compile=True where XLA cannot work (parameter servers, TPU, layers without "
-          "XLA, collectives on CPU) must fail at compile, not deep in a graph",
+          "XLA, collectives in the forward pass) must fail at compile, not deep in a graph",
           params=("self",), canary="no upstream bug: tfdist's refusals"),
     Patch("xla.resolve_auto", f"{_K}Trainer._resolve_auto_jit_compile",
           "tfdist.training.xla:wrap_resolve_auto", "xla",

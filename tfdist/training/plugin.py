@@ -6,7 +6,8 @@ Every strategy installs the ``steps_per_execution`` and custom-loop fixes
 :mod:`~tfdist.training.accumulation`), TensorFlow's preempted exit
 (:mod:`~tfdist.training.tf_handler`), and Keras's saves: chief-only
 (:mod:`~tfdist.training.saving`, wrapped first) under BackupAndRestore's
-save-on-preemption (:mod:`~tfdist.training.fit_preemption`).
+save-on-preemption (:mod:`~tfdist.training.fit_preemption`), and
+``jit_compile`` per replica (:mod:`~tfdist.training.xla`).
 """
 
 from __future__ import annotations

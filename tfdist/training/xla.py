@@ -23,7 +23,8 @@ of XLA (:func:`wrap_make_function`):
   compression, gradient accumulation and the loss-scale check happen as
   without XLA.
 * **evaluate**: the whole replica step in XLA (it has no collective);
-  Keras already compiles ``predict`` per replica.
+  Keras >= 3.12 compiles ``predict`` per replica itself; on older Keras
+  ``predict`` runs without XLA (:func:`wrap_make_predict_function`).
 
 A ``train_step`` must therefore apply gradients once, after its forward
 pass, as Keras's does; one that applies twice (a GAN's two optimizers,
@@ -72,6 +73,7 @@ __all__ = [
     "wrap_apply_gradients",
     "wrap_compile",
     "wrap_make_function",
+    "wrap_make_predict_function",
     "wrap_resolve_auto",
 ]
 
@@ -106,15 +108,16 @@ def _devices_are_cpus(strategy: Any) -> bool:
     return all("GPU" not in d.upper() and "TPU" not in d.upper() for d in devices)
 
 
-def _collective_layers(model: Any) -> list[str]:
+def _collective_layers(model: Any, strategy: Any) -> list[str]:
     """Layers whose forward pass all-reduces across replicas."""
     import keras
+    sharded = (getattr(strategy, "model_parallel", 1) or 1) > 1  # Else they are dense.
     found = []
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, keras.layers.BatchNormalization) and getattr(
                 layer, "synchronized", False):
             found.append(f"{layer.name} (BatchNormalization(synchronized=True))")
-        elif type(layer).__module__.startswith("tfdist.parallel"):
+        elif sharded and type(layer).__module__.startswith("tfdist.parallel"):
             found.append(f"{layer.name} ({type(layer).__name__}, sharded by tfdist.parallel)")
     return found
 
@@ -149,7 +152,7 @@ def check_compile(model: Any, strategy: Any) -> None:
             "jit_compile", True, "layers that XLA can compile", source="compile",
             hint=f"These declare supports_jit=False: {', '.join(unsupported)}. Move them "
                  "into the tf.data input pipeline (dataset.map), or use jit_compile=False")
-    collective = _collective_layers(model)
+    collective = _collective_layers(model, strategy)
     if collective:
         raise ConfigError(
             "jit_compile", True, "no cross-replica collective in the forward pass",
@@ -183,7 +186,7 @@ def wrap_resolve_auto(original):
             resolved = original(self)
         finally:
             self._distribute_strategy = strategy
-        if resolved and (_devices_are_cpus(strategy) or _collective_layers(self)):
+        if resolved and (_devices_are_cpus(strategy) or _collective_layers(self, strategy)):
             return False  # CPU replicas (a GPU is visible), or a collective inside.
         return resolved
     return _resolve_auto_jit_compile
@@ -298,7 +301,7 @@ _UNSUPPORTED = re.compile(r"No registered '(\w+)' OpKernel for XLA_\w+ devices c
 
 
 def name_unsupported_op(error: Exception) -> ConfigError | None:
-    """A ConfigError naming the op and layer XLA could not compile, or None."""
+    """A ConfigError naming the op and graph node XLA could not compile, or None."""
     match = _UNSUPPORTED.search(str(error))
     if match is None:
         return None
@@ -330,9 +333,9 @@ def wrap_make_function(original):
         name = getattr(step_function, "__name__", "")
         kind = "train" if name == "train_step" else "test"
         if not getattr(self, "_tfdist_xla_logged", False) and kind == "train":
-            logging.info("tfdist: %s fits with XLA: each replica's forward and backward pass "
-                     "is compiled; the all-reduce and the optimizer run outside XLA",
-                     self.name)
+            logging.info("tfdist: %s fits with XLA: each replica's forward and backward "
+                         "pass is compiled; the all-reduce and the optimizer run outside XLA",
+                         self.name)
             self._tfdist_xla_logged = True
         # Keras must not compile the function around strategy.run.
         self._jit_compile = False
@@ -341,6 +344,25 @@ def wrap_make_function(original):
         finally:
             self._jit_compile = True
     return _make_function
+
+
+def wrap_make_predict_function(original):
+    @functools.wraps(original)
+    def make_predict_function(self, force=False):
+        from tfdist.compat.keras_src import TensorFlowTrainer
+        # Keras >= 3.12 wraps its per-replica XLA predict step in a plain
+        # function (_autoconvert_optionals). Keras 3.10 hands strategy.run the
+        # tf.function itself, which strategy.run re-wraps around every replica
+        # ('Trying to access resource .../replica_1/...'): there predict runs
+        # without XLA.
+        if not uses_replica_xla(self) or hasattr(TensorFlowTrainer, "_autoconvert_optionals"):
+            return original(self, force)
+        self._jit_compile = False
+        try:
+            return original(self, force)
+        finally:
+            self._jit_compile = True
+    return make_predict_function
 
 
 def install() -> None:
