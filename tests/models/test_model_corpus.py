@@ -2,10 +2,11 @@
 
 keras-hub's GPT-2, BERT and Gemma and keras.applications' MobileNets (one
 with synchronized BatchNorm), built from tiny configs with nothing
-downloaded, train under Mirrored with every compression setting, under
-``mixed_bfloat16`` and with gradient accumulation. Each must learn; where the
-arithmetic allows it (no compression, no per-replica statistics), 2 replicas
-must equal one device on the same global batches within 1e-5. The
+downloaded, train under Mirrored with every compression setting (the CNNs
+with a subset, CNN_SETTINGS), under ``mixed_bfloat16``, with gradient
+accumulation and with XLA. Each must learn; where the arithmetic allows it
+(no compression, no per-replica statistics), 2 replicas must equal one device
+on the same global batches within 1e-5. The
 multi-worker and parameter-server paths are in test_model_corpus_cluster.py.
 """
 

@@ -30,6 +30,7 @@ a collective on one worker only can make the next sections fail too).
 import json
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -180,9 +181,13 @@ def backup_and_restore(name, **kwargs):
             on_epoch_begin=lambda epoch, logs: epochs_run.append(epoch)))
         history = model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=STEPS,
                             callbacks=callbacks, verbose=0)
+        # The chief deletes the shared backup once training has finished; the
+        # other worker may get here first (seen once), so it waits up to 30 s.
+        deadline = time.monotonic() + 30
+        while os.path.exists(backup_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
         result[name] = {"epochs_run": epochs_run, "loss": history.history["loss"],
                         "checksum": checksum(model),
-                        # Keras deletes the backup once training has finished.
                         "backup_left": os.path.exists(backup_dir)}
 
 
