@@ -3,6 +3,8 @@ parameter-server cluster. Each process costs seconds, so there are few."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -50,21 +52,15 @@ def test_two_worker_keras_fit_through_strategy_from_config(tf_cpus):
                                                   "collectives": 3}
 
 
-@pytest.mark.parametrize("compression,steps,jit", [("powersgd:2", 1, False),
-                                                    ("topk:0.05", 3, False),
-                                                    ("powersgd:2", 2, True)])
+@pytest.mark.parametrize("compression,steps", [("powersgd:2", 1), ("topk:0.05", 3)])
 def test_two_worker_fit_with_compression_ends_with_identical_weights(tf_cpus, compression,
-                                                                     steps, jit):
+                                                                     steps):
     # PowerSGD: two all-reduces, warm-up cond and Q state across processes;
     # top-k: an all-gather across processes, with error feedback, 3 steps
-    # per execution (Keras 3 fails there without tfdist's fix); PowerSGD
-    # again with jit_compile=True and 2 steps per execution (Keras 3's XLA
-    # step aborts the workers: no collectives on CPU under XLA; tfdist
-    # all-reduces outside it).
+    # per execution (Keras 3 fails there without tfdist's fix).
     spec = local_spec(2)
     procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
-                   TFDIST_TEST_COMPRESSION=compression, TFDIST_TEST_STEPS=str(steps),
-                   TFDIST_TEST_JIT="1" if jit else "0")
+                   TFDIST_TEST_COMPRESSION=compression, TFDIST_TEST_STEPS=str(steps))
              for _, _, config in spec_lib.all_task_configs(spec)]
     results = finish(procs, timeout=240)
     for code, out, err in results:
@@ -79,6 +75,63 @@ def test_two_worker_fit_with_compression_ends_with_identical_weights(tf_cpus, co
     np.testing.assert_allclose(chief["loss"], mirrored["loss"], rtol=1e-3)
     # The callback counted fewer bytes than a dense all-reduce.
     assert chief["comm"]["comm_bytes"] < chief["comm"]["comm_dense_bytes"]
+
+
+#: Every compression setting at float32, both mixed precisions with and
+#: without compression, several steps per execution, gradient accumulation:
+#: [policy, compression, steps_per_execution, gradient_accumulation_steps].
+#: The first also evaluates and predicts.
+XLA_GRID = ([["float32", None, 1, None]]
+            + [["float32", c, 1, None] for c in ("fp16", "bf16", "topk:0.25", "randomk:0.25",
+                                                 "sign", "qsgd:16", "powersgd:2", "auto")]
+            + [[p, c, 1, None] for p in ("mixed_float16", "mixed_bfloat16")
+               for c in (None, "powersgd:2")]
+            + [["float32", "powersgd:2", 2, None], ["float32", "topk:0.25", 3, None],
+               ["float32", "powersgd:2", 1, 2]])
+
+
+def test_two_worker_xla_fit_equals_the_fit_without_xla(tf_cpus):
+    # Keras 3's XLA step aborts the workers (no collectives on CPU under
+    # XLA); tfdist compiles each replica's step and all-reduces outside it.
+    # One job fits every setting of XLA_GRID twice, with and without XLA,
+    # each under a new strategy: processes cost more than fits.
+    from test_xla import TOLERANCE
+    procs = [start(["tests/workers/xla_grid_fit.py"], tf_config=config,
+                   TFDIST_TEST_GRID=json.dumps(XLA_GRID))
+             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+    results = finish(procs, timeout=400)
+    for code, out, err in results:
+        assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
+    chief, other = (result_line(out)["grid"] for _, out, _ in results)
+    assert [row["task"] for row in chief] == ["worker:0"] * len(XLA_GRID)
+    assert [row["task"] for row in other] == ["worker:1"] * len(XLA_GRID)
+    plain = {(row["compression"], row["policy"]): row["loss"]["plain"] for row in chief}
+    for (policy, compression, steps, accumulation), row, peer in zip(XLA_GRID, chief, other):
+        setting = (f"{policy}, {compression}, steps_per_execution={steps}, "
+                   f"gradient_accumulation_steps={accumulation}")
+        assert [row["policy"], row["compression"], row["steps"], row["accumulation"]] == [
+            policy, compression, steps, accumulation]
+        assert row["replicas"] == 2
+        # 2 epochs of 8 global batches; accumulation applies every N-th.
+        assert row["iterations"]["xla"] == row["iterations"]["plain"] == 16 // (
+            accumulation or 1), setting
+        # Synchronous under XLA: both workers end with the same weights.
+        assert row["sha256"] == peer["sha256"], setting
+        weights, metrics = TOLERANCE.get(compression if policy == "float32" else policy,
+                                         TOLERANCE["float32"])
+        assert row["weights_diff"] <= weights, setting
+        np.testing.assert_allclose(row["loss"]["xla"], row["loss"]["plain"], rtol=metrics,
+                                   err_msg=setting)
+        assert row["loss"]["xla"][-1] < row["loss"]["xla"][0], setting
+        if compression not in (None, "auto") or accumulation:  # The setting was in effect.
+            assert row["loss"]["plain"] != plain[(None, policy)], setting
+        if policy == "mixed_float16":
+            assert row["optimizer"] == "LossScaleOptimizer", setting
+    evaluated = chief[0]
+    np.testing.assert_allclose(evaluated["evaluate"]["xla"], evaluated["evaluate"]["plain"],
+                               rtol=TOLERANCE["float32"][1])
+    assert evaluated["predict_diff"] <= 10 * TOLERANCE["float32"][0]
+    assert "xla: jit_compile='auto' resolves to off (CPU replicas" in evaluated["description"]
 
 
 def test_a_peer_that_never_starts_is_named_within_the_timeout():

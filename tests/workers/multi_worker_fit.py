@@ -5,8 +5,7 @@ the scripts' model, then shows that TensorFlow's own reduce() fails on what
 Keras 3 passes it while tfdist's works. Prints one 'tfdist result:' line.
 With TFDIST_TEST_COMPRESSION set, fits with that compression and reports the
 bytes the CommunicationStats callback counted. TFDIST_TEST_STEPS sets
-steps_per_execution, TFDIST_TEST_JIT=1 jit_compile=True, TFDIST_TEST_BYTES_PER_PACK
-the strategy's bytes_per_pack.
+steps_per_execution, TFDIST_TEST_BYTES_PER_PACK the strategy's bytes_per_pack.
 """
 
 import json
@@ -28,8 +27,7 @@ strategy = tfdist.strategy_from_config(
 stats = CommunicationStats()
 result = _common.train(strategy, epochs=2, per_replica_batch_size=32,
                        examples=1024, learning_rate=0.01, seed=3, callbacks=[stats],
-                       steps_per_execution=int(os.environ.get("TFDIST_TEST_STEPS", "1")),
-                       jit_compile=os.environ.get("TFDIST_TEST_JIT") == "1")
+                       steps_per_execution=int(os.environ.get("TFDIST_TEST_STEPS", "1")))
 result["description"] = strategy.describe()
 result["comm"] = stats.last.as_logs()
 if compression:
