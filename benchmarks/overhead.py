@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
+from benchlib import jobs  # noqa: E402
 from benchlib.timing import step_timer  # noqa: E402
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -68,9 +68,9 @@ def define_flags() -> None:
 
 # ---------------------------------------------------------------- pure pieces
 
-def pair_order(i: int) -> tuple[str, str]:
-    """Which arm runs first in pair ``i``: ABBA order cancels a first-run effect."""
-    return ARMS if i % 2 == 0 else ARMS[::-1]
+def pair_order(i: int) -> tuple[str, ...]:
+    """Which arm runs first in pair ``i`` (tfdist, tf, then tf, tfdist)."""
+    return jobs.pair_order(ARMS, i)
 
 
 def pair_ratios(tfdist_s: Sequence[float], tf_s: Sequence[float]) -> list[float]:
@@ -217,42 +217,18 @@ def bench_mirrored() -> dict:
 
 def bench_workers() -> dict:
     """Interleaved 2-process jobs, one arm per job."""
-    from tfdist import spec as spec_lib
-    from tfdist.engines.net import local_spec
     medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    work = Path(FLAGS.results_dir)
     for i in range(FLAGS.pairs):
         for arm in pair_order(i):
-            outs, procs = [], []
-            for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
-                out = work / f".overhead_worker{rank}.json"
-                outs.append(out)
-                env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",
-                           PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-                args = [sys.executable, __file__, "--mode=worker", f"--arm={arm}", f"--out={out}",
-                        f"--steps={FLAGS.steps}", f"--warmup_steps={FLAGS.warmup_steps}",
-                        f"--global_batch={FLAGS.global_batch}", f"--hidden={FLAGS.hidden}",
-                        f"--tfdist_options={FLAGS.tfdist_options}"]
-                log = work / f".overhead_worker{rank}.log"
-                with open(log, "w") as stream:
-                    procs.append(subprocess.Popen(args, env=env, stdout=stream,
-                                                  stderr=subprocess.STDOUT))
-            try:
-                codes = [p.wait(timeout=600) for p in procs]
-            finally:
-                for p in procs:  # Only the processes started here.
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
-            logs = [work / f".overhead_worker{rank}.log" for rank in range(len(procs))]
-            if any(codes):
-                tail = logs[codes.index(next(c for c in codes if c))].read_text()[-3000:]
-                raise SystemExit(f"overhead workers ({arm}) exited with {codes}\n{tail}")
-            for log in logs:
-                log.unlink()
-            times = json.loads(outs[0].read_text())
-            for out in outs:
-                out.unlink()
+            codes, times, logs = jobs.worker_job(
+                __file__, [f"--arm={arm}", f"--steps={FLAGS.steps}",
+                           f"--warmup_steps={FLAGS.warmup_steps}",
+                           f"--global_batch={FLAGS.global_batch}", f"--hidden={FLAGS.hidden}",
+                           f"--tfdist_options={FLAGS.tfdist_options}"],
+                Path(FLAGS.results_dir), "overhead")
+            if any(codes) or times is None:
+                tail = logs[codes.index(next((c for c in codes if c), codes[0]))]
+                raise SystemExit(f"overhead workers ({arm}) exited with {codes}\n{tail[-3000:]}")
             medians[arm].append(statistics.median(times))
             print(f"workers pair {i} {arm}: {medians[arm][-1] * 1e3:.2f} ms", flush=True)
     return _row("MultiWorkerMirrored, 2 processes (custom loop)", medians)
@@ -293,18 +269,12 @@ def main(argv) -> None:
     load_before = _load()
     rows = []
     if FLAGS.mode in ("all", "mirrored"):
-        # Logical devices are fixed once TensorFlow starts, and the workers
-        # mode needs none: Mirrored runs in a subprocess of its own.
         if FLAGS.mode == "all":
-            out = results / f".{FLAGS.name}_mirrored.json"
-            subprocess.run([sys.executable, __file__, "--mode=mirrored", f"--pairs={FLAGS.pairs}",
-                            f"--steps={FLAGS.steps}", f"--warmup_steps={FLAGS.warmup_steps}",
-                            f"--global_batch={FLAGS.global_batch}", f"--hidden={FLAGS.hidden}",
-                            f"--results_dir={results}", f"--name=.{FLAGS.name}_mirrored"],
-                           check=True)
-            rows += json.loads(out.read_text())["rows"]
-            for suffix in (".json", ".md"):
-                (results / f".{FLAGS.name}_mirrored{suffix}").unlink()
+            rows += jobs.mirrored_rows(
+                __file__, [f"--pairs={FLAGS.pairs}", f"--steps={FLAGS.steps}",
+                           f"--warmup_steps={FLAGS.warmup_steps}",
+                           f"--global_batch={FLAGS.global_batch}", f"--hidden={FLAGS.hidden}"],
+                results, FLAGS.name)
         else:
             rows.append(bench_mirrored())
     if FLAGS.mode in ("all", "workers"):

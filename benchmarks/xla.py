@@ -28,7 +28,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
+from benchlib import jobs  # noqa: E402
 from benchlib.timing import step_timer  # noqa: E402
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -136,14 +136,15 @@ def stock_error(strategy, name: str) -> str | None:
         text = f"{type(error).__name__}: {error}"
         line = next((x for x in text.splitlines() if "resource" in x or "Collectives" in x),
                     text.splitlines()[0])
-        return line.strip()[:240]
+        # Where the variable was created says nothing here; the devices do.
+        return re.sub(r" \(defined @ [^)]*\)", "", line.strip())[:240]
 
 
 # ---------------------------------------------------------------- measuring
 
-def pair_order(i: int) -> tuple[str, str]:
-    """Which arm runs first in pair ``i``: ABBA order cancels a first-run effect."""
-    return ARMS if i % 2 == 0 else ARMS[::-1]
+def pair_order(i: int) -> tuple[str, ...]:
+    """Which arm runs first in pair ``i`` (off, xla, then xla, off)."""
+    return jobs.pair_order(ARMS, i)
 
 
 def _row(label: str, name: str, medians: dict[str, list[float]], stock: str | None) -> dict:
@@ -185,37 +186,19 @@ def bench_mirrored() -> list[dict]:
 
 
 def _job(name: str, arm: str) -> tuple[list[int], list[float] | None, str]:
-    """One 2-process job; returns the exit codes, worker 0's times and a log tail."""
-    from tfdist import spec as spec_lib
-    from tfdist.engines.net import local_spec
-    work = Path(FLAGS.results_dir)
-    procs, outs, logs = [], [], []
-    for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
-        out, log = work / f".xla_worker{rank}.json", work / f".xla_worker{rank}.log"
-        outs.append(out)
-        logs.append(log)
-        env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        args = [sys.executable, __file__, "--mode=worker", f"--arm={arm}", f"--model={name}",
-                f"--out={out}", f"--steps={FLAGS.steps}", f"--warmup_steps={FLAGS.warmup_steps}"]
-        with open(log, "w") as stream:
-            procs.append(subprocess.Popen(args, env=env, stdout=stream, stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=600) for p in procs]
-    finally:
-        for p in procs:  # Only the processes started here.
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    tail = logs[0].read_text(errors="replace")[-4000:]
-    times = json.loads(outs[0].read_text()) if outs[0].exists() else None
-    for path in outs + logs:
-        path.unlink(missing_ok=True)
-    return codes, times, tail
+    """One 2-process job; returns the exit codes, worker 0's times and its log."""
+    codes, times, logs = jobs.worker_job(
+        __file__, [f"--arm={arm}", f"--model={name}", f"--steps={FLAGS.steps}",
+                   f"--warmup_steps={FLAGS.warmup_steps}"], Path(FLAGS.results_dir), "xla")
+    return codes, times, logs[0]
 
 
 def _error_line(log: str) -> str:
     """The line of a worker's log that names its error."""
+    # A value's repr can span thousands of lines (Keras 3's "Attempt to
+    # convert a value (PerReplica:{...}) ... to a Tensor"): fold it.
+    log = re.sub(r"(Attempt to convert a value \().*?(\) with an unsupported type)",
+                 r"\1...\2", log, flags=re.S)
     lines = [x.strip() for x in log.splitlines() if x.strip()]
     for line in lines:
         if "Collectives are not yet implemented" in line:
@@ -230,14 +213,15 @@ def bench_workers() -> list[dict]:
         medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for i in range(FLAGS.pairs):
             for arm in pair_order(i):
-                codes, times, tail = _job(name, arm)
+                codes, times, log = _job(name, arm)
                 if any(codes) or times is None:
-                    raise SystemExit(f"xla workers ({name}, {arm}) exited with {codes}\n{tail}")
+                    raise SystemExit(f"xla workers ({name}, {arm}) exited with {codes}\n"
+                                     f"{log[-4000:]}")
                 medians[arm].append(statistics.median(times))
                 print(f"workers {name} pair {i} {arm}: {medians[arm][-1] * 1e3:.2f} ms",
                       flush=True)
-        codes, _, tail = _job(name, "stock")
-        stock = None if not any(codes) else f"exit codes {codes}: " + _error_line(tail)
+        codes, _, log = _job(name, "stock")
+        stock = None if not any(codes) else f"exit codes {codes}: " + _error_line(log)
         rows.append(_row("MultiWorkerMirrored, 2 processes", name, medians, stock))
     return rows
 
@@ -274,12 +258,12 @@ def markdown(results: dict) -> str:
                      f"| {row['xla_ms']:.1f} | {row['median_ratio']:.2f} | {ratios} | {stock} |")
     lines += ["", "Models (global batch):"]
     lines += [f"- {name} ({SPECS[name][0]}): {SPECS[name][1]}" for name in meta["models"]]
-    lines += ["", "A ratio below 1 means XLA is faster. Under TensorFlow's own "
-              "MultiWorkerMirroredStrategy Keras 3's fit fails before any XLA "
-              "(keras-team/keras#20585); tfdist's strategy without its XLA split aborts "
-              "the workers with 'Collectives are not yet implemented for CPU devices when "
-              "compiling with XLA'.", "", "A ratio below 1 means XLA is faster. tfdist compiles each replica's forward "
-              "and backward pass and all-reduces outside XLA (XLA has no collectives on CPU). "
+    lines += ["", "A ratio below 1 means XLA is faster. tfdist compiles each replica's "
+              "forward and backward pass and all-reduces outside XLA (XLA has no collectives "
+              "on CPU). Under TensorFlow's own MultiWorkerMirroredStrategy Keras 3's fit "
+              "fails before any XLA (keras-team/keras#20585); tfdist's strategy without its "
+              "XLA split aborts the workers with 'Collectives are not yet implemented for CPU "
+              "devices when compiling with XLA'.", "",
               "No GPU was available: the GPU path, where XLA matters most, is untested."]
     return "\n".join(lines) + "\n"
 
@@ -299,16 +283,10 @@ def main(argv) -> None:
     rows = []
     if FLAGS.mode in ("all", "mirrored"):
         if FLAGS.mode == "all":
-            # Logical devices are fixed once TensorFlow starts: Mirrored runs
-            # in a subprocess of its own.
-            hidden = f".{FLAGS.name}_mirrored"
-            subprocess.run([sys.executable, __file__, "--mode=mirrored",
-                            f"--models={','.join(FLAGS.models)}", f"--pairs={FLAGS.pairs}",
-                            f"--steps={FLAGS.steps}", f"--warmup_steps={FLAGS.warmup_steps}",
-                            f"--results_dir={results}", f"--name={hidden}"], check=True)
-            rows += json.loads((results / f"{hidden}.json").read_text())["rows"]
-            for suffix in (".json", ".md"):
-                (results / f"{hidden}{suffix}").unlink()
+            rows += jobs.mirrored_rows(
+                __file__, [f"--models={','.join(FLAGS.models)}", f"--pairs={FLAGS.pairs}",
+                           f"--steps={FLAGS.steps}", f"--warmup_steps={FLAGS.warmup_steps}"],
+                results, FLAGS.name)
         else:
             rows += bench_mirrored()
     if FLAGS.mode in ("all", "workers"):

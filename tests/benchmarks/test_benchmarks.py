@@ -375,9 +375,10 @@ def test_tensor_parallel_benchmark_halves_the_block_and_splits_the_wire_bytes(tm
 def test_xla_benchmark_names_the_error_and_marks_the_rows():
     xla = _load_benchmark("xla")
     log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
-           "ValueError: Attempt to convert a value (PerReplica:{\n  0: 1\n}) with an "
-           "unsupported type")
-    assert xla._error_line(log) == "ValueError: Attempt to convert a value (PerReplica:{"
+           "ValueError: Attempt to convert a value (PerReplica:{\n  0: {'x': 1},\n  1: 2\n}) "
+           "with an unsupported type (<class 'dict'>) to a Tensor.")
+    assert xla._error_line(log) == ("ValueError: Attempt to convert a value (...) "
+                                    "with an unsupported type (<class 'dict'>) to a Tensor.")
     aborted = "W0000 something\nF0000 Collectives are not yet implemented for CPU devices"
     assert xla._error_line(aborted).startswith("F0000 Collectives are not yet implemented")
     assert [xla.pair_order(i)[0] for i in range(3)] == ["off", "xla", "off"]

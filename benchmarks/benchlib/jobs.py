@@ -1,0 +1,76 @@
+"""Interleaved arms, 2-process worker jobs and the Mirrored subprocess.
+
+Shared by the benchmarks that compare two arms (``overhead.py``: tfdist
+against TensorFlow; ``xla.py``: XLA against none) on 2 logical CPUs and on
+2 worker processes on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pair_order(arms: Sequence[str], i: int) -> tuple[str, ...]:
+    """Which arm runs first in pair ``i``: ABBA order cancels a first-run effect."""
+    return tuple(arms) if i % 2 == 0 else tuple(arms)[::-1]
+
+
+def worker_job(script: str, args: Sequence[str], work_dir: Path, prefix: str,
+               timeout: float = 600) -> tuple[list[int], list[float] | None, list[str]]:
+    """Runs ``script --mode=worker ARGS --out=...`` as a 2-worker job on 127.0.0.1.
+
+    Each worker gets its own TF_CONFIG and writes its step times (JSON) to
+    its ``--out`` file. Only the processes started here are stopped.
+
+    Returns:
+        The exit codes, worker 0's step times (None if it wrote none) and
+        each worker's whole log.
+    """
+    from tfdist import spec as spec_lib
+    from tfdist.engines.net import local_spec
+    procs, outs, logs = [], [], []
+    for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
+        out = work_dir / f".{prefix}_worker{rank}.json"
+        log = work_dir / f".{prefix}_worker{rank}.log"
+        outs.append(out)
+        logs.append(log)
+        env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        with open(log, "w") as stream:
+            procs.append(subprocess.Popen(
+                [sys.executable, script, "--mode=worker", *args, f"--out={out}"],
+                env=env, stdout=stream, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [log.read_text(errors="replace") for log in logs]
+    times = json.loads(outs[0].read_text()) if outs[0].exists() else None
+    for path in outs + logs:
+        path.unlink(missing_ok=True)
+    return codes, times, texts
+
+
+def mirrored_rows(script: str, args: Sequence[str], results_dir: Path, name: str) -> list[dict]:
+    """Runs ``script --mode=mirrored ARGS`` in a subprocess; returns its rows.
+
+    Logical devices are fixed once TensorFlow starts, and the workers mode
+    needs none: the Mirrored half of a benchmark runs in a process of its own.
+    """
+    hidden = f".{name}_mirrored"
+    subprocess.run([sys.executable, script, "--mode=mirrored", *args,
+                    f"--results_dir={results_dir}", f"--name={hidden}"], check=True)
+    rows = json.loads((results_dir / f"{hidden}.json").read_text())["rows"]
+    for suffix in (".json", ".md"):
+        (results_dir / f"{hidden}{suffix}").unlink()
+    return rows
