@@ -341,6 +341,26 @@ PATCHES: tuple[Patch, ...] = (
     Patch("xla.loss_scale_apply", f"{_LSO}.apply", "tfdist.training.xla:wrap_apply", "xla",
           "the same, for LossScaleOptimizer's own apply",
           params=("self", "grads", "trainable_variables"), canary=_XLA_CANARY),
+    # After XLA's: the outermost wrappers, so that every step's error passes them.
+    Patch("tensor_parallel.uneven_batch", f"{_TFT}._make_function",
+          "tfdist.parallel.batches:wrap_make_function", "tensor_parallel",
+          "a batch that splits unevenly inside a tensor group fails deep in TF's collective "
+          "('Shape mismatch in the collective instance'): a ConfigError says what to change",
+          params=("self", "step_function"), canary="no upstream bug: tfdist's message"),
+    Patch("tensor_parallel.uneven_fit", f"{_TFT}.fit", "tfdist.parallel.batches:wrap_entry",
+          "tensor_parallel", "arrays whose batches split unevenly inside a tensor group are "
+          "refused before any step (predict on a (2, 2) mesh crashed TF 2.21)",
+          params=("self", "x", "y", "batch_size"), canary="no upstream bug: tfdist's message"),
+    Patch("tensor_parallel.uneven_evaluate", f"{_TFT}.evaluate",
+          "tfdist.parallel.batches:wrap_entry", "tensor_parallel", "the same, for evaluate",
+          params=("self", "x", "y", "batch_size"), canary="no upstream bug: tfdist's message"),
+    Patch("tensor_parallel.uneven_predict", f"{_TFT}.predict",
+          "tfdist.parallel.batches:wrap_entry", "tensor_parallel", "the same, for predict",
+          params=("self", "x", "batch_size"), canary="no upstream bug: tfdist's message"),
+    Patch("tensor_parallel.uneven_batch_predict", f"{_TFT}.make_predict_function",
+          "tfdist.parallel.batches:wrap_make_predict_function", "tensor_parallel",
+          "the same, for predict", params=("self", "force"),
+          canary="no upstream bug: tfdist's message"),
     # --- tfdist.horovod -------------------------------------------------------
     Patch("horovod.check_finite", f"{_LSO}.check_finite",
           "tfdist.horovod.optimizer:wrap_check_finite", "horovod",
