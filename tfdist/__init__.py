@@ -12,6 +12,7 @@ from tfdist._lazy import lazy_attributes
 from tfdist.compat import versions as _versions
 from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
 from tfdist import plugins as _plugins
+from tfdist.compat import import_hook as _import_hook
 
 __version__ = "0.1.0"
 
@@ -33,7 +34,7 @@ _LAZY = {
     "ClusterJoinError": "tfdist.strategies",
     "TPUNotFoundError": "tfdist.strategies",
     "StrategyOrderError": "tfdist.strategies",
-    "KerasDistributionError": "tfdist.parallel.guard",
+    "KerasDistributionError": "tfdist.distribution.guard",
     "fit": "tfdist.training.parameter_server",
     "evaluate": "tfdist.training.parameter_server",
     "predict": "tfdist.training.parameter_server",
@@ -67,8 +68,14 @@ _LAZY = {
 #: The layers above the strategies that plug into every strategy
 #: (:mod:`tfdist.plugins`), in the order they install. This package
 #: runs before any ``tfdist.*`` module, so no import path misses them.
-PLUGINS = ("tfdist.parallel.plugin", "tfdist.training.plugin", "tfdist.profiling.plugin")
+PLUGINS = ("tfdist.distribution.plugin", "tfdist.parallel.plugin", "tfdist.training.plugin",
+           "tfdist.profiling.plugin")
 _plugins.use(*PLUGINS)
+
+# keras.distribution on TensorFlow (tfdist.distribution.guard): Keras's
+# set_distribution is wrapped as soon as Keras is imported, before or after
+# tfdist, and without importing it here.
+_import_hook.after_import("keras", "tfdist.distribution.guard:install_at_import")
 
 __all__ = ["ClusterSpecError", "ConfigError", "TfdistError", *_LAZY]
 

@@ -43,7 +43,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # The TF trainer module: steps swaps its module-global ``tf`` to inline
     # the step; profiling wraps TensorFlowTrainer through it.
     "tf_trainer_module": ("keras.src.backend.tensorflow.trainer",),
-    # The backend-independent trainer module (parallel.guard wraps Trainer.compile).
+    # The backend-independent trainer module (distribution.guard wraps Trainer.compile).
     "trainer_module": ("keras.src.trainers.trainer",),
     # accumulation replaces this module's global ``ops`` (Keras < 3.16) or
     # ``backend`` (3.16, which calls ``backend.ops.cond``); ps_patches calls
@@ -61,7 +61,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "array_slicing": ("keras.src.trainers.data_adapters.array_slicing",),
     # is_remote_path: chief_save treats remote paths (gs://) as Keras does.
     "file_utils": ("keras.src.utils.file_utils",),
-    # Keras's distribution API: parallel.guard refuses to mix it with tfdist.
+    # Keras's distribution API: tfdist.distribution wraps set_distribution.
     "distribution_lib": ("keras.src.distribution.distribution_lib",),
     # The legacy .h5 writer/reader, wrapped for sharded and chief-only saves.
     "legacy_h5_format": ("keras.src.legacy.saving.legacy_h5_format",),
@@ -89,7 +89,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "TensorFlowTrainer": ("keras.src.backend.tensorflow.trainer:TensorFlowTrainer",
                           "keras.src.backend.tensorflow.trainer:Trainer"),
     # The backend-independent trainer (compile), wrapped by horovod.optimizer
-    # and parallel.guard. keras-nightly 3.16 renamed it BaseTrainer.
+    # and distribution.guard. keras-nightly 3.16 renamed it BaseTrainer.
     "Trainer": ("keras.src.trainers.trainer:Trainer",
                 "keras.src.trainers.trainer:BaseTrainer"),
     # check_finite is wrapped so every replica agrees on a skipped step. The

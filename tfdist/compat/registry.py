@@ -246,16 +246,16 @@ PATCHES: tuple[Patch, ...] = (
     # --- keras.distribution guard ---------------------------------------------
     Patch("distribution_guard.set_distribution",
           "modules re-exporting keras.src.distribution.distribution_lib:set_distribution",
-          "tfdist.parallel.guard:wrap_set_distribution", "distribution_guard",
+          "tfdist.distribution.guard:wrap_set_distribution", "distribution_guard",
           "keras.distribution on the TF backend is a prototype ('DO NOT USE'): layouts "
           "are ignored and the model trains unsharded (keras-team/keras#20585)",
           params=("value",), dynamic=True,
-          canary="tests/parallel/test_parallel_guard.py::"
+          canary="tests/distribution/test_guard.py::"
                  "test_a_fresh_process_in_the_order_users_write_it"),
     Patch("distribution_guard.compile", f"{_K}Trainer.compile",
-          "tfdist.parallel.guard:wrap_entry", "distribution_guard",
+          "tfdist.distribution.guard:wrap_entry", "distribution_guard",
           "the same, when a distribution is set after the strategy", params=("self",)),
-    Patch("distribution_guard.fit", f"{_TFT}.fit", "tfdist.parallel.guard:wrap_entry",
+    Patch("distribution_guard.fit", f"{_TFT}.fit", "tfdist.distribution.guard:wrap_entry",
           "distribution_guard", "the same, when a distribution is set after the strategy",
           params=("self",)),
     # --- tensor parallelism ---------------------------------------------------

@@ -17,7 +17,6 @@ from tfdist.parallel.block import TransformerBlock
 from tfdist.parallel.collectives import reset_traffic, traffic
 from tfdist.parallel.dense import ColumnParallelDense, RowParallelDense
 from tfdist.parallel.embedding import VocabParallelEmbedding
-from tfdist.parallel.guard import KerasDistributionError
 from tfdist.parallel.mesh import Mesh, attach, mesh_of
 from tfdist.parallel.sharding import assign_full, full_value, spec_of
 
@@ -27,7 +26,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelMultiHeadAttention",
     "TransformerBlock",
-    "KerasDistributionError",
     "Mesh",
     "attach",
     "mesh_of",

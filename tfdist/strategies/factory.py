@@ -110,7 +110,7 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
             ``model_parallel`` that does not divide the replicas; the message
             names the field and the value received.
         KerasDistributionError: A ``keras.distribution`` is set; on
-            TensorFlow it would train unsharded (:mod:`tfdist.parallel.guard`).
+            TensorFlow it would train unsharded (:mod:`tfdist.distribution.guard`).
         TPUNotFoundError: A TPU was asked for and none is reachable.
         ClusterJoinError: A peer did not join within ``register_timeout``.
     """

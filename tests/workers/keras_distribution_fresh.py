@@ -6,7 +6,9 @@ Prints ``tfdist result: {...}`` with what happened at each step:
    over a "model" axis of 2 logical CPUs, then a model built with no
    strategy: its kernel's shape and type (the fact the guard rests on);
 2. a tfdist strategy created while that distribution is set;
-3. the distribution reset, a strategy created, then ``set_distribution``
+3. the distribution reset, and ``set_distribution(ModelParallel)`` with no
+   strategy alive (tfdist cannot honour its layouts yet);
+4. a strategy created, then ``set_distribution``
    called through the public API and through a reference imported before
    tfdist (which the guard cannot wrap), followed by ``compile``.
 """
@@ -56,6 +58,9 @@ import tfdist  # noqa: E402
 result["strategy_after_distribution"] = outcome(
     lambda: tfdist.strategy_from_config(cpu_replicas=2))
 keras.distribution.set_distribution(None)
+result["model_parallel_alone"] = outcome(
+    lambda: keras.distribution.set_distribution(model_parallel()))
+result["distribution_after_alone"] = repr(keras.distribution.distribution())
 strategy = tfdist.strategy_from_config(cpu_replicas=2)
 result["public_set_after_strategy"] = outcome(
     lambda: keras.distribution.set_distribution(model_parallel()))

@@ -1,4 +1,4 @@
-"""keras.distribution beside a tfdist strategy is an error (tfdist.parallel.guard)."""
+"""keras.distribution beside a tfdist strategy is an error (tfdist.distribution.guard)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 import tfdist
 from conftest import REPO, finish, result_line, start
-from tfdist.parallel import guard
+from tfdist.distribution import guard
 
 
 @pytest.fixture
@@ -78,11 +78,17 @@ def test_set_distribution_after_a_strategy_is_refused(keras_mod):
     with pytest.raises(tfdist.KerasDistributionError):
         with dist.scope():
             pass
+    # Inside the strategy's scope, DataParallel too.
     data_parallel = keras_mod.distribution.DataParallel(devices=devices)
-    with pytest.raises(tfdist.KerasDistributionError) as info:
-        keras_mod.distribution.set_distribution(data_parallel)
+    with strategy.scope():
+        with pytest.raises(tfdist.KerasDistributionError) as info:
+            keras_mod.distribution.set_distribution(data_parallel)
     assert_points_to_tfdist(info.value, "DataParallel")
+    assert "inside the scope of MirroredStrategy" in str(info.value)
     assert keras_mod.distribution.distribution() is None
+    # Outside it, DataParallel gets a strategy of its own (test_data_parallel.py).
+    keras_mod.distribution.set_distribution(data_parallel)
+    assert tfdist.distribution.data_parallel.strategy_of(data_parallel) is not strategy
     keras_mod.distribution.set_distribution(None)  # Resetting is always fine.
 
 
@@ -144,7 +150,7 @@ def test_install_is_idempotent(keras_mod):
 
 def test_a_fresh_process_in_the_order_users_write_it(keras_mod):
     skip_unless_keras_builds_distributions(keras_mod)
-    proc = start([REPO / "tests" / "workers" / "parallel_guard_fresh.py"])
+    proc = start([REPO / "tests" / "workers" / "keras_distribution_fresh.py"])
     [(code, out, err)] = finish([proc], timeout=120)
     assert code == 0, err[-3000:]
     result = result_line(out)
@@ -155,6 +161,11 @@ def test_a_fresh_process_in_the_order_users_write_it(keras_mod):
     assert kernel["device"].endswith("CPU:0")
     assert result["strategy_after_distribution"]["error"] == "KerasDistributionError"
     assert "ModelParallel" in result["strategy_after_distribution"]["message"]
+    # No strategy alive: refused for what it is, not trained unsharded.
+    alone = result["model_parallel_alone"]
+    assert alone["error"] == "KerasDistributionError"
+    assert "keras.distribution.ModelParallel cannot be honoured by tfdist yet" in alone["message"]
+    assert result["distribution_after_alone"] == "None"
     assert result["public_set_after_strategy"]["error"] == "KerasDistributionError"
     assert result["distribution_after_refusal"] == "None"
     assert result["compile_with_early_set"]["error"] == "KerasDistributionError"

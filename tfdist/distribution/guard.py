@@ -1,4 +1,4 @@
-"""A guard against ``keras.distribution`` beside a tfdist strategy.
+"""``keras.distribution`` on TensorFlow, after ``import tfdist``.
 
 On the TensorFlow backend ``keras.distribution`` is a prototype: Keras's
 ``keras/src/backend/tensorflow/distribution_lib.py`` opens with "!!!DO NOT
@@ -11,17 +11,23 @@ building, compiling and fitting a 8-16-4 MLP gave every weight (kernel
 full-shape ``ResourceVariable`` on ``CPU:0``, with no DTensor layout, and
 Keras said nothing: the model trained unsharded.
 
-Used together with a tfdist strategy that is worse than useless, so this
-module makes it an error (:class:`KerasDistributionError`) in each order:
+Keras's ``set_distribution`` is wrapped (:func:`install`: when Keras is
+imported, or at ``import tfdist`` if it already is, and when a strategy is
+made) so that on TensorFlow:
 
-* ``keras.distribution.set_distribution(d)`` (or ``with d.scope():``) while a
-  tfdist strategy of this process is alive: Keras's ``set_distribution`` is
-  wrapped once, by :func:`install`;
-* a tfdist strategy created while a Keras distribution is set
-  (:func:`check_no_distribution`, from the strategy's constructor);
-* ``model.compile`` or ``model.fit`` under a tfdist strategy with a Keras
-  distribution set: this covers a ``set_distribution`` imported by name
-  before the wrapper was installed, and the global state set directly.
+* ``DataParallel`` trains on tfdist's Mirrored strategy over the mesh's
+  devices (:mod:`~tfdist.distribution.data_parallel`): models built and fit
+  while it is set are replicated and their gradients all-reduced, as the
+  distribution says;
+* a distribution tfdist cannot honour (``ModelParallel``: layouts are not
+  applied on TensorFlow yet) raises :class:`KerasDistributionError` instead
+  of training unsharded;
+* a distribution mixed with a tfdist strategy of the user's raises too, in
+  each order: ``set_distribution`` inside the strategy's scope; a strategy
+  created while a distribution is set (:func:`check_no_distribution`);
+  ``model.compile`` or ``model.fit`` of a model under the strategy while a
+  distribution is set (also one set through a ``set_distribution`` imported
+  by name before the wrapper existed).
 
 ``set_distribution(None)`` (what a ``scope()`` restores) always passes.
 """
@@ -29,6 +35,7 @@ module makes it an error (:class:`KerasDistributionError`) in each order:
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import sys
 import weakref
@@ -36,7 +43,7 @@ from typing import Any
 
 from tfdist.errors import TfdistError
 
-__all__ = ["KerasDistributionError", "install", "check_no_distribution",
+__all__ = ["KerasDistributionError", "install", "install_at_import", "check_no_distribution",
            "register_strategy", "wrap_set_distribution", "wrap_entry"]
 
 #: The tfdist strategies of this process that are alive, with the order they
@@ -47,9 +54,10 @@ _made = itertools.count()
 
 
 class KerasDistributionError(TfdistError, RuntimeError):
-    """A ``keras.distribution`` setting beside a tfdist strategy.
+    """A ``keras.distribution`` setting tfdist cannot honour on TensorFlow,
+    or one beside a tfdist strategy.
 
-    On the TensorFlow backend it would train unsharded, silently.
+    Keras alone would train unsharded, silently.
     """
 
 
@@ -62,14 +70,14 @@ def _error(distribution: Any, when: str) -> KerasDistributionError:
     name = type(distribution).__name__
     return KerasDistributionError(
         f"keras.distribution.{name} {when}. Received: {distribution!r}. On the "
-        "TensorFlow backend keras.distribution does nothing: Keras's tensorflow "
-        "distribution_lib is a prototype ('DO NOT USE'), the layouts are ignored "
-        "and every weight stays whole on one device, so the model would train "
-        "unsharded without a word. Call keras.distribution.set_distribution(None) "
-        "and use tfdist instead: tfdist.strategy_from_config(model_parallel=T) "
-        "with the layers of tfdist.parallel (ColumnParallelDense, RowParallelDense, "
-        "...) for tensor parallelism; tfdist.strategy_from_config() alone for data "
-        "parallelism.")
+        "TensorFlow backend Keras does not apply keras.distribution layouts: its "
+        "tensorflow distribution_lib is a prototype ('DO NOT USE'), and every weight "
+        "stays whole on one device, so the model would train unsharded without a "
+        "word. Call keras.distribution.set_distribution(None) and use tfdist "
+        "instead: tfdist.strategy_from_config(model_parallel=T) with the layers of "
+        "tfdist.parallel (ColumnParallelDense, RowParallelDense, ...) for tensor "
+        "parallelism; keras.distribution.DataParallel alone, or "
+        "tfdist.strategy_from_config(), for data parallelism.")
 
 
 def _current_distribution() -> Any:
@@ -92,22 +100,51 @@ def check_no_distribution(kind: str = "tfdist") -> None:
 
 
 def register_strategy(strategy: Any) -> None:
-    """Records a live tfdist strategy, so that ``set_distribution`` refuses."""
-    _strategies[strategy] = next(_made)
+    """Records a live tfdist strategy of the user's, so that
+    ``set_distribution`` refuses (not one made for a ``DataParallel``)."""
+    from tfdist.distribution import data_parallel
+    if not data_parallel.is_mapped(strategy):
+        _strategies[strategy] = next(_made)
 
 
 def wrap_set_distribution(original):
     @functools.wraps(original)
     def set_distribution(value):
-        if value is not None and _on_tensorflow():
-            alive = sorted(_strategies.items(), key=lambda item: item[1])
-            if alive:
-                newest = type(alive[-1][0]).__name__
-                others = f", and {len(alive) - 1} older" if len(alive) > 1 else ""
-                raise _error(value, "was set while a tfdist strategy exists in this "
-                             f"process ({newest}{others})")
-        return original(value)
+        import tensorflow as tf
+
+        from tfdist.distribution import data_parallel
+        if value is None or not _on_tensorflow():
+            data_parallel.release()
+            return original(value)
+        current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        if current is not None and not data_parallel.is_mapped(current):
+            raise _error(value, f"was set inside the scope of {type(current).__name__}")
+        if not data_parallel.honours(value):
+            raise _error(value, _refusal())
+        # Cleared first: the strategy is made with no distribution set. A
+        # DataParallel gets its own strategy, beside any of the user's: a
+        # model under theirs still refuses compile and fit (wrap_entry).
+        data_parallel.release()
+        original(None)
+        strategy = data_parallel.strategy_for(value)
+        result = original(value)
+        data_parallel.use(strategy)
+        return result
     return set_distribution
+
+
+def _refusal() -> str:
+    """Why a distribution tfdist cannot honour is refused, naming a live
+    tfdist strategy of the user's if there is one."""
+    alive = sorted(_strategies.items(), key=lambda item: item[1])
+    if alive:  # Only the ones really alive: unreachable ones wait in cycles.
+        gc.collect()
+        alive = sorted(_strategies.items(), key=lambda item: item[1])
+    if not alive:
+        return "cannot be honoured by tfdist yet"
+    newest = type(alive[-1][0]).__name__
+    others = f", and {len(alive) - 1} older" if len(alive) > 1 else ""
+    return f"was set while a tfdist strategy exists in this process ({newest}{others})"
 
 
 def _model_strategy(model: Any) -> Any:
@@ -123,10 +160,12 @@ def _model_strategy(model: Any) -> Any:
 def wrap_entry(original):
     @functools.wraps(original)
     def entry(self, *args, **kwargs):
+        from tfdist.distribution import data_parallel
         strategy = _model_strategy(self)
         if strategy is not None:
             current = _current_distribution()
-            if current is not None and _on_tensorflow():
+            if (current is not None and _on_tensorflow()
+                    and data_parallel.strategy_of(current) is not strategy):
                 raise _error(current, f"is set while model.{original.__name__} runs "
                              f"under a tfdist strategy ({type(strategy).__name__})")
         return original(self, *args, **kwargs)
@@ -162,3 +201,12 @@ def install() -> None:
                 raise compat.PatchError(
                     f"tfdist's keras.distribution guard cannot wrap {module.__name__}."
                     "set_distribution: it no longer takes (value)")
+
+
+def install_at_import(keras_module: Any = None) -> None:
+    """:func:`install` once Keras is imported, on the TensorFlow backend only
+    (``tfdist/__init__.py`` calls it when Keras finishes importing, or at
+    once if Keras already had)."""
+    del keras_module
+    if _on_tensorflow():
+        install()

@@ -1,0 +1,111 @@
+"""keras.distribution.DataParallel trains on tfdist's Mirrored strategy
+(tfdist.distribution.data_parallel), on 2 logical CPUs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tfdist
+from conftest import finish, start
+from test_guard import skip_unless_keras_builds_distributions
+
+
+@pytest.fixture
+def keras_mod(tf_cpus):
+    import keras
+    skip_unless_keras_builds_distributions(keras)
+    yield keras
+    keras.distribution.set_distribution(None)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 8)).astype("float32")
+    return x, x[:, :4].sum(axis=1, keepdims=True) - x[:, 4:].sum(axis=1, keepdims=True)
+
+
+def _fit(keras):
+    """Builds, compiles and fits under whatever is current; the model and losses."""
+    x, y = _data()
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model, model.fit(x, y, batch_size=32, epochs=2, verbose=0).history["loss"]
+
+
+def test_data_parallel_trains_on_tfdists_mirrored(keras_mod):
+    keras = keras_mod
+    import tensorflow as tf
+    distribution = keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"])
+    keras.distribution.set_distribution(distribution)
+    model, losses = _fit(keras)
+    strategy = model.distribute_strategy
+    keras.distribution.set_distribution(None)
+    # Keras alone trains on one device here; the model is replicated instead.
+    assert isinstance(strategy, tfdist.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == 2
+    assert type(model.layers[0].kernel.value).__name__ == "MirroredVariable"
+    assert not tf.distribute.has_strategy()  # Cleared with the distribution.
+    # As a scope, the form Keras's docs use; the same object keeps its strategy.
+    with distribution.scope():
+        again, _ = _fit(keras)
+    assert again.distribute_strategy is strategy
+    assert keras.distribution.distribution() is None and not tf.distribute.has_strategy()
+    # The same run as tfdist's Mirrored strategy itself.
+    with tfdist.strategy_from_config(cpu_replicas=2).scope():
+        reference, reference_losses = _fit(keras)
+    assert losses == reference_losses
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_data_parallel_with_tfdists_compression(keras_mod):
+    from tfdist.distribution import DataParallel
+    keras = keras_mod
+    keras.distribution.set_distribution(DataParallel(devices=["cpu:0", "cpu:1"],
+                                                     compression="powersgd:2"))
+    model, losses = _fit(keras)
+    keras.distribution.set_distribution(None)
+    assert str(model.distribute_strategy.compression).startswith("powersgd")
+    with tfdist.strategy_from_config(cpu_replicas=2, compression="powersgd:2").scope():
+        reference = _fit(keras)[1]
+    np.testing.assert_allclose(losses, reference, rtol=1e-6)
+    uncompressed = _fit(keras)[1]  # No distribution: one device, no compression.
+    assert losses != uncompressed
+
+
+def test_a_mesh_of_devices_this_process_lacks_is_named(keras_mod):
+    keras = keras_mod
+    with pytest.raises(tfdist.ConfigError) as caught:
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=["cpu:0", "cpu:9"]))
+    assert caught.value.field == "device_mesh"
+    assert "/cpu:9 not found" in str(caught.value)
+    assert keras.distribution.distribution() is None
+
+
+def test_model_parallel_is_refused_not_trained_unsharded(keras_mod):
+    # With no strategy of the user's alive, the reason is the layouts
+    # themselves (a fresh process checks that message, tests/distribution/
+    # test_guard.py); here other tests' strategies may be alive.
+    keras = keras_mod
+    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), ["cpu:0", "cpu:1"])
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*kernel"] = (None, "model")
+    with pytest.raises(tfdist.KerasDistributionError) as caught:
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch"))
+    assert "ModelParallel" in str(caught.value)
+    assert keras.distribution.distribution() is None
+
+
+def test_tfdist_imported_before_keras_wraps_set_distribution():
+    # import tfdist loads no Keras; Keras's import then installs the wrapper.
+    code = ("import sys, tfdist; loaded = 'keras' in sys.modules; import keras; "
+            "print(loaded, hasattr(keras.distribution.set_distribution, '__wrapped__'))")
+    proc = start(["-c", code])
+    [(status, out, err)] = finish([proc], timeout=120)
+    assert status == 0, err[-3000:]
+    assert out.split()[-2:] == ["False", "True"], out

@@ -1,0 +1,29 @@
+"""``keras.distribution`` on TensorFlow.
+
+On the TensorFlow backend Keras's distribution API is a prototype that
+applies nothing. After ``import tfdist``:
+
+* ``keras.distribution.DataParallel`` trains on tfdist's Mirrored strategy
+  over the mesh's devices (:mod:`~tfdist.distribution.data_parallel`);
+  :class:`DataParallel` adds tfdist's gradient compression;
+* a distribution tfdist cannot honour yet (``ModelParallel``) and any
+  distribution beside a tfdist strategy of the user's raise
+  :class:`KerasDistributionError` (:mod:`~tfdist.distribution.guard`)
+  instead of training unsharded.
+
+It sits above tensor parallelism (:mod:`tfdist.parallel`) and below the
+Keras integration. A strategy reaches it through :mod:`tfdist.plugins`
+(:mod:`~tfdist.distribution.plugin`).
+"""
+
+from tfdist.distribution.guard import KerasDistributionError
+
+__all__ = ["DataParallel", "KerasDistributionError"]
+
+
+def __getattr__(name):
+    # DataParallel subclasses Keras's: Keras is imported on first use only.
+    if name == "DataParallel":
+        from tfdist.distribution.data_parallel import DataParallel
+        return DataParallel
+    raise AttributeError(f"module 'tfdist.distribution' has no attribute {name!r}")
