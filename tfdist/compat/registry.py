@@ -25,6 +25,8 @@ FEATURES: dict[str, dict] = {
     "loops": {"description": "custom training loops under Mirrored", "required": True},
     "accumulation": {"description": "gradient_accumulation_steps under Mirrored",
                      "required": True},
+    "on_batch": {"description": "train/test/predict_on_batch under Mirrored",
+                 "required": True},
     "preemption_handler": {"description": "TF's PreemptionCheckpointHandler exit",
                            "required": True},
     "saving": {"description": "multi-worker saving (chief writes)", "required": True},
@@ -72,6 +74,14 @@ _PS_WHY = ("Keras 3 under ParameterServerStrategy: model.fit is unsupported "
            "increments), ShardedVariable has no handle")
 _TP_WHY = ("tfdist.parallel's sharded weights: Keras reads a MirroredVariable from "
            "its first component, so saving and get_weights would keep shard 0 alone")
+
+_ON_BATCH_WHY = ("train_on_batch and test_on_batch under Mirrored hand every replica the "
+                 "whole batch (fit splits it): an embedding's IndexedSlices gradient holds "
+                 "each lookup once per replica and Adam's second moment, which squares the "
+                 "slices before summing duplicates, trains differently from fit; no "
+                 "upstream issue found")
+_ON_BATCH_CANARY = ("tests/parallel/test_on_batch.py::"
+                    "test_stock_keras_hands_every_replica_the_whole_batch")
 
 _XLA_WHY = ("compile(jit_compile=True) under Mirrored compiles strategy.run whole: 'Trying "
             "to access resource .../replica_1/... located in device CPU:1 from device "
@@ -121,6 +131,13 @@ PATCHES: tuple[Patch, ...] = (
           params=("self", "step_function"),
           canary="tests/training/test_keras_steps.py::"
                  "test_stock_keras_fails_with_several_steps_per_execution_under_mirrored"),
+    Patch("on_batch.make_function", f"{_TFT}._make_function",
+          "tfdist.training.on_batch:wrap_make_function", "on_batch", _ON_BATCH_WHY,
+          params=("self", "step_function"), canary=_ON_BATCH_CANARY),
+    Patch("on_batch.predict_function", f"{_TFT}.make_predict_function",
+          "tfdist.training.on_batch:wrap_make_predict_function", "on_batch",
+          "predict_on_batch under Mirrored returns each row once per replica (the same "
+          "cause)", params=("self", "force"), canary=_ON_BATCH_CANARY),
     Patch("profiling.make_function", f"{_TFT}._make_function",
           "tfdist.profiling.instrument:wrap_make_function", "profiling",
           "the profiler's in-graph timestamps wrap Keras's step",

@@ -3,7 +3,8 @@
 
 Every strategy installs the ``steps_per_execution`` and custom-loop fixes
 (:mod:`~tfdist.training.steps`, :mod:`~tfdist.training.loops`,
-:mod:`~tfdist.training.accumulation`), TensorFlow's preempted exit
+:mod:`~tfdist.training.accumulation`), the ``*_on_batch`` methods' split of the
+batch (:mod:`~tfdist.training.on_batch`), TensorFlow's preempted exit
 (:mod:`~tfdist.training.tf_handler`), and Keras's saves: chief-only
 (:mod:`~tfdist.training.saving`, wrapped first) under BackupAndRestore's
 save-on-preemption (:mod:`~tfdist.training.fit_preemption`), and
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist.training import (accumulation, fit_preemption, loops, saving, steps, tf_handler,
-                             xla)
+from tfdist.training import (accumulation, fit_preemption, loops, on_batch, saving, steps,
+                             tf_handler, xla)
 
 
 def install(strategy: Any) -> None:
     steps.install()
+    on_batch.install()
     loops.install()
     accumulation.install()
     tf_handler.install()
