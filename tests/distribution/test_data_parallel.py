@@ -25,14 +25,17 @@ def _data():
     return x, x[:, :4].sum(axis=1, keepdims=True) - x[:, 4:].sum(axis=1, keepdims=True)
 
 
-def _fit(keras):
+def _fit(keras, widths=(16,)):
     """Builds, compiles and fits under whatever is current; the model and losses."""
     x, y = _data()
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(1)])
+    model = keras.Sequential([keras.Input((8,))]
+                             + [keras.layers.Dense(w, activation="relu") for w in widths]
+                             + [keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-    return model, model.fit(x, y, batch_size=32, epochs=2, verbose=0).history["loss"]
+    import tensorflow as tf
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)  # As the 2-process job.
+    return model, model.fit(data, epochs=2, verbose=0).history["loss"]
 
 
 def test_data_parallel_trains_on_tfdists_mirrored(keras_mod):
@@ -64,15 +67,17 @@ def test_data_parallel_trains_on_tfdists_mirrored(keras_mod):
 def test_data_parallel_with_tfdists_compression(keras_mod):
     from tfdist.distribution import DataParallel
     keras = keras_mod
+    # Wide enough that PowerSGD compresses the 128 x 16 kernel (it sends
+    # small matrices whole).
     keras.distribution.set_distribution(DataParallel(devices=["cpu:0", "cpu:1"],
                                                      compression="powersgd:2"))
-    model, losses = _fit(keras)
+    model, losses = _fit(keras, widths=(128, 16))
     keras.distribution.set_distribution(None)
     assert str(model.distribute_strategy.compression).startswith("powersgd")
     with tfdist.strategy_from_config(cpu_replicas=2, compression="powersgd:2").scope():
-        reference = _fit(keras)[1]
+        reference = _fit(keras, widths=(128, 16))[1]
     np.testing.assert_allclose(losses, reference, rtol=1e-6)
-    uncompressed = _fit(keras)[1]  # No distribution: one device, no compression.
+    uncompressed = _fit(keras, widths=(128, 16))[1]  # One device, no compression.
     assert losses != uncompressed
 
 

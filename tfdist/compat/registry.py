@@ -269,6 +269,22 @@ PATCHES: tuple[Patch, ...] = (
           params=("value",), dynamic=True,
           canary="tests/distribution/test_guard.py::"
                  "test_a_fresh_process_in_the_order_users_write_it"),
+    Patch("distribution_guard.initialize",
+          "modules re-exporting keras.src.distribution.distribution_lib:initialize",
+          "tfdist.distribution.guard:wrap_initialize", "distribution_guard",
+          "Keras's TensorFlow backend has no initialize (keras-team/keras#18983): the "
+          "public function raises AttributeError; tfdist joins the job as a "
+          "MultiWorkerMirrored worker", params=("job_addresses", "num_processes",
+                                                 "process_id"), dynamic=True,
+          canary="tests/distribution/test_cluster.py::"
+                 "test_stock_initialize_fails_on_tensorflow"),
+    Patch("distribution_guard.list_devices",
+          "modules re-exporting keras.src.distribution.distribution_lib:list_devices",
+          "tfdist.distribution.guard:wrap_list_devices", "distribution_guard",
+          "after initialize() a mesh spans every process's devices; Keras's TensorFlow "
+          "list_devices names them 'cpu:0', one process's, with no task",
+          params=("device_type",), dynamic=True,
+          canary="no upstream bug: follows tfdist's initialize"),
     Patch("distribution_guard.compile", f"{_K}Trainer.compile",
           "tfdist.distribution.guard:wrap_entry", "distribution_guard",
           "the same, when a distribution is set after the strategy", params=("self",)),

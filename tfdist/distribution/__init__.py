@@ -6,6 +6,9 @@ applies nothing. After ``import tfdist``:
 * ``keras.distribution.DataParallel`` trains on tfdist's Mirrored strategy
   over the mesh's devices (:mod:`~tfdist.distribution.data_parallel`);
   :class:`DataParallel` adds tfdist's gradient compression;
+* ``keras.distribution.initialize()`` joins a job of several processes as a
+  MultiWorkerMirrored worker, and ``list_devices()`` names every process's
+  devices (:mod:`~tfdist.distribution.cluster`);
 * a distribution tfdist cannot honour yet (``ModelParallel``) and any
   distribution beside a tfdist strategy of the user's raise
   :class:`KerasDistributionError` (:mod:`~tfdist.distribution.guard`)

@@ -10,7 +10,9 @@ tfdist's Mirrored brings. ``set_distribution(None)`` (the end of the scope)
 clears it. :class:`DataParallel` takes tfdist's compression too.
 
 One strategy per distribution object: setting the same distribution again
-reuses it, so models built under it keep training on it.
+reuses it, so models built under it keep training on it. A mesh over every
+process's devices, after ``keras.distribution.initialize()``, trains on the
+job's MultiWorkerMirrored strategy (:mod:`~tfdist.distribution.cluster`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = ["DataParallel", "honours", "is_mapped", "release", "strategy_for", "strategy_of",
-           "use"]
+__all__ = ["DataParallel", "honours", "is_mapped", "making", "mark", "release", "strategy_for",
+           "strategy_of", "use"]
 
 #: Strategies made for a distribution: not the user's (the guard lets them be).
 _mapped: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -66,12 +68,18 @@ def is_mapped(strategy: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _making():
+def making():
+    """While a strategy for a distribution is made (the guard lets it be)."""
     _local.making = True
     try:
         yield
     finally:
         _local.making = False
+
+
+def mark(strategy: Any) -> None:
+    """Records ``strategy`` as made for a distribution, not by the user."""
+    _mapped.add(strategy)
 
 
 def _device(name: Any) -> str:
@@ -89,8 +97,9 @@ def strategy_for(distribution: Any) -> Any:
     """The tfdist strategy that trains as ``distribution`` says (made once).
 
     Raises:
-        ConfigError: The mesh names devices of other processes (several
-            processes are not supported yet) or devices this process lacks.
+        ConfigError: The mesh names devices this process lacks, or devices
+            of other processes before ``keras.distribution.initialize()`` or
+            not all of them.
     """
     strategy = strategy_of(distribution)
     if strategy is not None:
@@ -99,11 +108,7 @@ def strategy_for(distribution: Any) -> Any:
     devices = [_device(d) for d in np.asarray(distribution.device_mesh.devices).ravel()]
     remote = [d for d in devices if "/job:" in d or "/task:" in d]
     if remote:
-        raise ConfigError(
-            "device_mesh", devices, "devices of this process", source="keras.distribution",
-            hint="keras.distribution across several processes (initialize()) is not "
-                 "supported by tfdist yet; run tfdist.strategy_from_config() in each "
-                 "process for multi-worker data parallelism")
+        return _cluster_strategy_for(distribution, devices)
     local = {d.name.lower() for d in tf.config.list_logical_devices()}
     missing = [d for d in devices
                if not any(name.endswith(d.lower().replace("/", "").replace("device:", ""))
@@ -115,9 +120,37 @@ def strategy_for(distribution: Any) -> Any:
             hint=f"{', '.join(missing)} not found; keras.distribution.list_devices() "
                  "names them")
     options = dict(getattr(distribution, "_tfdist_options", {}))
-    with _making():
+    with making():
         strategy = strategy_from_config(strategy="mirrored", devices=devices, **options)
-    _mapped.add(strategy)
+    mark(strategy)
+    distribution._tfdist_strategy = strategy
+    return strategy
+
+
+def _cluster_strategy_for(distribution: Any, devices: list[str]) -> Any:
+    """The job's strategy, for a mesh over every process's devices."""
+    from tfdist.distribution import cluster
+    strategy = cluster.cluster_strategy()
+    if strategy is None:
+        raise ConfigError(
+            "device_mesh", devices, "devices of this process, or keras.distribution."
+            "initialize() first", source="keras.distribution",
+            hint="The mesh names devices of other processes: call "
+                 "keras.distribution.initialize() (from TF_CONFIG, or job_addresses, "
+                 "num_processes and process_id) before building it")
+    every = cluster.global_devices()
+    if sorted(d.lower() for d in devices) != sorted(d.lower() for d in every):
+        raise ConfigError(
+            "device_mesh", devices, f"every device of the job, once: {every}",
+            source="keras.distribution",
+            hint="Data parallelism across processes runs on all of them; "
+                 "keras.distribution.list_devices() names them")
+    if any(v is not None for v in getattr(distribution, "_tfdist_options", {}).values()):
+        raise ConfigError(
+            "compression", distribution._tfdist_options.get("compression"),
+            "None across processes: the job's strategy was made by initialize()",
+            source="tfdist.distribution.DataParallel",
+            hint="Pass compression= to tfdist.strategy_from_config in each worker instead")
     distribution._tfdist_strategy = strategy
     return strategy
 

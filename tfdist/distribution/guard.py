@@ -11,14 +11,16 @@ building, compiling and fitting a 8-16-4 MLP gave every weight (kernel
 full-shape ``ResourceVariable`` on ``CPU:0``, with no DTensor layout, and
 Keras said nothing: the model trained unsharded.
 
-Keras's ``set_distribution`` is wrapped (:func:`install`: when Keras is
-imported, or at ``import tfdist`` if it already is, and when a strategy is
-made) so that on TensorFlow:
+Keras's ``set_distribution``, ``initialize`` and ``list_devices`` are
+wrapped (:func:`install`: when Keras is imported, or at ``import tfdist`` if
+it already is, and when a strategy is made) so that on TensorFlow:
 
 * ``DataParallel`` trains on tfdist's Mirrored strategy over the mesh's
   devices (:mod:`~tfdist.distribution.data_parallel`): models built and fit
   while it is set are replicated and their gradients all-reduced, as the
   distribution says;
+* ``initialize()`` and ``list_devices()`` work across processes
+  (:mod:`~tfdist.distribution.cluster`);
 * a distribution tfdist cannot honour (``ModelParallel``: layouts are not
   applied on TensorFlow yet) raises :class:`KerasDistributionError` instead
   of training unsharded;
@@ -44,7 +46,8 @@ from typing import Any
 from tfdist.errors import TfdistError
 
 __all__ = ["KerasDistributionError", "install", "install_at_import", "check_no_distribution",
-           "register_strategy", "wrap_set_distribution", "wrap_entry"]
+           "register_strategy", "wrap_set_distribution", "wrap_initialize", "wrap_list_devices",
+           "wrap_entry"]
 
 #: The tfdist strategies of this process that are alive, with the order they
 #: were made in (the error names the newest: an older one may wait for the
@@ -133,6 +136,37 @@ def wrap_set_distribution(original):
     return set_distribution
 
 
+def wrap_initialize(original):
+    @functools.wraps(original)
+    def initialize(job_addresses=None, num_processes=None, process_id=None):
+        if not _on_tensorflow():
+            return original(job_addresses, num_processes, process_id)
+        import os
+
+        from tfdist.distribution import cluster
+        # Keras's own defaults: its KERAS_DISTRIBUTION_* variables.
+        if job_addresses is None:
+            job_addresses = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
+        if num_processes is None and "KERAS_DISTRIBUTION_NUM_PROCESSES" in os.environ:
+            num_processes = int(os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"])
+        if process_id is None and "KERAS_DISTRIBUTION_PROCESS_ID" in os.environ:
+            process_id = int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"])
+        cluster.initialize(job_addresses, num_processes, process_id)
+    return initialize
+
+
+def wrap_list_devices(original):
+    @functools.wraps(original)
+    def list_devices(device_type=None):
+        if _on_tensorflow():
+            from tfdist.distribution import cluster
+            every = cluster.global_devices(device_type)
+            if every is not None:
+                return every
+        return original(device_type)
+    return list_devices
+
+
 def _refusal() -> str:
     """Why a distribution tfdist cannot honour is refused, naming a live
     tfdist strategy of the user's if there is one."""
@@ -189,18 +223,18 @@ def install() -> None:
 
     if not compat.install("distribution_guard"):
         return
-    original = compat.pristine(distribution_lib, "set_distribution")
-    # Every namespace that re-exports it (keras.distribution,
+    # Every namespace that re-exports them (keras.distribution,
     # keras.src.distribution, tf_keras's); later imports copy the wrapped
-    # one from distribution_lib.
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", {})
-        if names.get("set_distribution") is original or (
-                module is distribution_lib):
-            if not compat.apply_to("distribution_guard.set_distribution", module):
-                raise compat.PatchError(
-                    f"tfdist's keras.distribution guard cannot wrap {module.__name__}."
-                    "set_distribution: it no longer takes (value)")
+    # ones from distribution_lib.
+    for name in ("set_distribution", "initialize", "list_devices"):
+        original = compat.pristine(distribution_lib, name)
+        for module in list(sys.modules.values()):
+            names = getattr(module, "__dict__", {})
+            if names.get(name) is original or module is distribution_lib:
+                if not compat.apply_to(f"distribution_guard.{name}", module):
+                    raise compat.PatchError(
+                        f"tfdist's keras.distribution support cannot wrap "
+                        f"{module.__name__}.{name}: its parameters changed")
 
 
 def install_at_import(keras_module: Any = None) -> None:
