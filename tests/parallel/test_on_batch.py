@@ -58,19 +58,25 @@ def _train(model, data) -> list[float]:
 
 @pytest.fixture(scope="module")
 def reference(tf_cpus, data):
-    """The unsharded model on one device: initial weights, losses, trained model."""
+    """The unsharded model on one device: initial weights, losses, trained
+    model, and its first test_on_batch and predict_on_batch (Keras 3.10's
+    test_on_batch does not reset its metrics: a second call differs)."""
     import keras
     keras.utils.set_random_seed(11)
     model = _model(parallel=False)
     initial = model.get_weights()
-    return initial, _train(model, data), model
+    losses = _train(model, data)
+    ids, y, weights = data
+    return (initial, losses, model,
+            model.test_on_batch(ids[:B], y[:B], sample_weight=weights[:B]),
+            model.predict_on_batch(ids[:B]))
 
 
 @pytest.mark.parametrize("replicas", [2, 4], ids=["t2", "dp2xt2"])
 def test_on_batch_matches_the_unsharded_model(replicas, reference, data):
     import tfdist
     from tfdist import parallel as tp
-    initial, ref_losses, ref = reference
+    initial, ref_losses, ref, ref_test, ref_predicted = reference
     strategy = tfdist.strategy_from_config(cpu_replicas=replicas, model_parallel=2)
     with strategy.scope():
         model = _model(parallel=True)
@@ -86,11 +92,11 @@ def test_on_batch_matches_the_unsharded_model(replicas, reference, data):
 
     ids, y, weights = data
     np.testing.assert_allclose(
-        model.test_on_batch(ids[:B], y[:B], sample_weight=weights[:B]),
-        ref.test_on_batch(ids[:B], y[:B], sample_weight=weights[:B]), atol=TOL, rtol=0)
+        model.test_on_batch(ids[:B], y[:B], sample_weight=weights[:B]), ref_test,
+        atol=TOL, rtol=0)
     predicted = model.predict_on_batch(ids[:B])
     assert predicted.shape == (B, 4)  # Not once per replica.
-    np.testing.assert_allclose(predicted, ref.predict_on_batch(ids[:B]), atol=TOL, rtol=0)
+    np.testing.assert_allclose(predicted, ref_predicted, atol=TOL, rtol=0)
 
 
 def test_stock_keras_hands_every_replica_the_whole_batch(reference, data):
@@ -100,7 +106,7 @@ def test_stock_keras_hands_every_replica_the_whole_batch(reference, data):
     device. When this fails, Keras splits the batch itself and the patches
     can go for that version."""
     import tensorflow as tf
-    initial, _, ref = reference
+    initial, _, ref, _, _ = reference
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = _model(parallel=False)
