@@ -12,7 +12,6 @@ from tfdist import spec as spec_lib
 from tfdist.distribution import cluster
 from tfdist.engines.net import local_spec
 from test_data_parallel import _fit
-from test_guard import skip_unless_keras_builds_distributions
 
 ADDRESSES = "127.0.0.1:2222,127.0.0.1:2223"
 
@@ -59,7 +58,6 @@ def test_without_a_job_initialize_leaves_one_process(tf_cpus, monkeypatch):
     assert cluster.cluster_strategy() is None
     assert keras.distribution.list_devices("cpu") == before
     # A mesh naming another process's devices needs initialize() first.
-    skip_unless_keras_builds_distributions(keras)
     remote = ["/job:worker/replica:0/task:0/device:CPU:0",
               "/job:worker/replica:0/task:1/device:CPU:0"]
     with pytest.raises(tfdist.ConfigError) as caught:
@@ -71,7 +69,6 @@ def test_without_a_job_initialize_leaves_one_process(tf_cpus, monkeypatch):
 @pytest.mark.slow
 def test_two_processes_train_as_the_keras_docs_write_it(tf_cpus):
     import keras
-    skip_unless_keras_builds_distributions(keras)
     spec = local_spec(2)
     addresses = ",".join(spec["cluster"]["worker"])
     configs = [config for _, _, config in spec_lib.all_task_configs(spec)]

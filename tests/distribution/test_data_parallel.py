@@ -8,13 +8,11 @@ import pytest
 
 import tfdist
 from conftest import finish, start
-from test_guard import skip_unless_keras_builds_distributions
 
 
 @pytest.fixture
 def keras_mod(tf_cpus):
     import keras
-    skip_unless_keras_builds_distributions(keras)
     yield keras
     keras.distribution.set_distribution(None)
 

@@ -30,29 +30,27 @@ def model_parallel(keras_mod, devices):
     mesh = dist.DeviceMesh((1, len(devices)), ("batch", "model"), devices)
     layouts = dist.LayoutMap(mesh)
     layouts[".*dense.*kernel"] = (None, "model")
-    try:
-        return dist.ModelParallel(layout_map=layouts, batch_dim_name="batch")
-    except AttributeError as error:
-        skip_unless_keras_builds_distributions(keras_mod, error)
-        raise
+    return dist.ModelParallel(layout_map=layouts, batch_dim_name="batch")
 
 
-def skip_unless_keras_builds_distributions(keras_mod, error=None):
-    """Keras before 3.15 cannot build a keras.distribution on TensorFlow at
-    all: ``DataParallel``/``ModelParallel`` call its TF distribution_lib's
-    ``num_processes``, which does not exist. No user reaches the guard there.
-    Checked, then skipped; any other error is raised."""
+def test_keras_before_3_15_lacks_the_process_count(keras_mod):
+    """The canary of the registry's distribution_guard.num_processes and
+    process_id: Keras 3.10-3.14's Distribution calls them on its TensorFlow
+    backend, which lacks them (no keras.distribution could be built there);
+    3.15 checks for them first. When Keras adds them, the patches can go."""
+    from tfdist.compat import pristine
+    from tfdist.compat.keras_src import tf_distribution_lib
+    from tfdist.compat.patching import MISSING
     from tfdist.compat.versions import satisfies
-    if satisfies(keras_mod.__version__, ">=3.15"):
-        return
-    if error is None:
-        dist = keras_mod.distribution
-        with pytest.raises(AttributeError) as info:
-            dist.DataParallel(devices=dist.list_devices("cpu")[:2])
-        error = info.value
-    assert "num_processes" in str(error), error
-    pytest.skip(f"Keras {keras_mod.__version__} cannot build a keras.distribution on "
-                f"TensorFlow ({error}): nothing to guard")
+    if satisfies(keras_mod.__version__, "<3.15"):
+        assert pristine(tf_distribution_lib, "num_processes") is MISSING
+        assert pristine(tf_distribution_lib, "process_id") is MISSING
+        assert tf_distribution_lib.num_processes() == 1  # tfdist's.
+    else:
+        assert not hasattr(tf_distribution_lib, "num_processes")
+    # Either way a distribution builds after import tfdist, for one process.
+    dist = keras_mod.distribution.DataParallel(devices=["cpu:0", "cpu:1"])
+    assert getattr(dist, "num_processes", getattr(dist, "_num_process", None)) == 1
 
 
 def assert_points_to_tfdist(error, name):
@@ -105,7 +103,6 @@ def test_a_strategy_created_while_a_distribution_is_set_is_refused(keras_mod):
 
 def test_compile_and_fit_under_a_strategy_with_a_distribution_set(keras_mod):
     keras = keras_mod
-    skip_unless_keras_builds_distributions(keras)
     strategy = tfdist.strategy_from_config(cpu_replicas=2)
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -149,7 +146,6 @@ def test_install_is_idempotent(keras_mod):
 
 
 def test_a_fresh_process_in_the_order_users_write_it(keras_mod):
-    skip_unless_keras_builds_distributions(keras_mod)
     proc = start([REPO / "tests" / "workers" / "keras_distribution_fresh.py"])
     [(code, out, err)] = finish([proc], timeout=120)
     assert code == 0, err[-3000:]
@@ -157,8 +153,12 @@ def test_a_fresh_process_in_the_order_users_write_it(keras_mod):
     # The fact the guard rests on: Keras on TensorFlow ignores the layout.
     # If this fails, Keras shards on TensorFlow now: revisit the guard.
     kernel = result["unguarded_kernel"]
-    assert kernel["shape"] == [8, 16] and kernel["type"] == "ResourceVariable"
-    assert kernel["device"].endswith("CPU:0")
+    from tfdist.compat.versions import satisfies
+    if satisfies(keras_mod.__version__, "<3.15"):
+        assert "num_processes" in kernel["error"]  # Not even buildable there.
+    else:
+        assert kernel["shape"] == [8, 16] and kernel["type"] == "ResourceVariable"
+        assert kernel["device"].endswith("CPU:0")
     assert result["strategy_after_distribution"]["error"] == "KerasDistributionError"
     assert "ModelParallel" in result["strategy_after_distribution"]["message"]
     # No strategy alive: refused for what it is, not trained unsharded.

@@ -4,7 +4,8 @@ Prints ``tfdist result: {...}`` with what happened at each step:
 
 1. ``set_distribution(ModelParallel)`` first, with the Dense kernels laid out
    over a "model" axis of 2 logical CPUs, then a model built with no
-   strategy: its kernel's shape and type (the fact the guard rests on);
+   strategy: its kernel's shape and type (the fact the guard rests on;
+   Keras < 3.15 cannot build the distribution on TensorFlow at all);
 2. a tfdist strategy created while that distribution is set;
 3. the distribution reset, and ``set_distribution(ModelParallel)`` with no
    strategy alive (tfdist cannot honour its layouts yet);
@@ -46,14 +47,20 @@ def model_parallel():
 
 
 result = {}
-keras.distribution.set_distribution(model_parallel())
-model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
-kernel = model.layers[0].kernel
-result["unguarded_kernel"] = {"shape": list(kernel.shape),
-                              "type": type(kernel.value).__name__,
-                              "device": kernel.value.device}
+try:
+    keras.distribution.set_distribution(model_parallel())
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
+    kernel = model.layers[0].kernel
+    result["unguarded_kernel"] = {"shape": list(kernel.shape),
+                                  "type": type(kernel.value).__name__,
+                                  "device": kernel.value.device}
+except AttributeError as error:  # Keras < 3.15 builds none on TensorFlow.
+    result["unguarded_kernel"] = {"error": str(error)}
 
 import tfdist  # noqa: E402
+
+if "error" in result["unguarded_kernel"]:
+    early_set(model_parallel())  # Buildable now; set as Keras alone would.
 
 result["strategy_after_distribution"] = outcome(
     lambda: tfdist.strategy_from_config(cpu_replicas=2))

@@ -63,6 +63,8 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "file_utils": ("keras.src.utils.file_utils",),
     # Keras's distribution API: tfdist.distribution wraps set_distribution.
     "distribution_lib": ("keras.src.distribution.distribution_lib",),
+    # Its TensorFlow backend ("DO NOT USE"): Keras < 3.15 calls num_processes there.
+    "tf_distribution_lib": ("keras.src.backend.tensorflow.distribution_lib",),
     # The legacy .h5 writer/reader, wrapped for sharded and chief-only saves.
     "legacy_h5_format": ("keras.src.legacy.saving.legacy_h5_format",),
     # The .keras saver, wrapped so that only the chief writes.

@@ -285,6 +285,19 @@ PATCHES: tuple[Patch, ...] = (
           "list_devices names them 'cpu:0', one process's, with no task",
           params=("device_type",), dynamic=True,
           canary="no upstream bug: follows tfdist's initialize"),
+    Patch("distribution_guard.num_processes", f"{_K}tf_distribution_lib.num_processes",
+          "tfdist.distribution.guard:new_num_processes", "distribution_guard",
+          "Keras 3.10-3.14's Distribution calls its TensorFlow backend's num_processes and "
+          "process_id, which do not exist: no keras.distribution can be built on "
+          "TensorFlow. tfdist answers 1 and 0, so that the strategy, not Keras, shards the "
+          "data, as on Keras 3.15 (which checks for them)", needed="keras<3.15",
+          kind="new", canary="tests/distribution/test_guard.py::"
+                             "test_keras_before_3_15_lacks_the_process_count"),
+    Patch("distribution_guard.process_id", f"{_K}tf_distribution_lib.process_id",
+          "tfdist.distribution.guard:new_process_id", "distribution_guard",
+          "the same", needed="keras<3.15", kind="new",
+          canary="tests/distribution/test_guard.py::"
+                 "test_keras_before_3_15_lacks_the_process_count"),
     Patch("distribution_guard.compile", f"{_K}Trainer.compile",
           "tfdist.distribution.guard:wrap_entry", "distribution_guard",
           "the same, when a distribution is set after the strategy", params=("self",)),

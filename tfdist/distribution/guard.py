@@ -47,7 +47,7 @@ from tfdist.errors import TfdistError
 
 __all__ = ["KerasDistributionError", "install", "install_at_import", "check_no_distribution",
            "register_strategy", "wrap_set_distribution", "wrap_initialize", "wrap_list_devices",
-           "wrap_entry"]
+           "wrap_entry", "new_num_processes", "new_process_id"]
 
 #: The tfdist strategies of this process that are alive, with the order they
 #: were made in (the error names the newest: an older one may wait for the
@@ -165,6 +165,28 @@ def wrap_list_devices(original):
                 return every
         return original(device_type)
     return list_devices
+
+
+def new_num_processes(missing):
+    """Keras < 3.15 on TensorFlow: the process count its Distribution asks for.
+
+    1 also across processes: the job's strategy shards the data, and Keras
+    must not shard it again (Keras 3.15 lacks it too and assumes 1).
+    """
+    del missing
+
+    def num_processes() -> int:
+        return 1
+    return num_processes
+
+
+def new_process_id(missing):
+    """Keras < 3.15 on TensorFlow: this process's index, for the same (0)."""
+    del missing
+
+    def process_id() -> int:
+        return 0
+    return process_id
 
 
 def _refusal() -> str:
