@@ -81,12 +81,17 @@ def test_data_parallel_with_tfdists_compression(keras_mod):
 
 def test_a_mesh_of_devices_this_process_lacks_is_named(keras_mod):
     keras = keras_mod
+    import tensorflow as tf
+    good = keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"])
+    keras.distribution.set_distribution(good)
     with pytest.raises(tfdist.ConfigError) as caught:
         keras.distribution.set_distribution(
             keras.distribution.DataParallel(devices=["cpu:0", "cpu:9"]))
     assert caught.value.field == "device_mesh"
     assert "/cpu:9 not found" in str(caught.value)
-    assert keras.distribution.distribution() is None
+    # Nothing changed: the distribution set before is still in force.
+    assert keras.distribution.distribution() is good
+    assert tf.distribute.get_strategy() is tfdist.distribution.data_parallel.strategy_of(good)
 
 
 def test_model_parallel_is_refused_not_trained_unsharded(keras_mod):

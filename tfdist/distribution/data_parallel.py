@@ -63,7 +63,8 @@ def honours(distribution: Any) -> bool:
 
 
 def is_mapped(strategy: Any) -> bool:
-    """Whether ``strategy`` was made for a distribution (or is being made)."""
+    """Whether ``strategy`` was made for a distribution, or one is being made
+    now (then any ``strategy``, None too, is)."""
     return getattr(_local, "making", False) or strategy in _mapped
 
 

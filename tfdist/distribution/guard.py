@@ -97,8 +97,9 @@ def check_no_distribution(kind: str = "tfdist") -> None:
     Raises:
         KerasDistributionError: ``keras.distribution.distribution()`` is set.
     """
+    from tfdist.distribution import data_parallel
     current = _current_distribution()
-    if current is not None and _on_tensorflow():
+    if current is not None and _on_tensorflow() and not data_parallel.is_mapped(None):
         raise _error(current, f"is set while a tfdist {kind} strategy is created")
 
 
@@ -124,12 +125,11 @@ def wrap_set_distribution(original):
             raise _error(value, f"was set inside the scope of {type(current).__name__}")
         if not data_parallel.honours(value):
             raise _error(value, _refusal())
-        # Cleared first: the strategy is made with no distribution set. A
-        # DataParallel gets its own strategy, beside any of the user's: a
-        # model under theirs still refuses compile and fit (wrap_entry).
-        data_parallel.release()
-        original(None)
+        # Made first, so that a bad mesh changes nothing. A DataParallel gets
+        # its own strategy, beside any of the user's: a model under theirs
+        # still refuses compile and fit (wrap_entry).
         strategy = data_parallel.strategy_for(value)
+        data_parallel.release()
         result = original(value)
         data_parallel.use(strategy)
         return result
@@ -229,11 +229,13 @@ def wrap_entry(original):
 
 
 def install() -> None:
-    """Wraps Keras's ``set_distribution``, ``compile`` and ``fit`` once (the
-    registry's ``distribution_guard``).
+    """Wraps Keras's ``set_distribution``, ``initialize``, ``list_devices``,
+    ``compile`` and ``fit`` once, and on Keras < 3.15 supplies the TensorFlow
+    backend's ``num_processes`` and ``process_id`` (the registry's
+    ``distribution_guard``).
 
-    ``set_distribution`` is replaced where Keras defines it (which
-    ``Distribution.scope()`` calls) and in every module that re-exports it,
+    The three public functions are replaced where Keras defines them (which
+    ``Distribution.scope()`` calls) and in every module that re-exports them,
     such as ``keras.distribution``. Idempotent.
 
     Raises:
