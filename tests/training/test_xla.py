@@ -239,10 +239,12 @@ def test_a_step_that_applies_twice_is_refused(tf_cpus):
     assert "applied gradients 2 times" in str(caught.value)
 
 
-def test_auto_resolves_as_keras_does_without_a_strategy(tf_cpus):
+def test_auto_resolves_as_keras_does_without_a_strategy(tf_cpus, caplog):
     # On CPU replicas Keras chooses no XLA without a strategy, and so does
-    # tfdist; describe() says so. (A GPU, where both choose XLA, is untested.)
+    # tfdist; describe() and the fit's log line say so. (A GPU, where both
+    # choose XLA, is untested.)
     import keras
+    caplog.set_level(logging.INFO, logger="absl")
     strategy = tfdist.strategy_from_config(cpu_replicas=2)
     with strategy.scope():
         model = _model(keras)
@@ -251,6 +253,16 @@ def test_auto_resolves_as_keras_does_without_a_strategy(tf_cpus):
     alone.compile(optimizer="sgd", loss="mse")
     assert model.jit_compile is alone.jit_compile is False
     assert "jit_compile='auto' resolves to off (CPU replicas" in strategy.describe()
+    x, y = _data()
+    model.fit(_batches(x, y), epochs=2, verbose=0)
+    said = [r.getMessage() for r in caplog.records if "fits without XLA" in r.getMessage()]
+    assert said == [f"tfdist: {model.name} fits without XLA (jit_compile='auto' resolves to "
+                    "off: CPU replicas, as Keras without a strategy)"]  # Once per compile.
+    with strategy.scope():
+        model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    model.fit(_batches(x, y), epochs=1, verbose=0)
+    said = [r.getMessage() for r in caplog.records if "fits without XLA" in r.getMessage()]
+    assert said[-1] == f"tfdist: {model.name} fits without XLA (jit_compile=False)"
 
 
 def test_tpu_is_refused_at_compile(tf_cpus):

@@ -170,6 +170,8 @@ def wrap_compile(original):
         jit = kwargs.get("jit_compile", "auto")
         if jit is True and not kwargs.get("run_eagerly", False):
             check_compile(self, _strategy(self))
+        self._tfdist_jit_requested = jit  # For the fit's log line.
+        self._tfdist_xla_logged = False
         return original(self, *args, **kwargs)
     return compile
 
@@ -328,10 +330,12 @@ def _named_errors(function):
 def wrap_make_function(original):
     @functools.wraps(original)
     def _make_function(self, step_function):
-        if not uses_replica_xla(self):
-            return original(self, step_function)
         name = getattr(step_function, "__name__", "")
         kind = "train" if name == "train_step" else "test"
+        if not uses_replica_xla(self):
+            if kind == "train" and _tfdist_kind(_strategy(self)) in XLA_KINDS:
+                _log_without_xla(self)
+            return original(self, step_function)
         if not getattr(self, "_tfdist_xla_logged", False) and kind == "train":
             logging.info("tfdist: %s fits with XLA: each replica's forward and backward "
                          "pass is compiled; the all-reduce and the optimizer run outside XLA",
@@ -344,6 +348,24 @@ def wrap_make_function(original):
         finally:
             self._jit_compile = True
     return _make_function
+
+
+def _log_without_xla(model: Any) -> None:
+    """The fit's line when its step is not compiled: why, once per compile."""
+    if getattr(model, "_tfdist_xla_logged", False):
+        return
+    model._tfdist_xla_logged = True
+    requested = getattr(model, "_tfdist_jit_requested", "auto")
+    if getattr(model, "run_eagerly", False):
+        why = "run_eagerly=True"
+    elif requested == "auto":
+        why = ("jit_compile='auto' resolves to off: CPU replicas, as Keras without a strategy"
+               if _devices_are_cpus(_strategy(model)) else
+               "jit_compile='auto' resolves to off: a layer without XLA support or a "
+               "collective in the forward pass")
+    else:
+        why = f"jit_compile={requested!r}"
+    logging.info("tfdist: %s fits without XLA (%s)", model.name, why)
 
 
 def wrap_make_predict_function(original):
