@@ -36,6 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfdist.compat.built_functions import around_built_functions
 from tfdist.errors import ConfigError
 from tfdist.parallel.collectives import runtime_of
 
@@ -131,21 +132,15 @@ def _under_mesh(model: Any) -> bool:
     return runtime is not None and runtime.mesh.tp > 1
 
 
+_AROUND = around_built_functions(lambda model, function: _converting(function, model),
+                                 _under_mesh)
+
+
 def wrap_make_function(original):
-    @functools.wraps(original)
-    def _make_function(self, step_function):
-        function = original(self, step_function)
-        return _converting(function, self) if _under_mesh(self) else function
-    return _make_function
+    """Keras's train and test functions, naming an uneven batch under a mesh."""
+    return _AROUND[0](original)
 
 
 def wrap_make_predict_function(original):
-    @functools.wraps(original)
-    def make_predict_function(self, force=False):
-        before = self.predict_function
-        result = original(self, force)
-        if (_under_mesh(self) and self.predict_function is not None
-                and self.predict_function is not before):
-            self.predict_function = _converting(self.predict_function, self)
-        return result
-    return make_predict_function
+    """Keras's predict function, the same."""
+    return _AROUND[1](original)

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.compat.built_functions import around_built_functions
 
 __all__ = ["install", "wrap_make_function", "wrap_make_predict_function"]
 
@@ -94,22 +95,17 @@ def _distributing(model: Any, function: Any) -> Any:
     return call
 
 
+_AROUND = around_built_functions(lambda model, function: _distributing(model, function))
+
+
 def wrap_make_function(original):
-    @functools.wraps(original)
-    def _make_function(self, step_function):
-        return _distributing(self, original(self, step_function))
-    return _make_function
+    """Keras's train and test functions, splitting a plain batch first."""
+    return _AROUND[0](original)
 
 
 def wrap_make_predict_function(original):
-    @functools.wraps(original)
-    def make_predict_function(self, force=False):
-        before = self.predict_function
-        result = original(self, force)
-        if self.predict_function is not None and self.predict_function is not before:
-            self.predict_function = _distributing(self, self.predict_function)
-        return result
-    return make_predict_function
+    """Keras's predict function, the same."""
+    return _AROUND[1](original)
 
 
 def install() -> None:
