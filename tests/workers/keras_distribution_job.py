@@ -1,4 +1,4 @@
-"""One worker of a 2-process keras.distribution job (tests/distribution/test_cluster.py).
+"""One worker of a 2-process keras.distribution job (tests/distribution/test_initialize.py).
 
 Written as Keras's docs write it for JAX: initialize(), list_devices(),
 DataParallel over them, then build, compile and fit with no strategy in

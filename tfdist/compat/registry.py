@@ -276,7 +276,7 @@ PATCHES: tuple[Patch, ...] = (
           "public function raises AttributeError; tfdist joins the job as a "
           "MultiWorkerMirrored worker", params=("job_addresses", "num_processes",
                                                  "process_id"), dynamic=True,
-          canary="tests/distribution/test_cluster.py::"
+          canary="tests/distribution/test_initialize.py::"
                  "test_stock_initialize_fails_on_tensorflow"),
     Patch("distribution_guard.list_devices",
           "modules re-exporting keras.src.distribution.distribution_lib:list_devices",
