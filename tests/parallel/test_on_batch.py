@@ -107,7 +107,12 @@ def test_stock_keras_hands_every_replica_the_whole_batch(reference, data):
     can go for that version."""
     import tensorflow as tf
     initial, _, ref, _, _ = reference
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # Reduced through one device: two stock MirroredStrategies over the same
+    # devices reuse TF's collective keys, and a later one's all-reduce met this
+    # one's stale instance in the shared test process ("Shape mismatch in the
+    # collective instance 100", tests/training/test_custom_loop.py).
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
     with strategy.scope():
         model = _model(parallel=False)
     model.set_weights(initial)
