@@ -107,13 +107,15 @@ def strategy_for(distribution: Any) -> Any:
         return strategy
     from tfdist.strategies import strategy_from_config
     devices = [_device(d) for d in np.asarray(distribution.device_mesh.devices).ravel()]
-    remote = [d for d in devices if "/job:" in d or "/task:" in d]
-    if remote:
+    if any("/job:" in d or "/task:" in d for d in devices):
         return _cluster_strategy_for(distribution, devices)
-    local = {d.name.lower() for d in tf.config.list_logical_devices()}
-    missing = [d for d in devices
-               if not any(name.endswith(d.lower().replace("/", "").replace("device:", ""))
-                          for name in local)]
+
+    def kind_and_index(name: str) -> tuple[str, int]:
+        spec = tf.DeviceSpec.from_string(name)
+        return spec.device_type.upper(), spec.device_index
+
+    local = {kind_and_index(d.name) for d in tf.config.list_logical_devices()}
+    missing = [d for d in devices if kind_and_index(d) not in local]
     if missing:
         raise ConfigError(
             "device_mesh", devices, "devices that exist in this process",
