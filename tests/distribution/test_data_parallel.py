@@ -95,18 +95,26 @@ def test_a_mesh_of_devices_this_process_lacks_is_named(keras_mod):
     assert tf.distribute.get_strategy() is tfdist.distribution.data_parallel.strategy_of(good)
 
 
-def test_model_parallel_is_refused_not_trained_unsharded(keras_mod):
-    # With no strategy of the user's alive, the reason is the layouts
-    # themselves (a fresh process checks that message, tests/distribution/
-    # test_guard.py); here other tests' strategies may be alive.
+def test_a_distribution_tfdist_does_not_know_is_refused(keras_mod):
+    # DataParallel and ModelParallel are honoured (test_model_parallel.py);
+    # any other Distribution would train unsharded, so it is refused.
     keras = keras_mod
-    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), ["cpu:0", "cpu:1"])
-    layouts = keras.distribution.LayoutMap(mesh)
-    layouts[".*kernel"] = (None, "model")
+    from tfdist.compat.keras_src import distribution_lib
+
+    class Custom(distribution_lib.Distribution):  # Keras exports no base class.
+        def get_data_layout(self, data_shape):
+            return None
+
+        def get_variable_layout(self, variable):
+            return None
+
+        def get_tensor_layout(self, path):
+            return None
+
+    mesh = keras.distribution.DeviceMesh((2,), ("batch",), ["cpu:0", "cpu:1"])
     with pytest.raises(tfdist.KerasDistributionError) as caught:
-        keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch"))
-    assert "ModelParallel" in str(caught.value)
+        keras.distribution.set_distribution(Custom(mesh))
+    assert "keras.distribution.Custom " in str(caught.value)
     assert keras.distribution.distribution() is None
 
 

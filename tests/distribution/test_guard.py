@@ -67,15 +67,16 @@ def test_set_distribution_after_a_strategy_is_refused(keras_mod):
     strategy = tfdist.strategy_from_config(cpu_replicas=2, model_parallel=2)
     devices = [d.split("device:")[-1].lower() for d in strategy.extended.worker_devices]
     dist = model_parallel(keras_mod, devices)
-    with pytest.raises(tfdist.KerasDistributionError) as info:
-        keras_mod.distribution.set_distribution(dist)
-    assert_points_to_tfdist(info.value, "ModelParallel")
-    assert "MirroredStrategy" in str(info.value)
-    assert keras_mod.distribution.distribution() is None
-    # The way Keras's own docs set it for a block, and DataParallel too.
-    with pytest.raises(tfdist.KerasDistributionError):
-        with dist.scope():
-            pass
+    with strategy.scope():
+        with pytest.raises(tfdist.KerasDistributionError) as info:
+            keras_mod.distribution.set_distribution(dist)
+        assert_points_to_tfdist(info.value, "ModelParallel")
+        assert "inside the scope of MirroredStrategy" in str(info.value)
+        assert keras_mod.distribution.distribution() is None
+        # The way Keras's own docs set it for a block.
+        with pytest.raises(tfdist.KerasDistributionError):
+            with dist.scope():
+                pass
     # Inside the strategy's scope, DataParallel too.
     data_parallel = keras_mod.distribution.DataParallel(devices=devices)
     with strategy.scope():
@@ -84,9 +85,11 @@ def test_set_distribution_after_a_strategy_is_refused(keras_mod):
     assert_points_to_tfdist(info.value, "DataParallel")
     assert "inside the scope of MirroredStrategy" in str(info.value)
     assert keras_mod.distribution.distribution() is None
-    # Outside it, DataParallel gets a strategy of its own (test_data_parallel.py).
-    keras_mod.distribution.set_distribution(data_parallel)
-    assert tfdist.distribution.data_parallel.strategy_of(data_parallel) is not strategy
+    # Outside it, each gets a strategy of its own (test_data_parallel.py,
+    # test_model_parallel.py).
+    for other in (data_parallel, dist):
+        keras_mod.distribution.set_distribution(other)
+        assert tfdist.distribution.data_parallel.strategy_of(other) is not strategy
     keras_mod.distribution.set_distribution(None)  # Resetting is always fine.
 
 
@@ -161,10 +164,12 @@ def test_a_fresh_process_in_the_order_users_write_it(keras_mod):
         assert kernel["device"].endswith("CPU:0")
     assert result["strategy_after_distribution"]["error"] == "KerasDistributionError"
     assert "ModelParallel" in result["strategy_after_distribution"]["message"]
-    # No strategy alive: refused for what it is, not trained unsharded.
-    alone = result["model_parallel_alone"]
-    assert alone["error"] == "KerasDistributionError"
-    assert "keras.distribution.ModelParallel cannot be honoured by tfdist yet" in alone["message"]
+    # No strategy alive: the layout is honoured, each device holding a block.
+    assert result["model_parallel_alone"]["error"] is None
+    kernel = result["laid_out_kernel"]
+    assert kernel["shape"] == [8, 8] and kernel["full"] == [8, 16], kernel
+    assert [d.split(":")[-1] for d in kernel["devices"]] == ["0", "1"], kernel
+    assert kernel["distinct"], kernel
     assert result["distribution_after_alone"] == "None"
     assert result["public_set_after_strategy"]["error"] == "KerasDistributionError"
     assert result["distribution_after_refusal"] == "None"

@@ -7,11 +7,12 @@ Prints ``tfdist result: {...}`` with what happened at each step:
    strategy: its kernel's shape and type (the fact the guard rests on;
    Keras < 3.15 cannot build the distribution on TensorFlow at all);
 2. a tfdist strategy created while that distribution is set;
-3. the distribution reset, and ``set_distribution(ModelParallel)`` with no
-   strategy alive (tfdist cannot honour its layouts yet);
-4. a strategy created, then ``set_distribution``
-   called through the public API and through a reference imported before
-   tfdist (which the guard cannot wrap), followed by ``compile``.
+3. the distribution reset, ``set_distribution(ModelParallel)`` with no
+   strategy alive, and a model built under it: its kernel's shape, full
+   shape and the devices of its blocks (tfdist honours the layout);
+4. a strategy created, then ``set_distribution`` called in its scope
+   through the public API, and through a reference imported before tfdist
+   (which the guard cannot wrap), followed by ``compile``.
 """
 
 from __future__ import annotations
@@ -67,10 +68,19 @@ result["strategy_after_distribution"] = outcome(
 keras.distribution.set_distribution(None)
 result["model_parallel_alone"] = outcome(
     lambda: keras.distribution.set_distribution(model_parallel()))
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
+kernel = model.layers[0].kernel
+blocks = model.distribute_strategy.experimental_local_results(kernel.value)
+result["laid_out_kernel"] = {"shape": list(kernel.shape),
+                             "full": list(model.get_weights()[0].shape),
+                             "devices": [b.device for b in blocks],
+                             "distinct": not bool((blocks[0].numpy() == blocks[1].numpy()).all())}
+keras.distribution.set_distribution(None)
 result["distribution_after_alone"] = repr(keras.distribution.distribution())
 strategy = tfdist.strategy_from_config(cpu_replicas=2)
-result["public_set_after_strategy"] = outcome(
-    lambda: keras.distribution.set_distribution(model_parallel()))
+with strategy.scope():
+    result["public_set_after_strategy"] = outcome(
+        lambda: keras.distribution.set_distribution(model_parallel()))
 result["distribution_after_refusal"] = repr(keras.distribution.distribution())
 early_set(model_parallel())  # Not wrapped: taken before tfdist was imported.
 with strategy.scope():

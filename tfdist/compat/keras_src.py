@@ -108,6 +108,9 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
                         "keras:callbacks.ModelCheckpoint"),
 
     # --- functions -------------------------------------------------------------
+    # Keras's global state: whether a layer's call is running (current_call_ctx),
+    # where a keras.distribution layout's weight is gathered whole.
+    "global_state": ("keras.src.backend.common.global_state",),
     # Skips tfdist's PS variable patches while Keras traces statelessly.
     "in_stateless_scope": ("keras.src.backend.common.stateless_scope:in_stateless_scope",),
     # Skips them (and serves zeros for sharded weights) during symbolic builds.

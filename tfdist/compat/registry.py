@@ -36,6 +36,8 @@ FEATURES: dict[str, dict] = {
     "distribution_guard": {"description": "the keras.distribution guard", "required": True},
     "tensor_parallel": {"description": "tensor parallelism (tfdist.parallel)",
                         "required": False},
+    "layouts": {"description": "keras.distribution.ModelParallel layouts on TensorFlow",
+                "required": False},
     "profiling": {"description": "the step profiler (tfdist.profiling)", "required": False},
     "timeline": {"description": "TFDIST_TIMELINE's automatic StepProfile",
                  "required": False},
@@ -304,6 +306,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch("distribution_guard.fit", f"{_TFT}.fit", "tfdist.distribution.guard:wrap_entry",
           "distribution_guard", "the same, when a distribution is set after the strategy",
           params=("self",)),
+    Patch("layouts.initialize", f"{_VARIABLE}._initialize",
+          "tfdist.distribution.layouts:wrap_initialize", "layouts",
+          "Keras's TensorFlow variables never ask the distribution for their layout "
+          "(its JAX backend does, in JaxVariable._initialize_layout): a ModelParallel's "
+          "weights stay whole on one device (keras-team/keras#20585)",
+          params=("self", "value"),
+          canary="tests/distribution/test_guard.py::"
+                 "test_a_fresh_process_in_the_order_users_write_it"),
     # --- tensor parallelism ---------------------------------------------------
     Patch("tensor_parallel.check_finite", f"{_LSO}.check_finite",
           "tfdist.parallel.grads:wrap_check_finite", "tensor_parallel",

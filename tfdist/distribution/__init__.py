@@ -9,10 +9,14 @@ applies nothing. After ``import tfdist``:
 * ``keras.distribution.initialize()`` joins a job of several processes as a
   MultiWorkerMirrored worker, and ``list_devices()`` names every process's
   devices (:mod:`~tfdist.distribution.cluster`);
-* a distribution tfdist cannot honour yet (``ModelParallel``) and any
-  distribution beside a tfdist strategy of the user's raise
-  :class:`KerasDistributionError` (:mod:`~tfdist.distribution.guard`)
-  instead of training unsharded.
+* ``keras.distribution.ModelParallel`` honours its layout map: each weight
+  is split over the mesh's axes as its layout says
+  (:mod:`~tfdist.distribution.model_parallel`,
+  :mod:`~tfdist.distribution.layouts`), and :func:`report` shows what each
+  weight got;
+* a distribution tfdist cannot honour, and any distribution beside a tfdist
+  strategy of the user's, raise :class:`KerasDistributionError`
+  (:mod:`~tfdist.distribution.guard`) instead of training unsharded.
 
 It sits above tensor parallelism (:mod:`tfdist.parallel`) and below the
 Keras integration. A strategy reaches it through :mod:`tfdist.plugins`
@@ -21,7 +25,7 @@ Keras integration. A strategy reaches it through :mod:`tfdist.plugins`
 
 from tfdist.distribution.guard import KerasDistributionError
 
-__all__ = ["DataParallel", "KerasDistributionError"]
+__all__ = ["DataParallel", "KerasDistributionError", "report"]
 
 
 def __getattr__(name):
@@ -29,4 +33,7 @@ def __getattr__(name):
     if name == "DataParallel":
         from tfdist.distribution.data_parallel import DataParallel
         return DataParallel
+    if name == "report":
+        from tfdist.distribution.reporting import report
+        return report
     raise AttributeError(f"module 'tfdist.distribution' has no attribute {name!r}")

@@ -59,7 +59,9 @@ class DataParallel(keras.distribution.DataParallel):
 
 def honours(distribution: Any) -> bool:
     """Whether tfdist can train as ``distribution`` says on TensorFlow."""
-    return isinstance(distribution, keras.distribution.DataParallel)
+    from tfdist.distribution import model_parallel
+    return (isinstance(distribution, keras.distribution.DataParallel)
+            or model_parallel.honours(distribution))
 
 
 def is_mapped(strategy: Any) -> bool:
@@ -105,10 +107,32 @@ def strategy_for(distribution: Any) -> Any:
     strategy = strategy_of(distribution)
     if strategy is not None:
         return strategy
+    from tfdist.distribution import model_parallel
     from tfdist.strategies import strategy_from_config
+    if model_parallel.honours(distribution):
+        strategy = model_parallel.strategy_for(distribution, _local_devices)
+        mark(strategy)
+        distribution._tfdist_strategy = strategy
+        return strategy
     devices = [_device(d) for d in np.asarray(distribution.device_mesh.devices).ravel()]
     if any("/job:" in d or "/task:" in d for d in devices):
         return _cluster_strategy_for(distribution, devices)
+    devices = _local_devices(devices)
+    options = dict(getattr(distribution, "_tfdist_options", {}))
+    with making():
+        strategy = strategy_from_config(strategy="mirrored", devices=devices, **options)
+    mark(strategy)
+    distribution._tfdist_strategy = strategy
+    return strategy
+
+
+def _local_devices(names: list) -> list[str]:
+    """TensorFlow's names of mesh devices ("cpu:0" -> "/cpu:0").
+
+    Raises:
+        ConfigError: A device does not exist in this process.
+    """
+    devices = [_device(d) for d in names]
 
     def kind_and_index(name: str) -> tuple[str, int]:
         spec = tf.DeviceSpec.from_string(name)
@@ -122,12 +146,7 @@ def strategy_for(distribution: Any) -> Any:
             source="keras.distribution",
             hint=f"{', '.join(missing)} not found; keras.distribution.list_devices() "
                  "names them")
-    options = dict(getattr(distribution, "_tfdist_options", {}))
-    with making():
-        strategy = strategy_from_config(strategy="mirrored", devices=devices, **options)
-    mark(strategy)
-    distribution._tfdist_strategy = strategy
-    return strategy
+    return devices
 
 
 def _cluster_strategy_for(distribution: Any, devices: list[str]) -> Any:

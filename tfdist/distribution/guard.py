@@ -21,9 +21,11 @@ it already is, and when a strategy is made) so that on TensorFlow:
   distribution says;
 * ``initialize()`` and ``list_devices()`` work across processes
   (:mod:`~tfdist.distribution.cluster`);
-* a distribution tfdist cannot honour (``ModelParallel``: layouts are not
-  applied on TensorFlow yet) raises :class:`KerasDistributionError` instead
-  of training unsharded;
+* ``ModelParallel`` honours its layout map
+  (:mod:`~tfdist.distribution.model_parallel`);
+* a distribution tfdist cannot honour (a ``Distribution`` other than those
+  two) raises :class:`KerasDistributionError` instead of training
+  unsharded;
 * a distribution mixed with a tfdist strategy of the user's raises too, in
   each order: ``set_distribution`` inside the strategy's scope; a strategy
   created while a distribution is set (:func:`check_no_distribution`);
@@ -77,8 +79,9 @@ def _error(distribution: Any, when: str) -> KerasDistributionError:
         "tensorflow distribution_lib is a prototype ('DO NOT USE'), and every weight "
         "stays whole on one device, so the model would train unsharded without a "
         "word. Call keras.distribution.set_distribution(None) and use tfdist "
-        "instead: tfdist.strategy_from_config(model_parallel=T) with the layers of "
-        "tfdist.parallel (ColumnParallelDense, RowParallelDense, ...) for tensor "
+        "instead: keras.distribution.ModelParallel alone (tfdist honours its layout "
+        "map), or tfdist.strategy_from_config(model_parallel=T) with the layers of "
+        "tfdist.parallel (ColumnParallelDense, RowParallelDense, ...), for model "
         "parallelism; keras.distribution.DataParallel alone, or "
         "tfdist.strategy_from_config(), for data parallelism.")
 
@@ -197,7 +200,8 @@ def _refusal() -> str:
         gc.collect()
         alive = sorted(_strategies.items(), key=lambda item: item[1])
     if not alive:
-        return "cannot be honoured by tfdist yet"
+        return ("is not one tfdist honours on TensorFlow (DataParallel and ModelParallel "
+                "are)")
     newest = type(alive[-1][0]).__name__
     others = f", and {len(alive) - 1} older" if len(alive) > 1 else ""
     return f"was set while a tfdist strategy exists in this process ({newest}{others})"

@@ -35,7 +35,9 @@ import tensorflow as tf
 from tfdist.parallel.mesh import Mesh
 
 __all__ = ["Placement", "Runtime", "current", "gather_rows", "scatter_rows",
-           "tp_all_reduce", "tp_all_gather", "dp_all_reduce", "traffic", "reset_traffic"]
+           "tp_all_reduce", "tp_all_gather", "gather_blocks", "block_gradient",
+           "dp_all_reduce", "traffic",
+           "reset_traffic"]
 
 #: Group keys of the mesh's groups start this far above the strategy's own
 #: collective key base (tfdist gives each strategy a range of 100000).
@@ -303,6 +305,105 @@ def tp_all_gather(x: tf.Tensor, axis: int = -1) -> tf.Tensor:
         return out, grad
 
     return op(x)
+
+
+def _group(p: Placement, kind: str) -> tuple[Any, int, int, str]:
+    """The launcher, size and this replica's index of its tensor ("tensor")
+    or data-parallel ("data") group, and the byte counter's kind."""
+    if kind == "tensor":
+        return p.runtime.tp[p.replica], p.tp, p.t, "tensor_parallel"
+    return p.runtime.dp.get(p.replica), p.mesh.dp, p.d, "data_parallel"
+
+
+def _concat_gathered(gathered: tf.Tensor, x: tf.Tensor, n: int, axis: int) -> tf.Tensor:
+    stacked = tf.reshape(gathered, tf.concat([[n], tf.shape(x)], 0))
+    return tf.concat(tf.unstack(stacked, num=n, axis=0), axis=axis)
+
+
+def _slice_along(x: tf.Tensor, axis: int, index: int, width: Any) -> tf.Tensor:
+    begin = [0] * x.shape.rank
+    size = [-1] * x.shape.rank
+    begin = tf.tensor_scatter_nd_update(tf.constant(begin), [[axis]], [index * width])
+    size = tf.tensor_scatter_nd_update(tf.constant(size), [[axis]], [width])
+    return tf.slice(x, begin, size)
+
+
+def _live(splits: tuple[tuple[int, str], ...], p: Placement) -> list:
+    return [(dim, kind) for dim, kind in splits if _group(p, kind)[1] > 1]
+
+
+def gather_blocks(x: tf.Tensor, splits: tuple[tuple[int, str], ...],
+                  p: Placement | None = None) -> tf.Tensor:
+    """The full weight from this replica's block: all-gathered along each
+    split dimension over its group (``(dimension, "tensor" | "data")``
+    pairs, as :class:`tfdist.parallel.sharding.ShardSpec` has them).
+
+    The gradient is :func:`block_gradient`'s. Identity without a mesh.
+    """
+    p = p or current()
+    if p is None:
+        return x
+    live = _live(splits, p)
+
+    @tf.custom_gradient
+    def op(x):
+        y = x
+        for dim, kind in live:
+            launcher, n, _, counter = _group(p, kind)
+            wire = _wire(y)
+            _count(p, counter, wire, True, n)
+            y = tf.cast(_concat_gathered(launcher._all_gather(wire, None), wire, n, dim),
+                        x.dtype)
+        return y, lambda dy: block_gradient(dy, splits, p, tuple(x.shape))
+
+    return op(x)
+
+
+def block_gradient(dy: Any, splits: tuple[tuple[int, str], ...], p: Placement,
+                   block_shape: tuple[int, ...]) -> Any:
+    """A full weight's gradient on this replica, summed over each split's
+    group with this replica's block kept: over both groups, the sum over
+    every replica, which the optimizer applies as it is (a reduce-scatter
+    done as an all-reduce and a slice: TensorFlow's launcher has no
+    reduce-scatter). A lookup's sparse gradient stays sparse
+    (:func:`_block_of_slices`)."""
+    live = _live(splits, p)
+    if isinstance(dy, tf.IndexedSlices):
+        return _block_of_slices(p, dy, live, block_shape)
+    dy = tf.convert_to_tensor(dy)
+    for dim, kind in reversed(live):
+        launcher, n, index, counter = _group(p, kind)
+        wire = _wire(dy)
+        _count(p, counter, wire, False, n)
+        summed = tf.cast(launcher.all_reduce(wire), dy.dtype)
+        dy = _slice_along(summed, dim, index, tf.shape(dy)[dim] // n)
+    return dy
+
+
+def _block_of_slices(p: Placement, dy: tf.IndexedSlices, live: list,
+                     block_shape: tuple) -> tf.IndexedSlices:
+    """A gathered table's sparse gradient (a lookup's), for this replica's
+    block: every replica's slices, gathered as Keras's all-replica sum does
+    for a whole table, then the rows and columns of the block. Kept sparse
+    because Adam squares the slices before their duplicates are summed:
+    a dense sum would train differently from the same model unsharded."""
+    for _, kind in live:
+        launcher, n, _, counter = _group(p, kind)
+        p.runtime.sent[counter].assign_add(
+            tf.cast(tf.size(dy.values) * dy.values.dtype.size
+                    + tf.size(dy.indices) * dy.indices.dtype.size, tf.float64) * (n - 1))
+        dy = launcher.all_reduce_indexed_slices(dy)
+    values, indices = dy.values, dy.indices
+    for dim, kind in live:
+        _, _, index, _ = _group(p, kind)
+        width = block_shape[dim]
+        if dim == 0:
+            start = tf.cast(index * width, indices.dtype)
+            mine = tf.logical_and(indices >= start, indices < start + width)
+            values, indices = tf.boolean_mask(values, mine), tf.boolean_mask(indices, mine) - start
+        else:
+            values = _slice_along(values, dim, index, width)
+    return tf.IndexedSlices(values, indices, tf.constant(block_shape, tf.int64))
 
 
 def dp_all_reduce(x: tf.Tensor, p: Placement | None = None) -> tf.Tensor:

@@ -10,7 +10,10 @@ compression wrapper, and
   all-replica sum, or tfdist's compressed one);
 * sums each shard's gradient over the replicas holding the same shard (the
   data-parallel group, through :func:`tfdist.parallel.collectives.dp_all_reduce`),
-  compressed by the strategy's aggregator when compression is on.
+  compressed by the strategy's aggregator when compression is on;
+* leaves the gradient of a weight split over the data-parallel group too (a
+  keras.distribution layout's FSDP) as it is: gathering the weight summed it
+  over every replica already (:func:`tfdist.parallel.collectives.gather_blocks`).
 
 Both kinds of gradient traffic are added to the mesh's byte counters
 (:func:`tfdist.parallel.collectives.traffic`).
@@ -131,8 +134,12 @@ def wrap_reduce(original):
         p = collectives.current()
         if p is None:
             return original(self, pairs)
-        sharded = [i for i, (_, v) in enumerate(pairs) if sharding.is_sharded(v)]
-        chosen = set(sharded)
+        sharded, complete = [], []
+        for i, (_, v) in enumerate(pairs):
+            spec = sharding.spec_of(v)
+            if spec is not None:
+                (complete if spec.over_data else sharded).append(i)
+        chosen = set(sharded) | set(complete)
         rest = [pair for i, pair in enumerate(pairs) if i not in chosen]
         _count_replicated(rest, p)
         out: list = [None] * len(pairs)
@@ -142,6 +149,8 @@ def wrap_reduce(original):
         reduced = _reduce_sharded(self, [pairs[i] for i in sharded], p)
         for i, g in zip(sharded, reduced):
             out[i] = (g, pairs[i][1])
+        for i in complete:  # Summed over every replica as the weight was gathered.
+            out[i] = pairs[i]
         return out
     return _all_reduce_sum_gradients
 

@@ -90,16 +90,18 @@ def _model_parallel(value: Any) -> int:
     return number
 
 
-def attach(strategy: Any, model_parallel: Any) -> Mesh | None:
+def attach(strategy: Any, model_parallel: Any, always: bool = False) -> Mesh | None:
     """Arranges ``strategy``'s replicas as a (data, tensor) mesh.
 
     Args:
         strategy: A tfdist Mirrored or MultiWorkerMirrored strategy, just
             built (outside its scope).
         model_parallel: T, the tensor-parallel group size.
+        always: Attach a mesh for T = 1 too (a keras.distribution layout may
+            split weights over the data-parallel group alone).
 
     Returns:
-        The mesh, or None for T = 1 (nothing is attached).
+        The mesh, or None for T = 1 without ``always`` (nothing is attached).
 
     Raises:
         ConfigError: T is not a positive integer dividing the replicas, or
@@ -107,11 +109,11 @@ def attach(strategy: Any, model_parallel: Any) -> Mesh | None:
     """
     tp = _model_parallel(model_parallel)
     kind = getattr(strategy, "kind", type(strategy).__name__)
-    if tp == 1:
+    if tp == 1 and not always:
         strategy._tfdist_parallel = None
         return None
     if kind not in ("mirrored", "multi_worker_mirrored"):
-        raise ConfigError("model_parallel", tp, f"1 under the {kind} strategy",
+        raise ConfigError("model_parallel", tp if tp > 1 else "a layout", f"1 under the {kind} strategy",
                           source=_SOURCE, hint="Tensor parallelism runs under "
                           "'mirrored' and 'multi_worker_mirrored'.")
     mesh = Mesh(strategy.num_replicas_in_sync, tp)

@@ -153,8 +153,8 @@ def _assign_loaded(variable: Any, value: Any) -> None:
         raise ValueError(
             f"tfdist.parallel: the saved value of {getattr(variable, 'path', variable.name)} "
             f"has shape {shape}; expected the full shape {spec.full_shape} (files hold full "
-            f"weights; this variable is a shard of shape {spec.shard_shape}, split over "
-            f"{spec.tp} replicas on axis {spec.axis})")
+            f"weights; this variable is a shard of shape {spec.shard_shape}: "
+            f"{spec.describe_weight()})")
     sharding.assign_full(variable, np.asarray(value))
 
 
@@ -357,20 +357,8 @@ def wrap_slot(original):
 
 def _full_tensor(variable: Any) -> tf.Tensor:
     """The full value as a tensor; graph-safe (a multi-task checkpoint saves
-    inside a tf.function)."""
-    spec = sharding.spec_of(variable)
-    components = list(spec.strategy.experimental_local_results(sharding.inner_variable(variable)))
-    runtime = spec.runtime
-    if sharding.holds_whole_groups(runtime.first, len(components), spec.tp):
-        # Every tensor group holds the same full weight: read one held here.
-        return tf.concat([tf.convert_to_tensor(c) for c in components[:spec.tp]],
-                         axis=spec.axis)
-    # The groups span processes: gather every replica's shard (a collective).
-    per_replica = spec.strategy.experimental_distribute_values_from_function(
-        lambda ctx: components[ctx.replica_id_in_sync_group - runtime.first])
-    everything = spec.strategy.gather(per_replica, axis=spec.axis)
-    parts = tf.split(everything, spec.mesh.num_replicas, axis=spec.axis)
-    return tf.concat(parts[:spec.tp], axis=spec.axis)
+    inside a tf.function). A collective when the blocks span processes."""
+    return sharding.full_tensor(variable)
 
 
 def _assign_full_tensor(variable: Any, value: Any) -> Any:
@@ -382,12 +370,11 @@ def _assign_full_tensor(variable: Any, value: Any) -> Any:
             f"tfdist.parallel: the checkpoint's value of "
             f"{getattr(variable, 'path', variable.name)} has shape {tuple(value.shape)}; "
             f"expected the full shape {spec.full_shape}")
-    parts = tf.split(value, spec.tp, axis=spec.axis)
     components = spec.strategy.experimental_local_results(sharding.inner_variable(variable))
     ops = []
     for i, component in enumerate(components):
-        _, t = spec.mesh.coords(spec.runtime.first + i)
-        ops.append(component.assign(tf.cast(parts[t], component.dtype)))
+        block = spec.block(value, spec.runtime.first + i)
+        ops.append(component.assign(tf.cast(block, component.dtype)))
     return tf.group(ops) if not tf.executing_eagerly() else None
 
 

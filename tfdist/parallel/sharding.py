@@ -27,39 +27,125 @@ from tfdist.errors import ConfigError
 from tfdist.parallel import collectives
 from tfdist.parallel.mesh import Mesh
 
-__all__ = ["ShardSpec", "add_sharded_weight", "spec_of", "full_value", "assign_full",
-           "shard_of", "register_like", "local_full_tensor", "is_sharded", "inner_variable"]
+__all__ = ["ShardSpec", "TENSOR", "DATA", "add_sharded_weight", "spec_of", "full_value",
+           "full_tensor", "assign_full", "check_full_shape", "shard_of", "register_like",
+           "local_full_tensor", "is_sharded", "inner_variable", "mark"]
 
 _ATTR = "_tfdist_shard"
 
 
+#: The mesh axis a weight dimension is split over.
+TENSOR, DATA = "tensor", "data"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardSpec:
-    """How a weight is split.
+    """How a weight is split over the mesh.
+
+    Each split names a weight dimension and the mesh axis it is divided
+    over: the tensor group (``"tensor"``, T parts, by tensor index) or the
+    data-parallel group (``"data"``, DP parts, by data index). The replica
+    at mesh coordinates (d, t) holds the block of every split dimension at
+    its index. tfdist.parallel's layers split one dimension over the tensor
+    group; a keras.distribution layout may split one over each axis.
 
     Attributes:
-        axis: The axis split over the tensor group.
-        tp: The number of shards (T).
         full_shape: The full weight's shape.
         runtime: The strategy's mesh runtime.
         strategy: The strategy the weight lives under.
+        splits: ``(dimension, axis)`` pairs, at most one per axis.
+        path: The weight's path, for messages (None: the layer names it).
+        layout: The layout it came from, for messages and reports.
     """
 
-    axis: int
-    tp: int
     full_shape: tuple[int, ...]
     runtime: Any
     strategy: Any
+    splits: tuple[tuple[int, str], ...]
+    path: str | None = None
+    layout: tuple | None = None
+
+    @classmethod
+    def on_tensor_axis(cls, axis: int, full_shape: tuple[int, ...], runtime: Any,
+                       strategy: Any) -> "ShardSpec":
+        """Split on ``axis`` over the tensor group (tfdist.parallel's layers)."""
+        return cls(tuple(full_shape), runtime, strategy, ((axis, TENSOR),))
 
     @property
     def mesh(self) -> Mesh:
         return self.runtime.mesh
 
     @property
+    def axis(self) -> int:
+        """The first split dimension."""
+        return self.splits[0][0]
+
+    @property
+    def tp(self) -> int:
+        """The number of parts of the first split dimension."""
+        return self.parts(self.splits[0][1])
+
+    def parts(self, kind: str) -> int:
+        """How many parts a split over mesh axis ``kind`` has."""
+        return self.mesh.tp if kind == TENSOR else self.mesh.dp
+
+    @property
+    def over_data(self) -> bool:
+        """Whether the data-parallel group holds different blocks: then each
+        block's gradient is summed over every replica as the full weight is
+        gathered back (FSDP), not by the optimizer's data-parallel sum."""
+        return any(kind == DATA for _, kind in self.splits)
+
+    @property
     def shard_shape(self) -> tuple[int, ...]:
         shape = list(self.full_shape)
-        shape[self.axis] //= self.tp
+        for dim, kind in self.splits:
+            shape[dim] //= self.parts(kind)
         return tuple(shape)
+
+    def index(self, replica: int) -> tuple[int, ...]:
+        """The block a global replica holds: its index along each split."""
+        d, t = self.mesh.coords(replica)
+        return tuple(t if kind == TENSOR else d for _, kind in self.splits)
+
+    def blocks(self) -> list[tuple[int, ...]]:
+        """Every block's index."""
+        import itertools
+        return list(itertools.product(*(range(self.parts(k)) for _, k in self.splits)))
+
+    def block(self, value: Any, replica: int) -> Any:
+        """The block of a full value (numpy array or tensor) ``replica`` holds."""
+        index = [slice(None)] * len(self.full_shape)
+        for (dim, kind), i in zip(self.splits, self.index(replica)):
+            width = self.full_shape[dim] // self.parts(kind)
+            index[dim] = slice(i * width, (i + 1) * width)
+        return value[tuple(index)]
+
+    def assemble(self, parts: dict, concat: Any) -> Any:
+        """The full value from one block per index (``concat(list, axis)``)."""
+        def join(prefix: tuple[int, ...]) -> Any:
+            if len(prefix) == len(self.splits):
+                return parts[prefix]
+            dim, kind = self.splits[len(prefix)]
+            return concat([join(prefix + (i,)) for i in range(self.parts(kind))], dim)
+        return join(())
+
+    def local_cover(self, first: int, local: int) -> dict | None:
+        """Local component positions holding every block once, by block
+        index, when this process's ``local`` replicas (the first global one
+        ``first``) hold them all; else None. Under MultiWorkerMirrored every
+        worker has as many replicas, so all workers agree on the answer."""
+        found: dict = {}
+        for i in range(local):
+            found.setdefault(self.index(first + i), i)
+        return found if len(found) == len(self.blocks()) else None
+
+    def describe_weight(self) -> str:
+        """The weight as messages name it: path, full shape and split."""
+        where = ", ".join(f"dim {dim} over the {kind} axis ({self.parts(kind)})"
+                          for dim, kind in self.splits)
+        name = f"{self.path} " if self.path else ""
+        return f"{name}(full shape {self.full_shape}, split: {where})"
 
 
 def inner_variable(variable: Any) -> Any:
@@ -80,7 +166,7 @@ def is_sharded(variable: Any) -> bool:
     return spec_of(variable) is not None
 
 
-def _mark(variable: Any, spec: ShardSpec) -> None:
+def mark(variable: Any, spec: ShardSpec) -> None:
     setattr(variable, _ATTR, spec)
     inner = getattr(variable, "_value", None)
     if inner is not None:
@@ -95,16 +181,12 @@ def register_like(slot: Any, reference: Any) -> None:
     sharded like ``reference``."""
     spec = spec_of(reference)
     if spec is not None:
-        _mark(slot, spec)
+        mark(slot, spec)
 
 
 def shard_of(value: Any, spec: ShardSpec, t: int) -> np.ndarray:
-    """The ``t``-th shard of a full value."""
-    value = np.asarray(value)
-    width = spec.full_shape[spec.axis] // spec.tp
-    index = [slice(None)] * value.ndim
-    index[spec.axis] = slice(t * width, (t + 1) * width)
-    return value[tuple(index)]
+    """The ``t``-th shard of a full value split over the tensor group only."""
+    return spec.block(np.asarray(value), t)
 
 
 def _components(variable: Any, spec: ShardSpec) -> list:
@@ -119,35 +201,58 @@ def holds_whole_groups(first: int, local: int, tp: int) -> bool:
     return local % tp == 0 and first % tp == 0
 
 
-def _local_group(variable: Any, spec: ShardSpec) -> list | None:
-    """The shards of this process's first tensor group when it holds whole
-    groups, else None. Every group holds the same full weight (the replicas
-    of one shard get the same updates)."""
+def _local_blocks(variable: Any, spec: ShardSpec) -> dict | None:
+    """This process's components holding every block once, by block index,
+    or None when other processes hold some. Every replica holding a block
+    holds the same values (they get the same updates)."""
     runtime = spec.runtime
-    if not holds_whole_groups(runtime.first, len(runtime.devices), spec.tp):
+    cover = spec.local_cover(runtime.first, len(runtime.devices))
+    if cover is None:
         return None
-    return _components(variable, spec)[:spec.tp]
+    components = _components(variable, spec)
+    return {index: components[i] for index, i in cover.items()}
+
+
+def _gathered_blocks(variable: Any, spec: ShardSpec) -> dict:
+    """Every block, gathered from every replica (a collective: every worker
+    must call it at the same point)."""
+    strategy, runtime = spec.strategy, spec.runtime
+    components = _components(variable, spec)
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.expand_dims(tf.convert_to_tensor(
+            components[ctx.replica_id_in_sync_group - runtime.first]), 0))
+    everything = strategy.gather(per_replica, axis=0)
+    blocks: dict = {}
+    for r in range(spec.mesh.num_replicas):
+        blocks.setdefault(spec.index(r), everything[r])
+    return blocks
 
 
 def full_value(variable: Any) -> np.ndarray:
-    """The full weight, from the shards of one tensor group.
+    """The full weight, from one replica of each block.
 
-    Under MultiWorkerMirrored with the groups spread over processes this is
+    Under MultiWorkerMirrored with the blocks spread over processes this is
     a collective: every worker must call it at the same point.
     """
     spec = spec_of(variable)
     if spec is None:
         return np.asarray(variable.numpy())
-    local = _local_group(variable, spec)
-    if local is not None:
-        return np.concatenate([c.numpy() for c in local], axis=spec.axis)
-    strategy, runtime = spec.strategy, spec.runtime
-    components = _components(variable, spec)
-    per_replica = strategy.experimental_distribute_values_from_function(
-        lambda ctx: components[ctx.replica_id_in_sync_group - runtime.first])
-    everything = strategy.gather(per_replica, axis=spec.axis).numpy()
-    parts = np.split(everything, spec.mesh.num_replicas, axis=spec.axis)
-    return np.concatenate(parts[:spec.tp], axis=spec.axis)
+    blocks = _local_blocks(variable, spec)
+    if blocks is None:
+        blocks = _gathered_blocks(variable, spec)
+    return spec.assemble({k: np.asarray(v.numpy()) for k, v in blocks.items()},
+                         lambda parts, axis: np.concatenate(parts, axis=axis))
+
+
+def full_tensor(variable: Any) -> tf.Tensor:
+    """The full weight as a tensor; graph-safe (a multi-task checkpoint saves
+    inside a tf.function). A collective when the blocks span processes."""
+    spec = spec_of(variable)
+    blocks = _local_blocks(variable, spec)
+    if blocks is None:
+        blocks = _gathered_blocks(variable, spec)
+    return spec.assemble({k: tf.convert_to_tensor(v) for k, v in blocks.items()},
+                         lambda parts, axis: tf.concat(parts, axis=axis))
 
 
 def local_full_tensor(variable: Any) -> tf.Tensor:
@@ -156,23 +261,35 @@ def local_full_tensor(variable: Any) -> tf.Tensor:
     spec = spec_of(variable)
     if spec is None:
         return variable
-    local = _local_group(variable, spec)
-    if local is None:
+    blocks = _local_blocks(variable, spec)
+    if blocks is None:
         from tfdist.compat.keras_src import in_symbolic_scope
         if in_symbolic_scope():
             # Keras infers shapes (compute_output_spec, fit's symbolic
             # build): the values are never read.
             return tf.zeros(spec.full_shape, inner_variable(variable).dtype)
         raise RuntimeError(
-            "tfdist.parallel: a tensor-parallel layer was called outside the replica "
+            "tfdist.parallel: a sharded weight was read outside the replica "
             "context, and its shards are held by other processes. Expected: call the "
             "model through fit/evaluate/predict or strategy.run. Received: a direct call "
             "under MultiWorkerMirroredStrategy")
-    return tf.concat([tf.convert_to_tensor(c) for c in local], axis=spec.axis)
+    return spec.assemble({k: tf.convert_to_tensor(v) for k, v in blocks.items()},
+                         lambda parts, axis: tf.concat(parts, axis=axis))
+
+
+def check_full_shape(variable: Any, value: Any, what: str = "a value") -> None:
+    """Raises ValueError unless ``value`` has the full shape of a sharded
+    variable."""
+    spec = spec_of(variable)
+    shape = tuple(np.shape(value)) if not tf.is_tensor(value) else tuple(value.shape)
+    if spec is not None and shape != spec.full_shape:
+        raise ValueError(f"tfdist.parallel: expected {what} of the full shape "
+                         f"{spec.full_shape} for {getattr(variable, 'path', variable.name)}. "
+                         f"Received: shape {shape}")
 
 
 def assign_full(variable: Any, value: Any) -> None:
-    """Writes a full value: each local component gets its replica's shard.
+    """Writes a full value: each local component gets its replica's block.
 
     Raises:
         ValueError: ``value`` does not have the full shape.
@@ -182,13 +299,10 @@ def assign_full(variable: Any, value: Any) -> None:
         variable.assign(value)
         return
     value = np.asarray(value)
-    if tuple(value.shape) != spec.full_shape:
-        raise ValueError(f"tfdist.parallel: expected a value of the full shape "
-                         f"{spec.full_shape} for {getattr(variable, 'path', variable.name)}. "
-                         f"Received: shape {tuple(value.shape)}")
+    check_full_shape(variable, value)
     for i, component in enumerate(_components(variable, spec)):
-        _, t = spec.mesh.coords(spec.runtime.first + i)
-        component.assign(shard_of(value, spec, t).astype(component.dtype.as_numpy_dtype))
+        component.assign(spec.block(value, spec.runtime.first + i).astype(
+            component.dtype.as_numpy_dtype))
 
 
 def _seeded(initializer: Any, seed: int | None) -> Any:
@@ -237,13 +351,13 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
                           f"a width that model_parallel={tp} divides (the {type(layer).__name__} "
                           f"'{layer.name}' splits its {name} of shape {shape} on axis {axis})",
                           source="tfdist.parallel")
-    spec = ShardSpec(axis, tp, shape, runtime, strategy)
+    spec = ShardSpec.on_tensor_axis(axis, shape, runtime, strategy)
     from tfdist.parallel import saving
     saving.cover(type(layer))  # Its save/load then write and read full values.
     variable = layer.add_weight(name=name, shape=spec.shard_shape, initializer="zeros",
                                 regularizer=None, constraint=constraint, dtype=dtype,
                                 trainable=trainable)
-    _mark(variable, spec)
+    mark(variable, spec)
     init = _seeded(keras.initializers.get(initializer), _shared_seed(strategy, runtime))
     with tf.init_scope(), tf.device("/cpu:0"):
         full = keras.ops.convert_to_numpy(init(shape, dtype=variable.dtype))
@@ -255,7 +369,7 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
 
         def _deferred_initialize():
             deferred()
-            _mark(variable, spec)
+            mark(variable, spec)
             assign_full(variable, full)
         variable._deferred_initialize = _deferred_initialize
     else:

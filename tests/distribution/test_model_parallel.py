@@ -1,0 +1,251 @@
+"""keras.distribution.ModelParallel honours keras-hub's layout maps on
+TensorFlow (tfdist.distribution.model_parallel, layouts), on 4 logical CPUs.
+
+Each family's tiny CausalLM trains under its own ``get_layout_map`` on a
+(2, 2) and a (1, 2) mesh, from the weights of an unsharded twin, and must
+end where the twin ends: the same losses and every full weight within 1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist.errors import ConfigError
+
+keras_hub = pytest.importorskip("keras_hub")
+from tiny_lms import batches as _batches, causal_lm as _causal_lm, fit as _fit  # noqa: E402
+
+TOLERANCE = 1e-5
+STEPS = 2  # Batches of 8 from 16 rows: Adam's second step sees the first's moments.
+
+
+@pytest.fixture
+def keras_mod(tf_cpus):
+    import keras
+    yield keras
+    keras.distribution.set_distribution(None)
+
+
+@functools.lru_cache(maxsize=None)
+def _unsharded(family: str):
+    """The twin: initial weights, losses and final weights, with no distribution."""
+    import keras
+    keras.utils.set_random_seed(1)
+    lm = _causal_lm(keras, family)
+    initial = lm.get_weights()
+    losses = _fit(lm)
+    return initial, losses, lm.get_weights(), [v.path for v in lm.weights]
+
+
+def _model_parallel(keras, family: str, shape: tuple[int, int]):
+    dist = keras.distribution
+    mesh = dist.DeviceMesh(shape, ["batch", "model"], dist.list_devices("cpu")[:np.prod(shape)])
+    backbone = {"gemma": keras_hub.models.GemmaBackbone, "llama": keras_hub.models.LlamaBackbone,
+                "qwen": keras_hub.models.QwenBackbone}[family]
+    return dist.ModelParallel(layout_map=backbone.get_layout_map(mesh), batch_dim_name="batch")
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 2)], ids=["2x2", "1x2"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "qwen"])
+def test_keras_hub_layout_map_trains_as_the_unsharded_model(keras_mod, family, shape):
+    keras = keras_mod
+    initial, losses, final, paths = _unsharded(family)
+    distribution = _model_parallel(keras, family, shape)
+    keras.distribution.set_distribution(distribution)
+    lm = _causal_lm(keras, family)
+    lm.set_weights(initial)
+    sharded_losses = _fit(lm)
+    strategy = lm.distribute_strategy
+    assert strategy.num_replicas_in_sync == shape[0] * shape[1]
+    table = tfdist.distribution.report(lm)
+
+    np.testing.assert_allclose(sharded_losses, losses, rtol=0, atol=TOLERANCE)
+    assert [v.path for v in lm.weights] == paths
+    for path, want, got in zip(paths, final, lm.get_weights()):
+        assert got.shape == want.shape, path
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE, err_msg=path)
+
+    # Each device holds its block of the weight and of Adam's moments.
+    split = [v for v in lm.weights if table.row(v.path).how != "replicated"]
+    embeddings = table.row("token_embedding/embeddings")
+    assert embeddings.layout == ("model", "batch")
+    assert embeddings.block == (256 // shape[1], 32 // shape[0])
+    assert len(split) >= 1 + 2 * 6, [r.path for r in table.rows if r.how == "replicated"]
+    for v in split:
+        row = table.row(v.path)
+        blocks = strategy.experimental_local_results(v.value)
+        assert [tuple(b.shape) for b in blocks] == [row.block] * len(blocks), v.path
+        sizes = {"batch": shape[0], "model": shape[1]}
+        parts = int(np.prod([sizes[axis] for axis in row.layout if axis]))
+        assert row.bytes_per_device * parts == row.full_bytes, v.path
+        slots = [s for s in lm.optimizer.variables
+                 if tfdist.parallel.spec_of(s) is tfdist.parallel.spec_of(v)]
+        assert len(slots) == 2 and all(tuple(s.shape) == row.block for s in slots), v.path
+    # Replicated exactly where the map has no rule (norms, Llama's untied
+    # reverse_embeddings, Qwen's biases) or one that splits nothing.
+    for row in table.rows:
+        splits = any(axis and {"batch": shape[0], "model": shape[1]}[axis] > 1
+                     for axis in row.layout or ())
+        assert (row.how != "replicated") == splits, row
+    assert "gathered when used" in str(table) and "token_embedding/embeddings" in str(table)
+
+
+def _mlp_distribution(keras, layouts: dict, shape=(2, 2)):
+    dist = keras.distribution
+    mesh = dist.DeviceMesh(shape, ["batch", "model"], dist.list_devices("cpu")[:np.prod(shape)])
+    layout_map = dist.LayoutMap(mesh)
+    for key, axes in layouts.items():
+        layout_map[key] = axes
+    return dist.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def _mlp(keras, **dense):
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="dense_a", **dense),
+                             keras.layers.Dense(4, name="dense_b")])
+
+
+@pytest.mark.parametrize("layout, expected", [
+    ((None, "model", None), "one entry per dimension of the weight (2)"),
+    (("model", "model"), "each mesh axis at most once"),
+    (("batch", None), "dimension 0 has 6, which the 'batch' axis (4 devices) does not divide"),
+])
+def test_a_layout_tfdist_cannot_honour_names_the_weight(keras_mod, layout, expected):
+    # (An axis name the mesh lacks is Keras's own ValueError, in LayoutMap.)
+    keras = keras_mod
+    shape = (4, 1) if "divide" in expected else (2, 2)
+    keras.distribution.set_distribution(
+        _mlp_distribution(keras, {".*dense_a/kernel": layout}, shape))
+    with pytest.raises(ConfigError) as info:
+        _mlp(keras)
+    text = str(info.value)
+    assert "dense_a/kernel" in text and "(6, 8)" in text and str(layout) in text, text
+    assert expected in text, text
+
+
+def test_a_regularizer_on_a_split_weight_is_refused(keras_mod):
+    keras = keras_mod
+    keras.distribution.set_distribution(
+        _mlp_distribution(keras, {".*dense_a/kernel": (None, "model")}))
+    with pytest.raises(ConfigError) as info:
+        _mlp(keras, kernel_regularizer="l2")
+    assert "regularizer of sequential" in str(info.value) and "/dense_a/kernel" in str(info.value)
+    assert "would see one block" in str(info.value)
+    # Replicated weights keep theirs; the split one without it builds.
+    model = _mlp(keras, bias_regularizer="l2")
+    assert model.layers[0].bias.regularizer is not None
+
+
+def test_keras_docs_layout_on_a_dense_model(keras_mod):
+    """The layout of Keras's own ModelParallel docstring, kernels and biases
+    on "model", with SGD and momentum: equal to the same model unsharded."""
+    keras = keras_mod
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = rng.normal(size=(32, 4)).astype("float32")
+
+    def fit():
+        model = _mlp(keras, activation="relu")
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+        return model
+    keras.utils.set_random_seed(2)
+    reference = fit()
+    initial = reference.get_weights()
+    want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    keras.distribution.set_distribution(_mlp_distribution(
+        keras, {".*dense.*kernel": (None, "model"), ".*dense.*bias": ("model",)}))
+    model = fit()
+    model.set_weights(initial)
+    got = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=0, atol=1e-6)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert model.layers[0].kernel.shape == (6, 4)  # A block: (6, 8) over 2.
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
+                               rtol=0, atol=1e-5)
+    # Called directly, outside fit: the full weights from the local blocks.
+    np.testing.assert_allclose(np.asarray(model(x[:4])), reference.predict(x[:4], verbose=0),
+                               rtol=0, atol=1e-5)
+
+
+def test_a_sharded_model_saves_whole_and_loads_under_any_mesh(keras_mod, tmp_path):
+    """model.save, save_weights, a tf.train.Checkpoint and keras-hub's preset
+    written on a (2, 2) mesh hold full weights: they load with no
+    distribution and on a (1, 2) mesh, and predict the same."""
+    keras = keras_mod
+    import tensorflow as tf
+    initial, _, _, _ = _unsharded("llama")
+    x, _ = _batches()
+    keras.distribution.set_distribution(_model_parallel(keras, "llama", (2, 2)))
+    lm = _causal_lm(keras, "llama")
+    lm.set_weights(initial)
+    _fit(lm)
+    want = lm.predict(x, batch_size=8, verbose=0)
+    trained = lm.get_weights()
+    lm.save(tmp_path / "lm.keras")
+    lm.save_weights(tmp_path / "lm.weights.h5")
+    checkpoint = tf.train.Checkpoint(model=lm).write(str(tmp_path / "ckpt" / "lm"))
+    lm.save_to_preset(str(tmp_path / "preset"))
+
+    def same(model, where):
+        for path, a, b in zip([v.path for v in model.weights], trained, model.get_weights()):
+            np.testing.assert_array_equal(a, b, err_msg=f"{where}: {path}")
+        np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), want,
+                                   rtol=0, atol=1e-5, err_msg=where)
+
+    keras.distribution.set_distribution(None)
+    same(keras.models.load_model(tmp_path / "lm.keras"), "load_model, no distribution")
+    plain = _causal_lm(keras, "llama")
+    plain.load_weights(tmp_path / "lm.weights.h5")
+    same(plain, "load_weights, no distribution")
+    restored = _causal_lm(keras, "llama")
+    tf.train.Checkpoint(model=restored).read(checkpoint).assert_existing_objects_matched()
+    same(restored, "tf.train.Checkpoint, no distribution")
+    same(keras_hub.models.LlamaCausalLM.from_preset(str(tmp_path / "preset")),
+         "from_preset, no distribution")
+
+    keras.distribution.set_distribution(_model_parallel(keras, "llama", (1, 2)))
+    other = keras.models.load_model(tmp_path / "lm.keras")
+    assert other.distribute_strategy.num_replicas_in_sync == 2
+    assert tuple(other.backbone.token_embedding.embeddings.shape) == (128, 32)
+    same(other, "load_model, (1, 2) mesh")
+    same(keras_hub.models.LlamaCausalLM.from_preset(str(tmp_path / "preset")),
+         "from_preset, (1, 2) mesh")
+
+
+@pytest.mark.slow
+def test_four_processes_under_tfdist_launch(tmp_path):
+    """keras-hub's recipe across 4 worker processes (one device each) on a
+    (2, 2) mesh: every worker ends where the unsharded twin ends."""
+    import io
+
+    from conftest import REPO, result_line
+    from tfdist.engines.launch import launch
+    out = io.StringIO()
+    result = launch(str(REPO / "tests" / "workers" / "keras_model_parallel_job.py"), [], workers=4,
+                    show_all=True, output=out, handle_signals=False, stop_timeout=5,
+                    env={"PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path),
+                         "TF_CPP_MIN_LOG_LEVEL": "2"})
+    lines = out.getvalue().splitlines()
+    assert result.ok, "\n".join(lines[-60:])
+    runs = sorted((result_line(line.partition("] ")[2]) for line in lines
+                   if "] tfdist result: " in line), key=lambda r: r["task"])
+    assert [r["task"] for r in runs] == [f"worker:{i}" for i in range(4)]
+    for run in runs:
+        assert run["replicas"] == 4
+        assert run["mesh"] == "data 2 x tensor 2; tensor groups [0, 1] [2, 3]"
+        assert run["devices"][3].startswith("/job:worker/replica:0/task:3/")
+        np.testing.assert_allclose(run["losses"], run["twin_losses"], rtol=0, atol=TOLERANCE)
+        assert run["largest_difference"] < TOLERANCE, run
+        assert run["predict_difference"] < TOLERANCE, run
+        assert run["block"] == [128, 16] and run["local_block"] == [[128, 16]]
+        assert run["traffic"]["tensor_parallel"] > 0 and run["traffic"]["data_parallel"] > 0
+        assert run["sha256"] == runs[0]["sha256"]
+    print(f"\nmeasured: 4 workers on a (2, 2) mesh, losses {runs[0]['losses']} (twin "
+          f"{runs[0]['twin_losses']}), largest weight difference "
+          f"{max(r['largest_difference'] for r in runs):.1e}; weights per device "
+          f"{runs[0]['bytes_per_device']:,} of {runs[0]['full_bytes']:,} bytes; bytes sent "
+          f"per replica {runs[0]['traffic']}")

@@ -1,0 +1,37 @@
+"""keras-hub's Llama, Gemma and Qwen CausalLMs at tiny sizes, and their data.
+
+Shared by tests/distribution/test_model_parallel.py and its 4-process worker
+(tests/workers/keras_model_parallel_job.py). Built from constructors: nothing
+is downloaded.
+"""
+
+from __future__ import annotations
+
+import keras_hub
+import numpy as np
+
+
+def causal_lm(keras, family: str):
+    common = dict(vocabulary_size=256, num_layers=2, hidden_dim=32, num_query_heads=4,
+                  num_key_value_heads=2, intermediate_dim=64)
+    models = keras_hub.models
+    if family == "gemma":
+        lm = models.GemmaCausalLM(models.GemmaBackbone(**common, head_dim=8),
+                                  preprocessor=None)
+    elif family == "llama":
+        lm = models.LlamaCausalLM(models.LlamaBackbone(**common), preprocessor=None)
+    else:
+        lm = models.QwenCausalLM(models.QwenBackbone(**common), preprocessor=None)
+    lm.compile(optimizer=keras.optimizers.Adam(1e-3),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return lm
+
+
+def batches():
+    ids = np.random.default_rng(0).integers(0, 256, (16, 8)).astype("int32")
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
+
+
+def fit(lm):
+    x, y = batches()
+    return lm.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]

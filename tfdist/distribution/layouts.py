@@ -1,0 +1,269 @@
+"""A ``keras.distribution`` layout, applied to a weight on TensorFlow.
+
+Under a ``ModelParallel`` distribution (:mod:`~tfdist.distribution.model_parallel`)
+each weight Keras creates asks the distribution for its layout
+(``get_variable_layout``, the call Keras's JAX backend makes when it creates
+a variable; the TensorFlow backend never makes it). A layout that splits the
+weight gives a :class:`~tfdist.parallel.sharding.ShardSpec`: each dimension
+named by the mesh's model axis is split over the tensor group, each named by
+its batch axis over the data-parallel group. The weight is then a
+MirroredVariable of the block's shape whose components hold different
+blocks of the one full initial value, and its optimizer slots are blocks too
+(:mod:`tfdist.parallel.saving` registers them).
+
+Read inside a layer's call, in a replica, the weight is gathered whole
+(:func:`tfdist.parallel.collectives.gather_blocks`): its gradient comes back
+summed over every replica, block by block, as FSDP does. Read in a layer
+call outside the replicas (``model(x)`` in the scope, Keras's symbolic
+build) it is the full value from the local blocks, or zeros of the full
+shape while Keras only infers shapes. Everything else (the optimizer's
+update, Keras's bookkeeping) sees the block, as Keras sees any
+MirroredVariable.
+
+A layout tfdist cannot honour raises :class:`~tfdist.errors.ConfigError`
+naming the weight's path, its shape and the layout, before anything is
+created.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+from tfdist.parallel import collectives, sharding
+
+__all__ = ["plan", "laid_out", "wrap_initialize", "mesh_axes", "install"]
+
+_SOURCE = "keras.distribution"
+
+
+def mesh_axes(distribution: Any) -> tuple[str, str | None]:
+    """The (batch, model) axis names of a ModelParallel's 1-D or 2-D mesh."""
+    mesh = distribution.device_mesh
+    names = list(mesh.axis_names)
+    batch = distribution.batch_dim_name
+    others = [n for n in names if n != batch]
+    return batch, (others[0] if others else None)
+
+
+def _layout_axes(distribution: Any, variable: Any) -> tuple | None:
+    layout = distribution.get_variable_layout(variable)
+    axes = getattr(layout, "axes", layout)
+    return None if axes is None else tuple(axes)
+
+
+def plan(variable: Any, distribution: Any, strategy: Any) -> sharding.ShardSpec | None:
+    """How ``distribution`` lays out ``variable`` (its shape is the full
+    one); None when the layout replicates it.
+
+    Raises:
+        ConfigError: The layout names an axis the mesh lacks, or one axis
+            twice, has a length other than the weight's rank, or splits a
+            dimension its axis does not divide. The message names the
+            weight's path, shape and layout.
+    """
+    axes = _layout_axes(distribution, variable)
+    if axes is None or all(a is None for a in axes):
+        return None
+    shape = tuple(int(s) for s in variable.shape)
+    mesh = distribution.device_mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    batch, model = mesh_axes(distribution)
+    path = variable.path
+
+    def refuse(expected: str) -> ConfigError:
+        return ConfigError(f"layout of {path}", axes, expected, source=_SOURCE,
+                           hint=f"The weight {path} has shape {shape}; the mesh is "
+                                f"{dict(sizes)}.")
+
+    if len(axes) != len(shape):
+        return _raise(refuse(f"one entry per dimension of the weight ({len(shape)})"))
+    named = [a for a in axes if a is not None]
+    unknown = [a for a in named if a not in sizes]
+    if unknown:
+        return _raise(refuse(f"mesh axis names ({', '.join(map(repr, sizes))}) or None; "
+                             f"{unknown[0]!r} is not an axis of the mesh"))
+    if len(set(named)) != len(named):
+        return _raise(refuse("each mesh axis at most once"))
+    splits = []
+    for dim, axis in enumerate(axes):
+        if axis is None or sizes[axis] == 1:
+            continue
+        if shape[dim] % sizes[axis]:
+            return _raise(refuse(
+                f"dimensions the named axes divide: dimension {dim} has {shape[dim]}, "
+                f"which the {axis!r} axis ({sizes[axis]} devices) does not divide"))
+        splits.append((dim, sharding.TENSOR if axis == model else sharding.DATA))
+    if not splits:
+        return None
+    runtime = collectives.runtime_of(strategy)
+    return sharding.ShardSpec(shape, runtime, strategy, tuple(splits), path=path,
+                              layout=axes)
+
+
+def _raise(error: Exception):
+    raise error
+
+
+# --- the laid-out variable -------------------------------------------------------
+
+def _in_layer_call() -> bool:
+    from tfdist.compat.keras_src import global_state
+    return global_state.get_global_attribute("current_call_ctx") is not None
+
+
+class _LaidOut:
+    """Mixed into a laid-out Keras variable's class (:func:`laid_out`).
+
+    Only ``value`` differs, and only inside a layer's call; the members
+    below that read ``value`` in Keras read the block instead, as they
+    would for any MirroredVariable.
+    """
+
+    @property
+    def value(self):
+        from tfdist.distribution import regather
+        given = regather.override(self)
+        if given is not None:  # Inside a regathered call: gathered already.
+            return given
+        spec = sharding.spec_of(self)
+        if spec is None or self._value is None or not _in_layer_call():
+            return super().value
+        from tfdist.compat.keras_src import in_stateless_scope, in_symbolic_scope
+        if in_symbolic_scope() or in_stateless_scope():
+            # Keras infers shapes: the values are never read.
+            return self._maybe_autocast(tf.zeros(spec.full_shape, self._dtype))
+        p = collectives.current()
+        if p is None:
+            return self._maybe_autocast(sharding.local_full_tensor(self))
+        local = self._maybe_autocast(tf.convert_to_tensor(self._value))
+        return collectives.gather_blocks(local, spec.splits, p)
+
+    @property
+    def handle(self):
+        return self._value.handle
+
+    @property
+    def _shared_name(self):
+        return self._value._shared_name
+
+    # A regularizer or constraint would see one block, not the weight.
+    @property
+    def regularizer(self):
+        return None
+
+    @regularizer.setter
+    def regularizer(self, value):
+        _refuse_per_weight(self, "regularizer", value)
+
+    @property
+    def constraint(self):
+        return None
+
+    @constraint.setter
+    def constraint(self, value):
+        _refuse_per_weight(self, "constraint", value)
+
+    def numpy(self):
+        return sharding.full_value(self)
+
+    def __array__(self, dtype=None, copy=None):
+        value = sharding.full_value(self)
+        return value if dtype is None else value.astype(dtype)
+
+
+def _refuse_per_weight(variable: Any, what: str, value: Any) -> None:
+    if value is None:
+        return
+    spec = sharding.spec_of(variable)
+    raise ConfigError(
+        f"{what} of {variable.path}", value, f"no {what} on a weight a layout splits",
+        source=_SOURCE,
+        hint=f"The layout {spec.layout} splits {variable.path} (shape {spec.full_shape}), "
+             f"and a {what} would see one block. Drop it, or lay the weight out "
+             "replicated (None on every dimension).")
+
+
+@functools.lru_cache(maxsize=None)
+def _class_for(base: type) -> type:
+    return type(f"LaidOut{base.__name__}", (_LaidOut, base), {"__module__": __name__})
+
+
+def laid_out(variable: Any, spec: sharding.ShardSpec, full: np.ndarray) -> None:
+    """Makes ``variable`` (created with a block's shape) a laid-out weight:
+    marked with ``spec``, its components given their blocks of ``full``."""
+    sharding.mark(variable, spec)
+    variable.__class__ = _class_for(type(variable))
+    sharding.assign_full(variable, full)
+
+
+def _same_on_every_worker(full: tf.Tensor, strategy: Any) -> tf.Tensor:
+    """Worker 0's value, under MultiWorkerMirrored: a variable created there
+    takes it (the workers' initializers may draw differently)."""
+    if getattr(strategy, "kind", "") != "multi_worker_mirrored":
+        return full
+    with strategy.scope():
+        shared = tf.Variable(full, trainable=False)
+    return tf.convert_to_tensor(strategy.experimental_local_results(shared)[0])
+
+
+def wrap_initialize(original):
+    @functools.wraps(original)
+    def _initialize(self, value):
+        from tfdist.distribution import model_parallel
+        found = model_parallel.current()
+        if found is None or isinstance(value, tf.Variable):
+            return original(self, value)
+        distribution, strategy = found
+        if self._shape is None:  # Created from a value, not an initializer.
+            self._shape = tuple(int(s) for s in tf.convert_to_tensor(value).shape)
+        spec = plan(self, distribution, strategy)
+        if spec is None:
+            return original(self, value)
+        with tf.init_scope(), tf.device("/cpu:0"):
+            full = value() if callable(value) else value
+            full = tf.convert_to_tensor(full, dtype=self._dtype)
+        full = _same_on_every_worker(full, strategy).numpy()
+        original(self, spec.block(full, spec.runtime.first))
+        self._shape = spec.shard_shape
+        laid_out(self, spec, full)
+        layer = _creating_layer()
+        if layer is not None:
+            from tfdist.distribution import regather
+            from tfdist.parallel import saving
+            saving.cover(type(layer))  # Its own save/load write and read full values.
+            regather.wrap(layer)
+    return _initialize
+
+
+def _creating_layer() -> Any:
+    """The layer whose ``add_weight`` runs now: the innermost caller of
+    Keras's name scopes (``Layer.add_weight`` opens one with the layer)."""
+    import keras
+
+    from tfdist.compat.keras_src import global_state
+    for scope in reversed(global_state.get_global_attribute("name_scope_stack") or []):
+        caller = getattr(scope, "caller", None)
+        if isinstance(caller, keras.layers.Layer):
+            return caller
+    return None
+
+
+def install() -> None:
+    """Wraps Keras's TensorFlow variable creation (the registry's
+    ``layouts``), with tensor parallelism's gradient and saving hooks;
+    idempotent.
+
+    Raises:
+        tfdist.ConfigError: A target changed in this Keras.
+    """
+    from tfdist import compat
+    from tfdist.parallel import grads, saving
+    grads.install()
+    saving.install()
+    compat.install("layouts")
+    compat.require("layouts", "keras.distribution.ModelParallel")

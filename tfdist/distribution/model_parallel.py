@@ -1,0 +1,137 @@
+"""``keras.distribution.ModelParallel`` on TensorFlow: layouts honoured.
+
+Set through ``keras.distribution.set_distribution`` (or entered with
+``.scope()``) after ``import tfdist``, a ``ModelParallel`` trains on a tfdist
+Mirrored strategy over its mesh's devices whose replicas form tfdist's
+(data, tensor) mesh (:mod:`tfdist.parallel.mesh`): the mesh's batch axis is
+the data-parallel axis, its other axis the tensor-parallel one. The devices
+are ordered batch-major, so replica ``r`` sits at mesh coordinates
+``divmod(r, T)`` whatever order the mesh names its axes in.
+
+Every weight created while it is set takes its layout from the layout map
+(:mod:`~tfdist.distribution.layouts`): split over the named axes, each
+device holding its block of the weight and of the optimizer's slots.
+Keras splits each batch over all replicas, as with ``DataParallel``; the
+losses and weights are those of the unsharded model on the same global
+batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+__all__ = ["honours", "strategy_for", "current", "ordered_devices"]
+
+_SOURCE = "keras.distribution.ModelParallel"
+
+
+def honours(distribution: Any) -> bool:
+    return isinstance(distribution, keras.distribution.ModelParallel)
+
+
+def ordered_devices(distribution: Any) -> tuple[list[str], int]:
+    """The mesh's devices batch-major, and T (the model axis's size).
+
+    Raises:
+        ConfigError: The mesh has more than two axes, or its batch axis is
+            not one of them.
+    """
+    from tfdist.distribution.layouts import mesh_axes
+    mesh = distribution.device_mesh
+    names = list(mesh.axis_names)
+    devices = np.asarray(mesh.devices)
+    if devices.ndim > 2:
+        raise ConfigError("device_mesh", f"shape {tuple(mesh.shape)}, axes {names}",
+                          "a 1-D (batch) or 2-D (batch, model) mesh", source=_SOURCE)
+    batch, model = mesh_axes(distribution)
+    if batch not in names:
+        raise ConfigError("batch_dim_name", batch, f"one of the mesh's axes {names}",
+                          source=_SOURCE)
+    if devices.ndim == 2 and names.index(batch) == 1:
+        devices = devices.T
+    tp = devices.shape[1] if devices.ndim == 2 else 1
+    return [str(d) for d in devices.ravel()], int(tp)
+
+
+def strategy_for(distribution: Any, check_devices: Any) -> Any:
+    """A tfdist Mirrored strategy with the mesh of ``distribution``.
+
+    Args:
+        distribution: The ModelParallel.
+        check_devices: Checks device names against this process's and
+            returns TensorFlow's names (raises ConfigError).
+    """
+    from tfdist.distribution import data_parallel, layouts
+    from tfdist.parallel import mesh as mesh_lib
+    from tfdist.strategies import strategy_from_config
+    names, tp = ordered_devices(distribution)
+    if any("/job:" in d or "/task:" in d for d in names):
+        strategy = _cluster_strategy_for(names, tp)
+        layouts.install()
+        return strategy
+    devices = check_devices(names)
+    options = dict(getattr(distribution, "_tfdist_options", {}))
+    with data_parallel.making():
+        strategy = strategy_from_config(strategy="mirrored", devices=devices,
+                                        model_parallel=tp, **options)
+        if tp == 1:
+            mesh_lib.attach(strategy, 1, always=True)
+    layouts.install()
+    return strategy
+
+
+def _cluster_strategy_for(names: list[str], tp: int) -> Any:
+    """The job's MultiWorkerMirrored strategy (``initialize()``'s), with the
+    mesh's tensor groups attached.
+
+    Raises:
+        ConfigError: Before ``initialize()``; the mesh's devices are not
+            every device of the job in process order (batch-major); another
+            ModelParallel attached a different model axis to the job.
+    """
+    from tfdist.distribution import cluster
+    from tfdist.parallel import mesh as mesh_lib
+    strategy = cluster.cluster_strategy()
+    if strategy is None:
+        raise ConfigError(
+            "device_mesh", names, "devices of this process, or keras.distribution."
+            "initialize() first", source=_SOURCE,
+            hint="The mesh names devices of other processes: call "
+                 "keras.distribution.initialize() before building it")
+    every = cluster.global_devices()
+    if [d.lower() for d in names] != [d.lower() for d in every]:
+        raise ConfigError(
+            "device_mesh", names, f"every device of the job once, batch-major in process "
+            f"order: {every}", source=_SOURCE,
+            hint="Build the mesh from keras.distribution.list_devices() as it lists them: "
+                 "replica r of the job is device r, at (batch, model) = divmod(r, model size)")
+    attached = getattr(strategy, "_tfdist_parallel", None)
+    if attached is None:
+        mesh_lib.attach(strategy, tp, always=True)
+    elif attached.mesh.tp != tp:
+        raise ConfigError(
+            "device_mesh", f"a model axis of {tp}", f"{attached.mesh.tp}, the model axis "
+            "this job's first ModelParallel gave its processes", source=_SOURCE,
+            hint="A job's tensor groups are fixed once made; start a new job for another")
+    return strategy
+
+
+def current() -> tuple[Any, Any] | None:
+    """The ModelParallel set now and its strategy, when that strategy is the
+    current one; else None."""
+    from tfdist.compat.keras_src import distribution_lib
+    from tfdist.distribution import data_parallel
+    distribution = distribution_lib.distribution()
+    if not honours(distribution):
+        return None
+    strategy = data_parallel.strategy_of(distribution)
+    if strategy is None or not tf.distribute.has_strategy() \
+            or tf.distribute.get_strategy() is not strategy:
+        return None
+    return distribution, strategy

@@ -1,0 +1,154 @@
+"""Laid-out weights gathered again for the backward pass, not kept from the forward.
+
+A weight gathered whole for a layer's call (:mod:`~tfdist.distribution.layouts`)
+would otherwise stay alive from the forward pass to the backward one (the
+matmul's gradient needs it): at the end of the forward pass every layer's
+full weights would be in memory at once, as many bytes as the replicated
+model's weights. FSDP's answer is to gather them again for the backward pass,
+and that is what happens here.
+
+The call of a leaf layer (one that calls no layer with weights) owning
+split weights runs inside a ``tf.custom_gradient`` whose inputs are the
+call's tensors and the weights' blocks. Its forward pass gathers the
+weights, calls the layer and lets the full weights go. Its backward pass
+gathers them again, recomputes the call under a tape, and takes the
+gradients: the inputs' as they are, the variables' that stay whole as
+they are, and each split weight's summed over every replica with its block
+kept. The gradients are the plain gather's; the cost is the second gather
+and the leaf's forward computed twice.
+
+A layer with sublayers that have weights, or a layer called under Keras's
+stateless or symbolic scopes, is left to the plain gather of
+:mod:`~tfdist.distribution.layouts`, which keeps its full weights for the
+backward pass (the report says which).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any
+
+import tensorflow as tf
+
+from tfdist.parallel import collectives, sharding
+
+__all__ = ["override", "overriding", "regathers", "wrap"]
+
+_local = threading.local()
+_ATTR = "_tfdist_regather"
+
+
+def override(variable: Any) -> Any:
+    """The full value this thread's regathered call gives ``variable``, or None."""
+    return getattr(_local, "values", {}).get(id(variable))
+
+
+@contextlib.contextmanager
+def overriding(variables: list, values: list):
+    """While a regathered call runs: ``variables`` read as ``values``."""
+    saved = getattr(_local, "values", {})
+    _local.values = {**saved, **{id(v): x for v, x in zip(variables, values)}}
+    try:
+        yield
+    finally:
+        _local.values = saved
+
+
+def regathers(layer: Any) -> bool:
+    """Whether ``layer``'s call gathers its split weights again for backward."""
+    return getattr(layer, _ATTR, False)
+
+
+def _own_split(layer: Any) -> list:
+    own = (list(getattr(layer, "_trainable_variables", []))
+           + list(getattr(layer, "_non_trainable_variables", [])))
+    return [v for v in own if sharding.spec_of(v) is not None]
+
+
+def _is_leaf(layer: Any) -> bool:
+    """No sublayer of ``layer`` has weights of its own."""
+    for sub in layer._flatten_layers(include_self=False):
+        if list(getattr(sub, "_trainable_variables", [])) \
+                or list(getattr(sub, "_non_trainable_variables", [])):
+            return False
+    return True
+
+
+def wrap(layer: Any) -> None:
+    """Makes ``layer``'s call regather its split weights (once per layer)."""
+    if regathers(layer):
+        return
+    original = layer.call
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        return _call(layer, original, args, kwargs)
+    # An instance attribute: Keras's Layer.__call__ calls self.call.
+    object.__setattr__(layer, "call", call)
+    object.__setattr__(layer, _ATTR, True)
+
+
+def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
+    from tfdist.compat.keras_src import global_state, in_stateless_scope, in_symbolic_scope
+    p = collectives.current()
+    split = _own_split(layer)
+    if p is None or not split or in_symbolic_scope() or in_stateless_scope() \
+            or not _is_leaf(layer):
+        return original(*args, **kwargs)
+    autocast = global_state.get_global_attribute("autocast_scope")
+    leaves = tf.nest.flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
+    tensors = [tf.convert_to_tensor(leaves[i]) for i in where]
+    blocks = [v._maybe_autocast(tf.convert_to_tensor(v._value)) for v in split]
+    specs = [sharding.spec_of(v) for v in split]
+    shapes = [tuple(b.shape) for b in blocks]
+    n = len(tensors)
+
+    def rebuild(values):
+        out = list(leaves)
+        for i, value in zip(where, values):
+            out[i] = value
+        return tf.nest.pack_sequence_as((args, kwargs), out)
+
+    def run(values, fulls):
+        call_args, call_kwargs = rebuild(values)
+        with overriding(split, fulls):
+            return original(*call_args, **call_kwargs)
+
+    structure = []
+
+    @tf.custom_gradient
+    def regathered(*flat):
+        values, own = list(flat[:n]), list(flat[n:])
+        fulls = [tf.stop_gradient(collectives.gather_blocks(b, s.splits, p))
+                 for b, s in zip(own, specs)]
+        out = run(values, fulls)
+        structure.append(out)
+        flat_out = tf.nest.flatten(out)
+
+        def grad(*dys, variables=None):
+            variables = list(variables or [])
+            with tf.GradientTape() as tape:
+                fulls = [tf.stop_gradient(collectives.gather_blocks(b, s.splits, p))
+                         for b, s in zip(own, specs)]
+                floats = [v for v in values if v.dtype.is_floating]
+                tape.watch(floats + fulls)
+                scope = (type(autocast)(autocast.dtype) if autocast is not None
+                         else contextlib.nullcontext())
+                with scope:
+                    again = tf.nest.flatten(run(values, fulls))
+            sources = floats + fulls + variables
+            grads = tape.gradient(again, sources, output_gradients=list(dys),
+                                  unconnected_gradients=tf.UnconnectedGradients.NONE)
+            by_float = dict(zip([id(v) for v in floats], grads[:len(floats)]))
+            inputs = [by_float.get(id(v)) for v in values]
+            weights = [None if g is None else collectives.block_gradient(g, s.splits, p, shape)
+                       for g, s, shape
+                       in zip(grads[len(floats):len(floats) + len(fulls)], specs, shapes)]
+            return inputs + weights, grads[len(floats) + len(fulls):]
+        return flat_out, grad
+
+    flat_out = regathered(*tensors, *blocks)
+    return tf.nest.pack_sequence_as(structure[-1], flat_out)
