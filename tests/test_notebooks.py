@@ -110,6 +110,11 @@ def test_notebook_runs(path, monkeypatch):
         assert "fp32: communicate is the larger share" in text
         assert "powersgd: compute is the larger share" in text
         assert "step records of 2 workers" in text
+    if path.name == "07_keras_distribution.ipynb":
+        assert images >= 1, "no plot was displayed"
+        assert "ModelParallel on a (2, 2) mesh: 4 replicas" in text
+        assert "token_embedding/embeddings" in text and "gathered when used" in text
+        assert "largest loss difference" in text
     if path.name == "05_tensor_parallel.ipynb":
         assert images >= 1, "no plot was displayed"
         assert "mesh: data 2 x tensor 2; tensor groups [0, 1] [2, 3]" in text

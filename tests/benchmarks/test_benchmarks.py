@@ -392,3 +392,27 @@ def test_xla_benchmark_names_the_error_and_marks_the_rows():
     table = xla.markdown({"meta": meta, "rows": [row, alone]})
     assert "| Mirrored, 2 logical CPUs | mlp | 11.0 | 13.5 | 1.25 | 1.50, 1.00 | fails:" in table
     assert "| no strategy, one device | mlp | 10.0 | 20.0 | 2.00 | 2.00 | - |" in table
+
+
+@pytest.mark.slow
+def test_keras_distribution_benchmark_measures_both_jobs(tmp_path):
+    # The smallest run: two jobs of 4 processes with a tiny Qwen, 2 steps.
+    pytest.importorskip("keras_hub")
+    args = [sys.executable, "benchmarks/keras_distribution.py", "--vocabulary=256",
+            "--hidden=32", "--layers=1", "--heads=4", "--kv_heads=2", "--intermediate=64",
+            "--sequence=8", "--steps=2", f"--results_dir={tmp_path}"]
+    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "keras_distribution.json").read_text())
+    runs = results["runs"]
+    assert [r["task"] for r in runs["model_parallel"]] == [f"worker:{i}" for i in range(4)]
+    peak = {k: max(r["model_kb"] for r in v) for k, v in runs.items()}
+    assert results["ratio"] == peak["model_parallel"] / peak["data_parallel"]
+    for mp, dp in zip(runs["model_parallel"], runs["data_parallel"]):
+        assert mp["replicas"] == dp["replicas"] == 4
+        assert mp["full_weights"] == dp["full_weights"] == dp["weights_per_device"]
+        assert mp["weights_per_device"] < 0.5 * mp["full_weights"]
+        assert abs(mp["loss"] - dp["loss"]) < 1e-4  # The same model and batches.
+    text = (tmp_path / "keras_distribution.md").read_text()
+    assert f"{results['ratio']:.2f}×" in text and "--vocabulary=256" in text

@@ -249,3 +249,41 @@ def test_four_processes_under_tfdist_launch(tmp_path):
           f"{max(r['largest_difference'] for r in runs):.1e}; weights per device "
           f"{runs[0]['bytes_per_device']:,} of {runs[0]['full_bytes']:,} bytes; bytes sent "
           f"per replica {runs[0]['traffic']}")
+
+
+def test_compression_on_the_data_axis(keras_mod):
+    """tfdist.distribution.ModelParallel(compression="bf16"): the gradients of
+    weights split over the batch axis are reduce-scattered in bfloat16 (half
+    the data-parallel bytes of the same fit uncompressed); a compressor that
+    needs the whole gradient is refused, naming the weight."""
+    keras = keras_mod
+    initial, _, _, _ = _unsharded("llama")
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         keras.distribution.list_devices("cpu"))
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    runs = {}
+    for compression in (None, "bf16"):
+        keras.distribution.set_distribution(tfdist.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch", compression=compression))
+        lm = _causal_lm(keras, "llama")
+        lm.set_weights(initial)
+        tfdist.parallel.reset_traffic(lm.distribute_strategy)
+        losses = _fit(lm)
+        runs[compression] = (losses, lm.get_weights(),
+                             tfdist.parallel.traffic(lm.distribute_strategy))
+    (plain, plain_weights, plain_sent), (bf16, bf16_weights, bf16_sent) = runs.values()
+    np.testing.assert_allclose(bf16, plain, rtol=0, atol=1e-2)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(bf16_weights, plain_weights))
+    assert 0 < moved < 1e-2, moved
+    # The weights' gathers are the same; the gradient sums over the batch
+    # axis (and the replicated weights' all-reduce) go in 16 bits.
+    assert bf16_sent["tensor_parallel"] == plain_sent["tensor_parallel"]
+    assert bf16_sent["data_parallel"] < 0.9 * plain_sent["data_parallel"], (bf16_sent,
+                                                                             plain_sent)
+    keras.distribution.set_distribution(tfdist.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch", compression="topk:0.1"))
+    with pytest.raises(ConfigError) as info:
+        _causal_lm(keras, "llama")
+    text = str(info.value)
+    assert "compression" in text and "topk" in text and "token_embedding/embeddings" in text
+    assert "reduce-scattered" in text and "bf16" in text

@@ -13,7 +13,7 @@ applies nothing. After ``import tfdist``:
   is split over the mesh's axes as its layout says
   (:mod:`~tfdist.distribution.model_parallel`,
   :mod:`~tfdist.distribution.layouts`), and :func:`report` shows what each
-  weight got;
+  weight got; :class:`ModelParallel` adds tfdist's compression;
 * a distribution tfdist cannot honour, and any distribution beside a tfdist
   strategy of the user's, raise :class:`KerasDistributionError`
   (:mod:`~tfdist.distribution.guard`) instead of training unsharded.
@@ -25,7 +25,7 @@ Keras integration. A strategy reaches it through :mod:`tfdist.plugins`
 
 from tfdist.distribution.guard import KerasDistributionError
 
-__all__ = ["DataParallel", "KerasDistributionError", "report"]
+__all__ = ["DataParallel", "ModelParallel", "KerasDistributionError", "report"]
 
 
 def __getattr__(name):
@@ -33,6 +33,9 @@ def __getattr__(name):
     if name == "DataParallel":
         from tfdist.distribution.data_parallel import DataParallel
         return DataParallel
+    if name == "ModelParallel":
+        from tfdist.distribution.model_parallel import ModelParallel
+        return ModelParallel
     if name == "report":
         from tfdist.distribution.reporting import report
         return report

@@ -81,32 +81,53 @@ def plan(variable: Any, distribution: Any, strategy: Any) -> sharding.ShardSpec 
                                 f"{dict(sizes)}.")
 
     if len(axes) != len(shape):
-        return _raise(refuse(f"one entry per dimension of the weight ({len(shape)})"))
+        raise refuse(f"one entry per dimension of the weight ({len(shape)})")
     named = [a for a in axes if a is not None]
     unknown = [a for a in named if a not in sizes]
     if unknown:
-        return _raise(refuse(f"mesh axis names ({', '.join(map(repr, sizes))}) or None; "
-                             f"{unknown[0]!r} is not an axis of the mesh"))
+        raise refuse(f"mesh axis names ({', '.join(map(repr, sizes))}) or None; "
+                     f"{unknown[0]!r} is not an axis of the mesh")
     if len(set(named)) != len(named):
-        return _raise(refuse("each mesh axis at most once"))
+        raise refuse("each mesh axis at most once")
     splits = []
     for dim, axis in enumerate(axes):
         if axis is None or sizes[axis] == 1:
             continue
         if shape[dim] % sizes[axis]:
-            return _raise(refuse(
+            raise refuse(
                 f"dimensions the named axes divide: dimension {dim} has {shape[dim]}, "
-                f"which the {axis!r} axis ({sizes[axis]} devices) does not divide"))
+                f"which the {axis!r} axis ({sizes[axis]} devices) does not divide")
         splits.append((dim, sharding.TENSOR if axis == model else sharding.DATA))
     if not splits:
         return None
+    if any(kind == sharding.DATA for _, kind in splits):
+        _check_compression(strategy, path, shape, axes)
     runtime = collectives.runtime_of(strategy)
     return sharding.ShardSpec(shape, runtime, strategy, tuple(splits), path=path,
                               layout=axes)
 
 
-def _raise(error: Exception):
-    raise error
+def _check_compression(strategy: Any, path: str, shape: tuple, axes: tuple) -> None:
+    """A weight split over the batch axis has its gradient reduce-scattered:
+    only a cast (fp16, bf16) without error feedback applies to that.
+
+    Raises:
+        ConfigError: Any other compression, naming the weight.
+    """
+    from tfdist.parallel import grads
+    setting = getattr(strategy, "compression", None)
+    if setting is None or not setting.enabled or grads.cast_aggregator(strategy) is not None:
+        return
+    if strategy.num_replicas_in_sync < 2:
+        return
+    raise ConfigError(
+        "compression", str(setting), f"one of {', '.join(grads.CAST_COMPRESSORS)} (without "
+        f"error feedback) with a layout that splits a weight over the batch axis",
+        source=_SOURCE,
+        hint=f"The layout {axes} splits {path} (shape {shape}) over the batch axis, so its "
+             "gradient is reduce-scattered, each device summing only its block: top-k, "
+             "random-k, sign, QSGD, PowerSGD and error feedback need the whole gradient. "
+             "Use compression='bf16' or 'fp16', or a layout without the batch axis.")
 
 
 # --- the laid-out variable -------------------------------------------------------
@@ -119,9 +140,11 @@ def _in_layer_call() -> bool:
 class _LaidOut:
     """Mixed into a laid-out Keras variable's class (:func:`laid_out`).
 
-    Only ``value`` differs, and only inside a layer's call; the members
-    below that read ``value`` in Keras read the block instead, as they
-    would for any MirroredVariable.
+    ``value`` is the full weight inside a layer's call and the block
+    elsewhere (the optimizer's update, Keras's bookkeeping), as for any
+    MirroredVariable; the members that read ``value`` in Keras read the
+    block. ``numpy()`` and ``__array__`` give the full weight, and a
+    regularizer or constraint is refused.
     """
 
     @property

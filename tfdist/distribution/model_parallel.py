@@ -26,9 +26,30 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = ["honours", "strategy_for", "current", "ordered_devices"]
+__all__ = ["ModelParallel", "honours", "strategy_for", "current", "ordered_devices"]
 
 _SOURCE = "keras.distribution.ModelParallel"
+
+
+class ModelParallel(keras.distribution.ModelParallel):
+    """Keras's ``ModelParallel``, with tfdist's gradient compression.
+
+    Args:
+        layout_map: As Keras's.
+        batch_dim_name: As Keras's.
+        compression: A ``compression=`` of ``tfdist.strategy_from_config``.
+            Replicated weights and weights split over the model axis alone
+            take any; a weight split over the batch axis has its gradient
+            reduce-scattered, and takes only ``"fp16"`` or ``"bf16"`` (any
+            other raises ConfigError naming the weight when it is created).
+        error_feedback: As ``tfdist.strategy_from_config``'s.
+        **kwargs: Keras's other arguments (``auto_shard_dataset``).
+    """
+
+    def __init__(self, *, layout_map=None, batch_dim_name=None, compression: Any = None,
+                 error_feedback: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name, **kwargs)
+        self._tfdist_options = {"compression": compression, "error_feedback": error_feedback}
 
 
 def honours(distribution: Any) -> bool:
@@ -71,12 +92,12 @@ def strategy_for(distribution: Any, check_devices: Any) -> Any:
     from tfdist.parallel import mesh as mesh_lib
     from tfdist.strategies import strategy_from_config
     names, tp = ordered_devices(distribution)
+    options = dict(getattr(distribution, "_tfdist_options", {}))
     if any("/job:" in d or "/task:" in d for d in names):
-        strategy = _cluster_strategy_for(names, tp)
+        strategy = _cluster_strategy_for(names, tp, options)
         layouts.install()
         return strategy
     devices = check_devices(names)
-    options = dict(getattr(distribution, "_tfdist_options", {}))
     with data_parallel.making():
         strategy = strategy_from_config(strategy="mirrored", devices=devices,
                                         model_parallel=tp, **options)
@@ -86,7 +107,7 @@ def strategy_for(distribution: Any, check_devices: Any) -> Any:
     return strategy
 
 
-def _cluster_strategy_for(names: list[str], tp: int) -> Any:
+def _cluster_strategy_for(names: list[str], tp: int, options: dict) -> Any:
     """The job's MultiWorkerMirrored strategy (``initialize()``'s), with the
     mesh's tensor groups attached.
 
@@ -104,6 +125,13 @@ def _cluster_strategy_for(names: list[str], tp: int) -> Any:
             "initialize() first", source=_SOURCE,
             hint="The mesh names devices of other processes: call "
                  "keras.distribution.initialize() before building it")
+    if any(v is not None for v in options.values()):
+        raise ConfigError(
+            "compression", options.get("compression"),
+            "None across processes: the job's strategy was made by initialize()",
+            source="tfdist.distribution.ModelParallel",
+            hint="keras.distribution.initialize() makes the job's strategy, without "
+                 "compression; across processes keras.distribution trains uncompressed")
     every = cluster.global_devices()
     if [d.lower() for d in names] != [d.lower() for d in every]:
         raise ConfigError(

@@ -122,8 +122,11 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
     @tf.custom_gradient
     def regathered(*flat):
         values, own = list(flat[:n]), list(flat[n:])
-        fulls = [tf.stop_gradient(collectives.gather_blocks(b, s.splits, p))
-                 for b, s in zip(own, specs)]
+        # Gathered once the call's inputs exist, not as soon as the step
+        # starts: otherwise every layer's full weights could be alive at once.
+        with tf.control_dependencies(values):
+            fulls = [tf.stop_gradient(collectives.gather_blocks(b, s.splits, p))
+                     for b, s in zip(own, specs)]
         out = run(values, fulls)
         structure.append(out)
         flat_out = tf.nest.flatten(out)
@@ -131,8 +134,10 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
         def grad(*dys, variables=None):
             variables = list(variables or [])
             with tf.GradientTape() as tape:
-                fulls = [tf.stop_gradient(collectives.gather_blocks(b, s.splits, p))
-                         for b, s in zip(own, specs)]
+                # Likewise once the output's gradient exists.
+                with tf.control_dependencies([d for d in dys if d is not None]):
+                    fulls = [tf.stop_gradient(collectives.gather_blocks(b, s.splits, p))
+                             for b, s in zip(own, specs)]
                 floats = [v for v in values if v.dtype.is_floating]
                 tape.watch(floats + fulls)
                 scope = (type(autocast)(autocast.dtype) if autocast is not None

@@ -371,12 +371,27 @@ def block_gradient(dy: Any, splits: tuple[tuple[int, str], ...], p: Placement,
     if isinstance(dy, tf.IndexedSlices):
         return _block_of_slices(p, dy, live, block_shape)
     dy = tf.convert_to_tensor(dy)
+    # The static shape at each stage (a gradient from the tape may have lost
+    # it; compressors and byte counts need it).
+    shape = list(block_shape)
+    for dim, kind in live:
+        shape[dim] *= _group(p, kind)[1]
+    dy.set_shape(shape)
     for dim, kind in reversed(live):
         launcher, n, index, counter = _group(p, kind)
-        wire = _wire(dy)
-        _count(p, counter, wire, False, n)
-        summed = tf.cast(launcher.all_reduce(wire), dy.dtype)
-        dy = _slice_along(summed, dim, index, tf.shape(dy)[dim] // n)
+        aggregator = None
+        if kind == "data":  # The data-axis sum takes the strategy's cast compression.
+            from tfdist.parallel import grads
+            aggregator = grads.cast_aggregator(tf.distribute.get_strategy())
+        if aggregator is not None:
+            summed = grads.compressed_group_sum(dy, p, aggregator)
+        else:
+            wire = _wire(dy)
+            _count(p, counter, wire, False, n)
+            summed = tf.cast(launcher.all_reduce(wire), dy.dtype)
+        shape[dim] //= n
+        dy = _slice_along(summed, dim, index, shape[dim])
+        dy.set_shape(shape)
     return dy
 
 

@@ -61,6 +61,29 @@ class GroupComm(ReplicaComm):
                 + all_gather_bytes(gathered, self.num_replicas))
 
 
+#: Compressors a reduce-scatter can use: elementwise casts, no state.
+CAST_COMPRESSORS = ("fp16", "bf16")
+
+
+def cast_aggregator(strategy: Any) -> Any:
+    """The strategy's aggregator when it is a cast without error feedback
+    (what a weight split over the data-parallel group can use), else None."""
+    aggregator = keras_hook.strategy_aggregator(strategy)
+    if (aggregator is None or getattr(aggregator, "memory", True) is not None
+            or getattr(aggregator, "name", None) not in CAST_COMPRESSORS):
+        return None
+    return aggregator
+
+
+def compressed_group_sum(dy: tf.Tensor, p: collectives.Placement, aggregator: Any) -> tf.Tensor:
+    """``dy`` summed over this replica's data-parallel group through a cast
+    aggregator (its bytes counted as data-parallel traffic)."""
+    comm = GroupComm(p)
+    [summed] = aggregator.aggregate([Item(dy, 0, {})], tf.constant(0, tf.int64), comm)
+    p.runtime.sent["data_parallel"].assign_add(tf.constant(comm.sent(), tf.float64))
+    return summed
+
+
 def _dense(g: Any, v: Any) -> tf.Tensor:
     if isinstance(g, tf.IndexedSlices):
         # A vocabulary shard's: gathered, by the aggregator as it does a
