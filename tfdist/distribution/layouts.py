@@ -238,8 +238,11 @@ def wrap_initialize(original):
     @functools.wraps(original)
     def _initialize(self, value):
         from tfdist.distribution import model_parallel
+        from tfdist.parallel import saving
         found = model_parallel.current()
-        if found is None or isinstance(value, tf.Variable):
+        # A slot of a split weight is a block already (Keras < 3.15 also hands
+        # it the weight's layout): saving registers it like its weight.
+        if found is None or isinstance(value, tf.Variable) or saving.creating_slot():
             return original(self, value)
         distribution, strategy = found
         if self._shape is None:  # Created from a value, not an initializer.

@@ -52,7 +52,7 @@ import tensorflow as tf
 
 from tfdist.parallel import sharding
 
-__all__ = ["install", "cover", "full_weights", "wrap_get_weights", "wrap_set_weights",
+__all__ = ["install", "cover", "creating_slot", "full_weights", "wrap_get_weights", "wrap_set_weights",
            "wrap_save", "wrap_load", "wrap_legacy_subset", "wrap_legacy_optimizer",
            "wrap_legacy_set", "wrap_optimizer_set", "wrap_slot", "wrap_serialize",
            "wrap_restore"]
@@ -331,6 +331,12 @@ def wrap_optimizer_set(original):
 
 
 # --- optimizer slots -------------------------------------------------------------
+
+def creating_slot() -> bool:
+    """Whether this thread is creating an optimizer slot of a sharded weight
+    (the slot is sharded like it when it exists)."""
+    return getattr(_creating, "spec", None) is not None
+
 
 def wrap_slot(original):
     @functools.wraps(original)
