@@ -290,3 +290,48 @@ def test_compression_on_the_data_axis(keras_mod):
     text = str(info.value)
     assert "compression" in text and "topk" in text and "token_embedding/embeddings" in text
     assert "reduce-scattered" in text and "bf16" in text
+
+
+def test_a_layer_with_sublayers_keeps_its_gathered_weight(keras_mod):
+    """A split weight of a layer that also calls a sublayer with weights is
+    gathered for the call and kept for the backward pass (its call is not
+    recomputed); it trains as unsharded, and the report says so."""
+    keras = keras_mod
+
+    class Outer(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = keras.layers.Dense(4, name="inner")
+
+        def build(self, input_shape):
+            self.w = self.add_weight(name="w", shape=(input_shape[-1], 8))
+            self.inner.build((None, 8))
+
+        def call(self, x):
+            return self.inner(keras.ops.tanh(keras.ops.matmul(x, self.w)))
+
+    def fit():
+        model = keras.Sequential([keras.Input((6,)), Outer(name="outer"),
+                                  keras.layers.Dense(2, name="head")])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+        return model
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(16, 6)).astype("float32"), rng.normal(size=(16, 2)).astype("float32")
+    keras.utils.set_random_seed(4)
+    reference = fit()
+    initial = reference.get_weights()
+    want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    keras.distribution.set_distribution(_mlp_distribution(
+        keras, {".*outer/w": ("batch", "model"), ".*inner/kernel": (None, "model"),
+                ".*head/kernel": ("batch", None)}))
+    model = fit()
+    model.set_weights(initial)
+    got = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=0, atol=1e-6)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    table = tfdist.distribution.report(model)
+    hows = {row.path.split("/", 1)[1]: row.how for row in table.rows}
+    assert hows["outer/w"] == "gathered when used, kept for backward (FSDP)", hows
+    assert hows["outer/inner/kernel"] == hows["head/kernel"] == "gathered when used (FSDP)"
+    assert hows["outer/inner/bias"] == "replicated"

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfdist.parallel import collectives, sharding
 
-__all__ = ["override", "overriding", "regathers", "wrap"]
+__all__ = ["override", "overriding", "regathers", "wrap", "own_split", "is_leaf"]
 
 _local = threading.local()
 _ATTR = "_tfdist_regather"
@@ -61,13 +61,14 @@ def regathers(layer: Any) -> bool:
     return getattr(layer, _ATTR, False)
 
 
-def _own_split(layer: Any) -> list:
+def own_split(layer: Any) -> list:
+    """The split weights ``layer`` owns (not its sublayers')."""
     own = (list(getattr(layer, "_trainable_variables", []))
            + list(getattr(layer, "_non_trainable_variables", [])))
     return [v for v in own if sharding.spec_of(v) is not None]
 
 
-def _is_leaf(layer: Any) -> bool:
+def is_leaf(layer: Any) -> bool:
     """No sublayer of ``layer`` has weights of its own."""
     for sub in layer._flatten_layers(include_self=False):
         if list(getattr(sub, "_trainable_variables", [])) \
@@ -93,9 +94,9 @@ def wrap(layer: Any) -> None:
 def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
     from tfdist.compat.keras_src import global_state, in_stateless_scope, in_symbolic_scope
     p = collectives.current()
-    split = _own_split(layer)
+    split = own_split(layer)
     if p is None or not split or in_symbolic_scope() or in_stateless_scope() \
-            or not _is_leaf(layer):
+            or not is_leaf(layer):
         return original(*args, **kwargs)
     autocast = global_state.get_global_attribute("autocast_scope")
     leaves = tf.nest.flatten((args, kwargs))

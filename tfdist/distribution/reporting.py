@@ -19,7 +19,11 @@ __all__ = ["WeightRow", "LayoutReport", "report"]
 
 #: How a weight runs.
 REPLICATED = "replicated"
+#: Gathered for its (leaf) layer's call and again for the backward pass.
 GATHERED = "gathered when used (FSDP)"
+#: Gathered for its layer's call and kept for the backward pass (a layer
+#: calling sublayers that have weights: its call is not recomputed).
+GATHERED_KEPT = "gathered when used, kept for backward (FSDP)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,9 @@ class WeightRow:
         shape: Its full shape.
         layout: The layout's axes; None where no rule matched.
         block: The shape each device holds.
-        how: ``"replicated"`` or ``"gathered when used (FSDP)"``.
+        how: ``"replicated"``, ``"gathered when used (FSDP)"`` (gathered
+            again for the backward pass), or ``"gathered when used, kept for
+            backward (FSDP)"`` (its layer calls sublayers with weights).
         bytes_per_device: The bytes of the block one device holds.
         full_bytes: The bytes of the whole weight.
     """
@@ -114,6 +120,11 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
     if distribution is None:
         from tfdist.compat.keras_src import distribution_lib
         distribution = distribution_lib.distribution()
+    from tfdist.distribution import regather
+    kept = set()
+    for layer in model._flatten_layers(include_self=True):
+        if not regather.regathers(layer) or not regather.is_leaf(layer):
+            kept.update(id(v) for v in regather.own_split(layer))
     rows = []
     for v in model.weights:
         spec = sharding.spec_of(v)
@@ -122,7 +133,7 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
         block = spec.shard_shape if spec else shape
         rows.append(WeightRow(
             path=v.path, shape=shape, layout=_layout_of(v, distribution), block=block,
-            how=GATHERED if spec is not None else REPLICATED,
+            how=REPLICATED if spec is None else GATHERED_KEPT if id(v) in kept else GATHERED,
             bytes_per_device=int(np.prod(block)) * itemsize,
             full_bytes=int(np.prod(shape)) * itemsize))
     return LayoutReport(tuple(rows))

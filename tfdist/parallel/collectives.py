@@ -368,9 +368,19 @@ def block_gradient(dy: Any, splits: tuple[tuple[int, str], ...], p: Placement,
     reduce-scatter). A lookup's sparse gradient stays sparse
     (:func:`_block_of_slices`)."""
     live = _live(splits, p)
+    # Split over the data axis alone, the block is replicated over the tensor
+    # group, whose members' gradients (of other rows) are summed whole too.
+    replicated_over_tensor = (any(kind == "data" for _, kind in live)
+                              and not any(kind == "tensor" for _, kind in live) and p.tp > 1)
     if isinstance(dy, tf.IndexedSlices):
+        if replicated_over_tensor:
+            live = [(None, "tensor")] + live
         return _block_of_slices(p, dy, live, block_shape)
     dy = tf.convert_to_tensor(dy)
+    if replicated_over_tensor:
+        wire = _wire(dy)
+        _count(p, "tensor_parallel", wire, False, p.tp)
+        dy = tf.cast(p.runtime.tp[p.replica].all_reduce(wire), dy.dtype)
     # The static shape at each stage (a gradient from the tape may have lost
     # it; compressors and byte counts need it).
     shape = list(block_shape)
@@ -410,6 +420,8 @@ def _block_of_slices(p: Placement, dy: tf.IndexedSlices, live: list,
         dy = launcher.all_reduce_indexed_slices(dy)
     values, indices = dy.values, dy.indices
     for dim, kind in live:
+        if dim is None:  # Gathered whole: no block of this group's.
+            continue
         _, _, index, _ = _group(p, kind)
         width = block_shape[dim]
         if dim == 0:
