@@ -335,3 +335,36 @@ def test_a_layer_with_sublayers_keeps_its_gathered_weight(keras_mod):
     assert hows["outer/w"] == "gathered when used, kept for backward (FSDP)", hows
     assert hows["outer/inner/kernel"] == hows["head/kernel"] == "gathered when used (FSDP)"
     assert hows["outer/inner/bias"] == "replicated"
+
+
+def test_a_batch_only_mesh_splits_weights_over_the_data_axis(keras_mod):
+    """A 1-D mesh of 4 devices: ModelParallel is FSDP alone (no tensor
+    group), each device holding a quarter of the split kernels."""
+    keras = keras_mod
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(size=(16, 6)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
+
+    def fit():
+        model = _mlp(keras, activation="tanh")
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
+        return model
+    keras.utils.set_random_seed(7)
+    reference = fit()
+    initial = reference.get_weights()
+    want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    dist = keras.distribution
+    mesh = dist.DeviceMesh((4,), ["batch"], dist.list_devices("cpu"))
+    layout_map = dist.LayoutMap(mesh)
+    layout_map[".*dense_a/kernel"] = (None, "batch")
+    layout_map[".*dense_b/kernel"] = ("batch", None)
+    dist.set_distribution(dist.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    model = fit()
+    model.set_weights(initial)
+    got = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert tfdist.parallel.mesh_of(model.distribute_strategy).describe().startswith(
+        "data 4 x tensor 1")
+    assert tuple(model.layers[0].kernel.shape) == (6, 2)
+    assert tuple(model.layers[1].kernel.shape) == (2, 4)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=0, atol=1e-6)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
