@@ -41,6 +41,19 @@ def _unsharded(family: str):
     return initial, losses, lm.get_weights(), [v.path for v in lm.weights]
 
 
+#: How each family's split kernels compute (by path suffix) with a model axis > 1.
+#: Llama's and Qwen's q/k/v put "model" on the hidden dimension they sum over
+#: (rows), Gemma's on the heads (columns).
+_LLAMA = {"query/kernel": "row", "key/kernel": "row", "value/kernel": "row",
+          "attention_output/kernel": "row", "feedforward_intermediate_dense/kernel": "column",
+          "feedforward_gate_dense/kernel": "column", "feedforward_output_dense/kernel": "row"}
+MEGATRON = {"llama": _LLAMA, "qwen": _LLAMA,
+            "gemma": {"query/kernel": "column", "key/kernel": "column",
+                      "value/kernel": "column", "attention_output/kernel": "row",
+                      "ffw_gating/kernel": "column", "ffw_gating_2/kernel": "column",
+                      "ffw_linear/kernel": "row"}}
+
+
 def _model_parallel(keras, family: str, shape: tuple[int, int]):
     dist = keras.distribution
     mesh = dist.DeviceMesh(shape, ["batch", "model"], dist.list_devices("cpu")[:np.prod(shape)])
@@ -92,6 +105,16 @@ def test_keras_hub_layout_map_trains_as_the_unsharded_model(keras_mod, family, s
                      for axis in row.layout or ())
         assert (row.how != "replicated") == splits, row
     assert "gathered when used" in str(table) and "token_embedding/embeddings" in str(table)
+    # Kernels split along a letter only the output (column) or only the input
+    # (row) has compute with their block; the embeddings are gathered.
+    hows = {row.path: row.how for row in table.rows}
+    for path, how in hows.items():
+        kind = next((k for suffix, k in MEGATRON[family].items() if path.endswith(suffix)), None)
+        expected = (f"tensor-parallel ({kind})" if kind and shape[1] > 1
+                    else "gathered when used (FSDP)" if kind else None)
+        if expected:
+            assert how == expected, (path, how)
+    assert hows["token_embedding/embeddings"] == "gathered when used (FSDP)"
 
 
 def _mlp_distribution(keras, layouts: dict, shape=(2, 2)):
@@ -333,7 +356,8 @@ def test_a_layer_with_sublayers_keeps_its_gathered_weight(keras_mod):
     table = tfdist.distribution.report(model)
     hows = {row.path.split("/", 1)[1]: row.how for row in table.rows}
     assert hows["outer/w"] == "gathered when used, kept for backward (FSDP)", hows
-    assert hows["outer/inner/kernel"] == hows["head/kernel"] == "gathered when used (FSDP)"
+    assert hows["outer/inner/kernel"] == "tensor-parallel (column)"
+    assert hows["head/kernel"] == "gathered when used (FSDP)"
     assert hows["outer/inner/bias"] == "replicated"
 
 

@@ -13,7 +13,10 @@ blocks of the one full initial value, and its optimizer slots are blocks too
 
 Read inside a layer's call, in a replica, the weight is gathered whole
 (:func:`tfdist.parallel.collectives.gather_blocks`): its gradient comes back
-summed over every replica, block by block, as FSDP does. Read in a layer
+summed over every replica, block by block, as FSDP does. A leaf layer's
+call gathers again for the backward pass (:mod:`~tfdist.distribution.regather`),
+and a Dense or EinsumDense kernel whose layout matches Megatron's computes
+with its block over the model axis (:mod:`~tfdist.distribution.megatron`). Read in a layer
 call outside the replicas (``model(x)`` in the scope, Keras's symbolic
 build) it is the full value from the local blocks, or zeros of the full
 shape while Keras only infers shapes. Everything else (the optimizer's

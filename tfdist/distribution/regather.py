@@ -106,6 +106,13 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
     specs = [sharding.spec_of(v) for v in split]
     shapes = [tuple(b.shape) for b in blocks]
     n = len(tensors)
+    from tfdist.distribution import megatron
+    the_plan = megatron.plan(layer) if p.tp > 1 else None
+    # What each weight is gathered over: a tensor-parallel kernel keeps its
+    # tensor block (gathered over the batch axis alone), the rest are whole.
+    gathers = [tuple((d, k) for d, k in s.splits if k == sharding.DATA)
+               if the_plan is not None and v is the_plan.kernel else s.splits
+               for v, s in zip(split, specs)]
 
     def rebuild(values):
         out = list(leaves)
@@ -115,8 +122,14 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
 
     def run(values, fulls):
         call_args, call_kwargs = rebuild(values)
-        with overriding(split, fulls):
-            return original(*call_args, **call_kwargs)
+        if the_plan is None:
+            with overriding(split, fulls):
+                return original(*call_args, **call_kwargs)
+        at = next(i for i, v in enumerate(split) if v is the_plan.kernel)
+        others = [(v, f) for i, (v, f) in enumerate(zip(split, fulls)) if i != at]
+        x = call_args[0] if call_args else call_kwargs["inputs"]
+        with overriding([v for v, _ in others], [f for _, f in others]):
+            return megatron.call(layer, the_plan, x, fulls[at], p)
 
     structure = []
 
@@ -126,8 +139,8 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
         # Gathered once the call's inputs exist, not as soon as the step
         # starts: otherwise every layer's full weights could be alive at once.
         with tf.control_dependencies(values):
-            fulls = [tf.stop_gradient(collectives.gather_blocks(b, s.splits, p))
-                     for b, s in zip(own, specs)]
+            fulls = [tf.stop_gradient(collectives.gather_blocks(b, g, p))
+                     for b, g in zip(own, gathers)]
         out = run(values, fulls)
         structure.append(out)
         flat_out = tf.nest.flatten(out)
@@ -137,8 +150,8 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
             with tf.GradientTape() as tape:
                 # Likewise once the output's gradient exists.
                 with tf.control_dependencies([d for d in dys if d is not None]):
-                    fulls = [tf.stop_gradient(collectives.gather_blocks(b, s.splits, p))
-                             for b, s in zip(own, specs)]
+                    fulls = [tf.stop_gradient(collectives.gather_blocks(b, g, p))
+                             for b, g in zip(own, gathers)]
                 floats = [v for v in values if v.dtype.is_floating]
                 tape.watch(floats + fulls)
                 scope = (type(autocast)(autocast.dtype) if autocast is not None
@@ -150,9 +163,11 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
                                   unconnected_gradients=tf.UnconnectedGradients.NONE)
             by_float = dict(zip([id(v) for v in floats], grads[:len(floats)]))
             inputs = [by_float.get(id(v)) for v in values]
-            weights = [None if g is None else collectives.block_gradient(g, s.splits, p, shape)
-                       for g, s, shape
-                       in zip(grads[len(floats):len(floats) + len(fulls)], specs, shapes)]
+            weights = [None if g is None else collectives.block_gradient(
+                           g, gather, p, shape, summed_over_tensor=gather != s.splits)
+                       for g, gather, s, shape
+                       in zip(grads[len(floats):len(floats) + len(fulls)], gathers, specs,
+                              shapes)]
             return inputs + weights, grads[len(floats) + len(fulls):]
         return flat_out, grad
 

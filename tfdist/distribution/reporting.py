@@ -35,9 +35,12 @@ class WeightRow:
         shape: Its full shape.
         layout: The layout's axes; None where no rule matched.
         block: The shape each device holds.
-        how: ``"replicated"``, ``"gathered when used (FSDP)"`` (gathered
-            again for the backward pass), or ``"gathered when used, kept for
-            backward (FSDP)"`` (its layer calls sublayers with weights).
+        how: ``"replicated"``; ``"tensor-parallel (column)"`` or ``"(row)"``
+            (:mod:`~tfdist.distribution.megatron`: the block over the model
+            axis is computed with, a batch-axis split still gathered);
+            ``"gathered when used (FSDP)"`` (gathered again for the backward
+            pass); or ``"gathered when used, kept for backward (FSDP)"`` (its
+            layer calls sublayers with weights).
         bytes_per_device: The bytes of the block one device holds.
         full_bytes: The bytes of the whole weight.
     """
@@ -120,11 +123,16 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
     if distribution is None:
         from tfdist.compat.keras_src import distribution_lib
         distribution = distribution_lib.distribution()
-    from tfdist.distribution import regather
-    kept = set()
+    from tfdist.distribution import megatron, regather
+    kept, tensor_parallel = set(), {}
     for layer in model._flatten_layers(include_self=True):
+        split = regather.own_split(layer)
         if not regather.regathers(layer) or not regather.is_leaf(layer):
-            kept.update(id(v) for v in regather.own_split(layer))
+            kept.update(id(v) for v in split)
+        elif split and sharding.spec_of(split[0]).mesh.tp > 1:
+            found = megatron.plan(layer)
+            if found is not None:
+                tensor_parallel[id(found.kernel)] = found.describe
     rows = []
     for v in model.weights:
         spec = sharding.spec_of(v)
@@ -133,7 +141,8 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
         block = spec.shard_shape if spec else shape
         rows.append(WeightRow(
             path=v.path, shape=shape, layout=_layout_of(v, distribution), block=block,
-            how=REPLICATED if spec is None else GATHERED_KEPT if id(v) in kept else GATHERED,
+            how=(REPLICATED if spec is None else GATHERED_KEPT if id(v) in kept
+                 else tensor_parallel.get(id(v), GATHERED)),
             bytes_per_device=int(np.prod(block)) * itemsize,
             full_bytes=int(np.prod(shape)) * itemsize))
     return LayoutReport(tuple(rows))

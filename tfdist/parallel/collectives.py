@@ -360,18 +360,20 @@ def gather_blocks(x: tf.Tensor, splits: tuple[tuple[int, str], ...],
 
 
 def block_gradient(dy: Any, splits: tuple[tuple[int, str], ...], p: Placement,
-                   block_shape: tuple[int, ...]) -> Any:
+                   block_shape: tuple[int, ...], summed_over_tensor: bool = False) -> Any:
     """A full weight's gradient on this replica, summed over each split's
     group with this replica's block kept: over both groups, the sum over
     every replica, which the optimizer applies as it is (a reduce-scatter
     done as an all-reduce and a slice: TensorFlow's launcher has no
     reduce-scatter). A lookup's sparse gradient stays sparse
-    (:func:`_block_of_slices`)."""
+    (:func:`_block_of_slices`). ``summed_over_tensor``: ``dy`` already holds
+    the tensor group's rows (a tensor-parallel layer's block)."""
     live = _live(splits, p)
     # Split over the data axis alone, the block is replicated over the tensor
     # group, whose members' gradients (of other rows) are summed whole too.
     replicated_over_tensor = (any(kind == "data" for _, kind in live)
-                              and not any(kind == "tensor" for _, kind in live) and p.tp > 1)
+                              and not any(kind == "tensor" for _, kind in live) and p.tp > 1
+                              and not summed_over_tensor)
     if isinstance(dy, tf.IndexedSlices):
         if replicated_over_tensor:
             live = [(None, "tensor")] + live
