@@ -114,6 +114,7 @@ def test_notebook_runs(path, monkeypatch):
         assert images >= 1, "no plot was displayed"
         assert "ModelParallel on a (2, 2) mesh: 4 replicas" in text
         assert "token_embedding/embeddings" in text and "gathered when used" in text
+        assert "tensor-parallel (column)" in text and "tensor-parallel (row)" in text
         assert "largest loss difference" in text
     if path.name == "05_tensor_parallel.ipynb":
         assert images >= 1, "no plot was displayed"

@@ -17,6 +17,11 @@ they are, and each split weight's summed over every replica with its block
 kept. The gradients are the plain gather's; the cost is the second gather
 and the leaf's forward computed twice.
 
+A Dense or EinsumDense kernel whose layout matches Megatron's keeps its
+block over the model axis and computes with it
+(:mod:`~tfdist.distribution.megatron`); only its batch-axis split is
+gathered, the same way.
+
 A layer with sublayers that have weights, or a layer called under Keras's
 stateless or symbolic scopes, is left to the plain gather of
 :mod:`~tfdist.distribution.layouts`, which keeps its full weights for the
