@@ -232,10 +232,14 @@ def report(runs: dict, when: str, load: tuple) -> str:
         "of the model's (the norms and Qwen's q/k/v biases have no rule in the map and stay "
         "whole).",
         "",
-        "Each split weight is gathered whole for its layer's call and again for the "
-        "backward pass, never kept between them; its gradient is reduce-scattered to its "
-        "block before the optimizer sees it, so Adam's slots and the update exist per "
-        "block only.",
+        "Qwen's attention and feed-forward kernels compute with their block over the model "
+        "axis (tensor-parallel, column or row); every split over the batch axis, and the "
+        "embedding table, is gathered whole for its layer's call and again for the backward "
+        "pass, never kept between them. Each gradient is reduce-scattered to its block "
+        "before the optimizer sees it, so Adam's slots and the update exist per block only. "
+        "About 350 MiB of either layout's resident set is the same whatever the model's "
+        "size (the build ~140 MiB and the first traced step ~200 MiB, measured at 16M "
+        "parameters), which keeps the resident-set ratio above the tensors' one.",
     ]
     return "\n".join(lines) + "\n"
 
