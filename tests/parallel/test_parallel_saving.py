@@ -317,16 +317,28 @@ def test_compression_state_saves_with_the_shards(env, trained):
 
 def test_every_worker_agrees_whether_a_full_value_is_local(env):
     """Reading a full value locally on some workers while others join the
-    gather would hang them: the rule must give one answer per job."""
-    from tfdist.parallel.sharding import holds_whole_groups
+    gather would hang them: the rule must give one answer per job, for a
+    split over the tensor group and for one over both mesh axes."""
+    import types
+
+    from tfdist.parallel.mesh import Mesh
+    from tfdist.parallel.sharding import DATA, TENSOR, ShardSpec
     for workers in (1, 2, 3, 4):
         for local in (1, 2, 3, 4, 8):
             n = workers * local
-            for tp in (t for t in range(2, n + 1) if n % t == 0):
-                answers = {holds_whole_groups(w * local, local, tp) for w in range(workers)}
-                assert len(answers) == 1, (workers, local, tp)
-                # Local exactly when each worker's replicas are whole groups.
-                assert answers == {local % tp == 0}, (workers, local, tp)
+            for tp in (t for t in range(1, n + 1) if n % t == 0):
+                runtime = types.SimpleNamespace(mesh=Mesh(n, tp))
+                for splits in (((0, TENSOR),), ((0, TENSOR), (1, DATA)), ((1, DATA),)):
+                    spec = ShardSpec((n * 4, n * 4), runtime, None, splits)
+                    answers = {spec.local_cover(w * local, local) is not None
+                               for w in range(workers)}
+                    assert len(answers) == 1, (workers, local, tp, splits)
+                    # Local exactly when each worker holds every block.
+                    blocks = {spec.index(r) for r in range(local)}
+                    assert answers == {len(blocks) == len(spec.blocks())}, (
+                        workers, local, tp, splits)
+                    if tp > 1 and splits == ((0, TENSOR),) and local % tp == 0:
+                        assert answers == {True}  # Whole tensor groups are local.
 
 
 @pytest.mark.slow

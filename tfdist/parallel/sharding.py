@@ -193,14 +193,6 @@ def _components(variable: Any, spec: ShardSpec) -> list:
     return list(spec.strategy.experimental_local_results(inner_variable(variable)))
 
 
-def holds_whole_groups(first: int, local: int, tp: int) -> bool:
-    """Whether a process whose ``local`` replicas start at global replica
-    ``first`` holds whole tensor groups. Under MultiWorkerMirrored every
-    worker has as many replicas, so all workers agree: either all read their
-    own group, or all join the collective."""
-    return local % tp == 0 and first % tp == 0
-
-
 def _local_blocks(variable: Any, spec: ShardSpec) -> dict | None:
     """This process's components holding every block once, by block index,
     or None when other processes hold some. Every replica holding a block
