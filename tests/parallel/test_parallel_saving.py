@@ -330,15 +330,17 @@ def test_every_worker_agrees_whether_a_full_value_is_local(env):
                 runtime = types.SimpleNamespace(mesh=Mesh(n, tp))
                 for splits in (((0, TENSOR),), ((0, TENSOR), (1, DATA)), ((1, DATA),)):
                     spec = ShardSpec((n * 4, n * 4), runtime, None, splits)
-                    answers = {spec.local_cover(w * local, local) is not None
-                               for w in range(workers)}
-                    assert len(answers) == 1, (workers, local, tp, splits)
-                    # Local exactly when each worker holds every block.
-                    blocks = {spec.index(r) for r in range(local)}
-                    assert answers == {len(blocks) == len(spec.blocks())}, (
-                        workers, local, tp, splits)
+                    covered = [spec.local_cover(w * local, local) is not None
+                               for w in range(workers)]
+                    # One answer for the job: local only where every worker can.
+                    assert spec.every_process_covers(local) == all(covered)
                     if tp > 1 and splits == ((0, TENSOR),) and local % tp == 0:
-                        assert answers == {True}  # Whole tensor groups are local.
+                        assert all(covered)  # Whole tensor groups are local.
+    # Where workers differ (worker 1 of 3 holds both data blocks, 0 and 2 one
+    # each), the job gathers: reading locally on worker 1 alone would hang.
+    spec = ShardSpec((24, 24), types.SimpleNamespace(mesh=Mesh(6, 3)), None, ((1, DATA),))
+    assert [spec.local_cover(w * 2, 2) is not None for w in range(3)] == [False, True, False]
+    assert not spec.every_process_covers(2)
 
 
 @pytest.mark.slow

@@ -133,12 +133,20 @@ class ShardSpec:
     def local_cover(self, first: int, local: int) -> dict | None:
         """Local component positions holding every block once, by block
         index, when this process's ``local`` replicas (the first global one
-        ``first``) hold them all; else None. Under MultiWorkerMirrored every
-        worker has as many replicas, so all workers agree on the answer."""
+        ``first``) hold them all; else None. Processes may differ: see
+        :meth:`every_process_covers`."""
         found: dict = {}
         for i in range(local):
             found.setdefault(self.index(first + i), i)
         return found if len(found) == len(self.blocks()) else None
+
+    def every_process_covers(self, local: int) -> bool:
+        """Whether every process (each with ``local`` replicas, as under
+        MultiWorkerMirrored) holds every block. Full values are read locally
+        only then: if some processes read locally while the others join a
+        gather, the gather hangs."""
+        processes = self.mesh.num_replicas // local
+        return all(self.local_cover(w * local, local) is not None for w in range(processes))
 
     def describe_weight(self) -> str:
         """The weight as messages name it: path, full shape and split."""
@@ -198,9 +206,9 @@ def _local_blocks(variable: Any, spec: ShardSpec) -> dict | None:
     or None when other processes hold some. Every replica holding a block
     holds the same values (they get the same updates)."""
     runtime = spec.runtime
-    cover = spec.local_cover(runtime.first, len(runtime.devices))
-    if cover is None:
+    if not spec.every_process_covers(len(runtime.devices)):
         return None
+    cover = spec.local_cover(runtime.first, len(runtime.devices))
     components = _components(variable, spec)
     return {index: components[i] for index, i in cover.items()}
 
