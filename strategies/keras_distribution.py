@@ -33,23 +33,26 @@ from absl import app, flags
 import _common
 from tfdist.errors import TfdistError
 
+# The scripts' common flags: --compression, --epochs, --per_replica_batch_size
+# (one row per mesh position), --examples, --learning_rate, --seed and
+# --model_dir (model.keras only) apply; the distribution chooses the strategy,
+# so --strategy stays "auto".
+_common.define_flags()
 FLAGS = flags.FLAGS
+FLAGS.set_default("epochs", 2)
+FLAGS.set_default("per_replica_batch_size", 2)
+FLAGS.set_default("examples", 64)
+FLAGS.set_default("learning_rate", 1e-3)
 flags.DEFINE_enum("family", "llama", ["llama", "gemma", "qwen"], "keras-hub model family.")
 flags.DEFINE_enum("layout", "model_parallel", ["model_parallel", "data_parallel"],
                   "ModelParallel with the backbone's layout map, or DataParallel.")
 flags.DEFINE_string("mesh", "2,2", "The (batch, model) mesh shape, e.g. 1,2.")
-flags.DEFINE_integer("epochs", 2, "Epochs.")
-flags.DEFINE_integer("steps", 8, "Steps per epoch.")
-flags.DEFINE_integer("rows", 8, "Global batch (rows).")
 flags.DEFINE_integer("seq_len", 16, "Tokens per row.")
 flags.DEFINE_integer("vocab_size", 512, "Vocabulary size.")
 flags.DEFINE_integer("hidden", 64, "Hidden width.")
 flags.DEFINE_integer("layers", 2, "Decoder layers.")
-flags.DEFINE_string("compression", None, "tfdist compression (bf16/fp16 with layouts that "
-                    "split weights over the batch axis).")
 flags.DEFINE_bool("compare", False, "Also train unsharded on one device and report the "
                   "differences.")
-flags.DEFINE_string("model_dir", None, "Where model.keras goes (full weights).")
 
 
 def causal_lm(keras, keras_hub):
@@ -65,7 +68,7 @@ def causal_lm(keras, keras_hub):
         lm = models.LlamaCausalLM(models.LlamaBackbone(**common), preprocessor=None)
     else:
         lm = models.QwenCausalLM(models.QwenBackbone(**common), preprocessor=None)
-    lm.compile(optimizer=keras.optimizers.Adam(1e-3),
+    lm.compile(optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return lm
 
@@ -89,6 +92,11 @@ def mesh_shape() -> tuple[int, int]:
 
 def main(_argv: list[str]) -> None:
     batch, model = mesh_shape()
+    if FLAGS.strategy != "auto":
+        _common.exit_with(ValueError(
+            f"--strategy: expected auto (keras.distribution chooses the strategy). "
+            f"Received: {FLAGS.strategy!r}"))
+    rows = FLAGS.per_replica_batch_size * batch * model  # The global batch.
     in_cluster = bool(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster"))
     import tensorflow as tf
     if not in_cluster:  # Before TensorFlow runs anything: one logical CPU per position.
@@ -102,11 +110,11 @@ def main(_argv: list[str]) -> None:
     try:
         if in_cluster:
             keras.distribution.initialize()
-        x, y = next_token_data(FLAGS.rows * FLAGS.steps, FLAGS.seq_len, FLAGS.vocab_size)
-        keras.utils.set_random_seed(0)
+        x, y = next_token_data(FLAGS.examples, FLAGS.seq_len, FLAGS.vocab_size, FLAGS.seed)
+        keras.utils.set_random_seed(FLAGS.seed)
         twin = causal_lm(keras, keras_hub)  # No distribution yet: one device.
         initial = twin.get_weights()
-        twin_losses = (twin.fit(x, y, batch_size=FLAGS.rows, epochs=FLAGS.epochs,
+        twin_losses = (twin.fit(x, y, batch_size=rows, epochs=FLAGS.epochs,
                                 shuffle=False, verbose=0).history["loss"]
                        if FLAGS.compare else None)
         devices = keras.distribution.list_devices()
@@ -131,7 +139,7 @@ def main(_argv: list[str]) -> None:
     print(tfdist.describe(strategy), flush=True)
     table = tfdist.distribution.report(lm, distribution)
     print(table, flush=True)
-    history = lm.fit(x, y, batch_size=FLAGS.rows, epochs=FLAGS.epochs, shuffle=False,
+    history = lm.fit(x, y, batch_size=rows, epochs=FLAGS.epochs, shuffle=False,
                      verbose=0).history["loss"]
     for epoch, loss in enumerate(history, 1):
         print(f"epoch {epoch}: loss {loss:.4f}", flush=True)

@@ -9,7 +9,7 @@ from conftest import finish, result_line, start
 pytest.importorskip("keras_hub")
 
 SCRIPT = "strategies/keras_distribution.py"
-TINY = ["--epochs=2", "--steps=4", "--vocab_size=128", "--hidden=32", "--seq_len=8"]
+TINY = ["--epochs=2", "--examples=32", "--vocab_size=128", "--hidden=32", "--seq_len=8"]
 
 #: Loads the saved model with no distribution; prints its weights' fingerprint.
 LOAD = """
@@ -44,3 +44,5 @@ def test_script_refuses_a_bad_mesh_in_one_line():
     assert "Traceback" not in err
     message = err.strip().splitlines()[-1]
     assert "--mesh" in message and "Received: '2x2'" in message, message
+    [(code, out, err)] = finish([start([SCRIPT, "--strategy=mirrored", *TINY])], timeout=120)
+    assert code == 2 and "--strategy: expected auto" in err, (out + err)[-3000:]
