@@ -392,3 +392,17 @@ def test_a_batch_only_mesh_splits_weights_over_the_data_axis(keras_mod):
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=0, atol=1e-6)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_report_names_the_shards_of_tfdist_parallel_layers(keras_mod):
+    keras = keras_mod
+    strategy = tfdist.strategy_from_config(cpu_replicas=4, model_parallel=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)),
+                                  tfdist.parallel.ColumnParallelDense(8, name="col"),
+                                  tfdist.parallel.RowParallelDense(4, name="row")])
+    hows = {row.path.split("/", 1)[1]: (row.how, row.block, row.layout)
+            for row in tfdist.distribution.report(model).rows}
+    assert hows["col/kernel"] == ("tensor-parallel (tfdist.parallel layer)", (6, 4), None)
+    assert hows["row/kernel"] == ("tensor-parallel (tfdist.parallel layer)", (4, 4), None)
+    assert hows["row/bias"] == ("replicated", (4,), None)

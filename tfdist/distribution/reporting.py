@@ -24,6 +24,8 @@ GATHERED = "gathered when used (FSDP)"
 #: Gathered for its layer's call and kept for the backward pass (a layer
 #: calling sublayers that have weights: its call is not recomputed).
 GATHERED_KEPT = "gathered when used, kept for backward (FSDP)"
+#: A shard of one of tfdist.parallel's layers (ColumnParallelDense, ...).
+PARALLEL_LAYER = "tensor-parallel (tfdist.parallel layer)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +41,9 @@ class WeightRow:
             (:mod:`~tfdist.distribution.megatron`: the block over the model
             axis is computed with, a batch-axis split still gathered);
             ``"gathered when used (FSDP)"`` (gathered again for the backward
-            pass); or ``"gathered when used, kept for backward (FSDP)"`` (its
-            layer calls sublayers with weights).
+            pass); ``"gathered when used, kept for backward (FSDP)"`` (its
+            layer calls sublayers with weights); or ``"tensor-parallel
+            (tfdist.parallel layer)"`` (a shard of ColumnParallelDense, ...).
         bytes_per_device: The bytes of the block one device holds.
         full_bytes: The bytes of the whole weight.
     """
@@ -128,7 +131,8 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
     for layer in model._flatten_layers(include_self=True):
         split = regather.own_split(layer)
         if not regather.regathers(layer) or not regather.is_leaf(layer):
-            kept.update(id(v) for v in split)
+            # tfdist.parallel's own layers' shards (no layout) are theirs.
+            kept.update(id(v) for v in split if sharding.spec_of(v).layout is not None)
         elif split and sharding.spec_of(split[0]).mesh.tp > 1:
             found = megatron.plan(layer)
             if found is not None:
@@ -141,7 +145,8 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
         block = spec.shard_shape if spec else shape
         rows.append(WeightRow(
             path=v.path, shape=shape, layout=_layout_of(v, distribution), block=block,
-            how=(REPLICATED if spec is None else GATHERED_KEPT if id(v) in kept
+            how=(REPLICATED if spec is None else PARALLEL_LAYER if spec.layout is None
+                 else GATHERED_KEPT if id(v) in kept
                  else tensor_parallel.get(id(v), GATHERED)),
             bytes_per_device=int(np.prod(block)) * itemsize,
             full_bytes=int(np.prod(shape)) * itemsize))
