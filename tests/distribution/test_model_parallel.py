@@ -162,6 +162,24 @@ def test_a_regularizer_on_a_split_weight_is_refused(keras_mod):
     assert model.layers[0].bias.regularizer is not None
 
 
+def _fit_twice(keras, build, distribution, x, y, batch_size, seed):
+    """``build()`` trained unsharded, then again under ``distribution`` from
+    the same initial weights on the same batches; asserts both end alike
+    (losses and every weight within 1e-6). Returns (reference, model)."""
+    keras.utils.set_random_seed(seed)
+    reference = build()
+    initial = reference.get_weights()
+    want = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    keras.distribution.set_distribution(distribution)
+    model = build()
+    model.set_weights(initial)
+    got = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=0, atol=1e-6)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    return reference, model
+
+
 def test_keras_docs_layout_on_a_dense_model(keras_mod):
     """The layout of Keras's own ModelParallel docstring, kernels and biases
     on "model", with SGD and momentum: equal to the same model unsharded."""
@@ -174,18 +192,9 @@ def test_keras_docs_layout_on_a_dense_model(keras_mod):
         model = _mlp(keras, activation="relu")
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
         return model
-    keras.utils.set_random_seed(2)
-    reference = fit()
-    initial = reference.get_weights()
-    want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    keras.distribution.set_distribution(_mlp_distribution(
-        keras, {".*dense.*kernel": (None, "model"), ".*dense.*bias": ("model",)}))
-    model = fit()
-    model.set_weights(initial)
-    got = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=0, atol=1e-6)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    reference, model = _fit_twice(keras, fit, _mlp_distribution(
+        keras, {".*dense.*kernel": (None, "model"), ".*dense.*bias": ("model",)}),
+        x, y, batch_size=16, seed=2)
     assert model.layers[0].kernel.shape == (6, 4)  # A block: (6, 8) over 2.
     np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
                                rtol=0, atol=1e-5)
@@ -340,19 +349,9 @@ def test_a_layer_with_sublayers_keeps_its_gathered_weight(keras_mod):
         return model
     rng = np.random.default_rng(5)
     x, y = rng.normal(size=(16, 6)).astype("float32"), rng.normal(size=(16, 2)).astype("float32")
-    keras.utils.set_random_seed(4)
-    reference = fit()
-    initial = reference.get_weights()
-    want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    keras.distribution.set_distribution(_mlp_distribution(
+    _, model = _fit_twice(keras, fit, _mlp_distribution(
         keras, {".*outer/w": ("batch", "model"), ".*inner/kernel": (None, "model"),
-                ".*head/kernel": ("batch", None)}))
-    model = fit()
-    model.set_weights(initial)
-    got = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=0, atol=1e-6)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+                ".*head/kernel": ("batch", None)}), x, y, batch_size=8, seed=4)
     table = tfdist.distribution.report(model)
     hows = {row.path.split("/", 1)[1]: row.how for row in table.rows}
     assert hows["outer/w"] == "gathered when used, kept for backward (FSDP)", hows
@@ -372,26 +371,18 @@ def test_a_batch_only_mesh_splits_weights_over_the_data_axis(keras_mod):
         model = _mlp(keras, activation="tanh")
         model.compile(keras.optimizers.Adam(1e-3), "mse")
         return model
-    keras.utils.set_random_seed(7)
-    reference = fit()
-    initial = reference.get_weights()
-    want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     dist = keras.distribution
     mesh = dist.DeviceMesh((4,), ["batch"], dist.list_devices("cpu"))
     layout_map = dist.LayoutMap(mesh)
     layout_map[".*dense_a/kernel"] = (None, "batch")
     layout_map[".*dense_b/kernel"] = ("batch", None)
-    dist.set_distribution(dist.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
-    model = fit()
-    model.set_weights(initial)
-    got = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    _, model = _fit_twice(keras, fit, dist.ModelParallel(layout_map=layout_map,
+                                                         batch_dim_name="batch"),
+                          x, y, batch_size=8, seed=7)
     assert tfdist.parallel.mesh_of(model.distribute_strategy).describe().startswith(
         "data 4 x tensor 1")
     assert tuple(model.layers[0].kernel.shape) == (6, 2)
     assert tuple(model.layers[1].kernel.shape) == (2, 4)
-    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=0, atol=1e-6)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
 def test_report_names_the_shards_of_tfdist_parallel_layers(keras_mod):

@@ -17,6 +17,7 @@ uses them for every way out.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import keras
@@ -110,7 +111,6 @@ class ShardSpec:
 
     def blocks(self) -> list[tuple[int, ...]]:
         """Every block's index."""
-        import itertools
         return list(itertools.product(*(range(self.parts(k)) for _, k in self.splits)))
 
     def block(self, value: Any, replica: int) -> Any:
@@ -249,8 +249,11 @@ def full_tensor(variable: Any) -> tf.Tensor:
     inside a tf.function). A collective when the blocks span processes."""
     spec = spec_of(variable)
     blocks = _local_blocks(variable, spec)
-    if blocks is None:
-        blocks = _gathered_blocks(variable, spec)
+    return _assemble_tensor(spec, blocks if blocks is not None
+                            else _gathered_blocks(variable, spec))
+
+
+def _assemble_tensor(spec: ShardSpec, blocks: dict) -> tf.Tensor:
     return spec.assemble({k: tf.convert_to_tensor(v) for k, v in blocks.items()},
                          lambda parts, axis: tf.concat(parts, axis=axis))
 
@@ -273,8 +276,7 @@ def local_full_tensor(variable: Any) -> tf.Tensor:
             "context, and its shards are held by other processes. Expected: call the "
             "model through fit/evaluate/predict or strategy.run. Received: a direct call "
             "under MultiWorkerMirroredStrategy")
-    return spec.assemble({k: tf.convert_to_tensor(v) for k, v in blocks.items()},
-                         lambda parts, axis: tf.concat(parts, axis=axis))
+    return _assemble_tensor(spec, blocks)
 
 
 def check_full_shape(variable: Any, value: Any, what: str = "a value") -> None:
