@@ -41,8 +41,15 @@ def run_scenario(name: str, workdir, timeout: float = 240) -> dict:
     return result
 
 
-def decreasing(history: dict) -> bool:
-    return history["loss"][-1] < 0.7 * history["loss"][0]
+def learned(history: dict) -> bool:
+    """The model learned: accuracy rose by 0.1 from the first epoch to the last.
+
+    Not the loss: parameter-server updates are asynchronous, and Adam's
+    moments raced by two workers can spike one epoch's mean loss. CI saw
+    loss 0.93, 1.84, 0.94 once on the partition scenario while accuracy
+    rose 0.60, 0.68, 0.76; a run that does not learn stays near 0.5.
+    """
+    return history["accuracy"][-1] >= history["accuracy"][0] + 0.1
 
 
 # --------------------------------------------------------------------------
@@ -54,7 +61,7 @@ def test_fit_on_a_real_cluster_counts_every_step(tmp_path):
     result = run_scenario("basic", tmp_path)
     assert result["strategy"] == "ParameterServerStrategy"
     history = result["history"]
-    assert len(history["loss"]) == EPOCHS and decreasing(history)
+    assert len(history["loss"]) == EPOCHS and learned(history)
     assert set(history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     # Keras 3's read-then-write assign_add lost increments here (200 steps
     # left iterations at 160); tfdist makes them atomic on the ps.
@@ -74,7 +81,7 @@ def test_variables_partitioned_over_two_ps_train_and_save(tmp_path):
     assert len(result["shard_devices"]) == 2
     assert {d.split("/task:")[1][0] for d in result["shard_devices"]} == {"0", "1"}
     assert sum(result["shard_rows"]) == 64
-    assert decreasing(result["history"])
+    assert learned(result["history"])
     assert result["iterations"] == EPOCHS * STEPS
     # Every example of the last epoch counted once by the loss metric.
     assert result["loss_count"] == STEPS * BATCH
@@ -99,7 +106,7 @@ def test_a_killed_worker_rejoins_and_training_finishes(tmp_path):
     extra = result["iterations"] - EPOCHS * STEPS
     assert 0 <= extra <= 2, result["iterations"]
     assert result["loss_count"] - STEPS * BATCH in range(0, BATCH * extra + 1, BATCH)
-    assert decreasing(result["history"])
+    assert learned(result["history"])
     # With no worker left, fit fails within step_timeout instead of hanging.
     assert "step_timeout=10s" in result["timeout_error"]
     assert result["timeout_after"] < 40
@@ -129,7 +136,7 @@ def test_the_same_call_runs_model_fit_under_mirrored(tmp_path):
     result = run_scenario("mirrored", tmp_path)
     assert result["strategy"] == "MirroredStrategy"
     assert result["iterations"] == EPOCHS * STEPS
-    assert decreasing(result["history"])
+    assert learned(result["history"])
     assert result["evaluate"]["loss"] == pytest.approx(result["history"]["val_loss"][-1],
                                                        rel=1e-5)
     assert result["reloaded_equal"] is True
