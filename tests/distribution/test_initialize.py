@@ -1,5 +1,6 @@
 """keras.distribution.initialize() on TensorFlow (tfdist.distribution.cluster):
-its arguments, and a 2-process DataParallel job on 127.0.0.1."""
+its arguments, a 2-process DataParallel job on 127.0.0.1, and
+tfdist.distribution.initialize()'s compression on a 2-process ModelParallel."""
 
 from __future__ import annotations
 
@@ -97,6 +98,58 @@ def test_two_processes_train_as_the_keras_docs_write_it(tf_cpus):
         keras.distribution.set_distribution(None)
     np.testing.assert_allclose(first["loss"], losses, rtol=1e-3)
     assert first["loss"][-1] < 0.5 * first["loss"][0]
-    # Compression across processes belongs to each worker's strategy_from_config.
+    # Compression across processes is the job's, given to initialize().
     assert first["compressed"]["field"] == "compression"
-    assert "strategy_from_config in each worker" in first["compressed"]["message"]
+    assert "tfdist.distribution.initialize()" in first["compressed"]["message"]
+
+
+@pytest.mark.slow
+def test_compression_given_to_initialize_reaches_model_parallel(tf_cpus):
+    """tfdist.distribution.initialize(compression="bf16") on 2 processes: a
+    ModelParallel splitting both kernels over the batch axis trains as the
+    same ModelParallel(compression="bf16") on 2 logical CPUs of one process,
+    not as the uncompressed one, and sends that one's data-parallel bytes."""
+    import keras
+    configs = [config for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+    procs = [start(["tests/workers/keras_compressed_job.py"], tf_config=config,
+                   TFDIST_REGISTER_TIMEOUT="60") for config in configs]
+    results = finish(procs, timeout=240)
+    for code, out, err in results:
+        assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
+    first, second = (result_line(out) for _, out, _ in results)
+    assert (first["task"], second["task"]) == ("worker:0", "worker:1")
+    assert first["weights"] == second["weights"] and first["loss"] == second["loss"]
+    # The job's strategy is made once: other options later are refused.
+    assert first["again"]["field"] == "compression" and "'bf16'" in first["again"]["message"]
+
+    local = {}
+    for compression in (None, "bf16"):
+        mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["dense_a/kernel"] = ("batch", None)
+        layout_map["dense_b/kernel"] = (None, "batch")
+        keras.distribution.set_distribution(tfdist.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch", compression=compression))
+        try:
+            rng = np.random.default_rng(0)
+            x = rng.normal(size=(32, 6)).astype("float32")
+            y = rng.normal(size=(32, 4)).astype("float32")
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="dense_a"),
+                                      keras.layers.Dense(4, name="dense_b")])
+            model.set_weights([rng.normal(size=w.shape).astype("float32") * 0.3
+                               for w in model.get_weights()])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+            tfdist.parallel.reset_traffic(model.distribute_strategy)
+            history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+            local[compression] = (history.history["loss"], model.get_weights(),
+                                  tfdist.parallel.traffic(model.distribute_strategy))
+        finally:
+            keras.distribution.set_distribution(None)
+    (_, plain, plain_sent), (bf16_loss, bf16, bf16_sent) = local.values()
+    np.testing.assert_allclose(first["loss"], bf16_loss, rtol=0, atol=1e-6)
+    for got, want in zip(first["weights"], bf16):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    moved = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(first["weights"], plain))
+    assert moved > 1e-5, moved  # bfloat16 sums: not the uncompressed training.
+    assert first["sent"]["data_parallel"] == bf16_sent["data_parallel"]
+    assert bf16_sent["data_parallel"] < 0.9 * plain_sent["data_parallel"]

@@ -26,7 +26,7 @@ def test_script_shards_llama_like_the_unsharded_model(tmp_path):
     assert code == 0, (out + err)[-4000:]
     result = result_line(out)
     assert result["replicas"] == 4 and result["mesh"] == [2, 2]
-    assert "token_embedding/embeddings" in out and "gathered when used" in out
+    assert "token_embedding/embeddings" in out and "tensor-parallel (vocabulary)" in out
     # Embeddings and, per layer, q/k/v/output kernels and 3 feed-forward kernels.
     assert result["split_weights"] == 1 + 2 * 7
     assert result["loss"][-1] < result["loss"][0], result["loss"]

@@ -104,17 +104,20 @@ def test_keras_hub_layout_map_trains_as_the_unsharded_model(keras_mod, family, s
         splits = any(axis and {"batch": shape[0], "model": shape[1]}[axis] > 1
                      for axis in row.layout or ())
         assert (row.how != "replicated") == splits, row
-    assert "gathered when used" in str(table) and "token_embedding/embeddings" in str(table)
+    assert "token_embedding/embeddings" in str(table)
     # Kernels split along a letter only the output (column) or only the input
-    # (row) has compute with their block; the embeddings are gathered.
+    # (row) has compute with their block; so does the table split along its
+    # vocabulary over the model axis.
     hows = {row.path: row.how for row in table.rows}
+    kinds = {**MEGATRON[family], "token_embedding/embeddings": "vocabulary"}
     for path, how in hows.items():
-        kind = next((k for suffix, k in MEGATRON[family].items() if path.endswith(suffix)), None)
+        kind = next((k for suffix, k in kinds.items() if path.endswith(suffix)), None)
         expected = (f"tensor-parallel ({kind})" if kind and shape[1] > 1
                     else "gathered when used (FSDP)" if kind else None)
         if expected:
             assert how == expected, (path, how)
-    assert hows["token_embedding/embeddings"] == "gathered when used (FSDP)"
+    assert hows["token_embedding/embeddings"] == (
+        "tensor-parallel (vocabulary)" if shape[1] > 1 else "gathered when used (FSDP)")
 
 
 def _mlp_distribution(keras, layouts: dict, shape=(2, 2)):
@@ -201,6 +204,37 @@ def test_keras_docs_layout_on_a_dense_model(keras_mod):
     # Called directly, outside fit: the full weights from the local blocks.
     np.testing.assert_allclose(np.asarray(model(x[:4])), reference.predict(x[:4], verbose=0),
                                rtol=0, atol=1e-5)
+
+
+def test_a_keras_embedding_split_along_its_vocabulary(keras_mod):
+    """Keras's own Embedding (mask_zero: the mask reaches the pooling) with
+    its table split over "model" along the vocabulary and over "batch" along
+    its width: vocabulary-parallel lookups, equal to the model unsharded."""
+    keras = keras_mod
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 16, (32, 5)).astype("int32")
+    x[:, -2:] = 0  # Padding the mask hides.
+    y = rng.normal(size=(32, 3)).astype("float32")
+
+    def fit():
+        model = keras.Sequential([keras.Input((5,), dtype="int32"),
+                                  keras.layers.Embedding(16, 6, mask_zero=True, name="emb"),
+                                  keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(3, name="head")])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+        return model
+    distribution = _mlp_distribution(keras, {".*emb/embeddings": ("model", "batch")})
+    reference, model = _fit_twice(keras, fit, distribution, x, y, batch_size=16, seed=4)
+    table = tfdist.distribution.report(model)
+    row = table.row(model.layers[0].embeddings.path)
+    assert (row.how, row.block) == ("tensor-parallel (vocabulary)", (8, 3))
+    # The reference's pooling skips the padded positions: equal predictions
+    # mean the sharded lookup's output carries the mask too.
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
+                               rtol=0, atol=1e-5)
+    unmasked = keras.layers.GlobalAveragePooling1D()(
+        keras.ops.take(reference.layers[0].embeddings, x, axis=0))
+    assert not np.allclose(reference.layers[1](reference.layers[0](x)), unmasked, atol=1e-3)
 
 
 def test_a_sharded_model_saves_whole_and_loads_under_any_mesh(keras_mod, tmp_path):

@@ -4,8 +4,9 @@ Written as Keras's docs write it for JAX: initialize(), list_devices(),
 DataParallel over them, then build, compile and fit with no strategy in
 sight. Worker 0 gets Keras's KERAS_DISTRIBUTION_* variables, worker 1 a
 TF_CONFIG (as tfdist launch gives): the test sets one or the other. Then a
-tfdist DataParallel with compression, which initialize()'s strategy cannot
-take. Prints one "tfdist result:" line.
+tfdist DataParallel with compression, which the strategy keras's
+initialize() made without compression cannot take. Prints one "tfdist
+result:" line.
 """
 
 import hashlib

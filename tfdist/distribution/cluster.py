@@ -11,6 +11,11 @@ strategy:
 * with no argument, from ``TF_CONFIG`` (what ``tfdist launch``, Slurm or
   Kubernetes give), as ``tfdist.strategy_from_config()`` reads it.
 
+:func:`tfdist.distribution.initialize` does the same and takes tfdist's
+gradient compression for the job's strategy (``compression=``,
+``error_feedback=``): a ``DataParallel`` or ``ModelParallel`` over every
+process's devices then trains with it.
+
 ``keras.distribution.list_devices()`` then lists every process's devices
 (``/job:worker/replica:0/task:1/device:CPU:0``), and a ``DataParallel`` over
 them (its default) trains on that strategy
@@ -25,10 +30,28 @@ from absl import logging
 
 from tfdist.errors import ConfigError
 
-__all__ = ["cluster_config", "cluster_strategy", "global_devices", "initialize"]
+__all__ = ["cluster_config", "cluster_strategy", "global_devices", "initialize",
+           "keras_defaults", "job_options", "check_options"]
 
 #: The strategy of the job initialize() joined, once it has.
 _joined: list[Any] = []
+#: The compression options that strategy was made with.
+_options: dict[str, Any] = {}
+#: The options a distribution can take; a job's strategy has them once made.
+OPTIONS = ("compression", "error_feedback")
+
+
+def keras_defaults(job_addresses: Any, num_processes: Any, process_id: Any) -> tuple:
+    """Keras's own defaults for initialize()'s arguments: its
+    ``KERAS_DISTRIBUTION_*`` variables."""
+    import os
+    if job_addresses is None:
+        job_addresses = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
+    if num_processes is None and "KERAS_DISTRIBUTION_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"])
+    if process_id is None and "KERAS_DISTRIBUTION_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"])
+    return job_addresses, num_processes, process_id
 
 
 def cluster_config(job_addresses: Any, num_processes: Any,
@@ -76,12 +99,19 @@ def initialize(job_addresses: Any = None, num_processes: Any = None,
     from tfdist.strategies import strategy_from_config
 
     config = cluster_config(job_addresses, num_processes, process_id)
+    wanted = {key: options.get(key) for key in OPTIONS}
     if _joined:
-        if config is None or _joined[0].task == f"worker:{config['task']['index']}":
-            return _joined[0]
-        raise ConfigError("process_id", process_id, f"{_joined[0].task}, as the first call",
-                          source="keras.distribution.initialize",
-                          hint="This process already joined its job")
+        if config is not None and _joined[0].task != f"worker:{config['task']['index']}":
+            raise ConfigError("process_id", process_id, f"{_joined[0].task}, as the first call",
+                              source="keras.distribution.initialize",
+                              hint="This process already joined its job")
+        for key in OPTIONS:
+            if wanted[key] is not None and wanted[key] != _options.get(key):
+                raise ConfigError(key, wanted[key], f"{_options.get(key)!r}, as the first call "
+                                  "made the job's strategy", source="initialize",
+                                  hint="A job's strategy is made once: pass the same options "
+                                       "to the first initialize() of the process")
+        return _joined[0]
     if config is None and choose().name != "multi_worker_mirrored":
         logging.info("keras.distribution.initialize(): no job_addresses and no TF_CONFIG "
                      "cluster: this process trains alone")
@@ -90,7 +120,34 @@ def initialize(job_addresses: Any = None, num_processes: Any = None,
         strategy = strategy_from_config(config, strategy="multi_worker_mirrored", **options)
     data_parallel.mark(strategy)
     _joined[:] = [strategy]
+    _options.clear()
+    _options.update(wanted)
     return strategy
+
+
+def job_options() -> dict[str, Any]:
+    """The compression options of the job's strategy (None where unset)."""
+    return {key: _options.get(key) for key in OPTIONS}
+
+
+def check_options(options: dict[str, Any], source: str) -> None:
+    """A distribution's compression options against the job's strategy's.
+
+    A distribution across processes trains on the strategy initialize() made,
+    so it takes that strategy's compression; one it names must be that one.
+
+    Raises:
+        ConfigError: An option set on the distribution differs from the job's.
+    """
+    job = job_options()
+    for key in OPTIONS:
+        value = options.get(key)
+        if value is not None and value != job[key]:
+            raise ConfigError(
+                key, value, f"{job[key]!r}, the job's: across processes the strategy is the "
+                "one initialize() made", source=source,
+                hint=f"Pass {key}= to tfdist.distribution.initialize() in every process, "
+                     "before the distribution is set")
 
 
 def cluster_strategy() -> Any:

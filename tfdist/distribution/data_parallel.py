@@ -46,7 +46,9 @@ class DataParallel(keras.distribution.DataParallel):
         devices: Device names instead of a mesh, e.g. ``["cpu:0", "cpu:1"]``.
         auto_shard_dataset: As Keras's.
         compression: Any ``compression=`` of ``tfdist.strategy_from_config``,
-            e.g. ``"powersgd:4"``.
+            e.g. ``"powersgd:4"``. Across processes the job's strategy is
+            :func:`tfdist.distribution.initialize`'s: give it there (here
+            it may only repeat it).
         error_feedback: As ``tfdist.strategy_from_config``'s.
     """
 
@@ -167,12 +169,8 @@ def _cluster_strategy_for(distribution: Any, devices: list[str]) -> Any:
             source="keras.distribution",
             hint="Data parallelism across processes runs on all of them; "
                  "keras.distribution.list_devices() names them")
-    if any(v is not None for v in getattr(distribution, "_tfdist_options", {}).values()):
-        raise ConfigError(
-            "compression", distribution._tfdist_options.get("compression"),
-            "None across processes: the job's strategy was made by initialize()",
-            source="tfdist.distribution.DataParallel",
-            hint="Pass compression= to tfdist.strategy_from_config in each worker instead")
+    cluster.check_options(getattr(distribution, "_tfdist_options", {}),
+                          "tfdist.distribution.DataParallel")
     distribution._tfdist_strategy = strategy
     return strategy
 

@@ -144,17 +144,8 @@ def wrap_initialize(original):
     def initialize(job_addresses=None, num_processes=None, process_id=None):
         if not _on_tensorflow():
             return original(job_addresses, num_processes, process_id)
-        import os
-
         from tfdist.distribution import cluster
-        # Keras's own defaults: its KERAS_DISTRIBUTION_* variables.
-        if job_addresses is None:
-            job_addresses = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
-        if num_processes is None and "KERAS_DISTRIBUTION_NUM_PROCESSES" in os.environ:
-            num_processes = int(os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"])
-        if process_id is None and "KERAS_DISTRIBUTION_PROCESS_ID" in os.environ:
-            process_id = int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"])
-        cluster.initialize(job_addresses, num_processes, process_id)
+        cluster.initialize(*cluster.keras_defaults(job_addresses, num_processes, process_id))
     return initialize
 
 

@@ -15,6 +15,16 @@ activations move instead:
   multiplied by the block, and the partial sums added over the group with
   this replica's rows kept (``scatter_rows``).
 
+An ``Embedding`` (or keras-hub's ``ReversibleEmbedding``) whose table is
+split over the model axis along the vocabulary is vocabulary-parallel:
+
+* lookup: the group's ids are gathered, each member looks up the ids in
+  its range of the vocabulary (the others read nothing), and the rows are
+  summed over the group with this replica's rows kept;
+* reverse (tied logits): the group's rows are gathered, multiplied by the
+  block's transpose (this member's range of the logits), and the logits'
+  columns gathered back with this replica's rows kept.
+
 Each layer is complete on its own (its output is what Keras's layer gives),
 so any layer may follow it; a column layer followed by a row layer pays one
 activation exchange more than Megatron's fused pair. A split over the batch
@@ -31,7 +41,7 @@ import tensorflow as tf
 
 from tfdist.parallel import collectives, sharding
 
-__all__ = ["Plan", "plan", "call"]
+__all__ = ["Plan", "plan", "uses_block", "call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +49,12 @@ class Plan:
     """How a layer computes with its kernel's tensor block.
 
     Attributes:
-        kind: ``"column"`` or ``"row"``.
-        kernel: The kernel variable.
+        kind: ``"column"``, ``"row"`` or ``"vocabulary"``.
+        kernel: The kernel variable (an embedding's table).
         axis: column: the output's axis of the split letter; row: the
-            input's.
-        equation: The einsum equation (Dense: ``"...a,ab->...b"``).
+            input's; vocabulary: 0.
+        equation: The einsum equation (Dense: ``"...a,ab->...b"``; an
+            embedding: ``""``).
     """
 
     kind: str
@@ -65,8 +76,34 @@ def _equation(layer: Any) -> str | None:
     return None
 
 
+def _embedding_plan(layer: Any) -> Plan | None:
+    import keras
+    if not isinstance(layer, keras.layers.Embedding):
+        return None
+    if type(layer).call not in (keras.layers.Embedding.call, _reversible_call()):
+        return None
+    table = getattr(layer, "_embeddings", None)
+    if table is None or getattr(layer, "quantization_mode", None) \
+            or getattr(layer, "lora_enabled", False):
+        return None
+    spec = sharding.spec_of(table)
+    if spec is None or (0, sharding.TENSOR) not in spec.splits:
+        return None
+    return Plan("vocabulary", table, 0, "")
+
+
+def _reversible_call() -> Any:
+    """keras-hub's ReversibleEmbedding.call, when keras-hub is imported."""
+    import sys
+    module = sys.modules.get("keras_hub.src.layers.modeling.reversible_embedding")
+    return getattr(getattr(module, "ReversibleEmbedding", None), "call", None)
+
+
 def plan(layer: Any) -> Plan | None:
     """The layer's Megatron plan, or None (its weights are gathered)."""
+    vocabulary = _embedding_plan(layer)
+    if vocabulary is not None:
+        return vocabulary
     equation = _equation(layer)
     kernel = getattr(layer, "_kernel", None)
     if equation is None or kernel is None:
@@ -107,12 +144,24 @@ def _product(equation: str, x: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
     return ops.einsum(equation, x, kernel)
 
 
-def call(layer: Any, the_plan: Plan, inputs: tf.Tensor, kernel: tf.Tensor,
-         p: collectives.Placement) -> tf.Tensor:
-    """What ``layer`` (Dense or EinsumDense) returns for ``inputs``, computed
-    with ``kernel``, its block over the tensor group (gathered over the batch
-    axis)."""
+def uses_block(layer: Any, the_plan: Plan, args: tuple, kwargs: dict) -> bool:
+    """Whether this call computes with the plan's block (an untied
+    ReversibleEmbedding's reverse call reads its own output table)."""
+    if the_plan.kind != "vocabulary":
+        return True
+    reverse = dict(zip(("inputs", "reverse"), args), **kwargs).get("reverse", False)
+    return not reverse or layer.tie_weights
+
+
+def call(layer: Any, the_plan: Plan, args: tuple, kwargs: dict, kernel: tf.Tensor,
+         p: collectives.Placement) -> Any:
+    """What ``layer`` returns when called with ``args`` and ``kwargs``,
+    computed with ``kernel``, its block over the tensor group (gathered over
+    the batch axis)."""
     from keras import ops
+    if the_plan.kind == "vocabulary":
+        return _vocabulary_call(layer, args, kwargs, kernel, p)
+    inputs = args[0] if args else kwargs["inputs"]
     rows = tf.shape(inputs)[0]
     if the_plan.kind == "column":
         y = _product(the_plan.equation, collectives.gather_rows(inputs), kernel)
@@ -127,3 +176,40 @@ def call(layer: Any, the_plan: Plan, inputs: tf.Tensor, kernel: tf.Tensor,
     if layer.activation is not None:
         y = layer.activation(y)
     return y
+
+
+def _vocabulary_call(layer: Any, args: tuple, kwargs: dict, table: tf.Tensor,
+                     p: collectives.Placement) -> Any:
+    from keras import ops
+
+    from tfdist.compat.keras_src import set_keras_mask
+    named = dict(zip(("inputs", "reverse"), args))
+    named.update(kwargs)
+    inputs, reverse = named["inputs"], named.get("reverse", False)
+    if reverse:
+        x, kernel = collectives.gather_rows(inputs), ops.transpose(table)
+        if layer.reverse_dtype is not None:
+            x, kernel = ops.cast(x, layer.reverse_dtype), ops.cast(kernel, layer.reverse_dtype)
+        logits = collectives.tp_all_gather(ops.matmul(x, kernel), axis=-1)
+        rows = tf.shape(inputs)[0]
+        logits = logits[p.t * rows:(p.t + 1) * rows]
+        if layer.logit_soft_cap is not None:
+            cap = layer.logit_soft_cap
+            logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+        return logits
+    ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+    ids = collectives.gather_rows(ids)
+    width = tf.cast(tf.shape(table)[0], ids.dtype)
+    local = ids - tf.cast(p.t, ids.dtype) * width
+    mine = tf.logical_and(local >= 0, local < width)
+    # Only this member's ids are looked up, so the table's gradient (sparse,
+    # as a lookup's is) holds only their slices; the rest of the rows are 0.
+    where = tf.where(mine)
+    found = tf.scatter_nd(where, tf.gather(table, tf.gather_nd(local, where)),
+                          tf.concat([tf.shape(ids, out_type=tf.int64),
+                                     tf.shape(table, out_type=tf.int64)[1:]], 0))
+    out = ops.cast(collectives.scatter_rows(found), layer.compute_dtype)
+    mask = layer.compute_mask(inputs)
+    if mask is not None:
+        set_keras_mask(out, mask)
+    return out

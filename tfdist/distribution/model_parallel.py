@@ -42,6 +42,9 @@ class ModelParallel(keras.distribution.ModelParallel):
             take any; a weight split over the batch axis has its gradient
             reduce-scattered, and takes only ``"fp16"`` or ``"bf16"`` (any
             other raises ConfigError naming the weight when it is created).
+            Across processes the job's strategy is
+            :func:`tfdist.distribution.initialize`'s: give it there (here
+            it may only repeat it).
         error_feedback: As ``tfdist.strategy_from_config``'s.
         **kwargs: Keras's other arguments (``auto_shard_dataset``).
     """
@@ -112,7 +115,8 @@ def _cluster_strategy_for(names: list[str], tp: int, options: dict) -> Any:
     mesh's tensor groups attached.
 
     Raises:
-        ConfigError: Before ``initialize()``; the mesh's devices are not
+        ConfigError: Before ``initialize()``; compression other than the
+            job's; the mesh's devices are not
             every device of the job in process order (batch-major); another
             ModelParallel attached a different model axis to the job.
     """
@@ -125,13 +129,7 @@ def _cluster_strategy_for(names: list[str], tp: int, options: dict) -> Any:
             "initialize() first", source=_SOURCE,
             hint="The mesh names devices of other processes: call "
                  "keras.distribution.initialize() before building it")
-    if any(v is not None for v in options.values()):
-        raise ConfigError(
-            "compression", options.get("compression"),
-            "None across processes: the job's strategy was made by initialize()",
-            source="tfdist.distribution.ModelParallel",
-            hint="keras.distribution.initialize() makes the job's strategy, without "
-                 "compression; across processes keras.distribution trains uncompressed")
+    cluster.check_options(options, "tfdist.distribution.ModelParallel")
     every = cluster.global_devices()
     if [d.lower() for d in names] != [d.lower() for d in every]:
         raise ConfigError(

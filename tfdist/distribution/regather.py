@@ -17,8 +17,8 @@ they are, and each split weight's summed over every replica with its block
 kept. The gradients are the plain gather's; the cost is the second gather
 and the leaf's forward computed twice.
 
-A Dense or EinsumDense kernel whose layout matches Megatron's keeps its
-block over the model axis and computes with it
+A Dense or EinsumDense kernel, or an embedding table, whose layout matches
+Megatron's keeps its block over the model axis and computes with it
 (:mod:`~tfdist.distribution.megatron`); only its batch-axis split is
 gathered, the same way.
 
@@ -127,14 +127,14 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
 
     def run(values, fulls):
         call_args, call_kwargs = rebuild(values)
-        if the_plan is None:
+        if the_plan is None or not megatron.uses_block(layer, the_plan, call_args,
+                                                       call_kwargs):
             with overriding(split, fulls):
                 return original(*call_args, **call_kwargs)
         at = next(i for i, v in enumerate(split) if v is the_plan.kernel)
         others = [(v, f) for i, (v, f) in enumerate(zip(split, fulls)) if i != at]
-        x = call_args[0] if call_args else call_kwargs["inputs"]
         with overriding([v for v, _ in others], [f for _, f in others]):
-            return megatron.call(layer, the_plan, x, fulls[at], p)
+            return megatron.call(layer, the_plan, call_args, call_kwargs, fulls[at], p)
 
     structure = []
 

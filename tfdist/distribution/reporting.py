@@ -37,8 +37,9 @@ class WeightRow:
         shape: Its full shape.
         layout: The layout's axes; None where no rule matched.
         block: The shape each device holds.
-        how: ``"replicated"``; ``"tensor-parallel (column)"`` or ``"(row)"``
-            (:mod:`~tfdist.distribution.megatron`: the block over the model
+        how: ``"replicated"``; ``"tensor-parallel (column)"``, ``"(row)"``
+            or ``"(vocabulary)"`` (an embedding table;
+            :mod:`~tfdist.distribution.megatron`: the block over the model
             axis is computed with, a batch-axis split still gathered);
             ``"gathered when used (FSDP)"`` (gathered again for the backward
             pass); ``"gathered when used, kept for backward (FSDP)"`` (its
