@@ -58,10 +58,16 @@ def time_aggregate(setting: str, shapes, repeats: int) -> float:
     grads = [tf.random.normal(s) for s, _ in shapes]
     states = []
     for i, (shape, dtype) in enumerate(shapes):
-        states.append({spec.name: tf.Variable(
-            spec.initializer(spec.shape, spec.dtype) if callable(spec.initializer)
-            else tf.zeros(spec.shape, spec.dtype))
-            for spec in aggregator.state_specs(shape, dtype, i)})
+        states.append(
+            {
+                spec.name: tf.Variable(
+                    spec.initializer(spec.shape, spec.dtype)
+                    if callable(spec.initializer)
+                    else tf.zeros(spec.shape, spec.dtype)
+                )
+                for spec in aggregator.state_specs(shape, dtype, i)
+            }
+        )
 
     @tf.function
     def run(step):
@@ -81,11 +87,13 @@ def time_aggregate(setting: str, shapes, repeats: int) -> float:
 def main(argv) -> None:
     del argv
     import tensorflow as tf
+
     if FLAGS.threads:
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
     shapes = mlp_shapes([int(w) for w in FLAGS.layers])
     entries = sum(max(1, len(s) and __import__("math").prod(s)) for s, _ in shapes)
     from tfdist.compression.auto import reference_pass
+
     # The reference pass is timed next to every setting: on a loaded machine
     # both slow down alike, and their ratio is what auto uses.
     references = [reference_pass(repeats=FLAGS.repeats)]
@@ -96,11 +104,17 @@ def main(argv) -> None:
         references.append(reference_pass(repeats=FLAGS.repeats))
         reference = statistics.median(references[-2:])
         extra = (t - base) / entries
-        rows[setting] = {"seconds": t, "extra_s_per_entry": extra,
-                         "reference_s_per_entry": reference,
-                         "relative_to_reference": extra / reference}
-        print(f"{setting:>12}: {t * 1e3:8.2f} ms  extra {extra:.3e} s per entry  "
-              f"= {extra / reference:6.2f} x the reference pass ({reference:.2e})", flush=True)
+        rows[setting] = {
+            "seconds": t,
+            "extra_s_per_entry": extra,
+            "reference_s_per_entry": reference,
+            "relative_to_reference": extra / reference,
+        }
+        print(
+            f"{setting:>12}: {t * 1e3:8.2f} ms  extra {extra:.3e} s per entry  "
+            f"= {extra / reference:6.2f} x the reference pass ({reference:.2e})",
+            flush=True,
+        )
     print(json.dumps({"entries": entries, "rows": rows}))
 
 

@@ -48,8 +48,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from absl import app, flags
 
@@ -64,28 +64,44 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("mode", "all", ["all", "train", "report"],
-                      "all: measure and report; train: the script tfdist launch runs; "
-                      "report: tables from the JSON.")
+    flags.DEFINE_enum(
+        "mode",
+        "all",
+        ["all", "train", "report"],
+        "all: measure and report; train: the script tfdist launch runs; "
+        "report: tables from the JSON.",
+    )
     flags.DEFINE_integer("pairs", 2, "(uninterrupted, elastic) pairs of runs.")
     flags.DEFINE_integer("epochs", 20, "Epochs of 84 steps.")
     flags.DEFINE_integer("save_freq", 20, "BackupAndRestore save_freq (steps).")
     flags.DEFINE_float("kill_at", 0.3, "Fraction of the planned steps before the SIGKILL.")
-    flags.DEFINE_float("grow_at", 0.4, "Fraction of the planned steps before slots go back to 4 "
-                      "(early enough that the 3-worker job is still training at the next "
-                      "discovery).")
+    flags.DEFINE_float(
+        "grow_at",
+        0.4,
+        "Fraction of the planned steps before slots go back to 4 "
+        "(early enough that the 3-worker job is still training at the next "
+        "discovery).",
+    )
     flags.DEFINE_float("discovery_interval", 2.0, "tfdist launch --discovery-interval.")
     flags.DEFINE_integer("threads", 1, "Intra- and inter-op threads per worker.")
     flags.DEFINE_float("run_timeout", 900.0, "Seconds any one run may take.")
-    flags.DEFINE_string("lock", "/tmp/tfdist-heavy.lock",
-                        "File locked (flock) during each run; '' for none.")
+    flags.DEFINE_string(
+        "lock", "/tmp/tfdist-heavy.lock", "File locked (flock) during each run; '' for none."
+    )
     flags.DEFINE_string("work_dir", None, "Where runs keep their files (default: a temp dir).")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
-    flags.DEFINE_integer("preempt_at", None, "Also run a 4-worker job (--max-restarts 1) whose "
-                         "worker 1 gets a SIGTERM after this step, in each pair: does a resume "
-                         "at a fixed size end with the uninterrupted run's weights?")
-    flags.DEFINE_list("kinds", ["uninterrupted", "elastic"],
-                      "Runs of each pair (an uninterrupted one first, as the reference).")
+    flags.DEFINE_integer(
+        "preempt_at",
+        None,
+        "Also run a 4-worker job (--max-restarts 1) whose "
+        "worker 1 gets a SIGTERM after this step, in each pair: does a resume "
+        "at a fixed size end with the uninterrupted run's weights?",
+    )
+    flags.DEFINE_list(
+        "kinds",
+        ["uninterrupted", "elastic"],
+        "Runs of each pair (an uninterrupted one first, as the reference).",
+    )
     flags.DEFINE_bool("append", False, "Add the runs to those already in the JSON.")
     flags.DEFINE_multi_string("note", [], "A note for the report (repeatable).")
     flags.DEFINE_string("name", "elastic", "Base name of the result files.")
@@ -94,9 +110,11 @@ def define_flags() -> None:
 
 # ---------------------------------------------------------------- pure pieces
 
+
 def make_data(seed: int = 0):
     """(x_train, y_train, x_test, y_test): 30 Gaussian clusters, 3 per class."""
     import numpy as np
+
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(30, WIDTHS[0])).astype("float32")
     cluster = rng.integers(0, 30, size=TRAIN + TEST)
@@ -108,6 +126,7 @@ def make_data(seed: int = 0):
 def accuracy(weights: Sequence, x, y) -> float:
     """Accuracy of the Dense-ReLU stack ``weights`` (kernel, bias, ...) on (x, y)."""
     import numpy as np
+
     h = x
     for i in range(0, len(weights), 2):
         h = h @ weights[i] + weights[i + 1]
@@ -130,8 +149,7 @@ def read_progress(path: str | os.PathLike) -> list[tuple[int, int, int, float]]:
     return rows
 
 
-def change(progress: Sequence[tuple[int, int, int, float]], event: float,
-           new_size: int) -> dict:
+def change(progress: Sequence[tuple[int, int, int, float]], event: float, new_size: int) -> dict:
     """What a size change cost: from the event (time) to the first step trained
     by an attempt of ``new_size`` workers that started after it.
 
@@ -142,23 +160,39 @@ def change(progress: Sequence[tuple[int, int, int, float]], event: float,
         ``attempt``. Values are None when no such step exists.
     """
     before = [r for r in progress if r[3] <= event]
-    after = [r for r in progress if r[3] > event and r[1] == new_size
-             and (not before or r[0] > before[-1][0])]
+    after = [
+        r
+        for r in progress
+        if r[3] > event and r[1] == new_size and (not before or r[0] > before[-1][0])
+    ]
     if not after:
-        return {"seconds": None, "last_step": before[-1][2] if before else None,
-                "resumed_at": None, "retrained": None, "attempt": None}
+        return {
+            "seconds": None,
+            "last_step": before[-1][2] if before else None,
+            "resumed_at": None,
+            "retrained": None,
+            "attempt": None,
+        }
     first = after[0]
     old = [r for r in progress if r[0] < first[0]]
     last_step = old[-1][2] if old else 0
     resumed_at = first[2] - 1  # The optimizer step after the first step, minus it.
-    return {"seconds": first[3] - event, "last_step": last_step, "resumed_at": resumed_at,
-            "retrained": last_step - resumed_at, "attempt": first[0]}
+    return {
+        "seconds": first[3] - event,
+        "last_step": last_step,
+        "resumed_at": resumed_at,
+        "retrained": last_step - resumed_at,
+        "attempt": first[0],
+    }
 
 
 def step_seconds(progress: Sequence[tuple[int, int, int, float]], size: int) -> float | None:
     """Median seconds between consecutive steps of one attempt at ``size`` workers."""
-    gaps = [b[3] - a[3] for a, b in zip(progress, progress[1:])
-            if a[0] == b[0] and a[1] == b[1] == size and b[2] == a[2] + 1]
+    gaps = [
+        b[3] - a[3]
+        for a, b in zip(progress, progress[1:])
+        if a[0] == b[0] and a[1] == b[1] == size and b[2] == a[2] + 1
+    ]
     return statistics.median(gaps) if gaps else None
 
 
@@ -172,9 +206,13 @@ def timeline(run: dict) -> list[tuple[float, str]]:
     for key, size in (("kill", 3), ("grow", 4)):
         cell = run.get("changes", {}).get("shrink" if key == "kill" else "grow", {})
         if cell.get("seconds") is not None:
-            rows.append((run["events"][key] + cell["seconds"],
-                         f".. first step trained by {size} workers (resumed at step "
-                         f"{cell['resumed_at']})"))
+            rows.append(
+                (
+                    run["events"][key] + cell["seconds"],
+                    f".. first step trained by {size} workers (resumed at step "
+                    f"{cell['resumed_at']})",
+                )
+            )
     return sorted(rows, key=lambda row: row[0])
 
 
@@ -190,8 +228,9 @@ def fmt(cell: dict, spec: str = ".2f") -> str:
         return "—"
     if cell["min"] == cell["max"]:
         return format(cell["median"], spec)
-    return (f"{format(cell['median'], spec)} ({format(cell['min'], spec)}–"
-            f"{format(cell['max'], spec)})")
+    return (
+        f"{format(cell['median'], spec)} ({format(cell['min'], spec)}–{format(cell['max'], spec)})"
+    )
 
 
 def markdown(raw: dict) -> str:
@@ -200,11 +239,13 @@ def markdown(raw: dict) -> str:
     plain = [r for r in raw["runs"] if r["kind"] == "uninterrupted"]
     elastic = [r for r in raw["runs"] if r["kind"] == "elastic"]
     lines = [
-        "# Elastic: a `tfdist launch --workers 3:4` job going 4 → 3 → 4 workers", "",
+        "# Elastic: a `tfdist launch --workers 3:4` job going 4 → 3 → 4 workers",
+        "",
         f"`{meta['command']}` — {meta['when']}; {meta['cpus']} cores shared with other jobs, "
         f"no GPU; TensorFlow {meta['tf']}, Keras {meta['keras']}; code {meta['commit']}; "
         f"load average (1 min) before / after: {meta['load_before']:.1f} / "
-        f"{meta['load_after']:.1f}.", "",
+        f"{meta['load_after']:.1f}.",
+        "",
         f"Task: 10 classes of 3 Gaussian clusters each in 32 dimensions (noise σ 1.2), "
         f"{TRAIN:,} training examples in a fixed order, {TEST:,} held out; MLP "
         f"{'-'.join(map(str, WIDTHS))}, Adam 1e-3, global batch {GLOBAL_BATCH} at every size "
@@ -215,13 +256,18 @@ def markdown(raw: dict) -> str:
         f"--discovery-interval {meta['discovery_interval']:g}`; the last worker is SIGKILLed "
         f"after step {meta['kill_step']} and S then prints 3; S prints 4 again once the "
         f"3-worker job trained step {meta['grow_step']}. {len(plain)} uninterrupted and "
-        f"{len(elastic)} elastic runs, alternating. Cells: median (min–max).", "",
+        f"{len(elastic)} elastic runs, alternating. Cells: median (min–max).",
+        "",
         "| run | held-out accuracy | optimizer steps | wall time (s) | s / step at 4 | "
         "s / step at 3 | sizes |",
-        "|---|---:|---:|---:|---:|---:|---|"]
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     preempted = [r for r in raw["runs"] if r["kind"] == "preempted"]
-    for kind, runs in (("uninterrupted 4 workers", plain), ("elastic 4 → 3 → 4", elastic),
-                       ("4 workers, worker 1 SIGTERMed once (--max-restarts 1)", preempted)):
+    for kind, runs in (
+        ("uninterrupted 4 workers", plain),
+        ("elastic 4 → 3 → 4", elastic),
+        ("4 workers, worker 1 SIGTERMed once (--max-restarts 1)", preempted),
+    ):
         if not runs:
             continue
         sizes = "; ".join(" → ".join(map(str, r["sizes"])) for r in runs)
@@ -230,60 +276,89 @@ def markdown(raw: dict) -> str:
             f"| {fmt(spread([r['iterations'] for r in runs]), '.0f')} "
             f"| {fmt(spread([r['wall_s'] for r in runs]), '.1f')} "
             f"| {fmt(spread([r['step_s'].get('4') for r in runs]), '.3f')} "
-            f"| {fmt(spread([r['step_s'].get('3') for r in runs]), '.3f')} | {sizes} |")
+            f"| {fmt(spread([r['step_s'].get('3') for r in runs]), '.3f')} | {sizes} |"
+        )
     if plain and elastic:
         diffs = [abs(e["accuracy"] - p["accuracy"]) for p, e in zip(plain, elastic)]
         wdiff = [e.get("weight_diff") for e in elastic]
-        lines += ["", f"Accuracy, elastic minus uninterrupted, per pair: "
-                  + ", ".join(f"{e['accuracy'] - p['accuracy']:+.4f}"
-                              for p, e in zip(plain, elastic))
-                  + f" (largest |difference| {max(diffs):.4f}); largest |difference| of the "
-                  f"final weights from the pair's uninterrupted run: "
-                  + ", ".join(f"{w:.2e}" if w is not None else "—" for w in wdiff)
-                  + "; resumed at step (shrink, grow): "
-                  + ", ".join(f"({e['changes']['shrink']['resumed_at']}, "
-                              f"{e['changes']['grow']['resumed_at']})" for e in elastic) + "."]
+        lines += [
+            "",
+            "Accuracy, elastic minus uninterrupted, per pair: "
+            + ", ".join(f"{e['accuracy'] - p['accuracy']:+.4f}" for p, e in zip(plain, elastic))
+            + f" (largest |difference| {max(diffs):.4f}); largest |difference| of the "
+            f"final weights from the pair's uninterrupted run: "
+            + ", ".join(f"{w:.2e}" if w is not None else "—" for w in wdiff)
+            + "; resumed at step (shrink, grow): "
+            + ", ".join(
+                f"({e['changes']['shrink']['resumed_at']}, {e['changes']['grow']['resumed_at']})"
+                for e in elastic
+            )
+            + ".",
+        ]
     if preempted:
-        lines += ["", "4 workers preempted once (worker 1 SIGTERMed after step "
-                  f"{preempted[0].get('preempt_at')}; the launcher restarts the job at the "
-                  "saved step): resumed at step, steps trained again, accuracy and largest "
-                  "|weight difference| against the pair's uninterrupted run: " + "; ".join(
-                      f"{r['changes']['restart']['resumed_at']}, "
-                      f"{r['changes']['restart']['retrained']}, {r['accuracy']:.4f}, "
-                      + (f"{r['weight_diff']:.2e}" if r.get("weight_diff") is not None else "—")
-                      for r in preempted) + "."]
+        lines += [
+            "",
+            "4 workers preempted once (worker 1 SIGTERMed after step "
+            f"{preempted[0].get('preempt_at')}; the launcher restarts the job at the "
+            "saved step): resumed at step, steps trained again, accuracy and largest "
+            "|weight difference| against the pair's uninterrupted run: "
+            + "; ".join(
+                f"{r['changes']['restart']['resumed_at']}, "
+                f"{r['changes']['restart']['retrained']}, {r['accuracy']:.4f}, "
+                + (f"{r['weight_diff']:.2e}" if r.get("weight_diff") is not None else "—")
+                for r in preempted
+            )
+            + ".",
+        ]
     if elastic:
-        lines += ["", "Each size change (median (min–max) over the elastic runs):", "",
-                  "| change | event | event → first step at the new size (s) | "
-                  "steps trained again | resumed at step |",
-                  "|---|---|---:|---:|---:|"]
-        for key, label, event in (("shrink", "4 → 3", "SIGKILL of worker:3 (slots file: 3)"),
-                                  ("grow", "3 → 4", "slots file says 4")):
+        lines += [
+            "",
+            "Each size change (median (min–max) over the elastic runs):",
+            "",
+            "| change | event | event → first step at the new size (s) | "
+            "steps trained again | resumed at step |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for key, label, event in (
+            ("shrink", "4 → 3", "SIGKILL of worker:3 (slots file: 3)"),
+            ("grow", "3 → 4", "slots file says 4"),
+        ):
             cells = [r["changes"][key] for r in elastic]
-            lines.append(f"| {label} | {event} | {fmt(spread([c['seconds'] for c in cells]))} "
-                         f"| {fmt(spread([c['retrained'] for c in cells]), '.0f')} "
-                         f"| {', '.join(str(c['resumed_at']) for c in cells)} |")
-        lines += ["", "The first elastic run as it went, in seconds since the launch: the "
-                  "launcher's lines, the benchmark's events (`>>`) and the first step trained "
-                  "at each new size (`..`):", "", "```"]
+            lines.append(
+                f"| {label} | {event} | {fmt(spread([c['seconds'] for c in cells]))} "
+                f"| {fmt(spread([c['retrained'] for c in cells]), '.0f')} "
+                f"| {', '.join(str(c['resumed_at']) for c in cells)} |"
+            )
+        lines += [
+            "",
+            "The first elastic run as it went, in seconds since the launch: the "
+            "launcher's lines, the benchmark's events (`>>`) and the first step trained "
+            "at each new size (`..`):",
+            "",
+            "```",
+        ]
         lines += [f"{t:7.1f}  {line}" for t, line in timeline(elastic[0])]
         lines += ["```"]
-    lines += ["", "Notes:", "",
-              "- *Event → first step* is the wall time from the SIGKILL (or the moment the "
-              "discovery file said 4) to the end of the first step the new-size job trained "
-              "(the chief's `on_train_batch_end`, a step not skipped on resume). It includes "
-              "noticing the event (a dead process at once; the discovery script every "
-              f"{meta['discovery_interval']:g} s), stopping or saving the old job, starting "
-              "new processes (importing TensorFlow, joining the cluster), loading the backup "
-              "and tracing the first step.",
-              "- *Steps trained again*: the shrink resumes from the last `save_freq` backup, so "
-              "the steps since it are trained twice; the grow saves at an agreed step first "
-              "(goal 0).",
-              "- The global batch is kept at every size and the data are split per global "
-              "batch, so the elastic run trains the same global batches in the same order as "
-              "the uninterrupted one; its weights differ only by the order of floating-point "
-              "sums (3 instead of 4 parts) and by the steps trained again after the SIGKILL, "
-              "which are the same batches from the same backed-up state."]
+    lines += [
+        "",
+        "Notes:",
+        "",
+        "- *Event → first step* is the wall time from the SIGKILL (or the moment the "
+        "discovery file said 4) to the end of the first step the new-size job trained "
+        "(the chief's `on_train_batch_end`, a step not skipped on resume). It includes "
+        "noticing the event (a dead process at once; the discovery script every "
+        f"{meta['discovery_interval']:g} s), stopping or saving the old job, starting "
+        "new processes (importing TensorFlow, joining the cluster), loading the backup "
+        "and tracing the first step.",
+        "- *Steps trained again*: the shrink resumes from the last `save_freq` backup, so "
+        "the steps since it are trained twice; the grow saves at an agreed step first "
+        "(goal 0).",
+        "- The global batch is kept at every size and the data are split per global "
+        "batch, so the elastic run trains the same global batches in the same order as "
+        "the uninterrupted one; its weights differ only by the order of floating-point "
+        "sums (3 instead of 4 parts) and by the steps trained again after the SIGKILL, "
+        "which are the same batches from the same backed-up state.",
+    ]
     for note in meta.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
@@ -291,15 +366,18 @@ def markdown(raw: dict) -> str:
 
 # ---------------------------------------------------------------- the training script
 
+
 def train() -> None:
     """What ``tfdist launch`` runs on every worker."""
     import numpy as np
     import tensorflow as tf
+
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
     import keras
 
     import tfdist
+
     out = Path(FLAGS.out)
     attempt = int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0"))
     config = json.loads(os.environ["TF_CONFIG"])
@@ -311,11 +389,15 @@ def train() -> None:
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     keras.utils.set_random_seed(1)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((WIDTHS[0],))]
-                                 + [keras.layers.Dense(w, activation="relu") for w in WIDTHS[1:-1]]
-                                 + [keras.layers.Dense(WIDTHS[-1])])
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = keras.Sequential(
+            [keras.Input((WIDTHS[0],))]
+            + [keras.layers.Dense(w, activation="relu") for w in WIDTHS[1:-1]]
+            + [keras.layers.Dense(WIDTHS[-1])]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     backup = tfdist.BackupAndRestore(out / "backup", save_freq=FLAGS.save_freq)
     progress = out / "progress"
 
@@ -336,17 +418,24 @@ def train() -> None:
             self.last = step
 
     # Progress first: a preemption save exits inside the backup's batch hook.
-    model.fit(data, epochs=FLAGS.epochs, verbose=0, shuffle=False,
-              callbacks=[Progress(), backup])
+    model.fit(data, epochs=FLAGS.epochs, verbose=0, shuffle=False, callbacks=[Progress(), backup])
     if index == 0:
         weights = model.get_weights()
         np.savez(out / "weights.npz", *weights)
-        (out / "result.json").write_text(json.dumps({
-            "accuracy": accuracy(weights, x_test, y_test), "size": size, "attempt": attempt,
-            "iterations": int(model.optimizer.iterations.numpy())}))
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "accuracy": accuracy(weights, x_test, y_test),
+                    "size": size,
+                    "attempt": attempt,
+                    "iterations": int(model.optimizer.iterations.numpy()),
+                }
+            )
+        )
 
 
 # ---------------------------------------------------------------- measuring
+
 
 class _Lock:
     def __enter__(self):
@@ -362,18 +451,42 @@ class _Lock:
 
 
 def _launch(args: Sequence[str], work: Path) -> tuple[subprocess.Popen, list, threading.Thread]:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "tfdist", "launch", *args, "--log-dir", str(work / "logs"),
-               __file__, "--mode=train", f"--out={work}", f"--epochs={FLAGS.epochs}",
-               f"--save_freq={FLAGS.save_freq}", f"--threads={FLAGS.threads}"]
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "tfdist",
+        "launch",
+        *args,
+        "--log-dir",
+        str(work / "logs"),
+        __file__,
+        "--mode=train",
+        f"--out={work}",
+        f"--epochs={FLAGS.epochs}",
+        f"--save_freq={FLAGS.save_freq}",
+        f"--threads={FLAGS.threads}",
+    ]
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[tuple[float, str]] = []
 
     def read():
         for line in proc.stdout:
             lines.append((time.time(), line.rstrip("\n")))
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     return proc, lines, reader
@@ -405,6 +518,7 @@ def _wait_step(work: Path, step: int, proc, deadline: float, size: int | None = 
 def run_once(kind: str, work: Path) -> dict:
     """One run: 'uninterrupted' (4 workers) or 'elastic' (4 -> 3 -> 4)."""
     import numpy as np
+
     planned = FLAGS.epochs * (TRAIN // GLOBAL_BATCH)
     kill_step, grow_step = round(FLAGS.kill_at * planned), round(FLAGS.grow_at * planned)
     slots = work / "slots"
@@ -417,8 +531,16 @@ def run_once(kind: str, work: Path) -> dict:
     elif kind == "preempted":
         args = ["--workers", "4", "--max-restarts", "1"]
     else:
-        args = ["--workers", "3:4", "--worker-failed", "shrink", "--host-discovery-script",
-                str(script), "--discovery-interval", str(FLAGS.discovery_interval)]
+        args = [
+            "--workers",
+            "3:4",
+            "--worker-failed",
+            "shrink",
+            "--host-discovery-script",
+            str(script),
+            "--discovery-interval",
+            str(FLAGS.discovery_interval),
+        ]
     load_before = os.getloadavg()[0]
     start = time.time()
     deadline = time.monotonic() + FLAGS.run_timeout
@@ -453,17 +575,29 @@ def run_once(kind: str, work: Path) -> dict:
     for row in progress[1:]:
         if row[1] != sizes[-1]:
             sizes.append(row[1])
-    run = {"kind": kind, "accuracy": result["accuracy"], "iterations": result["iterations"],
-           "wall_s": wall, "sizes": sizes, "planned": planned,
-           "step_s": {str(n): step_seconds(progress, n) for n in (3, 4)},
-           "launcher_lines": [(t - start, line) for t, line in lines
-                              if line.startswith("[tfdist launch]")],
-           "load_before": load_before, "load_after": os.getloadavg()[0],
-           "kill_step": kill_step, "grow_step": grow_step, "preempt_at": FLAGS.preempt_at}
+    run = {
+        "kind": kind,
+        "accuracy": result["accuracy"],
+        "iterations": result["iterations"],
+        "wall_s": wall,
+        "sizes": sizes,
+        "planned": planned,
+        "step_s": {str(n): step_seconds(progress, n) for n in (3, 4)},
+        "launcher_lines": [
+            (t - start, line) for t, line in lines if line.startswith("[tfdist launch]")
+        ],
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "kill_step": kill_step,
+        "grow_step": grow_step,
+        "preempt_at": FLAGS.preempt_at,
+    }
     if kind == "elastic":
         run["events"] = {k: v - start for k, v in events.items()}
-        run["changes"] = {"shrink": change(progress, events["kill"], 3),
-                          "grow": change(progress, events["grow"], 4)}
+        run["changes"] = {
+            "shrink": change(progress, events["kill"], 3),
+            "grow": change(progress, events["grow"], 4),
+        }
     if kind == "preempted":
         run["events"] = {k: v - start for k, v in events.items()}
         run["changes"] = {"restart": change(progress, events["sigterm"], 4)}
@@ -474,8 +608,12 @@ def run_once(kind: str, work: Path) -> dict:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %s"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()[:60]
+        return subprocess.run(
+            ["git", "-C", str(REPO), "log", "-1", "--format=%h %s"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()[:60]
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -498,21 +636,33 @@ def main(argv) -> None:
         print(markdown(raw))
         return
     if not 0 < FLAGS.kill_at < FLAGS.grow_at < 1:
-        raise ValueError(f"kill_at, grow_at: expected 0 < kill_at < grow_at < 1. Received: "
-                         f"{FLAGS.kill_at}, {FLAGS.grow_at}")
+        raise ValueError(
+            f"kill_at, grow_at: expected 0 < kill_at < grow_at < 1. Received: "
+            f"{FLAGS.kill_at}, {FLAGS.grow_at}"
+        )
     import keras
     import numpy as np
     import tensorflow as tf
+
     base = Path(FLAGS.work_dir or tempfile.mkdtemp(prefix="tfdist-bench-elastic-"))
     planned = FLAGS.epochs * (TRAIN // GLOBAL_BATCH)
-    meta = {"command": "python benchmarks/elastic.py " + " ".join(sys.argv[1:]),
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-            "tf": tf.__version__, "keras": keras.__version__, "commit": _commit(),
-            "epochs": FLAGS.epochs, "planned": planned, "save_freq": FLAGS.save_freq,
-            "discovery_interval": FLAGS.discovery_interval, "threads": FLAGS.threads,
-            "kill_step": round(FLAGS.kill_at * planned),
-            "grow_step": round(FLAGS.grow_at * planned),
-            "load_before": os.getloadavg()[0], "notes": list(FLAGS.note)}
+    meta = {
+        "command": "python benchmarks/elastic.py " + " ".join(sys.argv[1:]),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "tf": tf.__version__,
+        "keras": keras.__version__,
+        "commit": _commit(),
+        "epochs": FLAGS.epochs,
+        "planned": planned,
+        "save_freq": FLAGS.save_freq,
+        "discovery_interval": FLAGS.discovery_interval,
+        "threads": FLAGS.threads,
+        "kill_step": round(FLAGS.kill_at * planned),
+        "grow_step": round(FLAGS.grow_at * planned),
+        "load_before": os.getloadavg()[0],
+        "notes": list(FLAGS.note),
+    }
     raw = {"meta": meta, "runs": []}
     first = 0
     if FLAGS.append and path.exists():
@@ -523,8 +673,9 @@ def main(argv) -> None:
         first = sum(r["kind"] == "uninterrupted" for r in raw["runs"])
     for pair in range(first, first + FLAGS.pairs):
         reference = None
-        kinds = list(FLAGS.kinds) + (["preempted"] if FLAGS.preempt_at is not None
-                                     and "preempted" not in FLAGS.kinds else [])
+        kinds = list(FLAGS.kinds) + (
+            ["preempted"] if FLAGS.preempt_at is not None and "preempted" not in FLAGS.kinds else []
+        )
         for kind in kinds:
             work = base / f"{kind}-{pair}"
             work.mkdir(parents=True, exist_ok=True)
@@ -534,12 +685,16 @@ def main(argv) -> None:
             if kind == "uninterrupted":
                 reference = weights
             elif reference is not None:
-                run["weight_diff"] = max(float(np.abs(a - b).max())
-                                         for a, b in zip(weights, reference))
+                run["weight_diff"] = max(
+                    float(np.abs(a - b).max()) for a, b in zip(weights, reference)
+                )
             raw["runs"].append(run)
-            print(f"{kind} #{pair}: accuracy {run['accuracy']:.4f}, {run['iterations']} steps, "
-                  f"{run['wall_s']:.1f} s, sizes {run['sizes']}, changes "
-                  f"{run.get('changes')}", flush=True)
+            print(
+                f"{kind} #{pair}: accuracy {run['accuracy']:.4f}, {run['iterations']} steps, "
+                f"{run['wall_s']:.1f} s, sizes {run['sizes']}, changes "
+                f"{run.get('changes')}",
+                flush=True,
+            )
             meta["load_after"] = os.getloadavg()[0]
             path.write_text(json.dumps(raw, indent=1))
     (results / f"{FLAGS.name}.md").write_text(markdown(raw))

@@ -46,8 +46,19 @@ REPO = HERE.parent
 RESULTS = HERE / "results"
 LAYOUTS = ("model_parallel", "data_parallel")
 #: The flags a worker takes from the job, and the JSON records.
-SETTINGS = ("vocabulary", "hidden", "layers", "heads", "kv_heads", "intermediate", "sequence",
-            "batch", "steps", "mmap_threshold", "arena_max")
+SETTINGS = (
+    "vocabulary",
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "intermediate",
+    "sequence",
+    "batch",
+    "steps",
+    "mmap_threshold",
+    "arena_max",
+)
 FLAGS = flags.FLAGS
 
 
@@ -63,16 +74,26 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch", 8, "Global batch (rows).")
     flags.DEFINE_integer("steps", 3, "Steps of fit.")
     flags.DEFINE_integer("timeout", 900, "Seconds a job may take.")
-    flags.DEFINE_integer("repeats", 1, "Times both jobs run, alternating; the table is the "
-                         "repetition with the largest resident-set ratio.")
+    flags.DEFINE_integer(
+        "repeats",
+        1,
+        "Times both jobs run, alternating; the table is the "
+        "repetition with the largest resident-set ratio.",
+    )
     flags.DEFINE_string("results_dir", str(RESULTS), "Where the JSON and Markdown go.")
-    flags.DEFINE_integer("mmap_threshold", 65536,
-                         "MALLOC_MMAP_THRESHOLD_ of every worker, both layouts (0: glibc's "
-                         "default): blocks above it go back to the system when freed, so "
-                         "the resident set follows what is alive, not what glibc keeps.")
-    flags.DEFINE_integer("arena_max", 0,
-                         "MALLOC_ARENA_MAX of every worker, both layouts (0: glibc's default, "
-                         "8 per core): fewer arenas keep fewer freed small blocks.")
+    flags.DEFINE_integer(
+        "mmap_threshold",
+        65536,
+        "MALLOC_MMAP_THRESHOLD_ of every worker, both layouts (0: glibc's "
+        "default): blocks above it go back to the system when freed, so "
+        "the resident set follows what is alive, not what glibc keeps.",
+    )
+    flags.DEFINE_integer(
+        "arena_max",
+        0,
+        "MALLOC_ARENA_MAX of every worker, both layouts (0: glibc's default, "
+        "8 per core): fewer arenas keep fewer freed small blocks.",
+    )
 
 
 def _status_kb(field: str) -> int:
@@ -97,27 +118,33 @@ def worker(layout: str) -> None:
     ids = rng.integers(0, FLAGS.vocabulary, (rows, FLAGS.sequence)).astype("int32")
     x, y = {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
     if layout == "model_parallel":
-        mesh = keras.distribution.DeviceMesh((2, len(devices) // 2), ["batch", "model"],
-                                             devices)
+        mesh = keras.distribution.DeviceMesh((2, len(devices) // 2), ["batch", "model"], devices)
         distribution = keras.distribution.ModelParallel(
-            layout_map=keras_hub.models.QwenBackbone.get_layout_map(mesh),
-            batch_dim_name="batch")
+            layout_map=keras_hub.models.QwenBackbone.get_layout_map(mesh), batch_dim_name="batch"
+        )
     else:
         distribution = keras.distribution.DataParallel(devices=devices)
     keras.distribution.set_distribution(distribution)
     import tensorflow as tf
+
     tf.config.experimental.reset_memory_stats("CPU:0")
     tensors_before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     before = _status_kb("VmRSS")
     split_before = {f: _status_kb(f) for f in ("RssAnon", "RssFile")}
     keras.utils.set_random_seed(1)
     backbone = keras_hub.models.QwenBackbone(
-        vocabulary_size=FLAGS.vocabulary, num_layers=FLAGS.layers, hidden_dim=FLAGS.hidden,
-        num_query_heads=FLAGS.heads, num_key_value_heads=FLAGS.kv_heads,
-        intermediate_dim=FLAGS.intermediate)
+        vocabulary_size=FLAGS.vocabulary,
+        num_layers=FLAGS.layers,
+        hidden_dim=FLAGS.hidden,
+        num_query_heads=FLAGS.heads,
+        num_key_value_heads=FLAGS.kv_heads,
+        intermediate_dim=FLAGS.intermediate,
+    )
     lm = keras_hub.models.QwenCausalLM(backbone, preprocessor=None)
-    lm.compile(optimizer=keras.optimizers.Adam(1e-3),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    lm.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     built = _status_kb("VmRSS")
     started = time.perf_counter()
     history = lm.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)
@@ -126,43 +153,67 @@ def worker(layout: str) -> None:
     split_after = {f: _status_kb(f) for f in ("RssAnon", "RssFile")}
     tensors_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     table = tfdist.distribution.report(lm, distribution)
-    print("tfdist result: " + json.dumps({
-        "layout": layout, "task": lm.distribute_strategy.task,
-        "replicas": lm.distribute_strategy.num_replicas_in_sync,
-        "parameters": int(sum(np.prod(r.shape) for r in table.rows)),
-        "rss_before_kb": before, "rss_built_kb": built, "peak_kb": peak,
-        "rss_split_before_kb": split_before, "rss_split_after_kb": split_after,
-        "model_kb": peak - before, "tensor_peak_kb": (tensors_peak - tensors_before) // 1024,
-        "weights_per_device": table.bytes_per_device,
-        "full_weights": table.full_bytes, "fit_seconds": seconds,
-        "loss": history.history["loss"][-1],
-    }), flush=True)
+    print(
+        "tfdist result: "
+        + json.dumps(
+            {
+                "layout": layout,
+                "task": lm.distribute_strategy.task,
+                "replicas": lm.distribute_strategy.num_replicas_in_sync,
+                "parameters": int(sum(np.prod(r.shape) for r in table.rows)),
+                "rss_before_kb": before,
+                "rss_built_kb": built,
+                "peak_kb": peak,
+                "rss_split_before_kb": split_before,
+                "rss_split_after_kb": split_after,
+                "model_kb": peak - before,
+                "tensor_peak_kb": (tensors_peak - tensors_before) // 1024,
+                "weights_per_device": table.bytes_per_device,
+                "full_weights": table.full_bytes,
+                "fit_seconds": seconds,
+                "loss": history.history["loss"][-1],
+            }
+        ),
+        flush=True,
+    )
 
 
 def job(layout: str) -> list[dict]:
     """Runs the 4 workers of one job; each worker's result, by task."""
     from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
+
     args = [f"--{name}={getattr(FLAGS, name)}" for name in SETTINGS]
     procs = []
     try:
         for _, _, config in spec_lib.all_task_configs(local_spec(4)):
-            env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",
-                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env = dict(
+                os.environ,
+                TF_CONFIG=json.dumps(config),
+                TF_CPP_MIN_LOG_LEVEL="2",
+                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            )
             if FLAGS.mmap_threshold:
                 env["MALLOC_MMAP_THRESHOLD_"] = str(FLAGS.mmap_threshold)
             if FLAGS.arena_max:
                 env["MALLOC_ARENA_MAX"] = str(FLAGS.arena_max)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), f"--worker={layout}", *args],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), f"--worker={layout}", *args],
+                    cwd=REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         results = []
         for proc in procs:
             out, err = proc.communicate(timeout=FLAGS.timeout)
-            lines = [l for l in out.splitlines() if l.startswith("tfdist result: ")]
+            lines = [text for text in out.splitlines() if text.startswith("tfdist result: ")]
             if proc.returncode != 0 or not lines:
                 raise RuntimeError(f"{layout} worker failed ({proc.returncode}):\n{err[-3000:]}")
-            results.append(json.loads(lines[-1][len("tfdist result: "):]))
+            results.append(json.loads(lines[-1][len("tfdist result: ") :]))
         return sorted(results, key=lambda r: r["task"])
     finally:
         for proc in procs:
@@ -205,7 +256,7 @@ def report(runs: dict, when: str, load: tuple, repeat_ratios: list) -> str:
         f"{FLAGS.sequence} tokens.",
         "",
         "Two measures per process. **Tensors**: the peak of TensorFlow's CPU allocator "
-        "(`tf.config.experimental.get_memory_info(\"CPU:0\")`, reset before the model is "
+        '(`tf.config.experimental.get_memory_info("CPU:0")`, reset before the model is '
         "built; one device per process, so it is this process's): the weights, Adam's slots, "
         "the gradients and the temporary tensors of the steps (it tracks large allocations: "
         "after the fit its current value is within a few % of the variables' bytes, and for "
@@ -213,28 +264,34 @@ def report(runs: dict, when: str, load: tuple, repeat_ratios: list) -> str:
         "resident set (VmHWM) after the fit minus the resident set before the model is built "
         "(TensorFlow, the job and the data already set up); it adds what is not a tensor: the "
         "traced step functions and their graphs, Keras's objects, the allocator's slack. "
-        + (f"Every worker of both layouts runs with MALLOC_MMAP_THRESHOLD_={FLAGS.mmap_threshold}"
-           ": glibc's default threshold rises to the largest block freed (up to 32 MiB), "
-           "after which freed blocks stay in the process and the resident set counts them."
-           if FLAGS.mmap_threshold else "glibc's default malloc settings."),
+        + (
+            f"Every worker of both layouts runs with MALLOC_MMAP_THRESHOLD_={FLAGS.mmap_threshold}"
+            ": glibc's default threshold rises to the largest block freed (up to 32 MiB), "
+            "after which freed blocks stay in the process and the resident set counts them."
+            if FLAGS.mmap_threshold
+            else "glibc's default malloc settings."
+        ),
         "",
         "| layout | process | tensors, peak | resident before | resident peak | "
         "resident peak − before | weights held (report) | fit (s) | last loss |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, results in (("ModelParallel (2, 2), Qwen's layout map", mp),
-                          ("DataParallel over 4", dp)):
+    for name, results in (
+        ("ModelParallel (2, 2), Qwen's layout map", mp),
+        ("DataParallel over 4", dp),
+    ):
         for r in results:
             lines.append(
                 f"| {name} | {r['task']} | {_mib(r['tensor_peak_kb'])} | "
                 f"{_mib(r['rss_before_kb'])} | {_mib(r['peak_kb'])} "
                 f"| {_mib(r['model_kb'])} | {r['weights_per_device'] / 2**20:,.1f} MiB | "
-                f"{r['fit_seconds']:.1f} | {r['loss']:.4f} |")
+                f"{r['fit_seconds']:.1f} | {r['loss']:.4f} |"
+            )
     lines += [
         "",
         f"**ModelParallel / DataParallel, largest process each: resident set "
         f"{ratio['model_kb']:.2f}×, tensors "
-        f"{'n/a' if ratio['tensor_peak_kb'] is None else format(ratio['tensor_peak_kb'], '.2f')}×** "
+        f"{'n/a' if ratio['tensor_peak_kb'] is None else format(ratio['tensor_peak_kb'], '.2f')}×** "  # noqa: E501 - an f-string field cannot wrap before Python 3.12
         f"(issue 30's goal: "
         f"≤ 0.30×, measured as the resident set; "
         f"{'met' if ratio['model_kb'] <= 0.30 else 'not met'} by it). "
@@ -247,9 +304,12 @@ def report(runs: dict, when: str, load: tuple, repeat_ratios: list) -> str:
             "",
             f"Both jobs ran {len(repeat_ratios)} times, alternating; the table is the "
             "repetition with the largest resident-set ratio. Each repetition's (resident set, "
-            "tensors): " + ", ".join(
-                f"{r['model_kb']:.2f}×/{'n/a' if r['tensor_peak_kb'] is None else format(r['tensor_peak_kb'], '.2f')}×"
-                for r in repeat_ratios) + ".",
+            "tensors): "
+            + ", ".join(
+                f"{r['model_kb']:.2f}×/{'n/a' if r['tensor_peak_kb'] is None else format(r['tensor_peak_kb'], '.2f')}×"  # noqa: E501 - an f-string field cannot wrap before Python 3.12
+                for r in repeat_ratios
+            )
+            + ".",
         ]
     lines += [
         "",
@@ -286,11 +346,23 @@ def main(argv) -> None:
     results = Path(FLAGS.results_dir)
     results.mkdir(parents=True, exist_ok=True)
     settings = {name: getattr(FLAGS, name) for name in SETTINGS}
-    (results / "keras_distribution.json").write_text(json.dumps(
-        {"when": when, "load": load, "settings": settings, "runs": runs, "ratio": ratio,
-         "repeat_ratios": [r["ratio"] for r in repeats],
-         "median_fit_seconds": {k: statistics.median(r["fit_seconds"] for r in v)
-                                for k, v in runs.items()}}, indent=1) + "\n")
+    (results / "keras_distribution.json").write_text(
+        json.dumps(
+            {
+                "when": when,
+                "load": load,
+                "settings": settings,
+                "runs": runs,
+                "ratio": ratio,
+                "repeat_ratios": [r["ratio"] for r in repeats],
+                "median_fit_seconds": {
+                    k: statistics.median(r["fit_seconds"] for r in v) for k, v in runs.items()
+                },
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     text = report(runs, when, load, [r["ratio"] for r in repeats])
     (results / "keras_distribution.md").write_text(text)
     print(text)

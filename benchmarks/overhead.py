@@ -33,8 +33,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from absl import app, flags
 
@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
 from benchlib import jobs  # noqa: E402
 from benchlib.timing import step_timer  # noqa: E402
+
 REPO = HERE.parent
 RESULTS = HERE / "results"
 ARMS = ("tfdist", "tf")
@@ -51,8 +52,12 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("mode", "all", ["all", "mirrored", "workers", "worker"],
-                      "What to measure; 'worker' is one process of a --mode=workers job.")
+    flags.DEFINE_enum(
+        "mode",
+        "all",
+        ["all", "mirrored", "workers", "worker"],
+        "What to measure; 'worker' is one process of a --mode=workers job.",
+    )
     flags.DEFINE_integer("pairs", 10, "Interleaved (tfdist, tf) pairs per mode.")
     flags.DEFINE_integer("steps", 40, "Timed steps per run.")
     flags.DEFINE_integer("warmup_steps", 5, "Untimed steps first (tracing).")
@@ -62,11 +67,16 @@ def define_flags() -> None:
     flags.DEFINE_string("name", "overhead", "Base name of the result files.")
     flags.DEFINE_enum("arm", "tfdist", list(ARMS), "The arm of one worker.")
     flags.DEFINE_string("out", None, "Where one worker writes its step times.")
-    flags.DEFINE_string("tfdist_options", "{}", "JSON of extra strategy_from_config options "
-                        "for the tfdist arm, e.g. '{\"collective_timeout\": null}'.")
+    flags.DEFINE_string(
+        "tfdist_options",
+        "{}",
+        "JSON of extra strategy_from_config options "
+        "for the tfdist arm, e.g. '{\"collective_timeout\": null}'.",
+    )
 
 
 # ---------------------------------------------------------------- pure pieces
+
 
 def pair_order(i: int) -> tuple[str, ...]:
     """Which arm runs first in pair ``i`` (tfdist, tf, then tf, tfdist)."""
@@ -76,8 +86,10 @@ def pair_order(i: int) -> tuple[str, ...]:
 def pair_ratios(tfdist_s: Sequence[float], tf_s: Sequence[float]) -> list[float]:
     """tfdist / TensorFlow step time of each interleaved pair."""
     if len(tfdist_s) != len(tf_s) or not tf_s:
-        raise ValueError(f"Expected two equal, non-empty lists. Received: lengths "
-                         f"{len(tfdist_s)} and {len(tf_s)}")
+        raise ValueError(
+            f"Expected two equal, non-empty lists. Received: lengths "
+            f"{len(tfdist_s)} and {len(tf_s)}"
+        )
     return [a / b for a, b in zip(tfdist_s, tf_s)]
 
 
@@ -89,42 +101,56 @@ def median_ratio(tfdist_s: Sequence[float], tf_s: Sequence[float]) -> float:
 def markdown(results: dict) -> str:
     """The overhead table, with the conditions of the run."""
     meta = results["meta"]
-    lines = ["# Overhead: tfdist against TensorFlow's own strategies", "",
-             f"`python benchmarks/overhead.py` — {meta['when']}; {meta['cpus']} cores; "
-             f"MLP 64-{meta['hidden']}-{meta['hidden']}-10 "
-             f"({meta['params']:,} parameters), global batch {meta['global_batch']}, "
-             f"{meta['steps']} timed steps per run after {meta['warmup_steps']}, "
-             f"{meta['pairs']} interleaved pairs per mode (ABBA order). "
-             f"Load average (1 min) before/after: {meta['load_before']:.1f} / "
-             f"{meta['load_after']:.1f}.", "",
-             "| configuration | tfdist median step (ms) | TensorFlow median step (ms) "
-             "| median ratio | ratios per pair | goal ≤ 1.02 |",
-             "|---|---:|---:|---:|---|:---:|"]
+    lines = [
+        "# Overhead: tfdist against TensorFlow's own strategies",
+        "",
+        f"`python benchmarks/overhead.py` — {meta['when']}; {meta['cpus']} cores; "
+        f"MLP 64-{meta['hidden']}-{meta['hidden']}-10 "
+        f"({meta['params']:,} parameters), global batch {meta['global_batch']}, "
+        f"{meta['steps']} timed steps per run after {meta['warmup_steps']}, "
+        f"{meta['pairs']} interleaved pairs per mode (ABBA order). "
+        f"Load average (1 min) before/after: {meta['load_before']:.1f} / "
+        f"{meta['load_after']:.1f}.",
+        "",
+        "| configuration | tfdist median step (ms) | TensorFlow median step (ms) "
+        "| median ratio | ratios per pair | goal ≤ 1.02 |",
+        "|---|---:|---:|---:|---|:---:|",
+    ]
     for row in results["rows"]:
         ratios = ", ".join(f"{r:.3f}" for r in row["ratios"])
-        lines.append(f"| {row['label']} | {row['tfdist_ms']:.2f} | {row['tf_ms']:.2f} "
-                     f"| {row['median_ratio']:.3f} | {ratios} "
-                     f"| {'yes' if row['median_ratio'] <= GOAL else '**no**'} |")
-    lines += ["", "Each run's figure is its median step time; the ratio is taken per "
-              "interleaved pair, then the median over pairs. Mirrored: both arms use Keras "
-              "`fit` in one process over the same 2 logical CPUs. Multi-worker: both arms "
-              "run the same custom loop (Keras optimizer, Keras's all-reduce) in 2 worker "
-              "processes on 127.0.0.1, because Keras 3 `fit` fails under TensorFlow's own "
-              "MultiWorkerMirroredStrategy (keras-team/keras#20585); each run is a new job.",
-              "", "The pair ratios show the noise of this shared machine: " + "; ".join(
-                  f"{row['label'].split(',')[0]} {min(row['ratios']):.3f}-{max(row['ratios']):.3f}"
-                  for row in results["rows"])
-              + ". Without compression the two strategies differ in set-up only (collective "
-              "key base, coordination-service registration deadline, tfdist's peer watchdog thread; "
-              "the multi-worker `reduce()` fix is not called by this loop): medians a few "
-              "percent from 1 are within that spread."]
+        lines.append(
+            f"| {row['label']} | {row['tfdist_ms']:.2f} | {row['tf_ms']:.2f} "
+            f"| {row['median_ratio']:.3f} | {ratios} "
+            f"| {'yes' if row['median_ratio'] <= GOAL else '**no**'} |"
+        )
+    lines += [
+        "",
+        "Each run's figure is its median step time; the ratio is taken per "
+        "interleaved pair, then the median over pairs. Mirrored: both arms use Keras "
+        "`fit` in one process over the same 2 logical CPUs. Multi-worker: both arms "
+        "run the same custom loop (Keras optimizer, Keras's all-reduce) in 2 worker "
+        "processes on 127.0.0.1, because Keras 3 `fit` fails under TensorFlow's own "
+        "MultiWorkerMirroredStrategy (keras-team/keras#20585); each run is a new job.",
+        "",
+        "The pair ratios show the noise of this shared machine: "
+        + "; ".join(
+            f"{row['label'].split(',')[0]} {min(row['ratios']):.3f}-{max(row['ratios']):.3f}"
+            for row in results["rows"]
+        )
+        + ". Without compression the two strategies differ in set-up only (collective "
+        "key base, coordination-service registration deadline, tfdist's peer watchdog thread; "
+        "the multi-worker `reduce()` fix is not called by this loop): medians a few "
+        "percent from 1 are within that spread.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- measuring
 
+
 def _data(examples: int, seed: int = 0):
     import numpy as np
+
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(examples, 64)).astype("float32")
     y = (x[:, :10].argmax(axis=1)).astype("int32")
@@ -133,11 +159,14 @@ def _data(examples: int, seed: int = 0):
 
 def _model(keras):
     keras.utils.set_random_seed(1)
-    return keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(FLAGS.hidden, activation="relu"),
-        keras.layers.Dense(FLAGS.hidden, activation="relu"),
-        keras.layers.Dense(10)])
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(FLAGS.hidden, activation="relu"),
+            keras.layers.Dense(FLAGS.hidden, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def fit_step_times(strategy) -> list[float]:
@@ -147,16 +176,17 @@ def fit_step_times(strategy) -> list[float]:
 
     steps = FLAGS.warmup_steps + FLAGS.steps
     x, y = _data(steps * FLAGS.global_batch)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(FLAGS.global_batch,
-                                                            drop_remainder=True)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(FLAGS.global_batch, drop_remainder=True)
     with strategy.scope():
         model = _model(keras)
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     times: list[float] = []
 
     model.fit(data, epochs=1, verbose=0, callbacks=[step_timer(times)])
-    return times[FLAGS.warmup_steps:]
+    return times[FLAGS.warmup_steps :]
 
 
 def loop_step_times(strategy) -> list[float]:
@@ -166,8 +196,7 @@ def loop_step_times(strategy) -> list[float]:
 
     steps = FLAGS.warmup_steps + FLAGS.steps
     x, y = _data(steps * FLAGS.global_batch)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(FLAGS.global_batch,
-                                                            drop_remainder=True)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(FLAGS.global_batch, drop_remainder=True)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     iterator = iter(strategy.experimental_distribute_dataset(data.with_options(options)))
@@ -185,6 +214,7 @@ def loop_step_times(strategy) -> list[float]:
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
+
         return strategy.run(step, args=batch)
 
     times = []
@@ -194,7 +224,7 @@ def loop_step_times(strategy) -> list[float]:
         for value in strategy.experimental_local_results(train_step(batch)):
             value.numpy()
         times.append(time.perf_counter() - start)
-    return times[FLAGS.warmup_steps:]
+    return times[FLAGS.warmup_steps :]
 
 
 def bench_mirrored() -> dict:
@@ -202,11 +232,14 @@ def bench_mirrored() -> dict:
     import tensorflow as tf
 
     import tfdist
+
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    strategies = {"tf": tf.distribute.MirroredStrategy(devices),
-                  "tfdist": tfdist.strategy_from_config(cpu_replicas=2)}
+    strategies = {
+        "tf": tf.distribute.MirroredStrategy(devices),
+        "tfdist": tfdist.strategy_from_config(cpu_replicas=2),
+    }
     medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for i in range(FLAGS.pairs):
         for arm in pair_order(i):
@@ -221,11 +254,18 @@ def bench_workers() -> dict:
     for i in range(FLAGS.pairs):
         for arm in pair_order(i):
             codes, times, logs = jobs.worker_job(
-                __file__, [f"--arm={arm}", f"--steps={FLAGS.steps}",
-                           f"--warmup_steps={FLAGS.warmup_steps}",
-                           f"--global_batch={FLAGS.global_batch}", f"--hidden={FLAGS.hidden}",
-                           f"--tfdist_options={FLAGS.tfdist_options}"],
-                Path(FLAGS.results_dir), "overhead")
+                __file__,
+                [
+                    f"--arm={arm}",
+                    f"--steps={FLAGS.steps}",
+                    f"--warmup_steps={FLAGS.warmup_steps}",
+                    f"--global_batch={FLAGS.global_batch}",
+                    f"--hidden={FLAGS.hidden}",
+                    f"--tfdist_options={FLAGS.tfdist_options}",
+                ],
+                Path(FLAGS.results_dir),
+                "overhead",
+            )
             if any(codes) or times is None:
                 tail = logs[codes.index(next((c for c in codes if c), codes[0]))]
                 raise SystemExit(f"overhead workers ({arm}) exited with {codes}\n{tail[-3000:]}")
@@ -237,21 +277,28 @@ def bench_workers() -> dict:
 def worker() -> None:
     """One process of a --mode=workers job."""
     import tensorflow as tf
+
     if FLAGS.arm == "tfdist":
         import tfdist
+
         strategy = tfdist.strategy_from_config(
-            **{"register_timeout": 120, **json.loads(FLAGS.tfdist_options)})
+            **{"register_timeout": 120, **json.loads(FLAGS.tfdist_options)}
+        )
     else:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     Path(FLAGS.out).write_text(json.dumps(loop_step_times(strategy)))
 
 
 def _row(label: str, medians: dict[str, list[float]]) -> dict:
-    return {"label": label, "tfdist_s": medians["tfdist"], "tf_s": medians["tf"],
-            "tfdist_ms": 1e3 * statistics.median(medians["tfdist"]),
-            "tf_ms": 1e3 * statistics.median(medians["tf"]),
-            "ratios": pair_ratios(medians["tfdist"], medians["tf"]),
-            "median_ratio": median_ratio(medians["tfdist"], medians["tf"])}
+    return {
+        "label": label,
+        "tfdist_s": medians["tfdist"],
+        "tf_s": medians["tf"],
+        "tfdist_ms": 1e3 * statistics.median(medians["tfdist"]),
+        "tf_ms": 1e3 * statistics.median(medians["tf"]),
+        "ratios": pair_ratios(medians["tfdist"], medians["tf"]),
+        "median_ratio": median_ratio(medians["tfdist"], medians["tf"]),
+    }
 
 
 def _load() -> float:
@@ -271,20 +318,34 @@ def main(argv) -> None:
     if FLAGS.mode in ("all", "mirrored"):
         if FLAGS.mode == "all":
             rows += jobs.mirrored_rows(
-                __file__, [f"--pairs={FLAGS.pairs}", f"--steps={FLAGS.steps}",
-                           f"--warmup_steps={FLAGS.warmup_steps}",
-                           f"--global_batch={FLAGS.global_batch}", f"--hidden={FLAGS.hidden}"],
-                results, FLAGS.name)
+                __file__,
+                [
+                    f"--pairs={FLAGS.pairs}",
+                    f"--steps={FLAGS.steps}",
+                    f"--warmup_steps={FLAGS.warmup_steps}",
+                    f"--global_batch={FLAGS.global_batch}",
+                    f"--hidden={FLAGS.hidden}",
+                ],
+                results,
+                FLAGS.name,
+            )
         else:
             rows.append(bench_mirrored())
     if FLAGS.mode in ("all", "workers"):
         rows.append(bench_workers())
     hidden = FLAGS.hidden
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
-            "pairs": FLAGS.pairs, "steps": FLAGS.steps, "warmup_steps": FLAGS.warmup_steps,
-            "global_batch": FLAGS.global_batch, "hidden": hidden,
-            "params": 64 * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10,
-            "load_before": load_before, "load_after": _load()}
+    meta = {
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "pairs": FLAGS.pairs,
+        "steps": FLAGS.steps,
+        "warmup_steps": FLAGS.warmup_steps,
+        "global_batch": FLAGS.global_batch,
+        "hidden": hidden,
+        "params": 64 * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10,
+        "load_before": load_before,
+        "load_after": _load(),
+    }
     result = {"meta": meta, "rows": rows}
     (results / f"{FLAGS.name}.json").write_text(json.dumps(result, indent=1))
     (results / f"{FLAGS.name}.md").write_text(markdown(result))

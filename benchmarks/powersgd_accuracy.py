@@ -73,12 +73,17 @@ def markdown(raw: dict) -> str:
             continue
         accs = [r["final"] for r in runs]
         steps = [str(r["steps_to_target"]) if r["steps_to_target"] else "—" for r in runs]
-        lines.append(f"| {configs.LABELS[config]} | {', '.join(f'{a:.3f}' for a in accs)} | "
-                     f"{statistics.mean(accs):.3f} | {', '.join(steps)} |")
+        lines.append(
+            f"| {configs.LABELS[config]} | {', '.join(f'{a:.3f}' for a in accs)} | "
+            f"{statistics.mean(accs):.3f} | {', '.join(steps)} |"
+        )
     means = {c: raw["summary"].get(c) for c in CONFIGS}
     if None not in means.values():
-        lines += ["", f"tfdist − DDP, mean final accuracy: "
-                      f"{100 * (means[CONFIGS[0]] - means[CONFIGS[1]]):+.1f} points."]
+        lines += [
+            "",
+            f"tfdist − DDP, mean final accuracy: "
+            f"{100 * (means[CONFIGS[0]] - means[CONFIGS[1]]):+.1f} points.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -94,24 +99,43 @@ def main(argv) -> None:
     for seed in range(FLAGS.seeds):
         for config in CONFIGS:  # Interleaved.
             FLAGS.seed = seed
-            result = run_job(config, 2, FLAGS.acc_steps, configs.ACC_WARMUP,
-                             FLAGS.eval_every, work)
-            runs.append({"config": config, "seed": seed, "evals": result["evals"],
-                         "final": final_accuracy(result["evals"]),
-                         "steps_to_target": steps_to_target(result["evals"],
-                                                            FLAGS.target)})
-            print(f"{config} seed {seed}: final {runs[-1]['final']:.3f}, steps to target "
-                  f"{runs[-1]['steps_to_target']}", flush=True)
-    meta = {"command": "python benchmarks/powersgd_accuracy.py",
-            "when": time.strftime("%Y-%m-%d %H:%M"), "wall_s": time.time() - started,
-            "layers": [int(w) for w in FLAGS.layers], "batch": FLAGS.batch,
-            "learning_rate": FLAGS.learning_rate, "acc_steps": FLAGS.acc_steps,
-            "eval_every": FLAGS.eval_every, "test_examples": FLAGS.test_examples,
-            "target": FLAGS.target, "seeds": FLAGS.seeds, "cpus": os.cpu_count(),
-            "tf_version": tf.__version__,
-            "keras_version": keras.__version__, "torch_version": torch.__version__}
-    summary = {c: statistics.mean(r["final"] for r in runs if r["config"] == c)
-               for c in CONFIGS if any(r["config"] == c for r in runs)}
+            result = run_job(config, 2, FLAGS.acc_steps, configs.ACC_WARMUP, FLAGS.eval_every, work)
+            runs.append(
+                {
+                    "config": config,
+                    "seed": seed,
+                    "evals": result["evals"],
+                    "final": final_accuracy(result["evals"]),
+                    "steps_to_target": steps_to_target(result["evals"], FLAGS.target),
+                }
+            )
+            print(
+                f"{config} seed {seed}: final {runs[-1]['final']:.3f}, steps to target "
+                f"{runs[-1]['steps_to_target']}",
+                flush=True,
+            )
+    meta = {
+        "command": "python benchmarks/powersgd_accuracy.py",
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "wall_s": time.time() - started,
+        "layers": [int(w) for w in FLAGS.layers],
+        "batch": FLAGS.batch,
+        "learning_rate": FLAGS.learning_rate,
+        "acc_steps": FLAGS.acc_steps,
+        "eval_every": FLAGS.eval_every,
+        "test_examples": FLAGS.test_examples,
+        "target": FLAGS.target,
+        "seeds": FLAGS.seeds,
+        "cpus": os.cpu_count(),
+        "tf_version": tf.__version__,
+        "keras_version": keras.__version__,
+        "torch_version": torch.__version__,
+    }
+    summary = {
+        c: statistics.mean(r["final"] for r in runs if r["config"] == c)
+        for c in CONFIGS
+        if any(r["config"] == c for r in runs)
+    }
     raw = {"meta": meta, "runs": runs, "summary": summary}
     results = Path(FLAGS.results_dir)
     results.mkdir(parents=True, exist_ok=True)

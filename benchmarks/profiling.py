@@ -37,8 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from absl import app, flags
 
@@ -60,13 +60,21 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("mode", "all", ["all", "inside", "worker", "report"],
-                      "all: run in a new namespace, then report; the others are internal.")
+    flags.DEFINE_enum(
+        "mode",
+        "all",
+        ["all", "inside", "worker", "report"],
+        "all: run in a new namespace, then report; the others are internal.",
+    )
     flags.DEFINE_string("rate", "100mbit", "tc tbf rate of the loopback; 'none': no limit.")
     flags.DEFINE_list("layers", ["256", "2048", "2048", "512", "10"], "MLP widths.")
     flags.DEFINE_list("configs", list(CONFIGS), "Configurations: fp32, powersgd.")
-    flags.DEFINE_list("arms", ["off", "on", "barrier"], "Profiler arms to run: off, on "
-                      "(StepProfile's defaults), barrier (StepProfile(barrier=True)).")
+    flags.DEFINE_list(
+        "arms",
+        ["off", "on", "barrier"],
+        "Profiler arms to run: off, on "
+        "(StepProfile's defaults), barrier (StepProfile(barrier=True)).",
+    )
     flags.DEFINE_integer("pairs", 3, "Interleaved rounds of the arms per configuration.")
     flags.DEFINE_integer("steps", 12, "Steps per run.")
     flags.DEFINE_integer("skip", 3, "Steps left out of a run's median (start-up).")
@@ -83,6 +91,7 @@ def define_flags() -> None:
 
 def _compression(config: str):
     from tfdist.compression import PowerSGD
+
     if config == "fp32":
         return None
     if config == "powersgd":
@@ -94,14 +103,16 @@ def worker() -> None:
     """One worker of a job (TF_CONFIG in the environment)."""
     import numpy as np
     import tensorflow as tf
+
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
 
     import tfdist
 
-    strategy = tfdist.strategy_from_config(compression=_compression(FLAGS.config),
-                                           register_timeout=300)
+    strategy = tfdist.strategy_from_config(
+        compression=_compression(FLAGS.config), register_timeout=300
+    )
     rank = strategy.cluster_resolver.task_id
     layers = [int(w) for w in FLAGS.layers]
     rng = np.random.default_rng(rank)
@@ -111,10 +122,13 @@ def worker() -> None:
         model = keras.Sequential(
             [keras.Input((layers[0],))]
             + [keras.layers.Dense(w, activation="relu") for w in layers[1:-1]]
-            + [keras.layers.Dense(layers[-1])])
+            + [keras.layers.Dense(layers[-1])]
+        )
         model.set_weights(initial_weights(layers))
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
 
     def dataset(ctx):
         data = tf.data.Dataset.from_tensor_slices((x, y))
@@ -128,13 +142,21 @@ def worker() -> None:
     if FLAGS.profile:
         profile = tfdist.StepProfile(log_dir=str(out / "logs"), barrier=FLAGS.barrier)
         callbacks.append(profile)
-    model.fit(strategy.distribute_datasets_from_function(dataset), epochs=1,
-              steps_per_epoch=FLAGS.steps, verbose=0, callbacks=callbacks)
+    model.fit(
+        strategy.distribute_datasets_from_function(dataset),
+        epochs=1,
+        steps_per_epoch=FLAGS.steps,
+        verbose=0,
+        callbacks=callbacks,
+    )
     result = {"rank": rank, "step_times": times, "params": model.count_params()}
     if profile is not None:
         result["phases"] = profile.summaries[-1]
-        result["link"] = None if profile.link is None else {
-            "bandwidth": profile.link.bandwidth, "latency": profile.link.latency}
+        result["link"] = (
+            None
+            if profile.link is None
+            else {"bandwidth": profile.link.bandwidth, "latency": profile.link.latency}
+        )
     (out / f"worker{rank}.json").write_text(json.dumps(result))
 
 
@@ -143,22 +165,40 @@ def run_job(config: str, arm: str, work: Path, timeout: float = 900.0) -> dict:
     returns worker 0's result (with its directory)."""
     out = work / f"{config}_{arm}_{int(time.time() * 1e3)}"
     out.mkdir(parents=True)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("TF_CONFIG", None)
     env.pop("TFDIST_TIMELINE", None)
-    args = [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--show-all",
-            __file__, "--mode=worker", f"--config={config}", f"--out={out}",
-            f"--layers={','.join(FLAGS.layers)}", f"--steps={FLAGS.steps}",
-            f"--batch={FLAGS.batch}"] + {"off": [], "on": ["--profile"],
-                                         "barrier": ["--profile", "--barrier"]}[arm]
+    args = [
+        sys.executable,
+        "-m",
+        "tfdist",
+        "launch",
+        "--workers",
+        "2",
+        "--show-all",
+        __file__,
+        "--mode=worker",
+        f"--config={config}",
+        f"--out={out}",
+        f"--layers={','.join(FLAGS.layers)}",
+        f"--steps={FLAGS.steps}",
+        f"--batch={FLAGS.batch}",
+    ] + {"off": [], "on": ["--profile"], "barrier": ["--profile", "--barrier"]}[arm]
     with open(out / "launch.log", "w") as log:
-        done = subprocess.run(args, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=timeout, cwd=REPO)
+        done = subprocess.run(
+            args, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO
+        )
     if done.returncode != 0 or not (out / "worker0.json").exists():
         tail = (out / "launch.log").read_text()[-6000:]
-        raise RuntimeError(f"{config} (profiler {arm}) failed with exit code "
-                           f"{done.returncode}; its log ({out / 'launch.log'}) ends:\n{tail}")
+        raise RuntimeError(
+            f"{config} (profiler {arm}) failed with exit code "
+            f"{done.returncode}; its log ({out / 'launch.log'}) ends:\n{tail}"
+        )
     result = json.loads((out / "worker0.json").read_text())
     result["dir"] = str(out)
     return result
@@ -183,19 +223,37 @@ def inside() -> None:
         for config in FLAGS.configs:
             for arm in arm_order(pair, FLAGS.arms):
                 result = run_job(config, arm, work)
-                runs.append({"config": config, "arm": arm, "pair": pair,
-                             "step_s": median_step(result["step_times"], FLAGS.skip),
-                             **{k: result[k] for k in ("step_times", "params", "dir")},
-                             **{k: result[k] for k in ("phases", "link") if k in result}})
-                print(f"{config} {arm} pair {pair}: {runs[-1]['step_s'] * 1e3:.1f} ms/step",
-                      flush=True)
-    meta = {"command": " ".join(["python", "benchmarks/profiling.py", *sys.argv[1:]]).replace(
-                " --mode=inside", ""),
-            "when": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
-            "rate": FLAGS.rate, "layers": [int(w) for w in FLAGS.layers],
-            "params": param_count([int(w) for w in FLAGS.layers]), "batch": FLAGS.batch,
-            "steps": FLAGS.steps, "skip": FLAGS.skip, "pairs": FLAGS.pairs,
-            "load": os.getloadavg(), "wall_s": time.time() - started, "notes": FLAGS.note}
+                runs.append(
+                    {
+                        "config": config,
+                        "arm": arm,
+                        "pair": pair,
+                        "step_s": median_step(result["step_times"], FLAGS.skip),
+                        **{k: result[k] for k in ("step_times", "params", "dir")},
+                        **{k: result[k] for k in ("phases", "link") if k in result},
+                    }
+                )
+                print(
+                    f"{config} {arm} pair {pair}: {runs[-1]['step_s'] * 1e3:.1f} ms/step",
+                    flush=True,
+                )
+    meta = {
+        "command": " ".join(["python", "benchmarks/profiling.py", *sys.argv[1:]]).replace(
+            " --mode=inside", ""
+        ),
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "rate": FLAGS.rate,
+        "layers": [int(w) for w in FLAGS.layers],
+        "params": param_count([int(w) for w in FLAGS.layers]),
+        "batch": FLAGS.batch,
+        "steps": FLAGS.steps,
+        "skip": FLAGS.skip,
+        "pairs": FLAGS.pairs,
+        "load": os.getloadavg(),
+        "wall_s": time.time() - started,
+        "notes": FLAGS.note,
+    }
     Path(FLAGS.results_dir).mkdir(parents=True, exist_ok=True)
     _raw_path().write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
 
@@ -204,9 +262,13 @@ def shares(phases: dict) -> dict[str, float]:
     """Worker 0's own computation and communication, as shares of its step."""
     mine = phases.get("0", phases.get(0))
     step = mine["step"]
-    return {"compute": sum(mine[k] for k in COMPUTE) / step,
-            "communicate": mine["communicate"] / step,
-            "wait": mine["wait"] / step, "step_s": step, "bytes": mine["bytes"]}
+    return {
+        "compute": sum(mine[k] for k in COMPUTE) / step,
+        "communicate": mine["communicate"] / step,
+        "wait": mine["wait"] / step,
+        "step_s": step,
+        "bytes": mine["bytes"],
+    }
 
 
 def summarize(raw: dict) -> dict:
@@ -272,12 +334,16 @@ def markdown(raw: dict, rows: dict) -> str:
             f"| {_fmt(row.get('overhead_barrier'), '.3f')} "
             f"| {_fmt(row.get('compute'), '.1%')} | {_fmt(row.get('communicate'), '.1%')} "
             f"| {_fmt(row.get('wait'), '.1%')} | {_fmt(row.get('bytes'), ',.0f')} "
-            f"| {row.get('larger', '—')} |")
-    lines += ["", "Compute is forward, backward, compress and decompress, as StepProfile "
-              "measured them on worker 0 (the `on` runs); the shares are of its host step "
-              "time. The overhead is the median over rounds of the profiled / unprofiled "
-              "median step time; `barrier=True` adds a one-float all-reduce per step to "
-              "measure the wait directly. Per-round ratios are in the JSON."]
+            f"| {row.get('larger', '—')} |"
+        )
+    lines += [
+        "",
+        "Compute is forward, backward, compress and decompress, as StepProfile "
+        "measured them on worker 0 (the `on` runs); the shares are of its host step "
+        "time. The overhead is the median over rounds of the profiled / unprofiled "
+        "median step time; `barrier=True` adds a one-float all-reduce per step to "
+        "measure the wait directly. Per-round ratios are in the JSON.",
+    ]
     for note in meta.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
@@ -313,9 +379,11 @@ def main(argv) -> None:
         except subprocess.CalledProcessError as error:
             # The inner run printed its own error (the failed job and its log)
             # on this stderr: end with one line pointing there, not a traceback.
-            raise SystemExit(f"benchmarks/profiling.py: the run in the network namespace "
-                             f"failed with exit code {error.returncode}; its error is "
-                             "above") from None
+            raise SystemExit(
+                f"benchmarks/profiling.py: the run in the network namespace "
+                f"failed with exit code {error.returncode}; its error is "
+                "above"
+            ) from None
         subprocess.run([sys.executable, __file__] + sys.argv[1:] + ["--mode=report"], check=True)
 
 

@@ -67,33 +67,54 @@ from absl import app, flags
 
 # The shared pieces and this benchmark's other phases sit beside this script.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import netns  # noqa: E402
-from benchlib.mlp import param_count  # noqa: E402
-from benchlib.netns import NO_LIMIT, parse_rate, tc_command  # noqa: E402
-import slow_network_configs  # noqa: E402
-from slow_network_configs import ACC_WARMUP, FLAGS, REPO, SPEED_WARMUP, define_flags  # noqa: E402
-from slow_network_report import (load_snapshot, markdown, plot, speed_skip,  # noqa: E402
-                                 summarize, timed_steps)
-from slow_network_workers import tf_worker, torch_worker  # noqa: E402
+import slow_network_configs
+from benchlib import netns
+from benchlib.mlp import param_count
+from benchlib.netns import NO_LIMIT, parse_rate, tc_command
+from slow_network_configs import ACC_WARMUP, FLAGS, REPO, SPEED_WARMUP, define_flags
+from slow_network_report import load_snapshot, markdown, plot, speed_skip, summarize, timed_steps
+from slow_network_workers import tf_worker, torch_worker
 
 # ---------------------------------------------------------------- orchestration
 
+
 def _worker_flags(config: str, steps: int, warmup: int, evals: int, world: int) -> list[str]:
-    return [f"--config={config}", f"--steps={steps}", f"--warmup={warmup}", f"--evals={evals}",
-            f"--world={world}", f"--layers={','.join(FLAGS.layers)}", f"--batch={FLAGS.batch}",
-            f"--learning_rate={FLAGS.learning_rate}", f"--test_examples={FLAGS.test_examples}",
-            f"--threads={FLAGS.threads}", f"--seed={FLAGS.seed}"]
+    return [
+        f"--config={config}",
+        f"--steps={steps}",
+        f"--warmup={warmup}",
+        f"--evals={evals}",
+        f"--world={world}",
+        f"--layers={','.join(FLAGS.layers)}",
+        f"--batch={FLAGS.batch}",
+        f"--learning_rate={FLAGS.learning_rate}",
+        f"--test_examples={FLAGS.test_examples}",
+        f"--threads={FLAGS.threads}",
+        f"--seed={FLAGS.seed}",
+    ]
 
 
-def run_job(config: str, world: int, steps: int, warmup: int, evals: int, work: Path,
-            timeout: float = 1200.0) -> dict:
+def run_job(
+    config: str,
+    world: int,
+    steps: int,
+    warmup: int,
+    evals: int,
+    work: Path,
+    timeout: float = 1200.0,
+) -> dict:
     """Runs one job of ``world`` worker processes; returns rank 0's result."""
     from tfdist import spec
     from tfdist.engines.net import free_ports, local_spec
 
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=str(max(1, FLAGS.threads)))
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS=str(max(1, FLAGS.threads)),
+    )
     env.pop("TF_CONFIG", None)
     base = _worker_flags(config, steps, warmup, evals, world)
     tag = f"{config.replace('/', '_').replace(':', '')}_{world}w_{int(time.time() * 1e3)}"
@@ -107,7 +128,7 @@ def run_job(config: str, world: int, steps: int, warmup: int, evals: int, work: 
     try:
         for rank, task in enumerate(tasks):
             out = work / f"{tag}_{rank}.json"
-            log = open(work / f"{tag}_{rank}.log", "w")
+            log = open(work / f"{tag}_{rank}.log", "w")  # noqa: SIM115 - open while the worker runs; closed below
             outs.append(out)
             logs.append(log)
             args = [sys.executable, __file__] + base + [f"--out={out}"]
@@ -117,8 +138,9 @@ def run_job(config: str, world: int, steps: int, warmup: int, evals: int, work: 
                 worker_env["TF_CONFIG"] = json.dumps(task)
             else:
                 args += ["--mode=torch_worker", f"--rank={rank}", f"--port={port}"]
-            procs.append(subprocess.Popen(args, env=worker_env, stdout=log,
-                                          stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(args, env=worker_env, stdout=log, stderr=subprocess.STDOUT)
+            )
         deadline = time.time() + timeout
         codes = [None] * world
         while None in codes and time.time() < deadline:
@@ -136,11 +158,15 @@ def run_job(config: str, world: int, steps: int, warmup: int, evals: int, work: 
     codes = [p.returncode for p in procs]
     if any(codes) or not all(o.exists() for o in outs):
         # Show the worker that failed by itself, not one this function killed.
-        bad = next((i for i, c in enumerate(codes) if c not in (0, -9)),
-                   next((i for i, c in enumerate(codes) if c), 0))
+        bad = next(
+            (i for i, c in enumerate(codes) if c not in (0, -9)),
+            next((i for i, c in enumerate(codes) if c), 0),
+        )
         tail = (work / f"{tag}_{bad}.log").read_text()[-3000:]
-        raise RuntimeError(f"{config} with {world} workers failed: exit codes {codes}; "
-                           f"worker {bad}'s log ends:\n{tail}")
+        raise RuntimeError(
+            f"{config} with {world} workers failed: exit codes {codes}; "
+            f"worker {bad}'s log ends:\n{tail}"
+        )
     result = json.loads(outs[0].read_text())
     result["wall_s"] = time.time() - started
     return result
@@ -153,8 +179,10 @@ def _sh(args: list[str]) -> None:
 def inside() -> None:
     """Runs every phase inside the private network namespace; writes the raw JSON."""
     if netns.has_other_interfaces():
-        raise SystemExit("Refusing to throttle: this is not a private network namespace "
-                         "(run without --mode=inside).")
+        raise SystemExit(
+            "Refusing to throttle: this is not a private network namespace "
+            "(run without --mode=inside)."
+        )
     netns.loopback_up()  # MTU 65536 for the unthrottled phase
     work = Path(tempfile.mkdtemp(prefix="tfdist_slow_network_"))
     meta = _meta()
@@ -171,8 +199,15 @@ def inside() -> None:
                 return run_job(config, world, steps, warmup, evals, work)
             except RuntimeError as error:
                 print(f"{link} {world}w {config}: attempt {attempt} failed: {error}", flush=True)
-                failures.append({"config": config, "workers": world, "link": link,
-                                 "attempt": attempt, "error": str(error)[-1500:]})
+                failures.append(
+                    {
+                        "config": config,
+                        "workers": world,
+                        "link": link,
+                        "attempt": attempt,
+                        "error": str(error)[-1500:],
+                    }
+                )
         return None
 
     def record(config, world, link, phase, result, skip):
@@ -181,30 +216,52 @@ def inside() -> None:
         timed = list(result["step_times"][skip:])
         if not timed:
             raise ValueError(f"{config}: no timed steps after the first {skip}")
-        earlier = next((r for r in runs if (r["config"], r["workers"], r["link"], r["phase"])
-                        == (config, world, link, phase)), None)
+        earlier = next(
+            (
+                r
+                for r in runs
+                if (r["config"], r["workers"], r["link"], r["phase"])
+                == (config, world, link, phase)
+            ),
+            None,
+        )
         if earlier is not None:  # A repeat: pool its timed steps with the first run's.
             earlier["timed_runs"].append(timed)
-            earlier["step_s"] = statistics.median(sum(earlier["timed_runs"], []))
+            earlier["step_s"] = statistics.median(sum(earlier["timed_runs"], []))  # noqa: RUF017 - a few short lists
             earlier["run_medians"].append(statistics.median(timed))
             result = earlier
         else:
-            result.update(config=config, workers=world, link=link, phase=phase,
-                          timed_runs=[timed], run_medians=[statistics.median(timed)],
-                          step_s=statistics.median(timed))
+            result.update(
+                config=config,
+                workers=world,
+                link=link,
+                phase=phase,
+                timed_runs=[timed],
+                run_medians=[statistics.median(timed)],
+                step_s=statistics.median(timed),
+            )
             runs.append(result)
-        print(f"[{time.time() - started:7.1f}s] {link:>8} {world}w {config:<15} "
-              f"{result['run_medians'][-1]:.4f} s/step (pooled {result['step_s']:.4f})  "
-              f"{result.get('compression', '')}"
-              + (f"  acc {result['evals'][-1][1]:.3f}" if result.get("evals") else ""),
-              flush=True)
+        print(
+            f"[{time.time() - started:7.1f}s] {link:>8} {world}w {config:<15} "
+            f"{result['run_medians'][-1]:.4f} s/step (pooled {result['step_s']:.4f})  "
+            f"{result.get('compression', '')}"
+            + (f"  acc {result['evals'][-1][1]:.3f}" if result.get("evals") else ""),
+            flush=True,
+        )
 
     def speed(config, world, rate):
         skip = speed_skip(config)
-        timed = timed_steps(config, rate, FLAGS.slow_steps, FLAGS.compressed_steps,
-                            FLAGS.fast_steps)
-        record(config, world, rate, "speed", job(config, world, skip + timed, SPEED_WARMUP,
-                                                 0, rate), skip)
+        timed = timed_steps(
+            config, rate, FLAGS.slow_steps, FLAGS.compressed_steps, FLAGS.fast_steps
+        )
+        record(
+            config,
+            world,
+            rate,
+            "speed",
+            job(config, world, skip + timed, SPEED_WARMUP, 0, rate),
+            skip,
+        )
 
     try:
         if FLAGS.accuracy:
@@ -242,25 +299,41 @@ def _meta() -> dict:
     versions = {}
     for mod in ("tensorflow", "keras", "torch"):
         try:
-            out = subprocess.run([sys.executable, "-c", f"import {mod}; print({mod}.__version__)"],
-                                 capture_output=True, text=True, timeout=120,
-                                 env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+            out = subprocess.run(
+                [sys.executable, "-c", f"import {mod}; print({mod}.__version__)"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+            )
             versions[mod] = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else None
         except (OSError, subprocess.SubprocessError):
             versions[mod] = None
     layers = [int(w) for w in FLAGS.layers]
-    return {"command": "python benchmarks/slow_network.py" + (" --quick" if FLAGS.quick else ""),
-            "when": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
-            "bandwidths": list(FLAGS.bandwidths), "workers": [int(w) for w in FLAGS.workers],
-            "layers": layers, "params": param_count(layers), "batch": FLAGS.batch,
-            "learning_rate": FLAGS.learning_rate, "target": FLAGS.target,
-            "acc_steps": FLAGS.acc_steps, "eval_every": FLAGS.eval_every,
-            "test_examples": FLAGS.test_examples, "slow_steps": FLAGS.slow_steps,
-            "compressed_steps": FLAGS.compressed_steps, "repeats": FLAGS.repeats,
-            "repeat_configs": list(FLAGS.repeat_configs),
-            "fast_steps": FLAGS.fast_steps, "threads": FLAGS.threads,
-            "tf_version": versions["tensorflow"], "keras_version": versions["keras"],
-            "torch_version": versions["torch"]}
+    return {
+        "command": "python benchmarks/slow_network.py" + (" --quick" if FLAGS.quick else ""),
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "bandwidths": list(FLAGS.bandwidths),
+        "workers": [int(w) for w in FLAGS.workers],
+        "layers": layers,
+        "params": param_count(layers),
+        "batch": FLAGS.batch,
+        "learning_rate": FLAGS.learning_rate,
+        "target": FLAGS.target,
+        "acc_steps": FLAGS.acc_steps,
+        "eval_every": FLAGS.eval_every,
+        "test_examples": FLAGS.test_examples,
+        "slow_steps": FLAGS.slow_steps,
+        "compressed_steps": FLAGS.compressed_steps,
+        "repeats": FLAGS.repeats,
+        "repeat_configs": list(FLAGS.repeat_configs),
+        "fast_steps": FLAGS.fast_steps,
+        "threads": FLAGS.threads,
+        "tf_version": versions["tensorflow"],
+        "keras_version": versions["keras"],
+        "torch_version": versions["torch"],
+    }
 
 
 def _raw_path() -> Path:
@@ -284,10 +357,17 @@ def report() -> None:
 
 def _apply_quick() -> list[str]:
     """Flags --quick sets (unless given explicitly)."""
-    quick = {"layers": "64,512,512,10", "acc_steps": "120", "eval_every": "20",
-             "target": "0.45", "slow_steps": "3", "compressed_steps": "5", "fast_steps": "5",
-             "workers": "2",
-             "name": "slow_network_quick"}
+    quick = {
+        "layers": "64,512,512,10",
+        "acc_steps": "120",
+        "eval_every": "20",
+        "target": "0.45",
+        "slow_steps": "3",
+        "compressed_steps": "5",
+        "fast_steps": "5",
+        "workers": "2",
+        "name": "slow_network_quick",
+    }
     given = {a.split("=", 1)[0].lstrip("-") for a in sys.argv[1:]}
     return [f"--{k}={v}" for k, v in quick.items() if k not in given]
 
@@ -307,8 +387,9 @@ def main(argv) -> None:
         netns.require("benchmarks/slow_network.py")
         extra = _apply_quick() if FLAGS.quick else []
         netns.rerun_inside(__file__, sys.argv[1:] + extra)
-        subprocess.run([sys.executable, __file__] + sys.argv[1:] + extra + ["--mode=report"],
-                       check=True)
+        subprocess.run(
+            [sys.executable, __file__] + sys.argv[1:] + extra + ["--mode=report"], check=True
+        )
 
 
 if __name__ == "__main__":

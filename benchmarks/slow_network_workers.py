@@ -7,15 +7,16 @@ MultiWorkerMirrored with one compression configuration) or a PyTorch DDP rank
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+
 from benchlib import torch_peer
 from benchlib.mlp import accuracy, initial_weights, make_data, param_count, worker_slice
 from benchlib.timing import step_timer
 from slow_network_configs import ACC_WARMUP, FLAGS
 
-
 # ---------------------------------------------------------------- workers
+
 
 def pack_bytes(layers: Sequence[int], packs: int = 8) -> int:
     """``bytes_per_pack`` of the ``+packs`` configuration: the bfloat16
@@ -25,13 +26,18 @@ def pack_bytes(layers: Sequence[int], packs: int = 8) -> int:
 
 def _tf_compression(config: str, warmup: int):
     from tfdist.compression import AutoCompression, PowerSGD
+
     name = config.split("/", 1)[1].removesuffix("+packs")
     if name == "fp32":
         return None
     if name.startswith("powersgd"):
         rank, _, warm = name.split(":")[1].partition("+")
-        return PowerSGD(int(rank), warmup_steps=warmup, seed=FLAGS.seed,
-                        warmup_dtype="bfloat16" if warm == "bf16warm" else "float32")
+        return PowerSGD(
+            int(rank),
+            warmup_steps=warmup,
+            seed=FLAGS.seed,
+            warmup_dtype="bfloat16" if warm == "bf16warm" else "float32",
+        )
     if name == "auto":
         if warmup == ACC_WARMUP:
             return "auto"  # The default candidates (PowerSGD with 10 warm-up steps).
@@ -43,8 +49,9 @@ def _tf_compression(config: str, warmup: int):
 
 def _data(rank: int, world: int):
     layers = [int(w) for w in FLAGS.layers]
-    (x, y), (xt, yt) = make_data(FLAGS.steps * world * FLAGS.batch, FLAGS.test_examples,
-                                 layers[0], layers[-1])
+    (x, y), (xt, yt) = make_data(
+        FLAGS.steps * world * FLAGS.batch, FLAGS.test_examples, layers[0], layers[-1]
+    )
     xs, ys = worker_slice(x, y, rank, world, FLAGS.batch)
     return layers, xs, ys, xt, yt
 
@@ -52,6 +59,7 @@ def _data(rank: int, world: int):
 def tf_worker() -> None:
     """One worker of a tfdist job (TF_CONFIG in the environment)."""
     import tensorflow as tf
+
     if FLAGS.threads:
         # A core's worth of threads per worker in both frameworks: PyTorch
         # runs its ops one at a time on the calling thread, so TensorFlow
@@ -68,18 +76,23 @@ def tf_worker() -> None:
     # the optimizer; one pack otherwise (TensorFlow's default).
     packs = FLAGS.config.endswith("+packs")
     strategy = tfdist.strategy_from_config(
-        compression=_tf_compression(FLAGS.config, FLAGS.warmup), register_timeout=300,
-        bytes_per_pack=pack_bytes([int(w) for w in FLAGS.layers]) if packs else 0)
+        compression=_tf_compression(FLAGS.config, FLAGS.warmup),
+        register_timeout=300,
+        bytes_per_pack=pack_bytes([int(w) for w in FLAGS.layers]) if packs else 0,
+    )
     rank = strategy.cluster_resolver.task_id
     layers, xs, ys, xt, yt = _data(rank, FLAGS.world)
     with strategy.scope():
         model = keras.Sequential(
             [keras.Input((layers[0],))]
             + [keras.layers.Dense(w, activation="relu") for w in layers[1:-1]]
-            + [keras.layers.Dense(layers[-1])])
+            + [keras.layers.Dense(layers[-1])]
+        )
         model.set_weights(initial_weights(layers))
-        model.compile(optimizer=keras.optimizers.SGD(FLAGS.learning_rate, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(FLAGS.learning_rate, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
 
     def dataset(ctx):
         data = tf.data.Dataset.from_tensor_slices((xs, ys.astype("int32")))
@@ -93,16 +106,28 @@ def tf_worker() -> None:
 
         def on_train_batch_end(self, batch, logs=None):
             if FLAGS.evals and (batch + 1) % FLAGS.evals == 0 and rank == 0:
-                evals.append([batch + 1, accuracy(self.model.get_weights(), xt, yt),
-                              sum(times)])
+                evals.append([batch + 1, accuracy(self.model.get_weights(), xt, yt), sum(times)])
 
     data = strategy.distribute_datasets_from_function(dataset)
     # The timer first: Keras calls callbacks in order, so this step's time is
     # in ``times`` before Evaluate sums them, and the evaluation is not timed.
-    model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0,
-              callbacks=[step_timer(times), Evaluate()])
-    _write({"step_times": times, "evals": evals, "compression": str(strategy.compression),
-            "describe": strategy.describe(), "params": model.count_params(), "rank": rank})
+    model.fit(
+        data,
+        epochs=1,
+        steps_per_epoch=FLAGS.steps,
+        verbose=0,
+        callbacks=[step_timer(times), Evaluate()],
+    )
+    _write(
+        {
+            "step_times": times,
+            "evals": evals,
+            "compression": str(strategy.compression),
+            "describe": strategy.describe(),
+            "params": model.count_params(),
+            "rank": rank,
+        }
+    )
 
 
 def torch_worker() -> None:

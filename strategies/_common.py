@@ -1,5 +1,8 @@
 """What the scripts in strategies/ share: flags, a model, data, the fit.
 
+strategies/ is the repository root's folder of example scripts, not the
+package tfdist/strategies/, which defines the strategies they use.
+
 The data are made here (a fixed random classification task), so nothing is
 downloaded. Each script only picks its defaults and calls :func:`main`.
 
@@ -48,23 +51,35 @@ def define_flags() -> None:
     """tfdist's strategy flags plus the training flags of these scripts."""
     tfdist.define_flags()
     flags.DEFINE_integer("epochs", 3, "Epochs to train.")
-    flags.DEFINE_integer("per_replica_batch_size", 32,
-                         "Batch size per replica; the global batch is this "
-                         "times the number of replicas.")
+    flags.DEFINE_integer(
+        "per_replica_batch_size",
+        32,
+        "Batch size per replica; the global batch is this times the number of replicas.",
+    )
     flags.DEFINE_integer("examples", 4096, "Training examples to make.")
     flags.DEFINE_float("learning_rate", 0.01, "Adam learning rate.")
-    flags.DEFINE_string("model_dir", None,
-                        "Where the chief writes a checkpoint per epoch "
-                        "(checkpoints/), the trained model (model.keras) and "
-                        "results.json; default: nothing is written.")
+    flags.DEFINE_string(
+        "model_dir",
+        None,
+        "Where the chief writes a checkpoint per epoch "
+        "(checkpoints/), the trained model (model.keras) and "
+        "results.json; default: nothing is written.",
+    )
     flags.DEFINE_integer("seed", 0, "Seed for the data and the weights.")
-    flags.DEFINE_enum("jit_compile", "auto", ["auto", "true", "false"],
-                      "XLA (Keras compile's jit_compile): 'true' compiles each "
-                      "replica's step; 'auto' turns it on where Keras would (a GPU).")
-    flags.DEFINE_string("backup_dir", None,
-                        "tfdist.BackupAndRestore directory, one that every worker "
-                        "sees: a rerun (a restarted or requeued job) resumes from it. "
-                        "On SIGTERM the workers save there at one step and exit 143.")
+    flags.DEFINE_enum(
+        "jit_compile",
+        "auto",
+        ["auto", "true", "false"],
+        "XLA (Keras compile's jit_compile): 'true' compiles each "
+        "replica's step; 'auto' turns it on where Keras would (a GPU).",
+    )
+    flags.DEFINE_string(
+        "backup_dir",
+        None,
+        "tfdist.BackupAndRestore directory, one that every worker "
+        "sees: a rerun (a restarted or requeued job) resumes from it. "
+        "On SIGTERM the workers save there at one step and exit 143.",
+    )
     adopt_flags()
 
 
@@ -75,6 +90,7 @@ def adopt_flags() -> None:
     defined in ``tfdist.strategies.flags`` and here.
     """
     import tfdist.strategies.flags as tfdist_flags
+
     main_module = sys.argv[0]
     for module in (tfdist_flags, sys.modules[__name__]):
         for flag in FLAGS.get_flags_for_module(module.__name__):
@@ -113,8 +129,9 @@ def make_data(examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype("int32")
 
 
-def build_model(learning_rate: float, seed: int, steps_per_execution: int = 1,
-                jit_compile: bool | str = "auto") -> Any:
+def build_model(
+    learning_rate: float, seed: int, steps_per_execution: int = 1, jit_compile: bool | str = "auto"
+) -> Any:
     """The scripts' model: a compiled 16-64-3 MLP with fixed initial weights.
 
     Args:
@@ -128,17 +145,22 @@ def build_model(learning_rate: float, seed: int, steps_per_execution: int = 1,
         A compiled ``keras.Sequential``; call this inside ``strategy.scope()``.
     """
     import keras
+
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(3),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(3),
+        ]
+    )
     model.compile(
         optimizer=keras.optimizers.Adam(learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"], steps_per_execution=steps_per_execution,
-        jit_compile=jit_compile)
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+        jit_compile=jit_compile,
+    )
     return model
 
 
@@ -150,10 +172,11 @@ def weights_sha256(weights: list[np.ndarray]) -> str:
 
 def _is_chief(strategy: Any) -> bool:
     from tfdist.training.callbacks import is_chief
+
     return is_chief(strategy)
 
 
-def _save_model(model: Any, strategy: Any, model_dir: str) -> str:
+def save_model(model: Any, strategy: Any, model_dir: str) -> str:
     """Saves ``model`` as ``model_dir/model.keras`` from the chief.
 
     The other workers save into a temporary directory that is removed: under
@@ -173,10 +196,19 @@ def _save_model(model: Any, strategy: Any, model_dir: str) -> str:
     return os.path.join(model_dir, "model.keras")
 
 
-def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
-          examples: int, learning_rate: float, seed: int,
-          callbacks: list | None = None, model_dir: str | None = None,
-          steps_per_execution: int = 1, jit_compile: bool | str = "auto") -> dict:
+def train(
+    strategy: Any,
+    *,
+    epochs: int,
+    per_replica_batch_size: int,
+    examples: int,
+    learning_rate: float,
+    seed: int,
+    callbacks: list | None = None,
+    model_dir: str | None = None,
+    steps_per_execution: int = 1,
+    jit_compile: bool | str = "auto",
+) -> dict:
     """Fits the model under ``strategy``; returns the final metrics.
 
     Args:
@@ -200,24 +232,27 @@ def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
         ``model_dir``, the saved model's path as ``saved_model``.
     """
     import tensorflow as tf
+
     global_batch = per_replica_batch_size * strategy.num_replicas_in_sync
     x, y = make_data(examples, seed)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        global_batch, drop_remainder=True)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
     options = tf.data.Options()
     # Every worker makes the same data, so shard by element, explicitly.
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA)
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     data = data.with_options(options)
     with strategy.scope():
         model = build_model(learning_rate, seed, steps_per_execution, jit_compile)
     callbacks = list(callbacks or [])
     if model_dir:
-        callbacks.append(tfdist.ModelCheckpoint(
-            os.path.join(model_dir, "checkpoints", "epoch-{epoch:02d}.keras")))
+        callbacks.append(
+            tfdist.ModelCheckpoint(
+                os.path.join(model_dir, "checkpoints", "epoch-{epoch:02d}.keras")
+            )
+        )
     chief = getattr(strategy, "is_chief", True)
-    history = model.fit(data, epochs=epochs, verbose=2 if chief else 0,
-                        shuffle=False, callbacks=callbacks)
+    history = model.fit(
+        data, epochs=epochs, verbose=2 if chief else 0, shuffle=False, callbacks=callbacks
+    )
     final = model.get_weights()
     weights = np.concatenate([w.ravel() for w in final])
     result = {
@@ -227,24 +262,26 @@ def train(strategy: Any, *, epochs: int, per_replica_batch_size: int,
         "loss": [float(v) for v in history.history["loss"]],
         "accuracy": float(history.history["accuracy"][-1]),
         "params": int(weights.size),
-        "weights_checksum": float(np.sum(weights * np.arange(1, weights.size + 1)
-                                         % 7)),
+        "weights_checksum": float(np.sum(weights * np.arange(1, weights.size + 1) % 7)),
         # Bit-for-bit identity of the final weights (multi-worker checks).
         "weights_sha256": weights_sha256(final),
     }
     if model_dir:
-        result["saved_model"] = _save_model(model, strategy, model_dir)
+        result["saved_model"] = save_model(model, strategy, model_dir)
     return result
 
 
 def print_settings(strategy: Any) -> None:
     """One line with the training settings the flags chose."""
     replicas = strategy.num_replicas_in_sync
-    print(f"training: {FLAGS.epochs} epoch(s) on {FLAGS.examples} examples, "
-          f"global batch {FLAGS.per_replica_batch_size * replicas} "
-          f"({FLAGS.per_replica_batch_size} per replica x {replicas} "
-          f"replica(s)), learning rate {FLAGS.learning_rate}, model_dir "
-          f"{FLAGS.model_dir or 'none'}", flush=True)
+    print(
+        f"training: {FLAGS.epochs} epoch(s) on {FLAGS.examples} examples, "
+        f"global batch {FLAGS.per_replica_batch_size * replicas} "
+        f"({FLAGS.per_replica_batch_size} per replica x {replicas} "
+        f"replica(s)), learning rate {FLAGS.learning_rate}, model_dir "
+        f"{FLAGS.model_dir or 'none'}",
+        flush=True,
+    )
 
 
 def report(result: dict, strategy: Any) -> None:
@@ -253,8 +290,11 @@ def report(result: dict, strategy: Any) -> None:
     ``results.json`` goes to ``--model_dir`` (when given), from the chief.
     """
     loss = result["loss"]
-    print(f"final: loss {loss[-1]:.4f} (first epoch {loss[0]:.4f}), "
-          f"accuracy {result['accuracy']:.4f}", flush=True)
+    print(
+        f"final: loss {loss[-1]:.4f} (first epoch {loss[0]:.4f}), "
+        f"accuracy {result['accuracy']:.4f}",
+        flush=True,
+    )
     print("tfdist result: " + json.dumps(result), flush=True)
     if FLAGS.model_dir and _is_chief(strategy):
         os.makedirs(FLAGS.model_dir, exist_ok=True)
@@ -274,15 +314,22 @@ def main(_argv: list[str]) -> None:
     callbacks = []
     if getattr(strategy, "compression", None) is not None and strategy.compression.enabled:
         from tfdist.compression import CommunicationStats
+
         callbacks.append(CommunicationStats())
     # Saves on preemption, resumes a rerun (after the stats, read below).
     backup = [tfdist.BackupAndRestore(FLAGS.backup_dir)] if FLAGS.backup_dir else []
     try:
-        result = train(strategy, epochs=FLAGS.epochs,
-                       per_replica_batch_size=FLAGS.per_replica_batch_size,
-                       examples=FLAGS.examples, learning_rate=FLAGS.learning_rate,
-                       seed=FLAGS.seed, callbacks=callbacks + backup,
-                       model_dir=FLAGS.model_dir, jit_compile=jit_compile_flag())
+        result = train(
+            strategy,
+            epochs=FLAGS.epochs,
+            per_replica_batch_size=FLAGS.per_replica_batch_size,
+            examples=FLAGS.examples,
+            learning_rate=FLAGS.learning_rate,
+            seed=FLAGS.seed,
+            callbacks=callbacks + backup,
+            model_dir=FLAGS.model_dir,
+            jit_compile=jit_compile_flag(),
+        )
     except TfdistError as error:
         exit_with(error)
     if callbacks and callbacks[0].last is not None:

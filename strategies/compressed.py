@@ -38,39 +38,55 @@ def main(_argv: list[str]) -> None:
     _common.print_settings(strategy)
     replicas = strategy.num_replicas_in_sync
     if not strategy.compression.enabled or replicas < 2:
-        _common.exit_with(TfdistError(
-            f"nothing to compress: compression={strategy.compression}, "
-            f"{replicas} replica(s) in sync. Give --compression and at least "
-            "2 replicas (--cpu_replicas=2, or a multi-worker TF_CONFIG)."))
+        _common.exit_with(
+            TfdistError(
+                f"nothing to compress: compression={strategy.compression}, "
+                f"{replicas} replica(s) in sync. Give --compression and at least "
+                "2 replicas (--cpu_replicas=2, or a multi-worker TF_CONFIG)."
+            )
+        )
     # The prediction needs only the shapes: a model outside the strategy.
     model = _common.build_model(FLAGS.learning_rate, FLAGS.seed)
     predicted = predict_traffic(model, strategy.compression, replicas)
-    print(f"predicted for {strategy.compression} after any warm-up: {predicted}",
-          flush=True)
+    print(f"predicted for {strategy.compression} after any warm-up: {predicted}", flush=True)
 
     stats = CommunicationStats()
     try:
         result = _common.train(
-            strategy, epochs=FLAGS.epochs,
+            strategy,
+            epochs=FLAGS.epochs,
             per_replica_batch_size=FLAGS.per_replica_batch_size,
-            examples=FLAGS.examples, learning_rate=FLAGS.learning_rate,
-            seed=FLAGS.seed, callbacks=[stats], model_dir=FLAGS.model_dir)
+            examples=FLAGS.examples,
+            learning_rate=FLAGS.learning_rate,
+            seed=FLAGS.seed,
+            callbacks=[stats],
+            model_dir=FLAGS.model_dir,
+        )
     except TfdistError as error:
         _common.exit_with(error)
     last = stats.last
     total_ratio = stats.total_dense_bytes / stats.total_bytes
-    print(f"bytes per step (last step): {last.sent:,.0f} sent per replica, "
-          f"{last.dense_sent:,.0f} for a dense fp32 all-reduce: "
-          f"ratio {last.ratio:.2f}x", flush=True)
-    print(f"whole run ({stats.steps} steps): {stats.total_bytes:,.0f} bytes sent "
-          f"per replica instead of {stats.total_dense_bytes:,.0f}: "
-          f"ratio {total_ratio:.2f}x", flush=True)
+    print(
+        f"bytes per step (last step): {last.sent:,.0f} sent per replica, "
+        f"{last.dense_sent:,.0f} for a dense fp32 all-reduce: "
+        f"ratio {last.ratio:.2f}x",
+        flush=True,
+    )
+    print(
+        f"whole run ({stats.steps} steps): {stats.total_bytes:,.0f} bytes sent "
+        f"per replica instead of {stats.total_dense_bytes:,.0f}: "
+        f"ratio {total_ratio:.2f}x",
+        flush=True,
+    )
     result["compression"] = str(strategy.compression)
     result["comm"] = last.as_logs()
     result["comm_predicted"] = predicted.as_logs()
-    result["comm_total"] = {"steps": stats.steps, "bytes": stats.total_bytes,
-                            "dense_bytes": stats.total_dense_bytes,
-                            "ratio": total_ratio}
+    result["comm_total"] = {
+        "steps": stats.steps,
+        "bytes": stats.total_bytes,
+        "dense_bytes": stats.total_dense_bytes,
+        "ratio": total_ratio,
+    }
     _common.report(result, strategy)
 
 

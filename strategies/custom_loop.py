@@ -31,17 +31,28 @@ import _common
 from tfdist.errors import TfdistError
 
 _common.define_flags()
-flags.DEFINE_integer("gradient_accumulation_steps", None,
-                     "Keras optimizers' gradient_accumulation_steps (>= 2): apply "
-                     "the mean gradient of this many steps; default: every step.")
+flags.DEFINE_integer(
+    "gradient_accumulation_steps",
+    None,
+    "Keras optimizers' gradient_accumulation_steps (>= 2): apply "
+    "the mean gradient of this many steps; default: every step.",
+)
 flags.FLAGS.set_default("strategy", "auto")
 flags.FLAGS.set_default("cpu_replicas", 2)
 FLAGS = flags.FLAGS
 
 
-def train_loop(strategy, *, epochs: int, per_replica_batch_size: int, examples: int,
-               learning_rate: float, seed: int, accumulation: int | None = None,
-               checkpoint_dir: str | None = None) -> dict:
+def train_loop(
+    strategy,
+    *,
+    epochs: int,
+    per_replica_batch_size: int,
+    examples: int,
+    learning_rate: float,
+    seed: int,
+    accumulation: int | None = None,
+    checkpoint_dir: str | None = None,
+) -> dict:
     """Trains the scripts' model with a custom loop; returns the final metrics.
 
     Args:
@@ -69,19 +80,16 @@ def train_loop(strategy, *, epochs: int, per_replica_batch_size: int, examples: 
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
     options = tf.data.Options()
     # Every worker makes the same data, so shard by element, explicitly.
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA)
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     dist_data = strategy.experimental_distribute_dataset(data.with_options(options))
 
     with strategy.scope():
         keras.utils.set_random_seed(seed)
-        model = keras.Sequential([keras.Input((16,)),
-                                  keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(3)])
-        optimizer = keras.optimizers.Adam(learning_rate,
-                                          gradient_accumulation_steps=accumulation)
-        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                                 reduction=None)
+        model = keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(3)]
+        )
+        optimizer = keras.optimizers.Adam(learning_rate, gradient_accumulation_steps=accumulation)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         accuracy = keras.metrics.SparseCategoricalAccuracy()
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
 
@@ -89,8 +97,9 @@ def train_loop(strategy, *, epochs: int, per_replica_batch_size: int, examples: 
         features, labels = inputs
         with tf.GradientTape() as tape:
             logits = model(features, training=True)
-            loss = tf.nn.compute_average_loss(loss_object(labels, logits),
-                                              global_batch_size=global_batch)
+            loss = tf.nn.compute_average_loss(
+                loss_object(labels, logits), global_batch_size=global_batch
+            )
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         accuracy.update_state(labels, logits)
@@ -115,9 +124,12 @@ def train_loop(strategy, *, epochs: int, per_replica_batch_size: int, examples: 
         # worker reads it, the chief prints it.
         epoch_accuracy = float(accuracy.result())
         if chief:
-            print(f"epoch {epoch + 1}: loss {losses[-1]:.4f}, accuracy "
-                  f"{epoch_accuracy:.4f}, {sent:,.0f} bytes sent per replica "
-                  f"so far ({dense:,.0f} dense)", flush=True)
+            print(
+                f"epoch {epoch + 1}: loss {losses[-1]:.4f}, accuracy "
+                f"{epoch_accuracy:.4f}, {sent:,.0f} bytes sent per replica "
+                f"so far ({dense:,.0f} dense)",
+                flush=True,
+            )
         if checkpoint_dir:
             # Saving is a collective under MultiWorkerMirrored: every worker
             # saves, the others into a directory they remove.
@@ -137,9 +149,13 @@ def train_loop(strategy, *, epochs: int, per_replica_batch_size: int, examples: 
         "accuracy": float(accuracy.result()),
         "params": int(weights.size),
         "weights_sha256": _common.weights_sha256(final),
-        "comm_total": {"steps": steps, "updates": int(optimizer.iterations.numpy()),
-                       "bytes": sent, "dense_bytes": dense,
-                       "ratio": dense / sent if sent else None},
+        "comm_total": {
+            "steps": steps,
+            "updates": int(optimizer.iterations.numpy()),
+            "bytes": sent,
+            "dense_bytes": dense,
+            "ratio": dense / sent if sent else None,
+        },
     }
 
 
@@ -149,18 +165,27 @@ def main(_argv: list[str]) -> None:
     _common.print_settings(strategy)
     try:
         result = train_loop(
-            strategy, epochs=FLAGS.epochs, per_replica_batch_size=FLAGS.per_replica_batch_size,
-            examples=FLAGS.examples, learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
+            strategy,
+            epochs=FLAGS.epochs,
+            per_replica_batch_size=FLAGS.per_replica_batch_size,
+            examples=FLAGS.examples,
+            learning_rate=FLAGS.learning_rate,
+            seed=FLAGS.seed,
             accumulation=FLAGS.gradient_accumulation_steps,
-            checkpoint_dir=(os.path.join(FLAGS.model_dir, "checkpoints")
-                            if FLAGS.model_dir else None))
+            checkpoint_dir=(
+                os.path.join(FLAGS.model_dir, "checkpoints") if FLAGS.model_dir else None
+            ),
+        )
     except (TfdistError, ValueError) as error:
         _common.exit_with(error)
     result["compression"] = str(strategy.compression)
     total = result["comm_total"]
-    print(f"whole run ({total['steps']} steps, {total['updates']} updates): "
-          f"{total['bytes']:,.0f} bytes sent per replica instead of "
-          f"{total['dense_bytes']:,.0f} without compression", flush=True)
+    print(
+        f"whole run ({total['steps']} steps, {total['updates']} updates): "
+        f"{total['bytes']:,.0f} bytes sent per replica instead of "
+        f"{total['dense_bytes']:,.0f} without compression",
+        flush=True,
+    )
     _common.report(result, strategy)
 
 

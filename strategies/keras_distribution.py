@@ -44,32 +44,45 @@ FLAGS.set_default("per_replica_batch_size", 2)
 FLAGS.set_default("examples", 64)
 FLAGS.set_default("learning_rate", 1e-3)
 flags.DEFINE_enum("family", "llama", ["llama", "gemma", "qwen"], "keras-hub model family.")
-flags.DEFINE_enum("layout", "model_parallel", ["model_parallel", "data_parallel"],
-                  "ModelParallel with the backbone's layout map, or DataParallel.")
+flags.DEFINE_enum(
+    "layout",
+    "model_parallel",
+    ["model_parallel", "data_parallel"],
+    "ModelParallel with the backbone's layout map, or DataParallel.",
+)
 flags.DEFINE_string("mesh", "2,2", "The (batch, model) mesh shape, e.g. 1,2.")
 flags.DEFINE_integer("seq_len", 16, "Tokens per row.")
 flags.DEFINE_integer("vocab_size", 512, "Vocabulary size.")
 flags.DEFINE_integer("hidden", 64, "Hidden width.")
 flags.DEFINE_integer("layers", 2, "Decoder layers.")
-flags.DEFINE_bool("compare", False, "Also train unsharded on one device and report the "
-                  "differences.")
+flags.DEFINE_bool(
+    "compare", False, "Also train unsharded on one device and report the differences."
+)
 
 
 def causal_lm(keras, keras_hub):
     """The family's CausalLM at --hidden/--layers, compiled with Adam."""
     models = keras_hub.models
-    common = dict(vocabulary_size=FLAGS.vocab_size, num_layers=FLAGS.layers,
-                  hidden_dim=FLAGS.hidden, num_query_heads=4, num_key_value_heads=2,
-                  intermediate_dim=4 * FLAGS.hidden)
+    common = dict(
+        vocabulary_size=FLAGS.vocab_size,
+        num_layers=FLAGS.layers,
+        hidden_dim=FLAGS.hidden,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        intermediate_dim=4 * FLAGS.hidden,
+    )
     if FLAGS.family == "gemma":
-        lm = models.GemmaCausalLM(models.GemmaBackbone(**common, head_dim=FLAGS.hidden // 4),
-                                  preprocessor=None)
+        lm = models.GemmaCausalLM(
+            models.GemmaBackbone(**common, head_dim=FLAGS.hidden // 4), preprocessor=None
+        )
     elif FLAGS.family == "llama":
         lm = models.LlamaCausalLM(models.LlamaBackbone(**common), preprocessor=None)
     else:
         lm = models.QwenCausalLM(models.QwenBackbone(**common), preprocessor=None)
-    lm.compile(optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    lm.compile(
+        optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     return lm
 
 
@@ -85,28 +98,35 @@ def mesh_shape() -> tuple[int, int]:
     try:
         batch, model = (int(p) for p in FLAGS.mesh.split(","))
     except ValueError:
-        _common.exit_with(ValueError(f"--mesh: expected two integers like 2,2. Received: "
-                                     f"{FLAGS.mesh!r}"))
+        _common.exit_with(
+            ValueError(f"--mesh: expected two integers like 2,2. Received: {FLAGS.mesh!r}")
+        )
     return batch, model
 
 
 def main(_argv: list[str]) -> None:
     batch, model = mesh_shape()
     if FLAGS.strategy != "auto":
-        _common.exit_with(ValueError(
-            f"--strategy: expected auto (keras.distribution chooses the strategy). "
-            f"Received: {FLAGS.strategy!r}"))
+        _common.exit_with(
+            ValueError(
+                f"--strategy: expected auto (keras.distribution chooses the strategy). "
+                f"Received: {FLAGS.strategy!r}"
+            )
+        )
     rows = FLAGS.per_replica_batch_size * batch * model  # The global batch.
     in_cluster = bool(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster"))
     import tensorflow as tf
+
     if not in_cluster:  # Before TensorFlow runs anything: one logical CPU per position.
         tf.config.set_logical_device_configuration(
             tf.config.list_physical_devices("CPU")[0],
-            [tf.config.LogicalDeviceConfiguration()] * (batch * model))
+            [tf.config.LogicalDeviceConfiguration()] * (batch * model),
+        )
     import keras
     import keras_hub
 
     import tfdist
+
     try:
         if in_cluster:
             keras.distribution.initialize()
@@ -114,22 +134,32 @@ def main(_argv: list[str]) -> None:
         keras.utils.set_random_seed(FLAGS.seed)
         twin = causal_lm(keras, keras_hub)  # No distribution yet: one device.
         initial = twin.get_weights()
-        twin_losses = (twin.fit(x, y, batch_size=rows, epochs=FLAGS.epochs,
-                                shuffle=False, verbose=0).history["loss"]
-                       if FLAGS.compare else None)
+        twin_losses = (
+            twin.fit(x, y, batch_size=rows, epochs=FLAGS.epochs, shuffle=False, verbose=0).history[
+                "loss"
+            ]
+            if FLAGS.compare
+            else None
+        )
         devices = keras.distribution.list_devices()
-        backbone = {"gemma": keras_hub.models.GemmaBackbone,
-                    "llama": keras_hub.models.LlamaBackbone,
-                    "qwen": keras_hub.models.QwenBackbone}[FLAGS.family]
+        backbone = {
+            "gemma": keras_hub.models.GemmaBackbone,
+            "llama": keras_hub.models.LlamaBackbone,
+            "qwen": keras_hub.models.QwenBackbone,
+        }[FLAGS.family]
         if FLAGS.layout == "model_parallel":
-            device_mesh = keras.distribution.DeviceMesh((batch, model), ["batch", "model"],
-                                                        devices[:batch * model])
+            device_mesh = keras.distribution.DeviceMesh(
+                (batch, model), ["batch", "model"], devices[: batch * model]
+            )
             distribution = tfdist.distribution.ModelParallel(
-                layout_map=backbone.get_layout_map(device_mesh), batch_dim_name="batch",
-                compression=FLAGS.compression)
+                layout_map=backbone.get_layout_map(device_mesh),
+                batch_dim_name="batch",
+                compression=FLAGS.compression,
+            )
         else:
             distribution = tfdist.distribution.DataParallel(
-                devices=devices[:batch * model], compression=FLAGS.compression)
+                devices=devices[: batch * model], compression=FLAGS.compression
+            )
         keras.distribution.set_distribution(distribution)
         lm = causal_lm(keras, keras_hub)
         lm.set_weights(initial)
@@ -139,25 +169,34 @@ def main(_argv: list[str]) -> None:
     print(tfdist.describe(strategy), flush=True)
     table = tfdist.distribution.report(lm, distribution)
     print(table, flush=True)
-    history = lm.fit(x, y, batch_size=rows, epochs=FLAGS.epochs, shuffle=False,
-                     verbose=0).history["loss"]
+    history = lm.fit(x, y, batch_size=rows, epochs=FLAGS.epochs, shuffle=False, verbose=0).history[
+        "loss"
+    ]
     for epoch, loss in enumerate(history, 1):
         print(f"epoch {epoch}: loss {loss:.4f}", flush=True)
     weights = lm.get_weights()  # Full values (a collective across processes).
-    result = {"family": FLAGS.family, "layout": FLAGS.layout, "mesh": [batch, model],
-              "replicas": strategy.num_replicas_in_sync, "task": strategy.task,
-              "loss": history, "weights_per_device": table.bytes_per_device,
-              "full_weights": table.full_bytes,
-              "split_weights": sum(r.how != "replicated" for r in table.rows),
-              "weights_sha256": _common.weights_sha256(weights)}
+    result = {
+        "family": FLAGS.family,
+        "layout": FLAGS.layout,
+        "mesh": [batch, model],
+        "replicas": strategy.num_replicas_in_sync,
+        "task": strategy.task,
+        "loss": history,
+        "weights_per_device": table.bytes_per_device,
+        "full_weights": table.full_bytes,
+        "split_weights": sum(r.how != "replicated" for r in table.rows),
+        "weights_sha256": _common.weights_sha256(weights),
+    }
     if FLAGS.compare:
         result["compare"] = {
             "twin_loss": twin_losses,
             "max_loss_diff": max(abs(a - b) for a, b in zip(history, twin_losses)),
-            "max_weight_diff": max(float(np.max(np.abs(a - b)))
-                                   for a, b in zip(weights, twin.get_weights()))}
+            "max_weight_diff": max(
+                float(np.max(np.abs(a - b))) for a, b in zip(weights, twin.get_weights())
+            ),
+        }
     if FLAGS.model_dir:  # Every worker saves (full values are a collective); the chief keeps it.
-        result["saved_model"] = _common._save_model(lm, strategy, FLAGS.model_dir)
+        result["saved_model"] = _common.save_model(lm, strategy, FLAGS.model_dir)
     print("tfdist result: " + json.dumps(result), flush=True)
     keras.distribution.set_distribution(None)
 

@@ -15,7 +15,7 @@ line ``tfdist hosts SPEC -- strategies/multi_worker_mirrored.py`` prints for
 it. strategy_from_config() reads TF_CONFIG (or a Slurm step) and returns
 tfdist's MultiWorkerMirroredStrategy, which fixes Keras 3 fit in multi-worker
 jobs. Only the chief (worker 0) writes to --model_dir.
-"""
+"""  # noqa: E501 - its shell commands are copied whole
 
 from absl import app, flags
 

@@ -34,19 +34,34 @@ from absl import app, flags
 import _common
 
 _common.define_flags()
-flags.DEFINE_integer("local_workers", 0, "Start a local cluster with this many "
-                     "worker servers (and --local_ps ps) instead of reading "
-                     "TF_CONFIG; 0: use TF_CONFIG.")
+flags.DEFINE_integer(
+    "local_workers",
+    0,
+    "Start a local cluster with this many "
+    "worker servers (and --local_ps ps) instead of reading "
+    "TF_CONFIG; 0: use TF_CONFIG.",
+)
 flags.DEFINE_integer("local_ps", 1, "Parameter servers of the --local_workers cluster.")
-flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch over all workers; "
-                     "default: examples / per_replica_batch_size.")
+flags.DEFINE_integer(
+    "steps_per_epoch",
+    None,
+    "Steps per epoch over all workers; default: examples / per_replica_batch_size.",
+)
 flags.FLAGS.set_default("strategy", "parameter_server")
 FLAGS = flags.FLAGS
 
 
-def train(strategy, *, epochs: int, batch_size: int, steps_per_epoch: int | None,
-          examples: int, learning_rate: float, seed: int,
-          model_dir: str | None) -> dict:
+def train(
+    strategy,
+    *,
+    epochs: int,
+    batch_size: int,
+    steps_per_epoch: int | None,
+    examples: int,
+    learning_rate: float,
+    seed: int,
+    model_dir: str | None,
+) -> dict:
     """Trains under ``strategy`` with ``model.fit``; returns the final metrics.
 
     Args:
@@ -63,6 +78,7 @@ def train(strategy, *, epochs: int, batch_size: int, steps_per_epoch: int | None
     import numpy as np
 
     import tfdist
+
     x, y = _common.make_data(examples + examples // 4, seed)
     x_val, y_val = x[examples:], y[examples:]
     x, y = x[:examples], y[:examples]
@@ -72,12 +88,20 @@ def train(strategy, *, epochs: int, batch_size: int, steps_per_epoch: int | None
     if model_dir:
         callbacks += [
             tfdist.BackupAndRestore(os.path.join(model_dir, "backup")),
-            tfdist.ModelCheckpoint(os.path.join(model_dir, "checkpoints",
-                                                "epoch-{epoch:02d}.keras"))]
-    history = model.fit(x, y, batch_size=batch_size, epochs=epochs,
-                        steps_per_epoch=steps_per_epoch,
-                        validation_data=(x_val, y_val), callbacks=callbacks,
-                        verbose=2)
+            tfdist.ModelCheckpoint(
+                os.path.join(model_dir, "checkpoints", "epoch-{epoch:02d}.keras")
+            ),
+        ]
+    history = model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        validation_data=(x_val, y_val),
+        callbacks=callbacks,
+        verbose=2,
+    )
     final = model.get_weights()
     result = {
         "strategy": type(strategy).__name__,
@@ -94,7 +118,7 @@ def train(strategy, *, epochs: int, batch_size: int, steps_per_epoch: int | None
         "weights_sha256": _common.weights_sha256(final),
     }
     if model_dir:
-        result["saved_model"] = _common._save_model(model, strategy, model_dir)
+        result["saved_model"] = _common.save_model(model, strategy, model_dir)
     return result
 
 
@@ -112,20 +136,30 @@ def main(_argv) -> None:
         print(f"local cluster: {cluster.cluster}", flush=True)
     with cluster:
         strategy = _common.strategy_from_flags()
-        print(f"training: {FLAGS.epochs} epoch(s) on {FLAGS.examples} examples, "
-              f"batch {FLAGS.per_replica_batch_size} per step, learning rate "
-              f"{FLAGS.learning_rate}, model_dir {FLAGS.model_dir or 'none'}", flush=True)
+        print(
+            f"training: {FLAGS.epochs} epoch(s) on {FLAGS.examples} examples, "
+            f"batch {FLAGS.per_replica_batch_size} per step, learning rate "
+            f"{FLAGS.learning_rate}, model_dir {FLAGS.model_dir or 'none'}",
+            flush=True,
+        )
         try:
-            result = train(strategy, epochs=FLAGS.epochs,
-                           batch_size=FLAGS.per_replica_batch_size,
-                           steps_per_epoch=FLAGS.steps_per_epoch,
-                           examples=FLAGS.examples, learning_rate=FLAGS.learning_rate,
-                           seed=FLAGS.seed, model_dir=FLAGS.model_dir)
+            result = train(
+                strategy,
+                epochs=FLAGS.epochs,
+                batch_size=FLAGS.per_replica_batch_size,
+                steps_per_epoch=FLAGS.steps_per_epoch,
+                examples=FLAGS.examples,
+                learning_rate=FLAGS.learning_rate,
+                seed=FLAGS.seed,
+                model_dir=FLAGS.model_dir,
+            )
         except TfdistError as error:
             _common.exit_with(error)
-        print(f"steps: {result['iterations']} optimizer steps for "
-              f"{result['epochs_run']} epoch(s) x {result['steps_per_epoch']} steps",
-              flush=True)
+        print(
+            f"steps: {result['iterations']} optimizer steps for "
+            f"{result['epochs_run']} epoch(s) x {result['steps_per_epoch']} steps",
+            flush=True,
+        )
         _common.report(result, strategy)
 
 

@@ -61,14 +61,19 @@ flags.DEFINE_integer("embed_dim", 32, "Model width.")
 flags.DEFINE_integer("num_heads", 4, "Attention heads (T must divide them).")
 flags.DEFINE_integer("ff_dim", 64, "The MLP's hidden width (T must divide it).")
 flags.DEFINE_integer("blocks", 1, "Transformer blocks.")
-flags.DEFINE_string("activation", "gelu", "The MLP's hidden activation (keras-io's "
-                    "example has relu; see --compare).")
-flags.DEFINE_bool("compare", False, "Also train unsharded on one device and "
-                  "report the differences.")
+flags.DEFINE_string(
+    "activation",
+    "gelu",
+    "The MLP's hidden activation (keras-io's example has relu; see --compare).",
+)
+flags.DEFINE_bool(
+    "compare", False, "Also train unsharded on one device and report the differences."
+)
 
 
-def make_text_data(examples: int, vocab: int, seq_len: int,
-                   seed: int) -> tuple[np.ndarray, np.ndarray]:
+def make_text_data(
+    examples: int, vocab: int, seq_len: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Token sequences of 2 classes, zero-padded at the end.
 
     Class c draws 55% of its tokens from its half of the vocabulary and the
@@ -97,6 +102,7 @@ def _token_and_position_embedding() -> Any:
     if _EMBEDDING:
         return _EMBEDDING[0]
     import keras
+
     from tfdist import parallel
 
     @keras.saving.register_keras_serializable(package="tfdist_examples")
@@ -108,8 +114,9 @@ def _token_and_position_embedding() -> Any:
 
         def build(self, input_shape):
             self.tokens.build(input_shape)
-            self.positions = self.add_weight(name="positions", shape=(self.seq_len, self.dim),
-                                             initializer="uniform")
+            self.positions = self.add_weight(
+                name="positions", shape=(self.seq_len, self.dim), initializer="uniform"
+            )
 
         def call(self, ids):
             return self.tokens(ids) + keras.ops.cast(self.positions, self.compute_dtype)
@@ -118,29 +125,46 @@ def _token_and_position_embedding() -> Any:
             return self.tokens.compute_mask(ids)
 
         def get_config(self):
-            return {**super().get_config(), "vocab": self.vocab, "seq_len": self.seq_len,
-                    "dim": self.dim}
+            return {
+                **super().get_config(),
+                "vocab": self.vocab,
+                "seq_len": self.seq_len,
+                "dim": self.dim,
+            }
 
     _EMBEDDING.append(TokenAndPositionEmbedding)
     return TokenAndPositionEmbedding
 
 
-def build_model(*, vocab: int, seq_len: int, dim: int, heads: int, ff_dim: int,
-                blocks: int, activation: str, learning_rate: float) -> Any:
+def build_model(
+    *,
+    vocab: int,
+    seq_len: int,
+    dim: int,
+    heads: int,
+    ff_dim: int,
+    blocks: int,
+    activation: str,
+    learning_rate: float,
+) -> Any:
     """The compiled classifier; tensor-parallel under a mesh, Keras's otherwise."""
     import keras
+
     from tfdist import parallel
 
     ids = keras.Input((seq_len,), dtype="int32")
     x = _token_and_position_embedding()(vocab, seq_len, dim)(ids)
     for _ in range(blocks):
-        x = parallel.TransformerBlock(heads, dim // heads, ff_dim, dropout=0.0,
-                                      activation=activation)(x)
+        x = parallel.TransformerBlock(
+            heads, dim // heads, ff_dim, dropout=0.0, activation=activation
+        )(x)
     x = keras.layers.GlobalAveragePooling1D()(x)
     model = keras.Model(ids, keras.layers.Dense(2)(x))
-    model.compile(optimizer=keras.optimizers.Adam(learning_rate),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -154,6 +178,7 @@ def _variable_bytes(model: Any) -> int:
 def main(_argv: list[str]) -> None:
     """Builds the mesh, trains, and reports."""
     import tensorflow as tf
+
     from tfdist import parallel
 
     # --model_parallel: strategy_from_config(model_parallel=T) builds the
@@ -162,10 +187,18 @@ def main(_argv: list[str]) -> None:
     mesh = parallel.mesh_of(strategy)
     tp = mesh.tp if mesh is not None else 1
     _common.print_settings(strategy)
-    settings = dict(vocab=FLAGS.vocab_size, seq_len=FLAGS.seq_len, dim=FLAGS.embed_dim,
-                    heads=FLAGS.num_heads, ff_dim=FLAGS.ff_dim, blocks=FLAGS.blocks,
-                    activation=FLAGS.activation, learning_rate=FLAGS.learning_rate)
+    settings = dict(
+        vocab=FLAGS.vocab_size,
+        seq_len=FLAGS.seq_len,
+        dim=FLAGS.embed_dim,
+        heads=FLAGS.num_heads,
+        ff_dim=FLAGS.ff_dim,
+        blocks=FLAGS.blocks,
+        activation=FLAGS.activation,
+        learning_rate=FLAGS.learning_rate,
+    )
     import keras
+
     keras.utils.set_random_seed(FLAGS.seed)
     # The initial weights, full, from the same model outside the strategy.
     reference = build_model(**settings)
@@ -183,8 +216,7 @@ def main(_argv: list[str]) -> None:
     x, y = make_text_data(FLAGS.examples, FLAGS.vocab_size, FLAGS.seq_len, FLAGS.seed)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
     options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA)
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     data = data.with_options(options)
     steps = FLAGS.examples // global_batch * FLAGS.epochs
     chief = getattr(strategy, "is_chief", True)
@@ -192,12 +224,16 @@ def main(_argv: list[str]) -> None:
     start = time.perf_counter()
     callbacks = []
     if FLAGS.model_dir:  # Files hold full weights (tfdist.parallel.saving).
-        callbacks.append(tfdist.ModelCheckpoint(
-            os.path.join(FLAGS.model_dir, "checkpoints", "epoch-{epoch:02d}.keras")))
+        callbacks.append(
+            tfdist.ModelCheckpoint(
+                os.path.join(FLAGS.model_dir, "checkpoints", "epoch-{epoch:02d}.keras")
+            )
+        )
     if FLAGS.backup_dir:
         callbacks.append(tfdist.BackupAndRestore(FLAGS.backup_dir))
-    history = model.fit(data, epochs=FLAGS.epochs, verbose=2 if chief else 0, shuffle=False,
-                        callbacks=callbacks)
+    history = model.fit(
+        data, epochs=FLAGS.epochs, verbose=2 if chief else 0, shuffle=False, callbacks=callbacks
+    )
     seconds = time.perf_counter() - start
     sent = parallel.traffic(strategy)
     full = [parallel.full_value(v) for v in model.weights]
@@ -216,14 +252,21 @@ def main(_argv: list[str]) -> None:
         "fit_seconds": round(seconds, 2),
         "weights_sha256": _common.weights_sha256(full),
     }
-    print(f"variables per device: {result['variable_bytes_per_device']} bytes "
-          f"(weights and Adam's slots; {result['params']} parameters in all)", flush=True)
+    print(
+        f"variables per device: {result['variable_bytes_per_device']} bytes "
+        f"(weights and Adam's slots; {result['params']} parameters in all)",
+        flush=True,
+    )
     if sent:
-        print("sent per replica per step: " + ", ".join(
-            f"{kind} {value:.0f} bytes" for kind, value in result["sent_bytes_per_step"].items()),
-            flush=True)
+        print(
+            "sent per replica per step: "
+            + ", ".join(
+                f"{kind} {value:.0f} bytes" for kind, value in result["sent_bytes_per_step"].items()
+            ),
+            flush=True,
+        )
     if FLAGS.model_dir:
-        result["saved_model"] = _common._save_model(model, strategy, FLAGS.model_dir)
+        result["saved_model"] = _common.save_model(model, strategy, FLAGS.model_dir)
     if FLAGS.compare:
         result["compare"] = _compare(reference, x, y, global_batch, result["loss"], full)
         print(f"against unsharded on one device: {result['compare']}", flush=True)
@@ -232,21 +275,26 @@ def main(_argv: list[str]) -> None:
 
 def _compare(reference: Any, x, y, global_batch: int, losses: list, full: list) -> dict:
     """Trains the unsharded reference on the same batches; the differences."""
-    history = reference.fit(x[:len(x) // global_batch * global_batch],
-                            y[:len(y) // global_batch * global_batch],
-                            batch_size=global_batch, epochs=FLAGS.epochs,
-                            shuffle=False, verbose=0)
+    history = reference.fit(
+        x[: len(x) // global_batch * global_batch],
+        y[: len(y) // global_batch * global_batch],
+        batch_size=global_batch,
+        epochs=FLAGS.epochs,
+        shuffle=False,
+        verbose=0,
+    )
     ref_losses = history.history["loss"]
-    diffs = {v.path: float(np.max(np.abs(a - b)))
-             for v, a, b in zip(reference.weights, full, reference.get_weights())}
+    diffs = {
+        v.path: float(np.max(np.abs(a - b)))
+        for v, a, b in zip(reference.weights, full, reference.get_weights())
+    }
     # A key bias's true gradient is 0 (softmax cancels it): Adam turns its
     # rounding noise into steps, so it is reported apart.
     key_bias = [d for path, d in diffs.items() if path.endswith("key/bias")]
     return {
         "unsharded_variable_bytes": _variable_bytes(reference),
         "max_loss_diff": float(np.max(np.abs(np.subtract(losses, ref_losses)))),
-        "max_weight_diff": max(d for path, d in diffs.items()
-                               if not path.endswith("key/bias")),
+        "max_weight_diff": max(d for path, d in diffs.items() if not path.endswith("key/bias")),
         "max_key_bias_diff": max(key_bias, default=0.0),
     }
 

@@ -25,10 +25,19 @@ for _part in sorted(Path(__file__).resolve().parent.iterdir()):
 LOGICAL_CPUS = 4
 
 #: Variables that change strategy detection; tests start without them.
-_DETECTION_VARS = ("TF_CONFIG", "TPU_NAME", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
-                   "SLURM_NTASKS", "TFDIST_CPU_REPLICAS", "TFDIST_REGISTER_TIMEOUT",
-                   "TFDIST_COLLECTIVE_TIMEOUT", "TFDIST_COMMUNICATION", "TFDIST_MODEL_PARALLEL",
-                   "TFDIST_TIMELINE")
+_DETECTION_VARS = (
+    "TF_CONFIG",
+    "TPU_NAME",
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_NTASKS",
+    "TFDIST_CPU_REPLICAS",
+    "TFDIST_REGISTER_TIMEOUT",
+    "TFDIST_COLLECTIVE_TIMEOUT",
+    "TFDIST_COMMUNICATION",
+    "TFDIST_MODEL_PARALLEL",
+    "TFDIST_TIMELINE",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -42,10 +51,12 @@ def clean_env(monkeypatch):
 def tf_cpus():
     """Imports TensorFlow with the CPU split into LOGICAL_CPUS devices."""
     import tensorflow as tf
+
     cpu = tf.config.list_physical_devices("CPU")[0]
     if tf.config.get_logical_device_configuration(cpu) is None:
         tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS)
+            cpu, [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS
+        )
     assert len(tf.config.list_logical_devices("CPU")) == LOGICAL_CPUS
     return tf
 
@@ -54,7 +65,8 @@ def subprocess_env(**extra: str) -> dict:
     """Environment for a TensorFlow subprocess: quiet, repo importable."""
     env = {k: v for k, v in os.environ.items() if k not in _DETECTION_VARS}
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), str(REPO / "strategies"), env.get("PYTHONPATH", "")])
+        [str(REPO), str(REPO / "strategies"), env.get("PYTHONPATH", "")]
+    )
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -66,9 +78,14 @@ def start(args, *, tf_config: dict | None = None, **extra_env) -> subprocess.Pop
     env = subprocess_env(**extra_env)
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
-    return subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(procs, timeout: float) -> list[tuple[int, str, str]]:
@@ -90,7 +107,7 @@ def result_line(stdout: str) -> dict:
     """The JSON after 'tfdist result: ' in a script's output."""
     for line in stdout.splitlines():
         if line.startswith("tfdist result: "):
-            return json.loads(line[len("tfdist result: "):])
+            return json.loads(line[len("tfdist result: ") :])
     raise AssertionError(f"no 'tfdist result:' line in output:\n{stdout[-3000:]}")
 
 

@@ -1,7 +1,7 @@
 """tfdist's layers import in one direction, without cycles, and the lowest
 import no TensorFlow.
 
-The layers, lowest first (README "Layout"); a module may import its own layer
+The layers, lowest first (docs/reference/layout.md); a module may import its own layer
 and the ones below, at module level or inside a function:
 
     base (errors, plugins, compat, ...) < spec < compression < strategies < parallel
@@ -88,8 +88,9 @@ def imports_of(module: str, path: Path) -> list[tuple[str, int, bool]]:
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                   ast.Lambda))
+            inner = top and not isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            )
             if isinstance(child, ast.Import):
                 for alias in child.names:
                     add(alias.name, child.lineno, inner)
@@ -98,13 +99,20 @@ def imports_of(module: str, path: Path) -> list[tuple[str, int, bool]]:
                 for alias in child.names:
                     full = f"{target}.{alias.name}"
                     add(full if full in MODULES else target, child.lineno, inner)
-            elif (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
-                  and child.func.attr == "import_module" and child.args
-                  and isinstance(child.args[0], ast.Constant)
-                  and isinstance(child.args[0].value, str)):
+            elif (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr == "import_module"
+                and child.args
+                and isinstance(child.args[0], ast.Constant)
+                and isinstance(child.args[0].value, str)
+            ):
                 add(child.args[0].value, child.lineno, False)
-            elif (isinstance(child, ast.Assign) and isinstance(child.value, ast.Dict)
-                  and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in child.targets)):
+            elif (
+                isinstance(child, ast.Assign)
+                and isinstance(child.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in child.targets)
+            ):
                 # A lazy-name table: its values are modules, absolute or relative.
                 for value in child.value.values:
                     if isinstance(value, ast.Constant) and isinstance(value.value, str):
@@ -120,8 +128,9 @@ GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
 
 
 def test_every_module_belongs_to_a_layer():
-    loose = [name for name, path in MODULES.items()
-             if name not in FACADE and layer_of(name) is None]
+    loose = [
+        name for name, path in MODULES.items() if name not in FACADE and layer_of(name) is None
+    ]
     assert loose == [], f"modules in no layer of tests/test_layering.py: {loose}"
 
 
@@ -135,9 +144,11 @@ def test_no_module_imports_a_higher_layer():
             theirs = layer_of(target)
             if theirs is None or theirs > mine:
                 where = "module level" if top else "inside a function"
-                upward.append(f"{name}:{line} imports {target} ({where}); "
-                              f"{LAYERS[mine][0]} is below "
-                              f"{LAYERS[theirs][0] if theirs is not None else 'the facade'}")
+                upward.append(
+                    f"{name}:{line} imports {target} ({where}); "
+                    f"{LAYERS[mine][0]} is below "
+                    f"{LAYERS[theirs][0] if theirs is not None else 'the facade'}"
+                )
     assert upward == [], "\n".join(upward)
 
 
@@ -199,6 +210,7 @@ def test_no_import_cycle_between_packages():
     """Imports inside functions included. Within one package a function may
     import a module that imports its own (as ``TFConfig.with_task`` calls
     ``validate``); between packages nothing may loop."""
+
     def package(name: str) -> str:
         parts = name.split(".")
         return ".".join(parts[:2]) if len(parts) > 1 else name
@@ -214,30 +226,49 @@ def test_no_import_cycle_between_packages():
 def test_the_checks_catch_a_forbidden_import(tmp_path):
     """The graph reader sees imports inside functions and lazy tables."""
     source = tmp_path / "probe.py"
-    source.write_text("_LAZY = {'x': 'tfdist.engines.launch'}\n"
-                      "def f():\n    from tfdist.training import steps\n"
-                      "import tfdist.cli\n")
+    source.write_text(
+        "_LAZY = {'x': 'tfdist.engines.launch'}\n"
+        "def f():\n    from tfdist.training import steps\n"
+        "import tfdist.cli\n"
+    )
     found = {(target, top) for target, _, top in imports_of("tfdist.spec.probe", source)}
-    assert found == {("tfdist.engines.launch", False), ("tfdist.training.steps", False),
-                     ("tfdist.cli", True)}
+    assert found == {
+        ("tfdist.engines.launch", False),
+        ("tfdist.training.steps", False),
+        ("tfdist.cli", True),
+    }
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def _loaded_after(code: str) -> list[str]:
     result = subprocess.run(
         [sys.executable, "-c", code + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_the_spec_layer_and_the_launcher_load_no_tensorflow():
-    launcher = [name for name in MODULES
-                if name.startswith(("tfdist.spec", "tfdist.cli"))
-                or name in ("tfdist.engines.launch", "tfdist.engines.elastic",
-                            "tfdist.engines.hosts", "tfdist.engines.horovodrun",
-                            "tfdist.engines.hvd_worker", "tfdist.engines.net",
-                            "tfdist.engines.quiet", "tfdist.plugins")]
+    launcher = [
+        name
+        for name in MODULES
+        if name.startswith(("tfdist.spec", "tfdist.cli"))
+        or name
+        in (
+            "tfdist.engines.launch",
+            "tfdist.engines.elastic",
+            "tfdist.engines.hosts",
+            "tfdist.engines.horovodrun",
+            "tfdist.engines.hvd_worker",
+            "tfdist.engines.net",
+            "tfdist.engines.quiet",
+            "tfdist.plugins",
+        )
+    ]
     loaded = _loaded_after("\n".join(f"import {name}" for name in sorted(launcher)))
     assert set(launcher) <= set(loaded)
     heavy = sorted(m for m in loaded if m.split(".")[0] in NO_TENSORFLOW)
@@ -251,30 +282,36 @@ def test_the_spec_layer_and_the_launcher_load_no_tensorflow():
 def test_importing_each_layer_loads_nothing_above_it():
     """In one fresh interpreter, the layers are imported lowest first; after
     each, no module of a higher layer may be loaded."""
-    order = [[name for name in sorted(MODULES)
-              if layer_of(name) == index
-              and name not in ("tfdist.engines.spark",)]  # Needs pyspark.
-             for index in range(len(LAYERS))]
-    code = "\n".join([
-        "import importlib, json, sys",
-        f"order = {order!r}",
-        f"layers = {[p for _, p in LAYERS]!r}",
-        "def layer(m):",
-        "    for i, ps in enumerate(layers):",
-        "        if any(m == p or m.startswith(p + '.') for p in ps): return i",
-        "report = []",
-        "for i, names in enumerate(order):",
-        "    for n in names: importlib.import_module(n)",
-        "    above = sorted(m for m in sys.modules if m.startswith('tfdist.')",
-        "                   and (layer(m) or 0) > i)",
-        "    report.append([i, above])",
-        "print(json.dumps(report))",
-    ])
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
+    order = [
+        [
+            name
+            for name in sorted(MODULES)
+            if layer_of(name) == index and name not in ("tfdist.engines.spark",)
+        ]  # Needs pyspark.
+        for index in range(len(LAYERS))
+    ]
+    code = "\n".join(
+        [
+            "import importlib, json, sys",
+            f"order = {order!r}",
+            f"layers = {[p for _, p in LAYERS]!r}",
+            "def layer(m):",
+            "    for i, ps in enumerate(layers):",
+            "        if any(m == p or m.startswith(p + '.') for p in ps): return i",
+            "report = []",
+            "for i, names in enumerate(order):",
+            "    for n in names: importlib.import_module(n)",
+            "    above = sorted(m for m in sys.modules if m.startswith('tfdist.')",
+            "                   and (layer(m) or 0) > i)",
+            "    report.append([i, above])",
+            "print(json.dumps(report))",
+        ]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(report) == len(LAYERS)
-    leaks = {LAYERS[i][0]: [m for m in above if m not in FACADE_HOOKS]
-             for i, above in report}
+    leaks = {LAYERS[i][0]: [m for m in above if m not in FACADE_HOOKS] for i, above in report}
     assert {layer: above for layer, above in leaks.items() if above} == {}

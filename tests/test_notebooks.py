@@ -21,8 +21,7 @@ MULTI_PROCESS = {"03_multi_worker.ipynb", "06_profiling.ipynb"}
 NEEDS_NETNS = {"06_profiling.ipynb"}
 #: Seconds one cell may run before the test fails.
 CELL_TIMEOUT = 300
-COMPRESSION_SETTINGS = ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd",
-                        "powersgd")
+COMPRESSION_SETTINGS = ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd", "powersgd")
 
 
 def _param(path: Path):
@@ -37,10 +36,15 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_committed_notebook_has_no_outputs(path):
     import nbformat
+
     notebook = nbformat.read(path, as_version=4)
     nbformat.validate(notebook)
-    dirty = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "code"
-             and (cell.get("outputs") or cell.get("execution_count") is not None)]
+    dirty = [
+        i
+        for i, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code"
+        and (cell.get("outputs") or cell.get("execution_count") is not None)
+    ]
     assert not dirty, f"commit notebooks without outputs; cells {dirty} have some"
 
 
@@ -49,6 +53,7 @@ def _require_netns() -> None:
     import os
     import shutil
     import subprocess
+
     missing = [t for t in ("unshare", "ip", "tc") if shutil.which(t) is None]
     if not missing and os.geteuid() == 0:
         probe = subprocess.run(["unshare", "-n", "true"], capture_output=True)
@@ -69,17 +74,25 @@ def execute(path: Path, monkeypatch) -> tuple:
     """
     import nbclient
     import nbformat
+
     for name, value in subprocess_env().items():
         monkeypatch.setenv(name, value)  # the kernel inherits it
     notebook = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT, kernel_name="python3",
-                                     resources={"metadata": {"path": str(REPO)}})
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=CELL_TIMEOUT,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(REPO)}},
+    )
     client.execute()  # Raises CellExecutionError when a cell fails.
-    outputs = [out for cell in notebook.cells if cell.cell_type == "code"
-               for out in cell.outputs]
+    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
-    text = "".join(out.get("text", "") + out.get("data", {}).get("text/plain", "")
-                   + out.get("data", {}).get("text/markdown", "") for out in outputs)
+    text = "".join(
+        out.get("text", "")
+        + out.get("data", {}).get("text/plain", "")
+        + out.get("data", {}).get("text/markdown", "")
+        for out in outputs
+    )
     images = sum("image/png" in out.get("data", {}) for out in outputs)
     return notebook, text, images
 

@@ -16,8 +16,8 @@ Dunder names (``__version__``, ``__all__``) are allowed.
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection
 from pathlib import Path
-from typing import Collection
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tfdist"
@@ -61,8 +61,9 @@ def _dotted(node: ast.expr) -> list[str] | None:
     return [node.id, *reversed(parts)]
 
 
-def private_uses(path: Path, module: str, modules: Collection[str],
-                 is_package: bool = False) -> list[str]:
+def private_uses(
+    path: Path, module: str, modules: Collection[str], is_package: bool = False
+) -> list[str]:
     """``"file:line: ..."`` for every private name of another tfdist module
     that the file of ``module`` (at ``path``) imports or reads.
 
@@ -108,10 +109,15 @@ def private_uses(path: Path, module: str, modules: Collection[str],
             owner = module_of(node.value)
             if owner is not None and owner != module:
                 report(node, f"{owner}.{node.attr}")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ATTRIBUTE_CALLS and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ATTRIBUTE_CALLS
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
             owner = module_of(node.args[0])
             if owner is not None and owner != module:
                 report(node, f"{node.func.id}({owner}, {node.args[1].value!r})")
@@ -125,31 +131,32 @@ def test_no_tfdist_module_uses_another_ones_private_names():
         found += private_uses(path, name, modules, is_package=path.name == "__init__.py")
     assert not found, (
         "private names used across tfdist's modules; make them public (no "
-        "underscore) in the defining module, or move them to their one user:\n"
-        + "\n".join(found))
+        "underscore) in the defining module, or move them to their one user:\n" + "\n".join(found)
+    )
 
 
 def test_the_scan_finds_what_it_must(tmp_path):
     modules = set(module_names())
     source = tmp_path / "injected.py"
     source.write_text(
-        "from __future__ import annotations\n"                       # 1
-        "import tfdist.spec.names as names\n"                        # 2
-        "import tfdist.spec.address\n"                               # 3
-        "from tfdist import __version__, errors\n"                   # 4
-        "from tfdist.spec.names import _short, did_you_mean\n"       # 5
-        "from .names import _quoted\n"                               # 6
-        "from os import _exit\n"                                     # 7
-        "from tfdist.spec.names import short as _local\n"            # 8
-        "\n"                                                         # 9
-        "def f(x):\n"                                                # 10
-        "    from tfdist.training.ps_data import _lazy\n"            # 11
-        "    names._hidden(x)\n"                                     # 12
-        "    tfdist.spec.address._split(x)\n"                        # 13
-        "    getattr(errors, '_secret')\n"                           # 14
-        "    x._own, errors.__doc__, errors.TfdistError._x\n"        # 15
-        "    getattr(errors, 'public'), _local(x), _exit\n"          # 16
-        "    return names.short(x)\n")                               # 17
+        "from __future__ import annotations\n"  # 1
+        "import tfdist.spec.names as names\n"  # 2
+        "import tfdist.spec.address\n"  # 3
+        "from tfdist import __version__, errors\n"  # 4
+        "from tfdist.spec.names import _short, did_you_mean\n"  # 5
+        "from .names import _quoted\n"  # 6
+        "from os import _exit\n"  # 7
+        "from tfdist.spec.names import short as _local\n"  # 8
+        "\n"  # 9
+        "def f(x):\n"  # 10
+        "    from tfdist.training.ps_data import _lazy\n"  # 11
+        "    names._hidden(x)\n"  # 12
+        "    tfdist.spec.address._split(x)\n"  # 13
+        "    getattr(errors, '_secret')\n"  # 14
+        "    x._own, errors.__doc__, errors.TfdistError._x\n"  # 15
+        "    getattr(errors, 'public'), _local(x), _exit\n"  # 16
+        "    return names.short(x)\n"
+    )  # 17
     found = private_uses(source, "tfdist.spec.injected", modules)
     assert found == [
         f"{source}:5: from tfdist.spec.names import _short",

@@ -33,3 +33,22 @@ def test_readmes_main_job_trains_on_two_replicas():
     result = result_line(out)
     assert result["replicas"] == 2 and len(result["loss"]) == 3
     assert result["loss"][-1] < 0.5 * result["loss"][0]
+
+
+def test_readmes_links_name_files_of_the_repository():
+    text = (REPO / "README.md").read_text()
+    links = [
+        link
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+        if not link.startswith(("http://", "https://"))
+    ]
+    assert len(links) > 10  # The feature table links its pages.
+    missing = [link for link in links if not (REPO / link).exists()]
+    assert not missing, missing
+
+
+def test_readme_stays_short_and_the_docs_hold_the_rest():
+    # The README is the front page (issue 31: about 250 lines at most); the
+    # documentation is docs/, which tests/test_docs.py builds.
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, len(lines)

@@ -8,13 +8,12 @@ stay fast and work without TensorFlow.
 
 from __future__ import annotations
 
-from tfdist._lazy import lazy_attributes
-from tfdist.compat import versions as _versions
-from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
 from tfdist import plugins as _plugins
-from tfdist.compat import import_hook as _import_hook
+from tfdist._lazy import lazy_attributes
+from tfdist.compat import import_hook as _import_hook, versions as _versions
+from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # A TensorFlow or Keras outside the tested range fails here, with the
 # versions named, not later as an ImportError from deep inside TF.
@@ -68,8 +67,12 @@ _LAZY = {
 #: The layers above the strategies that plug into every strategy
 #: (:mod:`tfdist.plugins`), in the order they install. This package
 #: runs before any ``tfdist.*`` module, so no import path misses them.
-PLUGINS = ("tfdist.distribution.plugin", "tfdist.parallel.plugin", "tfdist.training.plugin",
-           "tfdist.profiling.plugin")
+PLUGINS = (
+    "tfdist.distribution.plugin",
+    "tfdist.parallel.plugin",
+    "tfdist.training.plugin",
+    "tfdist.profiling.plugin",
+)
 _plugins.use(*PLUGINS)
 
 # keras.distribution on TensorFlow (tfdist.distribution.guard): Keras's

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
-def lazy_attributes(package: str, table: Mapping[str, str],
-                    names: list[str]) -> tuple[Callable[[str], Any],
-                                              Callable[[], list[str]]]:
+def lazy_attributes(
+    package: str, table: Mapping[str, str], names: list[str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Returns ``(__getattr__, __dir__)`` for a package.
 
     Args:

@@ -30,12 +30,12 @@ def _render(value: Any) -> str:
     """Shows a received value: ``repr`` so that ``'1'`` and ``1`` differ."""
     try:
         text = repr(value)
-    except Exception:  # A broken __repr__ must not hide the real error.
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error.
         text = f"<{type(value).__name__} object>"
     return _shorten(text)
 
 
-def _rebuild(cls: type, args: tuple, kwargs: dict) -> "ConfigError":
+def _rebuild(cls: type, args: tuple, kwargs: dict) -> ConfigError:
     """Pickle helper: exceptions with keyword-only arguments need it."""
     return cls(*args, **kwargs)
 

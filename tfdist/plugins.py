@@ -22,8 +22,16 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-EVENTS = ("refuse", "install", "created", "attach", "describe", "multi_worker",
-          "parameter_server", "serve")
+EVENTS = (
+    "refuse",
+    "install",
+    "created",
+    "attach",
+    "describe",
+    "multi_worker",
+    "parameter_server",
+    "serve",
+)
 
 _names: list[str] = []
 _modules: list[ModuleType] | None = None

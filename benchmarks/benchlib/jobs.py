@@ -11,8 +11,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,8 +22,9 @@ def pair_order(arms: Sequence[str], i: int) -> tuple[str, ...]:
     return tuple(arms) if i % 2 == 0 else tuple(arms)[::-1]
 
 
-def worker_job(script: str, args: Sequence[str], work_dir: Path, prefix: str,
-               timeout: float = 600) -> tuple[list[int], list[float] | None, list[str]]:
+def worker_job(
+    script: str, args: Sequence[str], work_dir: Path, prefix: str, timeout: float = 600
+) -> tuple[list[int], list[float] | None, list[str]]:
     """Runs ``script --mode=worker ARGS --out=...`` as a 2-worker job on 127.0.0.1.
 
     Each worker gets its own TF_CONFIG and writes its step times (JSON) to
@@ -35,18 +36,28 @@ def worker_job(script: str, args: Sequence[str], work_dir: Path, prefix: str,
     """
     from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
+
     procs, outs, logs = [], [], []
     for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
         out = work_dir / f".{prefix}_worker{rank}.json"
         log = work_dir / f".{prefix}_worker{rank}.log"
         outs.append(out)
         logs.append(log)
-        env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            TF_CONFIG=json.dumps(config),
+            TF_CPP_MIN_LOG_LEVEL="2",
+            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        )
         with open(log, "w") as stream:
-            procs.append(subprocess.Popen(
-                [sys.executable, script, "--mode=worker", *args, f"--out={out}"],
-                env=env, stdout=stream, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, script, "--mode=worker", *args, f"--out={out}"],
+                    env=env,
+                    stdout=stream,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
@@ -68,8 +79,17 @@ def mirrored_rows(script: str, args: Sequence[str], results_dir: Path, name: str
     needs none: the Mirrored half of a benchmark runs in a process of its own.
     """
     hidden = f".{name}_mirrored"
-    subprocess.run([sys.executable, script, "--mode=mirrored", *args,
-                    f"--results_dir={results_dir}", f"--name={hidden}"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--mode=mirrored",
+            *args,
+            f"--results_dir={results_dir}",
+            f"--name={hidden}",
+        ],
+        check=True,
+    )
     rows = json.loads((results_dir / f"{hidden}.json").read_text())["rows"]
     for suffix in (".json", ".md"):
         (results_dir / f"{hidden}{suffix}").unlink()

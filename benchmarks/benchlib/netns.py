@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 #: The rate of an unthrottled link.
 NO_LIMIT = "none"
@@ -28,15 +28,28 @@ def parse_rate(text: str) -> float:
         return math.inf
     for suffix, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
         if text.endswith(suffix):
-            return float(text[:-len(suffix)]) * scale
+            return float(text[: -len(suffix)]) * scale
     raise ValueError(f"Expected a rate like '100mbit' or '1gbit'. Received: {text!r}")
 
 
 def tc_command(rate: str) -> list[str]:
     """The tc command that limits the namespace's loopback to ``rate``."""
     parse_rate(rate)
-    return ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
-            "burst", "256kb", "latency", "200ms"]
+    return [
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        "lo",
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        "256kb",
+        "latency",
+        "200ms",
+    ]
 
 
 def missing_requirements() -> str | None:
@@ -64,8 +77,9 @@ def rerun_inside(script: str, argv: Sequence[str]) -> None:
 
 def has_other_interfaces() -> bool:
     """Whether this namespace has more than a loopback (so not one ``unshare`` made)."""
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True, check=True
+    ).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
     return any(n != "lo" for n in names)
 

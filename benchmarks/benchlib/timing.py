@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def step_timer(times: list[float]) -> Any:

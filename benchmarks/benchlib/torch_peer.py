@@ -10,8 +10,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from benchlib.mlp import accuracy, initial_weights
 
@@ -38,8 +39,13 @@ def run_rank(settings: Any, layers: Sequence[int], data: tuple, out: Path) -> No
 
     torch.set_num_threads(max(1, settings.threads))
     rank, world = settings.rank, settings.world
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{settings.port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=900))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{settings.port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=900),
+    )
     xs, ys, xt, yt = data
     mods: list = []
     for a, b in zip(layers[:-1], layers[1:]):
@@ -60,9 +66,14 @@ def run_rank(settings: Any, layers: Sequence[int], data: tuple, out: Path) -> No
         hook, state = default_hooks.fp16_compress_hook, None
     elif kind.startswith("powersgd"):
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=int(kind.split(":")[1]),
-            start_powerSGD_iter=settings.warmup, min_compression_rate=2,
-            use_error_feedback=True, warm_start=True, random_seed=settings.seed)
+            process_group=None,
+            matrix_approximation_rank=int(kind.split(":")[1]),
+            start_powerSGD_iter=settings.warmup,
+            min_compression_rate=2,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=settings.seed,
+        )
         hook = powerSGD_hook.powerSGD_hook
     else:
         hook, state = default_hooks.allreduce_hook, None
@@ -78,8 +89,8 @@ def run_rank(settings: Any, layers: Sequence[int], data: tuple, out: Path) -> No
     times: list[float] = []
     evals: list[list[float]] = []
     for step in range(settings.steps):
-        xb = xs_t[step * batch:(step + 1) * batch]
-        yb = ys_t[step * batch:(step + 1) * batch]
+        xb = xs_t[step * batch : (step + 1) * batch]
+        yb = ys_t[step * batch : (step + 1) * batch]
         start = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
         optimizer.zero_grad()
@@ -91,10 +102,18 @@ def run_rank(settings: Any, layers: Sequence[int], data: tuple, out: Path) -> No
             for lin in linears:
                 weights += [lin.weight.detach().numpy().T, lin.bias.detach().numpy()]
             evals.append([step + 1, accuracy(weights, xt, yt), sum(times)])
-    Path(out).write_text(json.dumps({
-        "step_times": times, "evals": evals, "compression": kind,
-        "buckets_per_step": calls[0] / max(1, settings.steps),
-        "params": sum(p.numel() for p in model.parameters()), "rank": rank}))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "step_times": times,
+                "evals": evals,
+                "compression": kind,
+                "buckets_per_step": calls[0] / max(1, settings.steps),
+                "params": sum(p.numel() for p in model.parameters()),
+                "rank": rank,
+            }
+        )
+    )
     dist.barrier()
     # gloo sometimes aborts while the interpreter tears its threads down
     # ("terminate called without an active exception"), after the work is

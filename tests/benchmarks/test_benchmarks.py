@@ -12,11 +12,20 @@ from conftest import REPO, subprocess_env
 
 
 def test_compression_benchmark_runs_and_identity_equals_plain(tmp_path):
-    args = [sys.executable, "benchmarks/compression.py", "--mode=replicas", "--epochs=2",
-            "--examples=1024", "--hidden=128", "--global_batch=64",
-            "--settings=plain,identity,topk:0.1", f"--results_dir={tmp_path}"]
-    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    args = [
+        sys.executable,
+        "benchmarks/compression.py",
+        "--mode=replicas",
+        "--epochs=2",
+        "--examples=1024",
+        "--hidden=128",
+        "--global_batch=64",
+        "--settings=plain,identity,topk:0.1",
+        f"--results_dir={tmp_path}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "compression_replicas.json").read_text())["rows"]
     by = {r["setting"]: r for r in rows}
@@ -32,11 +41,15 @@ def test_compression_benchmark_runs_and_identity_equals_plain(tmp_path):
 
 # ------------------------------------------------ pure pieces of the new benchmarks
 
+
 def _load_benchmark(name: str):
     """Imports benchmarks/<name>.py as a module (benchmarks/ is not a package; each
     script puts it on sys.path, for its shared pieces in benchmarks/benchlib)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", REPO / "benchmarks" / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,18 +62,41 @@ def test_overhead_ratio_is_the_median_over_pairs():
     # ABBA: the arm that runs first alternates.
     assert [overhead.pair_order(i)[0] for i in range(4)] == ["tfdist", "tf", "tfdist", "tf"]
     import pytest
+
     with pytest.raises(ValueError):
         overhead.pair_ratios([1.0], [1.0, 2.0])
 
 
 def test_overhead_markdown_marks_the_goal():
     overhead = _load_benchmark("overhead")
-    meta = {"when": "now", "cpus": 2, "hidden": 1024, "params": 1_135_626, "global_batch": 128,
-            "steps": 40, "warmup_steps": 5, "pairs": 2, "load_before": 1.0, "load_after": 2.0}
-    rows = [{"label": "Mirrored", "tfdist_ms": 10.0, "tf_ms": 10.0, "ratios": [1.0, 1.01],
-             "median_ratio": 1.005},
-            {"label": "Workers", "tfdist_ms": 11.0, "tf_ms": 10.0, "ratios": [1.1, 1.1],
-             "median_ratio": 1.1}]
+    meta = {
+        "when": "now",
+        "cpus": 2,
+        "hidden": 1024,
+        "params": 1_135_626,
+        "global_batch": 128,
+        "steps": 40,
+        "warmup_steps": 5,
+        "pairs": 2,
+        "load_before": 1.0,
+        "load_after": 2.0,
+    }
+    rows = [
+        {
+            "label": "Mirrored",
+            "tfdist_ms": 10.0,
+            "tf_ms": 10.0,
+            "ratios": [1.0, 1.01],
+            "median_ratio": 1.005,
+        },
+        {
+            "label": "Workers",
+            "tfdist_ms": 11.0,
+            "tf_ms": 10.0,
+            "ratios": [1.1, 1.1],
+            "median_ratio": 1.1,
+        },
+    ]
     text = overhead.markdown({"meta": meta, "rows": rows})
     assert "| Mirrored | 10.00 | 10.00 | 1.005 | 1.000, 1.010 | yes |" in text
     assert "| Workers | 11.00 | 10.00 | 1.100 | 1.100, 1.100 | **no** |" in text
@@ -70,13 +106,28 @@ def test_overhead_markdown_marks_the_goal():
 def test_slow_network_model_and_link_helpers():
     sn = _load_benchmark("slow_network_report")
     from benchlib import mlp, netns
+
     assert mlp.param_count([256, 2048, 2048, 512, 10]) == 5_776_906
     assert netns.parse_rate("100mbit") == 1e8 and netns.parse_rate("1gbit") == 1e9
     assert netns.parse_rate("none") == float("inf")
-    assert netns.tc_command("100mbit") == ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
-                                        "rate", "100mbit", "burst", "256kb", "latency", "200ms"]
+    assert netns.tc_command("100mbit") == [
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        "lo",
+        "root",
+        "tbf",
+        "rate",
+        "100mbit",
+        "burst",
+        "256kb",
+        "latency",
+        "200ms",
+    ]
     assert sn.link_name("100mbit") == "100 Mbit/s" and sn.link_name("1gbit") == "1 Gbit/s"
     import pytest
+
     with pytest.raises(ValueError):
         netns.tc_command("fast")
     assert sn.speed_skip("tf/powersgd:4") == sn.SPEED_WARMUP + 1 == sn.speed_skip("tf/auto")
@@ -88,8 +139,10 @@ def test_slow_network_model_and_link_helpers():
 
 def test_slow_network_workers_split_every_global_batch():
     import numpy as np
+
     _load_benchmark("slow_network")  # Its workers import the MLP from benchlib.
     from benchlib import mlp as sn
+
     x = np.arange(24, dtype="float32").reshape(12, 2)
     y = np.arange(12)
     parts = [sn.worker_slice(x, y, r, 2, 3) for r in range(2)]
@@ -109,6 +162,7 @@ def test_slow_network_workers_split_every_global_batch():
 def test_slow_network_target_and_time():
     sn = _load_benchmark("slow_network_report")
     from benchlib import timing
+
     evals = [(20, 0.3, 1.0), (40, 0.5, 2.0), (60, 0.56, 3.0), (80, 0.54, 4.0)]
     assert sn.steps_to_target(evals, 0.55) == 60
     assert sn.steps_to_target(evals, 0.9) is None
@@ -123,8 +177,16 @@ def test_slow_network_target_and_time():
 
 def _raw_slow_network():
     def run(config, link, step_s, evals=(), compression="", phase="speed", n=2):
-        return {"config": config, "workers": n, "link": link, "phase": phase,
-                "step_s": step_s, "evals": [list(e) for e in evals], "compression": compression}
+        return {
+            "config": config,
+            "workers": n,
+            "link": link,
+            "phase": phase,
+            "step_s": step_s,
+            "evals": [list(e) for e in evals],
+            "compression": compression,
+        }
+
     acc = [(20, 0.4), (40, 0.6)]
     runs = [
         run("tf/fp32", "none", 0.05, acc, "none", "accuracy"),
@@ -134,16 +196,34 @@ def _raw_slow_network():
         run("tf/powersgd:4", "none", 0.04, [(20, 0.3), (40, 0.5), (60, 0.6)], "p", "accuracy"),
         run("ddp/powersgd:4", "none", 0.04, [(20, 0.3), (40, 0.5), (60, 0.6)], "p", "accuracy"),
         run("tf/auto", "none", 0.05, compression="auto -> none"),
-        run("tf/fp32", "100mbit", 4.0), run("ddp/dense", "100mbit", 4.0),
-        run("tf/bf16", "100mbit", 2.0), run("ddp/fp16", "100mbit", 2.1),
-        run("tf/powersgd:4", "100mbit", 0.1), run("ddp/powersgd:4", "100mbit", 0.12),
+        run("tf/fp32", "100mbit", 4.0),
+        run("ddp/dense", "100mbit", 4.0),
+        run("tf/bf16", "100mbit", 2.0),
+        run("ddp/fp16", "100mbit", 2.1),
+        run("tf/powersgd:4", "100mbit", 0.1),
+        run("ddp/powersgd:4", "100mbit", 0.12),
         run("tf/auto", "100mbit", 0.105, compression="auto -> powersgd:4"),
     ]
-    meta = {"target": 0.55, "bandwidths": ["100mbit"], "params": 5_776_906,
-            "command": "python benchmarks/slow_network.py", "when": "now", "wall_s": 60.0,
-            "cpus": 2, "load": [{"loadavg": [1.0, 1.0, 1.0]}], "layers": [256, 10], "batch": 32,
-            "learning_rate": 0.05, "threads": 1, "slow_steps": 4, "compressed_steps": 16,
-            "fast_steps": 12, "acc_steps": 60, "eval_every": 20, "test_examples": 1024}
+    meta = {
+        "target": 0.55,
+        "bandwidths": ["100mbit"],
+        "params": 5_776_906,
+        "command": "python benchmarks/slow_network.py",
+        "when": "now",
+        "wall_s": 60.0,
+        "cpus": 2,
+        "load": [{"loadavg": [1.0, 1.0, 1.0]}],
+        "layers": [256, 10],
+        "batch": 32,
+        "learning_rate": 0.05,
+        "threads": 1,
+        "slow_steps": 4,
+        "compressed_steps": 16,
+        "fast_steps": 12,
+        "acc_steps": 60,
+        "eval_every": 20,
+        "test_examples": 1024,
+    }
     return {"meta": meta, "runs": runs}
 
 
@@ -176,15 +256,31 @@ def test_slow_network_bf16_warm_up_is_counted_at_the_bf16_rate():
     raw = _raw_slow_network()
     curve = [(20, 0.3), (40, 0.5), (60, 0.6)]
     raw["runs"] += [
-        {"config": "tf/powersgd:4+bf16warm", "workers": 2, "link": "none", "phase": "accuracy",
-         "step_s": 0.04, "evals": [list(e) for e in curve], "compression": "p"},
-        {"config": "tf/powersgd:4+bf16warm", "workers": 2, "link": "100mbit", "phase": "speed",
-         "step_s": 0.1, "evals": [], "compression": "p"},
+        {
+            "config": "tf/powersgd:4+bf16warm",
+            "workers": 2,
+            "link": "none",
+            "phase": "accuracy",
+            "step_s": 0.04,
+            "evals": [list(e) for e in curve],
+            "compression": "p",
+        },
+        {
+            "config": "tf/powersgd:4+bf16warm",
+            "workers": 2,
+            "link": "100mbit",
+            "phase": "speed",
+            "step_s": 0.1,
+            "evals": [],
+            "compression": "p",
+        },
     ]
     for r in raw["runs"]:
         if r["config"] == "tf/auto" and r["link"] == "100mbit":
-            r["describe"] = ("compression: auto -> powersgd:4 (runs PowerSGD(rank=4, "
-                             "warmup_steps=2, warmup_dtype='bfloat16', ...)")
+            r["describe"] = (
+                "compression: auto -> powersgd:4 (runs PowerSGD(rank=4, "
+                "warmup_steps=2, warmup_dtype='bfloat16', ...)"
+            )
     cells = {(r["config"], r["link"]): r for r in sn.summarize(raw)["rows"]}
     # 10 warm-up steps at tfdist bf16's 2.0 s, then 50 at 0.1 s.
     assert abs(cells[("tf/powersgd:4+bf16warm", "100mbit")]["time_to_target_s"] - 25.0) < 1e-9
@@ -211,6 +307,7 @@ def test_slow_network_missed_goal_is_reported():
 
 def test_slow_network_plot_is_written(tmp_path):
     import pytest
+
     pytest.importorskip("matplotlib")
     sn = _load_benchmark("slow_network_report")
     path = tmp_path / "plot.png"
@@ -220,18 +317,24 @@ def test_slow_network_plot_is_written(tmp_path):
 
 def test_slow_network_failure_reason_finds_the_abort():
     sn = _load_benchmark("slow_network_report")
-    tail = "some log\nterminate called after throwing an instance of 'std::system_error'\n" \
-           "  what():  Resource temporarily unavailable\n  File x, line 3\n"
-    assert sn.failure_reason("x failed: exit codes [-6, -6]\n" + tail) == \
-        "what():  Resource temporarily unavailable"
+    tail = (
+        "some log\nterminate called after throwing an instance of 'std::system_error'\n"
+        "  what():  Resource temporarily unavailable\n  File x, line 3\n"
+    )
+    assert (
+        sn.failure_reason("x failed: exit codes [-6, -6]\n" + tail)
+        == "what():  Resource temporarily unavailable"
+    )
     assert sn.failure_reason("a\nlast line\n") == "last line"
     assert sn.failure_reason("") == "no output"
 
 
 # ------------------------------------------------ preemption and elastic benchmarks
 
+
 def test_preemption_models_steps_and_progress(tmp_path):
     import pytest
+
     pre = _load_benchmark("preemption")
     assert pre.param_count(pre.model_widths("mlp5.8m")) == 5_776_906
     assert 50e6 < pre.param_count(pre.model_widths("mlp52m")) < 55e6
@@ -258,21 +361,50 @@ def test_preemption_summary_and_table():
     pre = _load_benchmark("preemption")
 
     def run(arm, save, exit_s, trained, resumed, codes):
-        return {"model": "mlp5.8m", "arm": arm, "params": 5_776_906, "steps_per_epoch": 200,
-                "signal_step": 300, "step_s": 0.1, "save_s": save, "pointer_s": save,
-                "last_step_s": 0.2 if save else None,
-                "save_only_s": save - 0.2 if save else None, "exit_s": exit_s,
-                "trained": trained, "resumed": resumed, "lost": trained - resumed,
-                "codes": codes, "backup_bytes": 69e6 if save else None}
-    raw = {"meta": {"command": "python benchmarks/preemption.py", "when": "now", "cpus": 2,
-                    "tf": "2.21.0", "keras": "3.15.1", "commit": "abc", "load_before": 1.0,
-                    "load_after": 2.0, "threads": 1, "batch": 32, "epochs": 3,
-                    "kill_after": 10.0, "survivor_timeout": 60.0, "disk": "/dev/vda (ext4)"},
-           "runs": [run("tfdist", 0.5, 1.3, 302, 302, [143, 143]),
-                    run("tfdist", 0.7, 1.1, 302, 302, [143, 143]),
-                    run("tfdist", 0.6, 11.0, 303, 303, [143, 143]),
-                    run("keras", None, 12.0, 385, 200, [-9, -9]),
-                    run("keras", None, 11.0, 380, 200, [-9, 1])]}
+        return {
+            "model": "mlp5.8m",
+            "arm": arm,
+            "params": 5_776_906,
+            "steps_per_epoch": 200,
+            "signal_step": 300,
+            "step_s": 0.1,
+            "save_s": save,
+            "pointer_s": save,
+            "last_step_s": 0.2 if save else None,
+            "save_only_s": save - 0.2 if save else None,
+            "exit_s": exit_s,
+            "trained": trained,
+            "resumed": resumed,
+            "lost": trained - resumed,
+            "codes": codes,
+            "backup_bytes": 69e6 if save else None,
+        }
+
+    raw = {
+        "meta": {
+            "command": "python benchmarks/preemption.py",
+            "when": "now",
+            "cpus": 2,
+            "tf": "2.21.0",
+            "keras": "3.15.1",
+            "commit": "abc",
+            "load_before": 1.0,
+            "load_after": 2.0,
+            "threads": 1,
+            "batch": 32,
+            "epochs": 3,
+            "kill_after": 10.0,
+            "survivor_timeout": 60.0,
+            "disk": "/dev/vda (ext4)",
+        },
+        "runs": [
+            run("tfdist", 0.5, 1.3, 302, 302, [143, 143]),
+            run("tfdist", 0.7, 1.1, 302, 302, [143, 143]),
+            run("tfdist", 0.6, 11.0, 303, 303, [143, 143]),
+            run("keras", None, 12.0, 385, 200, [-9, -9]),
+            run("keras", None, 11.0, 380, 200, [-9, 1]),
+        ],
+    }
     rows = {r["arm"]: r for r in pre.summarize(raw)}
     assert rows["tfdist"]["save_s"] == {"median": 0.6, "min": 0.5, "max": 0.7, "n": 3}
     assert rows["tfdist"]["lost"]["max"] == 0
@@ -287,13 +419,26 @@ def test_preemption_summary_and_table():
 def test_elastic_size_changes_are_measured_from_the_progress():
     el = _load_benchmark("elastic")
     # (attempt, size, optimizer step after the step, time)
-    progress = [(0, 4, 1, 1.0), (0, 4, 2, 1.1), (0, 4, 3, 1.2),       # SIGKILL at 1.25
-                (1, 3, 1, 9.0), (1, 3, 2, 9.1), (1, 3, 3, 9.2), (1, 3, 4, 9.3),  # grow at 9.35
-                (2, 4, 5, 20.0), (2, 4, 6, 20.1)]
+    progress = [
+        (0, 4, 1, 1.0),
+        (0, 4, 2, 1.1),
+        (0, 4, 3, 1.2),  # SIGKILL at 1.25
+        (1, 3, 1, 9.0),
+        (1, 3, 2, 9.1),
+        (1, 3, 3, 9.2),
+        (1, 3, 4, 9.3),  # grow at 9.35
+        (2, 4, 5, 20.0),
+        (2, 4, 6, 20.1),
+    ]
     shrink = el.change(progress, 1.25, 3)
     # Resumed from the backup at step 0: 3 steps trained twice.
-    assert shrink == {"seconds": 9.0 - 1.25, "last_step": 3, "resumed_at": 0,
-                      "retrained": 3, "attempt": 1}
+    assert shrink == {
+        "seconds": 9.0 - 1.25,
+        "last_step": 3,
+        "resumed_at": 0,
+        "retrained": 3,
+        "attempt": 1,
+    }
     grow = el.change(progress, 9.35, 4)
     assert grow["resumed_at"] == 4 and grow["retrained"] == 0 and grow["attempt"] == 2
     assert abs(grow["seconds"] - 10.65) < 1e-9
@@ -304,6 +449,7 @@ def test_elastic_size_changes_are_measured_from_the_progress():
 
 def test_elastic_data_and_accuracy():
     import numpy as np
+
     el = _load_benchmark("elastic")
     x, y, xt, yt = el.make_data()
     assert x.shape == (el.TRAIN, 32) and xt.shape == (el.TEST, 32)
@@ -318,11 +464,21 @@ def test_elastic_data_and_accuracy():
 def test_preemption_benchmark_runs_on_a_tiny_model(tmp_path):
     """Both arms on a tiny model: the tfdist arm loses no step; the status quo,
     SIGKILLed 2 s after the SIGTERM, resumes at an epoch start."""
-    args = [sys.executable, "benchmarks/preemption.py", "--models=mlp:16-32-4", "--repeats=1",
-            "--steps_per_epoch=*:20", "--kill_after=2", "--survivor_timeout=30", "--lock=",
-            f"--results_dir={tmp_path}", f"--work_dir={tmp_path / 'work'}"]
-    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=400)
+    args = [
+        sys.executable,
+        "benchmarks/preemption.py",
+        "--models=mlp:16-32-4",
+        "--repeats=1",
+        "--steps_per_epoch=*:20",
+        "--kill_after=2",
+        "--survivor_timeout=30",
+        "--lock=",
+        f"--results_dir={tmp_path}",
+        f"--work_dir={tmp_path / 'work'}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=400
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {r["arm"]: r for r in json.loads((tmp_path / "preemption.json").read_text())["runs"]}
     assert runs["tfdist"]["codes"] == [143, 143]
@@ -334,11 +490,19 @@ def test_preemption_benchmark_runs_on_a_tiny_model(tmp_path):
 
 @pytest.mark.slow
 def test_elastic_benchmark_runs_a_short_job(tmp_path):
-    args = [sys.executable, "benchmarks/elastic.py", "--pairs=1", "--epochs=6", "--lock=",
-            "--discovery_interval=1",
-            f"--results_dir={tmp_path}", f"--work_dir={tmp_path / 'work'}"]
-    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=600)
+    args = [
+        sys.executable,
+        "benchmarks/elastic.py",
+        "--pairs=1",
+        "--epochs=6",
+        "--lock=",
+        "--discovery_interval=1",
+        f"--results_dir={tmp_path}",
+        f"--work_dir={tmp_path / 'work'}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = {r["kind"]: r for r in json.loads((tmp_path / "elastic.json").read_text())["runs"]}
     assert runs["uninterrupted"]["sizes"] == [4]
@@ -350,10 +514,18 @@ def test_elastic_benchmark_runs_a_short_job(tmp_path):
 
 def test_tensor_parallel_benchmark_halves_the_block_and_splits_the_wire_bytes(tmp_path):
     # The smallest run: T=1 against T=2 (DP=2) on 4 logical CPUs, 2 steps.
-    args = [sys.executable, "benchmarks/tensor_parallel.py", "--d_model=64", "--epochs=2",
-            "--steps=2", "--layouts=T1,T2", f"--results_dir={tmp_path}"]
-    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    args = [
+        sys.executable,
+        "benchmarks/tensor_parallel.py",
+        "--d_model=64",
+        "--epochs=2",
+        "--steps=2",
+        "--layouts=T1,T2",
+        f"--results_dir={tmp_path}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "tensor_parallel.json").read_text())
     memory = results["memory"]
@@ -374,21 +546,38 @@ def test_tensor_parallel_benchmark_halves_the_block_and_splits_the_wire_bytes(tm
 
 def test_xla_benchmark_names_the_error_and_marks_the_rows():
     xla = _load_benchmark("xla")
-    log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
-           "ValueError: Attempt to convert a value (PerReplica:{\n  0: {'x': 1},\n  1: 2\n}) "
-           "with an unsupported type (<class 'dict'>) to a Tensor.")
-    assert xla._error_line(log) == ("ValueError: Attempt to convert a value (...) "
-                                    "with an unsupported type (<class 'dict'>) to a Tensor.")
+    log = (
+        'Traceback (most recent call last):\n  File "x.py", line 1\n'
+        "ValueError: Attempt to convert a value (PerReplica:{\n  0: {'x': 1},\n  1: 2\n}) "
+        "with an unsupported type (<class 'dict'>) to a Tensor."
+    )
+    assert xla._error_line(log) == (
+        "ValueError: Attempt to convert a value (...) "
+        "with an unsupported type (<class 'dict'>) to a Tensor."
+    )
     aborted = "W0000 something\nF0000 Collectives are not yet implemented for CPU devices"
     assert xla._error_line(aborted).startswith("F0000 Collectives are not yet implemented")
     assert [xla.pair_order(i)[0] for i in range(3)] == ["off", "xla", "off"]
-    row = xla._row("Mirrored, 2 logical CPUs", "mlp", {"off": [0.010, 0.012],
-                                                       "xla": [0.015, 0.012]}, "fails: x")
+    row = xla._row(
+        "Mirrored, 2 logical CPUs",
+        "mlp",
+        {"off": [0.010, 0.012], "xla": [0.015, 0.012]},
+        "fails: x",
+    )
     assert row["ratios"] == [1.5, 1.0] and row["median_ratio"] == 1.25
     alone = xla._row("no strategy, one device", "mlp", {"off": [0.01], "xla": [0.02]}, None)
-    meta = {"when": "now", "cpus": 2, "tf": "2.21.0", "keras": "3.15.1", "models": ["mlp"],
-            "pairs": 2, "steps": 15, "warmup_steps": 5, "load_before": 1.0,
-            "load_after": 1.0}
+    meta = {
+        "when": "now",
+        "cpus": 2,
+        "tf": "2.21.0",
+        "keras": "3.15.1",
+        "models": ["mlp"],
+        "pairs": 2,
+        "steps": 15,
+        "warmup_steps": 5,
+        "load_before": 1.0,
+        "load_after": 1.0,
+    }
     table = xla.markdown({"meta": meta, "rows": [row, alone]})
     assert "| Mirrored, 2 logical CPUs | mlp | 11.0 | 13.5 | 1.25 | 1.50, 1.00 | fails:" in table
     assert "| no strategy, one device | mlp | 10.0 | 20.0 | 2.00 | 2.00 | - |" in table
@@ -398,11 +587,22 @@ def test_xla_benchmark_names_the_error_and_marks_the_rows():
 def test_keras_distribution_benchmark_measures_both_jobs(tmp_path):
     # The smallest run: two jobs of 4 processes with a tiny Qwen, 2 steps.
     pytest.importorskip("keras_hub")
-    args = [sys.executable, "benchmarks/keras_distribution.py", "--vocabulary=256",
-            "--hidden=32", "--layers=1", "--heads=4", "--kv_heads=2", "--intermediate=64",
-            "--sequence=8", "--steps=2", f"--results_dir={tmp_path}"]
-    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=600)
+    args = [
+        sys.executable,
+        "benchmarks/keras_distribution.py",
+        "--vocabulary=256",
+        "--hidden=32",
+        "--layers=1",
+        "--heads=4",
+        "--kv_heads=2",
+        "--intermediate=64",
+        "--sequence=8",
+        "--steps=2",
+        f"--results_dir={tmp_path}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "keras_distribution.json").read_text())
     runs = results["runs"]

@@ -16,12 +16,17 @@ from conftest import REPO, subprocess_env
 
 def tfdist(*args, stdin=None, **env):
     """Runs the ``tfdist`` console command that ``pip install`` provides."""
-    exe = shutil.which("tfdist", path=str(Path(sys.executable).parent)) or (
-        shutil.which("tfdist"))
+    exe = shutil.which("tfdist", path=str(Path(sys.executable).parent)) or (shutil.which("tfdist"))
     assert exe, "no 'tfdist' command: install the package with pip first"
-    return subprocess.run([exe, *args], input=stdin, capture_output=True,
-                          text=True, cwd=REPO, env=subprocess_env(**env),
-                          timeout=120)
+    return subprocess.run(
+        [exe, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(**env),
+        timeout=120,
+    )
 
 
 def test_validate_accepts_every_example_spec():
@@ -33,8 +38,9 @@ def test_validate_accepts_every_example_spec():
 
 def test_validate_reports_the_field_and_exits_non_zero(tmp_path):
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"cluster": {"worker": ["127.0.0.1:2222"],
-                                           "chief": ["127.0.0.1:2222"]}}))
+    bad.write_text(
+        json.dumps({"cluster": {"worker": ["127.0.0.1:2222"], "chief": ["127.0.0.1:2222"]}})
+    )
     proc = tfdist("validate", str(bad))
     assert proc.returncode == 2
     assert "field 'cluster.chief[0]'" in proc.stderr
@@ -50,9 +56,14 @@ def test_validate_reads_stdin_and_locates_json_errors():
     proc = tfdist("validate", "-", stdin="null")
     assert proc.returncode == 2
     assert "field '<root>'" in proc.stderr and "Received: null" in proc.stderr
-    proc = tfdist("validate", "-", "--require-task",
-                  stdin=json.dumps({"cluster": {"worker": ["a:1", "b:1"]},
-                                    "task": {"type": "worker", "index": "1"}}))
+    proc = tfdist(
+        "validate",
+        "-",
+        "--require-task",
+        stdin=json.dumps(
+            {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": "1"}}
+        ),
+    )
     assert proc.returncode == 2
     assert "field 'task.index'" in proc.stderr and "'1'" in proc.stderr
 
@@ -69,16 +80,34 @@ def test_tf_config_prints_one_tasks_config():
     assert proc.returncode == 2 and "'worker-1'" in proc.stderr
 
 
-@pytest.mark.parametrize("spec, task, says", [
-    ("parameter_server", "chief:0", ["strategy: parameter_server",
-                                     "why:      TF_CONFIG lists 1 chief, 2 worker, 2 ps",
-                                     "task:     chief:0 (chief)"]),
-    ("parameter_server", "ps:1", ["strategy: parameter_server", "role:     server",
-                                  "task:     ps:1 (not chief)"]),
-    ("two_workers", "worker:1", ["strategy: multi_worker_mirrored",
-                                 "cluster:  worker: 127.0.0.1:20010, 127.0.0.1:20011",
-                                 "task:     worker:1 (not chief)"]),
-])
+@pytest.mark.parametrize(
+    "spec, task, says",
+    [
+        (
+            "parameter_server",
+            "chief:0",
+            [
+                "strategy: parameter_server",
+                "why:      TF_CONFIG lists 1 chief, 2 worker, 2 ps",
+                "task:     chief:0 (chief)",
+            ],
+        ),
+        (
+            "parameter_server",
+            "ps:1",
+            ["strategy: parameter_server", "role:     server", "task:     ps:1 (not chief)"],
+        ),
+        (
+            "two_workers",
+            "worker:1",
+            [
+                "strategy: multi_worker_mirrored",
+                "cluster:  worker: 127.0.0.1:20010, 127.0.0.1:20011",
+                "task:     worker:1 (not chief)",
+            ],
+        ),
+    ],
+)
 def test_info_explains_its_choice(spec, task, says):
     config = tfdist("tf-config", spec, "--task", task).stdout.strip()
     proc = tfdist("info", TF_CONFIG=config)
@@ -97,6 +126,7 @@ def test_info_without_cluster_and_with_cpu_replicas():
     # The versions with the supported range, and every patch of the registry
     # with its state on them.
     from tfdist.compat import registry, versions
+
     low, high = versions.SUPPORTED["keras"]
     assert f"keras >={low},<{high})" in proc.stdout
     states = re.findall(r"^  (ok|not needed|MISMATCH) +(\S+) ", proc.stdout, re.M)
@@ -107,17 +137,23 @@ def test_info_without_cluster_and_with_cpu_replicas():
 
 
 def test_info_reports_a_bad_tf_config_instead_of_a_traceback():
-    proc = tfdist("info", TF_CONFIG='{"cluster": {"worker": ["a:1"]}, '
-                  '"task": {"type": "worker", "index": -1}}')
+    proc = tfdist(
+        "info",
+        TF_CONFIG='{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": -1}}',
+    )
     assert proc.returncode == 2
     assert "field 'task.index'" in proc.stderr and "-1" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_info_inside_a_slurm_step_shows_the_cluster_it_found():
-    step = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
-            "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2",
-            "TFDIST_SLURM_PORT_BASE": "23100"}
+    step = {
+        "SLURM_PROCID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "TFDIST_SLURM_PORT_BASE": "23100",
+    }
     proc = tfdist("info", **step)
     assert proc.returncode == 0, proc.stderr
     assert "strategy: multi_worker_mirrored" in proc.stdout
@@ -128,25 +164,39 @@ def test_info_inside_a_slurm_step_shows_the_cluster_it_found():
 
 # --- tfdist hosts / tfdist tfjob -------------------------------------------
 
+
 def _host_lines(stdout):
     """{host: [(TF_CONFIG dict, argv), ...]} from `tfdist hosts` output."""
     import shlex
+
     groups, host = {}, None
     for line in stdout.splitlines():
         if line.startswith("# host "):
-            host = line[len("# host "):].rsplit(": ", 1)[0]
+            host = line[len("# host ") :].rsplit(": ", 1)[0]
             groups[host] = []
         elif line and not line.startswith("#"):
             words = shlex.split(line)
             assert words[0].startswith("TF_CONFIG="), line
-            groups[host].append((json.loads(words[0][len("TF_CONFIG="):]), words[1:]))
+            groups[host].append((json.loads(words[0][len("TF_CONFIG=") :]), words[1:]))
     return groups
 
 
 def test_hosts_prints_every_tasks_command_grouped_by_host():
     from tfdist import spec as spec_lib
-    proc = tfdist("hosts", "chief_and_workers", "--python", "python3 -u", "--",
-                  "train.py", "--epochs", "3", "--name", "a b", "--")
+
+    proc = tfdist(
+        "hosts",
+        "chief_and_workers",
+        "--python",
+        "python3 -u",
+        "--",
+        "train.py",
+        "--epochs",
+        "3",
+        "--name",
+        "a b",
+        "--",
+    )
     assert proc.returncode == 0, proc.stderr
     spec = json.loads((REPO / "cluster_specs/chief_and_workers.json").read_text())
     groups = _host_lines(proc.stdout)
@@ -159,28 +209,40 @@ def test_hosts_prints_every_tasks_command_grouped_by_host():
         tasks.append(parsed.task_id)
     assert tasks == ["chief:0", "worker:0", "worker:1"]
     # Options may also come before the spec; the output is the same.
-    again = tfdist("hosts", "--python", "python3 -u", "chief_and_workers", "--",
-                   "train.py", "--epochs", "3", "--name", "a b", "--")
+    again = tfdist(
+        "hosts",
+        "--python",
+        "python3 -u",
+        "chief_and_workers",
+        "--",
+        "train.py",
+        "--epochs",
+        "3",
+        "--name",
+        "a b",
+        "--",
+    )
     assert again.returncode == 0, again.stderr
     assert again.stdout == proc.stdout
 
 
 def test_hosts_reads_stdin_and_adds_the_evaluator_on_its_host():
-    spec = {"cluster": {"chief": ["c1:2222"], "worker": ["w1:2222", "w2:2222"],
-                        "ps": ["c1:2223"]}}
-    proc = tfdist("hosts", "-", "--evaluator", "--evaluator-host", "e1", "--", "t.py",
-                  stdin=json.dumps(spec))
+    spec = {"cluster": {"chief": ["c1:2222"], "worker": ["w1:2222", "w2:2222"], "ps": ["c1:2223"]}}
+    proc = tfdist(
+        "hosts", "-", "--evaluator", "--evaluator-host", "e1", "--", "t.py", stdin=json.dumps(spec)
+    )
     assert proc.returncode == 0, proc.stderr
     groups = _host_lines(proc.stdout)
-    assert {host: ["{type}:{index}".format(**tf["task"]) for tf, _ in lines]
-            for host, lines in groups.items()} == {
-        "c1": ["chief:0", "ps:0"], "w1": ["worker:0"], "w2": ["worker:1"],
-        "e1": ["evaluator:0"]}
+    assert {
+        host: ["{type}:{index}".format(**tf["task"]) for tf, _ in lines]
+        for host, lines in groups.items()
+    } == {"c1": ["chief:0", "ps:0"], "w1": ["worker:0"], "w2": ["worker:1"], "e1": ["evaluator:0"]}
 
 
 def test_hosts_errors_exit_2_with_the_cluster_message(tmp_path):
     from tfdist import spec as spec_lib
     from tfdist.errors import ClusterSpecError
+
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:1"]}}))
     with pytest.raises(ClusterSpecError) as expected:
@@ -199,27 +261,51 @@ def test_hosts_errors_exit_2_with_the_cluster_message(tmp_path):
 
 def test_tfjob_prints_a_manifest_kubectl_can_read():
     yaml = pytest.importorskip("yaml")
-    proc = tfdist("tfjob", "parameter_server", "--name", "mnist", "--image", "reg.io/t:1",
-                  "--namespace", "team", "--cpu", "2", "--memory", "4Gi", "--",
-                  "python", "train.py", "--epochs", "3")
+    proc = tfdist(
+        "tfjob",
+        "parameter_server",
+        "--name",
+        "mnist",
+        "--image",
+        "reg.io/t:1",
+        "--namespace",
+        "team",
+        "--cpu",
+        "2",
+        "--memory",
+        "4Gi",
+        "--",
+        "python",
+        "train.py",
+        "--epochs",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("# TFJob for parameter_server (1 chief, 2 worker, 2 ps)")
-    container = {"name": "tensorflow", "image": "reg.io/t:1",
-                 "command": ["python", "train.py", "--epochs", "3"],
-                 "env": [{"name": "TFDIST_GRACE", "value": "60"}],
-                 "resources": {"requests": {"cpu": "2", "memory": "4Gi"},
-                               "limits": {"cpu": "2", "memory": "4Gi"}}}
+    container = {
+        "name": "tensorflow",
+        "image": "reg.io/t:1",
+        "command": ["python", "train.py", "--epochs", "3"],
+        "env": [{"name": "TFDIST_GRACE", "value": "60"}],
+        "resources": {
+            "requests": {"cpu": "2", "memory": "4Gi"},
+            "limits": {"cpu": "2", "memory": "4Gi"},
+        },
+    }
 
     def replica(count):
-        return {"replicas": count, "restartPolicy": "ExitCode",
-                "template": {"spec": {"terminationGracePeriodSeconds": 60,
-                                      "containers": [container]}}}
+        return {
+            "replicas": count,
+            "restartPolicy": "ExitCode",
+            "template": {"spec": {"terminationGracePeriodSeconds": 60, "containers": [container]}},
+        }
 
     assert yaml.safe_load(proc.stdout) == {
-        "apiVersion": "kubeflow.org/v1", "kind": "TFJob",
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "TFJob",
         "metadata": {"name": "mnist", "namespace": "team"},
-        "spec": {"tfReplicaSpecs": {"Chief": replica(1), "Worker": replica(2),
-                                    "PS": replica(2)}}}
+        "spec": {"tfReplicaSpecs": {"Chief": replica(1), "Worker": replica(2), "PS": replica(2)}},
+    }
 
 
 def test_tfjob_errors_name_the_field_and_exit_2():
@@ -229,8 +315,18 @@ def test_tfjob_errors_name_the_field_and_exit_2():
     assert proc.stdout == ""
     proc = tfdist("tfjob", "two_workers", "--name", "job", "--", "python")
     assert proc.returncode == 2 and "--image" in proc.stderr
-    proc = tfdist("tfjob", "two_workers", "--name", "job", "--image", "i",
-                  "--restart-policy", "never", "--", "python")
+    proc = tfdist(
+        "tfjob",
+        "two_workers",
+        "--name",
+        "job",
+        "--image",
+        "i",
+        "--restart-policy",
+        "never",
+        "--",
+        "python",
+    )
     assert proc.returncode == 2
     assert "field 'restart_policy'" in proc.stderr and "'Never'" in proc.stderr
 
@@ -323,6 +419,7 @@ REAL_ERRORS = [
 
 def test_the_noise_filter_drops_the_observed_lines_and_keeps_real_errors():
     from tfdist.engines.quiet import NoiseFilter
+
     assert [line for line in REAL_ERRORS if NoiseFilter().is_noise(line)] == []
     noise = NoiseFilter()
     assert [line for line in OBSERVED_NOISE if not noise.is_noise(line)] == []
@@ -356,9 +453,16 @@ def test_filtered_stderr_passes_real_errors_even_when_the_process_aborts():
         "        traceback.print_exc()\n"
         "    sys.stderr.flush()\n"
         "    os.write(2, (lines[-1] + '\\n').encode())\n"
-        "    os.abort()\n")
-    proc = subprocess.run([sys.executable, "-c", code, *lines], capture_output=True,
-                          text=True, cwd=REPO, env=subprocess_env(), timeout=60)
+        "    os.abort()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *lines],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=60,
+    )
     assert proc.returncode < 0  # SIGABRT.
     shown = proc.stderr.splitlines()
     assert shown[0] == REAL_ERRORS[1]
@@ -369,6 +473,7 @@ def test_filtered_stderr_passes_real_errors_even_when_the_process_aborts():
 
 def _noise_lines(text):
     from tfdist.engines.quiet import NoiseFilter
+
     noise = NoiseFilter()
     return [line for line in text.splitlines() if noise.is_noise(line)]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -33,10 +33,12 @@ def upstream_bug(patch: str, error: type[BaseException], match: str) -> Iterator
         yield
     except error as raised:
         assert re.search(match, str(raised)), (
-            f"stock code fails differently than the bug {patch} works around: {raised}")
+            f"stock code fails differently than the bug {patch} works around: {raised}"
+        )
         return
     pytest.fail(
         f"The upstream bug behind tfdist's patch '{patch}' looks fixed in keras "
         f"{found['keras']}, tensorflow {found['tensorflow']}: the stock code no longer "
         f"fails ({record.why}). The patch can go for these versions: narrow its `needed` "
-        "in tfdist/compat/registry.py.")
+        "in tfdist/compat/registry.py."
+    )

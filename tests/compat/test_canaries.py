@@ -14,8 +14,9 @@ from conftest import REPO, finish, result_line, start
 def test_stock_keras_fit_fails_under_tensorflows_parameter_server_strategy():
     """keras-team/keras#18624: Keras 3's own fit cannot feed a
     ParameterServerStrategy (tfdist routes fit to tfdist.fit instead)."""
-    [(code, out, err)] = finish([start([REPO / "tests" / "workers" / "stock_ps_fit.py"])],
-                                timeout=240)
+    [(code, out, err)] = finish(
+        [start([REPO / "tests" / "workers" / "stock_ps_fit.py"])], timeout=240
+    )
     assert code == 0, err[-3000:]
     result = result_line(out)
 

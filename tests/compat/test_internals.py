@@ -26,8 +26,13 @@ from tfdist.errors import TfdistError
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tfdist"
-PRIVATE = ("keras.src", "tensorflow.python", "tensorflow.core", "tensorflow.compiler",
-           "tensorflow.tsl")
+PRIVATE = (
+    "keras.src",
+    "tensorflow.python",
+    "tensorflow.core",
+    "tensorflow.compiler",
+    "tensorflow.tsl",
+)
 TABLES = (keras_src, tf_python)
 
 #: (file, enclosing function, private module) of each private import still
@@ -50,8 +55,9 @@ def private_imports(source: str) -> list[tuple[int, str, str]]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 inner = child.name if scope == "<module>" else f"{scope}.{child.name}"
             if isinstance(child, ast.Import):
-                found.extend((child.lineno, scope, a.name) for a in child.names
-                             if _is_private(a.name))
+                found.extend(
+                    (child.lineno, scope, a.name) for a in child.names if _is_private(a.name)
+                )
             elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
                 # ``from keras import src`` names the private module in the alias.
                 for alias in child.names:
@@ -60,14 +66,20 @@ def private_imports(source: str) -> list[tuple[int, str, str]]:
                     if _is_private(module):
                         found.append((child.lineno, scope, module))
                         break
-            elif (isinstance(child, ast.Call) and child.args
-                  and isinstance(child.args[0], ast.Constant)
-                  and isinstance(child.args[0].value, str)
-                  and _is_private(child.args[0].value)
-                  and ((isinstance(child.func, ast.Attribute)
-                        and child.func.attr == "import_module")
-                       or (isinstance(child.func, ast.Name)
-                           and child.func.id in ("__import__", "import_module")))):
+            elif (
+                isinstance(child, ast.Call)
+                and child.args
+                and isinstance(child.args[0], ast.Constant)
+                and isinstance(child.args[0].value, str)
+                and _is_private(child.args[0].value)
+                and (
+                    (isinstance(child.func, ast.Attribute) and child.func.attr == "import_module")
+                    or (
+                        isinstance(child.func, ast.Name)
+                        and child.func.id in ("__import__", "import_module")
+                    )
+                )
+            ):
                 found.append((child.lineno, scope, child.args[0].value))
             visit(child, inner)
 
@@ -76,22 +88,24 @@ def private_imports(source: str) -> list[tuple[int, str, str]]:
 
 
 def test_the_scan_catches_every_spelling():
-    source = "\n".join([
-        "import keras.src.backend",
-        "from tensorflow.python.eager import context",
-        "from keras import src",
-        "from tensorflow import tsl as t",
-        "import keras, tensorflow as tf",
-        "from keras import ops",
-        "from tfdist.compat.keras_src import TFOptimizer",
-        "def f():",
-        "    from tensorflow.core.framework import graph_pb2",
-        "    importlib.import_module('tensorflow.compiler.xla')",
-        "    importlib.import_module('keras.ops')",
-        "class C:",
-        "    def m(self):",
-        "        __import__('keras.src.tree')",
-    ])
+    source = "\n".join(
+        [
+            "import keras.src.backend",
+            "from tensorflow.python.eager import context",
+            "from keras import src",
+            "from tensorflow import tsl as t",
+            "import keras, tensorflow as tf",
+            "from keras import ops",
+            "from tfdist.compat.keras_src import TFOptimizer",
+            "def f():",
+            "    from tensorflow.core.framework import graph_pb2",
+            "    importlib.import_module('tensorflow.compiler.xla')",
+            "    importlib.import_module('keras.ops')",
+            "class C:",
+            "    def m(self):",
+            "        __import__('keras.src.tree')",
+        ]
+    )
     assert private_imports(source) == [
         (1, "<module>", "keras.src.backend"),
         (2, "<module>", "tensorflow.python.eager"),
@@ -117,24 +131,31 @@ def test_no_private_import_outside_compat():
     forbidden = [text for key in sorted(found - ALLOWED) for text in where[key]]
     assert forbidden == [], (
         "import these through tfdist.compat.keras_src / tfdist.compat.tf_python "
-        "(add a table entry if needed):\n" + "\n".join(forbidden))
+        "(add a table entry if needed):\n" + "\n".join(forbidden)
+    )
     stale = sorted(ALLOWED - found)
     assert stale == [], f"ALLOWED entries that match no import any more; remove them: {stale}"
 
 
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.__name__.rsplit(".", 1)[-1])
 def test_importing_a_table_loads_no_tensorflow(table):
-    code = (f"import sys, json, {table.__name__}\n"
-            "print(json.dumps(sorted(m for m in sys.modules "
-            "if m.split('.')[0] in ('tensorflow', 'keras'))))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    code = (
+        f"import sys, json, {table.__name__}\n"
+        "print(json.dumps(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('tensorflow', 'keras'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
 
 
-@pytest.mark.parametrize("table, name", [(t, n) for t in TABLES for n in t.LOCATIONS],
-                         ids=lambda x: x if isinstance(x, str) else x.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize(
+    "table, name",
+    [(t, n) for t in TABLES for n in t.LOCATIONS],
+    ids=lambda x: x if isinstance(x, str) else x.__name__.rsplit(".", 1)[-1],
+)
 def test_every_entry_resolves_here(table, name):
     value = getattr(table, name)
     wants_module = all(":" not in location for location in table.LOCATIONS[name])
@@ -160,11 +181,14 @@ def test_a_name_found_nowhere_names_the_locations_and_versions(table, monkeypatc
     import keras
     import tensorflow as tf
 
-    missing = ("tfdist_no_such_package.sub:Thing", "keras:no_such_attribute_xyz",
-               "tensorflow.python.no_such_module")
+    missing = (
+        "tfdist_no_such_package.sub:Thing",
+        "keras:no_such_attribute_xyz",
+        "tensorflow.python.no_such_module",
+    )
     monkeypatch.setitem(table.LOCATIONS, "FakeMissing", missing)
     with pytest.raises(InternalNotFound) as info:
-        getattr(table, "FakeMissing")
+        table.FakeMissing  # noqa: B018 - the lookup itself must raise
     message = str(info.value)
     assert "'FakeMissing'" in message
     for location in missing:
@@ -177,7 +201,7 @@ def test_a_name_found_nowhere_names_the_locations_and_versions(table, monkeypatc
     # An import statement shows the same message (not "cannot import name").
     namespace: dict = {}
     with pytest.raises(InternalNotFound, match="FakeMissing.*no_such_attribute_xyz"):
-        exec(f"from {table.__name__} import FakeMissing", namespace)
+        exec(f"from {table.__name__} import FakeMissing", namespace)  # noqa: S102 - an import statement against the test's own table
     assert "FakeMissing" in table.unresolved()
     # A name outside the table is a plain AttributeError (hasattr works).
     assert not hasattr(table, "NotInTheTable")
@@ -187,25 +211,40 @@ def test_internal_not_found_is_shared():
     assert keras_src.InternalNotFound is tf_python.InternalNotFound is _locate.InternalNotFound
 
 
-@pytest.mark.parametrize("table, candidates, expected, other", [
-    (keras_src,
-     ("keras.src.no_such_module:BaseOptimizer", "keras:NoSuchAttribute",
-      "keras.src.optimizers.base_optimizer:BaseOptimizer", "keras:optimizers.Optimizer"),
-     ("keras.src.optimizers.base_optimizer", "BaseOptimizer"),
-     ("keras.optimizers", "Optimizer")),
-    (tf_python,
-     ("tensorflow.python.no_such_module", "tensorflow.python.eager.context",
-      "tensorflow.python.eager.backprop"),
-     ("tensorflow.python.eager.context", None),
-     ("tensorflow.python.eager.backprop", None)),
-], ids=["keras_src", "tf_python"])
+@pytest.mark.parametrize(
+    "table, candidates, expected, other",
+    [
+        (
+            keras_src,
+            (
+                "keras.src.no_such_module:BaseOptimizer",
+                "keras:NoSuchAttribute",
+                "keras.src.optimizers.base_optimizer:BaseOptimizer",
+                "keras:optimizers.Optimizer",
+            ),
+            ("keras.src.optimizers.base_optimizer", "BaseOptimizer"),
+            ("keras.optimizers", "Optimizer"),
+        ),
+        (
+            tf_python,
+            (
+                "tensorflow.python.no_such_module",
+                "tensorflow.python.eager.context",
+                "tensorflow.python.eager.backprop",
+            ),
+            ("tensorflow.python.eager.context", None),
+            ("tensorflow.python.eager.backprop", None),
+        ),
+    ],
+    ids=["keras_src", "tf_python"],
+)
 def test_the_first_existing_candidate_wins(table, candidates, expected, other, monkeypatch):
     def at(module: str, attribute: str | None):
         value = importlib.import_module(module)
         return value if attribute is None else getattr(value, attribute)
 
     monkeypatch.setitem(table.LOCATIONS, "FakeMoved", candidates)
-    value = getattr(table, "FakeMoved")
+    value = table.FakeMoved
     assert value is at(*expected)
     assert value is not at(*other)
     assert "FakeMoved" in dir(table)

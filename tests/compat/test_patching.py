@@ -54,31 +54,60 @@ def fake(monkeypatch):
             def step(self, batch):
                 calls.append(label)
                 return original(self, batch)
+
             return step
+
         return wrap
 
     wrappers.inner = make("inner")
     wrappers.outer = make("outer")
-    wrappers.save = lambda original: (lambda self, path: original(self, "saved:" + path))
+    wrappers.save = lambda original: lambda self, path: original(self, "saved:" + path)
     monkeypatch.setitem(sys.modules, TARGETS, targets)
     monkeypatch.setitem(sys.modules, WRAPPERS, wrappers)
     patches = (
-        patching.Patch("a.inner", f"{TARGETS}:Model.step", f"{WRAPPERS}:inner", "a", "test",
-                       params=("self", "batch")),
-        patching.Patch("a.save", f"{TARGETS}:Model.save", f"{WRAPPERS}:save", "a", "test",
-                       params=("self", "path")),
-        patching.Patch("b.outer", f"{TARGETS}:Model.step", f"{WRAPPERS}:outer", "b", "test",
-                       params=("self", "batch")),
-        patching.Patch("old.only", f"{TARGETS}:Model.step", f"{WRAPPERS}:outer", "old",
-                       "test", needed="keras<3.0"),
+        patching.Patch(
+            "a.inner",
+            f"{TARGETS}:Model.step",
+            f"{WRAPPERS}:inner",
+            "a",
+            "test",
+            params=("self", "batch"),
+        ),
+        patching.Patch(
+            "a.save",
+            f"{TARGETS}:Model.save",
+            f"{WRAPPERS}:save",
+            "a",
+            "test",
+            params=("self", "path"),
+        ),
+        patching.Patch(
+            "b.outer",
+            f"{TARGETS}:Model.step",
+            f"{WRAPPERS}:outer",
+            "b",
+            "test",
+            params=("self", "batch"),
+        ),
+        patching.Patch(
+            "old.only",
+            f"{TARGETS}:Model.step",
+            f"{WRAPPERS}:outer",
+            "old",
+            "test",
+            needed="keras<3.0",
+        ),
     )
-    features = {"a": {"description": "feature a", "required": True},
-                "b": {"description": "feature b", "required": False},
-                "old": {"description": "for Keras 2", "required": True}}
+    features = {
+        "a": {"description": "feature a", "required": True},
+        "b": {"description": "feature b", "required": False},
+        "old": {"description": "for Keras 2", "required": True},
+    }
     monkeypatch.setattr(registry, "PATCHES", patches)
     monkeypatch.setattr(registry, "FEATURES", features)
-    yield types.SimpleNamespace(Model=Model, calls=calls, original=Model.step,
-                                original_save=Model.save)
+    yield types.SimpleNamespace(
+        Model=Model, calls=calls, original=Model.step, original_save=Model.save
+    )
     patching.uninstall("a")
     patching.uninstall("b")
     patching.uninstall("old")
@@ -94,7 +123,10 @@ def test_patches_compose_in_the_registrys_order_whatever_the_install_order(fake,
     assert fake.calls == ["outer", "inner", "keras"]
     assert fake.Model.step.__tfdist_patches__ == ("a.inner", "b.outer")
     assert [p.name for p, _ in compat.active() if p.feature in ("a", "b")] == [
-        "a.inner", "a.save", "b.outer"]
+        "a.inner",
+        "a.save",
+        "b.outer",
+    ]
 
 
 def test_install_is_idempotent_and_uninstall_restores_the_original(fake):
@@ -121,8 +153,7 @@ def test_a_patch_for_other_versions_is_not_installed(fake):
     assert compat.check("old") == {"old.only": "not needed on this version"}
 
 
-def test_a_changed_signature_of_a_required_feature_raises_and_changes_nothing(fake,
-                                                                             monkeypatch):
+def test_a_changed_signature_of_a_required_feature_raises_and_changes_nothing(fake, monkeypatch):
     def step(self, inputs, training):  # Keras renamed the argument.
         return inputs
 
@@ -140,8 +171,7 @@ def test_a_changed_signature_of_a_required_feature_raises_and_changes_nothing(fa
     assert not compat.is_installed("a")
 
 
-def test_a_changed_target_of_an_optional_feature_switches_it_off_with_a_warning(fake,
-                                                                               monkeypatch):
+def test_a_changed_target_of_an_optional_feature_switches_it_off_with_a_warning(fake, monkeypatch):
     monkeypatch.delattr(fake.Model, "step")
     with pytest.warns(compat.FeatureDisabledWarning, match="Model.step does not exist"):
         assert compat.install("b") is False
@@ -176,11 +206,15 @@ def test_a_value_replaced_outside_tfdist_is_wrapped_not_lost(fake, caplog):
 
 # --- the real registry ---------------------------------------------------------
 
+
 def test_every_target_of_the_registry_fits_the_installed_versions():
     report = compat.check()
     assert set(report) == {p.name for p in registry.PATCHES}
-    assert {name: problem for name, problem in report.items()
-            if problem not in (None, "not needed on this version")} == {}
+    assert {
+        name: problem
+        for name, problem in report.items()
+        if problem not in (None, "not needed on this version")
+    } == {}
 
 
 def test_the_registry_is_consistent():
@@ -193,8 +227,9 @@ def test_the_registry_is_consistent():
         assert patch.kind in ("function", "property", "module", "value", "new"), patch.name
         module, _, function = patch.wrapper.partition(":")
         assert (REPO / (module.replace(".", "/") + ".py")).is_file(), patch.wrapper
-        assert f"def {function}(" in (REPO / (module.replace(".", "/") + ".py")).read_text(), \
+        assert f"def {function}(" in (REPO / (module.replace(".", "/") + ".py")).read_text(), (
             patch.wrapper
+        )
 
 
 def test_each_canary_the_registry_names_exists():
@@ -204,8 +239,7 @@ def test_each_canary_the_registry_names_exists():
     for feature in registry.FEATURES:
         canaries = [p.canary for p in registry.PATCHES if p.feature == feature and p.canary]
         assert canaries, f"feature {feature}: no canary, and no reason why not"
-        assert all(c.startswith(("tests/", "no upstream bug:", "none")) for c in canaries), \
-            canaries
+        assert all(c.startswith(("tests/", "no upstream bug:", "none")) for c in canaries), canaries
     for patch in registry.PATCHES:
         if not patch.canary.startswith("tests/"):
             continue
@@ -227,8 +261,11 @@ def test_a_changed_keras_signature_fails_the_required_feature(monkeypatch):
 
     try:
         monkeypatch.setattr(TensorFlowTrainer, "_make_function", renamed)
-        with pytest.raises(compat.PatchError, match=r"Trainer\._make_function takes "
-                           r"\(self, fn\); tfdist's wrapper expects \(self, step_function"):
+        with pytest.raises(
+            compat.PatchError,
+            match=r"Trainer\._make_function takes "
+            r"\(self, fn\); tfdist's wrapper expects \(self, step_function",
+        ):
             compat.install("inline_steps")
         assert TensorFlowTrainer._make_function is renamed
     finally:
@@ -239,7 +276,8 @@ def test_a_changed_keras_signature_fails_the_required_feature(monkeypatch):
 
 
 def test_a_changed_target_switches_tensor_parallelism_off_and_model_parallel_says_so(
-        tf_cpus, monkeypatch):
+    tf_cpus, monkeypatch
+):
     """Checked at strategy creation: ConfigError naming the setting, not a
     TypeError inside Keras."""
     import tfdist
@@ -248,14 +286,17 @@ def test_a_changed_target_switches_tensor_parallelism_off_and_model_parallel_say
     compat.uninstall("tensor_parallel")
     monkeypatch.setattr(LossScaleOptimizer, "check_finite", property(lambda self: True))
     try:
-        with pytest.warns(compat.FeatureDisabledWarning, match="check_finite is a property"):
-            with pytest.raises(ConfigError) as error:
-                tfdist.strategy_from_config(cpu_replicas=2, model_parallel=2)
+        with (
+            pytest.warns(compat.FeatureDisabledWarning, match="check_finite is a property"),
+            pytest.raises(ConfigError) as error,
+        ):
+            tfdist.strategy_from_config(cpu_replicas=2, model_parallel=2)
         assert "field 'model_parallel'" in str(error.value)
         assert "tensor parallelism (tfdist.parallel) to be available" in str(error.value)
         # The feature's other targets were left as they were.
-        assert not hasattr(compat.pristine(LossScaleOptimizer, "check_finite"),
-                           "__tfdist_patches__")
+        assert not hasattr(
+            compat.pristine(LossScaleOptimizer, "check_finite"), "__tfdist_patches__"
+        )
     finally:
         monkeypatch.undo()
         compat.uninstall("tensor_parallel")
@@ -311,9 +352,14 @@ print(json.dumps({"changed": changed, "added": added, "active": active,
 def test_a_process_changes_only_what_the_registry_declares_and_uninstall_restores_it():
     """Every Keras/TF attribute that differs after tfdist installed all its
     features is a registered patch; uninstall puts every original back."""
-    result = subprocess.run([sys.executable, "-c", _SNAPSHOT], cwd=REPO, capture_output=True,
-                            text=True, timeout=600,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    result = subprocess.run(
+        [sys.executable, "-c", _SNAPSHOT],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     declared = {where for _, where in report["active"]}

@@ -17,9 +17,16 @@ from tfdist.errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("2.21.0", (2, 21, 0)), ("3.16.0.dev2026102704", (3, 16, 0)), ("3.10", (3, 10, 0)),
-    ("2.19.1rc0", (2, 19, 1)), ("v3.4.1", (3, 4, 1))])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("2.21.0", (2, 21, 0)),
+        ("3.16.0.dev2026102704", (3, 16, 0)),
+        ("3.10", (3, 10, 0)),
+        ("2.19.1rc0", (2, 19, 1)),
+        ("v3.4.1", (3, 4, 1)),
+    ],
+)
 def test_parse_keeps_the_release(text, expected):
     assert tuple(versions.parse(text)) == expected
 
@@ -29,10 +36,18 @@ def test_parse_refuses_what_is_not_a_version():
         versions.parse("nightly")
 
 
-@pytest.mark.parametrize("version,clauses,expected", [
-    ("3.15.1", ">=3.3,<3.17", True), ("3.17.0", ">=3.3,<3.17", False),
-    ("3.2.1", ">=3.3", False), ("3.16.0.dev2026102704", "<3.17", True),
-    ("2.19.1", "==2.19.1", True), ("2.19.1", "!=2.19.1", False), ("2.19.1", "", True)])
+@pytest.mark.parametrize(
+    "version,clauses,expected",
+    [
+        ("3.15.1", ">=3.3,<3.17", True),
+        ("3.17.0", ">=3.3,<3.17", False),
+        ("3.2.1", ">=3.3", False),
+        ("3.16.0.dev2026102704", "<3.17", True),
+        ("2.19.1", "==2.19.1", True),
+        ("2.19.1", "!=2.19.1", False),
+        ("2.19.1", "", True),
+    ],
+)
 def test_satisfies(version, clauses, expected):
     assert versions.satisfies(version, clauses) is expected
 
@@ -48,11 +63,14 @@ def test_the_installed_versions_are_supported():
     versions.check_supported(found)  # Raises otherwise; this suite runs on a tested pair.
     import keras
     import tensorflow as tf
+
     assert found == {"tensorflow": tf.__version__, "keras": keras.__version__}
 
 
-@pytest.mark.parametrize("package,version", [("tensorflow", "2.15.1"), ("keras", "2.15.0"),
-                                             ("keras", "3.2.1"), ("tensorflow", "2.30.0")])
+@pytest.mark.parametrize(
+    "package,version",
+    [("tensorflow", "2.15.1"), ("keras", "2.15.0"), ("keras", "3.2.1"), ("tensorflow", "2.30.0")],
+)
 def test_an_unsupported_version_gets_a_clear_error(package, version, monkeypatch):
     monkeypatch.delenv(versions.SKIP_ENV, raising=False)
     found = {"tensorflow": "2.21.0", "keras": "3.15.1", package: version}
@@ -85,8 +103,14 @@ def test_import_tfdist_names_an_unsupported_keras(tmp_path):
     (fake / "src" / "version.py").write_text('__version__ = "2.15.0"\n')
     env = {k: v for k, v in os.environ.items() if k != versions.SKIP_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
-    result = subprocess.run([sys.executable, "-c", "import tfdist"], capture_output=True,
-                            text=True, env=env, timeout=120, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", "import tfdist"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("tfdist.compat.versions.UnsupportedVersionError: tfdist ")
@@ -121,8 +145,9 @@ def test_the_tested_pairs_span_the_range_and_the_readme_lists_them():
         assert versions.satisfies(newest[index], f">={low},<{high}")
     readme = (REPO / "README.md").read_text()
     for tf_version, keras_version in versions.TESTED_PAIRS:
-        assert re.search(rf"\|\s*{re.escape(tf_version)}\s*\|\s*{re.escape(keras_version)}\s*\|",
-                         readme), (tf_version, keras_version)
+        assert re.search(
+            rf"\|\s*{re.escape(tf_version)}\s*\|\s*{re.escape(keras_version)}\s*\|", readme
+        ), (tf_version, keras_version)
 
 
 def test_ci_tests_every_pair():
@@ -130,28 +155,37 @@ def test_ci_tests_every_pair():
     the newest is what pip resolves within pyproject's ranges."""
     run = (REPO / ".ci" / "run").read_text()
     snippet = re.search(
-        r"mapfile -t older < <\(TFDIST_SKIP_VERSION_CHECK=1 python3 -c '(.*?)'\)", run, re.S)
+        r"mapfile -t older < <\(TFDIST_SKIP_VERSION_CHECK=1 python3 -c '(.*?)'\)", run, re.S
+    )
     # The oldest pair whole, the others from the third value on.
     assert snippet and 'nice -n 19 .ci/matrix "${older[@]:0:2}"' in run
     assert 'TFDIST_MATRIX_SUBSET=tests/compat nice -n 19 .ci/matrix "${older[@]:2}"' in run
-    result = subprocess.run([sys.executable, "-c", snippet[1]], capture_output=True,
-                            text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", snippet[1]], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert result.stdout.split() == [v for pair in versions.TESTED_PAIRS[:-1] for v in pair]
     assert (REPO / ".ci" / "matrix").stat().st_mode & 0o111
 
 
-@pytest.mark.parametrize("feature,options", [
-    ("model_parallel", {"cpu_replicas": 2, "model_parallel": 2}),
-    ("compression", {"cpu_replicas": 2, "compression": "powersgd:2"}),
-    ("mirrored", {"cpu_replicas": 2})])
-def test_strategy_creation_checks_the_minimum_of_each_setting(tf_cpus, monkeypatch, feature,
-                                                               options):
+@pytest.mark.parametrize(
+    "feature,options",
+    [
+        ("model_parallel", {"cpu_replicas": 2, "model_parallel": 2}),
+        ("compression", {"cpu_replicas": 2, "compression": "powersgd:2"}),
+        ("mirrored", {"cpu_replicas": 2}),
+    ],
+)
+def test_strategy_creation_checks_the_minimum_of_each_setting(
+    tf_cpus, monkeypatch, feature, options
+):
     """Checked before anything is built, not as a TypeError inside Keras."""
     import keras
 
     import tfdist
+
     monkeypatch.setitem(versions.FEATURE_MINIMUMS, feature, {"keras": "9.0"})
     with pytest.raises(ConfigError) as error:
         tfdist.strategy_from_config(**options)
-    assert (f"field '{feature}': expected keras>=9.0. Received: keras {keras.__version__}"
-            in str(error.value))
+    assert f"field '{feature}': expected keras>=9.0. Received: keras {keras.__version__}" in str(
+        error.value
+    )

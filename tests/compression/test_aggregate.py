@@ -10,27 +10,43 @@ import math
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdist
 from tfdist.compression import (
-    ErrorFeedback, PowerSGD, TopKCompressor, make_aggregator, predict_traffic)
+    ErrorFeedback,
+    PowerSGD,
+    TopKCompressor,
+    make_aggregator,
+    predict_traffic,
+)
 from tfdist.compression.aggregate import CompressorAggregator, Item, LocalComm
-
-import tensorflow as tf
 
 # Configures the logical CPUs before this module's eager ops start TF.
 pytestmark = pytest.mark.usefixtures("tf_cpus")
 
-SETTINGS = ["none", "fp16", "bf16", "topk:0.01", "randomk:0.01", "sign", "qsgd:16",
-            "qsgd:200", "powersgd:4"]
+SETTINGS = [
+    "none",
+    "fp16",
+    "bf16",
+    "topk:0.01",
+    "randomk:0.01",
+    "sign",
+    "qsgd:16",
+    "qsgd:200",
+    "powersgd:4",
+]
 
 
 def state_for(aggregator, shape, key=0, dtype="float32"):
     """Plain tf.Variables made from an aggregator's state specs."""
     state = {}
     for spec in aggregator.state_specs(tuple(shape), dtype, key):
-        init = (tf.zeros(spec.shape, spec.dtype) if spec.initializer == "zeros"
-                else spec.initializer(spec.shape, spec.dtype))
+        init = (
+            tf.zeros(spec.shape, spec.dtype)
+            if spec.initializer == "zeros"
+            else spec.initializer(spec.shape, spec.dtype)
+        )
         state[spec.name] = tf.Variable(init)
     return state
 
@@ -56,8 +72,9 @@ def test_powersgd_error_feedback_keeps_what_the_approximation_missed():
     # The next step compresses gradient + residual, and the new residual is
     # again what was not sent.
     [out2] = agg.aggregate([Item(tf.constant(g2), 0, state)], tf.constant(1), LocalComm())
-    np.testing.assert_allclose(state["residual"].numpy(), g2 + (g1 - out1.numpy()) - out2.numpy(),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        state["residual"].numpy(), g2 + (g1 - out1.numpy()) - out2.numpy(), atol=1e-5
+    )
 
 
 def test_powersgd_warm_start_improves_the_approximation():
@@ -92,8 +109,10 @@ def test_powersgd_sends_vectors_small_matrices_and_warm_up_steps_dense():
 
     def run(step):
         comm = LocalComm()
-        items = [Item(tf.constant(g), k, s) for k, (g, s) in enumerate(
-            zip((kernel, bias, small), states))]
+        items = [
+            Item(tf.constant(g), k, s)
+            for k, (g, s) in enumerate(zip((kernel, bias, small), states))
+        ]
         return agg.aggregate(items, tf.constant(step, tf.int64), comm), comm
 
     (k_out, b_out, s_out), _ = run(0)  # Warm-up: everything dense, exactly.
@@ -118,8 +137,7 @@ def test_powersgd_bfloat16_warm_up_sends_half_the_bytes_of_float32_gradients():
     k_out, i_out = agg.aggregate(items, tf.constant(0, tf.int64), comm)
     # The warm-up sum went through bfloat16 and came back as float32.
     assert k_out.dtype == tf.float32 and i_out.dtype == tf.int32
-    np.testing.assert_array_equal(
-        k_out, tf.cast(tf.cast(kernel, tf.bfloat16), tf.float32).numpy())
+    np.testing.assert_array_equal(k_out, tf.cast(tf.cast(kernel, tf.bfloat16), tf.float32).numpy())
     assert not np.array_equal(k_out.numpy(), kernel)
     np.testing.assert_array_equal(i_out, ids)
     assert ((16, 12), "bfloat16") in comm.reduced and ((5,), "int32") in comm.reduced
@@ -128,8 +146,10 @@ def test_powersgd_bfloat16_warm_up_sends_half_the_bytes_of_float32_gradients():
     warm = agg.traffic(shapes, 2, step=0)
     assert warm.all_reduce == 16 * 12 * 2 + 5 * 4
     assert warm.all_reduce == sum(
-        math.prod(s) * tf.as_dtype(d).size for s, d in comm.reduced
-        if (s, d) in (((16, 12), "bfloat16"), ((5,), "int32")))
+        math.prod(s) * tf.as_dtype(d).size
+        for s, d in comm.reduced
+        if (s, d) in (((16, 12), "bfloat16"), ((5,), "int32"))
+    )
     assert PowerSGD(2, warmup_steps=2).traffic(shapes, 2, step=0).all_reduce == 16 * 12 * 4 + 20
     assert "warmup_dtype='bfloat16'" in repr(agg)
 
@@ -169,8 +189,14 @@ def test_compressor_error_feedback_residual_is_input_minus_sent():
     np.testing.assert_allclose(state["residual"].numpy(), corrected - out2.numpy(), atol=1e-6)
 
 
-SHAPES = [((1024, 1024), "float32"), ((1024,), "float32"), ((64, 1024), "float32"),
-          ((3, 3, 8, 16), "float32"), ((5,), "int32"), ((7,), "float16")]
+SHAPES = [
+    ((1024, 1024), "float32"),
+    ((1024,), "float32"),
+    ((64, 1024), "float32"),
+    ((3, 3, 8, 16), "float32"),
+    ((5,), "int32"),
+    ((7,), "float16"),
+]
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -189,7 +215,10 @@ def test_predicted_traffic_equals_the_payloads_really_sent(setting):
     dense = sum(math.prod(s) * np.dtype(d).itemsize for s, d in SHAPES)
     recorded = comm.traffic(dense)
     assert (predicted.all_reduce, predicted.all_gather, predicted.dense) == (
-        recorded.all_reduce, recorded.all_gather, recorded.dense)
+        recorded.all_reduce,
+        recorded.all_gather,
+        recorded.dense,
+    )
     assert predicted.sent == 0  # One replica sends nothing.
 
 
@@ -206,9 +235,16 @@ def test_byte_ratios_meet_the_targets():
     # PowerSGD rank 4 on an n x m matrix sends (n + m) * 4 numbers: 32x at
     # 256 x 256, 128x at 1024 x 1024.
     assert ratio("powersgd:4", [((256, 256), "float32")]) == 32.0
-    mlp = [((64, 1024), "float32"), ((1024,), "float32"), ((1024, 1024), "float32"),
-           ((1024,), "float32"), ((1024, 1024), "float32"), ((1024,), "float32"),
-           ((1024, 10), "float32"), ((10,), "float32")]
+    mlp = [
+        ((64, 1024), "float32"),
+        ((1024,), "float32"),
+        ((1024, 1024), "float32"),
+        ((1024,), "float32"),
+        ((1024, 1024), "float32"),
+        ((1024,), "float32"),
+        ((1024, 10), "float32"),
+        ((10,), "float32"),
+    ]
     assert ratio("powersgd:4", mlp) >= 50
     # Formulas among N: all-reduce 2(N-1)/N * S, all-gather (N-1) * S.
     t = make_aggregator("topk:0.01").traffic([((1000, 100), "float32")], 4)
@@ -217,8 +253,8 @@ def test_byte_ratios_meet_the_targets():
 
 def test_predict_traffic_from_a_model_before_training():
     import keras
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512),
-                              keras.layers.Dense(10)])
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512), keras.layers.Dense(10)])
     t = predict_traffic(model, "powersgd:4", num_replicas=2)
     assert t.dense == (64 * 512 + 512 + 512 * 10 + 10) * 4
     assert t.all_reduce == ((64 + 512) * 4 + 512 + (512 + 10) * 4 + 10) * 4
@@ -246,11 +282,17 @@ def test_error_feedback_defaults_and_bad_pairings():
     assert info.value.field == "error_feedback" and "'yes'" in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"rank": 0}, "rank"), ({"rank": 2.5}, "rank"), ({"warmup_steps": -1}, "warmup_steps"),
-    ({"warmup_dtype": "float16"}, "warmup_dtype"),
-    ({"min_compression_rate": -1.0}, "min_compression_rate"),
-    ({"min_compression_rate": float("nan")}, "min_compression_rate")])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"rank": 0}, "rank"),
+        ({"rank": 2.5}, "rank"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_dtype": "float16"}, "warmup_dtype"),
+        ({"min_compression_rate": -1.0}, "min_compression_rate"),
+        ({"min_compression_rate": float("nan")}, "min_compression_rate"),
+    ],
+)
 def test_powersgd_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(tfdist.ConfigError) as info:
         PowerSGD(**kwargs)
@@ -271,25 +313,34 @@ def test_sparse_gradients_are_gathered_and_counted_beside_dense_ones(setting):
     # a (100, 7) table with int32 ids. TensorFlow all-gathers it; only a
     # cast changes its values' dtype; the bytes predicted are those recorded.
     from tfdist.compression.sparse import SparseGradient
+
     agg = make_aggregator(setting)
     if isinstance(agg, PowerSGD):
         agg = PowerSGD(agg.rank, warmup_steps=0)
     rng = np.random.default_rng(3)
     values = rng.normal(size=(6, 7)).astype("float32")
-    slices = tf.IndexedSlices(tf.constant(values), tf.constant([4, 9, 4, 0, 99, 9]),
-                              tf.constant([100, 7]))
+    slices = tf.IndexedSlices(
+        tf.constant(values), tf.constant([4, 9, 4, 0, 99, 9]), tf.constant([100, 7])
+    )
     dense = [((64, 32), "float32"), ((32,), "float32")]
     items = [Item(slices, 0, state_for(agg, (100, 7), 0))]
     for key, (shape, dtype) in enumerate(dense, start=1):
-        items.append(Item(tf.constant(rng.normal(size=shape).astype(dtype)), key,
-                          state_for(agg, shape, key, dtype)))
+        items.append(
+            Item(
+                tf.constant(rng.normal(size=shape).astype(dtype)),
+                key,
+                state_for(agg, shape, key, dtype),
+            )
+        )
     comm = LocalComm()
     out = agg.aggregate(items, tf.constant(7, tf.int64), comm)
     specs = [SparseGradient((100, 7), "float32", rows=6, index_dtype="int32"), *dense]
     predicted = agg.traffic(specs, num_replicas=1)
     recorded = comm.traffic(predicted.dense, predicted.dense_gather)
-    assert (predicted.all_reduce, predicted.all_gather) == (recorded.all_reduce,
-                                                            recorded.all_gather)
+    assert (predicted.all_reduce, predicted.all_gather) == (
+        recorded.all_reduce,
+        recorded.all_gather,
+    )
     wire = {"fp16": "float16", "bf16": "bfloat16"}.get(setting, "float32")
     assert comm.sliced[0][:3] == ((7,), wire, "int32")
     assert predicted.dense_gather == 4 + 6 * (7 * 4 + 4)  # Row count, values, indices.

@@ -12,15 +12,23 @@ from tfdist.compression import parse_compression
 from tfdist.compression.traffic import all_reduce_bytes
 
 #: The slow-network benchmark's MLP, 256-2048-2048-512-10 (5.8M parameters).
-MLP = [((256, 2048), "float32"), ((2048,), "float32"), ((2048, 2048), "float32"),
-       ((2048,), "float32"), ((2048, 512), "float32"), ((512,), "float32"),
-       ((512, 10), "float32"), ((10,), "float32")]
+MLP = [
+    ((256, 2048), "float32"),
+    ((2048,), "float32"),
+    ((2048, 2048), "float32"),
+    ((2048,), "float32"),
+    ((2048, 512), "float32"),
+    ((512,), "float32"),
+    ((512, 10), "float32"),
+    ((10,), "float32"),
+]
 MBIT = 1e6 / 8  # bytes per second
 
 
 @pytest.fixture(scope="module")
 def auto():
     from tfdist.compression import auto as module
+
     return module
 
 
@@ -57,8 +65,9 @@ def test_candidates_restrict_the_choice(auto):
 
 def test_vectors_cannot_use_powersgd(auto):
     # PowerSGD sends 1-D gradients dense, so it saves nothing on them.
-    decision = auto.choose(link(auto, 50), [((4_000_000,), "float32")],
-                           candidates=("none", "bf16", "powersgd:4"))
+    decision = auto.choose(
+        link(auto, 50), [((4_000_000,), "float32")], candidates=("none", "bf16", "powersgd:4")
+    )
     assert decision.choice == "bf16"
     assert decision.costs["powersgd:4"] > decision.costs["bf16"]
 
@@ -69,8 +78,9 @@ def test_cost_is_the_traffic_formula_over_the_bandwidth(auto):
     dense = 4 * sum(math.prod(s) for s, _ in MLP)
     assert costs["none"] == pytest.approx(all_reduce_bytes(dense, 2) / (80 * MBIT))
     entries = dense // 4
-    bf16 = all_reduce_bytes(dense // 2, 2) / (80 * MBIT) \
-        + auto.COMPUTE_S_PER_ENTRY["bf16"] * entries
+    bf16 = (
+        all_reduce_bytes(dense // 2, 2) / (80 * MBIT) + auto.COMPUTE_S_PER_ENTRY["bf16"] * entries
+    )
     assert costs["bf16"] == pytest.approx(bf16)
 
 
@@ -78,8 +88,7 @@ def test_latency_counts_per_collective(auto):
     slow_calls = auto.predict_costs(link(auto, 1e6, latency=1.0), MLP, ("none", "powersgd:4"))
     # One all-reduce for none; two rounds for PowerSGD, times its step factor.
     assert slow_calls["none"] == pytest.approx(1.0, rel=1e-3)
-    assert slow_calls["powersgd:4"] == pytest.approx(2.0 * auto.STEP_FACTOR["powersgd"],
-                                                     rel=1e-2)
+    assert slow_calls["powersgd:4"] == pytest.approx(2.0 * auto.STEP_FACTOR["powersgd"], rel=1e-2)
 
 
 def test_more_workers_make_all_gather_dearer(auto):
@@ -90,6 +99,7 @@ def test_more_workers_make_all_gather_dearer(auto):
 
 def test_a_slow_cpu_makes_compression_dearer(auto):
     import dataclasses
+
     fast = link(auto, 2000, latency=1e-4)
     assert auto.choose(fast, MLP).choice == "powersgd:4"
     slow_cpu = dataclasses.replace(fast, compute_scale=50.0)
@@ -108,14 +118,19 @@ def test_a_small_gain_is_not_worth_compressing(auto):
     bw = 1000 * MBIT
     none_cost = all_reduce_bytes(4 * entries, 2) / bw
     per_entry = (0.99 * none_cost - all_reduce_bytes(2 * entries, 2) / bw) / entries
-    decision = auto.choose(link(auto, 1000, latency=0.0), MLP, candidates=("bf16",),
-                           compute_per_entry={"none": 0.0, "bf16": per_entry})
+    decision = auto.choose(
+        link(auto, 1000, latency=0.0),
+        MLP,
+        candidates=("bf16",),
+        compute_per_entry={"none": 0.0, "bf16": per_entry},
+    )
     assert decision.costs["bf16"] < decision.costs["none"]
     assert decision.choice == "none"
 
 
 def test_powersgd_object_candidate(auto):
     from tfdist.compression import PowerSGD
+
     decision = auto.choose(link(auto, 50), MLP, candidates=(PowerSGD(2, warmup_steps=0),))
     assert decision.choice == "powersgd:2"
     assert isinstance(decision.candidate, PowerSGD)
@@ -123,6 +138,7 @@ def test_powersgd_object_candidate(auto):
 
 def test_powersgd_warms_up_in_bfloat16_where_bf16_pays(auto):
     from tfdist.compression import PowerSGD
+
     slow = auto.choose(link(auto, 100), MLP)
     assert slow.choice == "powersgd:4" and isinstance(slow.candidate, PowerSGD)
     assert slow.costs["bf16"] <= auto.MIN_GAIN * slow.costs["none"]
@@ -130,8 +146,12 @@ def test_powersgd_warms_up_in_bfloat16_where_bf16_pays(auto):
     assert slow.candidate.warmup_steps == 10  # The default, kept.
     # Where the wire is so fast that bf16's cast costs more than it saves,
     # PowerSGD (cheapest thanks to its tiny compute here) warms up exactly.
-    fast = auto.choose(link(auto, 10_000, latency=1e-5), MLP, candidates=("bf16", "powersgd:4"),
-                       compute_per_entry={"none": 0.0, "bf16": 2e-9, "powersgd": 1e-12})
+    fast = auto.choose(
+        link(auto, 10_000, latency=1e-5),
+        MLP,
+        candidates=("bf16", "powersgd:4"),
+        compute_per_entry={"none": 0.0, "bf16": 2e-9, "powersgd": 1e-12},
+    )
     assert fast.choice == "powersgd:4"
     assert fast.costs["bf16"] > auto.MIN_GAIN * fast.costs["none"]
     assert fast.candidate.warmup_dtype == "float32"
@@ -157,6 +177,7 @@ def test_auto_setting_parses_and_shows_its_choice():
     assert setting.name == "auto" and setting.enabled
     assert str(setting) == "auto"
     import dataclasses
+
     assert str(dataclasses.replace(setting, resolved="powersgd:4")) == "auto -> powersgd:4"
     with pytest.raises(tfdist.ConfigError) as info:
         parse_compression("auto:3")
@@ -165,6 +186,7 @@ def test_auto_setting_parses_and_shows_its_choice():
 
 def test_auto_is_not_a_stateless_compressor_and_takes_no_error_feedback():
     from tfdist.compression import AutoCompression, make_aggregator, make_compressor
+
     assert isinstance(make_aggregator("auto"), AutoCompression)
     with pytest.raises(tfdist.ConfigError) as info:
         make_compressor("auto")
@@ -176,6 +198,7 @@ def test_auto_is_not_a_stateless_compressor_and_takes_no_error_feedback():
 
 def test_bad_candidates_fail_early():
     from tfdist.compression import AutoCompression
+
     for bad in (["auto"], ["topk:2"], []):
         with pytest.raises(tfdist.ConfigError):
             AutoCompression(candidates=bad)
@@ -183,12 +206,14 @@ def test_bad_candidates_fail_early():
 
 def test_unresolved_auto_refuses_to_aggregate():
     from tfdist.compression import AutoCompression
+
     with pytest.raises(RuntimeError, match="has not chosen yet"):
         AutoCompression().state_specs((4, 4), "float32", 0)
 
 
 def test_auto_is_refused_where_nothing_is_all_reduced():
     from tfdist.strategies import compression_for
+
     with pytest.raises(tfdist.ConfigError) as info:
         compression_for("parameter_server", "auto")
     assert info.value.field == "compression"
@@ -196,23 +221,29 @@ def test_auto_is_refused_where_nothing_is_all_reduced():
 
 # ------------------------------------------------------------------ with TF
 
+
 def _fit(strategy, keras, steps=8):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64 * steps, 16)).astype("float32")
     y = (x[:, :4].argmax(axis=1)).astype("int32")
     with strategy.scope():
         keras.utils.set_random_seed(2)
-        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(4)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     history = model.fit(x, y, batch_size=64, epochs=3, verbose=0, shuffle=False)
     return model, history.history["loss"]
 
 
 def test_fit_with_auto_measures_and_shows_its_choice(tf_cpus):
     import keras
+
     from tfdist.compression.auto import label
+
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="auto")
     assert str(strategy.compression) == "auto"
     model, losses = _fit(strategy, keras)
@@ -229,11 +260,14 @@ def test_fit_with_auto_measures_and_shows_its_choice(tf_cpus):
 
 def test_fit_with_auto_on_a_known_slow_link_uses_powersgd(tf_cpus):
     import keras
+
     from tfdist.compression import AutoCompression, LinkEstimate
     from tfdist.compression.keras_hook import state_variables
+
     slow = LinkEstimate(bandwidth=1e5, latency=1e-3, num_replicas=2)
     strategy = tfdist.strategy_from_config(
-        cpu_replicas=2, compression=AutoCompression(candidates=("none", "powersgd:2"), link=slow))
+        cpu_replicas=2, compression=AutoCompression(candidates=("none", "powersgd:2"), link=slow)
+    )
     model, losses = _fit(strategy, keras)
     assert str(strategy.compression).endswith("-> powersgd:2")
     assert "PowerSGD(rank=2" in strategy.describe()
@@ -244,11 +278,12 @@ def test_fit_with_auto_on_a_known_slow_link_uses_powersgd(tf_cpus):
 
 def test_fit_with_auto_on_a_fast_link_runs_keras_all_reduce(tf_cpus):
     import keras
+
     from tfdist.compression import AutoCompression, LinkEstimate
     from tfdist.compression.keras_hook import state_variables, strategy_aggregator
+
     fast = LinkEstimate(bandwidth=1e13, latency=1e-6, num_replicas=2)
-    strategy = tfdist.strategy_from_config(cpu_replicas=2,
-                                           compression=AutoCompression(link=fast))
+    strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=AutoCompression(link=fast))
     model, losses = _fit(strategy, keras)
     assert str(strategy.compression).endswith("-> none")
     assert strategy_aggregator(strategy) is None  # Keras's own path
@@ -259,8 +294,10 @@ def test_fit_with_auto_on_a_fast_link_runs_keras_all_reduce(tf_cpus):
 
 def test_one_replica_auto_picks_none(tf_cpus):
     import keras
-    strategy = tfdist.strategy_from_config(strategy="mirrored", devices=["/cpu:0"],
-                                           compression="auto")
+
+    strategy = tfdist.strategy_from_config(
+        strategy="mirrored", devices=["/cpu:0"], compression="auto"
+    )
     assert strategy.num_replicas_in_sync == 1
     _fit(strategy, keras, steps=2)
     assert str(strategy.compression) == "auto -> none"

@@ -15,15 +15,20 @@ pytestmark = pytest.mark.slow
 
 def test_two_workers_measure_once_and_choose_alike():
     spec = local_spec(2)
-    procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
-                   TFDIST_TEST_COMPRESSION="auto")
-             for _, _, config in spec_lib.all_task_configs(spec)]
+    procs = [
+        start(
+            ["tests/workers/multi_worker_fit.py"], tf_config=config, TFDIST_TEST_COMPRESSION="auto"
+        )
+        for _, _, config in spec_lib.all_task_configs(spec)
+    ]
     results = finish(procs, timeout=240)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
     chief, other = (result_line(out) for _, out, _ in results)
-    lines = [next(line for line in r["description"].splitlines() if "compression:" in line)
-             for r in (chief, other)]
+    lines = [
+        next(line for line in r["description"].splitlines() if "compression:" in line)
+        for r in (chief, other)
+    ]
     # The measured link is all-gathered (slowest replica), so the whole
     # decision, figures included, is the same on both workers.
     assert lines[0] == lines[1]

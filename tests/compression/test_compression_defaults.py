@@ -41,7 +41,7 @@ def digits_like(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 10, size=n)
     dx, dy = rng.integers(-1, 2, size=n), rng.integers(-1, 2, size=n)
-    x = np.stack([patterns[c, 1 + a:9 + a, 1 + b:9 + b] for c, a, b in zip(y, dx, dy)])
+    x = np.stack([patterns[c, 1 + a : 9 + a, 1 + b : 9 + b] for c, a, b in zip(y, dx, dy)])
     x = x.reshape(n, 64) * rng.uniform(0.6, 1.0, size=(n, 1)) + 3.0 * rng.normal(size=(n, 64))
     return np.clip(np.round(x), 0, 16).astype("float32"), y.astype("int32")
 
@@ -51,21 +51,25 @@ def task(tf_cpus):
     tf = tf_cpus
     x, y = digits_like(TRAIN + TEST, SEED)
     data = tf.data.Dataset.from_tensor_slices((x[:TRAIN], y[:TRAIN])).batch(
-        GLOBAL_BATCH, drop_remainder=True)
+        GLOBAL_BATCH, drop_remainder=True
+    )
     return data, x[TRAIN:], y[TRAIN:]
 
 
 def held_out_accuracy(task, compression) -> float:
     import keras
+
     data, x_test, y_test = task
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=compression)
     with strategy.scope():
         keras.utils.set_random_seed(SEED)
-        model = keras.Sequential([keras.Input((64,)),
-                                  keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(10)])
-        model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     model.fit(data, epochs=EPOCHS, verbose=0, shuffle=False)
     logits = model.predict(x_test, batch_size=512, verbose=0)
     return float(np.mean(np.argmax(logits, axis=1) == y_test))

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import tfdist
+from test_strategies import fit_losses
 from tfdist.compression import TopKCompressor, make_compressor, reduce_compressed
 from tfdist.compression.aggregate import CompressorAggregator, Item, ReplicaComm
-from test_strategies import fit_losses
 
 COMPRESSORS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.25", "sign", "qsgd:16"]
 
@@ -26,7 +26,8 @@ def test_hook_sums_what_the_reference_sums(tf_cpus, setting):
         rid = tf.distribute.get_replica_context().replica_id_in_sync_group
         grad = tf.gather(tf.constant(np.stack(grads)), rid)
         [summed] = CompressorAggregator(compressor).aggregate(
-            [Item(grad, key=0)], step, ReplicaComm())
+            [Item(grad, key=0)], step, ReplicaComm()
+        )
         return summed
 
     results = strategy.experimental_local_results(strategy.run(tf.function(replica_fn)))
@@ -56,6 +57,7 @@ def test_fit_with_compression_trains(tf_cpus, uncompressed_losses, setting):
 
 def test_embedding_gradients_pass_through(tf_cpus):
     import keras
+
     tf = tf_cpus
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="topk:0.2")
     rng = np.random.default_rng(1)
@@ -63,39 +65,50 @@ def test_embedding_gradients_pass_through(tf_cpus):
     y = (x.sum(axis=1) % 2).astype("int32")
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((4,), dtype="int32"),
-                                  keras.layers.Embedding(50, 8),
-                                  keras.layers.Flatten(), keras.layers.Dense(2)])
-        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True))
+        model = keras.Sequential(
+            [
+                keras.Input((4,), dtype="int32"),
+                keras.layers.Embedding(50, 8),
+                keras.layers.Flatten(),
+                keras.layers.Dense(2),
+            ]
+        )
+        model.compile(
+            optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(64, drop_remainder=True)
     history = model.fit(data, epochs=2, verbose=0)
     losses = history.history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
-
-
 def test_powersgd_on_two_replicas_matches_the_reference_math(tf_cpus):
     tf = tf_cpus
     from tfdist.compression import PowerSGD
+
     strategy = tfdist.strategy_from_config(cpu_replicas=2)
     agg = PowerSGD(rank=2, warmup_steps=0, min_compression_rate=0)
     rng = np.random.default_rng(6)
     grads = np.stack([rng.normal(size=(12, 9)).astype("float32") for _ in range(2)])
     with strategy.scope():
-        q = tf.Variable(tf.random.stateless_normal((12, 2), seed=[0, 0]),
-                        synchronization=tf.VariableSynchronization.ON_READ,
-                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-        residual = tf.Variable(tf.zeros((12, 9)), synchronization=tf.VariableSynchronization.ON_READ,
-                               aggregation=tf.VariableAggregation.MEAN)
+        q = tf.Variable(
+            tf.random.stateless_normal((12, 2), seed=[0, 0]),
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        residual = tf.Variable(
+            tf.zeros((12, 9)),
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.MEAN,
+        )
     q0 = q.numpy()
 
     def replica_fn():
         rid = tf.distribute.get_replica_context().replica_id_in_sync_group
         grad = tf.gather(tf.constant(grads), rid)
-        [out] = agg.aggregate([Item(grad, 0, {"q": q, "residual": residual})],
-                              tf.constant(0), ReplicaComm())
+        [out] = agg.aggregate(
+            [Item(grad, 0, {"q": q, "residual": residual})], tf.constant(0), ReplicaComm()
+        )
         return out
 
     outs = strategy.experimental_local_results(strategy.run(tf.function(replica_fn)))
@@ -115,10 +128,13 @@ def test_powersgd_on_two_replicas_matches_the_reference_math(tf_cpus):
 
 
 def test_error_feedback_makes_top_k_learn_better(tf_cpus):
-    with_ef = fit_losses(tfdist.strategy_from_config(cpu_replicas=2, compression="topk:0.02"),
-                         epochs=3)["loss"]
-    without = fit_losses(tfdist.strategy_from_config(
-        cpu_replicas=2, compression="topk:0.02", error_feedback=False), epochs=3)["loss"]
+    with_ef = fit_losses(
+        tfdist.strategy_from_config(cpu_replicas=2, compression="topk:0.02"), epochs=3
+    )["loss"]
+    without = fit_losses(
+        tfdist.strategy_from_config(cpu_replicas=2, compression="topk:0.02", error_feedback=False),
+        epochs=3,
+    )["loss"]
     # Measured on this model: 0.368 with, 0.438 without (Adam, 3 epochs).
     assert with_ef[-1] < 0.9 * without[-1], (with_ef, without)
 
@@ -132,22 +148,29 @@ def test_powersgd_fit_tracks_uncompressed(tf_cpus, uncompressed_losses):
 
 def _small_model(tf, strategy, x, y):
     import keras
+
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
-                                  keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(2)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     return model
 
 
 def test_save_and_load_resume_with_the_error_feedback_state(tf_cpus, tmp_path):
     import keras
+
     from tfdist.compression.keras_hook import state_variables
+
     tf = tf_cpus
     # min_size=0: this model's tensors are all small enough to be sent whole.
-    strategy = tfdist.strategy_from_config(cpu_replicas=2,
-                                           compression=TopKCompressor(0.1, min_size=0))
+    strategy = tfdist.strategy_from_config(
+        cpu_replicas=2, compression=TopKCompressor(0.1, min_size=0)
+    )
     rng = np.random.default_rng(7)
     x = rng.normal(size=(512, 16)).astype("float32")
     y = (x[:, 0] * x[:, 1] > 0).astype("int32")
@@ -157,8 +180,10 @@ def test_save_and_load_resume_with_the_error_feedback_state(tf_cpus, tmp_path):
     model.save(path)
 
     def copies(m):
-        return [[c.numpy() for c in strategy.experimental_local_results(v.value)]
-                for v in state_variables(m.optimizer)]
+        return [
+            [c.numpy() for c in strategy.experimental_local_results(v.value)]
+            for v in state_variables(m.optimizer)
+        ]
 
     saved_state = copies(model)
     assert len(saved_state) == 4 and any(np.abs(c).sum() > 0 for v in saved_state for c in v)
@@ -190,6 +215,7 @@ def test_save_and_load_resume_with_the_error_feedback_state(tf_cpus, tmp_path):
 
 def test_communication_stats_callback_reports_the_predicted_bytes(tf_cpus):
     from tfdist.compression import CommunicationStats, predict_traffic
+
     tf = tf_cpus
     topk = TopKCompressor(0.1, min_size=0)  # Compresses this model's small tensors too.
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=topk)
@@ -206,12 +232,15 @@ def test_communication_stats_callback_reports_the_predicted_bytes(tf_cpus):
     assert expected.ratio > 4  # 10% of values plus indices, gathered among 2.
 
 
-@pytest.mark.parametrize("policy, setting", [("mixed_float16", "fp16"),
-                                             ("mixed_bfloat16", "powersgd:2"),
-                                             ("mixed_float16", "topk:0.1")])
+@pytest.mark.parametrize(
+    "policy, setting",
+    [("mixed_float16", "fp16"), ("mixed_bfloat16", "powersgd:2"), ("mixed_float16", "topk:0.1")],
+)
 def test_mixed_precision_fit_with_compression(tf_cpus, policy, setting):
     import keras
+
     from tfdist.compression.keras_hook import state_variables
+
     tf = tf_cpus
     rng = np.random.default_rng(9)
     x = rng.normal(size=(512, 16)).astype("float32")

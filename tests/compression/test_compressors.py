@@ -6,24 +6,42 @@ import math
 
 import numpy as np
 import pytest
-
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 # Splits the CPU into logical devices before this module's eager ops start
 # TensorFlow, whatever order the test files run in.
 pytestmark = pytest.mark.usefixtures("tf_cpus")
 
 from tfdist.compression import (  # noqa: E402
-    BF16Compressor, ErrorFeedback, FP16Compressor, NoneCompressor, QSGDCompressor,
-    RandomKCompressor, SignCompressor, TopKCompressor, default_error_feedback,
-    make_aggregator, make_compressor, reduce_compressed)
+    BF16Compressor,
+    ErrorFeedback,
+    FP16Compressor,
+    NoneCompressor,
+    QSGDCompressor,
+    RandomKCompressor,
+    SignCompressor,
+    TopKCompressor,
+    default_error_feedback,
+    make_aggregator,
+    make_compressor,
+    reduce_compressed,
+)
 from tfdist.errors import ConfigError  # noqa: E402
 
 # The small tensors of these tests are below top-k's and sign's default
 # min_size (sent whole): min_size=0 compresses them; both forms are tested.
-ALL = [NoneCompressor(), FP16Compressor(), BF16Compressor(), TopKCompressor(0.1, min_size=0),
-       TopKCompressor(0.1), RandomKCompressor(0.1), RandomKCompressor(0.1, unbiased=False),
-       SignCompressor(min_size=0), SignCompressor(), QSGDCompressor(16)]
+ALL = [
+    NoneCompressor(),
+    FP16Compressor(),
+    BF16Compressor(),
+    TopKCompressor(0.1, min_size=0),
+    TopKCompressor(0.1),
+    RandomKCompressor(0.1),
+    RandomKCompressor(0.1, unbiased=False),
+    SignCompressor(min_size=0),
+    SignCompressor(),
+    QSGDCompressor(16),
+]
 
 
 def _data(shape, seed=0, dtype=np.float32):
@@ -133,8 +151,9 @@ def test_randomk_is_unbiased_by_default():
         total += y
     # Each entry is 4x or 0 with probability 1/4: std sqrt(3)|x|; the mean of
     # `runs` draws is within 5 standard errors of x.
-    np.testing.assert_allclose(total / runs, x, atol=5 * math.sqrt(3) * np.abs(x).max()
-                               / math.sqrt(runs))
+    np.testing.assert_allclose(
+        total / runs, x, atol=5 * math.sqrt(3) * np.abs(x).max() / math.sqrt(runs)
+    )
     _, _, y = _roundtrip(RandomKCompressor(0.25, unbiased=False), x)
     assert set(y[y != 0]) <= set(x)  # Unscaled: the kept values as they are.
 
@@ -181,8 +200,9 @@ def test_qsgd_buckets_have_their_own_norms():
     x[:500] *= 100.0  # One loud bucket must not drown the quiet one.
     comp = QSGDCompressor(8, bucket_size=500)
     payload, _, y = _roundtrip(comp, x, step=1)
-    np.testing.assert_allclose(payload[0], [np.linalg.norm(x[:500]), np.linalg.norm(x[500:])],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        payload[0], [np.linalg.norm(x[:500]), np.linalg.norm(x[500:])], rtol=1e-5
+    )
     levels = y[500:] / np.linalg.norm(x[500:]) * 8
     np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)
     one_norm = QSGDCompressor(8, bucket_size=10**9)
@@ -220,19 +240,22 @@ def test_error_feedback_nan_resets_memory():
     assert np.all(np.isfinite(residual.numpy()))
 
 
-@pytest.mark.parametrize("make, field, value", [
-    (lambda: TopKCompressor(0), "ratio", 0),
-    (lambda: TopKCompressor(1.5), "ratio", 1.5),
-    (lambda: RandomKCompressor(-0.1), "ratio", -0.1),
-    (lambda: RandomKCompressor(0.1, unbiased=1), "unbiased", 1),
-    (lambda: TopKCompressor(0.1, min_size=-1), "min_size", -1),
-    (lambda: SignCompressor(min_size=1.5), "min_size", 1.5),
-    (lambda: QSGDCompressor(0), "levels", 0),
-    (lambda: FP16Compressor(prescale=0), "prescale", 0),
-    (lambda: make_compressor("zip"), "compression", "zip"),
-    (lambda: make_compressor("powersgd"), "compression", "powersgd"),
-    (lambda: ErrorFeedback(NoneCompressor()), "compressor", NoneCompressor()),
-])
+@pytest.mark.parametrize(
+    "make, field, value",
+    [
+        (lambda: TopKCompressor(0), "ratio", 0),
+        (lambda: TopKCompressor(1.5), "ratio", 1.5),
+        (lambda: RandomKCompressor(-0.1), "ratio", -0.1),
+        (lambda: RandomKCompressor(0.1, unbiased=1), "unbiased", 1),
+        (lambda: TopKCompressor(0.1, min_size=-1), "min_size", -1),
+        (lambda: SignCompressor(min_size=1.5), "min_size", 1.5),
+        (lambda: QSGDCompressor(0), "levels", 0),
+        (lambda: FP16Compressor(prescale=0), "prescale", 0),
+        (lambda: make_compressor("zip"), "compression", "zip"),
+        (lambda: make_compressor("powersgd"), "compression", "powersgd"),
+        (lambda: ErrorFeedback(NoneCompressor()), "compressor", NoneCompressor()),
+    ],
+)
 def test_bad_arguments(make, field, value):
     with pytest.raises(ConfigError) as info:
         make()

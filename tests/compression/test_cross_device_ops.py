@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 from tfdist.compression import (
-    CompressionSetting, ErrorFeedback, make_aggregator, make_compressor, reduce_compressed)
+    CompressionSetting,
+    ErrorFeedback,
+    make_aggregator,
+    make_compressor,
+    reduce_compressed,
+)
 from tfdist.compression.cross_device_ops import CompressedCrossDeviceOps
 from tfdist.errors import ConfigError
 
@@ -19,8 +24,10 @@ COMPRESSORS = ["none", "fp16", "bf16", "topk:0.25", "randomk:0.5", "sign", "qsgd
 RNG = np.random.default_rng(0)
 # Two tensors of one shape (so that per-tensor keys show) and one of another;
 # index [tensor][replica].
-ARRAYS = [[RNG.normal(size=shape).astype("float32") for _ in range(2)]
-          for shape in [(37, 5), (37, 5), (16,)]]
+ARRAYS = [
+    [RNG.normal(size=shape).astype("float32") for _ in range(2)]
+    for shape in [(37, 5), (37, 5), (16,)]
+]
 
 
 def every_tensor(compression):
@@ -28,6 +35,7 @@ def every_tensor(compression):
     (by default they send tensors under 1024 entries whole), and random-k
     unscaled, so that its kept sums are exact."""
     from tfdist.compression import RandomKCompressor, SignCompressor, TopKCompressor
+
     name, _, param = str(compression).partition(":")
     if name == "topk" and param:
         return TopKCompressor(float(param), min_size=0)
@@ -46,12 +54,14 @@ def mirrored(tf, devices, compression):
 
 def per_replica(strategy, tf, arrays):
     """A PerReplica holding ``arrays[i]`` on replica i's device."""
+
     def value_fn(ctx):
         # MirroredStrategy calls value_fn with no device scope, and an eager
         # tf.constant stays on CPU:0 even in one: copy with an op placed there.
         rid = ctx.replica_id_in_sync_group
         with tf.device(strategy.extended.worker_devices[rid]):
             return tf.identity(tf.constant(arrays[rid]))
+
     return strategy.experimental_distribute_values_from_function(value_fn)
 
 
@@ -62,8 +72,10 @@ def local(strategy, value):
 
 def reference(tf, compressor, arrays, step, key):
     """reduce_compressed of both replicas' payloads, computed independently."""
-    packed = [compressor.compress(tf.constant(a), step=tf.constant(step, tf.int64), key=key)
-              for a in arrays]
+    packed = [
+        compressor.compress(tf.constant(a), step=tf.constant(step, tf.int64), key=key)
+        for a in arrays
+    ]
     return np.asarray(reduce_compressed(compressor, [p for p, _ in packed], packed[0][1]))
 
 
@@ -89,7 +101,8 @@ def test_batch_reduce_matches_reference_math(tf_cpus, devices, setting):
     for key, (arrays, total, mean) in enumerate(zip(ARRAYS, sums, means)):
         results = local(strategy, total)
         assert [r.device for r in strategy.experimental_local_results(total)] == [
-            v.device for v in values[key].values]  # Broadcast to every replica.
+            v.device for v in values[key].values
+        ]  # Broadcast to every replica.
         expected = reference(tf, ops.compressor, arrays, sum_step, key)
         for result in results:
             assert result.shape == arrays[0].shape and result.dtype == np.float32
@@ -143,13 +156,18 @@ def test_cross_device_ops_reduce_uses_key_zero(tf_cpus, devices):
 def _fit(tf, strategy, steps=8):
     """Fits a linear Dense model with SGD; returns (losses, weights)."""
     import keras
+
     rng = np.random.default_rng(1)
     x = rng.normal(size=(16 * steps, 8)).astype("float32")
     y = x @ rng.normal(size=(8, 1)).astype("float32") + 0.5
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(
-            1, kernel_initializer="zeros", bias_initializer="zeros")])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(1, kernel_initializer="zeros", bias_initializer="zeros"),
+            ]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     losses = model.fit(data, epochs=2, verbose=0, shuffle=False).history["loss"]
     return losses, np.concatenate([w.ravel() for w in model.get_weights()])
@@ -158,6 +176,7 @@ def _fit(tf, strategy, steps=8):
 @pytest.fixture(scope="module")
 def uncompressed_fit(tf_cpus, devices):
     import tfdist
+
     strategy = tfdist.strategy_from_config(cpu_replicas=2)  # Default collectives.
     assert strategy.num_replicas_in_sync == 2
     return _fit(tf_cpus, strategy)
@@ -235,7 +254,8 @@ def test_int32_passes_through_and_float_in_the_same_batch_is_compressed(tf_cpus,
     # MirroredStrategy itself routes int32 to a fresh ReductionToOneDevice;
     # call the ops directly to exercise its own pass-through.
     int_sum, float_sum = ops.batch_reduce(
-        tf.distribute.ReduceOp.SUM, [(int_value, int_value), (float_value, float_value)])
+        tf.distribute.ReduceOp.SUM, [(int_value, int_value), (float_value, float_value)]
+    )
     for result in local(strategy, int_sum):
         assert result.dtype == np.int32
         np.testing.assert_array_equal(result, ints[0] + ints[1])
@@ -259,9 +279,11 @@ def test_indexed_slices_pass_through_in_replica_all_reduce(tf_cpus, devices):
     def step():
         ctx = tf.distribute.get_replica_context()
         rid = ctx.replica_id_in_sync_group
-        slices = tf.IndexedSlices(tf.gather(tf.constant(np.stack(parts)), rid),
-                                  tf.gather(tf.constant(rows), rid),
-                                  tf.constant([4, 3]))
+        slices = tf.IndexedSlices(
+            tf.gather(tf.constant(np.stack(parts)), rid),
+            tf.gather(tf.constant(rows), rid),
+            tf.constant([4, 3]),
+        )
         other = tf.constant(dense) * tf.cast(rid + 1, tf.float32)
         return ctx.all_reduce("SUM", [slices, other])
 
@@ -289,9 +311,11 @@ def test_empty_and_dynamic_shapes_and_one_replica_pass_through(tf_cpus, devices)
     @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)] * 2)
     def dynamic(a, b):
         value = strategy.experimental_distribute_values_from_function(
-            lambda ctx: [a, b][ctx.replica_id_in_sync_group] + 0.0)
+            lambda ctx: [a, b][ctx.replica_id_in_sync_group] + 0.0
+        )
         return strategy.experimental_local_results(
-            ops.reduce(tf.distribute.ReduceOp.SUM, value, value))
+            ops.reduce(tf.distribute.ReduceOp.SUM, value, value)
+        )
 
     arrays = ARRAYS[2]
     for result in dynamic(tf.constant(arrays[0]), tf.constant(arrays[1])):
@@ -311,7 +335,8 @@ def test_ops_built_in_another_strategys_scope_keep_a_plain_step(tf_cpus, devices
     tf = tf_cpus
     others = [d.name for d in tf.config.list_logical_devices("CPU")[2:]]
     outer = tf.distribute.MirroredStrategy(
-        devices=others, cross_device_ops=tf.distribute.ReductionToOneDevice())
+        devices=others, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
     with outer.scope():
         ops = CompressedCrossDeviceOps("fp16")
     # A MirroredVariable of `outer` would raise "Mixing different

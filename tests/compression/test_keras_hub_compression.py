@@ -25,8 +25,9 @@ from tfdist.compression.auto import AutoCompression, LinkEstimate
 from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes
 
 keras_hub = pytest.importorskip(
-    "keras_hub", reason="keras-hub is not installed (it needs a tensorflow-text "
-                        "matching this TensorFlow)")
+    "keras_hub",
+    reason="keras-hub is not installed (it needs a tensorflow-text matching this TensorFlow)",
+)
 
 pytestmark = pytest.mark.usefixtures("tf_cpus")
 
@@ -44,32 +45,47 @@ def _compression(setting):
     if setting == "powersgd":
         return PowerSGD(4, warmup_steps=0)
     if setting == "auto":
-        return AutoCompression(["none", "bf16", PowerSGD(4, warmup_steps=0)],
-                               link=LinkEstimate(bandwidth=1e6, latency=1e-4, num_replicas=2))
+        return AutoCompression(
+            ["none", "bf16", PowerSGD(4, warmup_steps=0)],
+            link=LinkEstimate(bandwidth=1e6, latency=1e-4, num_replicas=2),
+        )
     return setting
 
 
 def _gpt2(strategy):
     import keras
+
     with strategy.scope():
         keras.utils.set_random_seed(0)
         backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=32,
-            intermediate_dim=64, max_sequence_length=32)
+            vocabulary_size=VOCAB,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=32,
+            intermediate_dim=64,
+            max_sequence_length=32,
+        )
         model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), weighted_metrics=[],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            weighted_metrics=[],
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     return model
 
 
 def _bert(strategy):
-    import corpus  # tests/models: keras-hub's BertTextClassifier from a tiny config.
     import keras
+
+    import corpus  # tests/models: keras-hub's BertTextClassifier from a tiny config.
+
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = corpus.bert()
-        model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     return model
 
 
@@ -78,6 +94,7 @@ def _dataset(tf, name="gpt2"):
     # users batch, so the batch axis is unknown when the step is traced.
     if name == "bert":
         import corpus
+
         x, y, _ = corpus._tokens(BATCH, 0, causal=False)
         assert x["token_ids"].shape == (BATCH, SEQ)
         return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat(STEPS)
@@ -85,8 +102,7 @@ def _dataset(tf, name="gpt2"):
     ids = rng.integers(0, VOCAB, (BATCH, SEQ + 1)).astype("int32")
     x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((BATCH, SEQ), "int32")}
     weights = np.ones((BATCH, SEQ), "float32")
-    return tf.data.Dataset.from_tensor_slices((x, ids[:, 1:], weights)).batch(
-        BATCH).repeat(STEPS)
+    return tf.data.Dataset.from_tensor_slices((x, ids[:, 1:], weights)).batch(BATCH).repeat(STEPS)
 
 
 BUILDERS = {"gpt2": _gpt2, "bert": _bert}
@@ -114,6 +130,7 @@ class _Recorder:
                 for t in tf.nest.flatten(value, expand_composites=False):
                     self._add(_kind, t)
                 return _original(ctx, *args, **kwargs)
+
             monkeypatch.setattr(context, name, recording)
 
     def _add(self, kind, t):
@@ -123,8 +140,9 @@ class _Recorder:
         tf = self.tf
         if isinstance(t, tf.IndexedSlices):
             self.local.slices += 1
-            size = ROW_COUNT_BYTES + sum(tf.cast(tf.size(p), tf.float64) * p.dtype.size
-                                         for p in (t.values, t.indices))
+            size = ROW_COUNT_BYTES + sum(
+                tf.cast(tf.size(p), tf.float64) * p.dtype.size for p in (t.values, t.indices)
+            )
             self.local.gathered.append(size)
             self.local.sliced.append(size)
             return
@@ -144,10 +162,11 @@ class _Recorder:
                 sizes = getattr(self.local, kind)
                 # A size traced in a cond branch cannot be read here.
                 assert all(s.graph is graph for s in sizes), "collective inside a cond"
-                logs[f"traced_{kind}"] = tf.add_n(sizes) if sizes else tf.constant(0., tf.float64)
+                logs[f"traced_{kind}"] = tf.add_n(sizes) if sizes else tf.constant(0.0, tf.float64)
             logs["traced_slices"] = tf.constant(self.local.slices)
             self.local.reduced = self.local.gathered = self.local.sliced = None
             return logs
+
         model.train_step = train_step
 
 
@@ -155,6 +174,7 @@ def _fit_every_setting(tf, name):
     """Each setting's fit of model ``name``: losses, last step's accounted
     and traced bytes."""
     import keras
+
     recorder = _Recorder(tf)
     out = {}
 
@@ -169,14 +189,16 @@ def _fit_every_setting(tf, name):
     with pytest.MonkeyPatch.context() as mp:
         recorder.install(mp)
         for setting in SETTINGS:
-            strategy = tfdist.strategy_from_config(cpu_replicas=2,
-                                                   compression=_compression(setting))
+            strategy = tfdist.strategy_from_config(
+                cpu_replicas=2, compression=_compression(setting)
+            )
             model = BUILDERS[name](strategy)
             recorder.wrap(model)
             stats, keep = CommunicationStats(every_batch=True), Keep()
             model.fit(_dataset(tf, name), epochs=1, verbose=0, callbacks=[stats, keep])
-            out[setting] = dict(model=model, strategy=strategy, logs=keep.logs,
-                                accounted=stats.last)
+            out[setting] = dict(
+                model=model, strategy=strategy, logs=keep.logs, accounted=stats.last
+            )
     return out
 
 
@@ -189,6 +211,7 @@ def runs(tf_cpus):
         if name not in done:
             done[name] = _fit_every_setting(tf_cpus, name)
         return done[name]
+
     return get
 
 
@@ -206,6 +229,7 @@ def test_trains_under_every_setting(runs, name, setting):
 def _sparse_tables(model):
     """The trainable variables whose gradients are IndexedSlices."""
     from tfdist.compression.sparse import embedding_tables
+
     tables = embedding_tables(model)
     return [v for v in model.trainable_variables if id(v) in tables]
 
@@ -217,8 +241,9 @@ def test_accounted_bytes_equal_the_traced_collectives(runs, name, setting):
     accounted, logs = run["accounted"], run["logs"][-1]
     traced_reduce, traced_gather = logs["traced_reduced"], logs["traced_gathered"]
     assert (accounted.all_reduce, accounted.all_gather) == (traced_reduce, traced_gather)
-    assert accounted.sent == (all_reduce_bytes(traced_reduce, 2)
-                              + all_gather_bytes(traced_gather, 2))
+    assert accounted.sent == (
+        all_reduce_bytes(traced_reduce, 2) + all_gather_bytes(traced_gather, 2)
+    )
     # GPT-2's tied token table gets a dense gradient; BERT's token and
     # segment tables IndexedSlices: one row per id of the replica's half of
     # the batch, whatever the setting (a cast sends 16-bit values).
@@ -227,8 +252,10 @@ def test_accounted_bytes_equal_the_traced_collectives(runs, name, setting):
     rows = BATCH // 2 * SEQ
 
     def slices(value_size):
-        return sum(ROW_COUNT_BYTES + rows * (int(np.prod(v.shape[1:])) * value_size + 4)
-                   for v in sparse)
+        return sum(
+            ROW_COUNT_BYTES + rows * (int(np.prod(v.shape[1:])) * value_size + 4) for v in sparse
+        )
+
     params = sum(int(np.prod(v.shape)) for v in run["model"].trainable_variables)
     dense = params - sum(int(np.prod(v.shape)) for v in sparse)
     assert accounted.dense == dense * 4 and accounted.dense_gather == slices(4)
@@ -247,6 +274,7 @@ def test_accounted_bytes_equal_the_traced_collectives(runs, name, setting):
 
 def test_the_tied_token_table_is_counted_as_a_dense_gradient(runs):
     from tfdist.compression.sparse import embedding_tables
+
     model = runs("gpt2")["none"]["model"]
     assert embedding_tables(model) == {}  # Its reverse call multiplies by the table.
     table = model.backbone.token_embedding.embeddings
@@ -258,6 +286,7 @@ def test_the_tied_token_table_is_counted_as_a_dense_gradient(runs):
 
 def test_bert_token_and_segment_tables_are_sparse_of_traced_length(runs, tf_cpus):
     from tfdist.compression.sparse import embedding_tables, traced_slices
+
     model = runs("bert")["none"]["model"]
     backbone = model.backbone
     tables = embedding_tables(model)
@@ -280,6 +309,7 @@ def test_bert_token_and_segment_tables_are_sparse_of_traced_length(runs, tf_cpus
 @pytest.mark.parametrize("setting", ["bf16", "fp16"])
 def test_gpt2_under_mixed_bfloat16(tf_cpus, setting):
     import keras
+
     tf = tf_cpus
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -297,25 +327,29 @@ def test_a_mixed_dtype_all_reduce_sums_each_tensor(tf_cpus):
     # The pattern behind the GPT-2 failure, in our own code: one all_reduce
     # of a 16-bit payload beside a float32 and an int32 tensor, traced.
     from tfdist.compression.aggregate import ReplicaComm
+
     tf = tf_cpus
     strategy = tfdist.strategy_from_config(cpu_replicas=2)
 
     @tf.function
     def step():
         def replica_fn():
-            rid = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group,
-                          tf.float32)
+            rid = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
             comm = ReplicaComm()
-            out = comm.all_reduce([tf.fill([3], rid + 1.0), tf.cast(tf.fill([2], rid + 2.0),
-                                                                    tf.bfloat16),
-                                   tf.fill([4], tf.cast(rid, tf.int32) + 5)])
+            out = comm.all_reduce(
+                [
+                    tf.fill([3], rid + 1.0),
+                    tf.cast(tf.fill([2], rid + 2.0), tf.bfloat16),
+                    tf.fill([4], tf.cast(rid, tf.int32) + 5),
+                ]
+            )
             return out, len(comm.reduced)
+
         return strategy.run(replica_fn)
 
     (floats, halves, ints), count = step()
     assert count == 3
-    for f, h, i in zip(*(strategy.experimental_local_results(v)
-                         for v in (floats, halves, ints))):
+    for f, h, i in zip(*(strategy.experimental_local_results(v) for v in (floats, halves, ints))):
         assert (f.dtype, h.dtype, i.dtype) == (tf.float32, tf.bfloat16, tf.int32)
         np.testing.assert_array_equal(f, [3.0] * 3)
         np.testing.assert_array_equal(tf.cast(h, tf.float32), [5.0] * 2)

@@ -37,10 +37,17 @@ def aggregator(setting):
 
 def _model(index_dtype="int64"):
     import keras
+
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((IDS,), dtype=index_dtype),
-                             keras.layers.Embedding(VOCAB, DIM), keras.layers.Flatten(),
-                             keras.layers.Dense(64), keras.layers.Dense(3)])
+    return keras.Sequential(
+        [
+            keras.Input((IDS,), dtype=index_dtype),
+            keras.layers.Embedding(VOCAB, DIM),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64),
+            keras.layers.Dense(3),
+        ]
+    )
 
 
 def _data(n, seed=0):
@@ -51,10 +58,15 @@ def _data(n, seed=0):
 
 def _gradients(tf, model, x, y, scale=1.0):
     import keras
+
     with tf.GradientTape() as tape:
         logits = model(x, training=True)
-        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-            y, logits, from_logits=True)) * scale
+        loss = (
+            tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            )
+            * scale
+        )
     return tape.gradient(loss, model.trainable_variables)
 
 
@@ -83,6 +95,7 @@ def test_an_embedding_table_is_counted_as_its_slices_not_as_a_matrix():
 
 def test_a_model_with_embeddings_needs_the_batch_size():
     from tfdist.compression.sparse import SparseGradient
+
     model = _model()
     with pytest.raises(tfdist.ConfigError) as info:
         predict_traffic(model, "powersgd:4", num_replicas=2)
@@ -110,16 +123,21 @@ def test_predicted_equals_recorded_in_one_process(tf_cpus, setting):
     for key, (g, v) in enumerate(zip(grads, model.trainable_variables)):
         state = {}
         for spec in agg.state_specs(tuple(v.shape), "float32", key):
-            init = (tf.zeros(spec.shape, spec.dtype) if spec.initializer == "zeros"
-                    else spec.initializer(spec.shape, spec.dtype))
+            init = (
+                tf.zeros(spec.shape, spec.dtype)
+                if spec.initializer == "zeros"
+                else spec.initializer(spec.shape, spec.dtype)
+            )
             state[spec.name] = tf.Variable(init)
         items.append(Item(g, key, state))
     comm = LocalComm()
     out = agg.aggregate(items, tf.constant(50, tf.int64), comm)
     predicted = predict_traffic(model, agg, num_replicas=1, batch_size=24)
     recorded = comm.traffic(predicted.dense, predicted.dense_gather)
-    assert (predicted.all_reduce, predicted.all_gather) == (recorded.all_reduce,
-                                                            recorded.all_gather)
+    assert (predicted.all_reduce, predicted.all_gather) == (
+        recorded.all_reduce,
+        recorded.all_gather,
+    )
     # The slices pass every compressor; a cast sends their values in 16 bits.
     [(row, values, indices, _)] = comm.sliced
     cast = {"fp16": "float16", "bf16": "bfloat16"}.get(setting, "float32")
@@ -134,11 +152,16 @@ def _replica_state(tf, strategy, agg, variables):
     with strategy.scope():
         for key, v in enumerate(variables):
             for spec in agg.state_specs(tuple(v.shape), "float32", key):
-                init = (tf.zeros(spec.shape, spec.dtype) if spec.initializer == "zeros"
-                        else spec.initializer(spec.shape, spec.dtype))
+                init = (
+                    tf.zeros(spec.shape, spec.dtype)
+                    if spec.initializer == "zeros"
+                    else spec.initializer(spec.shape, spec.dtype)
+                )
                 state.setdefault(key, {})[spec.name] = tf.Variable(
-                    init, synchronization=tf.VariableSynchronization.ON_READ,
-                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                    init,
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
     return state
 
 
@@ -153,7 +176,8 @@ def test_predicted_equals_recorded_on_two_replicas(tf_cpus, setting):
     agg = aggregator(setting)
     state = _replica_state(tf, strategy, agg, model.trainable_variables)
     inputs = strategy.experimental_distribute_values_from_function(
-        lambda ctx: split[ctx.replica_id_in_sync_group])
+        lambda ctx: split[ctx.replica_id_in_sync_group]
+    )
 
     @tf.function
     def step(batch):
@@ -163,21 +187,28 @@ def test_predicted_equals_recorded_on_two_replicas(tf_cpus, setting):
             items = [Item(g, k, state.get(k, {})) for k, g in enumerate(grads)]
             out = agg.aggregate(items, tf.constant(50, tf.int64), comm)
             return tf.convert_to_tensor(out[0]), [r for *_, r in comm.sliced]
+
         return strategy.run(replica_fn, args=(batch,))
 
     table, rows = step(inputs)
-    per_replica_rows = [[int(r) for r in strategy.experimental_local_results(count)]
-                        for count in rows]
+    per_replica_rows = [
+        [int(r) for r in strategy.experimental_local_results(count)] for count in rows
+    ]
     assert per_replica_rows == [[3 * IDS, 2 * IDS]]
 
     # Recorded (the real collectives' tensors, at the largest replica's rows)
     # equals predicted from the global batch of 5.
     predicted = predict_traffic(model, agg, num_replicas=2, batch_size=5)
     comm = _trace_comm(tf, strategy, model, agg, state, inputs)
-    recorded = comm.traffic(predicted.dense, predicted.dense_gather,
-                            rows=[max(r) for r in per_replica_rows])
+    recorded = comm.traffic(
+        predicted.dense, predicted.dense_gather, rows=[max(r) for r in per_replica_rows]
+    )
     assert (recorded.all_reduce, recorded.all_gather, recorded.sent, recorded.dense_sent) == (
-        predicted.all_reduce, predicted.all_gather, predicted.sent, predicted.dense_sent)
+        predicted.all_reduce,
+        predicted.all_gather,
+        predicted.sent,
+        predicted.dense_sent,
+    )
     # 3 examples x 4 ids on the fuller replica, int64 indices.
     assert predicted.dense_gather == 4 + 3 * IDS * (DIM * 4 + 8)
     if setting in ("none", "bf16", "powersgd"):  # Nothing else is gathered.
@@ -185,8 +216,9 @@ def test_predicted_equals_recorded_on_two_replicas(tf_cpus, setting):
 
     # Every replica holds the sum of both replicas' table gradients
     # (duplicates summed when densified); bf16 within its precision.
-    expected = sum(tf.convert_to_tensor(_gradients(tf, model, bx, by)[0]).numpy()
-                   for bx, by in split)
+    expected = sum(
+        tf.convert_to_tensor(_gradients(tf, model, bx, by)[0]).numpy() for bx, by in split
+    )
     tol = 1e-2 if setting == "bf16" else 1e-6
     for copy in strategy.experimental_local_results(table):
         np.testing.assert_allclose(copy, expected, rtol=tol, atol=tol * np.abs(expected).max())
@@ -204,6 +236,7 @@ def _trace_comm(tf, strategy, model, agg, state, inputs):
             grads = _gradients(tf, model, batch[0], batch[1])
             items = [Item(g, k, state.get(k, {})) for k, g in enumerate(grads)]
             return tf.convert_to_tensor(agg.aggregate(items, tf.constant(50, tf.int64), comm)[0])
+
         return strategy.run(replica_fn, args=(batch,))
 
     step(inputs)
@@ -213,13 +246,17 @@ def _trace_comm(tf, strategy, model, agg, state, inputs):
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_fit_reports_the_bytes_predicted_for_each_batch(tf_cpus, setting):
     import keras
+
     from tfdist.compression import CommunicationStats
+
     compression = aggregator(setting) if setting in ("auto", "powersgd") else setting
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=compression)
     with strategy.scope():
         model = _model()
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     x, y = _data(160, seed=2)
     stats = CommunicationStats(every_batch=True)
     per_batch = []
@@ -228,14 +265,15 @@ def test_fit_reports_the_bytes_predicted_for_each_batch(tf_cpus, setting):
         def on_train_batch_end(self, batch, logs=None):
             per_batch.append(logs["comm_bytes"])
 
-    history = model.fit(x, y, batch_size=64, epochs=1, verbose=0,
-                        callbacks=[stats, Record()])
+    history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[stats, Record()])
     assert np.isfinite(history.history["loss"]).all()
     agg = getattr(strategy, "_tfdist_aggregator", None) or "none"
     # 64, 64, then the last 32 examples: 16 per replica ("auto" chose a
     # PowerSGD whose warm-up steps are dense).
-    expected = [predict_traffic(model, agg, num_replicas=2, batch_size=b, step=i).sent
-                for i, b in enumerate((64, 64, 32))]
+    expected = [
+        predict_traffic(model, agg, num_replicas=2, batch_size=b, step=i).sent
+        for i, b in enumerate((64, 64, 32))
+    ]
     assert per_batch == expected
     full = predict_traffic(model, agg, num_replicas=2, batch_size=64)
     assert full.dense_gather == 4 + 32 * IDS * (DIM * 4 + 8)
@@ -250,21 +288,27 @@ def test_communication_stats_counts_the_slices_not_the_table(tf_cpus, setting):
     # Figures by hand from TensorFlow's protocol (no tfdist formula): a batch
     # of 64 on 2 replicas, 32 x 4 = 128 slices per replica.
     import keras
+
     from tfdist.compression import CommunicationStats
+
     compression = PowerSGD(4, warmup_steps=0) if setting == "powersgd" else setting
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=compression)
     with strategy.scope():
         model = _model()
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     x, y = _data(128, seed=3)
     stats = CommunicationStats(every_batch=True)
     model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[stats])
     kernel, biases = 128 * 64 + 64 * 3, 64 + 3
     value = 2 if setting == "bf16" else 4
     slices = 4 + 128 * (DIM * value + 8)  # Row count, values, int64 indices.
-    reduced = {"none": (kernel + biases) * 4, "bf16": (kernel + biases) * 2,
-               "powersgd": ((64 + 128) * 4 + 3 * 64 + biases) * 4}[setting]
+    reduced = {
+        "none": (kernel + biases) * 4,
+        "bf16": (kernel + biases) * 2,
+        "powersgd": ((64 + 128) * 4 + 3 * 64 + biases) * 4,
+    }[setting]
     # Among 2 replicas each sends S of an all-reduce of S and S of a gather.
     assert stats.last.sent == reduced + slices
     assert stats.last.dense_sent == (kernel + biases) * 4 + 4 + 128 * (DIM * 4 + 8)
@@ -273,14 +317,18 @@ def test_communication_stats_counts_the_slices_not_the_table(tf_cpus, setting):
 def _collective_dtypes(concrete):
     """dtype names of every CollectiveGatherV2 in a traced function, branches included."""
     import tensorflow as tf
+
     graph = concrete.graph.as_graph_def()
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-    return sorted({tf.dtypes.as_dtype(n.attr["T"].type).name for n in nodes
-                   if n.op == "CollectiveGatherV2"})
+    return sorted(
+        {tf.dtypes.as_dtype(n.attr["T"].type).name for n in nodes if n.op == "CollectiveGatherV2"}
+    )
 
 
-@pytest.mark.parametrize("setting, wire", [("none", "float32"), ("bf16", "float16"),
-                                           ("fp16", "float16"), ("powersgd", "float32")])
+@pytest.mark.parametrize(
+    "setting, wire",
+    [("none", "float32"), ("bf16", "float16"), ("fp16", "float16"), ("powersgd", "float32")],
+)
 def test_the_wire_dtype_of_the_slices_in_the_traced_collectives(tf_cpus, setting, wire):
     # bf16 values travel bit for bit as float16 (the collectives gather no
     # bfloat16); the row count is int32 and the indices int64.
@@ -298,11 +346,12 @@ def test_the_wire_dtype_of_the_slices_in_the_traced_collectives(tf_cpus, setting
             grads = _gradients(tf, model, x, y)
             items = [Item(g, k, state.get(k, {})) for k, g in enumerate(grads)]
             return tf.convert_to_tensor(
-                agg.aggregate(items, tf.constant(50, tf.int64), ReplicaComm())[0])
+                agg.aggregate(items, tf.constant(50, tf.int64), ReplicaComm())[0]
+            )
+
         return strategy.run(replica_fn)
 
-    assert _collective_dtypes(step.get_concrete_function(x, y)) == sorted(
-        {"int32", "int64", wire})
+    assert _collective_dtypes(step.get_concrete_function(x, y)) == sorted({"int32", "int64", wire})
 
 
 @pytest.mark.slow
@@ -311,10 +360,12 @@ def test_two_workers_gather_slices_in_bf16_and_count_them():
     from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
 
-    procs = [start(["tests/workers/sparse_fit.py"], tf_config=config)
-             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+    procs = [
+        start(["tests/workers/sparse_fit.py"], tf_config=config)
+        for _, _, config in spec_lib.all_task_configs(local_spec(2))
+    ]
     results = finish(procs, timeout=300)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
     chief, other = (result_line(out) for _, out, _ in results)
     assert chief["replicas"] == other["replicas"] == 2
@@ -348,7 +399,9 @@ def test_sparse_gradients_the_model_does_not_predict_raise_instead_of_misreporti
     # IndexedSlices that no Embedding layer predicts: CommunicationStats
     # says so rather than count the weight as an all-reduced matrix.
     import keras
+
     from tfdist.compression import CommunicationStats
+
     tf = tf_cpus
 
     class Lookup(keras.layers.Layer):
@@ -360,10 +413,17 @@ def test_sparse_gradients_the_model_does_not_predict_raise_instead_of_misreporti
 
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="bf16")
     with strategy.scope():
-        model = keras.Sequential([keras.Input((IDS,), dtype="int64"), Lookup(),
-                                  keras.layers.Flatten(), keras.layers.Dense(3)])
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = keras.Sequential(
+            [
+                keras.Input((IDS,), dtype="int64"),
+                Lookup(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(
+            optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     x, y = _data(64)
     with pytest.raises(tfdist.ConfigError, match=r"IndexedSlices sent .*\(8,\), 'int32'"):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[CommunicationStats()])
@@ -371,16 +431,26 @@ def test_sparse_gradients_the_model_does_not_predict_raise_instead_of_misreporti
 
 def test_an_embedding_of_unknown_input_length_needs_explicit_specs():
     import keras
+
     from tfdist.compression.sparse import SparseGradient
-    model = keras.Sequential([keras.Input((None,), dtype="int64"),
-                              keras.layers.Embedding(VOCAB, DIM),
-                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+    model = keras.Sequential(
+        [
+            keras.Input((None,), dtype="int64"),
+            keras.layers.Embedding(VOCAB, DIM),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+    )
     with pytest.raises(tfdist.ConfigError, match="SparseGradient") as info:
         predict_traffic(model, "bf16", num_replicas=2, batch_size=64)
     assert info.value.field == "model"
     # Said explicitly: 32 examples of 10 ids on the fuller replica.
-    specs = [SparseGradient((VOCAB, DIM), "float32", rows=320, index_dtype="int64"),
-             ((DIM, 3), "float32"), ((3,), "float32")]
+    specs = [
+        SparseGradient((VOCAB, DIM), "float32", rows=320, index_dtype="int64"),
+        ((DIM, 3), "float32"),
+        ((3,), "float32"),
+    ]
     t = predict_traffic(specs, "bf16", num_replicas=2)
     assert t.all_gather == 4 + 320 * (DIM * 2 + 8) and t.all_reduce == (DIM * 3 + 3) * 2
 
@@ -389,11 +459,13 @@ def test_a_shared_table_sends_the_slices_of_every_call(tf_cpus):
     # One Embedding called on a 4-id and a 6-id input: its gradient is one
     # IndexedSlices of 10 slices per example.
     import keras
+
     tf = tf_cpus
     a, b = keras.Input((4,), dtype="int32"), keras.Input((6,), dtype="int32")
     table = keras.layers.Embedding(VOCAB, DIM)
-    joined = keras.layers.Concatenate()([keras.layers.Flatten()(table(a)),
-                                         keras.layers.Flatten()(table(b))])
+    joined = keras.layers.Concatenate()(
+        [keras.layers.Flatten()(table(a)), keras.layers.Flatten()(table(b))]
+    )
     model = keras.Model([a, b], keras.layers.Dense(3)(joined))
     rng = np.random.default_rng(4)
     xa, xb = rng.integers(0, 50, (12, 4)), rng.integers(0, 50, (12, 6))
@@ -407,12 +479,17 @@ def test_a_shared_table_sends_the_slices_of_every_call(tf_cpus):
 
 def test_communication_stats_counts_one_step_with_steps_per_execution(tf_cpus):
     import keras
+
     from tfdist.compression import CommunicationStats
+
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="bf16")
     with strategy.scope():
         model = _model()
-        model.compile(optimizer="sgd", steps_per_execution=2,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer="sgd",
+            steps_per_execution=2,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     x, y = _data(256, seed=5)
     stats = CommunicationStats()
     model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[stats])
@@ -424,14 +501,17 @@ def test_fit_with_16_bit_slices_trains_as_uncompressed(tf_cpus):
     # its slices sent in bf16 (and fp16) stays within 16-bit precision of
     # the uncompressed run.
     import keras
+
     x, y = _data(256, seed=6)
     runs = {}
     for setting in ("none", "bf16", "fp16"):
         strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=setting)
         with strategy.scope():
             model = _model()
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
         before = model.get_weights()[0].copy()
         losses = model.fit(x, y, batch_size=64, epochs=3, verbose=0).history["loss"]
         runs[setting] = losses, model.get_weights()[0] - before
@@ -439,14 +519,16 @@ def test_fit_with_16_bit_slices_trains_as_uncompressed(tf_cpus):
     assert losses[-1] < losses[0] and np.abs(moved).max() > 1e-3
     for setting in ("bf16", "fp16"):
         np.testing.assert_allclose(runs[setting][0], losses, rtol=1e-2)
-        np.testing.assert_allclose(runs[setting][1], moved, rtol=0.05,
-                                   atol=0.02 * np.abs(moved).max())
+        np.testing.assert_allclose(
+            runs[setting][1], moved, rtol=0.05, atol=0.02 * np.abs(moved).max()
+        )
         assert not np.array_equal(runs[setting][1], moved)  # Really sent in 16 bits.
 
 
 @pytest.mark.parametrize("setting", [None, "bf16"])
 def test_a_custom_loop_reads_the_bytes_of_its_embedding_slices(tf_cpus, setting):
     import keras
+
     from tfdist.compression import step_traffic
     from tfdist.errors import ConfigError
 
@@ -457,7 +539,8 @@ def test_a_custom_loop_reads_the_bytes_of_its_embedding_slices(tf_cpus, setting)
         optimizer = keras.optimizers.SGD(0.1)
     x, y = _data(batch)
     dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(batch))
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    )
 
     @tf.function
     def step(inputs):
@@ -466,9 +549,11 @@ def test_a_custom_loop_reads_the_bytes_of_its_embedding_slices(tf_cpus, setting)
                 logits = model(features, training=True)
                 loss = tf.nn.compute_average_loss(
                     keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True),
-                    global_batch_size=batch)
+                    global_batch_size=batch,
+                )
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
         strategy.run(replica_step, args=inputs)
 
     for inputs in dataset:

@@ -13,6 +13,7 @@ from conftest import finish, start
 @pytest.fixture
 def keras_mod(tf_cpus):
     import keras
+
     yield keras
     keras.distribution.set_distribution(None)
 
@@ -27,11 +28,14 @@ def _fit(keras, widths=(16,)):
     """Builds, compiles and fits under whatever is current; the model and losses."""
     x, y = _data()
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((8,))]
-                             + [keras.layers.Dense(w, activation="relu") for w in widths]
-                             + [keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((8,))]
+        + [keras.layers.Dense(w, activation="relu") for w in widths]
+        + [keras.layers.Dense(1)]
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
     import tensorflow as tf
+
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)  # As the 2-process job.
     return model, model.fit(data, epochs=2, verbose=0).history["loss"]
 
@@ -39,6 +43,7 @@ def _fit(keras, widths=(16,)):
 def test_data_parallel_trains_on_tfdists_mirrored(keras_mod):
     keras = keras_mod
     import tensorflow as tf
+
     distribution = keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"])
     keras.distribution.set_distribution(distribution)
     model, losses = _fit(keras)
@@ -64,11 +69,13 @@ def test_data_parallel_trains_on_tfdists_mirrored(keras_mod):
 
 def test_data_parallel_with_tfdists_compression(keras_mod):
     from tfdist.distribution import DataParallel
+
     keras = keras_mod
     # Top-k (no warm-up) compresses the 8 x 128 and 128 x 16 kernels (it
     # sends tensors under 1024 entries whole).
-    keras.distribution.set_distribution(DataParallel(devices=["cpu:0", "cpu:1"],
-                                                     compression="topk:0.25"))
+    keras.distribution.set_distribution(
+        DataParallel(devices=["cpu:0", "cpu:1"], compression="topk:0.25")
+    )
     model, losses = _fit(keras, widths=(128, 16))
     keras.distribution.set_distribution(None)
     assert str(model.distribute_strategy.compression).startswith("topk")
@@ -83,11 +90,13 @@ def test_data_parallel_with_tfdists_compression(keras_mod):
 def test_a_mesh_of_devices_this_process_lacks_is_named(keras_mod):
     keras = keras_mod
     import tensorflow as tf
+
     good = keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"])
     keras.distribution.set_distribution(good)
     with pytest.raises(tfdist.ConfigError) as caught:
         keras.distribution.set_distribution(
-            keras.distribution.DataParallel(devices=["cpu:0", "cpu:9"]))
+            keras.distribution.DataParallel(devices=["cpu:0", "cpu:9"])
+        )
     assert caught.value.field == "device_mesh"
     assert "/cpu:9 not found" in str(caught.value)
     # Nothing changed: the distribution set before is still in force.
@@ -120,8 +129,10 @@ def test_a_distribution_tfdist_does_not_know_is_refused(keras_mod):
 
 def test_tfdist_imported_before_keras_wraps_set_distribution():
     # import tfdist loads no Keras; Keras's import then installs the wrapper.
-    code = ("import sys, tfdist; loaded = 'keras' in sys.modules; import keras; "
-            "print(loaded, hasattr(keras.distribution.set_distribution, '__wrapped__'))")
+    code = (
+        "import sys, tfdist; loaded = 'keras' in sys.modules; import keras; "
+        "print(loaded, hasattr(keras.distribution.set_distribution, '__wrapped__'))"
+    )
     proc = start(["-c", code])
     [(status, out, err)] = finish([proc], timeout=120)
     assert status == 0, err[-3000:]

@@ -14,6 +14,7 @@ from tfdist.distribution import guard
 def keras_mod(tf_cpus):
     """Keras, with the distribution reset after the test."""
     import keras
+
     yield keras
     keras.distribution.set_distribution(None)
 
@@ -22,6 +23,7 @@ def unguarded_set(keras_mod):
     """``set_distribution`` as taken before tfdist wrapped it (e.g. imported
     by name before ``import tfdist``): the guard cannot see its calls."""
     from keras.src.distribution import distribution_lib
+
     return distribution_lib.set_distribution.__wrapped__
 
 
@@ -42,6 +44,7 @@ def test_keras_before_3_15_lacks_the_process_count(keras_mod):
     from tfdist.compat.keras_src import tf_distribution_lib
     from tfdist.compat.patching import MISSING
     from tfdist.compat.versions import satisfies
+
     if satisfies(keras_mod.__version__, "<3.15"):
         assert pristine(tf_distribution_lib, "num_processes") is MISSING
         assert pristine(tf_distribution_lib, "process_id") is MISSING
@@ -74,14 +77,12 @@ def test_set_distribution_after_a_strategy_is_refused(keras_mod):
         assert "inside the scope of MirroredStrategy" in str(info.value)
         assert keras_mod.distribution.distribution() is None
         # The way Keras's own docs set it for a block.
-        with pytest.raises(tfdist.KerasDistributionError):
-            with dist.scope():
-                pass
+        with pytest.raises(tfdist.KerasDistributionError), dist.scope():
+            pass
     # Inside the strategy's scope, DataParallel too.
     data_parallel = keras_mod.distribution.DataParallel(devices=devices)
-    with strategy.scope():
-        with pytest.raises(tfdist.KerasDistributionError) as info:
-            keras_mod.distribution.set_distribution(data_parallel)
+    with strategy.scope(), pytest.raises(tfdist.KerasDistributionError) as info:
+        keras_mod.distribution.set_distribution(data_parallel)
     assert_points_to_tfdist(info.value, "DataParallel")
     assert "inside the scope of MirroredStrategy" in str(info.value)
     assert keras_mod.distribution.distribution() is None
@@ -133,6 +134,7 @@ def test_compile_and_fit_under_a_strategy_with_a_distribution_set(keras_mod):
 
 def test_install_is_idempotent(keras_mod):
     from tfdist.compat.keras_src import TensorFlowTrainer, distribution_lib
+
     guard.install()
     wrapped, fit = distribution_lib.set_distribution, TensorFlowTrainer.fit
     public = keras_mod.distribution.set_distribution
@@ -157,6 +159,7 @@ def test_a_fresh_process_in_the_order_users_write_it(keras_mod):
     # If this fails, Keras shards on TensorFlow now: revisit the guard.
     kernel = result["unguarded_kernel"]
     from tfdist.compat.versions import satisfies
+
     if satisfies(keras_mod.__version__, "<3.15"):
         assert "num_processes" in kernel["error"]  # Not even buildable there.
     else:

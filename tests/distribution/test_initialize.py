@@ -9,10 +9,10 @@ import pytest
 
 import tfdist
 from conftest import finish, result_line, start
+from test_data_parallel import _fit
 from tfdist import spec as spec_lib
 from tfdist.distribution import cluster
 from tfdist.engines.net import local_spec
-from test_data_parallel import _fit
 
 ADDRESSES = "127.0.0.1:2222,127.0.0.1:2223"
 
@@ -22,6 +22,7 @@ def test_stock_initialize_fails_on_tensorflow(tf_cpus):
     # When this fails, Keras has one: narrow the patch's versions.
     from tfdist.compat import pristine
     from tfdist.compat.keras_src import distribution_lib
+
     with pytest.raises(AttributeError, match="initialize"):
         pristine(distribution_lib, "initialize")(ADDRESSES, 2, 0)
 
@@ -29,19 +30,23 @@ def test_stock_initialize_fails_on_tensorflow(tf_cpus):
 def test_keras_arguments_make_a_tf_config():
     assert cluster.cluster_config(ADDRESSES, 2, 1) == {
         "cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
-        "task": {"type": "worker", "index": 1}}
+        "task": {"type": "worker", "index": 1},
+    }
     assert cluster.cluster_config(ADDRESSES.split(","), None, 0)["task"]["index"] == 0
     assert cluster.cluster_config(None, None, None) is None  # TF_CONFIG, if any.
 
 
-@pytest.mark.parametrize("args, field, shown", [
-    ((None, 2, 0), "job_addresses", "Received: None"),
-    (("127.0.0.1", 1, 0), "job_addresses", "Received: '127.0.0.1'"),
-    ((ADDRESSES, 3, 0), "num_processes", "expected 2, the number of job_addresses"),
-    ((ADDRESSES, 2, 2), "process_id", "expected an integer in [0, 1]. Received: 2"),
-    ((ADDRESSES, 2, None), "process_id", "Received: None"),
-    ((ADDRESSES, 2, True), "process_id", "Received: True"),
-])
+@pytest.mark.parametrize(
+    "args, field, shown",
+    [
+        ((None, 2, 0), "job_addresses", "Received: None"),
+        (("127.0.0.1", 1, 0), "job_addresses", "Received: '127.0.0.1'"),
+        ((ADDRESSES, 3, 0), "num_processes", "expected 2, the number of job_addresses"),
+        ((ADDRESSES, 2, 2), "process_id", "expected an integer in [0, 1]. Received: 2"),
+        ((ADDRESSES, 2, None), "process_id", "Received: None"),
+        ((ADDRESSES, 2, True), "process_id", "Received: True"),
+    ],
+)
 def test_bad_arguments_name_the_field(args, field, shown):
     with pytest.raises(tfdist.ConfigError) as caught:
         cluster.cluster_config(*args)
@@ -51,16 +56,23 @@ def test_bad_arguments_name_the_field(args, field, shown):
 
 def test_without_a_job_initialize_leaves_one_process(tf_cpus, monkeypatch):
     import keras
-    for name in ("TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
-                 "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID"):
+
+    for name in (
+        "TF_CONFIG",
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+        "KERAS_DISTRIBUTION_NUM_PROCESSES",
+        "KERAS_DISTRIBUTION_PROCESS_ID",
+    ):
         monkeypatch.delenv(name, raising=False)
     before = keras.distribution.list_devices("cpu")
     assert keras.distribution.initialize() is None
     assert cluster.cluster_strategy() is None
     assert keras.distribution.list_devices("cpu") == before
     # A mesh naming another process's devices needs initialize() first.
-    remote = ["/job:worker/replica:0/task:0/device:CPU:0",
-              "/job:worker/replica:0/task:1/device:CPU:0"]
+    remote = [
+        "/job:worker/replica:0/task:0/device:CPU:0",
+        "/job:worker/replica:0/task:1/device:CPU:0",
+    ]
     with pytest.raises(tfdist.ConfigError) as caught:
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=remote))
     assert caught.value.field == "device_mesh" and "initialize() first" in str(caught.value)
@@ -70,28 +82,43 @@ def test_without_a_job_initialize_leaves_one_process(tf_cpus, monkeypatch):
 @pytest.mark.slow
 def test_two_processes_train_as_the_keras_docs_write_it(tf_cpus):
     import keras
+
     spec = local_spec(2)
     addresses = ",".join(spec["cluster"]["worker"])
     configs = [config for _, _, config in spec_lib.all_task_configs(spec)]
     # Worker 0 as Keras's docs set it up, worker 1 as tfdist launch does.
-    procs = [start(["tests/workers/keras_distribution_job.py"], TFDIST_REGISTER_TIMEOUT="60",
-                   KERAS_DISTRIBUTION_JOB_ADDRESSES=addresses,
-                   KERAS_DISTRIBUTION_NUM_PROCESSES="2", KERAS_DISTRIBUTION_PROCESS_ID="0"),
-             start(["tests/workers/keras_distribution_job.py"], tf_config=configs[1],
-                   TFDIST_REGISTER_TIMEOUT="60")]
+    procs = [
+        start(
+            ["tests/workers/keras_distribution_job.py"],
+            TFDIST_REGISTER_TIMEOUT="60",
+            KERAS_DISTRIBUTION_JOB_ADDRESSES=addresses,
+            KERAS_DISTRIBUTION_NUM_PROCESSES="2",
+            KERAS_DISTRIBUTION_PROCESS_ID="0",
+        ),
+        start(
+            ["tests/workers/keras_distribution_job.py"],
+            tf_config=configs[1],
+            TFDIST_REGISTER_TIMEOUT="60",
+        ),
+    ]
     results = finish(procs, timeout=240)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
     first, second = (result_line(out) for _, out, _ in results)
-    assert first["devices"] == second["devices"] == [
-        "/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"]
+    assert (
+        first["devices"]
+        == second["devices"]
+        == [
+            "/job:worker/replica:0/task:0/device:CPU:0",
+            "/job:worker/replica:0/task:1/device:CPU:0",
+        ]
+    )
     assert (first["task"], second["task"]) == ("worker:0", "worker:1")
     assert first["kind"] == "multi_worker_mirrored" and first["replicas"] == 2
     # Synchronous: both workers end with the same weights and losses.
     assert first["sha256"] == second["sha256"] and first["loss"] == second["loss"]
     # The same training as DataParallel over 2 devices of one process.
-    keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"]))
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"]))
     try:
         _, losses = _fit(keras)
     finally:
@@ -110,11 +137,18 @@ def test_compression_given_to_initialize_reaches_model_parallel(tf_cpus):
     same ModelParallel(compression="bf16") on 2 logical CPUs of one process,
     not as the uncompressed one, and sends that one's data-parallel bytes."""
     import keras
+
     configs = [config for _, _, config in spec_lib.all_task_configs(local_spec(2))]
-    procs = [start(["tests/workers/keras_compressed_job.py"], tf_config=config,
-                   TFDIST_REGISTER_TIMEOUT="60") for config in configs]
+    procs = [
+        start(
+            ["tests/workers/keras_compressed_job.py"],
+            tf_config=config,
+            TFDIST_REGISTER_TIMEOUT="60",
+        )
+        for config in configs
+    ]
     results = finish(procs, timeout=240)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
     first, second = (result_line(out) for _, out, _ in results)
     assert (first["task"], second["task"]) == ("worker:0", "worker:1")
@@ -128,21 +162,33 @@ def test_compression_given_to_initialize_reaches_model_parallel(tf_cpus):
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map["dense_a/kernel"] = ("batch", None)
         layout_map["dense_b/kernel"] = (None, "batch")
-        keras.distribution.set_distribution(tfdist.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name="batch", compression=compression))
+        keras.distribution.set_distribution(
+            tfdist.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch", compression=compression
+            )
+        )
         try:
             rng = np.random.default_rng(0)
             x = rng.normal(size=(32, 6)).astype("float32")
             y = rng.normal(size=(32, 4)).astype("float32")
-            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="dense_a"),
-                                      keras.layers.Dense(4, name="dense_b")])
-            model.set_weights([rng.normal(size=w.shape).astype("float32") * 0.3
-                               for w in model.get_weights()])
+            model = keras.Sequential(
+                [
+                    keras.Input((6,)),
+                    keras.layers.Dense(8, name="dense_a"),
+                    keras.layers.Dense(4, name="dense_b"),
+                ]
+            )
+            model.set_weights(
+                [rng.normal(size=w.shape).astype("float32") * 0.3 for w in model.get_weights()]
+            )
             model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
             tfdist.parallel.reset_traffic(model.distribute_strategy)
             history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-            local[compression] = (history.history["loss"], model.get_weights(),
-                                  tfdist.parallel.traffic(model.distribute_strategy))
+            local[compression] = (
+                history.history["loss"],
+                model.get_weights(),
+                tfdist.parallel.traffic(model.distribute_strategy),
+            )
         finally:
             keras.distribution.set_distribution(None)
     (_, plain, plain_sent), (bf16_loss, bf16, bf16_sent) = local.values()

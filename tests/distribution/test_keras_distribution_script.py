@@ -21,8 +21,9 @@ print("loaded", _common.weights_sha256(model.get_weights()))
 
 def test_script_shards_llama_like_the_unsharded_model(tmp_path):
     model_dir = tmp_path / "model"
-    [(code, out, err)] = finish([start([SCRIPT, "--compare", *TINY,
-                                        f"--model_dir={model_dir}"])], timeout=300)
+    [(code, out, err)] = finish(
+        [start([SCRIPT, "--compare", *TINY, f"--model_dir={model_dir}"])], timeout=300
+    )
     assert code == 0, (out + err)[-4000:]
     result = result_line(out)
     assert result["replicas"] == 4 and result["mesh"] == [2, 2]

@@ -26,14 +26,16 @@ STEPS = 2  # Batches of 8 from 16 rows: Adam's second step sees the first's mome
 @pytest.fixture
 def keras_mod(tf_cpus):
     import keras
+
     yield keras
     keras.distribution.set_distribution(None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unsharded(family: str):
     """The twin: initial weights, losses and final weights, with no distribution."""
     import keras
+
     keras.utils.set_random_seed(1)
     lm = _causal_lm(keras, family)
     initial = lm.get_weights()
@@ -44,21 +46,38 @@ def _unsharded(family: str):
 #: How each family's split kernels compute (by path suffix) with a model axis > 1.
 #: Llama's and Qwen's q/k/v put "model" on the hidden dimension they sum over
 #: (rows), Gemma's on the heads (columns).
-_LLAMA = {"query/kernel": "row", "key/kernel": "row", "value/kernel": "row",
-          "attention_output/kernel": "row", "feedforward_intermediate_dense/kernel": "column",
-          "feedforward_gate_dense/kernel": "column", "feedforward_output_dense/kernel": "row"}
-MEGATRON = {"llama": _LLAMA, "qwen": _LLAMA,
-            "gemma": {"query/kernel": "column", "key/kernel": "column",
-                      "value/kernel": "column", "attention_output/kernel": "row",
-                      "ffw_gating/kernel": "column", "ffw_gating_2/kernel": "column",
-                      "ffw_linear/kernel": "row"}}
+_LLAMA = {
+    "query/kernel": "row",
+    "key/kernel": "row",
+    "value/kernel": "row",
+    "attention_output/kernel": "row",
+    "feedforward_intermediate_dense/kernel": "column",
+    "feedforward_gate_dense/kernel": "column",
+    "feedforward_output_dense/kernel": "row",
+}
+MEGATRON = {
+    "llama": _LLAMA,
+    "qwen": _LLAMA,
+    "gemma": {
+        "query/kernel": "column",
+        "key/kernel": "column",
+        "value/kernel": "column",
+        "attention_output/kernel": "row",
+        "ffw_gating/kernel": "column",
+        "ffw_gating_2/kernel": "column",
+        "ffw_linear/kernel": "row",
+    },
+}
 
 
 def _model_parallel(keras, family: str, shape: tuple[int, int]):
     dist = keras.distribution
-    mesh = dist.DeviceMesh(shape, ["batch", "model"], dist.list_devices("cpu")[:np.prod(shape)])
-    backbone = {"gemma": keras_hub.models.GemmaBackbone, "llama": keras_hub.models.LlamaBackbone,
-                "qwen": keras_hub.models.QwenBackbone}[family]
+    mesh = dist.DeviceMesh(shape, ["batch", "model"], dist.list_devices("cpu")[: np.prod(shape)])
+    backbone = {
+        "gemma": keras_hub.models.GemmaBackbone,
+        "llama": keras_hub.models.LlamaBackbone,
+        "qwen": keras_hub.models.QwenBackbone,
+    }[family]
     return dist.ModelParallel(layout_map=backbone.get_layout_map(mesh), batch_dim_name="batch")
 
 
@@ -95,14 +114,18 @@ def test_keras_hub_layout_map_trains_as_the_unsharded_model(keras_mod, family, s
         sizes = {"batch": shape[0], "model": shape[1]}
         parts = int(np.prod([sizes[axis] for axis in row.layout if axis]))
         assert row.bytes_per_device * parts == row.full_bytes, v.path
-        slots = [s for s in lm.optimizer.variables
-                 if tfdist.parallel.spec_of(s) is tfdist.parallel.spec_of(v)]
+        slots = [
+            s
+            for s in lm.optimizer.variables
+            if tfdist.parallel.spec_of(s) is tfdist.parallel.spec_of(v)
+        ]
         assert len(slots) == 2 and all(tuple(s.shape) == row.block for s in slots), v.path
     # Replicated exactly where the map has no rule (norms, Llama's untied
     # reverse_embeddings, Qwen's biases) or one that splits nothing.
     for row in table.rows:
-        splits = any(axis and {"batch": shape[0], "model": shape[1]}[axis] > 1
-                     for axis in row.layout or ())
+        splits = any(
+            axis and {"batch": shape[0], "model": shape[1]}[axis] > 1 for axis in row.layout or ()
+        )
         assert (row.how != "replicated") == splits, row
     assert "token_embedding/embeddings" in str(table)
     # Kernels split along a letter only the output (column) or only the input
@@ -112,17 +135,23 @@ def test_keras_hub_layout_map_trains_as_the_unsharded_model(keras_mod, family, s
     kinds = {**MEGATRON[family], "token_embedding/embeddings": "vocabulary"}
     for path, how in hows.items():
         kind = next((k for suffix, k in kinds.items() if path.endswith(suffix)), None)
-        expected = (f"tensor-parallel ({kind})" if kind and shape[1] > 1
-                    else "gathered when used (FSDP)" if kind else None)
+        expected = (
+            f"tensor-parallel ({kind})"
+            if kind and shape[1] > 1
+            else "gathered when used (FSDP)"
+            if kind
+            else None
+        )
         if expected:
             assert how == expected, (path, how)
     assert hows["token_embedding/embeddings"] == (
-        "tensor-parallel (vocabulary)" if shape[1] > 1 else "gathered when used (FSDP)")
+        "tensor-parallel (vocabulary)" if shape[1] > 1 else "gathered when used (FSDP)"
+    )
 
 
 def _mlp_distribution(keras, layouts: dict, shape=(2, 2)):
     dist = keras.distribution
-    mesh = dist.DeviceMesh(shape, ["batch", "model"], dist.list_devices("cpu")[:np.prod(shape)])
+    mesh = dist.DeviceMesh(shape, ["batch", "model"], dist.list_devices("cpu")[: np.prod(shape)])
     layout_map = dist.LayoutMap(mesh)
     for key, axes in layouts.items():
         layout_map[key] = axes
@@ -130,21 +159,30 @@ def _mlp_distribution(keras, layouts: dict, shape=(2, 2)):
 
 
 def _mlp(keras, **dense):
-    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="dense_a", **dense),
-                             keras.layers.Dense(4, name="dense_b")])
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, name="dense_a", **dense),
+            keras.layers.Dense(4, name="dense_b"),
+        ]
+    )
 
 
-@pytest.mark.parametrize("layout, expected", [
-    ((None, "model", None), "one entry per dimension of the weight (2)"),
-    (("model", "model"), "each mesh axis at most once"),
-    (("batch", None), "dimension 0 has 6, which the 'batch' axis (4 devices) does not divide"),
-])
+@pytest.mark.parametrize(
+    "layout, expected",
+    [
+        ((None, "model", None), "one entry per dimension of the weight (2)"),
+        (("model", "model"), "each mesh axis at most once"),
+        (("batch", None), "dimension 0 has 6, which the 'batch' axis (4 devices) does not divide"),
+    ],
+)
 def test_a_layout_tfdist_cannot_honour_names_the_weight(keras_mod, layout, expected):
     # (An axis name the mesh lacks is Keras's own ValueError, in LayoutMap.)
     keras = keras_mod
     shape = (4, 1) if "divide" in expected else (2, 2)
     keras.distribution.set_distribution(
-        _mlp_distribution(keras, {".*dense_a/kernel": layout}, shape))
+        _mlp_distribution(keras, {".*dense_a/kernel": layout}, shape)
+    )
     with pytest.raises(ConfigError) as info:
         _mlp(keras)
     text = str(info.value)
@@ -155,7 +193,8 @@ def test_a_layout_tfdist_cannot_honour_names_the_weight(keras_mod, layout, expec
 def test_a_regularizer_on_a_split_weight_is_refused(keras_mod):
     keras = keras_mod
     keras.distribution.set_distribution(
-        _mlp_distribution(keras, {".*dense_a/kernel": (None, "model")}))
+        _mlp_distribution(keras, {".*dense_a/kernel": (None, "model")})
+    )
     with pytest.raises(ConfigError) as info:
         _mlp(keras, kernel_regularizer="l2")
     assert "regularizer of sequential" in str(info.value) and "/dense_a/kernel" in str(info.value)
@@ -195,15 +234,24 @@ def test_keras_docs_layout_on_a_dense_model(keras_mod):
         model = _mlp(keras, activation="relu")
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
         return model
-    reference, model = _fit_twice(keras, fit, _mlp_distribution(
-        keras, {".*dense.*kernel": (None, "model"), ".*dense.*bias": ("model",)}),
-        x, y, batch_size=16, seed=2)
+
+    reference, model = _fit_twice(
+        keras,
+        fit,
+        _mlp_distribution(keras, {".*dense.*kernel": (None, "model"), ".*dense.*bias": ("model",)}),
+        x,
+        y,
+        batch_size=16,
+        seed=2,
+    )
     assert model.layers[0].kernel.shape == (6, 4)  # A block: (6, 8) over 2.
-    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=0, atol=1e-5
+    )
     # Called directly, outside fit: the full weights from the local blocks.
-    np.testing.assert_allclose(np.asarray(model(x[:4])), reference.predict(x[:4], verbose=0),
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(model(x[:4])), reference.predict(x[:4], verbose=0), rtol=0, atol=1e-5
+    )
 
 
 def test_a_keras_embedding_split_along_its_vocabulary(keras_mod):
@@ -217,12 +265,17 @@ def test_a_keras_embedding_split_along_its_vocabulary(keras_mod):
     y = rng.normal(size=(32, 3)).astype("float32")
 
     def fit():
-        model = keras.Sequential([keras.Input((5,), dtype="int32"),
-                                  keras.layers.Embedding(16, 6, mask_zero=True, name="emb"),
-                                  keras.layers.GlobalAveragePooling1D(),
-                                  keras.layers.Dense(3, name="head")])
+        model = keras.Sequential(
+            [
+                keras.Input((5,), dtype="int32"),
+                keras.layers.Embedding(16, 6, mask_zero=True, name="emb"),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(3, name="head"),
+            ]
+        )
         model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
         return model
+
     distribution = _mlp_distribution(keras, {".*emb/embeddings": ("model", "batch")})
     reference, model = _fit_twice(keras, fit, distribution, x, y, batch_size=16, seed=4)
     table = tfdist.distribution.report(model)
@@ -230,10 +283,12 @@ def test_a_keras_embedding_split_along_its_vocabulary(keras_mod):
     assert (row.how, row.block) == ("tensor-parallel (vocabulary)", (8, 3))
     # The reference's pooling skips the padded positions: equal predictions
     # mean the sharded lookup's output carries the mask too.
-    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=0, atol=1e-5
+    )
     unmasked = keras.layers.GlobalAveragePooling1D()(
-        keras.ops.take(reference.layers[0].embeddings, x, axis=0))
+        keras.ops.take(reference.layers[0].embeddings, x, axis=0)
+    )
     assert not np.allclose(reference.layers[1](reference.layers[0](x)), unmasked, atol=1e-3)
 
 
@@ -243,6 +298,7 @@ def test_a_sharded_model_saves_whole_and_loads_under_any_mesh(keras_mod, tmp_pat
     distribution and on a (1, 2) mesh, and predict the same."""
     keras = keras_mod
     import tensorflow as tf
+
     initial, _, _, _ = _unsharded("llama")
     x, _ = _batches()
     keras.distribution.set_distribution(_model_parallel(keras, "llama", (2, 2)))
@@ -264,8 +320,9 @@ def test_a_sharded_model_saves_whole_and_loads_under_any_mesh(keras_mod, tmp_pat
     def same(model, where):
         for path, a, b in zip([v.path for v in model.weights], trained, model.get_weights()):
             np.testing.assert_array_equal(a, b, err_msg=f"{where}: {path}")
-        np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), want,
-                                   rtol=0, atol=1e-5, err_msg=where)
+        np.testing.assert_allclose(
+            model.predict(x, batch_size=8, verbose=0), want, rtol=0, atol=1e-5, err_msg=where
+        )
 
     keras.distribution.set_distribution(None)
     same(keras.models.load_model(tmp_path / "lm.keras"), "load_model, no distribution")
@@ -293,15 +350,24 @@ def test_four_processes_under_tfdist_launch(tmp_path):
 
     from conftest import REPO, result_line
     from tfdist.engines.launch import launch
+
     out = io.StringIO()
-    result = launch(str(REPO / "tests" / "workers" / "keras_model_parallel_job.py"), [], workers=4,
-                    show_all=True, output=out, handle_signals=False, stop_timeout=5,
-                    env={"PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path),
-                         "TF_CPP_MIN_LOG_LEVEL": "2"})
+    result = launch(
+        str(REPO / "tests" / "workers" / "keras_model_parallel_job.py"),
+        [],
+        workers=4,
+        show_all=True,
+        output=out,
+        handle_signals=False,
+        stop_timeout=5,
+        env={"PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     lines = out.getvalue().splitlines()
     assert result.ok, "\n".join(lines[-60:])
-    runs = sorted((result_line(line.partition("] ")[2]) for line in lines
-                   if "] tfdist result: " in line), key=lambda r: r["task"])
+    runs = sorted(
+        (result_line(line.partition("] ")[2]) for line in lines if "] tfdist result: " in line),
+        key=lambda r: r["task"],
+    )
     assert [r["task"] for r in runs] == [f"worker:{i}" for i in range(4)]
     for run in runs:
         assert run["replicas"] == 4
@@ -313,11 +379,13 @@ def test_four_processes_under_tfdist_launch(tmp_path):
         assert run["block"] == [128, 16] and run["local_block"] == [[128, 16]]
         assert run["traffic"]["tensor_parallel"] > 0 and run["traffic"]["data_parallel"] > 0
         assert run["sha256"] == runs[0]["sha256"]
-    print(f"\nmeasured: 4 workers on a (2, 2) mesh, losses {runs[0]['losses']} (twin "
-          f"{runs[0]['twin_losses']}), largest weight difference "
-          f"{max(r['largest_difference'] for r in runs):.1e}; weights per device "
-          f"{runs[0]['bytes_per_device']:,} of {runs[0]['full_bytes']:,} bytes; bytes sent "
-          f"per replica {runs[0]['traffic']}")
+    print(
+        f"\nmeasured: 4 workers on a (2, 2) mesh, losses {runs[0]['losses']} (twin "
+        f"{runs[0]['twin_losses']}), largest weight difference "
+        f"{max(r['largest_difference'] for r in runs):.1e}; weights per device "
+        f"{runs[0]['bytes_per_device']:,} of {runs[0]['full_bytes']:,} bytes; bytes sent "
+        f"per replica {runs[0]['traffic']}"
+    )
 
 
 def test_compression_on_the_data_axis(keras_mod):
@@ -327,19 +395,26 @@ def test_compression_on_the_data_axis(keras_mod):
     needs the whole gradient is refused, naming the weight."""
     keras = keras_mod
     initial, _, _, _ = _unsharded("llama")
-    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
-                                         keras.distribution.list_devices("cpu"))
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], keras.distribution.list_devices("cpu")
+    )
     layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
     runs = {}
     for compression in (None, "bf16"):
-        keras.distribution.set_distribution(tfdist.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name="batch", compression=compression))
+        keras.distribution.set_distribution(
+            tfdist.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch", compression=compression
+            )
+        )
         lm = _causal_lm(keras, "llama")
         lm.set_weights(initial)
         tfdist.parallel.reset_traffic(lm.distribute_strategy)
         losses = _fit(lm)
-        runs[compression] = (losses, lm.get_weights(),
-                             tfdist.parallel.traffic(lm.distribute_strategy))
+        runs[compression] = (
+            losses,
+            lm.get_weights(),
+            tfdist.parallel.traffic(lm.distribute_strategy),
+        )
     (plain, plain_weights, plain_sent), (bf16, bf16_weights, bf16_sent) = runs.values()
     np.testing.assert_allclose(bf16, plain, rtol=0, atol=1e-2)
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(bf16_weights, plain_weights))
@@ -347,10 +422,12 @@ def test_compression_on_the_data_axis(keras_mod):
     # The weights' gathers are the same; the gradient sums over the batch
     # axis (and the replicated weights' all-reduce) go in 16 bits.
     assert bf16_sent["tensor_parallel"] == plain_sent["tensor_parallel"]
-    assert bf16_sent["data_parallel"] < 0.9 * plain_sent["data_parallel"], (bf16_sent,
-                                                                             plain_sent)
-    keras.distribution.set_distribution(tfdist.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch", compression="topk:0.1"))
+    assert bf16_sent["data_parallel"] < 0.9 * plain_sent["data_parallel"], (bf16_sent, plain_sent)
+    keras.distribution.set_distribution(
+        tfdist.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch", compression="topk:0.1"
+        )
+    )
     with pytest.raises(ConfigError) as info:
         _causal_lm(keras, "llama")
     text = str(info.value)
@@ -377,15 +454,30 @@ def test_a_layer_with_sublayers_keeps_its_gathered_weight(keras_mod):
             return self.inner(keras.ops.tanh(keras.ops.matmul(x, self.w)))
 
     def fit():
-        model = keras.Sequential([keras.Input((6,)), Outer(name="outer"),
-                                  keras.layers.Dense(2, name="head")])
+        model = keras.Sequential(
+            [keras.Input((6,)), Outer(name="outer"), keras.layers.Dense(2, name="head")]
+        )
         model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
         return model
+
     rng = np.random.default_rng(5)
     x, y = rng.normal(size=(16, 6)).astype("float32"), rng.normal(size=(16, 2)).astype("float32")
-    _, model = _fit_twice(keras, fit, _mlp_distribution(
-        keras, {".*outer/w": ("batch", "model"), ".*inner/kernel": (None, "model"),
-                ".*head/kernel": ("batch", None)}), x, y, batch_size=8, seed=4)
+    _, model = _fit_twice(
+        keras,
+        fit,
+        _mlp_distribution(
+            keras,
+            {
+                ".*outer/w": ("batch", "model"),
+                ".*inner/kernel": (None, "model"),
+                ".*head/kernel": ("batch", None),
+            },
+        ),
+        x,
+        y,
+        batch_size=8,
+        seed=4,
+    )
     table = tfdist.distribution.report(model)
     hows = {row.path.split("/", 1)[1]: row.how for row in table.rows}
     assert hows["outer/w"] == "gathered when used, kept for backward (FSDP)", hows
@@ -405,16 +497,26 @@ def test_a_batch_only_mesh_splits_weights_over_the_data_axis(keras_mod):
         model = _mlp(keras, activation="tanh")
         model.compile(keras.optimizers.Adam(1e-3), "mse")
         return model
+
     dist = keras.distribution
     mesh = dist.DeviceMesh((4,), ["batch"], dist.list_devices("cpu"))
     layout_map = dist.LayoutMap(mesh)
     layout_map[".*dense_a/kernel"] = (None, "batch")
     layout_map[".*dense_b/kernel"] = ("batch", None)
-    _, model = _fit_twice(keras, fit, dist.ModelParallel(layout_map=layout_map,
-                                                         batch_dim_name="batch"),
-                          x, y, batch_size=8, seed=7)
-    assert tfdist.parallel.mesh_of(model.distribute_strategy).describe().startswith(
-        "data 4 x tensor 1")
+    _, model = _fit_twice(
+        keras,
+        fit,
+        dist.ModelParallel(layout_map=layout_map, batch_dim_name="batch"),
+        x,
+        y,
+        batch_size=8,
+        seed=7,
+    )
+    assert (
+        tfdist.parallel.mesh_of(model.distribute_strategy)
+        .describe()
+        .startswith("data 4 x tensor 1")
+    )
     assert tuple(model.layers[0].kernel.shape) == (6, 2)
     assert tuple(model.layers[1].kernel.shape) == (2, 4)
 
@@ -423,11 +525,17 @@ def test_report_names_the_shards_of_tfdist_parallel_layers(keras_mod):
     keras = keras_mod
     strategy = tfdist.strategy_from_config(cpu_replicas=4, model_parallel=2)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((6,)),
-                                  tfdist.parallel.ColumnParallelDense(8, name="col"),
-                                  tfdist.parallel.RowParallelDense(4, name="row")])
-    hows = {row.path.split("/", 1)[1]: (row.how, row.block, row.layout)
-            for row in tfdist.distribution.report(model).rows}
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                tfdist.parallel.ColumnParallelDense(8, name="col"),
+                tfdist.parallel.RowParallelDense(4, name="row"),
+            ]
+        )
+    hows = {
+        row.path.split("/", 1)[1]: (row.how, row.block, row.layout)
+        for row in tfdist.distribution.report(model).rows
+    }
     assert hows["col/kernel"] == ("tensor-parallel (tfdist.parallel layer)", (6, 4), None)
     assert hows["row/kernel"] == ("tensor-parallel (tfdist.parallel layer)", (4, 4), None)
     assert hows["row/bias"] == ("replicated", (4,), None)

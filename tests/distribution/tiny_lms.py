@@ -12,18 +12,25 @@ import numpy as np
 
 
 def causal_lm(keras, family: str):
-    common = dict(vocabulary_size=256, num_layers=2, hidden_dim=32, num_query_heads=4,
-                  num_key_value_heads=2, intermediate_dim=64)
+    common = dict(
+        vocabulary_size=256,
+        num_layers=2,
+        hidden_dim=32,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        intermediate_dim=64,
+    )
     models = keras_hub.models
     if family == "gemma":
-        lm = models.GemmaCausalLM(models.GemmaBackbone(**common, head_dim=8),
-                                  preprocessor=None)
+        lm = models.GemmaCausalLM(models.GemmaBackbone(**common, head_dim=8), preprocessor=None)
     elif family == "llama":
         lm = models.LlamaCausalLM(models.LlamaBackbone(**common), preprocessor=None)
     else:
         lm = models.QwenCausalLM(models.QwenBackbone(**common), preprocessor=None)
-    lm.compile(optimizer=keras.optimizers.Adam(1e-3),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    lm.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     return lm
 
 

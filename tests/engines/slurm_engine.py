@@ -21,8 +21,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import pytest
 
@@ -33,11 +33,19 @@ from tfdist.engines.net import free_ports
 DAEMONS = ("slurmctld", "slurmd")
 #: Slurm's client commands the tests call.
 CLIENTS = ("srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
-INSTALL_HINT = ("install Debian's Slurm as root: apt-get install -y slurm-wlm "
-                "(.ci/run does this)")
+INSTALL_HINT = "install Debian's Slurm as root: apt-get install -y slurm-wlm (.ci/run does this)"
 #: Job states after which a job does not run again.
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+FINAL_STATES = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 
 _CONF = """\
 ClusterName=tfdisttest
@@ -66,7 +74,7 @@ SwitchType=switch/none
 ReturnToService=2
 NodeName=localhost NodeHostname={hostname} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-"""
+"""  # noqa: E501 - slurm.conf takes one node per line
 
 
 def require_slurm() -> None:
@@ -79,8 +87,10 @@ def require_slurm() -> None:
     if not missing:
         if os.geteuid() == 0:
             return
-        message = ("the Slurm engine tests run slurmctld and slurmd as root "
-                   f"(SlurmUser=root); running as uid {os.geteuid()}")
+        message = (
+            "the Slurm engine tests run slurmctld and slurmd as root "
+            f"(SlurmUser=root); running as uid {os.geteuid()}"
+        )
     else:
         message = f"Slurm is not installed (missing {', '.join(missing)}); {INSTALL_HINT}"
     if os.environ.get("TFDIST_REQUIRE_ENGINES") == "1":
@@ -135,25 +145,31 @@ class SlurmCluster:
         # Nothing from an outer Slurm job (CI may run inside one) or an outer
         # port choice may reach this cluster's clients.
         for name in list(env):
-            if name not in extra and (name.startswith("SLURM_") or name in (
-                    "TFDIST_SLURM_PORT_BASE", "CUDA_VISIBLE_DEVICES")):
+            if name not in extra and (
+                name.startswith("SLURM_")
+                or name in ("TFDIST_SLURM_PORT_BASE", "CUDA_VISIBLE_DEVICES")
+            ):
                 del env[name]
         env["SLURM_CONF"] = str(self.conf)
         return env
 
     def logs(self) -> str:
         """The tails of both daemons' logs, for failure messages."""
-        return (f"--- slurmctld log ({self.root / 'ctld.log'}):\n{_tail(self.root / 'ctld.log')}\n"
-                f"--- slurmd log ({self.root / 'd.log'}):\n{_tail(self.root / 'd.log')}")
+        return (
+            f"--- slurmctld log ({self.root / 'ctld.log'}):\n{_tail(self.root / 'ctld.log')}\n"
+            f"--- slurmd log ({self.root / 'd.log'}):\n{_tail(self.root / 'd.log')}"
+        )
 
-    def failure(self, what: str, *, code: int | None = None, out: str = "",
-                err: str = "") -> str:
+    def failure(self, what: str, *, code: int | None = None, out: str = "", err: str = "") -> str:
         """A failure message: what went wrong, the output, the daemons' logs."""
-        return (f"{what} (exit code {code})\n--- stdout:\n{out[-6000:]}\n"
-                f"--- stderr:\n{err[-6000:]}\n{self.logs()}")
+        return (
+            f"{what} (exit code {code})\n--- stdout:\n{out[-6000:]}\n"
+            f"--- stderr:\n{err[-6000:]}\n{self.logs()}"
+        )
 
-    def run(self, args: Sequence[str], *, timeout: float, check: bool = True,
-            **extra_env: str) -> subprocess.CompletedProcess:
+    def run(
+        self, args: Sequence[str], *, timeout: float, check: bool = True, **extra_env: str
+    ) -> subprocess.CompletedProcess:
         """Runs a Slurm client command (``srun``, ``sinfo``...) to completion.
 
         Args:
@@ -168,23 +184,39 @@ class SlurmCluster:
             The finished process, with text stdout and stderr.
         """
         started = time.monotonic()
-        proc = subprocess.Popen(list(args), cwd=REPO, env=self.env(**extra_env),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            list(args),
+            cwd=REPO,
+            env=self.env(**extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             out, err = self._interrupt(proc)
-            raise AssertionError(self.failure(
-                f"{' '.join(args)!r} did not finish within {timeout:.0f} s; "
-                "its jobs were cancelled", code=proc.returncode, out=out,
-                err=err)) from None
+            raise AssertionError(
+                self.failure(
+                    f"{' '.join(args)!r} did not finish within {timeout:.0f} s; "
+                    "its jobs were cancelled",
+                    code=proc.returncode,
+                    out=out,
+                    err=err,
+                )
+            ) from None
         result = subprocess.CompletedProcess(list(args), proc.returncode, out, err)
         result.seconds = time.monotonic() - started  # type: ignore[attr-defined]
         if check and proc.returncode != 0:
-            raise AssertionError(self.failure(
-                f"{' '.join(args)!r} failed: expected exit code 0",
-                code=proc.returncode, out=out, err=err))
+            raise AssertionError(
+                self.failure(
+                    f"{' '.join(args)!r} failed: expected exit code 0",
+                    code=proc.returncode,
+                    out=out,
+                    err=err,
+                )
+            )
         return result
 
     def _interrupt(self, proc: subprocess.Popen) -> tuple[str, str]:
@@ -241,10 +273,13 @@ class SlurmCluster:
                 return fields
             if time.monotonic() > deadline:
                 self.cancel_all()
-                raise AssertionError(self.failure(
-                    f"batch job {job_id} did not end within {timeout:.0f} s "
-                    f"(state {fields.get('JobState')}); it was cancelled",
-                    out=_tail(output, 6000)))
+                raise AssertionError(
+                    self.failure(
+                        f"batch job {job_id} did not end within {timeout:.0f} s "
+                        f"(state {fields.get('JobState')}); it was cancelled",
+                        out=_tail(output, 6000),
+                    )
+                )
             time.sleep(0.5)
 
     def stop(self, timeout: float = 30) -> list[str]:
@@ -265,14 +300,15 @@ class SlurmCluster:
             except AssertionError as error:
                 notes.append(f"clean shutdown failed: {error}")
         deadline = time.monotonic() + timeout
-        while (any(_pid_alive(pid) for pid in self.pids.values())
-               and time.monotonic() < deadline):
+        while any(_pid_alive(pid) for pid in self.pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         for name, pid in self.pids.items():
             if _pid_alive(pid) and str(self.conf) in _cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
-                notes.append(f"{name} (pid {pid}) outlived 'scontrol shutdown' "
-                             f"by {timeout:.0f} s and was killed")
+                notes.append(
+                    f"{name} (pid {pid}) outlived 'scontrol shutdown' "
+                    f"by {timeout:.0f} s and was killed"
+                )
         return notes
 
 
@@ -301,8 +337,15 @@ def start_cluster(root: Path, *, cpus: int = 2, timeout: float = 60) -> SlurmClu
     (root / "d").mkdir()
     ctld_port, slurmd_port = free_ports(2)
     conf = root / "slurm.conf"
-    conf.write_text(_CONF.format(root=root, ctld_port=ctld_port, slurmd_port=slurmd_port,
-                                 hostname=socket.gethostname(), cpus=cpus))
+    conf.write_text(
+        _CONF.format(
+            root=root,
+            ctld_port=ctld_port,
+            slurmd_port=slurmd_port,
+            hostname=socket.gethostname(),
+            cpus=cpus,
+        )
+    )
     cluster = SlurmCluster(root, conf, {"slurmctld": ctld_port, "slurmd": slurmd_port})
     deadline = time.monotonic() + timeout
     try:
@@ -317,15 +360,17 @@ def start_cluster(root: Path, *, cpus: int = 2, timeout: float = 60) -> SlurmClu
             cluster.pids["slurmd"] = pid
         state = ""
         while time.monotonic() < deadline:
-            state = cluster.run(["sinfo", "-h", "-o", "%t"], timeout=20,
-                                check=False).stdout.strip()
+            state = cluster.run(["sinfo", "-h", "-o", "%t"], timeout=20, check=False).stdout.strip()
             if state == "idle" and len(cluster.pids) == 2:
                 return cluster
             time.sleep(0.2)
-        raise AssertionError(cluster.failure(
-            f"Slurm did not start within {timeout:.0f} s: expected sinfo to print "
-            f"'idle' and pid files for both daemons; got state {state!r}, "
-            f"pids {cluster.pids}"))
+        raise AssertionError(
+            cluster.failure(
+                f"Slurm did not start within {timeout:.0f} s: expected sinfo to print "
+                f"'idle' and pid files for both daemons; got state {state!r}, "
+                f"pids {cluster.pids}"
+            )
+        )
     except BaseException:
         cluster.stop()
         raise

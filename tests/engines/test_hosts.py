@@ -23,8 +23,8 @@ import pytest
 from conftest import REPO, finish, result_line, start, subprocess_env
 from tfdist import spec as spec_lib
 from tfdist.engines import hosts
-from tfdist.errors import ClusterSpecError, ConfigError
 from tfdist.engines.net import free_ports
+from tfdist.errors import ClusterSpecError, ConfigError
 
 SPECS = sorted((REPO / "cluster_specs").glob("*.json"))
 JOB_ORDER = ("chief", "worker", "ps")  # TF_CONFIG's job order, written out again here.
@@ -33,8 +33,11 @@ REPLICA = {"chief": "Chief", "worker": "Worker", "ps": "PS", "evaluator": "Evalu
 
 def _expected_tasks(raw: dict) -> list[tuple[str, int, str | None]]:
     """(type, index, address) of every task of a raw spec, evaluator last."""
-    tasks = [(job, i, address) for job in JOB_ORDER
-             for i, address in enumerate(raw["cluster"].get(job, []))]
+    tasks = [
+        (job, i, address)
+        for job in JOB_ORDER
+        for i, address in enumerate(raw["cluster"].get(job, []))
+    ]
     if raw.get("task", {}).get("type") == "evaluator":
         tasks.append(("evaluator", 0, None))
     return tasks
@@ -44,7 +47,7 @@ def _split_command(line: str) -> tuple[dict, list[str]]:
     """``TF_CONFIG='...' argv...`` -> (TF_CONFIG as a dict, argv)."""
     words = shlex.split(line)
     assert words[0].startswith("TF_CONFIG="), line
-    return json.loads(words[0][len("TF_CONFIG="):]), words[1:]
+    return json.loads(words[0][len("TF_CONFIG=") :]), words[1:]
 
 
 # --------------------------------------------------------------------------
@@ -59,7 +62,7 @@ def test_every_task_of_every_spec_gets_its_own_command(path):
     expected = _expected_tasks(raw)
     assert [(c.task_type, c.task_index, c.address) for c in commands] == expected
     for command, (task_type, index, address) in zip(commands, expected):
-        host = (address or raw["cluster"].get("chief", raw["cluster"].get("worker"))[0])
+        host = address or raw["cluster"].get("chief", raw["cluster"].get("worker"))[0]
         assert command.host == host.rsplit(":", 1)[0]
         tf_config, argv = _split_command(command.command)
         assert tf_config == {"cluster": raw["cluster"], "task": {"type": task_type, "index": index}}
@@ -73,29 +76,53 @@ def test_every_task_of_every_spec_gets_its_own_command(path):
 
 def test_the_lines_run_in_a_real_shell_with_every_word_intact(tmp_path):
     show = tmp_path / "show args.py"  # A space in the script's path, too.
-    show.write_text("import json, os, sys\n"
-                    "print(json.dumps({'tf_config': os.environ['TF_CONFIG'], "
-                    "'argv': sys.argv[1:]}))\n")
-    args = ["it's", 'say "hi"', "$HOME", "; echo pwned", "*", "", "two  spaces",
-            "ünïcødé", "--flag=1", "a\nb", "`id`", "\\"]
-    spec = {"cluster": {"worker": ["127.0.0.1:2", "localhost:3"]},
-            "environment": "it's $cloud"}  # A quote inside TF_CONFIG as well.
+    show.write_text(
+        "import json, os, sys\n"
+        "print(json.dumps({'tf_config': os.environ['TF_CONFIG'], "
+        "'argv': sys.argv[1:]}))\n"
+    )
+    args = [
+        "it's",
+        'say "hi"',
+        "$HOME",
+        "; echo pwned",
+        "*",
+        "",
+        "two  spaces",
+        "ünïcødé",
+        "--flag=1",
+        "a\nb",
+        "`id`",
+        "\\",
+    ]
+    spec = {
+        "cluster": {"worker": ["127.0.0.1:2", "localhost:3"]},
+        "environment": "it's $cloud",
+    }  # A quote inside TF_CONFIG as well.
     commands = hosts.host_commands(spec, show, args, python=[sys.executable])
     assert len(commands) == 2
     for index, command in enumerate(commands):
-        proc = subprocess.run(["/bin/sh", "-c", command.command], capture_output=True,
-                              text=True, timeout=60, env=subprocess_env())
+        proc = subprocess.run(
+            ["/bin/sh", "-c", command.command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=subprocess_env(),
+        )
         assert proc.returncode == 0, proc.stderr
         seen = json.loads(proc.stdout)
         assert seen["argv"] == args
         assert json.loads(seen["tf_config"]) == {
-            "cluster": spec["cluster"], "environment": "it's $cloud",
-            "task": {"type": "worker", "index": index}}
+            "cluster": spec["cluster"],
+            "environment": "it's $cloud",
+            "task": {"type": "worker", "index": index},
+        }
 
 
 def test_python_command_module_and_argument_types():
-    (command,) = hosts.host_commands("single_worker", "-m", ["pkg.train", 3, Path("d/x")],
-                                     python="python3 -u")
+    (command,) = hosts.host_commands(
+        "single_worker", "-m", ["pkg.train", 3, Path("d/x")], python="python3 -u"
+    )
     assert command.argv == ("python3", "-u", "-m", "pkg.train", "3", "d/x")
     _, argv = _split_command(command.command)
     assert argv == ["python3", "-u", "-m", "pkg.train", "3", "d/x"]
@@ -115,30 +142,44 @@ def test_evaluator_is_added_when_the_spec_or_caller_asks():
 
     two = hosts.host_commands("two_workers", "t.py", evaluator=True, evaluator_host="evalbox")
     assert [(c.task_id, c.host) for c in two] == [
-        ("worker:0", "127.0.0.1"), ("worker:1", "127.0.0.1"), ("evaluator:0", "evalbox")]
+        ("worker:0", "127.0.0.1"),
+        ("worker:1", "127.0.0.1"),
+        ("evaluator:0", "evalbox"),
+    ]
     assert "evaluator" not in [c.task_type for c in hosts.host_commands("two_workers", "t.py")]
 
 
 def test_grouping_by_host_keeps_first_appearance_order_and_ignores_case():
-    spec = {"cluster": {"chief": ["HostB:1"], "worker": ["hosta:1", "hostb:2", "[::1]:5"],
-                        "ps": ["hosta:2"]}}
+    spec = {
+        "cluster": {
+            "chief": ["HostB:1"],
+            "worker": ["hosta:1", "hostb:2", "[::1]:5"],
+            "ps": ["hosta:2"],
+        }
+    }
     groups = hosts.group_by_host(hosts.host_commands(spec, "t.py"))
     assert {host: [c.task_id for c in group] for host, group in groups.items()} == {
-        "HostB": ["chief:0", "worker:1"], "hosta": ["worker:0", "ps:0"], "::1": ["worker:2"]}
+        "HostB": ["chief:0", "worker:1"],
+        "hosta": ["worker:0", "ps:0"],
+        "::1": ["worker:2"],
+    }
 
     text = hosts.format_host_commands(hosts.host_commands(spec, "t.py", ["x"]))
     by_host: dict[str, list[str]] = {}
     current = None
     for line in text.splitlines():
         if line.startswith("# host "):
-            current = line[len("# host "):].rsplit(": ", 1)[0]
+            current = line[len("# host ") :].rsplit(": ", 1)[0]
             by_host[current] = []
         elif line and not line.startswith("#"):
             tf_config, argv = _split_command(line)
             assert argv == ["python", "t.py", "x"]
             by_host[current].append("{type}:{index}".format(**tf_config["task"]))
-    assert by_host == {"HostB": ["chief:0", "worker:1"], "hosta": ["worker:0", "ps:0"],
-                       "::1": ["worker:2"]}
+    assert by_host == {
+        "HostB": ["chief:0", "worker:1"],
+        "hosta": ["worker:0", "ps:0"],
+        "::1": ["worker:2"],
+    }
     assert "# host hosta: 2 tasks, each in its own shell" in text
     assert "# host ::1: 1 task\n# worker:2 at [::1]:5\n" in text
 
@@ -157,20 +198,23 @@ def test_a_bad_spec_raises_the_cluster_error_unchanged(tmp_path):
     assert empty.value.field == "cluster"
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"script": ""}, "script"),
-    ({"script": None}, "script"),
-    ({"args": "--epochs"}, "args"),
-    ({"args": {"a": 1}}, "args"),
-    ({"args": ["ok", object()]}, "args[1]"),
-    ({"args": [True]}, "args[0]"),
-    ({"python": ""}, "python"),
-    ({"python": "'unbalanced"}, "python"),
-    ({"python": 3}, "python"),
-    ({"evaluator": "yes"}, "evaluator"),
-    ({"evaluator_host": "box"}, "evaluator_host"),
-    ({"evaluator": True, "evaluator_host": "two words"}, "evaluator_host"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"script": ""}, "script"),
+        ({"script": None}, "script"),
+        ({"args": "--epochs"}, "args"),
+        ({"args": {"a": 1}}, "args"),
+        ({"args": ["ok", object()]}, "args[1]"),
+        ({"args": [True]}, "args[0]"),
+        ({"python": ""}, "python"),
+        ({"python": "'unbalanced"}, "python"),
+        ({"python": 3}, "python"),
+        ({"evaluator": "yes"}, "evaluator"),
+        ({"evaluator_host": "box"}, "evaluator_host"),
+        ({"evaluator": True, "evaluator_host": "two words"}, "evaluator_host"),
+    ],
+)
 def test_bad_arguments_name_the_field(kwargs, field):
     call = {"spec": "two_workers", "script": "t.py", **kwargs}
     with pytest.raises(ConfigError) as error:
@@ -188,8 +232,9 @@ def test_bad_arguments_name_the_field(kwargs, field):
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
 def test_tfjob_has_one_replica_spec_per_job_sized_like_the_spec(path):
     raw = json.loads(path.read_text())
-    manifest = hosts.tfjob_manifest(path, name="job", image="reg.example/img:1",
-                                    command=["python", "train.py"])
+    manifest = hosts.tfjob_manifest(
+        path, name="job", image="reg.example/img:1", command=["python", "train.py"]
+    )
     assert manifest["apiVersion"] == "kubeflow.org/v1"
     assert manifest["kind"] == "TFJob"
     assert manifest["metadata"] == {"name": "job"}
@@ -201,71 +246,93 @@ def test_tfjob_has_one_replica_spec_per_job_sized_like_the_spec(path):
     for spec in specs.values():
         assert spec["restartPolicy"] == hosts.DEFAULT_RESTART_POLICY == "ExitCode"
         grace = hosts.DEFAULT_GRACE_SECONDS
-        assert spec["template"] == {"spec": {
-            "terminationGracePeriodSeconds": grace,
-            "containers": [{
-                "name": "tensorflow", "image": "reg.example/img:1",
-                "command": ["python", "train.py"],
-                "env": [{"name": "TFDIST_GRACE", "value": str(grace)}]}]}}
+        assert spec["template"] == {
+            "spec": {
+                "terminationGracePeriodSeconds": grace,
+                "containers": [
+                    {
+                        "name": "tensorflow",
+                        "image": "reg.example/img:1",
+                        "command": ["python", "train.py"],
+                        "env": [{"name": "TFDIST_GRACE", "value": str(grace)}],
+                    }
+                ],
+            }
+        }
 
 
 def test_tfjob_from_counts_with_every_option():
     manifest = hosts.tfjob_manifest(
-        {"ps": 2, "worker": 3, "chief": 1, "evaluator": 0}, name="mnist-1",
-        image="img", command=["python"], args=["train.py", "--epochs", 3],
-        namespace="team-a", restart_policy="OnFailure", cpu=0.5, memory="4Gi", grace=45)
+        {"ps": 2, "worker": 3, "chief": 1, "evaluator": 0},
+        name="mnist-1",
+        image="img",
+        command=["python"],
+        args=["train.py", "--epochs", 3],
+        namespace="team-a",
+        restart_policy="OnFailure",
+        cpu=0.5,
+        memory="4Gi",
+        grace=45,
+    )
     assert manifest["metadata"] == {"name": "mnist-1", "namespace": "team-a"}
     specs = manifest["spec"]["tfReplicaSpecs"]
     assert list(specs) == ["Chief", "Worker", "PS"]  # Conventional order; no Evaluator.
     assert [specs[k]["replicas"] for k in specs] == [1, 3, 2]
     container = specs["PS"]["template"]["spec"]["containers"][0]
     assert container == {
-        "name": "tensorflow", "image": "img", "command": ["python"],
+        "name": "tensorflow",
+        "image": "img",
+        "command": ["python"],
         "args": ["train.py", "--epochs", "3"],
         "env": [{"name": "TFDIST_GRACE", "value": "45"}],
-        "resources": {"requests": {"cpu": "0.5", "memory": "4Gi"},
-                      "limits": {"cpu": "0.5", "memory": "4Gi"}}}
+        "resources": {
+            "requests": {"cpu": "0.5", "memory": "4Gi"},
+            "limits": {"cpu": "0.5", "memory": "4Gi"},
+        },
+    }
     assert {specs[k]["restartPolicy"] for k in specs} == {"OnFailure"}
-    assert {specs[k]["template"]["spec"]["terminationGracePeriodSeconds"]
-            for k in specs} == {45}
+    assert {specs[k]["template"]["spec"]["terminationGracePeriodSeconds"] for k in specs} == {45}
     assert hosts.replica_counts({"worker": 2, "chief": 0}) == {"worker": 2}
 
 
-@pytest.mark.parametrize("change, field, says", [
-    ({"name": "My_Job"}, "name", "Try 'my-job'"),
-    ({"name": "1job"}, "name", "starting with a letter"),
-    ({"name": "job-"}, "name", "'job-'"),
-    ({"name": ""}, "name", "DNS-1035"),
-    ({"name": None}, "name", "None"),
-    ({"name": "a" * 64}, "name", "at most 63"),
-    # 55 + len("-worker-1") = 64: the operator's Service name would be too long.
-    ({"name": "a" * 55}, "name", "Use at most 54 characters"),
-    ({"image": ""}, "image", "non-empty"),
-    ({"image": "img latest"}, "image", "without spaces"),
-    ({"image": None}, "image", "None"),
-    ({"command": "python train.py"}, "command", "['python', 'train.py']"),
-    ({"command": []}, "command", "not empty"),
-    ({"command": ["python", None]}, "command[1]", "None"),
-    ({"args": "--x"}, "args", "['--x']"),
-    ({"namespace": "Team_A"}, "namespace", "Try 'team-a'"),
-    ({"namespace": "-x"}, "namespace", "DNS-1123"),
-    ({"restart_policy": "onfailure"}, "restart_policy", "Did you mean 'OnFailure'?"),
-    ({"restart_policy": "Sometimes"}, "restart_policy", "'ExitCode'"),
-    ({"cpu": "0"}, "cpu", "positive"),
-    ({"cpu": "two"}, "cpu", "'two'"),
-    ({"cpu": math.inf}, "cpu", "inf"),
-    ({"memory": -1}, "memory", "-1"),
-    ({"memory": "4 Gi"}, "memory", "'4 Gi'"),
-    ({"spec": {"chief": 2, "worker": 1}}, "counts.chief", "at most one chief"),
-    ({"spec": {"evaluator": 2, "worker": 1}}, "counts.evaluator", "at most one"),
-    ({"spec": {"worker": -1}}, "counts.worker", "-1"),
-    ({"spec": {"worker": True}}, "counts.worker", "True"),
-    ({"spec": {"worker": 1.5}}, "counts.worker", "1.5"),
-    ({"spec": {"evaluator": 1}}, "counts", "at least one chief or worker"),
-    ({"spec": {"ps": 1, "worker": 2}}, "counts.chief", "parameter servers"),
-    ({"spec": {"ps": 1, "chief": 1}}, "counts.worker", "parameter servers"),
-    ({"spec": {}}, "cluster", "at least one chief or worker"),
-])
+@pytest.mark.parametrize(
+    "change, field, says",
+    [
+        ({"name": "My_Job"}, "name", "Try 'my-job'"),
+        ({"name": "1job"}, "name", "starting with a letter"),
+        ({"name": "job-"}, "name", "'job-'"),
+        ({"name": ""}, "name", "DNS-1035"),
+        ({"name": None}, "name", "None"),
+        ({"name": "a" * 64}, "name", "at most 63"),
+        # 55 + len("-worker-1") = 64: the operator's Service name would be too long.
+        ({"name": "a" * 55}, "name", "Use at most 54 characters"),
+        ({"image": ""}, "image", "non-empty"),
+        ({"image": "img latest"}, "image", "without spaces"),
+        ({"image": None}, "image", "None"),
+        ({"command": "python train.py"}, "command", "['python', 'train.py']"),
+        ({"command": []}, "command", "not empty"),
+        ({"command": ["python", None]}, "command[1]", "None"),
+        ({"args": "--x"}, "args", "['--x']"),
+        ({"namespace": "Team_A"}, "namespace", "Try 'team-a'"),
+        ({"namespace": "-x"}, "namespace", "DNS-1123"),
+        ({"restart_policy": "onfailure"}, "restart_policy", "Did you mean 'OnFailure'?"),
+        ({"restart_policy": "Sometimes"}, "restart_policy", "'ExitCode'"),
+        ({"cpu": "0"}, "cpu", "positive"),
+        ({"cpu": "two"}, "cpu", "'two'"),
+        ({"cpu": math.inf}, "cpu", "inf"),
+        ({"memory": -1}, "memory", "-1"),
+        ({"memory": "4 Gi"}, "memory", "'4 Gi'"),
+        ({"spec": {"chief": 2, "worker": 1}}, "counts.chief", "at most one chief"),
+        ({"spec": {"evaluator": 2, "worker": 1}}, "counts.evaluator", "at most one"),
+        ({"spec": {"worker": -1}}, "counts.worker", "-1"),
+        ({"spec": {"worker": True}}, "counts.worker", "True"),
+        ({"spec": {"worker": 1.5}}, "counts.worker", "1.5"),
+        ({"spec": {"evaluator": 1}}, "counts", "at least one chief or worker"),
+        ({"spec": {"ps": 1, "worker": 2}}, "counts.chief", "parameter servers"),
+        ({"spec": {"ps": 1, "chief": 1}}, "counts.worker", "parameter servers"),
+        ({"spec": {}}, "cluster", "at least one chief or worker"),
+    ],
+)
 def test_tfjob_rejects_bad_arguments_naming_the_field(change, field, says):
     call = {"spec": {"worker": 2}, "name": "job", "image": "img", "command": ["python"]}
     call.update(change)
@@ -279,8 +346,9 @@ def test_tfjob_rejects_bad_arguments_naming_the_field(change, field, says):
 def test_tfjob_name_limit_is_exact_and_a_bad_spec_is_a_cluster_error():
     hosts.tfjob_manifest({"worker": 2}, name="a" * 54, image="i", command=["c"])  # 63: fine.
     with pytest.raises(ClusterSpecError) as error:
-        hosts.tfjob_manifest({"cluster": {"worker": ["a:1", "a:1"]}}, name="j", image="i",
-                             command=["c"])
+        hosts.tfjob_manifest(
+            {"cluster": {"worker": ["a:1", "a:1"]}}, name="j", image="i", command=["c"]
+        )
     assert error.value.field == "cluster.worker[1]"
 
 
@@ -303,8 +371,19 @@ _TFJOB_SPEC_KEYS = {"runPolicy", "successPolicy", "tfReplicaSpecs", "enableDynam
 _REPLICA_SPEC_KEYS = {"replicas", "template", "restartPolicy"}
 _POD_TEMPLATE_KEYS = {"metadata", "spec"}
 # Fields of a Kubernetes core/v1 Container that a TFJob container may use.
-_CONTAINER_KEYS = {"name", "image", "command", "args", "workingDir", "ports", "env",
-                   "envFrom", "resources", "volumeMounts", "imagePullPolicy"}
+_CONTAINER_KEYS = {
+    "name",
+    "image",
+    "command",
+    "args",
+    "workingDir",
+    "ports",
+    "env",
+    "envFrom",
+    "resources",
+    "volumeMounts",
+    "imagePullPolicy",
+}
 _DNS1035 = r"[a-z]([-a-z0-9]*[a-z0-9])?"
 
 
@@ -326,78 +405,148 @@ def tfjob_structure_problems(manifest: object) -> list[str]:
 
     if not expect(isinstance(manifest, dict), "manifest", "a mapping", manifest):
         return problems
-    expect(set(manifest) <= _TFJOB_KEYS, "top-level keys", f"a subset of {sorted(_TFJOB_KEYS)}",
-           sorted(manifest))
-    expect(manifest.get("apiVersion") == "kubeflow.org/v1", "apiVersion", "'kubeflow.org/v1'",
-           manifest.get("apiVersion"))
+    expect(
+        set(manifest) <= _TFJOB_KEYS,
+        "top-level keys",
+        f"a subset of {sorted(_TFJOB_KEYS)}",
+        sorted(manifest),
+    )
+    expect(
+        manifest.get("apiVersion") == "kubeflow.org/v1",
+        "apiVersion",
+        "'kubeflow.org/v1'",
+        manifest.get("apiVersion"),
+    )
     expect(manifest.get("kind") == "TFJob", "kind", "'TFJob'", manifest.get("kind"))
     name = (manifest.get("metadata") or {}).get("name")
-    expect(isinstance(name, str) and len(name) <= 63 and bool(re.fullmatch(_DNS1035, name)),
-           "metadata.name", "a DNS-1035 label (ValidateV1TFJob)", name)
+    expect(
+        isinstance(name, str) and len(name) <= 63 and bool(re.fullmatch(_DNS1035, name)),
+        "metadata.name",
+        "a DNS-1035 label (ValidateV1TFJob)",
+        name,
+    )
     spec = manifest.get("spec")
     if not expect(isinstance(spec, dict), "spec", "a mapping", spec):
         return problems
-    expect(set(spec) <= _TFJOB_SPEC_KEYS, "spec keys", f"a subset of {sorted(_TFJOB_SPEC_KEYS)}",
-           sorted(spec))
+    expect(
+        set(spec) <= _TFJOB_SPEC_KEYS,
+        "spec keys",
+        f"a subset of {sorted(_TFJOB_SPEC_KEYS)}",
+        sorted(spec),
+    )
     replica_specs = spec.get("tfReplicaSpecs")
-    if not expect(isinstance(replica_specs, dict) and bool(replica_specs),
-                  "spec.tfReplicaSpecs", "a non-empty mapping", replica_specs):
+    if not expect(
+        isinstance(replica_specs, dict) and bool(replica_specs),
+        "spec.tfReplicaSpecs",
+        "a non-empty mapping",
+        replica_specs,
+    ):
         return problems
     chiefs = [t for t in replica_specs if t in ("Chief", "Master")]
     expect(len(chiefs) <= 1, "spec.tfReplicaSpecs", "at most one Chief/Master", chiefs)
-    expect("Chief" in replica_specs or "Worker" in replica_specs, "spec.tfReplicaSpecs",
-           "a Chief or a Worker replica spec", sorted(replica_specs))
+    expect(
+        "Chief" in replica_specs or "Worker" in replica_specs,
+        "spec.tfReplicaSpecs",
+        "a Chief or a Worker replica spec",
+        sorted(replica_specs),
+    )
     for replica_type, replica in replica_specs.items():
         where = f"spec.tfReplicaSpecs.{replica_type}"
-        expect(replica_type in KUBEFLOW_REPLICA_TYPES, f"{where} (key)",
-               f"one of {sorted(KUBEFLOW_REPLICA_TYPES)}, capitalised", replica_type)
+        expect(
+            replica_type in KUBEFLOW_REPLICA_TYPES,
+            f"{where} (key)",
+            f"one of {sorted(KUBEFLOW_REPLICA_TYPES)}, capitalised",
+            replica_type,
+        )
         if not expect(isinstance(replica, dict), where, "a mapping", replica):
             continue
-        expect(set(replica) <= _REPLICA_SPEC_KEYS, f"{where} keys",
-               f"a subset of {sorted(_REPLICA_SPEC_KEYS)}", sorted(replica))
+        expect(
+            set(replica) <= _REPLICA_SPEC_KEYS,
+            f"{where} keys",
+            f"a subset of {sorted(_REPLICA_SPEC_KEYS)}",
+            sorted(replica),
+        )
         count = replica.get("replicas")
-        expect(type(count) is int and 1 <= count < 2**31, f"{where}.replicas",
-               "a positive int32", count)
+        expect(
+            type(count) is int and 1 <= count < 2**31,
+            f"{where}.replicas",
+            "a positive int32",
+            count,
+        )
         if replica_type in ("Chief", "Master", "Evaluator"):
             expect(count == 1, f"{where}.replicas", "1 (TensorFlow has one of each)", count)
-        expect(replica.get("restartPolicy") in KUBEFLOW_RESTART_POLICIES,
-               f"{where}.restartPolicy", f"one of {sorted(KUBEFLOW_RESTART_POLICIES)}",
-               replica.get("restartPolicy"))
+        expect(
+            replica.get("restartPolicy") in KUBEFLOW_RESTART_POLICIES,
+            f"{where}.restartPolicy",
+            f"one of {sorted(KUBEFLOW_RESTART_POLICIES)}",
+            replica.get("restartPolicy"),
+        )
         template = replica.get("template")
-        if not expect(isinstance(template, dict) and set(template) <= _POD_TEMPLATE_KEYS,
-                      f"{where}.template", "a PodTemplateSpec (metadata, spec)", template):
+        if not expect(
+            isinstance(template, dict) and set(template) <= _POD_TEMPLATE_KEYS,
+            f"{where}.template",
+            "a PodTemplateSpec (metadata, spec)",
+            template,
+        ):
             continue
         containers = (template.get("spec") or {}).get("containers")
-        if not expect(isinstance(containers, list) and bool(containers),
-                      f"{where}.template.spec.containers", "a non-empty list", containers):
+        if not expect(
+            isinstance(containers, list) and bool(containers),
+            f"{where}.template.spec.containers",
+            "a non-empty list",
+            containers,
+        ):
             continue
         first = containers[0]
-        expect(isinstance(first, dict) and first.get("name") == KUBEFLOW_CONTAINER,
-               f"{where}.template.spec.containers[0].name", repr(KUBEFLOW_CONTAINER),
-               first.get("name") if isinstance(first, dict) else first)
+        expect(
+            isinstance(first, dict) and first.get("name") == KUBEFLOW_CONTAINER,
+            f"{where}.template.spec.containers[0].name",
+            repr(KUBEFLOW_CONTAINER),
+            first.get("name") if isinstance(first, dict) else first,
+        )
         for i, container in enumerate(containers):
             at = f"{where}.template.spec.containers[{i}]"
             if not expect(isinstance(container, dict), at, "a mapping", container):
                 continue
-            expect(set(container) <= _CONTAINER_KEYS, f"{at} keys",
-                   f"Kubernetes Container fields ({sorted(_CONTAINER_KEYS)})", sorted(container))
-            expect(isinstance(container.get("image"), str) and bool(container.get("image")),
-                   f"{at}.image", "a non-empty image", container.get("image"))
+            expect(
+                set(container) <= _CONTAINER_KEYS,
+                f"{at} keys",
+                f"Kubernetes Container fields ({sorted(_CONTAINER_KEYS)})",
+                sorted(container),
+            )
+            expect(
+                isinstance(container.get("image"), str) and bool(container.get("image")),
+                f"{at}.image",
+                "a non-empty image",
+                container.get("image"),
+            )
             for field in ("command", "args"):
                 if field in container:
                     value = container[field]
-                    expect(isinstance(value, list) and all(isinstance(w, str) for w in value),
-                           f"{at}.{field}", "a list of strings", value)
+                    expect(
+                        isinstance(value, list) and all(isinstance(w, str) for w in value),
+                        f"{at}.{field}",
+                        "a list of strings",
+                        value,
+                    )
             resources = container.get("resources", {})
-            expect(isinstance(resources, dict) and set(resources) <= {"requests", "limits"},
-                   f"{at}.resources", "requests and/or limits", resources)
+            expect(
+                isinstance(resources, dict) and set(resources) <= {"requests", "limits"},
+                f"{at}.resources",
+                "requests and/or limits",
+                resources,
+            )
     return problems
 
 
 def test_tfdist_names_the_kubeflow_replica_types_and_restart_policies():
     assert set(hosts.REPLICA_TYPES.values()) <= KUBEFLOW_REPLICA_TYPES
-    assert hosts.REPLICA_TYPES == {"chief": "Chief", "worker": "Worker", "ps": "PS",
-                                   "evaluator": "Evaluator"}
+    assert hosts.REPLICA_TYPES == {
+        "chief": "Chief",
+        "worker": "Worker",
+        "ps": "PS",
+        "evaluator": "Evaluator",
+    }
     assert set(hosts.RESTART_POLICIES) == KUBEFLOW_RESTART_POLICIES
 
 
@@ -406,9 +555,16 @@ def test_tfdist_names_the_kubeflow_replica_types_and_restart_policies():
 def test_every_spec_gives_a_manifest_with_the_tfjob_structure(path, policy):
     import yaml  # A test dependency (pyproject [test]).
 
-    manifest = hosts.tfjob_manifest(path, name="train", image="reg.example/train:1",
-                                    command=["python", "train.py"], args=["--epochs=3"],
-                                    restart_policy=policy, cpu="500m", memory="1Gi")
+    manifest = hosts.tfjob_manifest(
+        path,
+        name="train",
+        image="reg.example/train:1",
+        command=["python", "train.py"],
+        args=["--epochs=3"],
+        restart_policy=policy,
+        cpu="500m",
+        memory="1Gi",
+    )
     # What kubectl reads is the YAML text, so check the text's structure.
     loaded = yaml.safe_load(hosts.to_yaml(manifest))
     assert tfjob_structure_problems(loaded) == []
@@ -422,16 +578,33 @@ def test_every_spec_gives_a_manifest_with_the_tfjob_structure(path, policy):
 
 
 def test_tfjob_command_output_has_the_tfjob_structure():
-    # The README's command: the console script, its comment header, the YAML.
+    # The Kubernetes page's command: the console script, its comment header, the YAML.
     import yaml  # A test dependency (pyproject [test]).
 
     exe = shutil.which("tfdist", path=str(Path(sys.executable).parent)) or shutil.which("tfdist")
     assert exe, "expected the 'tfdist' console command; install the package with pip"
     proc = subprocess.run(
-        [exe, "tfjob", "parameter_server_evaluator", "--name", "mnist", "--image",
-         "registry.example.com/train:1", "--restart-policy", "ExitCode", "--",
-         "python", "strategies/multi_worker_mirrored.py", "--epochs=3"],
-        capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=120)
+        [
+            exe,
+            "tfjob",
+            "parameter_server_evaluator",
+            "--name",
+            "mnist",
+            "--image",
+            "registry.example.com/train:1",
+            "--restart-policy",
+            "ExitCode",
+            "--",
+            "python",
+            "strategies/multi_worker_mirrored.py",
+            "--epochs=3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     manifest = yaml.safe_load(proc.stdout)
     assert tfjob_structure_problems(manifest) == []
@@ -440,6 +613,7 @@ def test_tfjob_command_output_has_the_tfjob_structure():
 
 def _deviations() -> list[tuple[str, object, str]]:
     """(what changes, how, the problem it must cause) for the checker's own test."""
+
     def drop(key):
         return lambda m: m["spec"]["tfReplicaSpecs"]["Worker"].pop(key)
 
@@ -447,29 +621,45 @@ def _deviations() -> list[tuple[str, object, str]]:
         return lambda m: m["spec"]["tfReplicaSpecs"]["Worker"].__setitem__(key, value)
 
     def container(key, value):
-        return lambda m: m["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"][
-            "containers"][0].__setitem__(key, value)
+        return lambda m: m["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][
+            0
+        ].__setitem__(key, value)
 
     def rename(old, new):
         return lambda m: m["spec"]["tfReplicaSpecs"].__setitem__(
-            new, m["spec"]["tfReplicaSpecs"].pop(old))
+            new, m["spec"]["tfReplicaSpecs"].pop(old)
+        )
 
     return [
-        ("apiVersion v1beta2", lambda m: m.__setitem__("apiVersion", "kubeflow.org/v1beta2"),
-         "apiVersion: expected 'kubeflow.org/v1', got 'kubeflow.org/v1beta2'"),
+        (
+            "apiVersion v1beta2",
+            lambda m: m.__setitem__("apiVersion", "kubeflow.org/v1beta2"),
+            "apiVersion: expected 'kubeflow.org/v1', got 'kubeflow.org/v1beta2'",
+        ),
         ("kind", lambda m: m.__setitem__("kind", "TfJob"), "kind: expected 'TFJob'"),
         ("lowercase type", rename("Worker", "worker"), "(key): expected one of"),
         ("upper-case type", rename("PS", "Ps"), "got 'Ps'"),
-        ("Master and Chief", lambda m: m["spec"]["tfReplicaSpecs"].__setitem__(
-            "Master", m["spec"]["tfReplicaSpecs"]["Chief"]), "at most one Chief/Master"),
-        ("two chiefs", lambda m: m["spec"]["tfReplicaSpecs"]["Chief"].__setitem__(
-            "replicas", 2), "Chief.replicas: expected 1"),
+        (
+            "Master and Chief",
+            lambda m: m["spec"]["tfReplicaSpecs"].__setitem__(
+                "Master", m["spec"]["tfReplicaSpecs"]["Chief"]
+            ),
+            "at most one Chief/Master",
+        ),
+        (
+            "two chiefs",
+            lambda m: m["spec"]["tfReplicaSpecs"]["Chief"].__setitem__("replicas", 2),
+            "Chief.replicas: expected 1",
+        ),
         ("replicas as text", worker("replicas", "2"), "a positive int32, got '2'"),
         ("no restartPolicy", drop("restartPolicy"), "restartPolicy: expected one of"),
         ("lowercase policy", worker("restartPolicy", "onFailure"), "got 'onFailure'"),
         ("pod-level key", worker("containers", []), "Worker keys: expected a subset"),
-        ("container name", container("name", "tf"),
-         "containers[0].name: expected 'tensorflow', got 'tf'"),
+        (
+            "container name",
+            container("name", "tf"),
+            "containers[0].name: expected 'tensorflow', got 'tf'",
+        ),
         ("no image", container("image", ""), "image: expected a non-empty image"),
         ("command as text", container("command", "python train.py"), "a list of strings"),
         ("snake_case field", container("working_dir", "/x"), "Kubernetes Container fields"),
@@ -477,16 +667,19 @@ def _deviations() -> list[tuple[str, object, str]]:
     ]
 
 
-@pytest.mark.parametrize("what, change, problem",
-                         [pytest.param(*case, id=case[0]) for case in _deviations()])
+@pytest.mark.parametrize(
+    "what, change, problem", [pytest.param(*case, id=case[0]) for case in _deviations()]
+)
 def test_the_tfjob_structure_check_finds_each_deviation(what, change, problem):
-    manifest = hosts.tfjob_manifest("parameter_server", name="job", image="img:1",
-                                    command=["python", "train.py"])
+    manifest = hosts.tfjob_manifest(
+        "parameter_server", name="job", image="img:1", command=["python", "train.py"]
+    )
     assert tfjob_structure_problems(manifest) == []
     change(manifest)
     problems = tfjob_structure_problems(manifest)
     assert any(problem in p for p in problems), (
-        f"{what}: expected a problem containing {problem!r}, got {problems}")
+        f"{what}: expected a problem containing {problem!r}, got {problems}"
+    )
 
 
 # --------------------------------------------------------------------------
@@ -495,8 +688,17 @@ def test_the_tfjob_structure_check_finds_each_deviation(what, change, problem):
 
 
 def test_yaml_text_of_a_small_document():
-    document = {"a": 1, "b": [{"c": "yes", "d": []}, ["x", 2]], "e": {}, "f": "--flag",
-                "g": None, "h": True, "i": 1.5, "j": "reg.io/img:1", "k": "a: b"}
+    document = {
+        "a": 1,
+        "b": [{"c": "yes", "d": []}, ["x", 2]],
+        "e": {},
+        "f": "--flag",
+        "g": None,
+        "h": True,
+        "i": 1.5,
+        "j": "reg.io/img:1",
+        "k": "a: b",
+    }
     assert hosts.to_yaml(document) == (
         "a: 1\n"
         "b:\n"
@@ -510,7 +712,8 @@ def test_yaml_text_of_a_small_document():
         "h: true\n"
         "i: 1.5\n"
         "j: reg.io/img:1\n"
-        'k: "a: b"\n')
+        'k: "a: b"\n'
+    )
     assert hosts.to_yaml([]) == "[]\n"
     assert hosts.to_yaml("on") == '"on"\n'
     with pytest.raises(TypeError):
@@ -520,13 +723,74 @@ def test_yaml_text_of_a_small_document():
 
 
 TRICKY = [
-    "", " ", " lead", "trail ", "yes", "No", "ON", "off", "y", "N", "true", "False", "null",
-    "Null", "~", "-", "--flag", "-1", "+1", "1", "0.5", "1e3", "1_000", "0x1F", "0o17",
-    "017", "1:20", "2001-12-14", ".inf", "-.inf", ".NaN", "@at", "`tick`", "!tag", "&anchor",
-    "*alias", "|", ">", "'single'", '"double"', "a: b", "a:", "a #b", "#c", "- x", "[x]",
-    "{x}", "a,b", "%x", "=", "<<", "?", "http://x.io/a?b=c", "line\nbreak", "tab\there",
-    "nul\x00", "bell\x07", "del\x7f", "nel\x85", "ls\u2028ps\u2029", "bom\ufeff",
-    "ünï", "😀", "\\back\\slash", "CamelCase", "snake_case", "/abs/path", "reg.io/i:1",
+    "",
+    " ",
+    " lead",
+    "trail ",
+    "yes",
+    "No",
+    "ON",
+    "off",
+    "y",
+    "N",
+    "true",
+    "False",
+    "null",
+    "Null",
+    "~",
+    "-",
+    "--flag",
+    "-1",
+    "+1",
+    "1",
+    "0.5",
+    "1e3",
+    "1_000",
+    "0x1F",
+    "0o17",
+    "017",
+    "1:20",
+    "2001-12-14",
+    ".inf",
+    "-.inf",
+    ".NaN",
+    "@at",
+    "`tick`",
+    "!tag",
+    "&anchor",
+    "*alias",
+    "|",
+    ">",
+    "'single'",
+    '"double"',
+    "a: b",
+    "a:",
+    "a #b",
+    "#c",
+    "- x",
+    "[x]",
+    "{x}",
+    "a,b",
+    "%x",
+    "=",
+    "<<",
+    "?",
+    "http://x.io/a?b=c",
+    "line\nbreak",
+    "tab\there",
+    "nul\x00",
+    "bell\x07",
+    "del\x7f",
+    "nel\x85",
+    "ls\u2028ps\u2029",
+    "bom\ufeff",
+    "ünï",
+    "😀",
+    "\\back\\slash",
+    "CamelCase",
+    "snake_case",
+    "/abs/path",
+    "reg.io/i:1",
 ]
 
 
@@ -541,25 +805,52 @@ def test_tricky_strings_round_trip_through_pyyaml(text):
 def test_numbers_and_manifests_round_trip_through_pyyaml():
     import yaml  # A test dependency (pyproject [test]).
 
-    values = {"int": -7, "big": 10**20, "float": 0.1, "exp": 1e20, "small": 1e-7,
-               "neg": -2.5e-300, "inf": math.inf, "-inf": -math.inf, "t": True, "f": False,
-               "none": None, "empty_list": [], "empty_map": {}, "tuple": (1, "2")}
+    values = {
+        "int": -7,
+        "big": 10**20,
+        "float": 0.1,
+        "exp": 1e20,
+        "small": 1e-7,
+        "neg": -2.5e-300,
+        "inf": math.inf,
+        "-inf": -math.inf,
+        "t": True,
+        "f": False,
+        "none": None,
+        "empty_list": [],
+        "empty_map": {},
+        "tuple": (1, "2"),
+    }
     loaded = yaml.safe_load(hosts.to_yaml(values))
     assert loaded == {**values, "tuple": [1, "2"]}
     assert all(type(loaded[k]) is type(values[k]) for k in values if k != "tuple")
     assert math.isnan(yaml.safe_load(hosts.to_yaml({"nan": math.nan}))["nan"])
     for path in SPECS:
         manifest = hosts.tfjob_manifest(
-            path, name="j", image="img:1", command=["python", "-m", "x"],
-            args=["--lr=0.1", "yes", "1"], namespace="ns", cpu=2, memory=2**30)
+            path,
+            name="j",
+            image="img:1",
+            command=["python", "-m", "x"],
+            args=["--lr=0.1", "yes", "1"],
+            namespace="ns",
+            cpu=2,
+            memory=2**30,
+        )
         assert yaml.safe_load(hosts.to_yaml(manifest)) == manifest
 
 
 def test_hosts_and_cli_do_not_import_tensorflow():
-    code = ("import sys, tfdist.engines.hosts, tfdist.cli.commands; "
-            "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=subprocess_env(), timeout=60)
+    code = (
+        "import sys, tfdist.engines.hosts, tfdist.cli.commands; "
+        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -599,13 +890,17 @@ def _free_port_pair() -> int:
 def test_a_slurm_step_of_two_tasks_trains_as_two_workers():
     # What `srun -n2` on one node sets (see tfdist/strategies/slurm.py and DESIGN.md), by hand.
     base = _free_port_pair()
-    step = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
-            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "777",
-            "SLURM_STEP_ID": "0", "TFDIST_SLURM_PORT_BASE": str(base)}
-    procs = [start(["-c", SLURM_WORKER], SLURM_PROCID=str(rank), **step)
-             for rank in range(2)]
+    step = {
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_JOB_ID": "777",
+        "SLURM_STEP_ID": "0",
+        "TFDIST_SLURM_PORT_BASE": str(base),
+    }
+    procs = [start(["-c", SLURM_WORKER], SLURM_PROCID=str(rank), **step) for rank in range(2)]
     results = finish(procs, timeout=240)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"task failed ({code}):\n{err[-4000:]}"
     first, second = (result_line(out) for _, out, _ in results)
 

@@ -27,8 +27,9 @@ TASK = str(REPO / "tests" / "workers" / "task.py")
 
 def run(*args, **kwargs):
     out = io.StringIO()
-    result = launch(TASK, [str(a) for a in args], output=out, handle_signals=False,
-                    stop_timeout=5, **kwargs)
+    result = launch(
+        TASK, [str(a) for a in args], output=out, handle_signals=False, stop_timeout=5, **kwargs
+    )
     return result, out.getvalue().splitlines()
 
 
@@ -100,9 +101,14 @@ def test_the_job_restarts_on_new_ports_after_a_failure(tmp_path):
 
 def test_sigterm_to_the_launcher_leaves_no_process_behind(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", TASK, "sleep",
-         str(tmp_path)], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", TASK, "sleep", str(tmp_path)],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("*.pid"))) < 4 and time.monotonic() < deadline:
@@ -135,9 +141,14 @@ def test_bad_arguments_and_remote_specs_are_refused():
 
 
 def test_the_cli_exits_with_the_task_code(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--workers", "2", TASK,
-                           "fail-1", str(tmp_path)], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", TASK, "fail-1", str(tmp_path)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 3, done.stdout + done.stderr
     assert "giving up: worker:1 exited with code 3" in done.stdout
 
@@ -150,13 +161,30 @@ def test_netns_runs_the_job_in_a_private_network_namespace(tmp_path):
     probe = subprocess.run(["unshare", "-n", "true"], capture_output=True)
     if probe.returncode != 0 and os.geteuid() == 0:
         pytest.fail(f"root cannot create a network namespace: {probe.stderr!r}")
-    done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--netns", "--show-all",
-                           "--workers", "2", TASK, "interfaces", str(tmp_path)],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--netns",
+            "--show-all",
+            "--workers",
+            "2",
+            TASK,
+            "interfaces",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    inside = {line.split("interfaces: ")[1] for line in done.stdout.splitlines()
-              if "interfaces: " in line}
+    inside = {
+        line.split("interfaces: ")[1] for line in done.stdout.splitlines() if "interfaces: " in line
+    }
     assert inside == {"lo"}  # Both workers saw loopback only.
     assert _interfaces() - {"lo"}, "the host itself has other interfaces"
 
@@ -166,13 +194,18 @@ TF_TASK = str(REPO / "tests" / "workers" / "launch_tf.py")
 
 def _results(lines):
     import json
-    return [json.loads(line.split("tfdist result: ", 1)[1]) for line in lines
-            if "tfdist result: " in line]
+
+    return [
+        json.loads(line.split("tfdist result: ", 1)[1])
+        for line in lines
+        if "tfdist result: " in line
+    ]
 
 
 @pytest.mark.slow
 def test_a_port_taken_by_another_process_relaunches_on_new_ports():
     from tfdist.engines.net import free_ports
+
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -180,8 +213,15 @@ def test_a_port_taken_by_another_process_relaunches_on_new_ports():
         busy = taken.getsockname()[1]
         spec = {"cluster": {"worker": [f"127.0.0.1:{free_ports(1)[0]}", f"127.0.0.1:{busy}"]}}
         out = io.StringIO()
-        result = launch(TF_TASK, spec=spec, show_all=True, output=out, handle_signals=False,
-                        env={"PYTHONPATH": str(REPO)}, stop_timeout=5)
+        result = launch(
+            TF_TASK,
+            spec=spec,
+            show_all=True,
+            output=out,
+            handle_signals=False,
+            env={"PYTHONPATH": str(REPO)},
+            stop_timeout=5,
+        )
     finally:
         taken.close()
     lines = out.getvalue().splitlines()
@@ -195,8 +235,17 @@ def test_a_port_taken_by_another_process_relaunches_on_new_ports():
 @pytest.mark.slow
 def test_a_parameter_server_job_serves_on_ps_and_workers_and_trains_on_the_chief():
     out = io.StringIO()
-    result = launch(TF_TASK, workers=2, ps=1, chief=True, show_all=True, output=out,
-                    handle_signals=False, env={"PYTHONPATH": str(REPO)}, stop_timeout=5)
+    result = launch(
+        TF_TASK,
+        workers=2,
+        ps=1,
+        chief=True,
+        show_all=True,
+        output=out,
+        handle_signals=False,
+        env={"PYTHONPATH": str(REPO)},
+        stop_timeout=5,
+    )
     lines = out.getvalue().splitlines()
     assert result.ok, "\n".join(lines[-30:])
     [chief] = _results(lines)
@@ -215,8 +264,17 @@ def test_a_killed_worker_restarts_and_resumes_from_the_last_backup(tmp_path):
 
     def job(mode, **kwargs):
         out = io.StringIO()
-        result = launch(script, [str(tmp_path / mode), mode], workers=2, show_all=True,
-                        output=out, handle_signals=False, env=env, stop_timeout=5, **kwargs)
+        result = launch(
+            script,
+            [str(tmp_path / mode), mode],
+            workers=2,
+            show_all=True,
+            output=out,
+            handle_signals=False,
+            env=env,
+            stop_timeout=5,
+            **kwargs,
+        )
         lines = out.getvalue().splitlines()
         assert result.ok, "\n".join(lines[-40:])
         return result, {r["task"]: r for r in _results(lines)}
@@ -240,17 +298,24 @@ def test_a_killed_worker_restarts_and_resumes_from_the_last_backup(tmp_path):
 
 def test_the_cli_prints_per_host_commands_for_a_spec_with_other_hosts(tmp_path):
     import json
+
     spec = {"cluster": {"worker": ["10.1.2.3:2222", "10.1.2.4:2222"]}}
     path = tmp_path / "remote.json"
     path.write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--spec", str(path),
-                           "train.py", "--epochs=3"], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "--spec", str(path), "train.py", "--epochs=3"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "10.1.2.3, 10.1.2.4" in done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("TF_CONFIG=")]
     assert len(lines) == 2
     import shlex
+
     words = shlex.split(lines[1])
     config = json.loads(words[0].split("=", 1)[1])
     assert config["task"] == {"type": "worker", "index": 1}
@@ -276,17 +341,33 @@ def test_tensorflows_start_up_noise_is_in_the_logs_and_shown_only_with_verbose(t
         found = []
         for line in lines:
             task, _, text = line.partition("] ")
-            if task.startswith("[worker:") and filters.setdefault(
-                    task, NoiseFilter()).is_noise(text):
+            if task.startswith("[worker:") and filters.setdefault(task, NoiseFilter()).is_noise(
+                text
+            ):
                 found.append(line)
         return found
 
     script = str(REPO / "tests" / "workers" / "tf_start_task.py")
     env = subprocess_env(TF_CPP_MIN_LOG_LEVEL="0")
     quiet = subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--log-dir",
-         str(tmp_path), script, "fail"], cwd=REPO, env=env, capture_output=True,
-        text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--log-dir",
+            str(tmp_path),
+            script,
+            "fail",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     lines = quiet.stdout.splitlines()
     context = quiet.stdout + quiet.stderr
     assert quiet.returncode == 1, context
@@ -294,38 +375,59 @@ def test_tensorflows_start_up_noise_is_in_the_logs_and_shown_only_with_verbose(t
     assert not any("cuInit" in line or "oneDNN" in line for line in lines), context
     # Real errors pass: an absl error line of each task, worker 1's traceback,
     # and its last lines in the launcher's report.
-    first = {index: next(line for line in lines if line.startswith(f"[worker:{index}]"))
-             for index in (0, 1)}
-    assert first == {0: "[worker:0] task 0: 1 CPU",
-                     1: "[worker:1] ERROR:absl:a real error from task 1"}, context
+    first = {
+        index: next(line for line in lines if line.startswith(f"[worker:{index}]"))
+        for index in (0, 1)
+    }
+    assert first == {
+        0: "[worker:0] task 0: 1 CPU",
+        1: "[worker:1] ERROR:absl:a real error from task 1",
+    }, context
     for index in (0, 1):
         assert f"[worker:{index}] ERROR:absl:a real error from task {index}" in lines
     assert "[worker:1] RuntimeError: task 1 fails on purpose" in lines, context
-    report = lines.index("[tfdist launch] giving up: worker:1 exited with code 1. "
-                         "Its last lines:")
-    assert lines[report + 1:] == [
-        "    task 1: 1 CPU", "    ERROR:absl:a real error from task 1",
+    report = lines.index("[tfdist launch] giving up: worker:1 exited with code 1. Its last lines:")
+    assert lines[report + 1 :] == [
+        "    task 1: 1 CPU",
+        "    ERROR:absl:a real error from task 1",
         "    Traceback (most recent call last):",
         f'      File "{script}", line 20, in <module>',
         '        raise RuntimeError("task 1 fails on purpose")',
-        "    RuntimeError: task 1 fails on purpose"], context
+        "    RuntimeError: task 1 fails on purpose",
+    ], context
     # The log files have everything, the noise included.
     for name in ("worker-0.log", "worker-1.log"):
         log = (tmp_path / "attempt-0" / name).read_text().splitlines()
         assert any("cuInit" in line for line in log), log
-        assert any(line.startswith("WARNING: All log messages before absl::Init")
-                   for line in log), log
+        assert any(
+            line.startswith("WARNING: All log messages before absl::Init") for line in log
+        ), log
     # --verbose shows the noise too, on every task's lines.
     verbose = subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--verbose",
-         "--show-all", script], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--verbose",
+            "--show-all",
+            script,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     lines = verbose.stdout.splitlines()
     assert verbose.returncode == 0, verbose.stdout + verbose.stderr
     shown = noise_in(lines)
     for index in (0, 1):
-        assert any(line.startswith(f"[worker:{index}] E0000") and "cuInit" in line
-                   for line in shown), verbose.stdout
+        assert any(
+            line.startswith(f"[worker:{index}] E0000") and "cuInit" in line for line in shown
+        ), verbose.stdout
         assert f"[worker:{index}] task {index}: 1 CPU" in lines
 
 
@@ -334,15 +436,29 @@ def test_the_cli_runs_a_module_or_code_as_python_does():
     # them are the task's, launcher options included.
     code = "import json, os, sys; print(json.loads(os.environ['TF_CONFIG'])['task'], sys.argv)"
     for words, shown in (
-            (["-c", code, "--workers", "3"],
-             "[worker:1] {'type': 'worker', 'index': 1} ['-c', '--workers', '3']"),
-            (["-m", "json.tool", "--help"], "[worker:1] usage: python -m json.tool")):
-        done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--workers", "2",
-                               "--show-all", *words], cwd=REPO, env=subprocess_env(),
-                              capture_output=True, text=True, timeout=60)
+        (
+            ["-c", code, "--workers", "3"],
+            "[worker:1] {'type': 'worker', 'index': 1} ['-c', '--workers', '3']",
+        ),
+        (["-m", "json.tool", "--help"], "[worker:1] usage: python -m json.tool"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--show-all", *words],
+            cwd=REPO,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert any(line.startswith(shown) for line in done.stdout.splitlines()), done.stdout
-    done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-m"], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "-m"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "field 'script': expected '-m MODULE'. Received: '-m'" in done.stderr

@@ -1,7 +1,7 @@
 """Preemption under Slurm: ``scancel --signal=TERM`` of a running step on the
 real slurmctld and slurmd (tests/engines/slurm_engine.py), then a requeued run.
 
-The batch job carries the README's preemption directives (``--signal=TERM@60``,
+The batch job carries the Slurm page's preemption directives (``--signal=TERM@60``,
 ``--requeue``, ``--open-mode=append``) and requeues itself when its step ends
 with the preempted exit code. Its ``srun -n2`` step trains
 tests/workers/preempt_engine_fit.py: a Keras fit under tfdist's MultiWorkerMirrored
@@ -32,14 +32,15 @@ from tfdist.training.callbacks import read_backup_pointer
 
 pytestmark = pytest.mark.slow
 
-#: The README's preemption directives (Slurm section); the test's job uses them.
+#: The preemption directives of the Slurm page (docs/clusters/slurm.md); the
+#: test's job uses them.
 PREEMPT_DIRECTIVES = (
     "#SBATCH --signal=TERM@60",
     "#SBATCH --requeue",
     "#SBATCH --open-mode=append",
     "export TFDIST_GRACE=60",
 )
-#: What the README's script does after its step (the test's job does the same).
+#: What that page's script does after its step (the test's job does the same).
 REQUEUE_LINE = 'if [ "$code" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID"; fi'
 
 JOB_SCRIPT = """\
@@ -77,24 +78,34 @@ def _results(text: str) -> dict[int, dict]:
     return found
 
 
-def test_readme_documents_the_preemption_directives():
-    readme = (REPO / "README.md").read_text()
+def test_the_slurm_page_documents_the_preemption_directives():
+    page = (REPO / "docs" / "clusters" / "slurm.md").read_text()
     for line in PREEMPT_DIRECTIVES + (REQUEUE_LINE,):
-        assert line in readme, f"expected the README's Slurm section to contain {line!r}"
+        assert line in page, f"expected docs/clusters/slurm.md to contain {line!r}"
 
 
 def test_scancel_signal_term_saves_and_the_requeued_job_resumes_at_that_step(
-        slurm_cluster, tmp_path):
+    slurm_cluster,  # noqa: F811 - the fixture imported above
+    tmp_path,
+):
     backup, progress, job_dir = tmp_path / "backup", tmp_path / "progress", tmp_path / "job"
     progress.mkdir()
     output = tmp_path / "job.out"
     script = tmp_path / "train.sbatch"
-    script.write_text(JOB_SCRIPT.format(
-        directives="\n".join(PREEMPT_DIRECTIVES), python=sys.executable, backup=backup,
-        progress=progress, requeue=REQUEUE_LINE))
+    script.write_text(
+        JOB_SCRIPT.format(
+            directives="\n".join(PREEMPT_DIRECTIVES),
+            python=sys.executable,
+            backup=backup,
+            progress=progress,
+            requeue=REQUEUE_LINE,
+        )
+    )
     submitted = slurm_cluster.run(
         ["sbatch", "--parsable", f"--chdir={REPO}", f"--output={output}", str(script)],
-        timeout=60, TFDIST_JOB_DIR=str(job_dir))
+        timeout=60,
+        TFDIST_JOB_DIR=str(job_dir),
+    )
     job = submitted.stdout.strip().split(";")[0]
     assert job.isdigit(), submitted.stdout
 
@@ -124,28 +135,34 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_at_that_step(
             break
         if time.monotonic() > deadline:
             slurm_cluster.cancel_all()
-            pytest.fail(context(f"expected the step to end and the job to be requeued "
-                                f"(state {fields.get('JobState')})"))
+            pytest.fail(
+                context(
+                    f"expected the step to end and the job to be requeued "
+                    f"(state {fields.get('JobState')})"
+                )
+            )
         time.sleep(0.2)
     [first] = _STEP_END.findall(text)
     assert first[0] == "143" and first[2] == "0", context(
-        f"expected the first run's step to end with 143, got {first}")
+        f"expected the first run's step to end with 143, got {first}"
+    )
     step_end_time = float(first[1])
     assert fields["Restarts"] == "1", context("expected one requeue")
     assert not _results(text), context("expected no task to finish in the first run")
 
     # Every task stopped after the same step, and the chief's backup is at it.
-    records = {p.stem: json.loads(p.read_text())
-               for p in sorted((job_dir / "preempted").glob("*.json"))}
+    records = {
+        p.stem: json.loads(p.read_text()) for p in sorted((job_dir / "preempted").glob("*.json"))
+    }
     assert sorted(records) == ["worker-0", "worker-1"], context(f"records: {records}")
     stopped = {r["step"] for r in records.values()}
     assert len(stopped) == 1, context(f"the workers stopped at different steps: {records}")
     [stopped_step] = stopped
     assert signalled_at_step <= stopped_step < PLANNED_STEPS, context(
-        f"signalled at step {signalled_at_step}, stopped at {stopped_step}")
+        f"signalled at step {signalled_at_step}, stopped at {stopped_step}"
+    )
     pointer = read_backup_pointer(backup)
-    assert pointer is not None and pointer.get("preempted") is True, context(
-        f"pointer: {pointer}")
+    assert pointer is not None and pointer.get("preempted") is True, context(f"pointer: {pointer}")
     assert pointer["global_step"] == stopped_step, context(f"pointer: {pointer}")
     assert (pointer["epoch"], pointer["step"]) == divmod(stopped_step, STEPS_PER_EPOCH)
 
@@ -158,17 +175,20 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_at_that_step(
     fields = slurm_cluster.wait_job(job, timeout=180, output=output)
     text = output.read_text(errors="replace")
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), context(
-        "expected the requeued run to complete")
+        "expected the requeued run to complete"
+    )
     ends = _STEP_END.findall(text)
-    assert [(code, restart) for code, _, restart in ends] == [("143", "0"), ("0", "1")], (
-        context("step ends"))
+    assert [(code, restart) for code, _, restart in ends] == [("143", "0"), ("0", "1")], context(
+        "step ends"
+    )
     results = _results(text)
     assert sorted(results) == [0, 1], context("expected a result from both tasks")
     for rank, result in results.items():
         # Resumed at exactly the step where the first run stopped, mid-epoch...
         assert result["first"]["iterations"] == stopped_step, context(f"task {rank}")
         assert (result["first"]["epoch"], result["first"]["batch"]) == divmod(
-            stopped_step, STEPS_PER_EPOCH), context(f"task {rank}")
+            stopped_step, STEPS_PER_EPOCH
+        ), context(f"task {rank}")
         # ...trained only the steps that were left, and ended on the plan.
         assert result["trained"] == PLANNED_STEPS - stopped_step, context(f"task {rank}")
         assert result["iterations"] == result["planned_steps"] == PLANNED_STEPS
@@ -181,19 +201,32 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_at_that_step(
     progress_ref = tmp_path / "progress-ref"
     progress_ref.mkdir()
     reference = slurm_cluster.run(
-        ["srun", "-n2", "--label", "--kill-on-bad-exit=1", "--time=5", sys.executable,
-         "tests/workers/preempt_engine_fit.py", str(tmp_path / "backup-ref"),
-         str(progress_ref)], timeout=180, TFDIST_TEST_STEP_SLEEP="0")
+        [
+            "srun",
+            "-n2",
+            "--label",
+            "--kill-on-bad-exit=1",
+            "--time=5",
+            sys.executable,
+            "tests/workers/preempt_engine_fit.py",
+            str(tmp_path / "backup-ref"),
+            str(progress_ref),
+        ],
+        timeout=180,
+        TFDIST_TEST_STEP_SLEEP="0",
+    )
     uninterrupted = _results(reference.stdout)
     assert sorted(uninterrupted) == [0, 1], context(f"reference run:\n{reference.stdout}")
     assert uninterrupted[0]["trained"] == PLANNED_STEPS
     assert results[0]["weights_sha256"] == uninterrupted[0]["weights_sha256"], context(
-        "expected the preempted and resumed job to end with the uninterrupted weights")
+        "expected the preempted and resumed job to end with the uninterrupted weights"
+    )
 
     saved = max(r["saved_time"] for r in records.values())
     exited = max(r["exit_time"] for r in records.values())
     figures = {
-        "signalled_at_step": signalled_at_step, "stopped_step": stopped_step,
+        "signalled_at_step": signalled_at_step,
+        "stopped_step": stopped_step,
         # Steps the first run trained that the second one trained again.
         "steps_lost": stopped_step - results[0]["first"]["iterations"],
         "signal_to_saved_s": round(saved - signal_time, 3),

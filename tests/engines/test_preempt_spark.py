@@ -58,9 +58,18 @@ SIGNAL_AT = spark_preempt.STEPS_PER_EPOCH + 5
 def _task_failure(error: BaseException, partition: int = 1) -> str:
     """The message a task's RuntimeError carries, as run_task builds it."""
     spec = spark_task.TaskSpec(
-        train_fn=None, pass_context=True, train_kwargs={}, num_workers=2, attempt=0,
-        compression=None, error_feedback=None, options={}, env={}, host=None,
-        backup_dir="/b")
+        train_fn=None,
+        pass_context=True,
+        train_kwargs={},
+        num_workers=2,
+        attempt=0,
+        compression=None,
+        error_feedback=None,
+        options={},
+        env={},
+        host=None,
+        backup_dir="/b",
+    )
     try:
         raise error
     except BaseException as caught:  # noqa: BLE001 - as in run_task
@@ -68,10 +77,18 @@ def _task_failure(error: BaseException, partition: int = 1) -> str:
 
 
 def test_a_preempted_task_reaches_the_driver_as_a_preemption():
-    record = {"task": "worker:1", "step": 27, "epoch": 1, "batch": 7,
-              "signal_time": 1.0, "saved_time": 1.5, "exit_time": 1.6}
-    text = ("org.apache.spark.SparkException: Job aborted due to stage failure: "
-            + _task_failure(Preempted(record)))
+    record = {
+        "task": "worker:1",
+        "step": 27,
+        "epoch": 1,
+        "batch": 7,
+        "signal_time": 1.0,
+        "saved_time": 1.5,
+        "exit_time": 1.6,
+    }
+    text = "org.apache.spark.SparkException: Job aborted due to stage failure: " + _task_failure(
+        Preempted(record)
+    )
     error = spark_session._job_error(RuntimeError(text), 0, 2, 2)
     assert error.preempted == record
     assert error.partition == 1
@@ -123,8 +140,11 @@ def test_a_preempted_attempt_resumes_at_the_saved_step(spark, tmp_path, caplog):
     started = time.time()
     try:
         with caplog.at_level(logging.WARNING):
-            reports = spark.run(functools.partial(spark_preempt.train, pid_dir=str(pid_dir)),
-                                max_retries=1, backup_dir=str(backup_dir))
+            reports = spark.run(
+                functools.partial(spark_preempt.train, pid_dir=str(pid_dir)),
+                max_retries=1,
+                backup_dir=str(backup_dir),
+            )
     finally:
         done.set()
         signaller.join(5)
@@ -137,32 +157,37 @@ def test_a_preempted_attempt_resumes_at_the_saved_step(spark, tmp_path, caplog):
     assert backup is not None and backup["preempted"] is True, context
     stopped = backup["global_step"]
     assert sent["step"] <= stopped < PLANNED, context
-    assert (backup["epoch"], backup["step"]) == divmod(stopped,
-                                                       spark_preempt.STEPS_PER_EPOCH)
+    assert (backup["epoch"], backup["step"]) == divmod(stopped, spark_preempt.STEPS_PER_EPOCH)
     assert backup["writer"] == "worker:0"
     messages = [r.getMessage() for r in caplog.records]
-    assert any(f"attempt 1 of 2 was preempted and saved at step {stopped}" in m
-               for m in messages), f"{messages}{context}"
+    assert any(
+        f"attempt 1 of 2 was preempted and saved at step {stopped}" in m for m in messages
+    ), f"{messages}{context}"
     # ...and the second attempt resumed at exactly that step, on both tasks.
     for report in reports:
         assert report["attempt"] == 1, context
         assert report["first"]["iterations"] == stopped, context
         assert (report["first"]["epoch"], report["first"]["batch"]) == divmod(
-            stopped, spark_preempt.STEPS_PER_EPOCH), context
+            stopped, spark_preempt.STEPS_PER_EPOCH
+        ), context
         assert report["trained"] == PLANNED - stopped, context
         assert report["iterations"] == report["planned_steps"] == PLANNED, context
     assert chief["weights_sha256"] == other["weights_sha256"], context
 
     # The same fit without a preemption ends with the same weights, bit for bit.
-    reference = spark.run(functools.partial(spark_preempt.train, pid_dir=str(pid_dir),
-                                            step_sleep=0.0),
-                          backup_dir=str(tmp_path / "backup-ref"))
+    reference = spark.run(
+        functools.partial(spark_preempt.train, pid_dir=str(pid_dir), step_sleep=0.0),
+        backup_dir=str(tmp_path / "backup-ref"),
+    )
     assert reference[0]["trained"] == PLANNED
     assert chief["weights_sha256"] == reference[0]["weights_sha256"], context
 
-    figures = {"signalled_at_step": sent["step"], "stopped_step": stopped,
-               "steps_lost": stopped - chief["first"]["iterations"],
-               "signal_to_saved_s": round(backup["time"] - sent["time"], 3),
-               "signal_to_resumed_training_s": round(chief["first"]["time"] - sent["time"], 3),
-               "first_attempt_started_to_signal_s": round(sent["time"] - started, 3)}
+    figures = {
+        "signalled_at_step": sent["step"],
+        "stopped_step": stopped,
+        "steps_lost": stopped - chief["first"]["iterations"],
+        "signal_to_saved_s": round(backup["time"] - sent["time"], 3),
+        "signal_to_resumed_training_s": round(chief["first"]["time"] - sent["time"], 3),
+        "first_attempt_started_to_signal_s": round(sent["time"] - started, 3),
+    }
     print("tfdist spark preemption: " + str(figures))

@@ -13,14 +13,16 @@ import pytest
 
 from conftest import finish, result_line, start
 
-pytest.importorskip("ray.train.tensorflow", reason="ray[train] is not installed "
-                    "(pip install -e '.[test]')")
+pytest.importorskip(
+    "ray.train.tensorflow", reason="ray[train] is not installed (pip install -e '.[test]')"
+)
 
 
 @pytest.mark.slow
 def test_tensorflow_trainer_reports_resumes_and_compresses(tmp_path):
-    [(code, out, err)] = finish([start(["tests/workers/ray_train.py", tmp_path,
-                                        "powersgd:2"])], timeout=600)
+    [(code, out, err)] = finish(
+        [start(["tests/workers/ray_train.py", tmp_path, "powersgd:2"])], timeout=600
+    )
     assert code == 0, (out[-3000:], err[-3000:])
     result = result_line(out)
     assert result["error"] == "None"

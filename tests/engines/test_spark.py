@@ -45,8 +45,7 @@ UNTRAINED_LOSS = math.log(3)
 def _load_spark_train():
     """tests/workers/spark_train.py as module ``spark_train``: Spark pickles
     its functions by reference, and the executors import it by that name."""
-    spec = importlib.util.spec_from_file_location("spark_train",
-                                                  WORKERS / "spark_train.py")
+    spec = importlib.util.spec_from_file_location("spark_train", WORKERS / "spark_train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules.setdefault("spark_train", module)
@@ -71,11 +70,19 @@ def test_missing_pyspark_error_names_the_extra(monkeypatch):
 
 
 def test_importing_tfdist_spark_loads_neither_pyspark_nor_tensorflow():
-    code = ("import sys, tfdist, tfdist.spark; from tfdist import spark; "
-            "print(sorted(m for m in ('pyspark', 'tensorflow', 'keras') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
-                         capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, tfdist, tfdist.spark; from tfdist import spark; "
+        "print(sorted(m for m in ('pyspark', 'tensorflow', 'keras') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -88,27 +95,29 @@ def _need_pyspark() -> None:
     if importlib.util.find_spec("pyspark") is None:
         message = f"pyspark is not installed ({tfspark.INSTALL_HINT})"
         if os.environ.get("TFDIST_REQUIRE_ENGINES") == "1":
-            pytest.fail(message + " (TFDIST_REQUIRE_ENGINES=1 requires it)",
-                        pytrace=False)
+            pytest.fail(message + " (TFDIST_REQUIRE_ENGINES=1 requires it)", pytrace=False)
         pytest.skip(message)
 
 
-@pytest.mark.parametrize("kwargs, field, shown", [
-    ({"train_fn": "train.py"}, "train_fn", "'train.py'"),
-    ({"num_workers": 0}, "num_workers", "0"),
-    ({"num_workers": True}, "num_workers", "True"),
-    ({"num_workers": "2"}, "num_workers", "'2'"),
-    ({"max_retries": -1}, "max_retries", "-1"),
-    ({"timeout": 0}, "timeout", "0"),
-    ({"wait_for_slots": -1}, "wait_for_slots", "-1"),
-    ({"backup_dir": ""}, "backup_dir", "''"),
-    ({"env": {"TF_CPP_MIN_LOG_LEVEL": 2}}, "env", "{'TF_CPP_MIN_LOG_LEVEL': 2}"),
-    ({"host": ""}, "host", "''"),
-    ({"compression": "zip"}, "compression", "'zip'"),
-    ({"collective_timeout": -5}, "collective_timeout", "-5"),
-    ({"no_such_option": 1}, "no_such_option", "1"),
-    ({"strategy": "mirrored"}, "strategy", "'mirrored'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field, shown",
+    [
+        ({"train_fn": "train.py"}, "train_fn", "'train.py'"),
+        ({"num_workers": 0}, "num_workers", "0"),
+        ({"num_workers": True}, "num_workers", "True"),
+        ({"num_workers": "2"}, "num_workers", "'2'"),
+        ({"max_retries": -1}, "max_retries", "-1"),
+        ({"timeout": 0}, "timeout", "0"),
+        ({"wait_for_slots": -1}, "wait_for_slots", "-1"),
+        ({"backup_dir": ""}, "backup_dir", "''"),
+        ({"env": {"TF_CPP_MIN_LOG_LEVEL": 2}}, "env", "{'TF_CPP_MIN_LOG_LEVEL': 2}"),
+        ({"host": ""}, "host", "''"),
+        ({"compression": "zip"}, "compression", "'zip'"),
+        ({"collective_timeout": -5}, "collective_timeout", "-5"),
+        ({"no_such_option": 1}, "no_such_option", "1"),
+        ({"strategy": "mirrored"}, "strategy", "'mirrored'"),
+    ],
+)
 def test_run_checks_its_arguments_before_starting_anything(kwargs, field, shown):
     args = {"train_fn": _noop, "num_workers": 2, **kwargs}
     with pytest.raises(ConfigError) as caught:
@@ -123,8 +132,7 @@ def test_a_session_that_reuses_python_workers_is_refused(conf):
     # running session, and a second session would cost ~15 s: a stand-in
     # session shows how run() reads the user's settings.
     _need_pyspark()
-    session = types.SimpleNamespace(
-        sparkContext=types.SimpleNamespace(getConf=lambda: dict(conf)))
+    session = types.SimpleNamespace(sparkContext=types.SimpleNamespace(getConf=lambda: dict(conf)))
     with pytest.raises(ConfigError) as caught:
         tfspark.run(_noop, 2, spark=session)
     assert caught.value.field == "spark.python.worker.reuse"
@@ -148,41 +156,75 @@ def _optional_first(ctx=None, epochs=1):
     return ctx, epochs
 
 
-@pytest.mark.parametrize("train_fn, kwargs, context, to_train_fn, to_strategy", [
-    # The documented form: the context first, keywords after it.
-    (_ctx_and_keywords, {"epochs": 3, "collective_timeout": 30},
-     True, {"epochs": 3}, {"collective_timeout": 30}),
-    (functools.partial(_ctx_and_keywords, seed=4), {}, True, {}, {}),
-    (lambda ctx: ctx, {"communication": "RING"}, True, {}, {"communication": "RING"}),
-    # spark-tensorflow-distributor's form: train_fn(**kwargs), no context.
-    (lambda: 1, {}, False, {}, {}),
-    (_keywords_only, {"epochs": 2, "register_timeout": 60},
-     False, {"epochs": 2}, {"register_timeout": 60}),
-    # A keyword naming the first parameter: it is not the context.
-    (_ctx_and_keywords, {"ctx": "mine"}, False, {"ctx": "mine"}, {}),
-    (_optional_first, {"epochs": 5}, False, {"epochs": 5}, {}),
-    # **kwargs takes every name that is not a strategy option.
-    (_any_keywords, {"batch": 8, "collective_timeout": 9}, False,
-     {"batch": 8}, {"collective_timeout": 9}),
-])
+@pytest.mark.parametrize(
+    "train_fn, kwargs, context, to_train_fn, to_strategy",
+    [
+        # The documented form: the context first, keywords after it.
+        (
+            _ctx_and_keywords,
+            {"epochs": 3, "collective_timeout": 30},
+            True,
+            {"epochs": 3},
+            {"collective_timeout": 30},
+        ),
+        (functools.partial(_ctx_and_keywords, seed=4), {}, True, {}, {}),
+        (lambda ctx: ctx, {"communication": "RING"}, True, {}, {"communication": "RING"}),
+        # spark-tensorflow-distributor's form: train_fn(**kwargs), no context.
+        (lambda: 1, {}, False, {}, {}),
+        (
+            _keywords_only,
+            {"epochs": 2, "register_timeout": 60},
+            False,
+            {"epochs": 2},
+            {"register_timeout": 60},
+        ),
+        # A keyword naming the first parameter: it is not the context.
+        (_ctx_and_keywords, {"ctx": "mine"}, False, {"ctx": "mine"}, {}),
+        (_optional_first, {"epochs": 5}, False, {"epochs": 5}, {}),
+        # **kwargs takes every name that is not a strategy option.
+        (
+            _any_keywords,
+            {"batch": 8, "collective_timeout": 9},
+            False,
+            {"batch": 8},
+            {"collective_timeout": 9},
+        ),
+    ],
+)
 def test_run_routes_its_keywords_to_train_fn_or_the_strategy(
-        train_fn, kwargs, context, to_train_fn, to_strategy):
+    train_fn, kwargs, context, to_train_fn, to_strategy
+):
     assert tfspark._plan_call(train_fn, kwargs) == (context, to_train_fn, to_strategy)
 
 
-@pytest.mark.parametrize("train_fn, kwargs, field, says", [
-    # A keyword that neither takes.
-    (_keywords_only, {"epochs": 1, "batch": 8}, "batch",
-     "expected a parameter of train_fn (epochs, learning_rate) or an option of "
-     "tfdist.strategy_from_config ("),
-    # A train_fn parameter that is also a strategy option.
-    (lambda ctx, communication="AUTO": None, {"communication": "RING"},
-     "communication", "train_fn has a parameter 'communication'"),
-    # A required parameter that run() does not give.
-    (lambda *, epochs: None, {}, "train_fn",
-     "expected a function the tasks can call as train_fn()"),
-    (lambda a, b: None, {}, "train_fn", "missing a required argument: 'b'"),
-])
+@pytest.mark.parametrize(
+    "train_fn, kwargs, field, says",
+    [
+        # A keyword that neither takes.
+        (
+            _keywords_only,
+            {"epochs": 1, "batch": 8},
+            "batch",
+            "expected a parameter of train_fn (epochs, learning_rate) or an option of "
+            "tfdist.strategy_from_config (",
+        ),
+        # A train_fn parameter that is also a strategy option.
+        (
+            lambda ctx, communication="AUTO": None,
+            {"communication": "RING"},
+            "communication",
+            "train_fn has a parameter 'communication'",
+        ),
+        # A required parameter that run() does not give.
+        (
+            lambda *, epochs: None,
+            {},
+            "train_fn",
+            "expected a function the tasks can call as train_fn()",
+        ),
+        (lambda a, b: None, {}, "train_fn", "missing a required argument: 'b'"),
+    ],
+)
 def test_run_refuses_keywords_train_fn_cannot_take(train_fn, kwargs, field, says):
     with pytest.raises(ConfigError) as caught:
         tfspark.run(train_fn, 2, **kwargs)
@@ -191,9 +233,13 @@ def test_run_refuses_keywords_train_fn_cannot_take(train_fn, kwargs, field, says
 
 
 def test_context_outside_a_task_says_where_it_works():
-    with pytest.raises(tfdist.TfdistError, match=re.escape(
+    with pytest.raises(
+        tfdist.TfdistError,
+        match=re.escape(
             "tfdist.spark.context() works only inside train_fn, on a Spark task "
-            "started by tfdist.spark.run(train_fn, ...)")):
+            "started by tfdist.spark.run(train_fn, ...)"
+        ),
+    ):
         tfspark.context()
 
 
@@ -201,23 +247,33 @@ def test_strategy_from_config_in_a_task_returns_the_task_strategy(tf_cpus):
     # What run_task sets up around train_fn, with a local strategy standing
     # for the task's (a real MultiWorkerMirrored needs the Spark job below).
     from tfdist.strategies.provided import provide
-    task_strategy = tfdist.strategy_from_config(strategy="mirrored", cpu_replicas=2,
-                                                compression="fp16")
-    tf_config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
-                 "task": {"type": "worker", "index": 1}}
-    with provide(task_strategy, tf_config=tf_config, compression="fp16",
-                 error_feedback=None, options={"cpu_replicas": 2},
-                 source="tfdist.spark.run"):
+
+    task_strategy = tfdist.strategy_from_config(
+        strategy="mirrored", cpu_replicas=2, compression="fp16"
+    )
+    tf_config = {
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    with provide(
+        task_strategy,
+        tf_config=tf_config,
+        compression="fp16",
+        error_feedback=None,
+        options={"cpu_replicas": 2},
+        source="tfdist.spark.run",
+    ):
         # Nothing asked, or the same settings: the task's strategy.
         assert tfdist.strategy_from_config() is task_strategy
-        assert tfdist.strategy_from_config(
-            json.dumps(tf_config), compression="fp16", cpu_replicas=2) is task_strategy
+        assert (
+            tfdist.strategy_from_config(json.dumps(tf_config), compression="fp16", cpu_replicas=2)
+            is task_strategy
+        )
         # Another setting of the task's strategy: refused, naming run().
         with pytest.raises(ConfigError) as caught:
             tfdist.strategy_from_config(compression="bf16")
         assert caught.value.field == "compression"
-        assert "expected None or the setting given to tfdist.spark.run (fp16)" in str(
-            caught.value)
+        assert "expected None or the setting given to tfdist.spark.run (fp16)" in str(caught.value)
         assert "Received: 'bf16'" in str(caught.value)
         with pytest.raises(ConfigError) as caught:
             tfdist.strategy_from_config(cpu_replicas=3)
@@ -232,11 +288,13 @@ def test_strategy_from_config_in_a_task_returns_the_task_strategy(tf_cpus):
 def test_a_spark_failure_outside_train_fn_names_the_partition():
     # What Spark says when an executor or Python worker dies: no task
     # traceback, so the partition comes from Spark's text, Java frames cut.
-    text = ("org.apache.spark.SparkException: Job aborted due to stage failure: "
-            "Stage failed because barrier task ResultTask(3, 1) finished "
-            "unsuccessfully.\norg.apache.spark.SparkException: Python worker "
-            "exited unexpectedly (crashed)\n\tat org.apache.spark.api.python."
-            "BasePythonRunner.read(PythonRunner.scala:1)\n")
+    text = (
+        "org.apache.spark.SparkException: Job aborted due to stage failure: "
+        "Stage failed because barrier task ResultTask(3, 1) finished "
+        "unsuccessfully.\norg.apache.spark.SparkException: Python worker "
+        "exited unexpectedly (crashed)\n\tat org.apache.spark.api.python."
+        "BasePythonRunner.read(PythonRunner.scala:1)\n"
+    )
     error = spark_session._job_error(RuntimeError(text), 0, 2, 2)
     assert error.partition == 1
     assert error.task_traceback is None
@@ -270,8 +328,10 @@ class SparkCluster:
         deadline = time.monotonic() + seconds
         while (spark_session._task_slots(self.session.sparkContext) or 0) < 2:
             if time.monotonic() > deadline:
-                pytest.fail(f"the Spark executors did not come back within "
-                            f"{seconds:g} s\n{self.logs()}", pytrace=False)
+                pytest.fail(
+                    f"the Spark executors did not come back within {seconds:g} s\n{self.logs()}",
+                    pytrace=False,
+                )
             time.sleep(0.5)
 
     def run(self, train_fn, **kwargs):
@@ -288,8 +348,10 @@ def _logs(app_dir: Path, tail: int = 6000) -> str:
     parts = []
     for path in sorted(app_dir.glob("*/std*")):
         text = path.read_text(errors="replace")
-        parts.append(f"===== executor {path.parent.name} {path.name} (last "
-                     f"{tail} chars) =====\n{text[-tail:]}")
+        parts.append(
+            f"===== executor {path.parent.name} {path.name} (last "
+            f"{tail} chars) =====\n{text[-tail:]}"
+        )
     return "\n".join(parts) or f"(no executor logs in {app_dir})"
 
 
@@ -299,9 +361,12 @@ def _engines_missing() -> str | None:
         problems.append(f"pyspark is not installed ({tfspark.INSTALL_HINT})")
     java_home = os.environ.get("JAVA_HOME")
     if shutil.which("java") is None and not (
-            java_home and os.path.exists(os.path.join(java_home, "bin", "java"))):
-        problems.append("no Java runtime (Spark 4 needs Java 17 or 21, e.g. "
-                        "apt-get install openjdk-17-jre-headless)")
+        java_home and os.path.exists(os.path.join(java_home, "bin", "java"))
+    ):
+        problems.append(
+            "no Java runtime (Spark 4 needs Java 17 or 21, e.g. "
+            "apt-get install openjdk-17-jre-headless)"
+        )
     return "; ".join(problems) or None
 
 
@@ -312,22 +377,27 @@ def spark_cluster():
     if missing:
         message = f"the Spark tests need a real Spark: {missing}"
         if os.environ.get("TFDIST_REQUIRE_ENGINES") == "1":
-            pytest.fail(message + " (TFDIST_REQUIRE_ENGINES=1 requires it)",
-                        pytrace=False)
+            pytest.fail(message + " (TFDIST_REQUIRE_ENGINES=1 requires it)", pytrace=False)
         pytest.skip(message)
     saved = os.environ.get("SPARK_LOCAL_IP")
     start = time.monotonic()
     try:
         session = tfspark.local_session(
-            2, master=MASTER, app_name="tfdist-tests", wait_for_slots=120,
+            2,
+            master=MASTER,
+            app_name="tfdist-tests",
+            wait_for_slots=120,
             # The repo first: the executors import this checkout's tfdist,
             # not whatever copy is installed.
-            conf={"spark.executorEnv.PYTHONPATH": os.pathsep.join(
-                      [str(REPO), str(WORKERS), str(REPO / "strategies")]),
-                  "spark.ui.showConsoleProgress": "false"})
+            conf={
+                "spark.executorEnv.PYTHONPATH": os.pathsep.join(
+                    [str(REPO), str(WORKERS), str(REPO / "strategies")]
+                ),
+                "spark.ui.showConsoleProgress": "false",
+            },
+        )
     except Exception as error:  # noqa: BLE001 - reported as the failure
-        pytest.fail(f"the local Spark cluster did not start: {error}",
-                    pytrace=False)
+        pytest.fail(f"the local Spark cluster did not start: {error}", pytrace=False)
     cluster = SparkCluster(session, time.monotonic() - start)
     try:
         yield cluster
@@ -375,8 +445,7 @@ def _task_pids(pid_dir: Path) -> dict[str, int]:
 def test_two_barrier_tasks_train_in_sync_with_the_compression_given(spark):
     # One job checks both (each costs 10-30 s here): the fit, and that
     # run()'s compression reaches every task's strategy.
-    result = spark.run(functools.partial(spark_train.train, epochs=3),
-                       compression="fp16")
+    result = spark.run(functools.partial(spark_train.train, epochs=3), compression="fp16")
     context = f"\n{result}\n{spark.logs()}"
     chief, other = result["tasks"]
     # Worker index = partition id, worker 0 is the chief, on both sides.
@@ -423,12 +492,12 @@ def test_a_train_fn_without_arguments_that_makes_its_own_strategy(spark):
 
 @pytest.mark.slow
 def test_a_failing_task_fails_the_stage_with_its_own_traceback(spark, tmp_path):
-    train = functools.partial(spark_train.train, epochs=3, pid_dir=str(tmp_path),
-                              fail_task=1, fail_epoch=1)
+    train = functools.partial(
+        spark_train.train, epochs=3, pid_dir=str(tmp_path), fail_task=1, fail_epoch=1
+    )
     start = time.monotonic()
     with pytest.raises(tfspark.SparkJobError) as caught:
-        tfspark.run(train, 2, spark=spark.session, timeout=JOB_TIMEOUT,
-                    env=TASK_ENV)
+        tfspark.run(train, 2, spark=spark.session, timeout=JOB_TIMEOUT, env=TASK_ENV)
     elapsed = time.monotonic() - start
     error = caught.value
     context = f"\n{error}\n\n{spark.logs()}"
@@ -453,8 +522,9 @@ def test_a_failing_task_fails_the_stage_with_its_own_traceback(spark, tmp_path):
 def test_a_retry_resumes_from_the_backup_directory(spark, tmp_path):
     marker = tmp_path / "failed-once"
     backup_dir = tmp_path / "backup"
-    train = functools.partial(spark_train.train, epochs=3, fail_task=1,
-                              fail_epoch=1, fail_once_marker=str(marker))
+    train = functools.partial(
+        spark_train.train, epochs=3, fail_task=1, fail_epoch=1, fail_once_marker=str(marker)
+    )
     result = spark.run(train, max_retries=1, backup_dir=backup_dir)
     context = f"\n{result}\n{spark.logs()}"
     chief, other = result["tasks"]
@@ -489,8 +559,13 @@ def test_a_hung_task_is_cancelled_at_the_timeout(spark, tmp_path):
     timeout = 30.0
     start = time.monotonic()
     with pytest.raises(tfspark.SparkTimeoutError) as caught:
-        tfspark.run(functools.partial(spark_train.hang, pid_dir=str(tmp_path)), 2,
-                    spark=spark.session, timeout=timeout, env=TASK_ENV)
+        tfspark.run(
+            functools.partial(spark_train.hang, pid_dir=str(tmp_path)),
+            2,
+            spark=spark.session,
+            timeout=timeout,
+            env=TASK_ENV,
+        )
     elapsed = time.monotonic() - start
     context = f"\n{caught.value}\n\n{spark.logs()}"
     assert timeout <= elapsed < timeout + 60, f"took {elapsed:.0f} s{context}"
@@ -509,25 +584,38 @@ def test_without_a_session_run_gets_one_and_calls_train_fn_with_keywords(tmp_pat
     if missing:
         pytest.skip(f"needs a real Spark: {missing}")
     env = subprocess_env(TF_CPP_MIN_LOG_LEVEL="2")
-    for name in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON", "PYSPARK_SUBMIT_ARGS",
-                 "MASTER", "SPARK_REMOTE"):
+    for name in (
+        "SPARK_LOCAL_IP",
+        "PYSPARK_PYTHON",
+        "PYSPARK_SUBMIT_ARGS",
+        "MASTER",
+        "SPARK_REMOTE",
+    ):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, str(WORKERS / "spark_get_or_create.py"), "3"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=360)
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "spark_get_or_create.py"), "3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
     output = f"\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0, output
     lines = [line for line in proc.stdout.splitlines() if line.startswith("result: ")]
     assert len(lines) == 1, output
-    result = json.loads(lines[0][len("result: "):])
+    result = json.loads(lines[0][len("result: ") :])
     # SparkSession.builder.getOrCreate() gave plain python local[*], with the
     # settings run() needs and everything on loopback.
     assert result["session"] == {
-        "active_before": False, "master": "local[*]",
+        "active_before": False,
+        "master": "local[*]",
         "spark.python.worker.reuse": "false",
         "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
-        "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
-        "spark.pyspark.python": sys.executable}, output
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.pyspark.python": sys.executable,
+    }, output
     assert all(a.startswith("127.0.0.1:") for a in result["tf_config"]["cluster"]["worker"])
     # train_fn(**kwargs) ran in the strategy's scope on both tasks; its context
     # came from tfdist.spark.context().

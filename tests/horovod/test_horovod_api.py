@@ -44,10 +44,13 @@ def test_one_process_without_a_launcher(fresh, tf_cpus):
     assert hvd.join() == 0
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"comm": [0, 1]}, "comm"),
-    ({"process_sets": ["a"]}, "process_sets"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"comm": [0, 1]}, "comm"),
+        ({"process_sets": ["a"]}, "process_sets"),
+    ],
+)
 def test_init_refuses_what_it_cannot_honour(fresh, kwargs, field):
     with pytest.raises(ConfigError) as info:
         hvd.init(**kwargs)
@@ -58,16 +61,19 @@ def _sgd():
     return keras.optimizers.SGD(0.1)
 
 
-@pytest.mark.parametrize("kwargs, field, text", [
-    ({"op": hvd.Adasum}, "op", "Adasum"),
-    ({"op": 42}, "op", "42"),
-    ({"backward_passes_per_step": 0}, "backward_passes_per_step", "0"),
-    ({"backward_passes_per_step": 1.5}, "backward_passes_per_step", "1.5"),
-    ({"gradient_predivide_factor": 0}, "gradient_predivide_factor", "0"),
-    ({"gradient_predivide_factor": 2.0, "op": hvd.Sum}, "gradient_predivide_factor", "2.0"),
-    ({"compression": "fp17"}, "compression", "fp17"),
-    ({"process_set": object()}, "process_set", "object"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field, text",
+    [
+        ({"op": hvd.Adasum}, "op", "Adasum"),
+        ({"op": 42}, "op", "42"),
+        ({"backward_passes_per_step": 0}, "backward_passes_per_step", "0"),
+        ({"backward_passes_per_step": 1.5}, "backward_passes_per_step", "1.5"),
+        ({"gradient_predivide_factor": 0}, "gradient_predivide_factor", "0"),
+        ({"gradient_predivide_factor": 2.0, "op": hvd.Sum}, "gradient_predivide_factor", "2.0"),
+        ({"compression": "fp17"}, "compression", "fp17"),
+        ({"process_set": object()}, "process_set", "object"),
+    ],
+)
 def test_distributed_optimizer_bad_input_names_the_field(fresh, kwargs, field, text):
     hvd.init()
     with pytest.raises(ConfigError) as info:
@@ -99,8 +105,7 @@ def test_allreduce_refuses_stateful_compression(fresh, tf_cpus):
     assert info.value.field == "compression"
 
 
-def test_one_process_trains_like_the_plain_optimizer_and_saves_it_plain(fresh, tf_cpus,
-                                                                        tmp_path):
+def test_one_process_trains_like_the_plain_optimizer_and_saves_it_plain(fresh, tf_cpus, tmp_path):
     hvd.init()
     x = np.random.RandomState(0).rand(32, 4).astype("float32")
     y = x.sum(1, keepdims=True)
@@ -128,8 +133,18 @@ def test_one_process_trains_like_the_plain_optimizer_and_saves_it_plain(fresh, t
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     where = tmp_path_factory.mktemp("hvd_api")
-    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
-                  "tests/workers/hvd_api.py", str(where)])
+    proc = start(
+        [
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            "tests/workers/hvd_api.py",
+            str(where),
+        ]
+    )
     [(code, out, err)] = finish([proc], timeout=600)
     assert code == 0, (out + err)[-5000:]
     results = results_by_task(out)
@@ -151,13 +166,16 @@ def test_collectives_give_every_rank_the_same_reduction(job):
         assert res["grouped"] == [sum(inputs).tolist(), [[0.0 + 1.0]], [0 + 1]]
         # First dimensions differ (1 and 2 rows), concatenated in rank order.
         assert res["gather"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
-        assert res["bcast_bool"] == [True, True] and res["bcast_i64"] == [2 ** 40 + 1]
+        assert res["bcast_bool"] == [True, True] and res["bcast_i64"] == [2**40 + 1]
         assert res["object"] == {"from": 1, "text": "é" * 5}
         assert res["objects"] == [["rank", 0, []], ["rank", 1, [1]]]
         # IndexedSlices are gathered and averaged: row 0 gets (1 + 2) / 2, row 1 2 / 2.
         assert res["slices"] == [[1.5] * 3, [1.0] * 3, [0.0] * 3, [0.0] * 3]
-        assert res["graph"] == [sum(inputs).tolist(), np.concatenate(inputs).tolist(),
-                                inputs[0].tolist()]
+        assert res["graph"] == [
+            sum(inputs).tolist(),
+            np.concatenate(inputs).tolist(),
+            inputs[0].tolist(),
+        ]
         assert res["join"] in (0, 1)
 
 
@@ -205,8 +223,9 @@ def test_tape_state_created_when_a_step_is_traced_again(fresh, tf_cpus):
             loss = tf.reduce_sum(model(x))
         if allreduce:
             tape = hvd.DistributedGradientTape(tape, compression="powersgd:1")
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
+        opt.apply_gradients(
+            zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        )
         return loss
 
     losses = [float(step(tf.ones([2, 4]), flag)) for flag in (False, True, True)]
@@ -214,6 +233,7 @@ def test_tape_state_created_when_a_step_is_traced_again(fresh, tf_cpus):
     traffic = hvd.tape_traffic(model.trainable_variables, compression="powersgd:1")
     assert traffic.dense_sent == 0  # One rank sends nothing...
     from tfdist.horovod.tape import _AGGREGATORS, tape_state
+
     assert int(tape_state(_AGGREGATORS["powersgd:1"])["step"].numpy()) == 2  # ...but counted.
 
 
@@ -226,14 +246,25 @@ def test_init_after_tensorflow_started_says_what_to_move():
 
     from conftest import REPO, subprocess_env
     from tfdist.engines.net import free_ports
-    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]},
-                 "task": {"type": "worker", "index": 0}}
-    code = ("import tensorflow as tf; tf.constant(1.0); import tfdist.horovod as hvd\n"
-            "from tfdist.errors import ConfigError\n"
-            "try:\n    hvd.init()\nexcept ConfigError as e:\n    print('ERROR', e)\n"
-            "print('INITIALIZED', hvd.is_initialized())")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          env=subprocess_env(TF_CONFIG=json.dumps(tf_config)), timeout=120)
+
+    tf_config = {
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]},
+        "task": {"type": "worker", "index": 0},
+    }
+    code = (
+        "import tensorflow as tf; tf.constant(1.0); import tfdist.horovod as hvd\n"
+        "from tfdist.errors import ConfigError\n"
+        "try:\n    hvd.init()\nexcept ConfigError as e:\n    print('ERROR', e)\n"
+        "print('INITIALIZED', hvd.is_initialized())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(TF_CONFIG=json.dumps(tf_config)),
+        timeout=120,
+    )
     assert "ERROR" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "hvd.init() before any other TensorFlow work" in done.stdout
     assert "INITIALIZED False" in done.stdout

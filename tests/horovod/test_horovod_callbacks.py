@@ -34,6 +34,7 @@ W0 = np.array([[0.5], [-0.25], [1.0]], "float32")
 def one_rank():
     """hvd.init() with no launcher variables: one rank."""
     import tfdist.horovod as hvd
+
     hvd.init()
     assert hvd.size() == 1 and hvd.rank() == 0
 
@@ -55,8 +56,14 @@ class RateRecorder(keras.callbacks.Callback):
 
 
 def linear_model(optimizer):
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
-        1, use_bias=False, kernel_initializer=keras.initializers.Constant(W0))])
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(
+                1, use_bias=False, kernel_initializer=keras.initializers.Constant(W0)
+            ),
+        ]
+    )
     model.compile(optimizer=optimizer, loss="mse")
     return model
 
@@ -70,8 +77,8 @@ def numpy_sgd(rates, momentum, start_lr, correction):
     old = start_lr
     for epoch, batch, _ in rates:
         new = rates[epoch * STEPS + batch][2]
-        xb = X[batch * BATCH:(batch + 1) * BATCH].astype("float64")
-        yb = Y[batch * BATCH:(batch + 1) * BATCH].astype("float64")
+        xb = X[batch * BATCH : (batch + 1) * BATCH].astype("float64")
+        yb = Y[batch * BATCH : (batch + 1) * BATCH].astype("float64")
         grad = 2.0 / BATCH * xb.T @ (xb @ w - yb)
         mom = momentum * new / old if correction and old > 0 and new != old else momentum
         m = mom * m - new * grad
@@ -85,11 +92,21 @@ def test_schedule_per_batch_with_momentum_correction_matches_numpy(correction):
     start_lr, momentum, initial = 0.05, 0.9, 0.1
     model = linear_model(keras.optimizers.SGD(start_lr, momentum=momentum))
     schedule = hvd_callbacks.LearningRateScheduleCallback(
-        initial_lr=initial, multiplier=lambda epoch: 1.0 / (1.0 + epoch), staircase=False,
-        momentum_correction=correction)
+        initial_lr=initial,
+        multiplier=lambda epoch: 1.0 / (1.0 + epoch),
+        staircase=False,
+        momentum_correction=correction,
+    )
     recorder = RateRecorder()
-    history = model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                        callbacks=[schedule, recorder])
+    history = model.fit(
+        X,
+        Y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[schedule, recorder],
+    )
     # The rate before each batch: initial * multiplier(epoch + batch / steps).
     expected = [initial / (1.0 + e + b / STEPS) for e in range(EPOCHS) for b in range(STEPS)]
     np.testing.assert_allclose([r for _, _, r in recorder.rates], expected, rtol=1e-6)
@@ -104,10 +121,12 @@ def test_schedule_per_batch_with_momentum_correction_matches_numpy(correction):
 def test_staircase_schedule_with_a_constant_multiplier():
     model = linear_model(keras.optimizers.Adam(0.01))
     schedule = hvd_callbacks.LearningRateScheduleCallback(
-        initial_lr=0.02, multiplier=0.5, start_epoch=1, end_epoch=3)
+        initial_lr=0.02, multiplier=0.5, start_epoch=1, end_epoch=3
+    )
     recorder = RateRecorder()
-    model.fit(X, Y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
-              callbacks=[schedule, recorder])
+    model.fit(
+        X, Y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0, callbacks=[schedule, recorder]
+    )
     by_epoch = {}
     for epoch, _, rate in recorder.rates:
         by_epoch.setdefault(epoch, set()).add(round(rate, 9))
@@ -117,11 +136,11 @@ def test_staircase_schedule_with_a_constant_multiplier():
 
 def test_warmup_on_one_process_keeps_the_rate_and_reports_it(capsys):
     model = linear_model(keras.optimizers.SGD(0.3, momentum=0.5))
-    warmup = hvd_callbacks.LearningRateWarmupCallback(initial_lr=0.3, warmup_epochs=1,
-                                                      verbose=1)
+    warmup = hvd_callbacks.LearningRateWarmupCallback(initial_lr=0.3, warmup_epochs=1, verbose=1)
     recorder = RateRecorder()
-    history = model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[warmup, recorder])
+    history = model.fit(
+        X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[warmup, recorder]
+    )
     # size() == 1: initial_lr / 1 * (e * 0 / warmup + 1) = initial_lr.
     assert {round(r, 7) for _, _, r in recorder.rates} == {0.3}
     assert history.history["lr"] == pytest.approx([0.3, 0.3])
@@ -132,8 +151,9 @@ def test_the_rate_of_a_loss_scale_optimizer_is_its_inner_optimizers():
     inner = keras.optimizers.SGD(0.05, momentum=0.9)
     model = linear_model(keras.optimizers.LossScaleOptimizer(inner))
     schedule = hvd_callbacks.LearningRateScheduleCallback(initial_lr=0.2, multiplier=0.5)
-    history = model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[schedule])
+    history = model.fit(
+        X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[schedule]
+    )
     assert history.history["lr"] == pytest.approx([0.2, 0.1])
     assert float(inner.learning_rate) == pytest.approx(0.1)
 
@@ -164,11 +184,12 @@ def test_unknown_steps_per_epoch_asks_for_it():
 def test_bad_arguments_name_the_field():
     cases = [
         (lambda: hvd_callbacks.BroadcastGlobalVariablesCallback(-1), "root_rank"),
-        (lambda: hvd_callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[3]),
-         "local_variables"),
+        (
+            lambda: hvd_callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[3]),
+            "local_variables",
+        ),
         (lambda: hvd_callbacks.LearningRateWarmupCallback(None), "initial_lr"),
-        (lambda: hvd_callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=0),
-         "warmup_epochs"),
+        (lambda: hvd_callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=0), "warmup_epochs"),
         (lambda: hvd_callbacks.LearningRateScheduleCallback(0.1, multiplier="x"), "multiplier"),
     ]
     for make, field in cases:
@@ -198,12 +219,19 @@ def test_two_workers_broadcast_average_and_warm_up(tmp_path):
     from tfdist.engines.launch import launch
 
     out = io.StringIO()
-    result = launch(str(REPO / "tests" / "workers" / "hvd_callbacks.py"), [str(tmp_path)],
-                    workers=2, output=out, handle_signals=False, stop_timeout=3)
+    result = launch(
+        str(REPO / "tests" / "workers" / "hvd_callbacks.py"),
+        [str(tmp_path)],
+        workers=2,
+        output=out,
+        handle_signals=False,
+        stop_timeout=3,
+    )
     assert result.ok, out.getvalue()[-4000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
-    size, steps, warmup, initial = (ranks[0][k] for k in
-                                    ("size", "steps", "warmup_epochs", "initial_lr"))
+    size, steps, warmup, initial = (
+        ranks[0][k] for k in ("size", "steps", "warmup_epochs", "initial_lr")
+    )
     assert size == 2
 
     # Broadcast: different before training (weights and the optimizer slots that
@@ -239,10 +267,13 @@ def test_two_workers_broadcast_average_and_warm_up(tmp_path):
             else:
                 want = initial  # Left where the warm-up ended.
             assert rate == pytest.approx(want, rel=1e-6), (epoch, batch)
-        assert rank["rates"][0][2] == pytest.approx(initial / size * (1 + 1 / (steps * warmup)),
-                                                    rel=1e-6)
+        assert rank["rates"][0][2] == pytest.approx(
+            initial / size * (1 + 1 / (steps * warmup)), rel=1e-6
+        )
 
     # Different metric names on the ranks: an error on every rank, naming both.
     for rank in ranks:
-        assert "rank 0: ['loss', 'only_on_rank_0']; rank 1: ['loss', 'only_on_rank_1']" \
+        assert (
+            "rank 0: ['loss', 'only_on_rank_0']; rank 1: ['loss', 'only_on_rank_1']"
             in rank["mismatch"]
+        )

@@ -20,6 +20,7 @@ from tfdist.horovod import compat
 def keras(tf_cpus):
     compat.install()
     import keras
+
     return keras
 
 
@@ -56,6 +57,7 @@ def test_install_is_idempotent(keras):
     # Installing the registry's feature again must not wrap twice either.
     from tfdist import compat as compat_layer
     from tfdist.compat.keras_src import BaseOptimizer
+
     assert compat_layer.install("horovod_spellings")
     assert keras.Model.compile is compile_fn
     assert BaseOptimizer.__dict__["variables"].fget is variables_prop.fget
@@ -75,8 +77,9 @@ def test_compile_drops_experimental_run_tf_function_and_warns_once(keras):
     # The compile took effect: the model trains with the given loss and optimizer.
     assert model.loss == "mse"
     assert isinstance(model.optimizer, keras.optimizers.SGD)
-    history = model.fit(np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"), epochs=1,
-                        verbose=0)
+    history = model.fit(
+        np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"), epochs=1, verbose=0
+    )
     assert np.isfinite(history.history["loss"][0])
 
 
@@ -86,12 +89,14 @@ def test_compile_other_bad_argument_still_raises_keras_type_error(keras):
         model.compile(optimizer="sgd", loss="mse", no_such_arg=1)
     # Also when the Horovod argument comes with it: only that one is forgiven.
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_arg'"):
-        model.compile(optimizer="sgd", loss="mse", experimental_run_tf_function=False,
-                      no_such_arg=1)
+        model.compile(
+            optimizer="sgd", loss="mse", experimental_run_tf_function=False, no_such_arg=1
+        )
 
 
 def test_compile_signature_is_keras_s(keras):
     import inspect
+
     params = inspect.signature(keras.Model.compile).parameters
     assert "optimizer" in params and "jit_compile" in params
     assert compat.RUN_TF_FUNCTION_ARG not in params
@@ -114,6 +119,7 @@ def test_variables_call_returns_the_same_variables_and_warns_once(keras):
 
 def test_variables_property_is_still_a_list(keras):
     import tensorflow as tf
+
     opt = built_adam(keras)
     variables = opt.variables
     assert isinstance(variables, list)
@@ -197,6 +203,7 @@ def test_lr_reads_and_assigns_learning_rate_and_warns_once(keras):
 
 def test_legacy_set_value_on_keras_variables(keras):
     import tensorflow as tf
+
     opt = built_adam(keras, lr=0.01)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -255,6 +262,7 @@ def test_each_spelling_warns_independently(keras):
 def test_variables_call_inside_tf_function(keras):
     # Horovod's tape examples broadcast opt.variables() inside a tf.function.
     import tensorflow as tf
+
     opt = built_adam(keras)
 
     @tf.function
@@ -273,6 +281,7 @@ def test_variables_call_inside_tf_function(keras):
 def test_spellings_on_a_distributed_optimizer(keras):
     # The shim's own optimizer (a dynamic subclass) takes the same spellings.
     import tfdist.horovod as hvd
+
     hvd.init()
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
     opt.build([keras.Variable(np.zeros((3,), "float32"))])

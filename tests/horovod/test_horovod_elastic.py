@@ -40,6 +40,7 @@ Y = X @ np.array([[1.0], [-2.0], [0.5]], "float32")
 def one_rank():
     """hvd.init() with no launcher variables: one rank."""
     import tfdist.horovod as hvd
+
     hvd.init()
     assert hvd.size() == 1 and hvd.rank() == 0
 
@@ -51,8 +52,12 @@ def no_commit_dir(monkeypatch):
 
 
 def compiled(seed, inputs=3):
-    model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(
-        1, kernel_initializer=keras.initializers.GlorotUniform(seed=seed))])
+    model = keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=seed)),
+        ]
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
     return model
 
@@ -170,8 +175,12 @@ def test_keras_callbacks_track_epochs_batches_and_commit(tmp_path, monkeypatch):
         def on_train_batch_end(self, batch, logs=None):
             batches.append(state.batch)
 
-    callbacks = [elastic.UpdateEpochStateCallback(state), elastic.UpdateBatchStateCallback(state),
-                 elastic.CommitStateCallback(state, batches_per_commit=3), Seen()]
+    callbacks = [
+        elastic.UpdateEpochStateCallback(state),
+        elastic.UpdateBatchStateCallback(state),
+        elastic.CommitStateCallback(state, batches_per_commit=3),
+        Seen(),
+    ]
     model.fit(X, Y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     payload = pickle.loads((tmp_path / f"{state._name}.commit").read_bytes())
     # 8 batches: commits after batches 3 and 6 and at both epoch ends.
@@ -191,8 +200,14 @@ def test_update_batch_state_announces_the_steps_left_after_a_resume():
         def on_epoch_begin(self, epoch, logs=None):
             announced.append(self.params["steps"])
 
-    model.fit(X, Y, batch_size=4, epochs=2, verbose=0,
-              callbacks=[elastic.UpdateBatchStateCallback(state), Steps()])
+    model.fit(
+        X,
+        Y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[elastic.UpdateBatchStateCallback(state), Steps()],
+    )
     # 4 steps per epoch: 4 - 3 in the first epoch after the resume, then 4 - 0.
     assert announced == [1, 4]
 
@@ -246,9 +261,13 @@ def test_a_kill_during_a_commit_never_leaves_half_a_commit(tmp_path):
         if attempt >= 4 and torn:
             break
         delay = (0.05, 0.2, 0.35, 0.5)[attempt % 4] + 0.013 * attempt
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), commits.__file__,
-                                 str(last)], cwd=REPO,
-                                env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), commits.__file__, str(last)],
+            cwd=REPO,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert proc.stdout.readline() == "ready\n"
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
@@ -272,13 +291,22 @@ def test_a_job_killed_twice_resumes_from_its_commits(tmp_path):
     from tfdist.engines.launch import launch
 
     out = io.StringIO()
-    result = launch(str(REPO / "tests" / "workers" / "hvd_elastic.py"), [str(tmp_path)],
-                    workers=2, max_restarts=2, output=out, handle_signals=False,
-                    stop_timeout=3)
+    result = launch(
+        str(REPO / "tests" / "workers" / "hvd_elastic.py"),
+        [str(tmp_path)],
+        workers=2,
+        max_restarts=2,
+        output=out,
+        handle_signals=False,
+        stop_timeout=3,
+    )
     text = out.getvalue()
     assert result.ok and result.restarts == 2, text[-4000:]
-    seen = {(a, r): json.loads((tmp_path / f"attempt-{a}-rank-{r}.json").read_text())
-            for a in range(3) for r in range(2)}
+    seen = {
+        (a, r): json.loads((tmp_path / f"attempt-{a}-rank-{r}.json").read_text())
+        for a in range(3)
+        for r in range(2)
+    }
 
     # Attempt 0: the ranks start different; entering elastic.run syncs them.
     assert seen[0, 0]["part1_before_sync"] != seen[0, 1]["part1_before_sync"]

@@ -21,8 +21,8 @@ import pytest
 from conftest import REPO, subprocess_env
 from tfdist.cli import commands as cli
 from tfdist.engines import horovodrun
-from tfdist.errors import ConfigError
 from tfdist.engines.horovodrun import HostSlots
+from tfdist.errors import ConfigError
 
 TASK = str(REPO / "tests" / "workers" / "task.py")
 RUN_MAIN = str(REPO / "tests" / "workers" / "hvd_run_main.py")
@@ -47,15 +47,25 @@ def test_hosts_fill_in_order_like_horovodrun():
     assert horovodrun.rank_hosts(4, hosts) == ["node-a", "node-a", "node.b", "node.b"]
     assert horovodrun.rank_hosts(6, hosts)[-1] == "node_c"
     assert horovodrun.rank_hosts(3, None) == ["localhost"] * 3
-    assert horovodrun.is_local(horovodrun.rank_hosts(2, horovodrun.parse_hosts(
-        "localhost:1,127.0.0.1:1")))
+    assert horovodrun.is_local(
+        horovodrun.rank_hosts(2, horovodrun.parse_hosts("localhost:1,127.0.0.1:1"))
+    )
     assert not horovodrun.is_local(horovodrun.rank_hosts(3, hosts))
 
 
-@pytest.mark.parametrize("text, value", [
-    ("a:x", "a:x"), ("a:0", "a:0"), (":2", ":2"), ("a:1:2", "a:1:2"), ("a b:1", "a b:1"),
-    ("a:1,a:2", "a:1,a:2"), ("", ""), ("b:1,a:-1", "a:-1"),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("a:x", "a:x"),
+        ("a:0", "a:0"),
+        (":2", ":2"),
+        ("a:1:2", "a:1:2"),
+        ("a b:1", "a b:1"),
+        ("a:1,a:2", "a:1,a:2"),
+        ("", ""),
+        ("b:1,a:-1", "a:-1"),
+    ],
+)
 def test_malformed_hosts_name_the_field_and_value(text, value):
     with pytest.raises(ConfigError) as info:
         horovodrun.parse_hosts(text)
@@ -63,10 +73,15 @@ def test_malformed_hosts_name_the_field_and_value(text, value):
     assert f"Received: {value!r}" in str(info.value)
 
 
-@pytest.mark.parametrize("np, hosts, expected", [
-    (0, None, "an integer >= 1"), (-2, "a:2", "an integer >= 1"), (True, None, ">= 1"),
-    (5, "a:2,b:2", "at most 4, the slots of the hosts (a:2,b:2)"),
-])
+@pytest.mark.parametrize(
+    "np, hosts, expected",
+    [
+        (0, None, "an integer >= 1"),
+        (-2, "a:2", "an integer >= 1"),
+        (True, None, ">= 1"),
+        (5, "a:2,b:2", "at most 4, the slots of the hosts (a:2,b:2)"),
+    ],
+)
 def test_np_outside_the_slots_is_refused(np, hosts, expected):
     parsed = None if hosts is None else horovodrun.parse_hosts(hosts)
     with pytest.raises(ConfigError) as info:
@@ -79,7 +94,10 @@ def test_hostfile_lines_and_errors(tmp_path):
     good = tmp_path / "hosts"
     good.write_text("# two nodes\nnode1 slots=2\n\n  node2   slots=1  # spare\nnode3\n")
     assert horovodrun.parse_hostfile(good) == [
-        HostSlots("node1", 2), HostSlots("node2", 1), HostSlots("node3", 1)]
+        HostSlots("node1", 2),
+        HostSlots("node2", 1),
+        HostSlots("node3", 1),
+    ]
     bad = tmp_path / "bad"
     bad.write_text("node1 slots=2\nnode2 slot=2\n")
     with pytest.raises(ConfigError) as info:
@@ -92,15 +110,20 @@ def test_hostfile_lines_and_errors(tmp_path):
         horovodrun.read_hosts("a:1", good)
 
 
-@pytest.mark.parametrize("words, expected", [
-    (["python", "train.py", "--lr", "1"], (None, ["train.py"], ["--lr", "1"])),
-    (["python3", "-u", "train.py"], (None, ["-u", "train.py"], [])),
-    (["python3.11", "-W", "ignore", "-m", "pkg.train", "-m", "x"],
-     (None, ["-W", "ignore", "-m", "pkg.train"], ["-m", "x"])),
-    ([sys.executable, "-c", "print(1)", "a"], (None, ["-c", "print(1)"], ["a"])),
-    (["/opt/venv/bin/python", "t.py"], ("/opt/venv/bin/python", ["t.py"], [])),
-    (["train.py", "python"], (None, ["train.py"], ["python"])),
-])
+@pytest.mark.parametrize(
+    "words, expected",
+    [
+        (["python", "train.py", "--lr", "1"], (None, ["train.py"], ["--lr", "1"])),
+        (["python3", "-u", "train.py"], (None, ["-u", "train.py"], [])),
+        (
+            ["python3.11", "-W", "ignore", "-m", "pkg.train", "-m", "x"],
+            (None, ["-W", "ignore", "-m", "pkg.train"], ["-m", "x"]),
+        ),
+        ([sys.executable, "-c", "print(1)", "a"], (None, ["-c", "print(1)"], ["a"])),
+        (["/opt/venv/bin/python", "t.py"], ("/opt/venv/bin/python", ["t.py"], [])),
+        (["train.py", "python"], (None, ["train.py"], ["python"])),
+    ],
+)
 def test_a_leading_python_word_is_dropped(words, expected):
     assert horovodrun.split_python(words) == expected
 
@@ -116,14 +139,25 @@ def test_a_command_without_a_script_is_refused(words):
 
 
 def test_horovodrun_with_other_hosts_prints_each_hosts_commands(capsys):
-    code = cli.main(["horovodrun", "-np", "3", "-H", "node1:2,node2:2", "python", "-u",
-                     "train.py", "--lr", "0.1"])
+    code = cli.main(
+        [
+            "horovodrun",
+            "-np",
+            "3",
+            "-H",
+            "node1:2,node2:2",
+            "python",
+            "-u",
+            "train.py",
+            "--lr",
+            "0.1",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 2  # Nothing was started.
     assert "ranks run on 2 hosts (node1, node2)" in err and "Warning" not in err
     configs = _tf_configs(out)
-    assert [c["task"] for c, _ in configs] == [
-        {"type": "worker", "index": i} for i in range(3)]
+    assert [c["task"] for c, _ in configs] == [{"type": "worker", "index": i} for i in range(3)]
     assert configs[0][0]["cluster"] == {"worker": ["node1:2222", "node1:2223", "node2:2222"]}
     assert all(argv == ["python", "-u", "train.py", "--lr", "0.1"] for _, argv in configs)
     assert out.index("# host node1: 2 tasks") < out.index("# host node2: 1 task")
@@ -132,8 +166,20 @@ def test_horovodrun_with_other_hosts_prints_each_hosts_commands(capsys):
 def test_launch_takes_np_hosts_and_python_and_warns_about_localhost(capsys, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=1\nnode2 slots=4\n")
-    code = cli.main(["launch", "-np", "2", "--hostfile", str(hostfile), "python", "-m",
-                     "pkg.train", "--epochs", "3"])
+    code = cli.main(
+        [
+            "launch",
+            "-np",
+            "2",
+            "--hostfile",
+            str(hostfile),
+            "python",
+            "-m",
+            "pkg.train",
+            "--epochs",
+            "3",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 2
     assert "'localhost' in a job with other hosts cannot be reached" in err
@@ -142,16 +188,19 @@ def test_launch_takes_np_hosts_and_python_and_warns_about_localhost(capsys, tmp_
     assert configs[1][1] == ["python", "-m", "pkg.train", "--epochs", "3"]
 
 
-@pytest.mark.parametrize("argv, field, shown", [
-    (["horovodrun", "-np", "5", "-H", "a:2,b:2", "python", "t.py"], "np", "Received: 5"),
-    (["horovodrun", "-np", "0", "python", "t.py"], "np", "Received: 0"),
-    (["horovodrun", "-np", "2", "-H", "a:two", "t.py"], "hosts", "Received: 'a:two'"),
-    (["horovodrun", "-np", "2", "-p", "2222", "t.py"], "ssh_port", "never uses SSH"),
-    (["horovodrun", "-np", "2", "--min-np", "1", "t.py"], "min_np", "--max-restarts"),
-    (["horovodrun", "-np", "2", "python"], "command", "Received: 'python'"),
-    (["horovodrun", "-np", "2", "--start-timeout", "0", "t.py"], "start_timeout", "> 0"),
-    (["launch", "-np", "2", "-H", "localhost:2", "--chief", "t.py"], "chief", "Horovod-style"),
-])
+@pytest.mark.parametrize(
+    "argv, field, shown",
+    [
+        (["horovodrun", "-np", "5", "-H", "a:2,b:2", "python", "t.py"], "np", "Received: 5"),
+        (["horovodrun", "-np", "0", "python", "t.py"], "np", "Received: 0"),
+        (["horovodrun", "-np", "2", "-H", "a:two", "t.py"], "hosts", "Received: 'a:two'"),
+        (["horovodrun", "-np", "2", "-p", "2222", "t.py"], "ssh_port", "never uses SSH"),
+        (["horovodrun", "-np", "2", "--min-np", "1", "t.py"], "min_np", "--max-restarts"),
+        (["horovodrun", "-np", "2", "python"], "command", "Received: 'python'"),
+        (["horovodrun", "-np", "2", "--start-timeout", "0", "t.py"], "start_timeout", "> 0"),
+        (["launch", "-np", "2", "-H", "localhost:2", "--chief", "t.py"], "chief", "Horovod-style"),
+    ],
+)
 def test_bad_launch_input_names_the_field(capsys, argv, field, shown):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -164,8 +213,23 @@ def test_launch_np_python_spelling_and_horovodrun_run_locally(capsys):
     out = capsys.readouterr().out
     assert "[worker:0] task worker:0 of 2 workers, attempt 0" in out
     # All slots local: horovodrun launches here, every rank's output shown.
-    assert cli.main(["horovodrun", "-np", "3", "-H", "localhost:2,127.0.0.1:2",
-                     "--max-restarts", "1", "python3", TASK, "fail-1-once"]) == 0
+    assert (
+        cli.main(
+            [
+                "horovodrun",
+                "-np",
+                "3",
+                "-H",
+                "localhost:2,127.0.0.1:2",
+                "--max-restarts",
+                "1",
+                "python3",
+                TASK,
+                "fail-1-once",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "worker:1 exited with code 3; restart 1 of 1" in out
     for rank in range(3):
@@ -213,8 +277,14 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("mode", ["cloudpickle", "pickle"])
 def test_run_calls_a_main_function_in_each_rank_restarts_and_raises_a_ranks_error(tmp_path, mode):
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, RUN_MAIN, mode, str(out)], cwd=tmp_path,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, RUN_MAIN, mode, str(out)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(out.read_text())
     assert seen["serializer"] == mode
@@ -233,7 +303,7 @@ def test_run_calls_a_main_function_in_each_rank_restarts_and_raises_a_ranks_erro
     assert error["pickled_again"] == error["text"]
     assert error["error_type"] == "ValueError" and error["error_message"] == "rank 1 cannot go on"
     assert "rank 1 of 2 failed: ValueError: rank 1 cannot go on" in error["text"]
-    assert 'in fail_on_rank_1\n    raise ValueError' in error["text"]
+    assert "in fail_on_rank_1\n    raise ValueError" in error["text"]
     # After a restart the results are those of the attempt that finished.
     assert seen["restarted"] == [[0, 1], [1, 1]]
     # Rank 0 was sleeping: stopped, not left behind.
@@ -247,8 +317,14 @@ def test_run_calls_a_main_function_in_each_rank_restarts_and_raises_a_ranks_erro
 def test_run_ranks_call_hvd_init_and_allreduce(tmp_path):
     out = tmp_path / "out.json"
     script = REPO / "tests" / "workers" / "hvd_run_allreduce.py"
-    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert [r["rank"] for r in results] == [0, 1]

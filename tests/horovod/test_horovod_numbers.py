@@ -19,8 +19,9 @@ from conftest import REPO, subprocess_env
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("bench_horovod_shim",
-                                                  REPO / "benchmarks" / "horovod_shim.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_horovod_shim", REPO / "benchmarks" / "horovod_shim.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -34,16 +35,24 @@ def test_each_rank_gets_its_contiguous_half_of_each_global_batch():
     with pytest.raises(ValueError, match="global_batch=5"):
         shim.rank_rows(10, 5, 0, 2)
     assert shim.max_abs_diff([[1.0, 2.0]], [[1.0, 2.5]]) == 0.5
-    assert [shim.round_order(i) for i in range(2)] == [("hvd", "hvd_logs", "mwms"),
-                                                   ("mwms", "hvd_logs", "hvd")]
+    assert [shim.round_order(i) for i in range(2)] == [
+        ("hvd", "hvd_logs", "mwms"),
+        ("mwms", "hvd_logs", "hvd"),
+    ]
 
 
 @pytest.mark.slow
 def test_hvd_matches_multi_worker_mirrored_and_fp16_halves_the_bytes(tmp_path):
-    args = [sys.executable, "benchmarks/horovod_shim.py", "--mode=numbers", "--check_steps=4",
-            f"--results_dir={tmp_path}"]
-    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=240)
+    args = [
+        sys.executable,
+        "benchmarks/horovod_shim.py",
+        "--mode=numbers",
+        "--check_steps=4",
+        f"--results_dir={tmp_path}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     numbers = json.loads((tmp_path / "horovod_shim.json").read_text())["numbers"]
     ranks = numbers["ranks"]

@@ -9,8 +9,9 @@ from tfdist.horovod import ranks
 
 
 def _tf_config(cluster, task_type, index):
-    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type,
-                                                                   "index": index}})}
+    return {
+        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+    }
 
 
 def test_no_launcher_is_one_process():
@@ -21,8 +22,10 @@ def test_no_launcher_is_one_process():
 
 def test_tf_config_chief_is_rank_zero_then_workers():
     cluster = {"chief": ["a:1000"], "worker": ["b:1000", "a:1001", "b:1001"]}
-    got = [ranks.discover(_tf_config(cluster, t, i))
-           for t, i in [("chief", 0), ("worker", 0), ("worker", 1), ("worker", 2)]]
+    got = [
+        ranks.discover(_tf_config(cluster, t, i))
+        for t, i in [("chief", 0), ("worker", 0), ("worker", 1), ("worker", 2)]
+    ]
     assert [t.rank for t in got] == [0, 1, 2, 3]
     assert all(t.size == 4 for t in got)
     # Hosts a: ranks 0, 2; b: ranks 1, 3.
@@ -46,8 +49,13 @@ def test_tf_config_with_ps_is_refused_by_name():
 
 
 def test_horovod_variables_on_one_host_get_loopback_ports():
-    env = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1",
-           "HOROVOD_LOCAL_SIZE": "2", "TFDIST_PORT_BASE": "23000"}
+    env = {
+        "HOROVOD_RANK": "1",
+        "HOROVOD_SIZE": "2",
+        "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "2",
+        "TFDIST_PORT_BASE": "23000",
+    }
     topo = ranks.discover(env)
     assert (topo.rank, topo.size, topo.local_rank, topo.source) == (1, 2, 1, "HOROVOD_*")
     assert topo.cluster == {"worker": ["127.0.0.1:23000", "127.0.0.1:23001"]}
@@ -55,33 +63,58 @@ def test_horovod_variables_on_one_host_get_loopback_ports():
 
 
 def test_open_mpi_variables_with_hosts():
-    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
-           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-           "TFDIST_HOSTS": "n1:2,n2:2", "TFDIST_PORT_BASE": "24000"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "TFDIST_HOSTS": "n1:2,n2:2",
+        "TFDIST_PORT_BASE": "24000",
+    }
     topo = ranks.discover(env)
     assert topo.cluster["worker"] == ["n1:24000", "n1:24001", "n2:24000", "n2:24001"]
     assert (topo.local_rank, topo.cross_rank, topo.cross_size) == (0, 1, 2)
 
 
 def test_open_mpi_on_several_hosts_without_hosts_says_what_is_missing():
-    env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
     with pytest.raises(ConfigError, match="TFDIST_HOSTS") as info:
         ranks.discover(env)
     assert "OMPI_COMM_WORLD_LOCAL_SIZE='2'" in str(info.value)
 
 
-@pytest.mark.parametrize("env, field", [
-    ({"HOROVOD_RANK": "x", "HOROVOD_SIZE": "2"}, "HOROVOD_RANK"),
-    ({"HOROVOD_RANK": "2", "HOROVOD_SIZE": "2"}, "HOROVOD_RANK"),
-    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "0"}, "HOROVOD_SIZE"),
-    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_SIZE": "2",
-      "TFDIST_PORT_BASE": "70000"}, "TFDIST_PORT_BASE"),
-    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "TFDIST_HOSTS": "n1:0"}, "TFDIST_HOSTS"),
-    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "3", "TFDIST_HOSTS": "n1:2"}, "TFDIST_HOSTS"),
-    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
-      "HOROVOD_LOCAL_SIZE": "2"}, "local_rank"),
-])
+@pytest.mark.parametrize(
+    "env, field",
+    [
+        ({"HOROVOD_RANK": "x", "HOROVOD_SIZE": "2"}, "HOROVOD_RANK"),
+        ({"HOROVOD_RANK": "2", "HOROVOD_SIZE": "2"}, "HOROVOD_RANK"),
+        ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "0"}, "HOROVOD_SIZE"),
+        (
+            {
+                "HOROVOD_RANK": "0",
+                "HOROVOD_SIZE": "2",
+                "HOROVOD_LOCAL_SIZE": "2",
+                "TFDIST_PORT_BASE": "70000",
+            },
+            "TFDIST_PORT_BASE",
+        ),
+        ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "TFDIST_HOSTS": "n1:0"}, "TFDIST_HOSTS"),
+        ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "3", "TFDIST_HOSTS": "n1:2"}, "TFDIST_HOSTS"),
+        (
+            {
+                "HOROVOD_RANK": "1",
+                "HOROVOD_SIZE": "2",
+                "HOROVOD_LOCAL_RANK": "0",
+                "HOROVOD_LOCAL_SIZE": "2",
+            },
+            "local_rank",
+        ),
+    ],
+)
 def test_bad_variables_name_the_variable_and_value(env, field):
     with pytest.raises(ConfigError) as info:
         ranks.discover(env)

@@ -26,13 +26,13 @@ EPOCHS, WARMUP_EPOCHS, STEPS, BASE_LR = 3, 2, 16, 0.002  # as in the script
 
 def worker_lines(stdout: str, rank: int) -> list[str]:
     prefix = f"[worker:{rank}] "
-    return [line[len(prefix):] for line in stdout.splitlines() if line.startswith(prefix)]
+    return [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
 
 
 def rank_result(stdout: str, rank: int) -> dict:
     for line in worker_lines(stdout, rank):
         if line.startswith("tfdist result: "):
-            return json.loads(line[len("tfdist result: "):])
+            return json.loads(line[len("tfdist result: ") :])
     raise AssertionError(f"no result from rank {rank}:\n{stdout[-4000:]}")
 
 
@@ -40,9 +40,23 @@ def rank_result(stdout: str, rank: int) -> dict:
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("hvd_keras")
     done = subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--show-all",
-         str(SCRIPT), str(out)],
-        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            str(SCRIPT),
+            str(out),
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     return done.stdout, out
 
@@ -80,8 +94,10 @@ def test_only_rank_0_writes_checkpoints_and_progress(job, tf_cpus):
     assert names == [f"checkpoint-{epoch}.keras" for epoch in range(1, EPOCHS + 1)]
     # The last checkpoint holds the final (common) weights.
     import keras
+
     sys.path.insert(0, str(SCRIPT.parent))
     from hvd_keras_script import checksum
+
     model = keras.models.load_model(out / f"checkpoint-{EPOCHS}.keras", compile=False)
     assert checksum(model.get_weights())[0] == first["final"]
     # Keras's progress output ("Epoch 1/3", step counters) on rank 0 only.
@@ -94,8 +110,11 @@ def test_only_rank_0_writes_checkpoints_and_progress(job, tf_cpus):
 def test_keras_2_compile_argument_warns_once_per_rank(job):
     stdout, _ = job
     for rank in (0, 1):
-        warned = [line for line in worker_lines(stdout, rank)
-                  if "HorovodSpellingWarning" in line and "experimental_run_tf_function" in line]
+        warned = [
+            line
+            for line in worker_lines(stdout, rank)
+            if "HorovodSpellingWarning" in line and "experimental_run_tf_function" in line
+        ]
         assert len(warned) == 1, worker_lines(stdout, rank)
         # Named at the script's compile line, not at a tfdist or Keras wrapper.
         assert warned[0].startswith(f"{SCRIPT}:"), warned
@@ -124,7 +143,8 @@ def test_learning_rate_warms_up_from_lr_over_size(job):
     assert scaled / 2 <= ramp[0] < ramp[-1] <= scaled * (1 + 1e-6)
     assert np.all(np.diff(ramp) > 0)
     np.testing.assert_allclose(rates[warmup:], scaled, rtol=1e-6)
-    done = [line for line in worker_lines(stdout, 0)
-            if "finished gradual learning rate warmup" in line]
+    done = [
+        line for line in worker_lines(stdout, 0) if "finished gradual learning rate warmup" in line
+    ]
     assert len(done) == 1 and f"Epoch {WARMUP_EPOCHS}:" in done[0]
     assert not any("warmup" in line for line in worker_lines(stdout, 1))

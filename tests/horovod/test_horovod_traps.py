@@ -29,9 +29,19 @@ TIMEOUT = 8
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("hvd_ckpt")
-    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
-                  "tests/workers/hvd_traps.py", str(ckpt)],
-                 TFDIST_COLLECTIVE_TIMEOUT=str(TIMEOUT))
+    proc = start(
+        [
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            "tests/workers/hvd_traps.py",
+            str(ckpt),
+        ],
+        TFDIST_COLLECTIVE_TIMEOUT=str(TIMEOUT),
+    )
     [(code, out, err)] = finish([proc], timeout=420)
     assert code == 0, (out + err)[-5000:]
     results = results_by_task(out)
@@ -72,7 +82,7 @@ def test_loss_scale_optimizer_skips_on_every_rank_together(job):
         # 4 batches; rank 1's first overflows: every rank skips it and halves
         # the scale (Keras starts at 2**15).
         assert r["lso_inner_steps"] == 3
-        assert r["lso_scale"] == 2.0 ** 14
+        assert r["lso_scale"] == 2.0**14
         assert r["lso_spread"] == 0.0
 
 
@@ -114,8 +124,10 @@ def test_a_multi_worker_strategy_is_refused_beside_horovod(job):
 def test_an_in_graph_collective_on_one_rank_fails_within_the_timeout():
     # Inside a tf.function no Python runs while the collective waits: the
     # watchdog sees its started/finished counters stand still.
-    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
-                  "tests/workers/hvd_stall.py"], TFDIST_COLLECTIVE_TIMEOUT=str(TIMEOUT))
+    proc = start(
+        ["-m", "tfdist", "launch", "--workers", "2", "--show-all", "tests/workers/hvd_stall.py"],
+        TFDIST_COLLECTIVE_TIMEOUT=str(TIMEOUT),
+    )
     [(code, out, err)] = finish([proc], timeout=300)
     assert code == 0, (out + err)[-5000:]
     results = results_by_task(out)
@@ -129,6 +141,7 @@ def test_an_in_graph_collective_on_one_rank_fails_within_the_timeout():
 def _two_free_ports() -> int:
     """A port p with p and p + 1 free on 127.0.0.1 just now."""
     import socket
+
     for _ in range(50):
         with socket.socket() as a:
             a.bind(("127.0.0.1", 0))
@@ -147,15 +160,28 @@ def _two_free_ports() -> int:
 def test_ranks_from_horovods_own_variables_without_tf_config():
     # What horovodrun/mpirun give each process: rank variables, no addresses.
     base = _two_free_ports()
-    procs = [start(["tests/workers/hvd_small_fit.py"], HOROVOD_RANK=str(r), HOROVOD_SIZE="2",
-                   HOROVOD_LOCAL_RANK=str(r), HOROVOD_LOCAL_SIZE="2",
-                   TFDIST_PORT_BASE=str(base)) for r in range(2)]
+    procs = [
+        start(
+            ["tests/workers/hvd_small_fit.py"],
+            HOROVOD_RANK=str(r),
+            HOROVOD_SIZE="2",
+            HOROVOD_LOCAL_RANK=str(r),
+            HOROVOD_LOCAL_SIZE="2",
+            TFDIST_PORT_BASE=str(base),
+        )
+        for r in range(2)
+    ]
     results = finish(procs, timeout=300)
     found = []
     for code, out, err in results:
         assert code == 0, (out + err)[-4000:]
-        found.append(next(json.loads(line.split("tfdist result: ", 1)[1])
-                          for line in out.splitlines() if "tfdist result: " in line))
+        found.append(
+            next(
+                json.loads(line.split("tfdist result: ", 1)[1])
+                for line in out.splitlines()
+                if "tfdist result: " in line
+            )
+        )
     assert [(f["rank"], f["size"], f["local_rank"]) for f in found] == [(0, 2, 0), (1, 2, 1)]
     assert found[0]["sum"] == found[1]["sum"] == 3.0
     assert found[0]["weights_sha256"] == found[1]["weights_sha256"]

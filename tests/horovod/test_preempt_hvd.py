@@ -60,8 +60,16 @@ def _run(out_dir, signal_rank_at: int | None = None):
         thread = threading.Thread(target=signal_when_ready, daemon=True)
         thread.start()
     env = {k: v for k, v in subprocess_env().items() if k.startswith(("PYTHON", "TF_CPP"))}
-    result = launch(WORKER, [str(out_dir)], workers=2, max_restarts=1, output=output,
-                    env=env, show_all=True, handle_signals=False)
+    result = launch(
+        WORKER,
+        [str(out_dir)],
+        workers=2,
+        max_restarts=1,
+        output=output,
+        env=env,
+        show_all=True,
+        handle_signals=False,
+    )
     if thread:
         thread.join(5)
     return result, output.getvalue(), sent
@@ -78,8 +86,10 @@ def test_sigterm_to_one_rank_stops_all_at_one_commit_and_the_restart_resumes_the
     assert {a.returncode for a in result.attempts} == {143}, result.attempts
     got = _results(text)
     assert len(got) == 2
-    progress = [tuple(map(int, line.split()))
-                for line in (tmp_path / "preempted" / "progress").read_text().splitlines()]
+    progress = [
+        tuple(map(int, line.split()))
+        for line in (tmp_path / "preempted" / "progress").read_text().splitlines()
+    ]
     last_batch_0 = max(b for a, _, _, b in progress if a == 0)
     for result_line in got:
         assert result_line["attempt"] == 1

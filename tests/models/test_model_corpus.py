@@ -19,17 +19,22 @@ import corpus
 import corpus_report
 import tfdist
 
-SETTINGS = ["fp16", "bf16", "topk:0.1", "randomk:0.25", "sign", "qsgd:16", "powersgd:2",
-            "auto"]
+SETTINGS = ["fp16", "bf16", "topk:0.1", "randomk:0.25", "sign", "qsgd:16", "powersgd:2", "auto"]
 #: The CNNs take fewer settings: their gradients are of the same kinds
 #: (4-D kernels, BatchNorm) and a CNN's setting costs 20-27 s in CI, mostly
 #: tracing. MobileNetV3 takes one cast, one sparsifier, one low-rank and the
 #: automatic choice; MobileNetV2 the two settings that reshape a kernel
 #: (PowerSGD's matrix, top-k's flat index). The transformers take every one.
-CNN_SETTINGS = {"mobilenet_v3_sync": ("bf16", "topk:0.1", "powersgd:2", "auto"),
-                "mobilenet_v2": ("topk:0.1", "powersgd:2")}
-COMPRESSED = [(name, setting) for name in corpus.CASES for setting in SETTINGS
-              if setting in CNN_SETTINGS.get(name, SETTINGS)]
+CNN_SETTINGS = {
+    "mobilenet_v3_sync": ("bf16", "topk:0.1", "powersgd:2", "auto"),
+    "mobilenet_v2": ("topk:0.1", "powersgd:2"),
+}
+COMPRESSED = [
+    (name, setting)
+    for name in corpus.CASES
+    for setting in SETTINGS
+    if setting in CNN_SETTINGS.get(name, SETTINGS)
+]
 TOLERANCE = 1e-5
 
 
@@ -49,9 +54,11 @@ def one_device(tf_cpus):
     def run(name: str, **kwargs) -> dict:
         key = (name, tuple(sorted(kwargs.items())))
         if key not in cache:
-            cache[key] = corpus.train(case(name), tfdist.strategy_from_config(cpu_replicas=1),
-                                      **kwargs)
+            cache[key] = corpus.train(
+                case(name), tfdist.strategy_from_config(cpu_replicas=1), **kwargs
+            )
         return cache[key]
+
     return run
 
 
@@ -85,6 +92,7 @@ def compression(setting: str):
     of the 9 (its default warm-up, 10 dense steps, would outlast the run)."""
     if setting.startswith("powersgd:"):
         from tfdist.compression import PowerSGD
+
         return PowerSGD(int(setting.split(":")[1]), warmup_steps=2)
     return setting
 
@@ -101,6 +109,7 @@ def test_mirrored_with_compression_learns(tf_cpus, name, setting):
 @pytest.fixture
 def mixed_bfloat16():
     import keras
+
     before = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     yield
@@ -126,8 +135,11 @@ def test_gradient_accumulation_equals_one_device(tf_cpus, one_device, name):
         assert_learns(ours)
         return
     # As many micro-batches as make the updates that can be exact.
-    run = {"steps": 4, "epochs": 2} if entry.exact_steps >= 6 else {
-        "steps": 2 * entry.exact_steps, "epochs": 1}
+    run = (
+        {"steps": 4, "epochs": 2}
+        if entry.exact_steps >= 6
+        else {"steps": 2 * entry.exact_steps, "epochs": 1}
+    )
     ours = corpus.train(entry, strategy, accumulation=2, **run)
     reference = one_device(name, accumulation=2, **run)
     difference = corpus.max_difference(ours["weights"], reference["weights"])

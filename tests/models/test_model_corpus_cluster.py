@@ -40,9 +40,25 @@ def test_two_workers_under_launch_equal_one_device(tf_cpus, tmp_path):
     names = available(corpus.CASES)
     # GPT-2 again with bf16 compression, from a second strategy in each worker.
     wanted = names + (["gpt2:bf16"] if "gpt2" in names else [])
-    [(code, out, err)] = finish([start(
-        ["-m", "tfdist", "launch", "--workers", "2", sys.executable, WORKER, "multi_worker",
-         tmp_path, *wanted])], timeout=900)
+    [(code, out, err)] = finish(
+        [
+            start(
+                [
+                    "-m",
+                    "tfdist",
+                    "launch",
+                    "--workers",
+                    "2",
+                    sys.executable,
+                    WORKER,
+                    "multi_worker",
+                    tmp_path,
+                    *wanted,
+                ]
+            )
+        ],
+        timeout=900,
+    )
     assert code == 0, (out[-3000:], err[-3000:])
     for name in names:
         entry = corpus.CASES[name]
@@ -52,13 +68,18 @@ def test_two_workers_under_launch_equal_one_device(tf_cpus, tmp_path):
         # BatchNormalization moving statistics (aggregation "none") keep each
         # worker's own batches unless synchronized=True, so they may differ.
         trainable = _cases(out)[key]["trainable"]
-        assert corpus.max_difference(
-            [w for w, t in zip(first, trainable) if t],
-            [w for w, t in zip(second, trainable) if t]) == 0.0, name
+        assert (
+            corpus.max_difference(
+                [w for w, t in zip(first, trainable) if t],
+                [w for w, t in zip(second, trainable) if t],
+            )
+            == 0.0
+        ), name
         losses = _losses(out, key)
         if entry.exact_steps:
-            reference = corpus.train(entry, tfdist.strategy_from_config(cpu_replicas=1),
-                                     **corpus.exact_run(entry))
+            reference = corpus.train(
+                entry, tfdist.strategy_from_config(cpu_replicas=1), **corpus.exact_run(entry)
+            )
             difference = corpus.max_difference(first, reference["weights"])
             corpus_report.add(name, "launch 2 workers", "none", _epochs(out, key), difference)
             assert difference <= TOLERANCE, (name, difference)
@@ -76,7 +97,7 @@ def _cases(out):
     # tfdist launch prefixes each line with its task; take worker 0's result.
     for line in out.splitlines():
         if "tfdist result: " in line and "worker0" in line:
-            return result_line(line[line.index("tfdist result: "):])["cases"]
+            return result_line(line[line.index("tfdist result: ") :])["cases"]
     raise AssertionError(f"no result from worker 0:\n{out[-3000:]}")
 
 

@@ -25,7 +25,9 @@ TOL = 1e-6
 def _model(parallel: bool):
     """Embedding, mean over the sequence, a column/row dense pair; Adam."""
     import keras
+
     from tfdist import parallel as tp
+
     emb = tp.VocabParallelEmbedding if parallel else keras.layers.Embedding
     column = tp.ColumnParallelDense if parallel else keras.layers.Dense
     row = tp.RowParallelDense if parallel else keras.layers.Dense
@@ -39,9 +41,11 @@ def _model(parallel: bool):
 @pytest.fixture(scope="module")
 def data():
     rng = np.random.default_rng(7)
-    return (rng.integers(0, V, size=(B * STEPS, L)).astype("int32"),
-            rng.normal(size=(B * STEPS, 4)).astype("float32"),
-            rng.random(B * STEPS).astype("float32"))
+    return (
+        rng.integers(0, V, size=(B * STEPS, L)).astype("int32"),
+        rng.normal(size=(B * STEPS, 4)).astype("float32"),
+        rng.random(B * STEPS).astype("float32"),
+    )
 
 
 def _train(model, data) -> list[float]:
@@ -51,8 +55,7 @@ def _train(model, data) -> list[float]:
     for step in range(STEPS):
         rows = slice(step * B, (step + 1) * B)
         sample_weight = weights[rows] if step == 1 else None
-        losses.append(float(model.train_on_batch(ids[rows], y[rows],
-                                                 sample_weight=sample_weight)))
+        losses.append(float(model.train_on_batch(ids[rows], y[rows], sample_weight=sample_weight)))
     return losses
 
 
@@ -62,20 +65,26 @@ def reference(tf_cpus, data):
     model, and its first test_on_batch and predict_on_batch (Keras 3.10's
     test_on_batch does not reset its metrics: a second call differs)."""
     import keras
+
     keras.utils.set_random_seed(11)
     model = _model(parallel=False)
     initial = model.get_weights()
     losses = _train(model, data)
     ids, y, weights = data
-    return (initial, losses, model,
-            model.test_on_batch(ids[:B], y[:B], sample_weight=weights[:B]),
-            model.predict_on_batch(ids[:B]))
+    return (
+        initial,
+        losses,
+        model,
+        model.test_on_batch(ids[:B], y[:B], sample_weight=weights[:B]),
+        model.predict_on_batch(ids[:B]),
+    )
 
 
 @pytest.mark.parametrize("replicas", [2, 4], ids=["t2", "dp2xt2"])
 def test_on_batch_matches_the_unsharded_model(replicas, reference, data):
     import tfdist
     from tfdist import parallel as tp
+
     initial, ref_losses, ref, ref_test, ref_predicted = reference
     strategy = tfdist.strategy_from_config(cpu_replicas=replicas, model_parallel=2)
     with strategy.scope():
@@ -92,8 +101,8 @@ def test_on_batch_matches_the_unsharded_model(replicas, reference, data):
 
     ids, y, weights = data
     np.testing.assert_allclose(
-        model.test_on_batch(ids[:B], y[:B], sample_weight=weights[:B]), ref_test,
-        atol=TOL, rtol=0)
+        model.test_on_batch(ids[:B], y[:B], sample_weight=weights[:B]), ref_test, atol=TOL, rtol=0
+    )
     predicted = model.predict_on_batch(ids[:B])
     assert predicted.shape == (B, 4)  # Not once per replica.
     np.testing.assert_allclose(predicted, ref_predicted, atol=TOL, rtol=0)
@@ -106,13 +115,15 @@ def test_stock_keras_hands_every_replica_the_whole_batch(reference, data):
     device. When this fails, Keras splits the batch itself and the patches
     can go for that version."""
     import tensorflow as tf
+
     initial, _, ref, _, _ = reference
     # Reduced through one device: two stock MirroredStrategies over the same
     # devices reuse TF's collective keys, and a later one's all-reduce met this
     # one's stale instance in the shared test process ("Shape mismatch in the
     # collective instance 100", tests/training/test_custom_loop.py).
     strategy = tf.distribute.MirroredStrategy(
-        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
     with strategy.scope():
         model = _model(parallel=False)
     model.set_weights(initial)

@@ -25,22 +25,30 @@ def mesh_strategy(replicas: int, model_parallel: int, **kwargs):
 
 def data(rows=64, features=8, outputs=4, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(rows, features)).astype("float32"),
-            rng.normal(size=(rows, outputs)).astype("float32"))
+    return (
+        rng.normal(size=(rows, features)).astype("float32"),
+        rng.normal(size=(rows, outputs)).astype("float32"),
+    )
 
 
 def mlp(column, row, hidden=16, optimizer=None, row_bias=True, **compile_kwargs):
     """``optimizer``: a function making it (called here, in the caller's scope)."""
     import keras
-    model = keras.Sequential([keras.Input((8,)), column(hidden, activation="relu"),
-                              row(4, use_bias=row_bias)])
-    model.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(0.01),
-                  loss="mse", **compile_kwargs)
+
+    model = keras.Sequential(
+        [keras.Input((8,)), column(hidden, activation="relu"), row(4, use_bias=row_bias)]
+    )
+    model.compile(
+        optimizer=optimizer() if optimizer else keras.optimizers.Adam(0.01),
+        loss="mse",
+        **compile_kwargs,
+    )
     return model
 
 
 def dense_mlp(**kwargs):
     import keras
+
     return mlp(keras.layers.Dense, keras.layers.Dense, **kwargs)
 
 
@@ -72,14 +80,14 @@ def dp2_tp2(tf_cpus):
     return mesh_strategy(4, 2)
 
 
-def fit_both(strategy, epochs=2, batch_size=16, make_optimizer=None, fit_kwargs=None,
-             **kwargs):
+def fit_both(strategy, epochs=2, batch_size=16, make_optimizer=None, fit_kwargs=None, **kwargs):
     """(reference history, reference, parallel history, parallel model)."""
     x, y = data()
     reference = dense_mlp(optimizer=make_optimizer, **kwargs)
     model = parallel_mlp(strategy, reference.get_weights(), optimizer=make_optimizer, **kwargs)
-    options = dict(batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
-                   **(fit_kwargs or {}))
+    options = dict(
+        batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **(fit_kwargs or {})
+    )
     expected = reference.fit(x, y, **options).history
     got = model.fit(x, y, **options).history
     return expected, reference, got, model
@@ -95,16 +103,23 @@ def test_fit_matches_the_unsharded_model(request, mesh):
     # The weights are shards: half the hidden units on each replica.
     assert [tuple(v.shape) for v in model.weights] == [(8, 8), (8,), (8, 4), (4,)]
     x, y = data(seed=1)
-    np.testing.assert_allclose(model.predict(x, batch_size=16, verbose=0),
-                               reference.predict(x, batch_size=16, verbose=0), atol=TOL)
-    np.testing.assert_allclose(model.evaluate(x, y, batch_size=16, verbose=0),
-                               reference.evaluate(x, y, batch_size=16, verbose=0), rtol=TOL)
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=16, verbose=0),
+        reference.predict(x, batch_size=16, verbose=0),
+        atol=TOL,
+    )
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=16, verbose=0),
+        reference.evaluate(x, y, batch_size=16, verbose=0),
+        rtol=TOL,
+    )
     # A direct call in the scope's cross-replica context uses the full weights.
     np.testing.assert_allclose(model(x).numpy(), reference(x).numpy(), atol=TOL)
 
 
 def test_each_replica_holds_a_different_shard(t2):
     import keras
+
     reference = dense_mlp()
     model = parallel_mlp(t2, reference.get_weights())
     kernel = model.layers[0].kernel
@@ -119,11 +134,14 @@ def test_each_replica_holds_a_different_shard(t2):
 @pytest.mark.parametrize("name", ["sgd_momentum", "rmsprop", "adamw", "adagrad", "lion"])
 def test_every_optimizer_matches(dp2_tp2, name):
     import keras
-    make = {"sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-            "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
-            "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-            "adagrad": lambda: keras.optimizers.Adagrad(0.1),
-            "lion": lambda: keras.optimizers.Lion(0.003)}[name]
+
+    make = {
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+        "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+        "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+        "lion": lambda: keras.optimizers.Lion(0.003),
+    }[name]
     expected, reference, got, model = fit_both(dp2_tp2, epochs=1, make_optimizer=make)
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=TOL)
     assert_close(full_weights(model), reference.get_weights())
@@ -131,13 +149,17 @@ def test_every_optimizer_matches(dp2_tp2, name):
 
 def test_steps_per_execution_and_callbacks(dp2_tp2, tmp_path):
     import keras
+
     log = tmp_path / "log.csv"
 
     def callbacks():
-        return [keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5),
-                keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9),
-                keras.callbacks.EarlyStopping(monitor="loss", patience=5),
-                keras.callbacks.CSVLogger(str(log))]
+        return [
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5),
+            keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9),
+            keras.callbacks.EarlyStopping(monitor="loss", patience=5),
+            keras.callbacks.CSVLogger(str(log)),
+        ]
+
     x, y = data()
     reference = dense_mlp(steps_per_execution=2)
     model = parallel_mlp(dp2_tp2, reference.get_weights(), steps_per_execution=2)
@@ -152,16 +174,25 @@ def test_steps_per_execution_and_callbacks(dp2_tp2, tmp_path):
 
 def test_regularizers_count_the_full_weight(t2):
     import keras
+
     x, y = data()
 
     def build(column, row):
-        model = keras.Sequential([
-            keras.Input((8,)),
-            column(16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01),
-                   bias_regularizer=keras.regularizers.L1(0.01)),
-            row(4, kernel_regularizer=keras.regularizers.L2(0.01))])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                column(
+                    16,
+                    activation="relu",
+                    kernel_regularizer=keras.regularizers.L2(0.01),
+                    bias_regularizer=keras.regularizers.L1(0.01),
+                ),
+                row(4, kernel_regularizer=keras.regularizers.L2(0.01)),
+            ]
+        )
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         return model
+
     reference = build(keras.layers.Dense, keras.layers.Dense)
     with t2.scope():
         model = build(tp.ColumnParallelDense, tp.RowParallelDense)
@@ -176,27 +207,41 @@ def test_regularizers_count_the_full_weight(t2):
 
 def test_gathered_output_and_whole_input_variants_equal_dense(dp2_tp2):
     import keras
+
     x, y = data()
 
     def build(first, second):
-        model = keras.Sequential([keras.Input((8,)), first(12, activation="tanh"),
-                                  keras.layers.LayerNormalization(), second(4)])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                first(12, activation="tanh"),
+                keras.layers.LayerNormalization(),
+                second(4),
+            ]
+        )
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         return model
+
     reference = build(keras.layers.Dense, keras.layers.Dense)
     with dp2_tp2.scope():
-        model = build(lambda u, **k: tp.ColumnParallelDense(u, gather_output=True, **k),
-                      lambda u, **k: tp.RowParallelDense(u, input_is_parallel=False, **k))
+        model = build(
+            lambda u, **k: tp.ColumnParallelDense(u, gather_output=True, **k),
+            lambda u, **k: tp.RowParallelDense(u, input_is_parallel=False, **k),
+        )
     for variable, value in zip(model.weights, reference.get_weights()):
         tp.assign_full(variable, value)
     options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
-    np.testing.assert_allclose(model.fit(x, y, **options).history["loss"],
-                               reference.fit(x, y, **options).history["loss"], rtol=TOL)
+    np.testing.assert_allclose(
+        model.fit(x, y, **options).history["loss"],
+        reference.fit(x, y, **options).history["loss"],
+        rtol=TOL,
+    )
     assert_close(full_weights(model), reference.get_weights())
 
 
 def test_without_a_mesh_the_layers_are_dense(tf_cpus):
     import keras
+
     x, _ = data()
     for scope in (None, tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"])):
         if scope is not None:
@@ -217,11 +262,13 @@ def test_without_a_mesh_the_layers_are_dense(tf_cpus):
 
 def _null():
     import contextlib
+
     return contextlib.nullcontext()
 
 
 def test_a_width_the_group_does_not_divide_names_the_layer(t2):
     import keras
+
     with t2.scope():
         layer = tp.ColumnParallelDense(7, name="ffn_in")
         with pytest.raises(ConfigError) as error:
@@ -255,17 +302,19 @@ def test_the_wire_bytes_split_into_activations_and_gradients(dp2_tp2):
     # gather_rows of the input (data: its gradient is never computed), and
     # scatter_rows of the output and its gradient.
     per_step_tp = gather * b * 8 + reduce * t * b * 4 + gather * b * 4
-    shard = (8 * 8 + 8 + 8 * 4) * f32                      # column kernel, bias; row kernel
-    whole = 4 * f32                                        # the row bias, all replicas
+    shard = (8 * 8 + 8 + 8 * 4) * f32  # column kernel, bias; row kernel
+    whole = 4 * f32  # the row bias, all replicas
     per_step_dp = 2 * (dp - 1) / dp * shard + 2 * (n - 1) / n * whole
     assert sent["tensor_parallel"] == pytest.approx(steps * per_step_tp)
     assert sent["data_parallel"] == pytest.approx(steps * per_step_dp)
     # The Keras callback logs the same per step, beside the dense reference
     # (the full model's gradients all-reduced over the 4 replicas).
     from tfdist.compression import CommunicationStats
+
     stats = CommunicationStats(every_batch=True)
-    logs = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
-                     callbacks=[stats]).history
+    logs = model.fit(
+        x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[stats]
+    ).history
     assert logs["comm_tensor_parallel_bytes"] == [pytest.approx(per_step_tp)]
     assert logs["comm_data_parallel_bytes"] == [pytest.approx(per_step_dp)]
     full = (8 * 16 + 16 + 16 * 4 + 4) * f32
@@ -307,6 +356,7 @@ def test_lossy_compression_composes_and_trains(dp2_tp2, setting):
 
 def test_mixed_precision(dp2_tp2):
     import keras
+
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         expected, reference, got, model = fit_both(dp2_tp2, epochs=2)
@@ -319,7 +369,9 @@ def test_mixed_precision(dp2_tp2):
 
 def test_private_tensorflow_apis_are_checked(tf_cpus, monkeypatch):
     from tensorflow.python.distribute import cross_device_utils
+
     from tfdist.parallel import collectives
+
     collectives.check_tensorflow()  # This TensorFlow has them.
     monkeypatch.delattr(cross_device_utils.CollectiveReplicaLauncher, "_all_gather")
     with pytest.raises(RuntimeError, match="CollectiveReplicaLauncher._all_gather"):

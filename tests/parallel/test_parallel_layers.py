@@ -22,8 +22,8 @@ KEY_BIAS_TOL = 1e-3  # See test_fit_matches_keras.
 def _mirrored(n: int, tp: int, compression=None):
     import tfdist
     from tfdist import parallel
-    strategy = tfdist.MirroredStrategy([f"/cpu:{i}" for i in range(n)],
-                                       compression=compression)
+
+    strategy = tfdist.MirroredStrategy([f"/cpu:{i}" for i in range(n)], compression=compression)
     parallel.attach(strategy, tp)
     return strategy
 
@@ -85,7 +85,9 @@ def _keras_block(num_heads: int, key_dim: int, ff_dim: int):
 
 def _embedding_model(parallel: bool):
     import keras
+
     from tfdist import parallel as tp
+
     emb = tp.VocabParallelEmbedding if parallel else keras.layers.Embedding
     ids = keras.Input((L,), dtype="int32")
     h = emb(V, D, mask_zero=True)(ids)
@@ -97,21 +99,27 @@ def _attention_model(parallel: bool):
     """Self-attention with an explicit mask and its scores used in the loss,
     then cross-attention (query and value differ) with a causal mask."""
     import keras
+
     from tfdist import parallel as tp
+
     mha = tp.ParallelMultiHeadAttention if parallel else keras.layers.MultiHeadAttention
     x = keras.Input((L, D))
     mask = keras.Input((L, L), dtype="int32")
-    a, scores = mha(4, 3, value_dim=5, name="self")(x, x, attention_mask=mask,
-                                                     return_attention_scores=True)
+    a, scores = mha(4, 3, value_dim=5, name="self")(
+        x, x, attention_mask=mask, return_attention_scores=True
+    )
     b = mha(2, 4, use_bias=False, output_shape=6, name="cross")(a, x, use_causal_mask=True)
-    h = keras.layers.Concatenate()([keras.layers.GlobalAveragePooling1D()(b),
-                                    keras.layers.Flatten()(scores)])
+    h = keras.layers.Concatenate()(
+        [keras.layers.GlobalAveragePooling1D()(b), keras.layers.Flatten()(scores)]
+    )
     return keras.Model([x, mask], keras.layers.Dense(4)(h)), "mse"
 
 
 def _block_model(parallel: bool):
     import keras
+
     from tfdist import parallel as tp
+
     ids = keras.Input((L,), dtype="int32")
     if parallel:
         h = tp.VocabParallelEmbedding(V, D, mask_zero=True)(ids)
@@ -120,8 +128,10 @@ def _block_model(parallel: bool):
         h = keras.layers.Embedding(V, D, mask_zero=True)(ids)
         h = _keras_block(2, 4, 16)(h)
     h = keras.layers.GlobalAveragePooling1D()(h)
-    return (keras.Model(ids, keras.layers.Dense(3)(h)),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return (
+        keras.Model(ids, keras.layers.Dense(3)(h)),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 
 
 MODELS = {
@@ -133,6 +143,7 @@ MODELS = {
 
 def _compiled(kind: str, parallel: bool):
     import keras
+
     build, _, _ = MODELS[kind]
     model, loss = build(parallel)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
@@ -142,8 +153,14 @@ def _compiled(kind: str, parallel: bool):
 def _fit(model, kind, data):
     _, inputs, target = MODELS[kind]
     x = [data[k] for k in inputs]
-    history = model.fit(x[0] if len(x) == 1 else x, data[target], batch_size=BATCH,
-                        epochs=EPOCHS, shuffle=False, verbose=0)
+    history = model.fit(
+        x[0] if len(x) == 1 else x,
+        data[target],
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+    )
     return history.history["loss"], x
 
 
@@ -155,7 +172,9 @@ def test_fit_matches_keras(kind, mesh, data):
     is gathered over its data-parallel group, as Keras does for a whole
     table: a dense sum changed Adam's second moment by ~4e-2.)"""
     import keras
+
     from tfdist import parallel as tp
+
     keras.utils.set_random_seed(1)
     ref = _compiled(kind, parallel=False)
     initial = ref.get_weights()
@@ -186,16 +205,18 @@ def test_fit_matches_keras(kind, mesh, data):
         np.testing.assert_allclose(tp.full_value(v), w, atol=tol, rtol=0, err_msg=v.path)
     inputs = x[0] if len(x) == 1 else x
     expected = ref.predict(inputs, batch_size=BATCH, verbose=0)
-    np.testing.assert_allclose(model.predict(inputs, batch_size=BATCH, verbose=0), expected,
-                               atol=TOL, rtol=0)
+    np.testing.assert_allclose(
+        model.predict(inputs, batch_size=BATCH, verbose=0), expected, atol=TOL, rtol=0
+    )
     # A direct call, outside the replica context, computes with full weights.
     np.testing.assert_allclose(np.asarray(model(inputs)), expected, atol=TOL, rtol=0)
     assert tp.traffic(mesh)["tensor_parallel"] > 0
 
 
 def _same_weights(layer, keras_layer):
-    assert [v.path.split("/", 1)[1] for v in layer.weights] == \
-        [v.path.split("/", 1)[1] for v in keras_layer.weights]
+    assert [v.path.split("/", 1)[1] for v in layer.weights] == [
+        v.path.split("/", 1)[1] for v in keras_layer.weights
+    ]
     assert [tuple(v.shape) for v in layer.weights] == [tuple(v.shape) for v in keras_layer.weights]
     layer.set_weights(keras_layer.get_weights())
 
@@ -203,23 +224,27 @@ def _same_weights(layer, keras_layer):
 def test_outside_a_strategy_the_layers_are_keras(tf_cpus, data):
     """Same weights (names, shapes, order) and outputs as the Keras layers."""
     import keras
+
     from tfdist import parallel as tp
+
     keras.utils.set_random_seed(2)
     ids, x, mask = data["ids"][:8], data["x"][:8], data["mask"][:8]
 
-    emb, ref_emb = tp.VocabParallelEmbedding(V, D, mask_zero=True), \
-        keras.layers.Embedding(V, D, mask_zero=True)
+    emb, ref_emb = (
+        tp.VocabParallelEmbedding(V, D, mask_zero=True),
+        keras.layers.Embedding(V, D, mask_zero=True),
+    )
     assert isinstance(emb, keras.layers.Embedding)
     ref_out = ref_emb(ids)
     emb.build()
     _same_weights(emb, ref_emb)
     np.testing.assert_array_equal(emb(ids).numpy(), ref_out.numpy())
-    np.testing.assert_array_equal(emb.compute_mask(ids).numpy(),
-                                  ref_emb.compute_mask(ids).numpy())
+    np.testing.assert_array_equal(emb.compute_mask(ids).numpy(), ref_emb.compute_mask(ids).numpy())
 
-    for kwargs, call in [({}, {"attention_mask": mask, "return_attention_scores": True}),
-                         ({"value_dim": 3, "output_shape": 5, "use_bias": False},
-                          {"use_causal_mask": True})]:
+    for kwargs, call in [
+        ({}, {"attention_mask": mask, "return_attention_scores": True}),
+        ({"value_dim": 3, "output_shape": 5, "use_bias": False}, {"use_causal_mask": True}),
+    ]:
         mha = tp.ParallelMultiHeadAttention(4, 2, **kwargs)
         ref_mha = keras.layers.MultiHeadAttention(4, 2, **kwargs)
         assert isinstance(mha, keras.layers.MultiHeadAttention)
@@ -243,7 +268,9 @@ def test_model_parallel_1_is_keras(tf_cpus, data):
     """With T=1 nothing is sharded: the block classifier trains like Keras's
     under data parallelism alone."""
     import keras
+
     from tfdist import parallel as tp
+
     strategy = _mirrored(2, 1)
     assert tp.mesh_of(strategy) is None
     keras.utils.set_random_seed(3)
@@ -262,8 +289,10 @@ def test_model_parallel_1_is_keras(tf_cpus, data):
 def test_widths_model_parallel_does_not_divide(pair):
     """A ConfigError naming the layer, the field and the value."""
     import keras
+
     from tfdist import parallel as tp
     from tfdist.errors import ConfigError
+
     strategy = pair
     ids = keras.Input((L,), dtype="int32")
     x = keras.Input((L, D))
@@ -287,7 +316,9 @@ def test_a_layer_without_build_holding_a_sharded_one(pair):
     variables are created uninitialized: the shards are filled and marked when
     Keras initializes them."""
     import keras
+
     from tfdist import parallel as tp
+
     strategy = pair
 
     class Wrapper(keras.layers.Layer):  # keras-io's layers often have no build().
@@ -317,7 +348,9 @@ def pair(tf_cpus):
 
 def _fit_under(policy, seed, pair, data):
     import keras
+
     from tfdist import parallel as tp
+
     keras.mixed_precision.set_global_policy(policy)
     try:
         keras.utils.set_random_seed(seed)
@@ -340,6 +373,7 @@ def test_mixed_bfloat16(pair, data):
     TensorFlow's collectives take no bfloat16: the activations cross as
     float32."""
     from tfdist import parallel as tp
+
     ref, ref_losses, model, losses = _fit_under("mixed_bfloat16", 4, pair, data)
     np.testing.assert_allclose(losses, ref_losses, rtol=3e-2)
     for v, w in zip(model.weights, ref.get_weights()):
@@ -354,14 +388,16 @@ def test_mixed_float16_skips_an_overflow_on_every_replica(pair, data):
     overflows can differ from the unsharded model's, whose sums run in
     another order, so the trajectories are not compared.)"""
     from tfdist import parallel as tp
+
     _, ref_losses, model, losses = _fit_under("mixed_float16", 4, pair, data)
     assert np.isfinite(ref_losses).all() and np.isfinite(losses).all(), losses
     for v in model.weights:
         assert np.isfinite(tp.full_value(v)).all(), v.path
     optimizer = model.optimizer
     assert 0 < int(optimizer.iterations.numpy()) < EPOCHS * ROWS // BATCH  # Some skipped.
-    scales = {float(c.numpy()) for c in pair.experimental_local_results(
-        optimizer.dynamic_scale.value)}
+    scales = {
+        float(c.numpy()) for c in pair.experimental_local_results(optimizer.dynamic_scale.value)
+    }
     assert len(scales) == 1, scales
 
 
@@ -374,7 +410,9 @@ def test_block_with_bf16_compression(tf_cpus, data):
     losses were 1e-2 off). Close to the uncompressed unsharded model:
     bfloat16 rounding."""
     import keras
+
     from tfdist import parallel as tp
+
     strategy = _mirrored(4, 2, compression="bf16")
     keras.utils.set_random_seed(5)
     ref = _compiled("block", parallel=False)
@@ -395,7 +433,9 @@ def test_block_saved_at_t2_loads_anywhere(pair, data, tmp_path):
     included); keras.models.load_model gives the same predictions with no
     strategy and again at T=2."""
     import keras
+
     from tfdist import parallel as tp
+
     keras.utils.set_random_seed(6)
     ref = _compiled("block", parallel=False)
     with pair.scope():
@@ -411,5 +451,6 @@ def test_block_saved_at_t2_loads_anywhere(pair, data, tmp_path):
     with pair.scope():
         again = keras.models.load_model(path)
     assert sum(tp.spec_of(v) is not None for v in again.weights) == 11
-    np.testing.assert_allclose(again.predict(ids, batch_size=BATCH, verbose=0), expected,
-                               atol=TOL, rtol=0)
+    np.testing.assert_allclose(
+        again.predict(ids, batch_size=BATCH, verbose=0), expected, atol=TOL, rtol=0
+    )

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.slow
 def test_four_workers_dp2_tp2_match_the_unsharded_model(tmp_path):
     from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
-    procs = [start(["tests/workers/parallel_fit_mw.py"], tf_config=config)
-             for _, _, config in spec_lib.all_task_configs(local_spec(4))]
+
+    procs = [
+        start(["tests/workers/parallel_fit_mw.py"], tf_config=config)
+        for _, _, config in spec_lib.all_task_configs(local_spec(4))
+    ]
     results = finish(procs, timeout=300)
     for code, out, err in results:
         assert code == 0, f"worker failed ({code}):\n{out[-2000:]}\n{err[-4000:]}"
@@ -33,6 +36,8 @@ def test_four_workers_dp2_tp2_match_the_unsharded_model(tmp_path):
         assert run["weights"] < 1e-5, run
         # Both kinds of traffic crossed the processes.
         assert run["traffic"]["tensor_parallel"] > 0 and run["traffic"]["data_parallel"] > 0
-    print(f"\nmeasured: 4 workers, DP=2 x T=2, loss {runs[0]['got']}, largest weight "
-          f"difference {max(r['weights'] for r in runs):.2e}; bytes per replica "
-          f"{runs[0]['traffic']}")
+    print(
+        f"\nmeasured: 4 workers, DP=2 x T=2, loss {runs[0]['got']}, largest weight "
+        f"difference {max(r['weights'] for r in runs):.2e}; bytes per replica "
+        f"{runs[0]['traffic']}"
+    )

@@ -26,14 +26,20 @@ def test_default_argument_and_environment():
     assert ENV_VARS["model_parallel"] == "TFDIST_MODEL_PARALLEL"
     assert make_options(env={"TFDIST_MODEL_PARALLEL": "8"}).model_parallel == 8
     # An explicit argument wins over the environment.
-    assert make_options(env={"TFDIST_MODEL_PARALLEL": "8"},
-                        model_parallel=2).model_parallel == 2
+    assert make_options(env={"TFDIST_MODEL_PARALLEL": "8"}, model_parallel=2).model_parallel == 2
 
 
-@pytest.mark.parametrize("value, shown", [
-    (0, "Received: 0"), (-2, "Received: -2"), ("two", "Received: 'two'"),
-    (True, "Received: True"), (1.5, "Received: 1.5"), ("", "Received: ''"),
-])
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (0, "Received: 0"),
+        (-2, "Received: -2"),
+        ("two", "Received: 'two'"),
+        (True, "Received: True"),
+        (1.5, "Received: 1.5"),
+        ("", "Received: ''"),
+    ],
+)
 def test_bad_values_name_the_field_and_the_value(value, shown):
     with pytest.raises(ConfigError) as info:
         make_options(model_parallel=value)
@@ -52,8 +58,9 @@ def test_a_bad_environment_value_is_named_too():
 def test_flag_is_passed_through_and_builds_the_mesh(tf_cpus):
     from absl import flags
 
-    from tfdist.strategies.flags import options_from_flags
     from tfdist.parallel.mesh import mesh_of
+    from tfdist.strategies.flags import options_from_flags
+
     values = flags.FlagValues()
     tfdist.define_flags(values)
     values(["prog", "--cpu_replicas=4", "--model_parallel=2"])
@@ -92,8 +99,7 @@ def test_environment_reaches_the_strategy(tf_cpus, monkeypatch):
 
 def test_a_t_that_does_not_divide_the_replicas_names_both(tf_cpus):
     with pytest.raises(ConfigError) as info:
-        tfdist.strategy_from_config(strategy="mirrored", cpu_replicas=4,
-                                    model_parallel=3)
+        tfdist.strategy_from_config(strategy="mirrored", cpu_replicas=4, model_parallel=3)
     assert info.value.field == "model_parallel" and info.value.value == 3
     assert "a divisor of the 4 replicas" in str(info.value)
     assert "Received: 3" in str(info.value)
@@ -103,8 +109,7 @@ def test_multi_worker_mirrored_attaches_the_mesh_too(tf_cpus):
     # A local MultiWorkerMirrored strategy (no cluster) has 1 replica, so
     # T = 2 must be refused by the mesh, which it only is if it is attached.
     with pytest.raises(ConfigError) as info:
-        tfdist.strategy_from_config(strategy="multi_worker_mirrored",
-                                    model_parallel=2)
+        tfdist.strategy_from_config(strategy="multi_worker_mirrored", model_parallel=2)
     assert info.value.field == "model_parallel"
     assert "a divisor of the 1 replicas" in str(info.value)
 
@@ -128,21 +133,26 @@ def _outcome_within(fn, seconds):
 
 #: A parameter-server chief whose ps and worker do not exist: building the
 #: strategy would wait for them.
-PS_CONFIG = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
-                         "ps": ["127.0.0.1:3"]}, "task": {"type": "chief", "index": 0}}
+PS_CONFIG = {
+    "cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
+    "task": {"type": "chief", "index": 0},
+}
 
 
-@pytest.mark.parametrize("config, kwargs, kind", [
-    # Building would wait for the missing ps and worker.
-    (PS_CONFIG, {}, "parameter_server"),
-    # Building would fail with TPUNotFoundError: there is no TPU here.
-    (None, {"strategy": "tpu"}, "tpu"),
-    (None, {"strategy": "default"}, "default"),
-])
-def test_refused_before_building_where_there_is_no_mesh(tf_cpus, config, kwargs,
-                                                        kind):
-    outcome = _outcome_within(lambda: tfdist.strategy_from_config(
-        config, model_parallel=2, **kwargs), 30)
+@pytest.mark.parametrize(
+    "config, kwargs, kind",
+    [
+        # Building would wait for the missing ps and worker.
+        (PS_CONFIG, {}, "parameter_server"),
+        # Building would fail with TPUNotFoundError: there is no TPU here.
+        (None, {"strategy": "tpu"}, "tpu"),
+        (None, {"strategy": "default"}, "default"),
+    ],
+)
+def test_refused_before_building_where_there_is_no_mesh(tf_cpus, config, kwargs, kind):
+    outcome = _outcome_within(
+        lambda: tfdist.strategy_from_config(config, model_parallel=2, **kwargs), 30
+    )
     error = outcome.get("error")
     assert isinstance(error, ConfigError), outcome
     assert error.field == "model_parallel" and error.value == 2
@@ -154,10 +164,13 @@ def test_refused_before_building_where_there_is_no_mesh(tf_cpus, config, kwargs,
     assert info.value.field == "model_parallel"
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"strategy": "one_device"},
-    {"cpu_replicas": 1},  # auto-detected: one device
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"strategy": "one_device"},
+        {"cpu_replicas": 1},  # auto-detected: one device
+    ],
+)
 def test_one_device_has_one_replica_so_t_must_be_1(tf_cpus, kwargs):
     assert tfdist.explain(**kwargs).name == "one_device"
     with pytest.raises(ConfigError) as info:
@@ -168,17 +181,24 @@ def test_one_device_has_one_replica_so_t_must_be_1(tf_cpus, kwargs):
 
 
 def test_an_evaluator_evaluates_the_full_model_on_one_device(tf_cpus):
-    config = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
-              "task": {"type": "evaluator", "index": 0}}
+    config = {
+        "cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
+        "task": {"type": "evaluator", "index": 0},
+    }
     strategy = tfdist.strategy_from_config(config, model_parallel=2)
     assert isinstance(strategy, tfdist.OneDeviceStrategy)
     assert strategy.model_parallel == 1 and "mesh" not in strategy.describe()
 
 
 def _info(*args):
-    return subprocess.run([sys.executable, "-m", "tfdist", "info", *args],
-                          capture_output=True, text=True, cwd=REPO,
-                          env=subprocess_env(), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist", "info", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=120,
+    )
 
 
 def test_cli_info_shows_the_mesh_and_refuses_a_bad_t():

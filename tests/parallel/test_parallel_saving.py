@@ -21,9 +21,13 @@ EPOCH = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
 
 def _build(keras, col, row):
     # Named: the files' paths follow the names, which Keras numbers per process.
-    model = keras.Sequential([keras.Input((8,)),
-                              col(16, activation="relu", name="column_parallel_dense"),
-                              row(4, name="row_parallel_dense")])
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            col(16, activation="relu", name="column_parallel_dense"),
+            row(4, name="row_parallel_dense"),
+        ]
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.MeanSquaredError())
     return model
 
@@ -45,6 +49,7 @@ def env(tf_cpus):
 
     import tfdist
     from tfdist import parallel as tp
+
     return tf_cpus, keras, tfdist, tp
 
 
@@ -70,7 +75,12 @@ def trained(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel_saving")
     kernel = model.layers[0].kernel
     run = {
-        "x": x, "y": y, "s2": s2, "model": model, "ref": ref, "dir": out,
+        "x": x,
+        "y": y,
+        "s2": s2,
+        "model": model,
+        "ref": ref,
+        "dir": out,
         "components": [c.numpy() for c in s2.experimental_local_results(kernel.value)],
         "keras_read": kernel.numpy(),
         "kernel_full": tp.full_value(kernel),
@@ -79,7 +89,8 @@ def trained(env, tmp_path_factory):
         "predict": model.predict(x, verbose=0),
         "keras_file": str(out / "t2.keras"),
         "ckpt": tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-            str(out / "ckpt" / "t2")),
+            str(out / "ckpt" / "t2")
+        ),
     }
     model.save(run["keras_file"])
     run["h5_file"] = str(out / "t2.h5")
@@ -97,12 +108,14 @@ def strategies(env):
 
 def _saved_shapes(keras_file: str, tmp_path) -> dict[str, tuple]:
     import h5py
+
     with zipfile.ZipFile(keras_file) as archive:
         archive.extract("model.weights.h5", tmp_path)
     shapes = {}
     with h5py.File(tmp_path / "model.weights.h5") as f:
-        f.visititems(lambda name, obj: shapes.__setitem__(name, obj.shape)
-                     if hasattr(obj, "shape") else None)
+        f.visititems(
+            lambda name, obj: shapes.__setitem__(name, obj.shape) if hasattr(obj, "shape") else None
+        )
     return shapes
 
 
@@ -124,8 +137,10 @@ def test_the_trap_shards_differ_and_files_hold_full_values(env, trained, tmp_pat
     assert shapes["optimizer/vars/2"] == shapes["optimizer/vars/3"] == (8, 16)
 
     saved = dict(tf.train.list_variables(trained["ckpt"]))
-    full = sorted(tuple(v.shape) if tp.spec_of(v) is None else tp.spec_of(v).full_shape
-                  for v in trained["model"].optimizer.variables)
+    full = sorted(
+        tuple(v.shape) if tp.spec_of(v) is None else tp.spec_of(v).full_shape
+        for v in trained["model"].optimizer.variables
+    )
     in_ckpt = sorted(tuple(saved[k]) for k in saved if "optimizer/_variables/" in k)
     assert in_ckpt == [s for s in full if s != ()]
     reader = tf.train.load_checkpoint(trained["ckpt"])
@@ -177,8 +192,9 @@ def test_load_model_predicts_and_resumes(env, trained, strategies, where):
         assert tuple(kernel.shape) == (8, 16) and tp.spec_of(kernel) is None
     assert _max_diff(model.get_weights(), trained["weights"]) < 1e-7
     assert _max_diff(tp.saving.full_weights(model.optimizer.variables), trained["slots"]) < 1e-7
-    np.testing.assert_allclose(model.predict(trained["x"], verbose=0), trained["predict"],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        model.predict(trained["x"], verbose=0), trained["predict"], atol=1e-6
+    )
     model.fit(trained["x"], trained["y"], **EPOCH)
     assert _max_diff(model.get_weights(), trained["continued"]) < 1e-5
 
@@ -186,10 +202,13 @@ def test_load_model_predicts_and_resumes(env, trained, strategies, where):
 @pytest.mark.parametrize("where", ["none", "t4"])
 def test_legacy_h5_holds_full_values(env, trained, strategies, where):
     import h5py
+
     _, keras, _, tp = env
     with h5py.File(trained["h5_file"]) as f:
-        names = [n.decode() if isinstance(n, bytes) else n
-                 for n in f["model_weights/column_parallel_dense"].attrs["weight_names"]]
+        names = [
+            n.decode() if isinstance(n, bytes) else n
+            for n in f["model_weights/column_parallel_dense"].attrs["weight_names"]
+        ]
         kernel = f["model_weights/column_parallel_dense"][names[0]][()]
         group = f["optimizer_weights"]
         slots = [group[n][()] for n in group.attrs["weight_names"]]
@@ -204,8 +223,9 @@ def test_legacy_h5_holds_full_values(env, trained, strategies, where):
     # (Keras's legacy loader builds a Sequential's optimizer without the
     # layers' variables, so its slots are not restored, sharded or not.)
     assert _max_diff(model.get_weights(), trained["weights"]) < 1e-7
-    np.testing.assert_allclose(model.predict(trained["x"], verbose=0), trained["predict"],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        model.predict(trained["x"], verbose=0), trained["predict"], atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("where", ["t1", "t4"])
@@ -231,8 +251,9 @@ def test_checkpoint_round_trip(env, trained, strategies, where):
     status.assert_consumed()
     assert _max_diff(model.get_weights(), trained["weights"]) < 1e-7
     assert _max_diff(tp.saving.full_weights(model.optimizer.variables), trained["slots"]) < 1e-7
-    np.testing.assert_allclose(model.predict(trained["x"], verbose=0), trained["predict"],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        model.predict(trained["x"], verbose=0), trained["predict"], atol=1e-6
+    )
     model.fit(trained["x"], trained["y"], **EPOCH)
     assert _max_diff(model.get_weights(), trained["continued"]) < 1e-5
 
@@ -250,8 +271,11 @@ def test_unsharded_weights_load_into_shards(env, trained):
     model.load_weights(path)
     assert tuple(model.layers[0].kernel.shape) == (8, 8)
     assert _max_diff(model.get_weights(), trained["ref"].get_weights()) == 0.0
-    np.testing.assert_allclose(model.predict(trained["x"], verbose=0),
-                               trained["ref"].predict(trained["x"], verbose=0), atol=1e-6)
+    np.testing.assert_allclose(
+        model.predict(trained["x"], verbose=0),
+        trained["ref"].predict(trained["x"], verbose=0),
+        atol=1e-6,
+    )
 
 
 def test_a_shard_shaped_saved_value_is_refused(env, trained):
@@ -270,6 +294,7 @@ def test_wrappers_compose_with_compression_once(env):
     from tfdist.compat.keras_src import BaseOptimizer
     from tfdist.compression import keras_hook
     from tfdist.parallel import saving
+
     saving.install()  # Installs compression's first: the registry orders them anyway.
     before = (BaseOptimizer.save_own_variables, BaseOptimizer.load_own_variables)
     keras_hook.install()
@@ -279,8 +304,10 @@ def test_wrappers_compose_with_compression_once(env):
         # Ours outside, compression's inside (its state keys stay its own),
         # each once, around Keras's own method.
         kind = name.split("_")[0]
-        assert method.__tfdist_patches__ == (f"compression.{kind}",
-                                             f"tensor_parallel.{kind}_optimizer")
+        assert method.__tfdist_patches__ == (
+            f"compression.{kind}",
+            f"tensor_parallel.{kind}_optimizer",
+        )
         assert method.__wrapped__.__wrapped__ is compat.pristine(BaseOptimizer, name)
         assert method.__wrapped__.__code__.co_filename.endswith("compression/keras_hook.py")
         assert method.__code__.co_filename.endswith("parallel/saving.py")
@@ -323,6 +350,7 @@ def test_every_worker_agrees_whether_a_full_value_is_local(env):
 
     from tfdist.parallel.mesh import Mesh
     from tfdist.parallel.sharding import DATA, TENSOR, ShardSpec
+
     for workers in (1, 2, 3, 4):
         for local in (1, 2, 3, 4, 8):
             n = workers * local
@@ -330,8 +358,9 @@ def test_every_worker_agrees_whether_a_full_value_is_local(env):
                 runtime = types.SimpleNamespace(mesh=Mesh(n, tp))
                 for splits in (((0, TENSOR),), ((0, TENSOR), (1, DATA)), ((1, DATA),)):
                     spec = ShardSpec((n * 4, n * 4), runtime, None, splits)
-                    covered = [spec.local_cover(w * local, local) is not None
-                               for w in range(workers)]
+                    covered = [
+                        spec.local_cover(w * local, local) is not None for w in range(workers)
+                    ]
                     # One answer for the job: local only where every worker can.
                     assert spec.every_process_covers(local) == all(covered)
                     if tp > 1 and splits == ((0, TENSOR),) and local % tp == 0:
@@ -351,20 +380,22 @@ def test_two_workers_save_and_load_full_values(tf_cpus, tmp_path):
     from conftest import finish, result_line, start
     from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
-    procs = [start(["tests/workers/parallel_saving_mw.py"], tf_config=config,
-                   TFDIST_TEST_DIR=str(tmp_path))
-             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+
+    procs = [
+        start(
+            ["tests/workers/parallel_saving_mw.py"], tf_config=config, TFDIST_TEST_DIR=str(tmp_path)
+        )
+        for _, _, config in spec_lib.all_task_configs(local_spec(2))
+    ]
     results = finish(procs, timeout=240)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
-    chief, other = sorted((result_line(out) for _, out, _ in results),
-                          key=lambda r: r["index"])
+    chief, other = sorted((result_line(out) for _, out, _ in results), key=lambda r: r["index"])
     for run in (chief, other):
         assert run["local_shard"] == [8, 8]
         assert run["full"] == [[8, 16], [16], [16, 4], [4]]
         assert run["saved_kernel"] == [8, 16] and run["saved_vs_full"] == 0.0
         assert run["again_shard"] == [8, 8]
-        for key in ("plain", "plain_slots", "again", "again_slots", "restored",
-                    "restored_slots"):
+        for key in ("plain", "plain_slots", "again", "again_slots", "restored", "restored_slots"):
             assert run[key] < 1e-7, (key, run)
     assert chief["weights_checksum"] == other["weights_checksum"]

@@ -7,8 +7,16 @@ import json
 from conftest import finish, result_line, start
 
 SCRIPT = "strategies/tensor_parallel.py"
-TINY = ["--examples=128", "--epochs=2", "--seq_len=8", "--vocab_size=64", "--embed_dim=8",
-        "--num_heads=2", "--ff_dim=16", "--per_replica_batch_size=8"]
+TINY = [
+    "--examples=128",
+    "--epochs=2",
+    "--seq_len=8",
+    "--vocab_size=64",
+    "--embed_dim=8",
+    "--num_heads=2",
+    "--ff_dim=16",
+    "--per_replica_batch_size=8",
+]
 
 
 #: Loads the saved model with no strategy; prints its weights' fingerprint.
@@ -26,8 +34,9 @@ def test_script_trains_sharded_like_unsharded(tmp_path):
     saved model holds the full weights: loaded with no strategy, they are
     bit for bit the ones trained."""
     model_dir = tmp_path / "model"
-    [(code, out, err)] = finish([start([SCRIPT, "--compare", *TINY,
-                                        f"--model_dir={model_dir}"])], timeout=120)
+    [(code, out, err)] = finish(
+        [start([SCRIPT, "--compare", *TINY, f"--model_dir={model_dir}"])], timeout=120
+    )
     assert code == 0, (out + err)[-4000:]
     assert "mesh: data 1 x tensor 2; tensor groups [0, 1]" in out
     result = result_line(out)
@@ -44,7 +53,9 @@ def test_script_trains_sharded_like_unsharded(tmp_path):
     sent = result["sent_bytes_per_step"]
     assert sent["tensor_parallel"] > 10 * sent["data_parallel"] > 0, sent
     assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == [
-        "epoch-01.keras", "epoch-02.keras"]
+        "epoch-01.keras",
+        "epoch-02.keras",
+    ]
     assert json.loads((model_dir / "results.json").read_text()) == result
     [(code, out, err)] = finish([start(["-c", LOAD, result["saved_model"]])], timeout=120)
     assert code == 0, (out + err)[-4000:]

@@ -63,8 +63,9 @@ print("tfdist result: " + json.dumps(result), flush=True)
 def test_an_uneven_last_batch_is_named_in_fit_and_predict():
     # Without tfdist's message: "InvalidArgumentError: ... Shape mismatch in
     # the collective instance ..." from inside the graph.
-    procs = [start(["-c", SCRIPT, replicas, first])
-             for replicas, first in ((2, "fit"), (4, "predict"))]
+    procs = [
+        start(["-c", SCRIPT, replicas, first]) for replicas, first in ((2, "fit"), (4, "predict"))
+    ]
     results = finish(procs, timeout=240)
     for (code, out, err), case in zip(results, ("fit", "predict")):
         assert code == 0, f"{case}: {err[-3000:]}"

@@ -26,16 +26,38 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("profiled")
     trace = out / "trace.json"
     done = subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--show-all",
-         "--timeline", str(trace), "tests/workers/profiling_fit.py", str(out),
-         "--slow-worker", "1", "--sleep", str(SLEEP), "--steps", str(STEPS),
-         "--epochs", str(EPOCHS)],
-        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            "--timeline",
+            str(trace),
+            "tests/workers/profiling_fit.py",
+            str(out),
+            "--slow-worker",
+            "1",
+            "--sleep",
+            str(SLEEP),
+            "--steps",
+            str(STEPS),
+            "--epochs",
+            str(EPOCHS),
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = {}
     for line in done.stdout.splitlines():
         if "tfdist result: " in line:
-            result = result_line(line[line.index("tfdist result: "):])
+            result = result_line(line[line.index("tfdist result: ") :])
             results[result["worker"]] = result
     assert sorted(results) == [0, 1], done.stdout[-3000:]
     return out, trace, results
@@ -79,8 +101,11 @@ def _trace_steps(trace: dict) -> dict:
 def test_the_merged_timeline_has_one_track_per_worker_with_ordered_spans(job):
     out, trace_path, results = job
     trace = json.loads(trace_path.read_text())  # Chrome-trace JSON
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
     assert names == {0: "worker 0", 1: "worker 1"}
     steps = _trace_steps(trace)
     per_worker = defaultdict(int)
@@ -103,20 +128,34 @@ def test_the_merged_timeline_has_one_track_per_worker_with_ordered_spans(job):
 
 def test_the_plot_is_written_and_its_figures_match_the_logs(job):
     out, _, results = job
-    done = subprocess.run([sys.executable, "-m", "tfdist", "profile", str(out / "logs"),
-                           "--output", str(out / "profile.png")],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "profile",
+            str(out / "logs"),
+            "--output",
+            str(out / "profile.png"),
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (out / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from tfdist.profiling.plot import plot
+
     figures = plot(str(out / "logs"), output=str(out / "again.png"))
     summary = json.loads((out / "logs" / "summary.json").read_text())
     for worker in (0, 1):
         history = results[worker]["history"]
         counts = [summary["epochs"][e][str(worker)]["steps"] for e in range(EPOCHS)]
         for phase in ("compute", "wait", "communicate", "step"):
-            logged = sum(n * history[f"profile_{phase}_ms"][e]
-                         for e, n in enumerate(counts)) / sum(counts)
+            logged = sum(n * history[f"profile_{phase}_ms"][e] for e, n in enumerate(counts)) / sum(
+                counts
+            )
             assert figures["workers"][worker][phase] * 1e3 == pytest.approx(logged, rel=1e-6)
         assert f"{figures['workers'][worker]['step'] * 1e3:.1f}" in done.stdout

@@ -14,10 +14,19 @@ from tfdist.profiling.stragglers import check_factor, find_stragglers
 def _step(worker, step, busy, wait):
     """A step of ``busy`` seconds of compute then ``wait`` seconds of waiting."""
     t0 = 1000.0 + step
-    return StepRecord(worker, step, 0, t0, t0, t0 + busy, t0 + busy + wait,
-                      t0 + busy + wait + 0.001, t0 + busy + wait + 0.001,
-                      t0 + busy + wait + 0.001,
-                      [Span("all_reduce", t0 + busy + wait, t0 + busy + wait + 0.001, 8.0)])
+    return StepRecord(
+        worker,
+        step,
+        0,
+        t0,
+        t0,
+        t0 + busy,
+        t0 + busy + wait,
+        t0 + busy + wait + 0.001,
+        t0 + busy + wait + 0.001,
+        t0 + busy + wait + 0.001,
+        [Span("all_reduce", t0 + busy + wait, t0 + busy + wait + 0.001, 8.0)],
+    )
 
 
 def _summary(busy_by_worker):

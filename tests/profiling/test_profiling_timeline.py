@@ -8,21 +8,43 @@ import math
 import pytest
 
 from tfdist.cli import commands as cli
-from tfdist.profiling import plot as plot_lib
-from tfdist.profiling import timeline
-from tfdist.profiling.records import (PHASES, Span, StepRecord, derive_waits, from_row,
-                                      mean_phases, phases, row_width, to_row, union_length)
+from tfdist.profiling import plot as plot_lib, timeline
+from tfdist.profiling.records import (
+    PHASES,
+    Span,
+    StepRecord,
+    derive_waits,
+    from_row,
+    mean_phases,
+    phases,
+    row_width,
+    to_row,
+    union_length,
+)
 
 
 def _record(worker, step, t0, skew=0.0, wait=0.01, spans=2):
     """A step starting at ``t0`` (true time) on a worker whose clock reads ``skew`` ahead."""
     t = t0 + skew
     peers = t + 0.002 + 0.02 + wait
-    out = [Span("all_reduce", peers + 0.001 + 0.004 * i, peers + 0.004 * (i + 1), 1000.0 * (i + 1))
-           for i in range(spans)]
+    out = [
+        Span("all_reduce", peers + 0.001 + 0.004 * i, peers + 0.004 * (i + 1), 1000.0 * (i + 1))
+        for i in range(spans)
+    ]
     last = max((s.end for s in out), default=peers)
-    return StepRecord(worker, step, 0, t, t + 0.002, t + 0.022, peers, last + 0.001,
-                      last + 0.003, last + 0.004, out)
+    return StepRecord(
+        worker,
+        step,
+        0,
+        t,
+        t + 0.002,
+        t + 0.022,
+        peers,
+        last + 0.001,
+        last + 0.003,
+        last + 0.004,
+        out,
+    )
 
 
 def _job(skew=0.25):
@@ -55,8 +77,11 @@ def test_chrome_trace_has_a_track_per_worker_and_ordered_phases_inside_each_step
     records = _job()
     trace = timeline.chrome_trace(records, timeline.align(records))
     json.loads(json.dumps(trace))
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"
-             and e["name"] == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
     assert names == {0: "worker 0", 1: "worker 1"}
     steps = {}
     for e in trace["traceEvents"]:
@@ -68,7 +93,10 @@ def test_chrome_trace_has_a_track_per_worker_and_ordered_phases_inside_each_step
         assert envelope["name"] == f"step {r.step}"
         assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
         for e in events:
-            assert envelope["ts"] <= e["ts"] and e["ts"] + e["dur"] <= envelope["ts"] + envelope["dur"] + 1e-3
+            assert (
+                envelope["ts"] <= e["ts"]
+                and e["ts"] + e["dur"] <= envelope["ts"] + envelope["dur"] + 1e-3
+            )
         assert sum(e["args"]["bytes"] for e in events if e["name"] == "communicate") == r.bytes
         by_name = {}
         for e in events:
@@ -98,8 +126,7 @@ def test_write_is_atomic_and_read_returns_it(tmp_path):
 
 
 def _logdir(tmp_path, records):
-    (tmp_path / "steps.jsonl").write_text(
-        "".join(json.dumps(r.to_json()) + "\n" for r in records))
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
     return tmp_path
 
 
@@ -132,20 +159,45 @@ def test_tfdist_profile_prints_the_table_and_refuses_a_bad_logdir(tmp_path, caps
 def test_launch_timeline_reaches_every_task(tmp_path):
     import subprocess
     import sys
+
     from conftest import subprocess_env
+
     out = tmp_path / "env"
-    code = ("import os, sys; open(sys.argv[1] + os.environ['TF_CONFIG'][-3:-2], 'w')"
-            ".write(os.environ.get('TFDIST_TIMELINE', ''))")
-    done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--workers", "2",
-                           "--timeline", "rel/trace.json", "-c", code, str(out)],
-                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import os, sys; open(sys.argv[1] + os.environ['TF_CONFIG'][-3:-2], 'w')"
+        ".write(os.environ.get('TFDIST_TIMELINE', ''))"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--timeline",
+            "rel/trace.json",
+            "-c",
+            code,
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     seen = sorted(p.read_text() for p in tmp_path.glob("env*"))
     assert seen == [str(tmp_path / "rel" / "trace.json")] * 2
-    done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--timeline", str(tmp_path),
-                           "-c", "pass"], cwd=tmp_path, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "--timeline", str(tmp_path), "-c", "pass"],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "timeline" in done.stderr and str(tmp_path) in done.stderr
 
 
@@ -155,8 +207,20 @@ def test_without_a_barrier_the_wait_is_the_first_collectives_excess():
         t = 50.0
         first = Span("all_reduce", t + joins, t + 0.05, 100.0)
         second = Span("all_reduce", t + 0.051, t + 0.06, 10.0)
-        return StepRecord(worker, step, 0, t - 0.01, t - 0.009, t + joins, t + joins,
-                          t + 0.061, t + 0.07, t + 0.071, [first, second])
+        return StepRecord(
+            worker,
+            step,
+            0,
+            t - 0.01,
+            t - 0.009,
+            t + joins,
+            t + joins,
+            t + 0.061,
+            t + 0.07,
+            t + 0.071,
+            [first, second],
+        )
+
     fast, slow, alone = record(0, 0.0), record(1, 0.03), record(0, 0.0, step=4)
     derive_waits([fast, slow, alone])
     assert phases(fast)["wait"] == pytest.approx(0.03)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tfdist import spec as spec_lib
-from tfdist.spec import TFConfig
 from tfdist.errors import ClusterSpecError, ConfigError, TfdistError
+from tfdist.spec import TFConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = REPO_ROOT / "cluster_specs"
@@ -43,7 +43,13 @@ BAD_CASES = [
     # --- JSON / top level -------------------------------------------------
     ("json-syntax", '{"cluster": {"worker": ["a:1" "b:2"]}}', {}, "<json>", "Expecting ','"),
     ("json-single-quotes", "{'cluster': {}}", {}, "<json>", "line 1, column 2"),
-    ("json-duplicate-key", '{"cluster": {"worker": ["a:1"], "worker": ["b:1"]}}', {}, "<json>", "'worker'"),
+    (
+        "json-duplicate-key",
+        '{"cluster": {"worker": ["a:1"], "worker": ["b:1"]}}',
+        {},
+        "<json>",
+        "'worker'",
+    ),
     ("root-null", "null", {}, "<root>", "Received: null"),
     ("root-list", '["a:1"]', {}, "<root>", "['a:1']"),
     ("root-int", 42, {}, "<root>", "42"),
@@ -60,45 +66,195 @@ BAD_CASES = [
     ("job-string", _tf_config({"worker": "a:1"}), {}, "cluster.worker", "'a:1'"),
     ("job-sparse-dict", _tf_config({"worker": {"1": "a:1"}}), {}, "cluster.worker", "{'1': 'a:1'}"),
     ("job-int", _tf_config({"worker": 5}), {}, "cluster.worker", "Received: 5"),
-    ("job-evaluator", _tf_config({"worker": W2, "evaluator": ["e:1"]}), {}, "cluster.evaluator", "['e:1']"),
-    ("two-chiefs", _tf_config({"chief": ["a:1", "b:1"], "worker": W2}), {"require_task": False}, "cluster.chief", "['a:1', 'b:1']"),
+    (
+        "job-evaluator",
+        _tf_config({"worker": W2, "evaluator": ["e:1"]}),
+        {},
+        "cluster.evaluator",
+        "['e:1']",
+    ),
+    (
+        "two-chiefs",
+        _tf_config({"chief": ["a:1", "b:1"], "worker": W2}),
+        {"require_task": False},
+        "cluster.chief",
+        "['a:1', 'b:1']",
+    ),
     ("ps-alone", _tf_config({"ps": ["p:1", "p:2"]}), {"require_task": False}, "cluster.ps", "'ps'"),
-    ("duplicate-address", _tf_config({"worker": ["a:1", "b:1", "a:1"]}), {"require_task": False}, "cluster.worker[2]", "cluster.worker[0]"),
-    ("duplicate-address-across-jobs", _tf_config({"chief": ["a:1"], "worker": ["a:1"]}), {"require_task": False}, "cluster.worker[0]", "cluster.chief[0]"),
-    ("duplicate-address-host-case", _tf_config({"worker": ["Host:1", "host:1"]}), {"require_task": False}, "cluster.worker[1]", "'host:1'"),
+    (
+        "duplicate-address",
+        _tf_config({"worker": ["a:1", "b:1", "a:1"]}),
+        {"require_task": False},
+        "cluster.worker[2]",
+        "cluster.worker[0]",
+    ),
+    (
+        "duplicate-address-across-jobs",
+        _tf_config({"chief": ["a:1"], "worker": ["a:1"]}),
+        {"require_task": False},
+        "cluster.worker[0]",
+        "cluster.chief[0]",
+    ),
+    (
+        "duplicate-address-host-case",
+        _tf_config({"worker": ["Host:1", "host:1"]}),
+        {"require_task": False},
+        "cluster.worker[1]",
+        "'host:1'",
+    ),
     # --- task -------------------------------------------------------------
     ("task-missing", _tf_config({"worker": W2}), {}, "task", "no 'task'"),
     ("task-not-object", _tf_config({"worker": W2}, "worker:1"), {}, "task", "'worker:1'"),
     ("task-null", {"cluster": {"worker": W2}, "task": None}, {}, "task", "None"),
     ("task-no-type", _tf_config({"worker": W2}, {"index": 0}), {}, "task.type", "{'index': 0}"),
-    ("task-no-index", _tf_config({"worker": W2}, {"type": "worker"}), {}, "task.index", "{'type': 'worker'}"),
-    ("task-unknown-key", _tf_config({"worker": W2}, {"type": "worker", "idx": 0}), {}, "task.idx", "'idx'"),
-    ("task-type-unknown", _tf_config({"worker": W2}, {"type": "workers", "index": 0}), {}, "task.type", "'workers'"),
-    ("task-type-not-string", _tf_config({"worker": W2}, {"type": 1, "index": 0}), {}, "task.type", "Received: 1"),
-    ("task-type-not-in-cluster", _tf_config({"worker": W2}, {"type": "chief", "index": 0}), {}, "task.type", "'chief'"),
+    (
+        "task-no-index",
+        _tf_config({"worker": W2}, {"type": "worker"}),
+        {},
+        "task.index",
+        "{'type': 'worker'}",
+    ),
+    (
+        "task-unknown-key",
+        _tf_config({"worker": W2}, {"type": "worker", "idx": 0}),
+        {},
+        "task.idx",
+        "'idx'",
+    ),
+    (
+        "task-type-unknown",
+        _tf_config({"worker": W2}, {"type": "workers", "index": 0}),
+        {},
+        "task.type",
+        "'workers'",
+    ),
+    (
+        "task-type-not-string",
+        _tf_config({"worker": W2}, {"type": 1, "index": 0}),
+        {},
+        "task.type",
+        "Received: 1",
+    ),
+    (
+        "task-type-not-in-cluster",
+        _tf_config({"worker": W2}, {"type": "chief", "index": 0}),
+        {},
+        "task.type",
+        "'chief'",
+    ),
     ("task-index-string", _tf_config({"worker": W2}, _worker_task("1")), {}, "task.index", "'1'"),
     ("task-index-bool", _tf_config({"worker": W2}, _worker_task(True)), {}, "task.index", "True"),
     ("task-index-float", _tf_config({"worker": W2}, _worker_task(1.0)), {}, "task.index", "1.0"),
     ("task-index-null", _tf_config({"worker": W2}, _worker_task(None)), {}, "task.index", "None"),
     ("task-index-negative", _tf_config({"worker": W2}, _worker_task(-1)), {}, "task.index", "-1"),
-    ("task-index-out-of-range", _tf_config({"worker": W2}, _worker_task(5)), {}, "task.index", "[0, 1]"),
-    ("evaluator-index", _tf_config({"worker": W2}, {"type": "evaluator", "index": 1}), {}, "task.index", "Received: 1"),
-    ("task-in-spec-checked", _tf_config({"worker": W2}, _worker_task(2)), {"require_task": False}, "task.index", "Received: 2"),
+    (
+        "task-index-out-of-range",
+        _tf_config({"worker": W2}, _worker_task(5)),
+        {},
+        "task.index",
+        "[0, 1]",
+    ),
+    (
+        "evaluator-index",
+        _tf_config({"worker": W2}, {"type": "evaluator", "index": 1}),
+        {},
+        "task.index",
+        "Received: 1",
+    ),
+    (
+        "task-in-spec-checked",
+        _tf_config({"worker": W2}, _worker_task(2)),
+        {"require_task": False},
+        "task.index",
+        "Received: 2",
+    ),
     # --- rpc_layer / environment ------------------------------------------
-    ("rpc-layer-unknown", _tf_config({"worker": W2}, _worker_task(), rpc_layer="grpc+verbs"), {}, "rpc_layer", "'grpc+verbs'"),
-    ("rpc-layer-not-string", _tf_config({"worker": W2}, _worker_task(), rpc_layer=1), {}, "rpc_layer", "Received: 1"),
-    ("environment-not-string", _tf_config({"worker": W2}, _worker_task(), environment=5), {}, "environment", "Received: 5"),
+    (
+        "rpc-layer-unknown",
+        _tf_config({"worker": W2}, _worker_task(), rpc_layer="grpc+verbs"),
+        {},
+        "rpc_layer",
+        "'grpc+verbs'",
+    ),
+    (
+        "rpc-layer-not-string",
+        _tf_config({"worker": W2}, _worker_task(), rpc_layer=1),
+        {},
+        "rpc_layer",
+        "Received: 1",
+    ),
+    (
+        "environment-not-string",
+        _tf_config({"worker": W2}, _worker_task(), environment=5),
+        {},
+        "environment",
+        "Received: 5",
+    ),
     # --- strategy rules ---------------------------------------------------
-    ("mwms-with-ps", _tf_config(PS_CLUSTER), {"require_task": False, "strategy": "multi_worker_mirrored"}, "cluster.ps", "['p:1']"),
-    ("ps-strategy-no-ps", _tf_config({"chief": ["c:1"], "worker": W2}), {"require_task": False, "strategy": "parameter_server"}, "cluster.ps", "jobs ['chief', 'worker']"),
+    (
+        "mwms-with-ps",
+        _tf_config(PS_CLUSTER),
+        {"require_task": False, "strategy": "multi_worker_mirrored"},
+        "cluster.ps",
+        "['p:1']",
+    ),
+    (
+        "ps-strategy-no-ps",
+        _tf_config({"chief": ["c:1"], "worker": W2}),
+        {"require_task": False, "strategy": "parameter_server"},
+        "cluster.ps",
+        "jobs ['chief', 'worker']",
+    ),
     ("ps-strategy-no-cluster", {}, {"strategy": "parameter_server"}, "cluster", "no cluster"),
-    ("ps-no-worker", _tf_config({"chief": ["c:1"], "ps": ["p:1"]}), {"require_task": False}, "cluster.worker", "jobs ['chief', 'ps']"),
-    ("ps-no-chief-inferred", _tf_config({"worker": W2, "ps": ["p:1"]}), {"require_task": False}, "cluster.chief", "jobs ['worker', 'ps']"),
-    ("ps-no-chief-explicit", _tf_config({"worker": W2, "ps": ["p:1"]}), {"require_task": False, "strategy": "parameter_server"}, "cluster.chief", "jobs ['worker', 'ps']"),
-    ("mirrored-multi-task", _tf_config({"worker": W2}, _worker_task()), {"strategy": "mirrored"}, "cluster", "'127.0.0.1:1112'"),
-    ("one-device-multi-task", _tf_config({"worker": W2}), {"require_task": False, "strategy": "one_device"}, "cluster", "'127.0.0.1:1111'"),
-    ("default-multi-task", _tf_config({"worker": W2}), {"require_task": False, "strategy": "default"}, "cluster", "'127.0.0.1:1111'"),
-    ("tpu-multi-task", _tf_config({"worker": W2}), {"require_task": False, "strategy": "tpu"}, "cluster", "'127.0.0.1:1111'"),
+    (
+        "ps-no-worker",
+        _tf_config({"chief": ["c:1"], "ps": ["p:1"]}),
+        {"require_task": False},
+        "cluster.worker",
+        "jobs ['chief', 'ps']",
+    ),
+    (
+        "ps-no-chief-inferred",
+        _tf_config({"worker": W2, "ps": ["p:1"]}),
+        {"require_task": False},
+        "cluster.chief",
+        "jobs ['worker', 'ps']",
+    ),
+    (
+        "ps-no-chief-explicit",
+        _tf_config({"worker": W2, "ps": ["p:1"]}),
+        {"require_task": False, "strategy": "parameter_server"},
+        "cluster.chief",
+        "jobs ['worker', 'ps']",
+    ),
+    (
+        "mirrored-multi-task",
+        _tf_config({"worker": W2}, _worker_task()),
+        {"strategy": "mirrored"},
+        "cluster",
+        "'127.0.0.1:1112'",
+    ),
+    (
+        "one-device-multi-task",
+        _tf_config({"worker": W2}),
+        {"require_task": False, "strategy": "one_device"},
+        "cluster",
+        "'127.0.0.1:1111'",
+    ),
+    (
+        "default-multi-task",
+        _tf_config({"worker": W2}),
+        {"require_task": False, "strategy": "default"},
+        "cluster",
+        "'127.0.0.1:1111'",
+    ),
+    (
+        "tpu-multi-task",
+        _tf_config({"worker": W2}),
+        {"require_task": False, "strategy": "tpu"},
+        "cluster",
+        "'127.0.0.1:1111'",
+    ),
     ("unknown-strategy", {}, {"strategy": "mirored"}, "strategy", "'mirored'"),
 ]
 
@@ -283,18 +439,28 @@ def test_valid_variants():
     assert vertex.is_chief
     assert set(vertex.to_dict()) == {"cluster", "task", "rpc_layer", "environment"}
     # IPv6 and host names.
-    ipv6 = spec_lib.parse(_tf_config({"worker": ["[::1]:1", "[::1]:2", "my-host.example_1:3"]}), require_task=False)
+    ipv6 = spec_lib.parse(
+        _tf_config({"worker": ["[::1]:1", "[::1]:2", "my-host.example_1:3"]}), require_task=False
+    )
     assert ipv6.num_tasks == 3
-    assert spec_lib.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="auto").kind == "parameter_server"
+    assert (
+        spec_lib.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="auto").kind
+        == "parameter_server"
+    )
     # TF class names are accepted as strategy names.
     spec_lib.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="ParameterServerStrategy")
     with pytest.raises(ClusterSpecError):
-        spec_lib.parse(_tf_config(PS_CLUSTER), require_task=False, strategy="MultiWorkerMirroredStrategy")
+        spec_lib.parse(
+            _tf_config(PS_CLUSTER), require_task=False, strategy="MultiWorkerMirroredStrategy"
+        )
 
 
 def test_jobs_are_normalized():
     config = spec_lib.parse(
-        {"cluster": {"ps": ["p:1"], "worker": ["w:1"], "chief": ["c:1"]}, "task": {"type": "ps", "index": 0}}
+        {
+            "cluster": {"ps": ["p:1"], "worker": ["w:1"], "chief": ["c:1"]},
+            "task": {"type": "ps", "index": 0},
+        }
     )
     assert list(config.cluster) == ["chief", "worker", "ps"]
     assert config.cluster["worker"] == ("w:1",)
@@ -312,7 +478,11 @@ def test_tfconfig_validate_and_with_task():
         config.with_task("worker", 2)
     _assert_cluster_error(excinfo, "task.index", "Received: 2")
     with pytest.raises(ClusterSpecError) as excinfo:
-        spec_lib.validate(TFConfig(cluster={"worker": ("a:1", "a:1")}, task_type=None, task_index=None, source="mine"))
+        spec_lib.validate(
+            TFConfig(
+                cluster={"worker": ("a:1", "a:1")}, task_type=None, task_index=None, source="mine"
+            )
+        )
     assert str(excinfo.value).startswith("TF_CONFIG (mine): field 'cluster.worker[1]'")
     assert config.with_task(None, None).task_type is None
 
@@ -335,8 +505,13 @@ def test_spec_dir_is_populated():
     assert len(SPEC_FILES) >= 6, f"expected example specs in {SPEC_DIR}"
     names = {path.stem for path in SPEC_FILES}
     assert {
-        "single_worker", "two_workers", "four_workers", "chief_and_workers",
-        "parameter_server", "parameter_server_one_ps", "parameter_server_evaluator",
+        "single_worker",
+        "two_workers",
+        "four_workers",
+        "chief_and_workers",
+        "parameter_server",
+        "parameter_server_one_ps",
+        "parameter_server_evaluator",
     } <= names
 
 
@@ -504,6 +679,10 @@ def test_import_does_not_load_tensorflow():
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-c", "import tfdist.spec, sys; assert 'tensorflow' not in sys.modules"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr

@@ -24,9 +24,16 @@ HEARTBEAT, LINGER = 2.0, 5.0
 
 
 def _job(**env):
-    return [start(["tests/workers/clean_exit.py"], tf_config=config,
-                  TFDIST_TEST_HEARTBEAT=str(HEARTBEAT), TFDIST_TEST_LINGER=str(LINGER), **env)
-            for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+    return [
+        start(
+            ["tests/workers/clean_exit.py"],
+            tf_config=config,
+            TFDIST_TEST_HEARTBEAT=str(HEARTBEAT),
+            TFDIST_TEST_LINGER=str(LINGER),
+            **env,
+        )
+        for _, _, config in spec_lib.all_task_configs(local_spec(2))
+    ]
 
 
 def _exited(stdout: str) -> float:

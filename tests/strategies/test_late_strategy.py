@@ -26,12 +26,25 @@ SCRIPT = str(REPO / "tests" / "workers" / "late_strategy.py")
 
 def run(mode: str):
     out = io.StringIO()
-    result = launch(SCRIPT, [mode], workers=2, show_all=True, output=out,
-                    handle_signals=False, stop_timeout=5,
-                    env={"PYTHONPATH": os.pathsep.join([str(REPO)])})
+    result = launch(
+        SCRIPT,
+        [mode],
+        workers=2,
+        show_all=True,
+        output=out,
+        handle_signals=False,
+        stop_timeout=5,
+        env={"PYTHONPATH": os.pathsep.join([str(REPO)])},
+    )
     lines = out.getvalue().splitlines()
-    results = {r["task"]: r for r in (json.loads(line.split("tfdist result: ", 1)[1])
-                                      for line in lines if "tfdist result: " in line)}
+    results = {
+        r["task"]: r
+        for r in (
+            json.loads(line.split("tfdist result: ", 1)[1])
+            for line in lines
+            if "tfdist result: " in line
+        )
+    }
     return result, lines, results
 
 
@@ -59,11 +72,12 @@ def test_a_model_built_before_the_strategy_says_what_to_move():
     result, lines, results = run("model")
     assert not result.ok and not results
     text = "\n".join(lines)
-    assert "StrategyOrderError: tfdist.strategy_from_config() (at late_strategy.py:" \
-        in text
-    assert "must create the multi-worker strategy before 2 variable(s) " \
-        "(sequential/dense/bias, sequential/dense/kernel), e.g. a model built " \
+    assert "StrategyOrderError: tfdist.strategy_from_config() (at late_strategy.py:" in text
+    assert (
+        "must create the multi-worker strategy before 2 variable(s) "
+        "(sequential/dense/bias, sequential/dense/kernel), e.g. a model built "
         "before it" in text
+    )
     assert "Move the strategy line up" in text
     assert "TensorFlow said: Collective ops must be configured at program startup" in text
 
@@ -73,8 +87,10 @@ def test_strategies_created_in_sequence_each_train_and_an_unmatched_one_fails():
     # worker:0 lags 2 s before each later strategy: before tfdist.strategies.rejoin
     # the two waited forever at the second model's first variable.
     count = 3
-    procs = [start(["tests/workers/strategy_sequence.py", count, 2], tf_config=config)
-             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+    procs = [
+        start(["tests/workers/strategy_sequence.py", count, 2], tf_config=config)
+        for _, _, config in spec_lib.all_task_configs(local_spec(2))
+    ]
     results = finish(procs, timeout=180)
     for code, _, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"

@@ -10,9 +10,9 @@ import pytest
 
 import tfdist
 from conftest import finish, result_line, start
+from test_strategies import fit_losses
 from tfdist import spec as spec_lib
 from tfdist.engines.net import local_spec
-from test_strategies import fit_losses
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,16 @@ SERVE = "import tfdist; tfdist.strategy_from_config()"
 
 def test_two_worker_keras_fit_through_strategy_from_config(tf_cpus):
     spec = local_spec(2)
-    procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
-                   TFDIST_TEST_BYTES_PER_PACK=str(1 << 20))
-             for _, _, config in spec_lib.all_task_configs(spec)]
+    procs = [
+        start(
+            ["tests/workers/multi_worker_fit.py"],
+            tf_config=config,
+            TFDIST_TEST_BYTES_PER_PACK=str(1 << 20),
+        )
+        for _, _, config in spec_lib.all_task_configs(spec)
+    ]
     results = finish(procs, timeout=240)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
     chief, other = (result_line(out) for _, out, _ in results)
 
@@ -48,22 +53,26 @@ def test_two_worker_keras_fit_through_strategy_from_config(tf_cpus):
     assert "Invalid reduction dimension 0" in scalar_error
     # bytes_per_pack=1 MiB splits tfdist's all-reduce of 3 x 2 MiB into one
     # collective per pack, with the right sums.
-    assert chief["packed"] == other["packed"] == {"sums": [[3.0], [6.0], [9.0]],
-                                                  "collectives": 3}
+    assert chief["packed"] == other["packed"] == {"sums": [[3.0], [6.0], [9.0]], "collectives": 3}
 
 
 @pytest.mark.parametrize("compression,steps", [("powersgd:2", 1), ("topk:0.05", 3)])
-def test_two_worker_fit_with_compression_ends_with_identical_weights(tf_cpus, compression,
-                                                                     steps):
+def test_two_worker_fit_with_compression_ends_with_identical_weights(tf_cpus, compression, steps):
     # PowerSGD: two all-reduces, warm-up cond and Q state across processes;
     # top-k: an all-gather across processes, with error feedback, 3 steps
     # per execution (Keras 3 fails there without tfdist's fix).
     spec = local_spec(2)
-    procs = [start(["tests/workers/multi_worker_fit.py"], tf_config=config,
-                   TFDIST_TEST_COMPRESSION=compression, TFDIST_TEST_STEPS=str(steps))
-             for _, _, config in spec_lib.all_task_configs(spec)]
+    procs = [
+        start(
+            ["tests/workers/multi_worker_fit.py"],
+            tf_config=config,
+            TFDIST_TEST_COMPRESSION=compression,
+            TFDIST_TEST_STEPS=str(steps),
+        )
+        for _, _, config in spec_lib.all_task_configs(spec)
+    ]
     results = finish(procs, timeout=240)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
     chief, other = (result_line(out) for _, out, _ in results)
     assert "error_feedback=True" in chief["description"]
@@ -81,13 +90,28 @@ def test_two_worker_fit_with_compression_ends_with_identical_weights(tf_cpus, co
 #: without compression, several steps per execution, gradient accumulation:
 #: [policy, compression, steps_per_execution, gradient_accumulation_steps].
 #: The first also evaluates and predicts.
-XLA_GRID = ([["float32", None, 1, None]]
-            + [["float32", c, 1, None] for c in ("fp16", "bf16", "topk:0.25", "randomk:0.25",
-                                                 "sign", "qsgd:16", "powersgd:2", "auto")]
-            + [[p, c, 1, None] for p in ("mixed_float16", "mixed_bfloat16")
-               for c in (None, "powersgd:2")]
-            + [["float32", "powersgd:2", 2, None], ["float32", "topk:0.25", 3, None],
-               ["float32", "powersgd:2", 1, 2]])
+XLA_GRID = (
+    [["float32", None, 1, None]]
+    + [
+        ["float32", c, 1, None]
+        for c in (
+            "fp16",
+            "bf16",
+            "topk:0.25",
+            "randomk:0.25",
+            "sign",
+            "qsgd:16",
+            "powersgd:2",
+            "auto",
+        )
+    ]
+    + [[p, c, 1, None] for p in ("mixed_float16", "mixed_bfloat16") for c in (None, "powersgd:2")]
+    + [
+        ["float32", "powersgd:2", 2, None],
+        ["float32", "topk:0.25", 3, None],
+        ["float32", "powersgd:2", 1, 2],
+    ]
+)
 
 
 def test_two_worker_xla_fit_equals_the_fit_without_xla(tf_cpus):
@@ -96,40 +120,56 @@ def test_two_worker_xla_fit_equals_the_fit_without_xla(tf_cpus):
     # One job fits every setting of XLA_GRID twice, with and without XLA,
     # each under a new strategy: processes cost more than fits.
     from test_xla import TOLERANCE
-    procs = [start(["tests/workers/xla_grid_fit.py"], tf_config=config,
-                   TFDIST_TEST_GRID=json.dumps(XLA_GRID))
-             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+
+    procs = [
+        start(
+            ["tests/workers/xla_grid_fit.py"],
+            tf_config=config,
+            TFDIST_TEST_GRID=json.dumps(XLA_GRID),
+        )
+        for _, _, config in spec_lib.all_task_configs(local_spec(2))
+    ]
     results = finish(procs, timeout=400)
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
     chief, other = (result_line(out)["grid"] for _, out, _ in results)
     assert [row["task"] for row in chief] == ["worker:0"] * len(XLA_GRID)
     assert [row["task"] for row in other] == ["worker:1"] * len(XLA_GRID)
     plain = {(row["compression"], row["policy"]): row["loss"]["plain"] for row in chief}
     for (policy, compression, steps, accumulation), row, peer in zip(XLA_GRID, chief, other):
-        setting = (f"{policy}, {compression}, steps_per_execution={steps}, "
-                   f"gradient_accumulation_steps={accumulation}")
+        setting = (
+            f"{policy}, {compression}, steps_per_execution={steps}, "
+            f"gradient_accumulation_steps={accumulation}"
+        )
         assert [row["policy"], row["compression"], row["steps"], row["accumulation"]] == [
-            policy, compression, steps, accumulation]
+            policy,
+            compression,
+            steps,
+            accumulation,
+        ]
         assert row["replicas"] == 2
         # 2 epochs of 8 global batches; accumulation applies every N-th.
-        assert row["iterations"]["xla"] == row["iterations"]["plain"] == 16 // (
-            accumulation or 1), setting
+        assert (
+            row["iterations"]["xla"] == row["iterations"]["plain"] == 16 // (accumulation or 1)
+        ), setting
         # Synchronous under XLA: both workers end with the same weights.
         assert row["sha256"] == peer["sha256"], setting
-        weights, metrics = TOLERANCE.get(compression if policy == "float32" else policy,
-                                         TOLERANCE["float32"])
+        weights, metrics = TOLERANCE.get(
+            compression if policy == "float32" else policy, TOLERANCE["float32"]
+        )
         assert row["weights_diff"] <= weights, setting
-        np.testing.assert_allclose(row["loss"]["xla"], row["loss"]["plain"], rtol=metrics,
-                                   err_msg=setting)
+        np.testing.assert_allclose(
+            row["loss"]["xla"], row["loss"]["plain"], rtol=metrics, err_msg=setting
+        )
         assert row["loss"]["xla"][-1] < row["loss"]["xla"][0], setting
         if compression not in (None, "auto") or accumulation:  # The setting was in effect.
             assert row["loss"]["plain"] != plain[(None, policy)], setting
         if policy == "mixed_float16":
             assert row["optimizer"] == "LossScaleOptimizer", setting
     evaluated = chief[0]
-    np.testing.assert_allclose(evaluated["evaluate"]["xla"], evaluated["evaluate"]["plain"],
-                               rtol=TOLERANCE["float32"][1])
+    np.testing.assert_allclose(
+        evaluated["evaluate"]["xla"], evaluated["evaluate"]["plain"], rtol=TOLERANCE["float32"][1]
+    )
     assert evaluated["predict_diff"] <= 10 * TOLERANCE["float32"][0]
     assert "xla: jit_compile='auto' resolves to off (CPU replicas" in evaluated["description"]
 
@@ -138,12 +178,17 @@ def test_a_peer_that_never_starts_is_named_within_the_timeout():
     # Worker 0 leads the coordination service; worker 1 only registers with
     # it. Start one of each in two separate 2-worker clusters, alone.
     leader_spec, follower_spec = local_spec(2), local_spec(2)
-    leader = start(["-c", SERVE], TFDIST_REGISTER_TIMEOUT="5",
-                   tf_config=spec_lib.tf_config_for_task(leader_spec, "worker", 0))
-    follower = start(["-c", SERVE], TFDIST_REGISTER_TIMEOUT="5",
-                     tf_config=spec_lib.tf_config_for_task(follower_spec, "worker", 1))
-    (lead_code, _, lead_err), (follow_code, _, follow_err) = finish(
-        [leader, follower], timeout=120)
+    leader = start(
+        ["-c", SERVE],
+        TFDIST_REGISTER_TIMEOUT="5",
+        tf_config=spec_lib.tf_config_for_task(leader_spec, "worker", 0),
+    )
+    follower = start(
+        ["-c", SERVE],
+        TFDIST_REGISTER_TIMEOUT="5",
+        tf_config=spec_lib.tf_config_for_task(follower_spec, "worker", 1),
+    )
+    (lead_code, _, lead_err), (follow_code, _, follow_err) = finish([leader, follower], timeout=120)
     assert lead_code != 0
     assert "ClusterJoinError" in lead_err
     assert f"worker:1 ({leader_spec['cluster']['worker'][1]}) did not join" in lead_err
@@ -177,8 +222,7 @@ print("tfdist result: {\\"total\\": %s, \\"variable_device\\": \\"%s\\"}"
 def test_parameter_server_cluster_servers_and_chief():
     spec = local_spec(2, chief=True, ps=1)
     configs = {(t, i): c for t, i, c in spec_lib.all_task_configs(spec)}
-    servers = [start(["-c", SERVE], tf_config=configs[key])
-               for key in configs if key[0] != "chief"]
+    servers = [start(["-c", SERVE], tf_config=configs[key]) for key in configs if key[0] != "chief"]
     try:
         chief = start(["-c", PS_CHIEF], tf_config=configs[("chief", 0)])
         [(code, out, err)] = finish([chief], timeout=180)
@@ -201,9 +245,10 @@ def test_parameter_server_cluster_servers_and_chief():
 def test_collectives_keep_threads_flat_and_a_hung_peer_fails_the_other():
     # TensorFlow's own collective timeout left two sleeping threads per
     # all-reduce (300 for these 150); tfdist's watchdog keeps one thread.
-    procs = [start(["tests/workers/watchdog_job.py"], tf_config=config,
-                   TFDIST_COLLECTIVE_TIMEOUT="6")
-             for _, _, config in spec_lib.all_task_configs(local_spec(2))]
+    procs = [
+        start(["tests/workers/watchdog_job.py"], tf_config=config, TFDIST_COLLECTIVE_TIMEOUT="6")
+        for _, _, config in spec_lib.all_task_configs(local_spec(2))
+    ]
     outs = []
     try:
         procs[0].wait(timeout=180)

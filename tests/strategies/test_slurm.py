@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from tfdist.spec.detect import choose
 from tfdist.errors import ConfigError
+from tfdist.spec.detect import choose
 
-STEP = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
-        "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2",
-        "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+STEP = {
+    "SLURM_PROCID": "1",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NODELIST": "localhost",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+}
 
 
 @pytest.fixture
@@ -22,9 +27,10 @@ def slurm_step(monkeypatch, tmp_path):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here
-    from tensorflow.python.distribute.cluster_resolver import (
-        slurm_cluster_resolver as tf_slurm)
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as tf_slurm
+
     from tfdist.strategies import slurm
+
     return tf_slurm, slurm
 
 
@@ -33,15 +39,13 @@ def test_tensorflows_resolver_fails_without_gpus(slurm_step):
     with pytest.raises((RuntimeError, OSError)):
         tf_slurm.SlurmClusterResolver(port_base=23000)
     with pytest.raises(ValueError, match="must not be zero"):
-        tf_slurm.SlurmClusterResolver(port_base=23000,
-                                      gpus_per_node=0).cluster_spec()
+        tf_slurm.SlurmClusterResolver(port_base=23000, gpus_per_node=0).cluster_spec()
 
 
 def test_tfdist_resolver_works_on_a_cpu_node(slurm_step):
     _, slurm = slurm_step
     resolver = slurm.SlurmClusterResolver(port_base=23000)
-    assert resolver.cluster_spec().as_dict() == {
-        "worker": ["localhost:23000", "localhost:23001"]}
+    assert resolver.cluster_spec().as_dict() == {"worker": ["localhost:23000", "localhost:23001"]}
     assert (resolver.task_type, resolver.task_id) == ("worker", 1)
     assert resolver.num_accelerators() == {}
     assert "CUDA_VISIBLE_DEVICES" not in __import__("os").environ
@@ -51,8 +55,7 @@ def test_tfdist_resolver_keeps_gpu_placement_on_gpu_nodes(slurm_step, monkeypatc
     _, slurm = slurm_step
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     resolver = slurm.SlurmClusterResolver(port_base=23000)
-    assert resolver.cluster_spec().as_dict() == {
-        "worker": ["localhost:23000", "localhost:23001"]}
+    assert resolver.cluster_spec().as_dict() == {"worker": ["localhost:23000", "localhost:23001"]}
     assert resolver.num_accelerators() == {"GPU": 1}
     assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "1"  # task 1's GPU
 
@@ -77,13 +80,16 @@ def test_default_port_base_depends_on_job_and_step(slurm_step):
     for port in (base, other):
         # Below the ephemeral port ranges (Linux 32768-60999, IANA 49152-),
         # where srun and slurmstepd bind on the same node.
-        assert 20000 <= port and port + 64 <= 32768, port
-    bases = {slurm.default_port_base({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0"})
-             for job in range(2000)}
+        assert port >= 20000 and port + 64 <= 32768, port
+    bases = {
+        slurm.default_port_base({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0"})
+        for job in range(2000)
+    }
     assert min(bases) >= 20000 and max(bases) + 64 <= 32768, (min(bases), max(bases))
     assert len(bases) > 1800, f"expected bases spread out, got {len(bases)} distinct"
     assert slurm.SlurmClusterResolver().cluster_spec().as_dict()["worker"][0] == (
-        f"localhost:{base}")
+        f"localhost:{base}"
+    )
 
 
 def test_auto_detection_picks_multi_worker_in_a_slurm_step(slurm_step):
@@ -95,6 +101,7 @@ def test_horovod_ranks_come_from_the_slurm_step(slurm_step, monkeypatch):
     import os
 
     from tfdist.horovod import ranks
+
     monkeypatch.setenv("SLURM_LOCALID", "1")
     topo = ranks.discover(dict(os.environ))
     base = slurm_step[1].default_port_base()
@@ -109,6 +116,7 @@ def test_horovod_ranks_refuse_a_local_id_that_contradicts_the_step(slurm_step, m
     import os
 
     from tfdist.horovod import ranks
+
     monkeypatch.setenv("SLURM_LOCALID", "0")  # Task 1 of 2 on one node is local 1.
     with pytest.raises(ConfigError) as info:
         ranks.discover(dict(os.environ))

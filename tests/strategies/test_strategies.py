@@ -13,23 +13,29 @@ import tfdist
 from tfdist.errors import ConfigError
 
 sys.path.insert(0, str(__import__("conftest").REPO / "strategies"))
-import _common  # noqa: E402  (the scripts' model and data)
+import _common  # The scripts' model and data.
 
 
 def fit_losses(strategy, epochs=2, global_batch=64):
     """Fits the scripts' model with the same global batch under ``strategy``."""
-    return _common.train(strategy, epochs=epochs,
-                         per_replica_batch_size=global_batch
-                         // strategy.num_replicas_in_sync,
-                         examples=1024, learning_rate=0.01, seed=3)
+    return _common.train(
+        strategy,
+        epochs=epochs,
+        per_replica_batch_size=global_batch // strategy.num_replicas_in_sync,
+        examples=1024,
+        learning_rate=0.01,
+        seed=3,
+    )
 
 
 def all_reduce_sum(strategy, tf):
     """Each replica contributes replica_id + 1; returns what every replica sees."""
+
     def step():
         ctx = tf.distribute.get_replica_context()
         value = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
         return ctx.all_reduce("SUM", value)
+
     results = strategy.experimental_local_results(strategy.run(tf.function(step)))
     return [float(r) for r in results]
 
@@ -39,6 +45,7 @@ def test_auto_mirrors_over_the_logical_cpus_this_process_started_with(tf_cpus):
     # TensorFlow started, as TF's input tutorial does; TF's MirroredStrategy()
     # mirrors over them, and so does the automatic choice.
     from conftest import LOGICAL_CPUS
+
     strategy = tfdist.strategy_from_config()
     assert isinstance(strategy, tfdist.MirroredStrategy)
     assert strategy.num_replicas_in_sync == LOGICAL_CPUS
@@ -70,16 +77,17 @@ def test_mirrored_fit_matches_single_device(tf_cpus):
     assert isinstance(mirrored, tf_cpus.distribute.MirroredStrategy)
     assert mirrored.num_replicas_in_sync == 2
     assert mirrored.compression.name == "bf16"
-    assert "compression: bf16 (BF16Compressor(prescale=1.0), error_feedback=False)" \
+    assert (
+        "compression: bf16 (BF16Compressor(prescale=1.0), error_feedback=False)"
         in mirrored.describe()
+    )
     assert "cpu_replicas=2" in mirrored.describe()
     single = tfdist.strategy_from_config(strategy="one_device")
     mirrored_result = fit_losses(mirrored)
     single_result = fit_losses(single)
     # Same global batch, same data and weights: the mean of per-replica
     # gradients equals the full-batch gradient, up to float rounding.
-    np.testing.assert_allclose(mirrored_result["loss"], single_result["loss"],
-                               rtol=1e-3)
+    np.testing.assert_allclose(mirrored_result["loss"], single_result["loss"], rtol=1e-3)
     assert mirrored_result["loss"][-1] < 0.7 * mirrored_result["loss"][0]
 
 
@@ -115,8 +123,7 @@ def test_local_multi_worker_strategy_reduces_structures_and_scalars(tf_cpus):
     assert float(mean[1]) == 4.0
     # Keras 3 asks for axis=0 on scalars; for a scalar that is axis=None.
     assert float(strategy.reduce("MEAN", batch[1], axis=0)) == 4.0
-    np.testing.assert_allclose(strategy.reduce("SUM", batch[0], axis=0),
-                               [2.0, 2.0, 2.0])
+    np.testing.assert_allclose(strategy.reduce("SUM", batch[0], axis=0), [2.0, 2.0, 2.0])
 
 
 def run_with_deadline(fn, seconds):
@@ -142,11 +149,14 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("kwargs, says", [
-    ({"strategy": "tpu"}, "no local TPU device"),
-    ({"tpu": f"grpc://127.0.0.1:{closed_port()}"}, "nothing answers at 127.0.0.1"),
-    ({"tpu": "my-tpu-v4"}, "not a Google Cloud VM"),
-])
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"strategy": "tpu"}, "no local TPU device"),
+        ({"tpu": f"grpc://127.0.0.1:{closed_port()}"}, "nothing answers at 127.0.0.1"),
+        ({"tpu": "my-tpu-v4"}, "not a Google Cloud VM"),
+    ],
+)
 def test_tpu_without_a_tpu_fails_fast_and_says_what_to_do(tf_cpus, kwargs, says):
     outcome = run_with_deadline(lambda: tfdist.strategy_from_config(**kwargs), 30)
     error = outcome.get("error")
@@ -163,30 +173,56 @@ def test_nccl_without_gpus_is_refused(tf_cpus):
 
 def test_strategy_from_flags(tf_cpus):
     from absl import flags
+
     values = flags.FlagValues()
     tfdist.define_flags(values)
-    values(["prog", "--cpu_replicas=2", "--compression=topk:0.05",
-            "--register_timeout=30", "--noerror_feedback"])
+    values(
+        [
+            "prog",
+            "--cpu_replicas=2",
+            "--compression=topk:0.05",
+            "--register_timeout=30",
+            "--noerror_feedback",
+        ]
+    )
     from tfdist.strategies.flags import options_from_flags
+
     kwargs = options_from_flags(values)
-    assert kwargs == {"cpu_replicas": 2, "register_timeout": 30.0,
-                      "strategy": "auto", "compression": "topk:0.05",
-                      "error_feedback": False, "config": None}
+    assert kwargs == {
+        "cpu_replicas": 2,
+        "register_timeout": 30.0,
+        "strategy": "auto",
+        "compression": "topk:0.05",
+        "error_feedback": False,
+        "config": None,
+    }
     strategy = tfdist.strategy_from_flags(values)
     assert isinstance(strategy, tfdist.MirroredStrategy)
     assert (strategy.compression.name, strategy.compression.param) == ("topk", 0.05)
     assert "error_feedback=False" in strategy.describe()
 
 
-@pytest.mark.parametrize("config, kwargs", [
-    ({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
-                  "ps": ["127.0.0.1:3"]}, "task": {"type": "chief", "index": 0}}, {}),
-    (None, {"strategy": "tpu"}),
-])
-def test_compression_under_ps_or_tpu_is_refused_before_building(tf_cpus, config,
-                                                                 kwargs):
-    outcome = run_with_deadline(lambda: tfdist.strategy_from_config(
-        config, compression="topk:0.01", **kwargs), 30)
+@pytest.mark.parametrize(
+    "config, kwargs",
+    [
+        (
+            {
+                "cluster": {
+                    "chief": ["127.0.0.1:1"],
+                    "worker": ["127.0.0.1:2"],
+                    "ps": ["127.0.0.1:3"],
+                },
+                "task": {"type": "chief", "index": 0},
+            },
+            {},
+        ),
+        (None, {"strategy": "tpu"}),
+    ],
+)
+def test_compression_under_ps_or_tpu_is_refused_before_building(tf_cpus, config, kwargs):
+    outcome = run_with_deadline(
+        lambda: tfdist.strategy_from_config(config, compression="topk:0.01", **kwargs), 30
+    )
     error = outcome.get("error")
     assert isinstance(error, ConfigError), outcome
     assert error.field == "compression" and "'topk:0.01'" in str(error)
@@ -228,6 +264,7 @@ print("tfdist result: " + json.dumps({
 
 def test_auto_uses_the_logical_cpus_configured_before_the_call():
     from conftest import finish, result_line, start
+
     [(code, out, err)] = finish([start(["-c", LOGICAL_CPUS_SCRIPT])], timeout=300)
     assert code == 0, err[-3000:]
     result = result_line(out)
@@ -237,8 +274,7 @@ def test_auto_uses_the_logical_cpus_configured_before_the_call():
     assert result["started"] == 2
     assert result["type"] == "MirroredStrategy" and result["mirrored"]
     assert result["replicas"] == 2
-    assert [d.rsplit("/", 1)[1] for d in result["devices"]] == [
-        "device:CPU:0", "device:CPU:1"]
+    assert [d.rsplit("/", 1)[1] for d in result["devices"]] == ["device:CPU:0", "device:CPU:1"]
     assert result["sums"] == [3.0, 3.0]  # 1 + 2 on each replica: a real all-reduce
     assert result["per_replica_rows"] == [[2, 2], [2, 2]]
     assert "why: 2 logical CPUs" in result["describe"]

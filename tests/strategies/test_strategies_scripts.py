@@ -17,11 +17,9 @@ import pytest
 
 from conftest import REPO, finish, result_line, start, subprocess_env
 
-SCRIPTS = sorted(p for p in (REPO / "strategies").glob("*.py")
-                 if not p.name.startswith("_"))
+SCRIPTS = sorted(p for p in (REPO / "strategies").glob("*.py") if not p.name.startswith("_"))
 #: Every script takes these (the issue's list); more are allowed.
-COMMON_FLAGS = ("strategy", "compression", "epochs", "per_replica_batch_size",
-                "model_dir")
+COMMON_FLAGS = ("strategy", "compression", "epochs", "per_replica_batch_size", "model_dir")
 TINY = ["--epochs=2", "--examples=1024"]
 
 
@@ -37,9 +35,14 @@ def results_by_task(stdout: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_every_script_lists_the_common_flags_in_its_help(script):
-    done = subprocess.run([sys.executable, str(script), "--help"], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "Traceback" not in done.stderr, done.stderr[-2000:]  # absl exits 1 after --help.
     listed = set(re.findall(r"^  --(?:\[no\])?(\w+)", done.stdout, re.M))
     missing = [name for name in COMMON_FLAGS if name not in listed]
@@ -49,9 +52,19 @@ def test_every_script_lists_the_common_flags_in_its_help(script):
 @pytest.mark.slow
 def test_multi_worker_mirrored_script_through_tfdist_launch(tmp_path, tf_cpus):
     model_dir = tmp_path / "model"
-    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
-                  "strategies/multi_worker_mirrored.py", *TINY,
-                  f"--model_dir={model_dir}"])
+    proc = start(
+        [
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            "strategies/multi_worker_mirrored.py",
+            *TINY,
+            f"--model_dir={model_dir}",
+        ]
+    )
     [(code, out, err)] = finish([proc], timeout=300)
     assert code == 0, (out + err)[-4000:]
     assert "[worker:0]   this task: worker:0 (chief)" in out
@@ -72,8 +85,10 @@ def test_multi_worker_mirrored_script_through_tfdist_launch(tmp_path, tf_cpus):
     checkpoints = sorted(p.name for p in (model_dir / "checkpoints").iterdir())
     assert checkpoints == ["epoch-01.keras", "epoch-02.keras"]
     import keras
+
     sys.path.insert(0, str(REPO / "strategies"))
     import _common
+
     saved = keras.models.load_model(model_dir / "model.keras")
     assert _common.weights_sha256(saved.get_weights()) == chief["weights_sha256"]
 
@@ -103,8 +118,7 @@ def test_tpu_script_without_a_tpu_fails_at_once_with_one_line():
 
 
 def test_compressed_script_sends_fewer_bytes_and_learns():
-    [(code, out, err)] = finish([start(["strategies/compressed.py", *TINY])],
-                                timeout=240)
+    [(code, out, err)] = finish([start(["strategies/compressed.py", *TINY])], timeout=240)
     assert code == 0, err[-4000:]
     assert "MirroredStrategy (mirrored): 2 replica(s) in sync" in out
     result = result_line(out)

@@ -38,8 +38,9 @@ PEERS = ["/job:worker/replica:0/task:1", "/job:worker/replica:0/task:2"]
 
 
 def watchdog(fake, timeout=30.0):
-    return PeerWatchdog(PEERS, timeout, probe=fake.probe, abort=fake.aborted.append,
-                        clock=fake.clock)
+    return PeerWatchdog(
+        PEERS, timeout, probe=fake.probe, abort=fake.aborted.append, clock=fake.clock
+    )
 
 
 def test_peers_that_answer_are_left_alone():
@@ -82,8 +83,9 @@ def test_the_thread_aborts_with_the_message_and_stops():
         aborted.append(message)
         done.set()
 
-    dog = PeerWatchdog(PEERS, 2.0, interval=0.0, probe=fake.probe, abort=abort,
-                       clock=fake.clock).start()
+    dog = PeerWatchdog(
+        PEERS, 2.0, interval=0.0, probe=fake.probe, abort=abort, clock=fake.clock
+    ).start()
     assert done.wait(10)
     dog.stop()
     assert aborted == [dog.failure] and PEERS[0] in aborted[0]

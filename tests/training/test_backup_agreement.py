@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, finish, result_line, start, subprocess_env
 
+from conftest import REPO, finish, result_line, start, subprocess_env
 from tfdist.training.backup_agreement import BackupDisagreementError, agree, describe
 from tfdist.training.callbacks import BackupError
 
@@ -43,8 +43,11 @@ def test_the_same_backup_everywhere_is_the_point():
 
 
 def test_a_task_ahead_resumes_with_the_others_at_the_newest_common_point():
-    held = {"worker:0": [(3, 0), (2, 0)], "worker:1": [(2, 0), (1, 0)],
-            "worker:2": [(2, 0), (1, 0)]}
+    held = {
+        "worker:0": [(3, 0), (2, 0)],
+        "worker:1": [(2, 0), (1, 0)],
+        "worker:2": [(2, 0), (1, 0)],
+    }
     assert agree(held) == (2, 0)
     # Mid-epoch points order by batch within the epoch.
     assert agree({"a": [(1, 6), (1, 3)], "b": [(1, 3), (1, 0)]}) == (1, 3)
@@ -52,14 +55,19 @@ def test_a_task_ahead_resumes_with_the_others_at_the_newest_common_point():
 
 def test_no_common_point_fails_naming_every_task_and_what_it_holds():
     with pytest.raises(BackupDisagreementError) as caught:
-        agree({"worker:0": [(2, 0), (1, 4)], "worker:1": []},
-              where={"worker:0": "/b/task0 on h0", "worker:1": "/b/task1 on h1"})
+        agree(
+            {"worker:0": [(2, 0), (1, 4)], "worker:1": []},
+            where={"worker:0": "/b/task0 on h0", "worker:1": "/b/task1 on h1"},
+        )
     message = str(caught.value)
     assert isinstance(caught.value, BackupError)
     assert "expected every training task to hold a backup of one common point" in message
     assert "worker:0 holds epoch 2 and epoch 1, batch 4 in /b/task0 on h0" in message
     assert "worker:1 holds no backup in /b/task1 on h1" in message
-    with pytest.raises(BackupDisagreementError, match=r"received: worker:0 holds epoch 2; worker:1 holds epoch 1\. "):
+    with pytest.raises(
+        BackupDisagreementError,
+        match=r"received: worker:0 holds epoch 2; worker:1 holds epoch 1\. ",
+    ):
         agree({"worker:0": [(2, 0)], "worker:1": [(1, 0)]})
     assert describe((3, 0)) == "epoch 3" and describe((3, 2)) == "epoch 3, batch 2"
 
@@ -68,13 +76,21 @@ def test_a_backup_counts_only_if_its_weights_match_its_metadata(tmp_path):
     import keras
 
     from tfdist.training import backup_dirs
+
     callback = keras.callbacks.BackupAndRestore(str(tmp_path), double_checkpoint=True)
 
     def write(weights: str, metadata: str, content: bytes, epoch: int, batches: int = 0):
         Path(weights).write_bytes(content)
-        Path(metadata).write_text(json.dumps({"epoch": epoch, "batch": 0,
-                                              "tfdist_batches_done": batches,
-                                              **backup_dirs.weights_digest(weights)}))
+        Path(metadata).write_text(
+            json.dumps(
+                {
+                    "epoch": epoch,
+                    "batch": 0,
+                    "tfdist_batches_done": batches,
+                    **backup_dirs.weights_digest(weights),
+                }
+            )
+        )
 
     write(callback._weights_path, callback._training_metadata_path, b"new", 2, 3)
     write(callback._prev_weights_path, callback._prev_training_metadata_path, b"old", 1)
@@ -105,12 +121,29 @@ def launched(tmp_path_factory) -> tuple[Path, dict, str]:
     backups kept for the next test). Returns DIR, the tasks' final results
     and the launcher's output."""
     directory = tmp_path_factory.mktemp("launched")
-    env = subprocess_env(TFDIST_TEST_BATCH_SLEEP="0.05", TFDIST_TEST_DOUBLE="1",
-                         TFDIST_TEST_DELETE="0")
+    env = subprocess_env(
+        TFDIST_TEST_BATCH_SLEEP="0.05", TFDIST_TEST_DOUBLE="1", TFDIST_TEST_DELETE="0"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--max-restarts", "1",
-         WORKER, str(directory)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--max-restarts",
+            "1",
+            WORKER,
+            str(directory),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not any(e == 2 and b >= 2 for _, e, b in _progress(directory, "worker-1")):
@@ -123,8 +156,14 @@ def launched(tmp_path_factory) -> tuple[Path, dict, str]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, out[-5000:]
-    return directory, {t: json.loads((directory / f"result-1-{t}.json").read_text())
-                       for t in ("worker-0", "worker-1")}, out
+    return (
+        directory,
+        {
+            t: json.loads((directory / f"result-1-{t}.json").read_text())
+            for t in ("worker-0", "worker-1")
+        },
+        out,
+    )
 
 
 @pytest.mark.slow
@@ -144,12 +183,18 @@ def test_launch_after_a_sigkill_resumes_every_task_at_the_same_epoch(launched):
 
 def _plain_job(directory: Path, epochs: int, delete: bool) -> list[tuple[int, str, str]]:
     from tfdist.engines.net import local_spec
+
     cluster = local_spec(2)["cluster"]
-    procs = [start([WORKER, directory],
-                   tf_config={"cluster": cluster, "task": {"type": "worker", "index": i}},
-                   TFDIST_TEST_DOUBLE="1", TFDIST_TEST_DELETE="1" if delete else "0",
-                   TFDIST_TEST_EPOCHS=str(epochs))
-             for i in range(2)]
+    procs = [
+        start(
+            [WORKER, directory],
+            tf_config={"cluster": cluster, "task": {"type": "worker", "index": i}},
+            TFDIST_TEST_DOUBLE="1",
+            TFDIST_TEST_DELETE="1" if delete else "0",
+            TFDIST_TEST_EPOCHS=str(epochs),
+        )
+        for i in range(2)
+    ]
     return finish(procs, 150)
 
 
@@ -167,7 +212,11 @@ def test_plain_processes_fail_at_once_or_agree_on_the_common_backup(launched):
     failed = _plain_job(directory, epochs=5, delete=False)
     assert [code for code, _, _ in failed] == [1, 1]
     for _, _, err in failed:
-        [line] = [l for l in err.splitlines() if l.startswith("tfdist.training.backup_agreement.")]
+        [line] = [
+            text
+            for text in err.splitlines()
+            if text.startswith("tfdist.training.backup_agreement.")
+        ]
         assert "BackupDisagreementError: The workers cannot resume at the same point" in line
         assert f"worker:0 holds epoch 4 and epoch 3 in {directory / 'task0'} on " in line
         assert f"worker:1 holds no backup in {task1} on " in line
@@ -175,8 +224,9 @@ def test_plain_processes_fail_at_once_or_agree_on_the_common_backup(launched):
 
     assert os.listdir(task1) == []  # Made for the probe, left empty.
     for name, content in kept.items():
-        if not name.startswith(("latest.weights.h5", "training_metadata.json")) \
-                or name.endswith(".bkp"):
+        if not name.startswith(("latest.weights.h5", "training_metadata.json")) or name.endswith(
+            ".bkp"
+        ):
             (task1 / name).write_bytes(content)  # Its previous backup only: epoch 3.
     resumed = _plain_job(directory, epochs=5, delete=True)
     assert [code for code, _, _ in resumed] == [0, 0], resumed[1][2][-3000:]

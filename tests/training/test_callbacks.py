@@ -19,11 +19,11 @@ import pytest
 import tfdist
 from conftest import REPO, finish, result_line, start
 from tfdist import spec as spec_lib
-from tfdist.errors import ConfigError
 from tfdist.engines.net import local_spec
+from tfdist.errors import ConfigError
 
 sys.path.insert(0, str(REPO / "strategies"))
-import _common  # noqa: E402  (the scripts' model and data)
+import _common  # The scripts' model and data.
 
 EXAMPLES, GLOBAL_BATCH, EPOCHS = 256, 32, 4
 STEPS = EXAMPLES // GLOBAL_BATCH  # per epoch
@@ -38,13 +38,13 @@ def strategy(tf_cpus):
 @pytest.fixture(scope="module")
 def callbacks_mod(tf_cpus):
     from tfdist.training import callbacks
+
     return callbacks
 
 
 def dataset(tf):
     x, y = _common.make_data(EXAMPLES, 3)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH,
-                                                            drop_remainder=True)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH, drop_remainder=True)
 
 
 def new_model(strategy, lr=LR, optimizer=None):
@@ -52,14 +52,18 @@ def new_model(strategy, lr=LR, optimizer=None):
         model = _common.build_model(lr, seed=3)
         if optimizer is not None:
             import keras
-            model.compile(optimizer=optimizer(), loss=keras.losses.
-                          SparseCategoricalCrossentropy(from_logits=True))
+
+            model.compile(
+                optimizer=optimizer(),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
     return model
 
 
 def fit(tf, model, epochs=EPOCHS, callbacks=()):
-    return model.fit(dataset(tf), epochs=epochs, verbose=0, shuffle=False,
-                     callbacks=list(callbacks))
+    return model.fit(
+        dataset(tf), epochs=epochs, verbose=0, shuffle=False, callbacks=list(callbacks)
+    )
 
 
 def weights(model):
@@ -101,8 +105,9 @@ def make_recorder():
             self.epoch = epoch
 
         def on_train_batch_begin(self, batch, logs=None):
-            self.rates.append((self.epoch, batch, float(
-                self.model.optimizer.learning_rate.numpy())))
+            self.rates.append(
+                (self.epoch, batch, float(self.model.optimizer.learning_rate.numpy()))
+            )
 
     return Recorder()
 
@@ -112,8 +117,7 @@ def reference(tf_cpus, strategy):
     """An uninterrupted fit: final weights and optimizer step count."""
     model = new_model(strategy)
     fit(tf_cpus, model)
-    return {"weights": weights(model),
-            "iterations": int(model.optimizer.iterations.numpy())}
+    return {"weights": weights(model), "iterations": int(model.optimizer.iterations.numpy())}
 
 
 def files_in(path):
@@ -125,13 +129,17 @@ def files_in(path):
 
 
 def test_resume_after_an_interruption_equals_an_uninterrupted_fit(
-        tf_cpus, strategy, callbacks_mod, reference, tmp_path):
+    tf_cpus, strategy, callbacks_mod, reference, tmp_path
+):
     backup_dir = str(tmp_path / "backup")
     first = new_model(strategy)
     # Two epochs complete, then a failure in the middle of the third.
     with pytest.raises(Interrupted):
-        fit(tf_cpus, first, callbacks=[callbacks_mod.BackupAndRestore(backup_dir),
-                                       interrupter(2, batch=3)])
+        fit(
+            tf_cpus,
+            first,
+            callbacks=[callbacks_mod.BackupAndRestore(backup_dir), interrupter(2, batch=3)],
+        )
     pointer = json.loads((tmp_path / "backup" / "checkpoint.json").read_text())
     assert (pointer["epoch"], pointer["step"]) == (2, 0)
     assert files_in(backup_dir) == ["checkpoint.json", pointer["file"]]
@@ -151,23 +159,35 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_fit(
     assert second._initial_epoch is None  # A later fit starts where asked.
 
 
-@pytest.mark.parametrize("save_freq, stop, saved", [
-    (3, (2, 6), (2, 5)),   # mid-epoch backup: resume skips 5 batches of epoch 2
-    (4, (2, 1), (2, 0)),   # a backup on an epoch's last batch moves to the next
-])
+@pytest.mark.parametrize(
+    "save_freq, stop, saved",
+    [
+        (3, (2, 6), (2, 5)),  # mid-epoch backup: resume skips 5 batches of epoch 2
+        (4, (2, 1), (2, 0)),  # a backup on an epoch's last batch moves to the next
+    ],
+)
 def test_resume_from_a_backup_every_n_batches(
-        tf_cpus, strategy, callbacks_mod, reference, tmp_path, save_freq, stop, saved):
+    tf_cpus, strategy, callbacks_mod, reference, tmp_path, save_freq, stop, saved
+):
     backup_dir = str(tmp_path / "backup")
     with pytest.raises(Interrupted):
-        fit(tf_cpus, new_model(strategy), callbacks=[
-            callbacks_mod.BackupAndRestore(backup_dir, save_freq=save_freq),
-            interrupter(*stop)])
+        fit(
+            tf_cpus,
+            new_model(strategy),
+            callbacks=[
+                callbacks_mod.BackupAndRestore(backup_dir, save_freq=save_freq),
+                interrupter(*stop),
+            ],
+        )
     pointer = callbacks_mod.read_backup_pointer(backup_dir)
     assert (pointer["epoch"], pointer["step"]) == saved
 
     model, recorder = new_model(strategy), make_recorder()
-    fit(tf_cpus, model, callbacks=[
-        callbacks_mod.BackupAndRestore(backup_dir, save_freq=save_freq), recorder])
+    fit(
+        tf_cpus,
+        model,
+        callbacks=[callbacks_mod.BackupAndRestore(backup_dir, save_freq=save_freq), recorder],
+    )
     assert recorder.epochs == [2, 3]
     # Exactly the batches after the backup were trained: no more, no fewer.
     assert int(model.optimizer.iterations.numpy()) == reference["iterations"]
@@ -175,11 +195,15 @@ def test_resume_from_a_backup_every_n_batches(
 
 
 def test_leftovers_of_interrupted_saves_do_not_break_resume(
-        tf_cpus, strategy, callbacks_mod, reference, tmp_path):
+    tf_cpus, strategy, callbacks_mod, reference, tmp_path
+):
     backup_dir = tmp_path / "backup"
     with pytest.raises(Interrupted):
-        fit(tf_cpus, new_model(strategy), callbacks=[
-            callbacks_mod.BackupAndRestore(str(backup_dir)), interrupter(2)])
+        fit(
+            tf_cpus,
+            new_model(strategy),
+            callbacks=[callbacks_mod.BackupAndRestore(str(backup_dir)), interrupter(2)],
+        )
     pointer = callbacks_mod.read_backup_pointer(backup_dir)
     # What a kill at each point of a save leaves behind: a partial weights
     # file, a renamed backup whose pointer was never written, a partial pointer.
@@ -201,15 +225,23 @@ def test_leftovers_of_interrupted_saves_do_not_break_resume(
 def test_a_damaged_backup_is_refused(tf_cpus, strategy, callbacks_mod, tmp_path):
     backup_dir = tmp_path / "backup"
     with pytest.raises(Interrupted):
-        fit(tf_cpus, new_model(strategy), epochs=2, callbacks=[
-            callbacks_mod.BackupAndRestore(str(backup_dir)), interrupter(1)])
+        fit(
+            tf_cpus,
+            new_model(strategy),
+            epochs=2,
+            callbacks=[callbacks_mod.BackupAndRestore(str(backup_dir)), interrupter(1)],
+        )
     path = backup_dir / callbacks_mod.read_backup_pointer(backup_dir)["file"]
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(callbacks_mod.BackupError, match="is damaged"):
-        fit(tf_cpus, new_model(strategy), epochs=2,
-            callbacks=[callbacks_mod.BackupAndRestore(str(backup_dir))])
+        fit(
+            tf_cpus,
+            new_model(strategy),
+            epochs=2,
+            callbacks=[callbacks_mod.BackupAndRestore(str(backup_dir))],
+        )
 
 
 def test_backup_arguments_are_checked(callbacks_mod, tmp_path):
@@ -238,7 +270,8 @@ def test_chief_detection_from_a_cluster_resolver(tf_cpus, callbacks_mod, strateg
     def holder(spec, task_type, task_id):
         # Anything with a cluster_resolver, like TensorFlow's strategies.
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(spec), task_type=task_type, task_id=task_id)
+            tf.train.ClusterSpec(spec), task_type=task_type, task_id=task_id
+        )
         return types.SimpleNamespace(cluster_resolver=resolver)
 
     workers = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
@@ -280,39 +313,45 @@ def test_warmup_ramps_the_rate_per_batch(tf_cpus, strategy, callbacks_mod):
     # Horovod's rule, written out: from target / replicas up to target over
     # 2 epochs, shifted by one batch so that the ramp ends on its last batch.
     initial = target / 2
-    expected = [(e, b, initial + (target - initial)
-                 * min(1.0, (e + (b + 1) / STEPS) / 2))
-                for e in range(3) for b in range(STEPS)]
+    expected = [
+        (e, b, initial + (target - initial) * min(1.0, (e + (b + 1) / STEPS) / 2))
+        for e in range(3)
+        for b in range(STEPS)
+    ]
     assert [r[:2] for r in recorder.rates] == [r[:2] for r in expected]
-    np.testing.assert_allclose([r[2] for r in recorder.rates],
-                               [r[2] for r in expected], rtol=1e-6)
+    np.testing.assert_allclose([r[2] for r in recorder.rates], [r[2] for r in expected], rtol=1e-6)
     assert recorder.rates[0][2] == pytest.approx(0.01 + 0.01 / 16, rel=1e-6)
     assert recorder.rates[2 * STEPS - 1][2] == pytest.approx(target, rel=1e-6)
-    np.testing.assert_allclose(history.history["learning_rate"],
-                               [expected[STEPS - 1][2], target, target], rtol=1e-6)
+    np.testing.assert_allclose(
+        history.history["learning_rate"], [expected[STEPS - 1][2], target, target], rtol=1e-6
+    )
 
 
 def test_warmup_with_explicit_rates_and_bad_arguments(tf_cpus, strategy, callbacks_mod):
     model, recorder = new_model(strategy), make_recorder()
-    warmup = callbacks_mod.LearningRateWarmup(warmup_epochs=0.5, initial_lr=0.0,
-                                              target_lr=0.04, steps_per_epoch=STEPS)
+    warmup = callbacks_mod.LearningRateWarmup(
+        warmup_epochs=0.5, initial_lr=0.0, target_lr=0.04, steps_per_epoch=STEPS
+    )
     fit(tf_cpus, model, epochs=1, callbacks=[warmup, recorder])
     expected = [0.04 * min(1.0, (b + 1) / STEPS / 0.5) for b in range(STEPS)]
     np.testing.assert_allclose([r[2] for r in recorder.rates], expected, rtol=1e-6)
 
     cls = callbacks_mod.LearningRateWarmup
-    for field, kwargs in [("warmup_epochs", {"warmup_epochs": 0}),
-                          ("warmup_epochs", {"warmup_epochs": "5"}),
-                          ("initial_lr", {"initial_lr": -1.0}),
-                          ("target_lr", {"target_lr": 0}),
-                          ("steps_per_epoch", {"steps_per_epoch": 0}),
-                          ("steps_per_epoch", {"steps_per_epoch": 2.0})]:
+    for field, kwargs in [
+        ("warmup_epochs", {"warmup_epochs": 0}),
+        ("warmup_epochs", {"warmup_epochs": "5"}),
+        ("initial_lr", {"initial_lr": -1.0}),
+        ("target_lr", {"target_lr": 0}),
+        ("steps_per_epoch", {"steps_per_epoch": 0}),
+        ("steps_per_epoch", {"steps_per_epoch": 2.0}),
+    ]:
         with pytest.raises(ConfigError) as error:
             cls(**kwargs)
         assert f"field '{field}'" in str(error.value)
         assert f"Received: {next(iter(kwargs.values()))!r}" in str(error.value)
 
     import keras
+
     schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
     scheduled = new_model(strategy, optimizer=lambda: keras.optimizers.Adam(schedule))
     with pytest.raises(ConfigError, match="field 'optimizer.learning_rate'"):
@@ -329,12 +368,13 @@ def _run_workers(spec, tmp_path, check=True, per_worker_env=None, **env):
         scratch = tmp_path / f"tmp-{task_type}{index}"
         scratch.mkdir(exist_ok=True)
         extra = dict(env, **(per_worker_env[i] if per_worker_env else {}))
-        procs.append(start(["tests/workers/backup_fit.py"], tf_config=config,
-                           TMPDIR=str(scratch), **extra))
+        procs.append(
+            start(["tests/workers/backup_fit.py"], tf_config=config, TMPDIR=str(scratch), **extra)
+        )
     results = finish(procs, timeout=300)
     if not check:
         return results
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, f"worker failed ({code}):\n{err[-4000:]}"
     return [result_line(out) for _, out, _ in results]
 
@@ -344,11 +384,12 @@ def _tfdist_scratch(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_workers_back_up_from_the_chief_and_resume_together(
-        tf_cpus, strategy, tmp_path):
-    shared = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"),
-              "TFDIST_TEST_CKPT_PATH": str(tmp_path / "ckpt" / "model-{epoch:02d}.keras"),
-              "TFDIST_TEST_TB_DIR": str(tmp_path / "tb")}
+def test_two_workers_back_up_from_the_chief_and_resume_together(tf_cpus, strategy, tmp_path):
+    shared = {
+        "TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"),
+        "TFDIST_TEST_CKPT_PATH": str(tmp_path / "ckpt" / "model-{epoch:02d}.keras"),
+        "TFDIST_TEST_TB_DIR": str(tmp_path / "tb"),
+    }
     spec = local_spec(2)
     chief, other = _run_workers(spec, tmp_path, TFDIST_TEST_INTERRUPT="2", **shared)
     assert chief["chief"] and not other["chief"]
@@ -377,8 +418,10 @@ def test_two_workers_back_up_from_the_chief_and_resume_together(
     # ModelCheckpoint: the chief wrote all four epochs to the real path.
     assert files_in(tmp_path / "ckpt") == [f"model-{e:02d}.keras" for e in range(1, 5)]
     # TensorBoard event files carry the writer's pid: only the chiefs' are there.
-    pids = {int(re.search(r"\.(\d+)\.\d+\.v2$", p.name).group(1))
-            for p in (tmp_path / "tb").rglob("events.out.tfevents.*")}
+    pids = {
+        int(re.search(r"\.(\d+)\.\d+\.v2$", p.name).group(1))
+        for p in (tmp_path / "tb").rglob("events.out.tfevents.*")
+    }
     assert pids == {chief["pid"], chief2["pid"]}
     assert (chief2["saves_written"], other2["saves_written"]) == (2, 0)
     assert other2["saves_discarded"] == 2
@@ -390,8 +433,10 @@ def test_two_workers_back_up_from_the_chief_and_resume_together(
     model = new_model(strategy)
     x, y = _common.make_data(1024, 3)
     import tensorflow as tf
-    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(64),
-                        epochs=4, verbose=0, shuffle=False)
+
+    history = model.fit(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(64), epochs=4, verbose=0, shuffle=False
+    )
     np.testing.assert_allclose(chief2["loss"], history.history["loss"][2:], rtol=1e-3)
     np.testing.assert_allclose(chief2["weights"], weights(model), atol=1e-3)
 
@@ -402,17 +447,23 @@ def test_a_kill_at_any_moment_leaves_a_loadable_backup(tf_cpus, callbacks_mod, t
     # saves, so a SIGKILL at a random instant often lands in one.
     import hashlib
     import time
+
     backup_dir = tmp_path / "backup"
     rng = np.random.default_rng(1)
     leftovers = []
-    for kill in range(3):
-        proc = start(["tests/workers/backup_fit.py"], TFDIST_TEST_BACKUP_DIR=str(backup_dir),
-                     TFDIST_TEST_SAVE_FREQ="1", TFDIST_TEST_EPOCHS="1000")
+    for _kill in range(3):
+        proc = start(
+            ["tests/workers/backup_fit.py"],
+            TFDIST_TEST_BACKUP_DIR=str(backup_dir),
+            TFDIST_TEST_SAVE_FREQ="1",
+            TFDIST_TEST_EPOCHS="1000",
+        )
         try:
             deadline = time.monotonic() + 120
             before = (callbacks_mod.read_backup_pointer(backup_dir) or {}).get("save_count", 0)
             while (callbacks_mod.read_backup_pointer(backup_dir) or {}).get(
-                    "save_count", 0) < before + 5:
+                "save_count", 0
+            ) < before + 5:
                 assert proc.poll() is None, proc.communicate()[1][-3000:]
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
@@ -430,9 +481,9 @@ def test_a_kill_at_any_moment_leaves_a_loadable_backup(tf_cpus, callbacks_mod, t
         model.load_weights(str(path))  # Loads: weights and optimizer state.
         steps_per_epoch = 1024 // (32 * pointer["replicas"])  # as the worker fits
         assert int(model.optimizer.iterations.numpy()) == (
-            pointer["epoch"] * steps_per_epoch + pointer["step"])
-        leftovers.append(sorted(set(os.listdir(backup_dir))
-                                - {"checkpoint.json", pointer["file"]}))
+            pointer["epoch"] * steps_per_epoch + pointer["step"]
+        )
+        leftovers.append(sorted(set(os.listdir(backup_dir)) - {"checkpoint.json", pointer["file"]}))
     print("left by the kills besides the pointed-to backup:", leftovers)
 
 
@@ -442,8 +493,11 @@ def test_two_workers_with_compression_state_agree_before_loading(tmp_path):
     # workers, and loading them broadcasts. So every worker saves and loads,
     # and they first agree on what they found.
     spec = local_spec(2)
-    shared = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_EPOCHS": "3",
-              "TFDIST_TEST_COMPRESSION": "topk:0.1"}
+    shared = {
+        "TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"),
+        "TFDIST_TEST_EPOCHS": "3",
+        "TFDIST_TEST_COMPRESSION": "topk:0.1",
+    }
     first = _run_workers(spec, tmp_path, TFDIST_TEST_INTERRUPT="1", **shared)
     assert [r["saves_written"] for r in first] == [1, 0]
     assert [r["saves_discarded"] for r in first] == [0, 1]
@@ -451,8 +505,13 @@ def test_two_workers_with_compression_state_agree_before_loading(tmp_path):
     # A backup_dir that is not shared: worker 1 finds nothing. Both stop at
     # once with the same error, rather than one loading (a broadcast the other
     # never joins) or training from another state.
-    results = _run_workers(spec, tmp_path, check=False, per_worker_env=[
-        {}, {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "elsewhere")}], **shared)
+    results = _run_workers(
+        spec,
+        tmp_path,
+        check=False,
+        per_worker_env=[{}, {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "elsewhere")}],
+        **shared,
+    )
     for (code, _, err), mine in zip(results, ["read epoch=1 step=0", "found no backup"]):
         assert code != 0
         assert "BackupError: The workers did not find the same backup" in err

@@ -25,8 +25,9 @@ from workers import loop_check
 PER_REPLICA_BATCH = 16
 
 
-def tutorial_loop(tf, strategy, checkpoint_dir, *, build_first: bool = False,
-                  epochs: int = 2) -> dict:
+def tutorial_loop(
+    tf, strategy, checkpoint_dir, *, build_first: bool = False, epochs: int = 2
+) -> dict:
     """The custom_training tutorial's loop on synthetic 28x28x1 images.
 
     A Conv/Dense model with L2 regularizers and no Input (it builds in its
@@ -48,16 +49,18 @@ def tutorial_loop(tf, strategy, checkpoint_dir, *, build_first: bool = False,
 
     def create_model():
         l2 = keras.regularizers.L2(1e-5)
-        return keras.Sequential([
-            keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer=l2),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(16, activation="relu", kernel_regularizer=l2),
-            keras.layers.Dense(10, kernel_regularizer=l2)])
+        return keras.Sequential(
+            [
+                keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer=l2),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(16, activation="relu", kernel_regularizer=l2),
+                keras.layers.Dense(10, kernel_regularizer=l2),
+            ]
+        )
 
     with strategy.scope():
-        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                                 reduction=None)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         train_accuracy = keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
         test_accuracy = keras.metrics.SparseCategoricalAccuracy(name="test_accuracy")
         keras.utils.set_random_seed(0)
@@ -72,8 +75,9 @@ def tutorial_loop(tf, strategy, checkpoint_dir, *, build_first: bool = False,
         x, y = inputs
         with tf.GradientTape() as tape:
             predictions = model(x, training=True)
-            loss = tf.nn.compute_average_loss(loss_object(y, predictions),
-                                              global_batch_size=global_batch)
+            loss = tf.nn.compute_average_loss(
+                loss_object(y, predictions), global_batch_size=global_batch
+            )
             loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
@@ -115,7 +119,8 @@ def tutorial_loop(tf, strategy, checkpoint_dir, *, build_first: bool = False,
     restored.build((None, 28, 28, 1))
     new_optimizer = keras.optimizers.Adam()
     tf.train.Checkpoint(optimizer=new_optimizer, model=restored).restore(
-        tf.train.latest_checkpoint(str(checkpoint_dir))).expect_partial()
+        tf.train.latest_checkpoint(str(checkpoint_dir))
+    ).expect_partial()
     result["restored_weights"] = [v.numpy() for v in restored.trainable_variables]
     eval_accuracy = keras.metrics.SparseCategoricalAccuracy()
     for x, y in test:
@@ -129,8 +134,11 @@ def test_tensorflows_mirrored_fails_on_the_tutorial_loop(tf_cpus, tmp_path):
     # strategies only, so TensorFlow's strategy still shows the bug.
     tf = tf_cpus
     stock = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with upstream_bug("loops.initialize", tf.errors.InvalidArgumentError,
-                      "must feed a value for placeholder tensor 'cond/"):
+    with upstream_bug(
+        "loops.initialize",
+        tf.errors.InvalidArgumentError,
+        "must feed a value for placeholder tensor 'cond/",
+    ):
         tutorial_loop(tf, stock, tmp_path)
 
 
@@ -138,8 +146,9 @@ def test_tutorial_loop_under_tfdist_trains_like_the_workaround(tf_cpus, tmp_path
     tf = tf_cpus
     ours = tutorial_loop(tf, tfdist.strategy_from_config(cpu_replicas=2), tmp_path / "a")
     # TensorFlow's own strategy, with everything built before the loop.
-    stock = tutorial_loop(tf, tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
-                          tmp_path / "b", build_first=True)
+    stock = tutorial_loop(
+        tf, tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tmp_path / "b", build_first=True
+    )
     assert ours["iterations"] == stock["iterations"] == 2 * 192 // 32
     assert ours["loss"][-1] < ours["loss"][0]
     np.testing.assert_allclose(ours["loss"], stock["loss"], rtol=1e-5)
@@ -153,11 +162,13 @@ def test_tutorial_loop_under_tfdist_trains_like_the_workaround(tf_cpus, tmp_path
     assert ours["restored_test_accuracy"] == pytest.approx(ours["test_accuracy"][-1])
 
 
-@pytest.mark.parametrize("setting", [None, "bf16", "fp16", "topk:0.1", "randomk:0.25",
-                                     "sign", "qsgd:16", "auto"])
+@pytest.mark.parametrize(
+    "setting", [None, "bf16", "fp16", "topk:0.1", "randomk:0.25", "sign", "qsgd:16", "auto"]
+)
 def test_custom_loop_compresses_with_every_setting(tf_cpus, setting):
     strategy = tfdist.strategy_from_config(
-        cpu_replicas=2, compression=loop_check.compression_of(setting))
+        cpu_replicas=2, compression=loop_check.compression_of(setting)
+    )
     result = loop_check.run(strategy, steps=3)
     found = loop_check.check(strategy, result)
     assert found["loss_last"] < found["loss_first"], found
@@ -175,8 +186,9 @@ def test_custom_loop_compresses_with_every_setting(tf_cpus, setting):
 def test_custom_loop_with_powersgd_sends_rank_r_after_its_warm_up(tf_cpus):
     from tfdist.compression import PowerSGD, step_traffic
 
-    strategy = tfdist.strategy_from_config(cpu_replicas=2,
-                                           compression=PowerSGD(rank=1, warmup_steps=2))
+    strategy = tfdist.strategy_from_config(
+        cpu_replicas=2, compression=PowerSGD(rank=1, warmup_steps=2)
+    )
     result = loop_check.run(strategy, steps=3)
     found = loop_check.check(strategy, result)
     # Warm-up: the first step is the exact (dense) sum; after it, every
@@ -197,8 +209,18 @@ def test_custom_loop_with_powersgd_sends_rank_r_after_its_warm_up(tf_cpus):
 @pytest.mark.slow
 def test_custom_loop_on_two_workers_with_every_setting(tf_cpus):
     settings = "none,bf16,fp16,topk:0.1,randomk:0.25,sign,qsgd:16,powersgd:1,auto"
-    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
-                  "tests/workers/custom_loop_worker.py", settings])
+    proc = start(
+        [
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            "tests/workers/custom_loop_worker.py",
+            settings,
+        ]
+    )
     [(code, out, err)] = finish([proc], timeout=900)
     assert code == 0, (out + err)[-4000:]
     results = results_by_task(out)
@@ -224,9 +246,19 @@ TINY = ["--epochs=2", "--examples=1024"]
 def test_custom_loop_script_accumulates_and_counts_its_bytes():
     from tfdist.compression import predict_traffic
 
-    [(code, out, err)] = finish([start(["strategies/custom_loop.py", *TINY,
-                                        "--compression=powersgd:4",
-                                        "--gradient_accumulation_steps=2"])], timeout=300)
+    [(code, out, err)] = finish(
+        [
+            start(
+                [
+                    "strategies/custom_loop.py",
+                    *TINY,
+                    "--compression=powersgd:4",
+                    "--gradient_accumulation_steps=2",
+                ]
+            )
+        ],
+        timeout=300,
+    )
     assert code == 0, err[-4000:]
     assert "MirroredStrategy (mirrored): 2 replica(s) in sync" in out
     result = result_line(out)
@@ -246,9 +278,20 @@ def test_custom_loop_script_accumulates_and_counts_its_bytes():
 
 @pytest.mark.slow
 def test_custom_loop_script_through_tfdist_launch(tmp_path):
-    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
-                  "strategies/custom_loop.py", *TINY, "--compression=bf16",
-                  f"--model_dir={tmp_path}"])
+    proc = start(
+        [
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            "strategies/custom_loop.py",
+            *TINY,
+            "--compression=bf16",
+            f"--model_dir={tmp_path}",
+        ]
+    )
     [(code, out, err)] = finish([proc], timeout=600)
     assert code == 0, (out + err)[-4000:]
     results = results_by_task(out)
@@ -259,5 +302,9 @@ def test_custom_loop_script_through_tfdist_launch(tmp_path):
     assert chief["loss"][-1] < 0.7 * chief["loss"][0], chief["loss"]
     assert chief["comm_total"]["ratio"] == 2.0  # bf16 halves every float32 gradient.
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index",
-        "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
+        "checkpoint",
+        "ckpt-1.data-00000-of-00001",
+        "ckpt-1.index",
+        "ckpt-2.data-00000-of-00001",
+        "ckpt-2.index",
+    ]

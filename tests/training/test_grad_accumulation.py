@@ -15,9 +15,9 @@ import pytest
 
 import tfdist
 from canary import upstream_bug
-from tfdist.compat.versions import installed, satisfies
 from conftest import finish, start
 from test_strategies_scripts import results_by_task
+from tfdist.compat.versions import installed, satisfies
 from workers import accumulation_check, loop_check
 
 K = 4
@@ -31,15 +31,23 @@ def _fit(strategy, batch_size, accumulation, callbacks=(), examples=256):
     y = (x.sum(axis=1, keepdims=True) > 0).astype("float32")
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(
-            0.05, momentum=0.9, gradient_accumulation_steps=accumulation),
-            loss=keras.losses.BinaryCrossentropy(from_logits=True))
-    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
-                        callbacks=list(callbacks))
-    return {"weights": model.get_weights(), "loss": history.history["loss"],
-            "iterations": int(model.optimizer.iterations.numpy())}
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(
+                0.05, momentum=0.9, gradient_accumulation_steps=accumulation
+            ),
+            loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        )
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks)
+    )
+    return {
+        "weights": model.get_weights(),
+        "loss": history.history["loss"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
 
 
 def test_stock_mirrored_fails_with_gradient_accumulation(tf_cpus):
@@ -81,8 +89,11 @@ def test_custom_loop_accumulation_equals_a_k_times_larger_batch(tf_cpus, setting
     from tfdist.compression import PowerSGD
 
     def strategy():
-        compression = (PowerSGD(rank=1, warmup_steps=1) if setting == "powersgd"
-                       else loop_check.compression_of(setting))
+        compression = (
+            PowerSGD(rank=1, warmup_steps=1)
+            if setting == "powersgd"
+            else loop_check.compression_of(setting)
+        )
         return tfdist.strategy_from_config(cpu_replicas=2, compression=compression)
 
     ours = accumulation_check.train(strategy(), k=K, micro_steps=4 * K)
@@ -108,8 +119,18 @@ def test_custom_loop_accumulation_equals_a_k_times_larger_batch(tf_cpus, setting
 
 @pytest.mark.slow
 def test_accumulation_on_two_workers(tf_cpus):
-    proc = start(["-m", "tfdist", "launch", "--workers", "2", "--show-all",
-                  "tests/workers/accumulation_worker.py", "none,powersgd"])
+    proc = start(
+        [
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            "tests/workers/accumulation_worker.py",
+            "none,powersgd",
+        ]
+    )
     [(code, out, err)] = finish([proc], timeout=900)
     assert code == 0, (out + err)[-4000:]
     results = results_by_task(out)
@@ -132,14 +153,25 @@ def test_compression_benchmark_records_bytes_per_example_with_accumulation(tmp_p
 
     from conftest import REPO, subprocess_env
 
-    args = [sys.executable, "benchmarks/compression.py", "--mode=replicas", "--epochs=2",
-            "--examples=1024", "--hidden=32", "--global_batch=64",
-            "--settings=plain,topk:0.1,topk:0.1/acc4", f"--results_dir={tmp_path}"]
-    done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    args = [
+        sys.executable,
+        "benchmarks/compression.py",
+        "--mode=replicas",
+        "--epochs=2",
+        "--examples=1024",
+        "--hidden=32",
+        "--global_batch=64",
+        "--settings=plain,topk:0.1,topk:0.1/acc4",
+        f"--results_dir={tmp_path}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    by = {r["setting"]: r for r in
-          json.loads((tmp_path / "compression_replicas.json").read_text())["rows"]}
+    by = {
+        r["setting"]: r
+        for r in json.loads((tmp_path / "compression_replicas.json").read_text())["rows"]
+    }
     plain, accumulated = by["topk:0.1"], by["topk:0.1/acc4"]
     assert (plain["updates"], accumulated["updates"]) == (32, 8)
     # The same compressed bytes per update, 4 times fewer per example.

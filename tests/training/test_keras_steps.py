@@ -17,33 +17,49 @@ from canary import upstream_bug
 def _fit(strategy, steps_per_execution, keras):
     keras.utils.set_random_seed(1)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
-                      metrics=["mae"], steps_per_execution=steps_per_execution)
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+            loss="mse",
+            metrics=["mae"],
+            steps_per_execution=steps_per_execution,
+        )
     rng = np.random.default_rng(0)
     x = rng.random((250, 8)).astype("float32")  # 8 steps of 32: the last one partial.
     y = x.sum(axis=1, keepdims=True)
-    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False,
-                        validation_data=(x[:64], y[:64]))
-    return {"history": history.history, "iterations": int(model.optimizer.iterations.numpy()),
-            "weights": model.get_weights(), "evaluate": model.evaluate(x, y, verbose=0)}
+    history = model.fit(
+        x, y, batch_size=32, epochs=2, verbose=0, shuffle=False, validation_data=(x[:64], y[:64])
+    )
+    return {
+        "history": history.history,
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "weights": model.get_weights(),
+        "evaluate": model.evaluate(x, y, verbose=0),
+    }
 
 
 def test_stock_keras_fails_with_several_steps_per_execution_under_mirrored(tf_cpus):
     import keras
+
     stock = tf_cpus.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with upstream_bug("inline_steps.make_function", tf_cpus.errors.InvalidArgumentError,
-                      "must feed a value"):
+    with upstream_bug(
+        "inline_steps.make_function", tf_cpus.errors.InvalidArgumentError, "must feed a value"
+    ):
         _fit(stock, 4, keras)
 
 
 @pytest.mark.parametrize("steps_per_execution,compression", [(4, None), (3, "powersgd:2")])
 def test_several_steps_per_execution_train_like_one(tf_cpus, steps_per_execution, compression):
     import keras
+
     one = _fit(tfdist.strategy_from_config(cpu_replicas=2, compression=compression), 1, keras)
-    many = _fit(tfdist.strategy_from_config(cpu_replicas=2, compression=compression),
-                steps_per_execution, keras)
+    many = _fit(
+        tfdist.strategy_from_config(cpu_replicas=2, compression=compression),
+        steps_per_execution,
+        keras,
+    )
     assert one["iterations"] == many["iterations"] == 2 * 8
     assert many["history"]["loss"][-1] < 0.5 * many["history"]["loss"][0]
     for key in ("loss", "mae", "val_loss", "val_mae"):

@@ -15,17 +15,17 @@ import socket
 import numpy as np
 import pytest
 
-from conftest import finish, result_line, start
-
 import tfdist
+from conftest import finish, result_line, start
 from tfdist.errors import ConfigError
 
 STEPS, EPOCHS, BATCH = 24, 3, 32
 
 
 def run_scenario(name: str, workdir, timeout: float = 240) -> dict:
-    [(code, out, err)] = finish([start(["tests/workers/ps_fit.py", name, workdir])],
-                                timeout=timeout)
+    [(code, out, err)] = finish(
+        [start(["tests/workers/ps_fit.py", name, workdir])], timeout=timeout
+    )
     logs = os.path.join(workdir, "logs")
     server_logs = ""
     if os.path.isdir(logs):
@@ -33,7 +33,8 @@ def run_scenario(name: str, workdir, timeout: float = 240) -> dict:
             with open(os.path.join(logs, log), errors="replace") as f:
                 server_logs += f"--- {log} ---\n{f.read()[-1500:]}\n"
     assert code == 0 and "tfdist result: " in out, (
-        f"{name} exited {code}\n{out[-3000:]}\n{err[-4000:]}\n{server_logs}")
+        f"{name} exited {code}\n{out[-3000:]}\n{err[-4000:]}\n{server_logs}"
+    )
     result = result_line(out)
     for pid in result.get("server_pids", []):
         with pytest.raises(ProcessLookupError):
@@ -137,8 +138,7 @@ def test_the_same_call_runs_model_fit_under_mirrored(tmp_path):
     assert result["strategy"] == "MirroredStrategy"
     assert result["iterations"] == EPOCHS * STEPS
     assert learned(result["history"])
-    assert result["evaluate"]["loss"] == pytest.approx(result["history"]["val_loss"][-1],
-                                                       rel=1e-5)
+    assert result["evaluate"]["loss"] == pytest.approx(result["history"]["val_loss"][-1], rel=1e-5)
     assert result["reloaded_equal"] is True
 
 
@@ -173,9 +173,15 @@ def test_local_cluster_starts_kills_restarts_and_stops_its_servers():
             os.kill(pid, 0)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"workers": 0}, "workers"), ({"ps": "two"}, "ps"),
-    ({"mode": "threads"}, "mode"), ({"start_timeout": -1}, "start_timeout")])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"workers": 0}, "workers"),
+        ({"ps": "two"}, "ps"),
+        ({"mode": "threads"}, "mode"),
+        ({"start_timeout": -1}, "start_timeout"),
+    ],
+)
 def test_local_cluster_rejects_bad_arguments(kwargs, field):
     with pytest.raises(ConfigError) as caught:
         tfdist.local_cluster(**kwargs)
@@ -196,8 +202,10 @@ def test_gradients_of_sharded_variables_equal_those_of_the_whole():
     rs = np.random.RandomState(0)
     table, dense = rs.randn(10, 3).astype("float32"), rs.randn(6, 2).astype("float32")
     whole = [tf.Variable(table), tf.Variable(dense)]
-    sharded = [ShardedVariable([tf.Variable(table[:4]), tf.Variable(table[4:])]),
-               ShardedVariable([tf.Variable(dense[:3]), tf.Variable(dense[3:])])]
+    sharded = [
+        ShardedVariable([tf.Variable(table[:4]), tf.Variable(table[4:])]),
+        ShardedVariable([tf.Variable(dense[:3]), tf.Variable(dense[3:])]),
+    ]
     ids, x = tf.constant([1, 7, 7, 9]), tf.constant(rs.randn(5, 6).astype("float32"))
 
     def loss(variables):
@@ -211,8 +219,9 @@ def test_gradients_of_sharded_variables_equal_those_of_the_whole():
         sharded_loss = loss(sharded)
     grads = keras_ps.gradients(tape, sharded_loss, sharded)
     for got, want in zip(grads, reference):
-        np.testing.assert_allclose(tf.convert_to_tensor(got).numpy(),
-                                   tf.convert_to_tensor(want).numpy(), rtol=1e-6)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(got).numpy(), tf.convert_to_tensor(want).numpy(), rtol=1e-6
+        )
     # The embedding's gradient stays sparse, indexed over the whole table.
     assert isinstance(grads[0], tf.IndexedSlices)
     assert sorted(set(grads[0].indices.numpy().tolist())) == [1, 7, 9]
@@ -265,9 +274,20 @@ def test_fit_outside_a_parameter_server_strategy_is_model_fit():
 @pytest.mark.slow
 def test_the_parameter_server_script_trains_under_tfdist_launch(tmp_path):
     model_dir = tmp_path / "model"
-    argv = ["-m", "tfdist", "launch", "--chief", "--workers", "2", "--ps", "1",
-            "strategies/parameter_server.py", "--epochs=2", "--examples=1024",
-            f"--model_dir={model_dir}"]
+    argv = [
+        "-m",
+        "tfdist",
+        "launch",
+        "--chief",
+        "--workers",
+        "2",
+        "--ps",
+        "1",
+        "strategies/parameter_server.py",
+        "--epochs=2",
+        "--examples=1024",
+        f"--model_dir={model_dir}",
+    ]
     [(code, out, err)] = finish([start(argv)], timeout=300)
     assert code == 0, out[-3000:] + err[-3000:]
     assert "ParameterServerStrategy (parameter_server)" in out
@@ -276,14 +296,14 @@ def test_the_parameter_server_script_trains_under_tfdist_launch(tmp_path):
     assert result["iterations"] == 2 * result["steps_per_epoch"] == 2 * 32
     assert result["loss"][-1] < result["loss"][0]
     assert (model_dir / "model.keras").exists()
-    assert sorted(os.listdir(model_dir / "checkpoints")) == ["epoch-01.keras",
-                                                             "epoch-02.keras"]
+    assert sorted(os.listdir(model_dir / "checkpoints")) == ["epoch-01.keras", "epoch-02.keras"]
     assert not (model_dir / "backup").exists()  # Removed once training ended.
 
 
 def test_the_parameter_server_script_rejects_a_bad_cluster_size():
-    [(code, out, err)] = finish([start(["strategies/parameter_server.py",
-                                        "--local_workers=-2"])], timeout=120)
+    [(code, out, err)] = finish(
+        [start(["strategies/parameter_server.py", "--local_workers=-2"])], timeout=120
+    )
     assert code == 2
     assert "field 'workers'" in err and "-2" in err
     assert "Traceback" not in err

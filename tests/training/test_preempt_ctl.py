@@ -32,8 +32,9 @@ SCRIPT = REPO / "tests" / "workers" / "preempt_ctl.py"
 TOTAL_STEPS, STEPS_PER_EPOCH, SIGNAL_AT = 48, 16, 20
 
 
-def run_job(mode: str, workdir, victim: int | None = None, at: int = SIGNAL_AT,
-            timeout: float = 120.0) -> dict:
+def run_job(
+    mode: str, workdir, victim: int | None = None, at: int = SIGNAL_AT, timeout: float = 120.0
+) -> dict:
     """Runs a 2-worker job; SIGTERM to worker ``victim`` once it printed step ``at``."""
     os.makedirs(workdir, exist_ok=True)
     env = dict(
@@ -43,13 +44,20 @@ def run_job(mode: str, workdir, victim: int | None = None, at: int = SIGNAL_AT,
         TFDIST_JOB_DIR=str(workdir / "job"),
         TFDIST_TEST_TOTAL_STEPS=str(TOTAL_STEPS),
         TFDIST_TEST_STEPS_PER_EPOCH=str(STEPS_PER_EPOCH),
-        TFDIST_TEST_STEP_SLEEP="0.05")
+        TFDIST_TEST_STEP_SLEEP="0.05",
+    )
     procs, lines = [], []
     for _, _, config in spec_lib.all_task_configs(local_spec(2)):
-        procs.append(subprocess.Popen(
-            [sys.executable, str(SCRIPT), mode, str(workdir)], cwd=REPO,
-            env=subprocess_env(TF_CONFIG=json.dumps(config), **env),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), mode, str(workdir)],
+                cwd=REPO,
+                env=subprocess_env(TF_CONFIG=json.dumps(config), **env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
         lines.append([])
     sent: dict = {}
     exited: dict = {}
@@ -57,8 +65,12 @@ def run_job(mode: str, workdir, victim: int | None = None, at: int = SIGNAL_AT,
     def pump(i: int) -> None:
         for line in procs[i].stdout:
             lines[i].append(line.rstrip("\n"))
-            if (i == victim and "time" not in sent and line.startswith("tfdist step: ")
-                    and int(line.split()[2]) >= at):
+            if (
+                i == victim
+                and "time" not in sent
+                and line.startswith("tfdist step: ")
+                and int(line.split()[2]) >= at
+            ):
                 procs[i].send_signal(signal.SIGTERM)
                 sent.update(time=time.monotonic(), step=int(line.split()[2]))
         procs[i].wait()
@@ -75,11 +87,20 @@ def run_job(mode: str, workdir, victim: int | None = None, at: int = SIGNAL_AT,
             proc.kill()
     for thread in threads:
         thread.join(10)
-    job = {"codes": [p.returncode for p in procs], "lines": lines, "signal": sent,
-           "results": [], "steps": [], "starts": []}
+    job = {
+        "codes": [p.returncode for p in procs],
+        "lines": lines,
+        "signal": sent,
+        "results": [],
+        "steps": [],
+        "starts": [],
+    }
     for out in lines:
-        found = [json.loads(x.split("tfdist result: ", 1)[1]) for x in out
-                 if x.startswith("tfdist result: ")]
+        found = [
+            json.loads(x.split("tfdist result: ", 1)[1])
+            for x in out
+            if x.startswith("tfdist result: ")
+        ]
         job["results"].append(found[0] if found else None)
         steps = [int(x.split()[2]) for x in out if x.startswith("tfdist step: ")]
         job["steps"].append(steps[-1] if steps else None)
@@ -91,8 +112,10 @@ def run_job(mode: str, workdir, victim: int | None = None, at: int = SIGNAL_AT,
 
 
 def show(job: dict) -> str:
-    return "\n".join(f"--- worker {i} (code {code}) ---\n" + "\n".join(out[-40:])
-                     for i, (code, out) in enumerate(zip(job["codes"], job["lines"])))
+    return "\n".join(
+        f"--- worker {i} (code {code}) ---\n" + "\n".join(out[-40:])
+        for i, (code, out) in enumerate(zip(job["codes"], job["lines"]))
+    )
 
 
 def assert_same_weights(a: dict, b: dict) -> float:
@@ -129,8 +152,10 @@ def test_tf_preemption_checkpoint_handler_saves_and_resumes_exactly(tmp_path, un
         assert record["step"] == stopped and record["source"] == "PreemptionCheckpointHandler"
     assert record["signal_time"] is not None  # worker:1 got the signal.
     assert max(first["exit_after"]) < 10, first["exit_after"]
-    print(f"tf_handler: signal at step {first['signal']['step']}, saved at {stopped}, "
-          f"exit after {max(first['exit_after']):.2f} s")
+    print(
+        f"tf_handler: signal at step {first['signal']['step']}, saved at {stopped}, "
+        f"exit after {max(first['exit_after']):.2f} s"
+    )
 
     again = run_job("tf_handler", tmp_path)
     assert again["codes"] == [0, 0], show(again)
@@ -159,9 +184,14 @@ def test_preemption_watcher_custom_loop_saves_and_resumes_exactly(tmp_path, unin
     assert max(first["exit_after"]) < 10, first["exit_after"]
     # Only the chief wrote in the checkpoint directory.
     assert sorted(os.listdir(tmp_path / "ckpt")) == [
-        "checkpoint", f"ckpt-{stopped}.data-00000-of-00001", f"ckpt-{stopped}.index"]
-    print(f"watcher: signal at step {first['signal']['step']}, saved at {stopped}, "
-          f"exit after {max(first['exit_after']):.2f} s")
+        "checkpoint",
+        f"ckpt-{stopped}.data-00000-of-00001",
+        f"ckpt-{stopped}.index",
+    ]
+    print(
+        f"watcher: signal at step {first['signal']['step']}, saved at {stopped}, "
+        f"exit after {max(first['exit_after']):.2f} s"
+    )
 
     again = run_job("watcher", tmp_path)
     assert again["codes"] == [0, 0], show(again)
@@ -177,8 +207,13 @@ def test_preemption_watcher_custom_loop_saves_and_resumes_exactly(tmp_path, unin
 
 def _dataset():
     import tensorflow as tf
-    return (tf.data.Dataset.range(100).shuffle(100, seed=3, reshuffle_each_iteration=True)
-            .repeat().batch(4))
+
+    return (
+        tf.data.Dataset.range(100)
+        .shuffle(100, seed=3, reshuffle_each_iteration=True)
+        .repeat()
+        .batch(4)
+    )
 
 
 def _values(batch, strategy) -> list:
@@ -188,6 +223,7 @@ def _values(batch, strategy) -> list:
 
 def test_checkpointable_iterator_resumes_with_the_next_batch(tf_cpus, tmp_path):
     import tfdist
+
     tf = tf_cpus
     strategy = tfdist.strategy_from_config(cpu_replicas=2)
     reference = tfdist.CheckpointableIterator(_dataset(), strategy)
@@ -210,6 +246,7 @@ def test_checkpointable_iterator_resumes_with_the_next_batch(tf_cpus, tmp_path):
 
     # A step traced over the old iterator would keep reading it: refused.
     from tfdist.training.resumable import IteratorRestoreError
+
     take(iterator)
     with pytest.raises(IteratorRestoreError, match="before the first training step"):
         tf.train.Checkpoint(iterator=iterator).restore(path)
@@ -218,5 +255,6 @@ def test_checkpointable_iterator_resumes_with_the_next_batch(tf_cpus, tmp_path):
 def test_checkpointable_iterator_rejects_what_it_cannot_resume(tf_cpus):
     import tfdist
     from tfdist.errors import ConfigError
+
     with pytest.raises(ConfigError, match="data"):
         tfdist.CheckpointableIterator([1, 2, 3])

@@ -36,17 +36,25 @@ def _batches_seen(progress: str) -> list[tuple[int, int]]:
         return [tuple(map(int, line.split())) for line in f if line.strip()]
 
 
-def run_job(tmp, env: dict, signal_at: tuple[int, int] | None = None, who: int = 1,
-            timeout: float = 150.0) -> dict:
+def run_job(
+    tmp, env: dict, signal_at: tuple[int, int] | None = None, who: int = 1, timeout: float = 150.0
+) -> dict:
     """Runs the 2-worker job; with ``signal_at=(epoch, batch)``, SIGTERMs
     worker ``who`` once both workers reported that batch done."""
     cluster = local_spec(2)["cluster"]
     progress = str(tmp / "progress")
     if os.path.exists(progress):
         os.remove(progress)
-    procs = [start([WORKER], tf_config={"cluster": cluster, "task": {"type": "worker", "index": i}},
-                   TFDIST_TEST_PROGRESS=progress, TFDIST_JOB_DIR=str(tmp / "job"), **env)
-             for i in range(2)]
+    procs = [
+        start(
+            [WORKER],
+            tf_config={"cluster": cluster, "task": {"type": "worker", "index": i}},
+            TFDIST_TEST_PROGRESS=progress,
+            TFDIST_JOB_DIR=str(tmp / "job"),
+            **env,
+        )
+        for i in range(2)
+    ]
     sent = None
     deadline = time.monotonic() + timeout
     while signal_at and sent is None and time.monotonic() < deadline:
@@ -57,10 +65,13 @@ def run_job(tmp, env: dict, signal_at: tuple[int, int] | None = None, who: int =
             break
         time.sleep(0.01)
     results = finish(procs, timeout)
-    return {"codes": [r[0] for r in results], "out": [r[1] for r in results],
-            "err": [r[2] for r in results],
-            "signal_to_exit": time.monotonic() - sent if sent else None,
-            "seen": _batches_seen(progress)}
+    return {
+        "codes": [r[0] for r in results],
+        "out": [r[1] for r in results],
+        "err": [r[2] for r in results],
+        "signal_to_exit": time.monotonic() - sent if sent else None,
+        "seen": _batches_seen(progress),
+    }
 
 
 def _pointer(backup_dir) -> dict:
@@ -94,6 +105,7 @@ def reference(tmp_path_factory):
             assert job["codes"] == [0, 0], job["err"][0][-3000:]
             cache[compression] = result_line(job["out"][0])
         return cache[compression]
+
     return get
 
 
@@ -138,12 +150,16 @@ def test_preempted_twice_then_resumed_equals_uninterrupted(tmp_path, reference, 
     assert all(seconds < 30 for _, seconds in stops), stops
 
 
-def test_keras_own_backup_and_restore_saves_on_preemption_and_resumes_mid_epoch(tmp_path,
-                                                                               reference):
+def test_keras_own_backup_and_restore_saves_on_preemption_and_resumes_mid_epoch(
+    tmp_path, reference
+):
     """The stock keras.callbacks.BackupAndRestore, under a tfdist strategy,
     with no other change: same agreement, same exact resume."""
-    env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_BATCH_SLEEP": "0.03",
-           "TFDIST_TEST_CALLBACK": "keras"}
+    env = {
+        "TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"),
+        "TFDIST_TEST_BATCH_SLEEP": "0.03",
+        "TFDIST_TEST_CALLBACK": "keras",
+    }
     job = run_job(tmp_path, env, signal_at=(1, 6), who=1)
     assert job["codes"] == [PREEMPTED_EXIT_CODE] * 2, job["err"][1][-3000:]
     with open(tmp_path / "backup" / "training_metadata.json") as f:
@@ -187,8 +203,9 @@ def test_preemption_during_a_backup_write_keeps_the_previous_backup(tmp_path):
     assert (pointer["epoch"], pointer["step"], pointer["preempted"]) == (0, 8, True)
     assert pointer["save_count"] == 1
 
-    code, _, err = _single(tmp_path, dict(env, TFDIST_TEST_SELF_SIGNAL="1 3",
-                                          TFDIST_TEST_KILL_IN_SAVE="2"))
+    code, _, err = _single(
+        tmp_path, dict(env, TFDIST_TEST_SELF_SIGNAL="1 3", TFDIST_TEST_KILL_IN_SAVE="2")
+    )
     assert code == -signal.SIGKILL, err[-3000:]
     assert "received SIGTERM" in err
     pointer = _pointer(tmp_path / "backup")
@@ -212,8 +229,9 @@ def test_resume_at_another_size_names_the_policy_and_keeps_the_residuals(tmp_pat
     at), the residuals are carried over with their sum kept, and the log
     says so."""
     env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_COMPRESSION": "topk"}
-    code, _, err = _single(tmp_path, dict(env, TFDIST_CPU_REPLICAS="2",
-                                          TFDIST_TEST_SELF_SIGNAL="0 5"))
+    code, _, err = _single(
+        tmp_path, dict(env, TFDIST_CPU_REPLICAS="2", TFDIST_TEST_SELF_SIGNAL="0 5")
+    )
     assert code == PREEMPTED_EXIT_CODE, err[-3000:]
     pointer = _pointer(tmp_path / "backup")
     assert (pointer["replicas"], pointer["epoch"], pointer["step"]) == (2, 0, 6)
@@ -235,10 +253,18 @@ def test_a_hung_peer_makes_the_signalled_worker_fail_in_time_with_a_message(tmp_
     names the missing worker."""
     cluster = local_spec(2)["cluster"]
     progress = str(tmp_path / "progress")
-    env = {"TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"), "TFDIST_TEST_BATCH_SLEEP": "0.3",
-           "TFDIST_GRACE": "10", "TFDIST_TEST_PROGRESS": progress}
-    procs = [start([WORKER], tf_config={"cluster": cluster, "task": {"type": "worker", "index": i}},
-                   **env) for i in range(2)]
+    env = {
+        "TFDIST_TEST_BACKUP_DIR": str(tmp_path / "backup"),
+        "TFDIST_TEST_BATCH_SLEEP": "0.3",
+        "TFDIST_GRACE": "10",
+        "TFDIST_TEST_PROGRESS": progress,
+    }
+    procs = [
+        start(
+            [WORKER], tf_config={"cluster": cluster, "task": {"type": "worker", "index": i}}, **env
+        )
+        for i in range(2)
+    ]
     try:
         deadline = time.monotonic() + 120
         while _batches_seen(progress).count((0, 3)) < 2 and time.monotonic() < deadline:

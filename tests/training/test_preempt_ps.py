@@ -33,14 +33,23 @@ SCRIPT = REPO / "tests" / "workers" / "preempt_ps.py"
 PLANNED, STEPS = 72, 24
 
 
-def run_chief(workdir, what: str = "none", sigterm_at: tuple | None = None,
-              grace: float = 20.0, timeout: float = 120.0) -> dict:
+def run_chief(
+    workdir,
+    what: str = "none",
+    sigterm_at: tuple | None = None,
+    grace: float = 20.0,
+    timeout: float = 120.0,
+) -> dict:
     """Runs the chief script; SIGTERM to it after batch ``sigterm_at`` = (epoch, batch)."""
     workdir.mkdir(exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), what, str(workdir)], cwd=REPO,
+        [sys.executable, str(SCRIPT), what, str(workdir)],
+        cwd=REPO,
         env=subprocess_env(TFDIST_JOB_DIR=str(workdir / "job"), TFDIST_GRACE=str(grace)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list = []
     sent: dict = {}
 
@@ -64,8 +73,14 @@ def run_chief(workdir, what: str = "none", sigterm_at: tuple | None = None,
     if proc.poll() is None:
         proc.kill()
         thread.join(10)
-    run = {"code": proc.returncode, "lines": lines, "sent": sent, "result": None,
-           "start": None, "batches": []}
+    run = {
+        "code": proc.returncode,
+        "lines": lines,
+        "sent": sent,
+        "result": None,
+        "start": None,
+        "batches": [],
+    }
     for line in lines:
         if line.startswith("tfdist result: "):
             run["result"] = json.loads(line.split(": ", 1)[1])
@@ -94,7 +109,10 @@ def check_resume(workdir, record: dict) -> dict:
     pointer = again["start"]
     assert pointer["preempted"] is True
     assert (pointer["epoch"], pointer["step"], pointer["global_step"]) == (
-        record["epoch"], record["batch"], record["step"])
+        record["epoch"],
+        record["batch"],
+        record["step"],
+    )
     # The first batch trained is the one after the backup, mid-epoch.
     assert again["batches"][0] == (record["epoch"], record["batch"]), again["batches"][:3]
     result = again["result"]
@@ -114,10 +132,12 @@ def test_sigterm_to_the_coordinator_saves_at_a_step_boundary_and_resumes(tmp_pat
     # steps (4 per worker) after the batch at which the signal came.
     assert first["sent"]["at"][1] < record["batch"] <= first["sent"]["at"][1] + 1 + 8
     assert first["exit_after"] < 15, first["exit_after"]
-    print(f"coordinator: SIGTERM after batch {first['sent']['at']}, saved at epoch "
-          f"{record['epoch']} batch {record['batch']} (step {record['step']}), exit after "
-          f"{first['exit_after']:.2f} s, saved {record['saved_time'] - record['signal_time']:.2f}"
-          " s after the signal")
+    print(
+        f"coordinator: SIGTERM after batch {first['sent']['at']}, saved at epoch "
+        f"{record['epoch']} batch {record['batch']} (step {record['step']}), exit after "
+        f"{first['exit_after']:.2f} s, saved {record['saved_time'] - record['signal_time']:.2f}"
+        " s after the signal"
+    )
     check_resume(tmp_path, record)
 
 
@@ -130,8 +150,10 @@ def test_sigterm_to_the_ps_makes_the_coordinator_save_before_the_ps_leaves(tmp_p
     with open(tmp_path / "logs-0" / "ps-0.log") as f:
         ps_log = f.read()
     assert "ps:0 exits (the coordinator saved)" in ps_log, ps_log[-2000:]
-    print(f"ps: signal -> coordinator exit {first['exit_after']:.2f} s, saved at "
-          f"step {record['step']}")
+    print(
+        f"ps: signal -> coordinator exit {first['exit_after']:.2f} s, saved at "
+        f"step {record['step']}"
+    )
     check_resume(tmp_path, record)
 
 

@@ -16,10 +16,14 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist.training import resume
 from tfdist.errors import ConfigError
-from tfdist.training.preemption import (PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher,
-                               preemption_signal)
+from tfdist.training import resume
+from tfdist.training.preemption import (
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    PreemptionWatcher,
+    preemption_signal,
+)
 
 # TensorFlow starts here with the suite's logical CPUs, whatever runs first.
 pytestmark = pytest.mark.usefixtures("tf_cpus")
@@ -115,5 +119,6 @@ def test_resize_leaves_a_schedule_alone(caplog):
 
 
 def test_state_file_names():
-    assert resume.state_file("ckpt-000003.weights.h5", "worker:1") == \
-        "ckpt-000003.state-worker-1.npz"
+    assert (
+        resume.state_file("ckpt-000003.weights.h5", "worker:1") == "ckpt-000003.state-worker-1.npz"
+    )

@@ -53,8 +53,7 @@ def test_tensorboard_without_the_package_says_how_to_install_it():
     result = result_line(out)
     assert result["tfdist"] != "constructed"
     name, is_tfdist_error, missing, message = result["tfdist"]
-    assert (name, is_tfdist_error, missing) == (
-        "TensorBoardNotInstalledError", True, "tensorboard")
+    assert (name, is_tfdist_error, missing) == ("TensorBoardNotInstalledError", True, "tensorboard")
     assert "needs the 'tensorboard' package" in message
     assert "pip install 'tfdist[tensorboard]'" in message
     # What tfdist saves the user from: Keras's callback fails only after the
@@ -62,11 +61,13 @@ def test_tensorboard_without_the_package_says_how_to_install_it():
     assert result["keras"] == [
         "TBNotInstalledError",
         "TensorBoard is not installed, missing implementation for tf.summary.scalar",
-        [0]]
+        [0],
+    ]
 
 
 def test_the_install_hint_names_an_extra_that_exists():
     from tfdist.training.callbacks import TensorBoard
+
     pyproject = (REPO / "pyproject.toml").read_text()
     extras = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
     assert "pip install 'tfdist[tensorboard]'" in TensorBoard.INSTALL_HINT

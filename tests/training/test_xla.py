@@ -28,8 +28,13 @@ from tfdist.errors import ConfigError
 #: float, and momentum carries it); mixed_float16 1.6e-3 and 2.8e-4,
 #: mixed_bfloat16 3.1e-3 and 6.6e-3 (XLA fuses the 16-bit casts
 #: differently; bfloat16's step is 2**-8).
-TOLERANCE = {"float32": (1e-6, 1e-6), "fp16": (5e-4, 2e-4), "bf16": (3e-3, 2e-4),
-             "mixed_float16": (1e-2, 2e-3), "mixed_bfloat16": (2e-2, 3e-2)}
+TOLERANCE = {
+    "float32": (1e-6, 1e-6),
+    "fp16": (5e-4, 2e-4),
+    "bf16": (3e-3, 2e-4),
+    "mixed_float16": (1e-2, 2e-3),
+    "mixed_bfloat16": (2e-2, 3e-2),
+}
 
 
 def _data():
@@ -39,8 +44,14 @@ def _data():
 
 
 def _model(keras):
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(128, activation="relu"),
-                             keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
 
 
 def _batches(x, y=None, batch=32):
@@ -49,23 +60,38 @@ def _batches(x, y=None, batch=32):
     # deadlocked in TensorFlow (~LogicalThreadWrapper waiting on a blocked
     # prefetch thread).
     import tensorflow as tf
+
     return tf.data.Dataset.from_tensor_slices(x if y is None else (x, y)).batch(batch)
 
 
-def _fit(strategy, keras, *, jit, steps_per_execution=1, accumulation=None, epochs=2,
-         validate=False):
+def _fit(
+    strategy, keras, *, jit, steps_per_execution=1, accumulation=None, epochs=2, validate=False
+):
     x, y = _data()
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = _model(keras)
-        model.compile(optimizer=keras.optimizers.SGD(0.02, momentum=0.9,
-                                                     gradient_accumulation_steps=accumulation),
-                      loss="mse", metrics=["mae"], jit_compile=jit,
-                      steps_per_execution=steps_per_execution)
-    history = model.fit(_batches(x, y), epochs=epochs, verbose=0,
-                        validation_data=_batches(x[:64], y[:64]) if validate else None)
-    result = {"model": model, "history": history.history, "weights": model.get_weights(),
-              "iterations": int(model.optimizer.iterations.numpy())}
+        model.compile(
+            optimizer=keras.optimizers.SGD(
+                0.02, momentum=0.9, gradient_accumulation_steps=accumulation
+            ),
+            loss="mse",
+            metrics=["mae"],
+            jit_compile=jit,
+            steps_per_execution=steps_per_execution,
+        )
+    history = model.fit(
+        _batches(x, y),
+        epochs=epochs,
+        verbose=0,
+        validation_data=_batches(x[:64], y[:64]) if validate else None,
+    )
+    result = {
+        "model": model,
+        "history": history.history,
+        "weights": model.get_weights(),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
     if validate:  # Evaluate and predict, each compiled per replica too.
         result["evaluate"] = model.evaluate(_batches(x, y), verbose=0)
         result["predict"] = model.predict(_batches(x[:40], batch=16), verbose=0)
@@ -87,6 +113,7 @@ def _assert_equal(xla, plain, tolerance):
 @pytest.fixture
 def policy(request):
     import keras
+
     before = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(request.param)
     yield request.param
@@ -95,31 +122,43 @@ def policy(request):
 
 def test_stock_keras_fails_with_jit_compile_under_mirrored(tf_cpus):
     import keras
+
     stock = tf_cpus.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with upstream_bug("xla.make_function", tf_cpus.errors.InvalidArgumentError,
-                      "from device"):
+    with upstream_bug("xla.make_function", tf_cpus.errors.InvalidArgumentError, "from device"):
         _fit(stock, keras, jit=True, epochs=1)
 
 
 @pytest.fixture(scope="module")
 def uncompressed_loss(tf_cpus):
     import keras
+
     return _fit(tfdist.strategy_from_config(cpu_replicas=2), keras, jit=False)["history"]["loss"]
 
 
-@pytest.mark.parametrize("compression", [None, "fp16", "bf16", "topk:0.25", "randomk:0.25",
-                                         "sign", "qsgd:16", "powersgd:2", "auto"])
+@pytest.mark.parametrize(
+    "compression",
+    [None, "fp16", "bf16", "topk:0.25", "randomk:0.25", "sign", "qsgd:16", "powersgd:2", "auto"],
+)
 def test_xla_fit_equals_the_fit_without_xla(tf_cpus, caplog, compression, uncompressed_loss):
     import keras
+
     caplog.set_level(logging.INFO, logger="absl")
-    runs = {jit: _fit(tfdist.strategy_from_config(cpu_replicas=2, compression=compression),
-                      keras, jit=jit, validate=compression in (None, "powersgd:2"))
-            for jit in (False, True)}
+    runs = {
+        jit: _fit(
+            tfdist.strategy_from_config(cpu_replicas=2, compression=compression),
+            keras,
+            jit=jit,
+            validate=compression in (None, "powersgd:2"),
+        )
+        for jit in (False, True)
+    }
     assert runs[True]["model"].jit_compile is True  # Still what the user asked for.
     said = [r.getMessage() for r in caplog.records if "fits with XLA" in r.getMessage()]
-    assert said == [f"tfdist: {runs[True]['model'].name} fits with XLA: each replica's "
-                    "forward and backward pass is compiled; the all-reduce and the optimizer "
-                    "run outside XLA"]
+    assert said == [
+        f"tfdist: {runs[True]['model'].name} fits with XLA: each replica's "
+        "forward and backward pass is compiled; the all-reduce and the optimizer "
+        "run outside XLA"
+    ]
     assert runs[True]["history"]["loss"][-1] < runs[True]["history"]["loss"][0]
     if compression not in (None, "auto"):  # The compression was in effect.
         assert runs[False]["history"]["loss"] != uncompressed_loss
@@ -130,20 +169,37 @@ def test_xla_fit_equals_the_fit_without_xla(tf_cpus, caplog, compression, uncomp
 @pytest.mark.parametrize("compression", [None, "powersgd:2"])
 def test_xla_under_mixed_precision_equals_the_fit_without_xla(tf_cpus, policy, compression):
     import keras
-    runs = {jit: _fit(tfdist.strategy_from_config(cpu_replicas=2, compression=compression),
-                      keras, jit=jit, validate=compression is None) for jit in (False, True)}
+
+    runs = {
+        jit: _fit(
+            tfdist.strategy_from_config(cpu_replicas=2, compression=compression),
+            keras,
+            jit=jit,
+            validate=compression is None,
+        )
+        for jit in (False, True)
+    }
     if policy == "mixed_float16":  # Keras wraps the optimizer: the loss-scale path.
         assert isinstance(runs[True]["model"].optimizer, keras.optimizers.LossScaleOptimizer)
     _assert_equal(runs[True], runs[False], TOLERANCE[policy])
 
 
 @pytest.mark.parametrize("steps_per_execution,accumulation", [(3, None), (1, 2), (2, 2)])
-def test_xla_with_several_steps_per_execution_or_accumulation(tf_cpus, steps_per_execution,
-                                                             accumulation):
+def test_xla_with_several_steps_per_execution_or_accumulation(
+    tf_cpus, steps_per_execution, accumulation
+):
     import keras
-    runs = {jit: _fit(tfdist.strategy_from_config(cpu_replicas=2), keras, jit=jit,
-                      steps_per_execution=steps_per_execution, accumulation=accumulation)
-            for jit in (False, True)}
+
+    runs = {
+        jit: _fit(
+            tfdist.strategy_from_config(cpu_replicas=2),
+            keras,
+            jit=jit,
+            steps_per_execution=steps_per_execution,
+            accumulation=accumulation,
+        )
+        for jit in (False, True)
+    }
     _assert_equal(runs[True], runs[False], TOLERANCE["float32"])
 
 
@@ -193,10 +249,16 @@ def test_a_layer_without_xla_support_is_refused_at_compile(tf_cpus):
 
 def test_synchronized_batch_norm_is_refused_at_compile(tf_cpus):
     import keras
+
     with tfdist.strategy_from_config(cpu_replicas=2).scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
-                                  keras.layers.BatchNormalization(synchronized=True, name="bn"),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(4),
+                keras.layers.BatchNormalization(synchronized=True, name="bn"),
+                keras.layers.Dense(1),
+            ]
+        )
         with pytest.raises(ConfigError) as caught:
             model.compile(optimizer="sgd", loss="mse", jit_compile=True)
         message = str(caught.value)
@@ -244,6 +306,7 @@ def test_auto_resolves_as_keras_does_without_a_strategy(tf_cpus, caplog):
     # tfdist; describe() and the fit's log line say so. (A GPU, where both
     # choose XLA, is untested.)
     import keras
+
     caplog.set_level(logging.INFO, logger="absl")
     strategy = tfdist.strategy_from_config(cpu_replicas=2)
     with strategy.scope():
@@ -256,8 +319,10 @@ def test_auto_resolves_as_keras_does_without_a_strategy(tf_cpus, caplog):
     x, y = _data()
     model.fit(_batches(x, y), epochs=2, verbose=0)
     said = [r.getMessage() for r in caplog.records if "fits without XLA" in r.getMessage()]
-    assert said == [f"tfdist: {model.name} fits without XLA (jit_compile='auto' resolves to "
-                    "off: CPU replicas, as Keras without a strategy)"]  # Once per compile.
+    assert said == [
+        f"tfdist: {model.name} fits without XLA (jit_compile='auto' resolves to "
+        "off: CPU replicas, as Keras without a strategy)"
+    ]  # Once per compile.
     with strategy.scope():
         model.compile(optimizer="sgd", loss="mse", jit_compile=False)
     model.fit(_batches(x, y), epochs=1, verbose=0)
@@ -272,6 +337,7 @@ def test_tpu_is_refused_at_compile(tf_cpus):
 
     from tfdist.strategies.tpu import TPUStrategy
     from tfdist.training import xla
+
     strategy = object.__new__(TPUStrategy)
     with pytest.raises(ConfigError) as caught:
         xla.check_compile(_model(keras), strategy)
@@ -287,8 +353,13 @@ def test_sharded_layers_are_refused_only_when_sharded(tf_cpus):
     from tfdist import parallel as tp
 
     def build():
-        return keras.Sequential([keras.Input((8,)), tp.ColumnParallelDense(8, name="ffn_in"),
-                                 tp.RowParallelDense(1, name="ffn_out")])
+        return keras.Sequential(
+            [
+                keras.Input((8,)),
+                tp.ColumnParallelDense(8, name="ffn_in"),
+                tp.RowParallelDense(1, name="ffn_out"),
+            ]
+        )
 
     with tfdist.strategy_from_config(cpu_replicas=2, model_parallel=2).scope():
         model = build()

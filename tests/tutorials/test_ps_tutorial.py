@@ -23,12 +23,11 @@ import re
 import numpy as np
 import pytest
 
-from conftest import finish, result_line, start
-
 import tfdist
+from conftest import finish, result_line, start
 from tfdist import spec as spec_lib
-from tfdist.spec import detect
 from tfdist.errors import ConfigError
+from tfdist.spec import detect
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +42,9 @@ def run(scenario: str, workdir, cluster=None, timeout: float = 300):
     if cluster is not None:
         args.append(json.dumps(cluster.cluster))
     [(code, out, err)] = finish([start(args)], timeout=timeout)
-    assert code == 0 and "tfdist result: " in out, f"{scenario} exited {code}\n" \
-        f"{out[-3000:]}\n{err[-5000:]}"
+    assert code == 0 and "tfdist result: " in out, (
+        f"{scenario} exited {code}\n{out[-3000:]}\n{err[-5000:]}"
+    )
     return result_line(out), err
 
 
@@ -96,8 +96,11 @@ def test_the_tutorial_loop_trains_an_embedding_sharded_over_two_ps(shared_cluste
 
 
 #: What a successful run must not print: gRPC or remote-function errors.
-_GRPC_ERROR = re.compile(r"grpc|Failed to remove function|Connection refused|"
-                         r"UNAVAILABLE", re.IGNORECASE)
+_GRPC_ERROR = re.compile(
+    r"grpc|Failed to remove function|Connection refused|"
+    r"UNAVAILABLE",
+    re.IGNORECASE,
+)
 
 
 @pytest.mark.slow
@@ -122,12 +125,16 @@ def test_strategy_from_a_local_cluster_trains_and_exits_cleanly(tmp_path):
 
 def _resolver(cluster: dict, **kwargs):
     import tensorflow as tf
+
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(cluster), **kwargs)
+        tf.train.ClusterSpec(cluster), **kwargs
+    )
 
 
-_PS_CLUSTER = {"worker": ["localhost:2001", "localhost:2002"],
-               "ps": ["localhost:2003", "localhost:2004"]}
+_PS_CLUSTER = {
+    "worker": ["localhost:2001", "localhost:2002"],
+    "ps": ["localhost:2003", "localhost:2004"],
+}
 
 
 def test_a_resolver_of_workers_and_ps_makes_this_process_the_coordinator():
@@ -165,9 +172,13 @@ def test_a_local_cluster_stands_for_its_chief_tf_config():
 
     # A cluster that was never started: only its addresses matter here.
     cluster = LocalCluster(
-        1, 1, "process", start_timeout=1.0, python="python", env={}, log_dir=None)
-    cluster.cluster = {"chief": ["127.0.0.1:2001"], "worker": ["127.0.0.1:2002"],
-                       "ps": ["127.0.0.1:2003"]}
+        1, 1, "process", start_timeout=1.0, python="python", env={}, log_dir=None
+    )
+    cluster.cluster = {
+        "chief": ["127.0.0.1:2001"],
+        "worker": ["127.0.0.1:2002"],
+        "ps": ["127.0.0.1:2003"],
+    }
     choice = tfdist.explain(cluster)  # What strategy_from_config(cluster) builds.
     assert choice.name == "parameter_server" and choice.role == "trainer"
     assert choice.tf_config.task_id == "chief:0"
@@ -193,8 +204,9 @@ def test_tape_gradient_of_keras_variables_holding_shards_equals_the_whole():
     ids, x = tf.constant([1, 7, 7, 9]), tf.constant(rs.randn(5, 6).astype("float32"))
 
     def loss(emb, w):
-        return tf.reduce_sum(tf.gather(tf.convert_to_tensor(emb), ids) ** 2) + \
-            tf.reduce_sum(tf.matmul(x, tf.convert_to_tensor(w)) ** 2)
+        return tf.reduce_sum(tf.gather(tf.convert_to_tensor(emb), ids) ** 2) + tf.reduce_sum(
+            tf.matmul(x, tf.convert_to_tensor(w)) ** 2
+        )
 
     whole = [keras.Variable(table), keras.Variable(dense)]
     sharded = [keras.Variable(table), keras.Variable(dense)]
@@ -213,7 +225,10 @@ def test_tape_gradient_of_keras_variables_holding_shards_equals_the_whole():
         return tape.gradient(value, {"emb": sharded[0], "w": sharded[1]})
 
     got = grads()
-    np.testing.assert_allclose(tf.convert_to_tensor(got["emb"]).numpy(),
-                               tf.convert_to_tensor(reference[0]).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(got["emb"]).numpy(),
+        tf.convert_to_tensor(reference[0]).numpy(),
+        rtol=1e-6,
+    )
     np.testing.assert_allclose(got["w"].numpy(), reference[1].numpy(), rtol=1e-6)
     assert isinstance(got["emb"], tf.IndexedSlices)  # Still sparse, whole-table rows.

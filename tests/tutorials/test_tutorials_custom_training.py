@@ -48,30 +48,35 @@ def run_tutorial(tf, compression, tmp_path) -> dict:
     assert strategy.num_replicas_in_sync == 2
 
     global_batch = PER_REPLICA_BATCH * strategy.num_replicas_in_sync
-    train_dataset = tf.data.Dataset.from_tensor_slices(
-        (train_images, train_labels)).shuffle(len(train_images), seed=0).batch(global_batch)
-    test_dataset = tf.data.Dataset.from_tensor_slices(
-        (test_images, test_labels)).batch(global_batch)
+    train_dataset = (
+        tf.data.Dataset.from_tensor_slices((train_images, train_labels))
+        .shuffle(len(train_images), seed=0)
+        .batch(global_batch)
+    )
+    test_dataset = tf.data.Dataset.from_tensor_slices((test_images, test_labels)).batch(
+        global_batch
+    )
     train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
     test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
 
     def create_model():
         l2 = keras.regularizers.L2(1e-5)
-        return keras.Sequential([
-            keras.layers.Conv2D(32, 3, activation="relu", kernel_regularizer=l2),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(64, 3, activation="relu", kernel_regularizer=l2),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu", kernel_regularizer=l2),
-            keras.layers.Dense(10, kernel_regularizer=l2),
-        ])
+        return keras.Sequential(
+            [
+                keras.layers.Conv2D(32, 3, activation="relu", kernel_regularizer=l2),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Conv2D(64, 3, activation="relu", kernel_regularizer=l2),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu", kernel_regularizer=l2),
+                keras.layers.Dense(10, kernel_regularizer=l2),
+            ]
+        )
 
     checkpoint_prefix = str(tmp_path / "training_checkpoints" / "ckpt")
 
     with strategy.scope():
-        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                                 reduction=None)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
         def compute_loss(labels, predictions, model_losses):
             loss = tf.nn.compute_average_loss(loss_object(labels, predictions))
@@ -161,8 +166,7 @@ def run_tutorial(tf, compression, tmp_path) -> dict:
         total_loss, num_batches = 0.0, 0
         for x in dataset:
             per_replica_losses = strategy.run(train_step, args=(x,))
-            total_loss += strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses,
-                                          axis=None)
+            total_loss += strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
             num_batches += 1
         return total_loss / tf.cast(num_batches, dtype=tf.float32)
 
@@ -174,8 +178,11 @@ def run_tutorial(tf, compression, tmp_path) -> dict:
     # Synchronous training: every replica holds the same weights.
     result["replicas_equal"] = all(
         all(np.array_equal(copies[0], c) for c in copies[1:])
-        for copies in ([np.asarray(c) for c in strategy.experimental_local_results(v)]
-                       for v in model.trainable_variables))
+        for copies in (
+            [np.asarray(c) for c in strategy.experimental_local_results(v)]
+            for v in model.trainable_variables
+        )
+    )
     result["weights"] = flat_weights(model)
     return result
 

@@ -40,26 +40,38 @@ def test_keras_tutorial_fit_checkpoints_and_reloads(tf_cpus, tmp_path, compressi
     def scale(image, label):
         return tf.cast(image, tf.float32) / 255, label
 
-    train_dataset = (tf.data.Dataset.from_tensor_slices((train_images, train_labels))
-                     .map(scale).cache().shuffle(1000, seed=0).batch(global_batch))
-    eval_dataset = (tf.data.Dataset.from_tensor_slices((test_images, test_labels))
-                    .map(scale).batch(global_batch))
+    train_dataset = (
+        tf.data.Dataset.from_tensor_slices((train_images, train_labels))
+        .map(scale)
+        .cache()
+        .shuffle(1000, seed=0)
+        .batch(global_batch)
+    )
+    eval_dataset = (
+        tf.data.Dataset.from_tensor_slices((test_images, test_labels))
+        .map(scale)
+        .batch(global_batch)
+    )
 
     def compile_args():
-        return dict(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                    optimizer=keras.optimizers.Adam(learning_rate=0.001),
-                    metrics=["accuracy"])
+        return dict(
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=keras.optimizers.Adam(learning_rate=0.001),
+            metrics=["accuracy"],
+        )
 
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input(shape=(28, 28, 1)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input(shape=(28, 28, 1)),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
         model.compile(**compile_args())
 
     checkpoint_dir = tmp_path / "training_checkpoints"
@@ -77,8 +89,8 @@ def test_keras_tutorial_fit_checkpoints_and_reloads(tf_cpus, tmp_path, compressi
     callbacks = [
         keras.callbacks.TensorBoard(log_dir=str(log_dir)),
         keras.callbacks.ModelCheckpoint(
-            filepath=str(checkpoint_dir / "ckpt_{epoch:04d}.weights.h5"),
-            save_weights_only=True),
+            filepath=str(checkpoint_dir / "ckpt_{epoch:04d}.weights.h5"), save_weights_only=True
+        ),
         keras.callbacks.LearningRateScheduler(decay),
         ReadLearningRate(),
     ]
@@ -88,7 +100,9 @@ def test_keras_tutorial_fit_checkpoints_and_reloads(tf_cpus, tmp_path, compressi
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     np.testing.assert_allclose(seen_rates, [1e-3, 1e-4], rtol=1e-6)
     assert sorted(p.name for p in checkpoint_dir.iterdir()) == [
-        "ckpt_0001.weights.h5", "ckpt_0002.weights.h5"]
+        "ckpt_0001.weights.h5",
+        "ckpt_0002.weights.h5",
+    ]
     assert any(p.name.startswith("events.out") for p in (log_dir / "train").iterdir())
 
     # The latest checkpoint holds the trained weights; the first one does not.

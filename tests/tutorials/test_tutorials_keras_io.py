@@ -34,9 +34,11 @@ def test_keras_io_guide_fit_and_resume_from_model_checkpoint(tf_cpus, tmp_path, 
         x = keras.layers.Dense(256, activation="relu")(x)
         outputs = keras.layers.Dense(10)(x)
         model = keras.Model(inputs, outputs)
-        model.compile(optimizer=keras.optimizers.Adam(),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=[keras.metrics.SparseCategoricalAccuracy()])
+        model.compile(
+            optimizer=keras.optimizers.Adam(),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[keras.metrics.SparseCategoricalAccuracy()],
+        )
         return model
 
     def get_dataset():
@@ -47,9 +49,11 @@ def test_keras_io_guide_fit_and_resume_from_model_checkpoint(tf_cpus, tmp_path, 
         y_train, y_test = y_train.astype("float32"), y_test.astype("float32")
         x_val, y_val = x_train[-num_val_samples:], y_train[-num_val_samples:]
         x_train, y_train = x_train[:-num_val_samples], y_train[:-num_val_samples]
-        return (tf.data.Dataset.from_tensor_slices((x_train, y_train)).batch(batch_size),
-                tf.data.Dataset.from_tensor_slices((x_val, y_val)).batch(batch_size),
-                tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(batch_size))
+        return (
+            tf.data.Dataset.from_tensor_slices((x_train, y_train)).batch(batch_size),
+            tf.data.Dataset.from_tensor_slices((x_val, y_val)).batch(batch_size),
+            tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(batch_size),
+        )
 
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=compression)
     assert strategy.num_replicas_in_sync == 2
@@ -85,10 +89,18 @@ def test_keras_io_guide_fit_and_resume_from_model_checkpoint(tf_cpus, tmp_path, 
         strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=compression)
         with strategy.scope():
             model = make_or_restore_model()
-            callbacks = [keras.callbacks.ModelCheckpoint(
-                filepath=checkpoint_dir + "/ckpt-{epoch}.keras", save_freq="epoch")]
-            history = model.fit(train_dataset, epochs=epochs, callbacks=callbacks,
-                                validation_data=val_dataset, verbose=0)
+            callbacks = [
+                keras.callbacks.ModelCheckpoint(
+                    filepath=checkpoint_dir + "/ckpt-{epoch}.keras", save_freq="epoch"
+                )
+            ]
+            history = model.fit(
+                train_dataset,
+                epochs=epochs,
+                callbacks=callbacks,
+                validation_data=val_dataset,
+                verbose=0,
+            )
         runs.append((model, history.history))
 
     run_training(epochs=1)
@@ -107,4 +119,5 @@ def test_keras_io_guide_fit_and_resume_from_model_checkpoint(tf_cpus, tmp_path, 
     assert os.listdir(checkpoint_dir) == ["ckpt-1.keras"]
     np.testing.assert_array_equal(
         flat_weights(keras.models.load_model(checkpoint_dir + "/ckpt-1.keras")),
-        flat_weights(runs[1][0]))
+        flat_weights(runs[1][0]),
+    )

@@ -35,14 +35,30 @@ def launch_job(script: str, compression: str | None, sections: str, workdir) -> 
     """Runs ``tfdist launch --workers 2 SCRIPT WORKDIR [SECTIONS]``; results by task."""
     env = subprocess_env(
         PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "workers")]),
-        TFDIST_COLLECTIVE_TIMEOUT="120")
+        TFDIST_COLLECTIVE_TIMEOUT="120",
+    )
     if compression:
         env["TFDIST_TEST_COMPRESSION"] = compression
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tfdist", "launch", "--workers", "2", "--show-all",
-         str(REPO / "tests" / "workers" / script), str(workdir), *([sections] if sections else [])],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--workers",
+            "2",
+            "--show-all",
+            str(REPO / "tests" / "workers" / script),
+            str(workdir),
+            *([sections] if sections else []),
+        ],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -52,20 +68,22 @@ def launch_job(script: str, compression: str | None, sections: str, workdir) -> 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
-        raise AssertionError(f"{script} did not finish in 600 s:\n{out[-6000:]}")
+        raise AssertionError(f"{script} did not finish in 600 s:\n{out[-6000:]}")  # noqa: B904 - the timeout is the failure; its traceback stays as context
     results = {}
     for line in out.splitlines():
         if "tfdist result: " in line:
             found = json.loads(line.split("tfdist result: ", 1)[1])
             results[found["task"]] = found
     assert proc.returncode == 0 and len(results) == 2, (
-        f"{script} exited {proc.returncode}, results from {sorted(results)}:\n{out[-8000:]}")
+        f"{script} exited {proc.returncode}, results from {sorted(results)}:\n{out[-8000:]}"
+    )
     return results
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """Launches each (script, compression, sections) once, when a test first needs it."""
+
     def get(script: str, compression: str | None, sections: str = "") -> dict:
         if compression and script == KERAS:
             sections = ""  # One launch runs all sections with compression.
@@ -79,6 +97,7 @@ def job(tmp_path_factory):
         if isinstance(_JOBS[key], AssertionError):
             raise _JOBS[key]
         return _JOBS[key]
+
     return get
 
 

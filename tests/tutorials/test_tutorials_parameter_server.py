@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow  # 5 servers and a coordinator in one process.
 def tutorial(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ps_tutorial")
     [(code, out, err)] = finish(
-        [start(["tests/workers/tutorial_parameter_server.py", workdir])], timeout=600)
+        [start(["tests/workers/tutorial_parameter_server.py", workdir])], timeout=600
+    )
     assert code == 0 and "tfdist result: " in out, f"exited {code}:\n{out[-2000:]}\n{err[-6000:]}"
     return result_line(out), err
 
@@ -53,7 +54,8 @@ def test_ps_tutorial_strategy_from_the_resolver_shards_the_embedding(tutorial):
     assert result["partitions"][0] == 2, result["partitions"]
     # ...and the shards behind that weight are the ones it asked for, one per ps.
     assert [shape for shape, _ in result["shards"]] == expected_shards(
-        table_shape, result["partitions"])
+        table_shape, result["partitions"]
+    )
     assert sorted(device.split("/task:")[1][0] for _, device in result["shards"]) == ["0", "1"]
 
 

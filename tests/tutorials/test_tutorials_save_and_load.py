@@ -42,22 +42,28 @@ def test_save_and_load_tutorial(tf_cpus, tmp_path, compression):
 
         train = tf.data.Dataset.from_tensor_slices(mnist_like(256, seed=0, channel=True))
         test = tf.data.Dataset.from_tensor_slices(mnist_like(128, seed=1, channel=True))
-        return (train.map(scale).cache().shuffle(1000, seed=0).batch(batch),
-                test.map(scale).batch(batch))
+        return (
+            train.map(scale).cache().shuffle(1000, seed=0).batch(batch),
+            test.map(scale).batch(batch),
+        )
 
     def get_model():
         with mirrored_strategy.scope():
-            model = keras.Sequential([
-                keras.Input(shape=(28, 28, 1)),
-                keras.layers.Conv2D(32, 3, activation="relu"),
-                keras.layers.MaxPooling2D(),
-                keras.layers.Flatten(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10),
-            ])
-            model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          optimizer=keras.optimizers.Adam(),
-                          metrics=[keras.metrics.SparseCategoricalAccuracy()])
+            model = keras.Sequential(
+                [
+                    keras.Input(shape=(28, 28, 1)),
+                    keras.layers.Conv2D(32, 3, activation="relu"),
+                    keras.layers.MaxPooling2D(),
+                    keras.layers.Flatten(),
+                    keras.layers.Dense(64, activation="relu"),
+                    keras.layers.Dense(10),
+                ]
+            )
+            model.compile(
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                optimizer=keras.optimizers.Adam(),
+                metrics=[keras.metrics.SparseCategoricalAccuracy()],
+            )
             return model
 
     keras.utils.set_random_seed(0)
@@ -72,8 +78,9 @@ def test_save_and_load_tutorial(tf_cpus, tmp_path, compression):
     keras_model_path = str(tmp_path / "keras_save.keras")
     model.save(keras_model_path)
     restored_keras_model = keras.models.load_model(keras_model_path)
-    np.testing.assert_allclose(restored_keras_model.predict(images, verbose=0), expected,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        restored_keras_model.predict(images, verbose=0), expected, rtol=1e-5, atol=1e-5
+    )
     restored_history = restored_keras_model.fit(train_dataset, epochs=1, verbose=0)
     assert restored_history.history["loss"][0] < history.history["loss"][0]
 
@@ -107,8 +114,7 @@ def test_save_and_load_tutorial(tf_cpus, tmp_path, compression):
         for batch in dist_predict_dataset:
             result = another_strategy.run(inference_func, args=(batch,))
             break
-    halves = [next(iter(r.values())) for r in
-              another_strategy.experimental_local_results(result)]
+    halves = [next(iter(r.values())) for r in another_strategy.experimental_local_results(result)]
     assert len(halves) == 2
     np.testing.assert_allclose(np.concatenate(halves), fresh, rtol=1e-5, atol=1e-5)
 
@@ -123,11 +129,16 @@ def test_save_and_load_tutorial(tf_cpus, tmp_path, compression):
     np.testing.assert_allclose(exported.serve(images), fresh, rtol=1e-5, atol=1e-5)
 
     localhost_path = str(tmp_path / "tf_save_localhost")
-    tf.saved_model.save(model, localhost_path, options=tf.saved_model.SaveOptions(
-        experimental_io_device="/job:localhost"))
+    tf.saved_model.save(
+        model,
+        localhost_path,
+        options=tf.saved_model.SaveOptions(experimental_io_device="/job:localhost"),
+    )
     with tfdist.strategy_from_config(cpu_replicas=2).scope():
-        loaded = tf.saved_model.load(localhost_path, options=tf.saved_model.LoadOptions(
-            experimental_io_device="/job:localhost"))
+        loaded = tf.saved_model.load(
+            localhost_path,
+            options=tf.saved_model.LoadOptions(experimental_io_device="/job:localhost"),
+        )
     [served] = loaded.signatures["serving_default"](images).values()
     np.testing.assert_allclose(served, fresh, rtol=1e-5, atol=1e-5)
 
@@ -149,8 +160,10 @@ def test_save_and_load_tutorial(tf_cpus, tmp_path, compression):
     assert my_history.history["loss"][-1] < my_history.history["loss"][0]
     subclassed_path = str(tmp_path / "subclassed.keras")
     my_model.save(subclassed_path)
-    reloaded = keras.models.load_model(subclassed_path,
-                                       custom_objects={"SubclassedModel": SubclassedModel})
+    reloaded = keras.models.load_model(
+        subclassed_path, custom_objects={"SubclassedModel": SubclassedModel}
+    )
     probe = np.arange(10, dtype="float32").reshape(2, 5)
-    np.testing.assert_allclose(reloaded.predict(probe, verbose=0),
-                               my_model.predict(probe, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(
+        reloaded.predict(probe, verbose=0), my_model.predict(probe, verbose=0), rtol=1e-6
+    )

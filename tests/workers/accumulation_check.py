@@ -37,38 +37,64 @@ def train(strategy, *, k: int, micro_steps: int, seed: int = 0) -> dict:
     """
     import keras
 
-    from tfdist.compression.keras_hook import state_variables
     from tfdist.compression.applied import applies_this_step
+    from tfdist.compression.keras_hook import state_variables
 
     n = strategy.num_replicas_in_sync
     x, y = data(n, micro_steps * PER_REPLICA_BATCH, seed)
     with strategy.scope():
         keras.utils.set_random_seed(seed)
-        model = keras.Sequential([keras.Input((FEATURES,)),
-                                  keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(1),
+            ]
+        )
         optimizer = keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=k)
-    return _loop(strategy, model, optimizer, x, y, PER_REPLICA_BATCH, micro_steps,
-                 applies_this_step, state_variables)
+    return _loop(
+        strategy,
+        model,
+        optimizer,
+        x,
+        y,
+        PER_REPLICA_BATCH,
+        micro_steps,
+        applies_this_step,
+        state_variables,
+    )
 
 
 def reference(strategy, *, k: int, micro_steps: int, seed: int = 0) -> dict:
     """The same examples in micro_steps / k steps of k times the batch, no accumulation."""
     import keras
 
-    from tfdist.compression.keras_hook import state_variables
     from tfdist.compression.applied import applies_this_step
+    from tfdist.compression.keras_hook import state_variables
 
     n = strategy.num_replicas_in_sync
     x, y = data(n, micro_steps * PER_REPLICA_BATCH, seed)
     with strategy.scope():
         keras.utils.set_random_seed(seed)
-        model = keras.Sequential([keras.Input((FEATURES,)),
-                                  keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(1),
+            ]
+        )
         optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
-    return _loop(strategy, model, optimizer, x, y, k * PER_REPLICA_BATCH, micro_steps // k,
-                 applies_this_step, state_variables)
+    return _loop(
+        strategy,
+        model,
+        optimizer,
+        x,
+        y,
+        k * PER_REPLICA_BATCH,
+        micro_steps // k,
+        applies_this_step,
+        state_variables,
+    )
 
 
 def _loop(strategy, model, optimizer, x, y, batch, steps, applies_this_step, state_variables):
@@ -80,8 +106,7 @@ def _loop(strategy, model, optimizer, x, y, batch, steps, applies_this_step, sta
 
     def train_step(inputs, labels):
         with tf.GradientTape() as tape:
-            per_example = keras.losses.binary_crossentropy(labels, model(inputs),
-                                                           from_logits=True)
+            per_example = keras.losses.binary_crossentropy(labels, model(inputs), from_logits=True)
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -94,13 +119,17 @@ def _loop(strategy, model, optimizer, x, y, batch, steps, applies_this_step, sta
     def per_replica(array, step):
         def value(ctx):
             rows = array[ctx.replica_id_in_sync_group]
-            return tf.constant(rows[step * batch:(step + 1) * batch])
+            return tf.constant(rows[step * batch : (step + 1) * batch])
+
         return strategy.experimental_distribute_values_from_function(value)
 
     def state():
-        return [np.concatenate([np.ravel(c.numpy()) for c in
-                                strategy.experimental_local_results(v.value)])
-                for v in state_variables(optimizer)]
+        return [
+            np.concatenate(
+                [np.ravel(c.numpy()) for c in strategy.experimental_local_results(v.value)]
+            )
+            for v in state_variables(optimizer)
+        ]
 
     states, sent = [], []
     for step in range(steps):
@@ -110,6 +139,10 @@ def _loop(strategy, model, optimizer, x, y, batch, steps, applies_this_step, sta
         changed = any(not np.array_equal(a, b) for a, b in zip(before, after))
         states.append({"state_changed": changed, "applied": applies_this_step(optimizer)})
         sent.append(step_traffic(optimizer).sent)
-    return {"weights": [v.numpy() for v in model.trainable_variables],
-            "iterations": int(optimizer.iterations.numpy()), "states": states,
-            "sent": sent, "examples": steps * global_batch}
+    return {
+        "weights": [v.numpy() for v in model.trainable_variables],
+        "iterations": int(optimizer.iterations.numpy()),
+        "states": states,
+        "sent": sent,
+        "examples": steps * global_batch,
+    }

@@ -21,7 +21,7 @@ for setting in sys.argv[1].split(","):
     compression = {"none": None, "powersgd": PowerSGD(rank=1, warmup_steps=1)}[setting]
 
     def strategy():
-        return tfdist.strategy_from_config(compression=compression, register_timeout=120)
+        return tfdist.strategy_from_config(compression=compression, register_timeout=120)  # noqa: B023 - called in this iteration only
 
     accumulating = strategy()
     ours = accumulation_check.train(accumulating, k=K, micro_steps=4 * K)
@@ -29,11 +29,13 @@ for setting in sys.argv[1].split(","):
     results[setting] = {
         "replicas": accumulating.num_replicas_in_sync,
         "iterations": [ours["iterations"], reference["iterations"]],
-        "max_weight_difference": max(float(np.max(np.abs(a - b)))
-                                     for a, b in zip(ours["weights"], reference["weights"])),
+        "max_weight_difference": max(
+            float(np.max(np.abs(a - b))) for a, b in zip(ours["weights"], reference["weights"])
+        ),
         "sent_steps": [i for i, sent in enumerate(ours["sent"]) if sent > 0],
         "state_changed_without_applying": any(
-            s["state_changed"] for s in ours["states"] if not s["applied"]),
+            s["state_changed"] for s in ours["states"] if not s["applied"]
+        ),
         "bytes_ratio": sum(ours["sent"]) / sum(reference["sent"]),
     }
 print("tfdist result: " + json.dumps(results), flush=True)

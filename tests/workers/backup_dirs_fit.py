@@ -39,18 +39,25 @@ x = rng.normal(size=(256, 20)).astype("float32")
 y = (x[:, :3].sum(axis=1) > 0).astype("int32")
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
 with strategy.scope():
-    model = keras.Sequential([
-        keras.Input((20,)),
-        keras.layers.Dense(16, activation="relu",
-                           kernel_initializer=keras.initializers.GlorotUniform(1)),
-        keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(2)),
-    ])
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(
+                16, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(1)
+            ),
+            keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(2)),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 backup = keras.callbacks.BackupAndRestore(
-    str(out / f"task{index}"), save_freq="epoch",
+    str(out / f"task{index}"),
+    save_freq="epoch",
     double_checkpoint=os.environ.get("TFDIST_TEST_DOUBLE", "0") == "1",
-    delete_checkpoint=os.environ.get("TFDIST_TEST_DELETE", "1") == "1")
+    delete_checkpoint=os.environ.get("TFDIST_TEST_DELETE", "1") == "1",
+)
 epochs_run = []
 
 
@@ -65,8 +72,12 @@ class Progress(keras.callbacks.Callback):
 
 
 model.fit(data, epochs=epochs, verbose=0, shuffle=False, callbacks=[backup, Progress()])
-result = {"task": task, "attempt": attempt, "epochs_run": epochs_run,
-          "iterations": int(model.optimizer.iterations.numpy()),
-          "weights": np.concatenate([w.ravel() for w in model.get_weights()]).tolist()}
+result = {
+    "task": task,
+    "attempt": attempt,
+    "epochs_run": epochs_run,
+    "iterations": int(model.optimizer.iterations.numpy()),
+    "weights": np.concatenate([w.ravel() for w in model.get_weights()]).tolist(),
+}
 (out / f"result-{attempt}-{task}.json").write_text(json.dumps(result))
 print("tfdist result: " + json.dumps(result), flush=True)

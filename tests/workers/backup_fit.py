@@ -40,10 +40,12 @@ class Interrupt(keras.callbacks.Callback):
 
 
 strategy = tfdist.strategy_from_config(
-    register_timeout=90, compression=os.environ.get("TFDIST_TEST_COMPRESSION"))
+    register_timeout=90, compression=os.environ.get("TFDIST_TEST_COMPRESSION")
+)
 x, y = _common.make_data(1024, 3)
-data = distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)), strategy,
-                          per_replica_batch=32, distribute=False)
+data = distribute_dataset(
+    tf.data.Dataset.from_tensor_slices((x, y)), strategy, per_replica_batch=32, distribute=False
+)
 with strategy.scope():
     model = _common.build_model(0.01, 3)
 
@@ -63,11 +65,20 @@ class Record(keras.callbacks.Callback):
         epochs_run.append(epoch)
 
 
-result = {"task": strategy.task, "chief": strategy.is_chief, "pid": os.getpid(),
-          "interrupted": None}
+result = {
+    "task": strategy.task,
+    "chief": strategy.is_chief,
+    "pid": os.getpid(),
+    "interrupted": None,
+}
 try:
-    history = model.fit(data, epochs=epochs, verbose=0, shuffle=False,
-                        callbacks=[c for c in (backup, ckpt, board, Record(), Interrupt()) if c])
+    history = model.fit(
+        data,
+        epochs=epochs,
+        verbose=0,
+        shuffle=False,
+        callbacks=[c for c in (backup, ckpt, board, Record(), Interrupt()) if c],
+    )
     result["loss"] = [float(v) for v in history.history["loss"]]
 except RuntimeError as error:
     if "interrupted at epoch" not in str(error):
@@ -84,9 +95,11 @@ result.update(
     backup_scratch=backup.scratch_dirs,
     ckpt_scratch=ckpt and ckpt.scratch_dir,
     tb_scratch=board and board.scratch_dir,
-    scratch_left=[p for p in backup.scratch_dirs + [ckpt and ckpt.scratch_dir,
-                                                    board and board.scratch_dir]
-                  if p and os.path.exists(p)],
+    scratch_left=[
+        p
+        for p in backup.scratch_dirs + [ckpt and ckpt.scratch_dir, board and board.scratch_dir]
+        if p and os.path.exists(p)
+    ],
     weights=weights.tolist(),
 )
 print("tfdist result: " + json.dumps(result), flush=True)

@@ -13,9 +13,8 @@ import os
 import sys
 import time
 
-import numpy as np
-
 import keras
+import numpy as np
 import tensorflow as tf
 
 import tfdist
@@ -25,8 +24,11 @@ from tfdist.strategies.multi_worker import configure_coordination
 atexit.register(lambda: print(f"tfdist exited: {time.time()}", flush=True))
 
 resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-configure_coordination(resolver.cluster_spec(), register_timeout=90,
-                       heartbeat_timeout=float(os.environ["TFDIST_TEST_HEARTBEAT"]))
+configure_coordination(
+    resolver.cluster_spec(),
+    register_timeout=90,
+    heartbeat_timeout=float(os.environ["TFDIST_TEST_HEARTBEAT"]),
+)
 strategy = tfdist.strategy_from_config()
 task = strategy.cluster_resolver.task_id
 with strategy.scope():
@@ -36,6 +38,9 @@ x = np.random.RandomState(0).rand(64, 4).astype("float32")
 history = model.fit(x, x.sum(1, keepdims=True), batch_size=32, epochs=1, verbose=0)
 if task == 0:
     time.sleep(float(os.environ["TFDIST_TEST_LINGER"]))
-print("tfdist result: " + json.dumps({"task": task, "loss": history.history["loss"],
-                                      "leaving": time.time()}), flush=True)
+print(
+    "tfdist result: "
+    + json.dumps({"task": task, "loss": history.history["loss"], "leaving": time.time()}),
+    flush=True,
+)
 sys.exit(0)

@@ -17,10 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import corpus  # noqa: E402
-import tfdist  # noqa: E402
+import corpus
+import tfdist
 
 MODE, OUT, WANTED = sys.argv[1], sys.argv[2], sys.argv[3:]
 #: Asynchronous updates are noisy, and under SGD BERT stays near chance for
@@ -40,9 +40,9 @@ else:
         # One strategy per setting, shared by the cases (each later
         # strategy re-creates the collectives, in step on every worker).
         if setting not in made:
-            made[setting] = tfdist.strategy_from_config(compression=setting,
-                                                        register_timeout=90)
+            made[setting] = tfdist.strategy_from_config(compression=setting, register_timeout=90)
         return made[setting]
+
 
 result = {"task": task, "cases": {}}
 for wanted in WANTED:
@@ -52,10 +52,16 @@ for wanted in WANTED:
     if MODE == "ps":  # model.fit runs tfdist.fit under ParameterServerStrategy.
         run = corpus.train(entry, strategy, epochs=PS_EPOCHS, optimizer="adam")
     else:
-        run = (corpus.train(entry, strategy, **corpus.exact_run(entry))
-               if entry.exact_steps and not setting else corpus.train(entry, strategy, epochs=3))
+        run = (
+            corpus.train(entry, strategy, **corpus.exact_run(entry))
+            if entry.exact_steps and not setting
+            else corpus.train(entry, strategy, epochs=3)
+        )
     key = f"{name}-{setting or 'none'}"
     np.savez(os.path.join(OUT, f"{task}-{key}.npz"), *run["weights"])
-    result["cases"][key] = {"losses": run["losses"], "epochs": run["epochs"],
-                            "trainable": run["trainable"]}
+    result["cases"][key] = {
+        "losses": run["losses"],
+        "epochs": run["epochs"],
+        "trainable": run["trainable"],
+    }
 print("tfdist result: " + json.dumps(result), flush=True)

@@ -16,7 +16,8 @@ import tfdist
 results = {}
 for setting in sys.argv[1].split(","):
     strategy = tfdist.strategy_from_config(
-        compression=loop_check.compression_of(setting), register_timeout=120)
+        compression=loop_check.compression_of(setting), register_timeout=120
+    )
     # PowerSGD's default warm-up is dense; run past it.
     steps = 12 if setting.startswith("powersgd") else 3
     found = loop_check.check(strategy, loop_check.run(strategy, steps=steps))

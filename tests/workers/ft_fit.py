@@ -34,16 +34,36 @@ class Killer(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if (mode == "kill" and attempt == 0 and strategy.task == "worker:1"
-                and self.epoch == 2 and batch == 5):
+        if (
+            mode == "kill"
+            and attempt == 0
+            and strategy.task == "worker:1"
+            and self.epoch == 2
+            and batch == 5
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 backup = tfdist.BackupAndRestore(backup_dir, delete_checkpoint=False)
-history = model.fit(data, epochs=4, callbacks=[backup, Killer()], shuffle=False,
-                    verbose=2 if strategy.is_chief else 0)
-print("tfdist result: " + json.dumps({
-    "task": strategy.task, "attempt": attempt, "epochs_run": history.epoch,
-    "loss": history.history["loss"], "accuracy": history.history["accuracy"],
-    "resumed_epoch": (backup.resumed_from or {}).get("epoch"),
-    "weights": [float(w.sum()) for w in model.get_weights()]}), flush=True)
+history = model.fit(
+    data,
+    epochs=4,
+    callbacks=[backup, Killer()],
+    shuffle=False,
+    verbose=2 if strategy.is_chief else 0,
+)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "task": strategy.task,
+            "attempt": attempt,
+            "epochs_run": history.epoch,
+            "loss": history.history["loss"],
+            "accuracy": history.history["accuracy"],
+            "resumed_epoch": (backup.resumed_from or {}).get("epoch"),
+            "weights": [float(w.sum()) for w in model.get_weights()],
+        }
+    ),
+    flush=True,
+)

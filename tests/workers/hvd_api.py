@@ -26,15 +26,20 @@ out["avg"] = hvd.allreduce(mine).numpy().tolist()
 out["sum"] = hvd.allreduce(mine, op=hvd.Sum).numpy().tolist()
 out["min"] = hvd.allreduce(mine, op=hvd.Min).numpy().tolist()
 out["max"] = hvd.allreduce(mine, op=hvd.Max).numpy().tolist()
-out["scaled"] = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=2.0,
-                              postscale_factor=0.5).numpy().tolist()
+out["scaled"] = (
+    hvd.allreduce(mine, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).numpy().tolist()
+)
 out["int_sum"] = hvd.allreduce(tf.constant([r + 1], tf.int64), op=hvd.Sum).numpy().tolist()
-out["grouped"] = [t.numpy().tolist() for t in hvd.grouped_allreduce(
-    [mine, tf.constant([[float(r)]]), tf.constant([r], tf.int32)], op=hvd.Sum)]
+out["grouped"] = [
+    t.numpy().tolist()
+    for t in hvd.grouped_allreduce(
+        [mine, tf.constant([[float(r)]]), tf.constant([r], tf.int32)], op=hvd.Sum
+    )
+]
 out["fp16_allreduce"] = hvd.allreduce(mine, compression=hvd.Compression.fp16).numpy().tolist()
 out["gather"] = hvd.allgather(tf.fill([r + 1, 2], float(r))).numpy().tolist()
 out["bcast_bool"] = hvd.broadcast(tf.constant([r == 1, True]), 1).numpy().tolist()
-out["bcast_i64"] = hvd.broadcast(tf.constant([2 ** 40 + r], tf.int64), 1).numpy().tolist()
+out["bcast_i64"] = hvd.broadcast(tf.constant([2**40 + r], tf.int64), 1).numpy().tolist()
 out["object"] = hvd.broadcast_object({"from": r, "text": "é" * 5}, root_rank=1)
 out["objects"] = hvd.allgather_object(("rank", r, [r] * r))
 slices = tf.IndexedSlices(tf.fill([r + 1, 3], 1.0 + r), tf.range(r + 1), tf.constant([4, 3]))
@@ -63,14 +68,19 @@ from tfdist.compression import TopKCompressor  # noqa: E402
 auto = None
 for setting in ["none", "fp16", "bf16", "topk", "powersgd:2", "auto"]:
     # A tfdist compressor object works too (top-k on every tensor, however small).
-    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
-                   "topk": TopKCompressor(0.25, min_size=0)}.get(setting, setting)
+    compression = {
+        "none": hvd.Compression.none,
+        "fp16": hvd.Compression.fp16,
+        "topk": TopKCompressor(0.25, min_size=0),
+    }.get(setting, setting)
     if setting == "auto":
         from tfdist.compression.auto import AutoCompression
+
         compression = auto = AutoCompression()
     keras.utils.set_random_seed(r)
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(2)]
+    )
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), compression=compression)
     model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     stats = CommunicationStats()
@@ -79,9 +89,14 @@ for setting in ["none", "fp16", "bf16", "topk", "powersgd:2", "auto"]:
     w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
     spread = max(float(np.abs(o - w).max()) for o in hvd.allgather_object(w))
     t = step_traffic(opt)
-    fits[setting] = {"spread": spread, "loss": hist.history["loss"], "sent": t.sent,
-                     "dense": t.dense_sent, "stats_sent": stats.last.sent,
-                     "state": len(getattr(opt, "_tfdist_variables", []))}
+    fits[setting] = {
+        "spread": spread,
+        "loss": hist.history["loss"],
+        "sent": t.sent,
+        "dense": t.dense_sent,
+        "stats_sent": stats.last.sent,
+        "state": len(getattr(opt, "_tfdist_variables", [])),
+    }
     if setting == "none":
         model.save(sys.argv[1] + f"/model_{r}.keras")
 out["fits"] = fits
@@ -113,7 +128,9 @@ def train_step(xb, yb):
     return loss
 
 
-losses = [float(train_step(x[i:i + 16], y[i:i + 16])) for i in range(0, 64, 16) for _ in range(3)]
+losses = [
+    float(train_step(x[i : i + 16], y[i : i + 16])) for i in range(0, 64, 16) for _ in range(3)
+]
 w = np.concatenate([v.numpy().ravel() for v in tm.trainable_variables])
 out["tape_spread"] = max(float(np.abs(o - w).max()) for o in hvd.allgather_object(w))
 tt = hvd.tape_traffic(tm.trainable_variables, compression="powersgd:1")

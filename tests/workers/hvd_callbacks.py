@@ -4,7 +4,8 @@ Usage: ``tfdist launch --workers 2 hvd_callbacks.py OUT_DIR``. Every rank
 writes OUT_DIR/rank-N.json with what it saw:
 
 * digests (sha256) of the model's weights, the optimizer's variables and the
-  Dropout's seed state when training begins, right after the broadcast at the end of batch 0, and at the end.
+  Dropout's seed state when training begins, right after the broadcast at the
+  end of batch 0, and at the end.
   The ranks start from different weights (seed 10 + rank), and rank 0 alone
   has built its optimizer with non-zero momentum slots (as after loading a
   checkpoint on rank 0 only);
@@ -33,11 +34,17 @@ rank, size = hvd.rank(), hvd.size()
 keras.utils.set_random_seed(10 + rank)
 rng = np.random.default_rng(rank)  # Each rank its own data, as in Horovod.
 x = rng.normal(size=(STEPS * BATCH, 4)).astype("float32")
-y = (x @ np.array([[1.0], [2.0], [-1.0], [0.5]]) + rng.normal(size=(STEPS * BATCH, 1)))
+y = x @ np.array([[1.0], [2.0], [-1.0], [0.5]]) + rng.normal(size=(STEPS * BATCH, 1))
 y = y.astype("float32")
 
-model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                          keras.layers.Dropout(0.1), keras.layers.Dense(1)])
+model = keras.Sequential(
+    [
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dropout(0.1),
+        keras.layers.Dense(1),
+    ]
+)
 weights = hvd.callbacks.model_state_variables(model)
 seed_states = [v for v in model.variables if all(v is not w for w in weights)]
 assert len(seed_states) == 1 and len(weights) == 4, (seed_states, weights)
@@ -58,8 +65,11 @@ def digest(variables):
 
 
 def digests():
-    return {"model": digest(weights), "optimizer": digest(opt.variables),
-            "seed_state": digest(seed_states)}
+    return {
+        "model": digest(weights),
+        "optimizer": digest(opt.variables),
+        "seed_state": digest(seed_states),
+    }
 
 
 class Recorder(keras.callbacks.Callback):
@@ -105,12 +115,20 @@ callbacks = [
     Logs("raw_logs"),
     hvd.callbacks.MetricAverageCallback(),
     Logs("averaged_logs"),
-    hvd.callbacks.LearningRateWarmupCallback(initial_lr=initial_lr, warmup_epochs=WARMUP,
-                                             verbose=1),
+    hvd.callbacks.LearningRateWarmupCallback(
+        initial_lr=initial_lr, warmup_epochs=WARMUP, verbose=1
+    ),
     Rates(),
 ]
-history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, callbacks=callbacks,
-                    verbose=1 if rank == 0 else 0)
+history = model.fit(
+    x,
+    y,
+    batch_size=BATCH,
+    epochs=EPOCHS,
+    shuffle=False,
+    callbacks=callbacks,
+    verbose=1 if rank == 0 else 0,
+)
 
 # Ranks that log different metric names: every rank raises, none hangs.
 try:
@@ -119,8 +137,16 @@ try:
 except ValueError as error:
     mismatch = str(error)
 
-result = dict(recorder.seen, mismatch=mismatch, size=size, steps=STEPS, warmup_epochs=WARMUP,
-              initial_lr=initial_lr, history=history.history, digest_end=digests(),
-              weights=np.concatenate([w.ravel() for w in model.get_weights()]).tolist())
+result = dict(
+    recorder.seen,
+    mismatch=mismatch,
+    size=size,
+    steps=STEPS,
+    warmup_epochs=WARMUP,
+    initial_lr=initial_lr,
+    history=history.history,
+    digest_end=digests(),
+    weights=np.concatenate([w.ravel() for w in model.get_weights()]).tolist(),
+)
 (out / f"rank-{rank}.json").write_text(json.dumps(result))
 print(f"rank {rank} done", flush=True)

@@ -54,10 +54,13 @@ def digest(variables):
 
 def make_model(seed):
     init = keras.initializers.GlorotUniform
-    return keras.Sequential([
-        keras.Input((4,)),
-        keras.layers.Dense(8, activation="tanh", kernel_initializer=init(seed=seed)),
-        keras.layers.Dense(1, kernel_initializer=init(seed=seed + 1))])
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="tanh", kernel_initializer=init(seed=seed)),
+            keras.layers.Dense(1, kernel_initializer=init(seed=seed + 1)),
+        ]
+    )
 
 
 def fail(where):
@@ -80,11 +83,12 @@ def make_step(model, opt):
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
+
     return step
 
 
 def batch(i):
-    return x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
+    return x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
 
 
 # Part 1: a custom loop.
@@ -114,7 +118,7 @@ train1(state1)
 record(part1_end=digest(model1.variables))
 
 # Part 2: model.fit with the elastic Keras callbacks.
-x2, y2 = x[:PER_EPOCH * BATCH], y[:PER_EPOCH * BATCH]
+x2, y2 = x[: PER_EPOCH * BATCH], y[: PER_EPOCH * BATCH]
 model2 = make_model(200 + 10 * rank)
 model2.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
 state2 = hvd.elastic.KerasState(model2, epoch=0, batch=0)
@@ -131,12 +135,21 @@ class FailOnce(keras.callbacks.Callback):
 @hvd.elastic.run
 def train2(state):
     record(part2_start=state.epoch, part2_entry=digest(model2.variables))
-    callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
-                 hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.CommitStateCallback(state, batches_per_commit=100),
-                 FailOnce()]
-    model2.fit(x2, y2, batch_size=BATCH, epochs=EPOCHS - state.epoch, shuffle=False,
-               verbose=0, callbacks=callbacks)
+    callbacks = [
+        hvd.elastic.UpdateEpochStateCallback(state),
+        hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=100),
+        FailOnce(),
+    ]
+    model2.fit(
+        x2,
+        y2,
+        batch_size=BATCH,
+        epochs=EPOCHS - state.epoch,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
 
 
 train2(state2)
@@ -158,7 +171,11 @@ def max_diff(a, b):
 
 
 job_dir = os.environ.get("TFDIST_JOB_DIR", "")
-record(part1_diff=max_diff(model1, ref1), part2_diff=max_diff(model2, ref2),
-       part1_moved=max_diff(model1, make_model(100)), job_dir=job_dir,
-       commits=sorted(os.listdir(Path(job_dir) / "elastic")) if rank == 0 else [],
-       done=True)
+record(
+    part1_diff=max_diff(model1, ref1),
+    part2_diff=max_diff(model2, ref2),
+    part1_moved=max_diff(model1, make_model(100)),
+    job_dir=job_dir,
+    commits=sorted(os.listdir(Path(job_dir) / "elastic")) if rank == 0 else [],
+    done=True,
+)

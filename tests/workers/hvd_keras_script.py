@@ -87,53 +87,75 @@ def main(out_dir):
 
     images, labels = synthetic_images()
     dataset = tf.data.Dataset.from_tensor_slices(
-        (tf.cast(images[..., tf.newaxis] / 255.0, tf.float32), tf.cast(labels, tf.int64)))
+        (tf.cast(images[..., tf.newaxis] / 255.0, tf.float32), tf.cast(labels, tf.int64))
+    )
     dataset = dataset.repeat().shuffle(256, seed=hvd.rank()).batch(BATCH)
 
-    model = tf.keras.Sequential([
-        tf.keras.layers.Conv2D(4, [3, 3], activation="relu"),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(16, activation="relu"),
-        tf.keras.layers.Dropout(0.25),
-        tf.keras.layers.Dense(CLASSES, activation="softmax"),
-    ])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Conv2D(4, [3, 3], activation="relu"),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(16, activation="relu"),
+            tf.keras.layers.Dropout(0.25),
+            tf.keras.layers.Dense(CLASSES, activation="softmax"),
+        ]
+    )
 
     scaled_lr = BASE_LR * hvd.size()
     opt = tf.optimizers.Adam(scaled_lr)
-    opt = hvd.DistributedOptimizer(opt, backward_passes_per_step=1,
-                                   average_aggregated_gradients=True)
-    model.compile(loss=tf.losses.SparseCategoricalCrossentropy(), optimizer=opt,
-                  metrics=["accuracy"], experimental_run_tf_function=False)
+    opt = hvd.DistributedOptimizer(
+        opt, backward_passes_per_step=1, average_aggregated_gradients=True
+    )
+    model.compile(
+        loss=tf.losses.SparseCategoricalCrossentropy(),
+        optimizer=opt,
+        metrics=["accuracy"],
+        experimental_run_tf_function=False,
+    )
 
     local, rates = LocalRecorder(), RateRecorder()
     callbacks = [
         local,
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         hvd.callbacks.MetricAverageCallback(),
-        hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr,
-                                                 warmup_epochs=WARMUP_EPOCHS, verbose=1),
+        hvd.callbacks.LearningRateWarmupCallback(
+            initial_lr=scaled_lr, warmup_epochs=WARMUP_EPOCHS, verbose=1
+        ),
         rates,
     ]
 
     if hvd.rank() == 0:
-        callbacks.append(tf.keras.callbacks.ModelCheckpoint(
-            os.path.join(out_dir, "checkpoint-{epoch}.keras")))
+        callbacks.append(
+            tf.keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "checkpoint-{epoch}.keras"))
+        )
 
     verbose = 1 if hvd.rank() == 0 else 0
-    history = model.fit(dataset, steps_per_epoch=STEPS // hvd.size(), callbacks=callbacks,
-                        epochs=EPOCHS, verbose=verbose)
+    history = model.fit(
+        dataset,
+        steps_per_epoch=STEPS // hvd.size(),
+        callbacks=callbacks,
+        epochs=EPOCHS,
+        verbose=verbose,
+    )
 
     digest, total = checksum(model.get_weights())
     result = {
-        "rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-        "initial": local.initial, "final": digest, "abs_sum": total,
+        "rank": hvd.rank(),
+        "size": hvd.size(),
+        "local_rank": hvd.local_rank(),
+        "initial": local.initial,
+        "final": digest,
+        "abs_sum": total,
         "loss": [float(v) for v in history.history["loss"]],
         "accuracy": [float(v) for v in history.history["accuracy"]],
-        "local_logs": local.local_logs, "rates": rates.rates,
-        "lr": float(model.optimizer.learning_rate), "scaled_lr": scaled_lr,
+        "local_logs": local.local_logs,
+        "rates": rates.rates,
+        "lr": float(model.optimizer.learning_rate),
+        "scaled_lr": scaled_lr,
         "iterations": int(model.optimizer.iterations),
-        "checkpoint_callbacks": sum(isinstance(c, tf.keras.callbacks.ModelCheckpoint)
-                                    for c in callbacks),
+        "checkpoint_callbacks": sum(
+            isinstance(c, tf.keras.callbacks.ModelCheckpoint) for c in callbacks
+        ),
     }
     print("tfdist result: " + json.dumps(result), flush=True)
 

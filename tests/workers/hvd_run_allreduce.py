@@ -18,14 +18,21 @@ def train(scale):
     value = tf.constant([float(hvd.rank() + 1) * scale, 1.0])
     total = hvd.allreduce(value, op=hvd.Sum)
     mean = hvd.allreduce(value)  # Horovod's default: the average.
-    return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-            "local_size": hvd.local_size(), "sent": value.numpy().tolist(),
-            "sum": total.numpy().tolist(), "mean": mean.numpy().tolist()}
+    return {
+        "rank": hvd.rank(),
+        "size": hvd.size(),
+        "local_rank": hvd.local_rank(),
+        "local_size": hvd.local_size(),
+        "sent": value.numpy().tolist(),
+        "sum": total.numpy().tolist(),
+        "mean": mean.numpy().tolist(),
+    }
 
 
 if __name__ == "__main__":
     # `import horovod; horovod.run(...)` becomes `import tfdist.horovod as horovod`.
     import tfdist.horovod as horovod
+
     run = getattr(horovod, "run", None)
     if run is None:  # Before tfdist.horovod re-exports it.
         from tfdist.horovod.run import run

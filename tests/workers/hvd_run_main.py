@@ -31,8 +31,12 @@ class Seen:
 def task_info(tag, *, scale):
     config = json.loads(os.environ["TF_CONFIG"])
     rank = config["task"]["index"]
-    return Seen(rank=rank * scale, workers=len(config["cluster"]["worker"]), pid=os.getpid(),
-                tag=f"{tag}-{__name__}")
+    return Seen(
+        rank=rank * scale,
+        workers=len(config["cluster"]["worker"]),
+        pid=os.getpid(),
+        tag=f"{tag}-{__name__}",
+    )
 
 
 def fail_on_rank_1(pid_dir):
@@ -70,12 +74,17 @@ if __name__ == "__main__":
         run(fail_on_rank_1, args=(pid_dir,), num_proc=2)
         error = None
     except RunError as e:
-        error = {"type": type(e).__name__, "rank": e.rank, "error_type": e.error_type,
-                 "error_message": e.error_message, "text": str(e),
-                 "seconds": time.monotonic() - started,
-                 "pickled_again": str(pickle.loads(pickle.dumps(e)))}
+        error = {
+            "type": type(e).__name__,
+            "rank": e.rank,
+            "error_type": e.error_type,
+            "error_message": e.error_message,
+            "text": str(e),
+            "seconds": time.monotonic() - started,
+            "pickled_again": str(pickle.loads(pickle.dumps(e))),
+        }
     restarted = run(flaky, np=2, max_restarts=1)
-    pids = [int(open(os.path.join(pid_dir, f"rank-{r}.pid")).read()) for r in (0, 1)]
+    pids = [int(open(os.path.join(pid_dir, f"rank-{r}.pid")).read()) for r in (0, 1)]  # noqa: SIM115 - a one-line read
     result = {
         "serializer": _hvd_worker.pickler(run_module._PICKLER)[0],
         "seen": [dataclasses.asdict(s) for s in seen],

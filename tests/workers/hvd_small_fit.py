@@ -1,4 +1,5 @@
-"""A small Horovod-style fit: ranks, a Sum all-reduce, broadcast, identical weights (Slurm, HOROVOD_* variables)."""
+"""A small Horovod-style fit: ranks, a Sum all-reduce, broadcast, identical weights
+(Slurm, HOROVOD_* variables)."""
 
 import hashlib
 import json
@@ -19,8 +20,17 @@ model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), "mse")
 hvd.broadcast_variables(model.variables, root_rank=0)
 model.fit(x, y, batch_size=8, epochs=2, verbose=0)
 weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
-print("tfdist result: " + json.dumps({
-    "rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-    "local_size": hvd.local_size(),
-    "sum": float(hvd.allreduce(tf.constant(float(hvd.rank() + 1)), op=hvd.Sum).numpy()),
-    "weights_sha256": hashlib.sha256(weights.tobytes()).hexdigest()}), flush=True)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "rank": hvd.rank(),
+            "size": hvd.size(),
+            "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(),
+            "sum": float(hvd.allreduce(tf.constant(float(hvd.rank() + 1)), op=hvd.Sum).numpy()),
+            "weights_sha256": hashlib.sha256(weights.tobytes()).hexdigest(),
+        }
+    ),
+    flush=True,
+)

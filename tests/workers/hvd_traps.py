@@ -47,8 +47,9 @@ def spread(model):
 
 def make_model(seed):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-                             keras.layers.Dense(2)])
+    return keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)]
+    )
 
 
 # 2. No sharding, rebatching or LR rescaling: each rank trains on everything it
@@ -67,8 +68,9 @@ out["is_sgd"] = isinstance(opt, keras.optimizers.SGD)
 # 3. Rank-0-only work involves no collective: a save and a checkpoint
 # callback on rank 0, then training and collectives go on together.
 ckpt_dir = sys.argv[1]
-callbacks = [keras.callbacks.ModelCheckpoint(os.path.join(ckpt_dir, "ckpt.keras"))] \
-    if r == 0 else []
+callbacks = (
+    [keras.callbacks.ModelCheckpoint(os.path.join(ckpt_dir, "ckpt.keras"))] if r == 0 else []
+)
 if r == 0:
     model.save(os.path.join(ckpt_dir, "model.keras"))
 model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
@@ -80,8 +82,10 @@ out["saved_files"] = sorted(os.listdir(ckpt_dir)) if r == 0 else []
 # together instead of rank 0 waiting in an all-reduce rank 1 never joins.
 keras.mixed_precision.set_global_policy("mixed_float16")
 mp = make_model(0)
-mp.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
-           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+mp.compile(
+    hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
+    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+)
 xm = x.copy()
 if r == 1:
     xm[0] = 1e30
@@ -95,8 +99,11 @@ keras.mixed_precision.set_global_policy("float32")
 # 5. XLA: jit_compile=True cannot compile the multi-process all-reduce; it is
 # turned off (with a log line) and training works.
 jm = make_model(r)
-jm.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
-           keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+jm.compile(
+    hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
+    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    jit_compile=True,
+)
 out["jit_compile"] = jm.jit_compile
 hvd.broadcast_variables(jm.variables, 0)
 jm.fit(x, y, batch_size=8, epochs=1, verbose=0)
@@ -112,8 +119,9 @@ grads = []
 for part in (slice(0, 8), slice(8, 16)):
     with tf.GradientTape() as tape:
         logits = am(x[part] + r)
-        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-            y[part], logits, from_logits=True))
+        loss = tf.reduce_mean(
+            keras.losses.sparse_categorical_crossentropy(y[part], logits, from_logits=True)
+        )
     grads.append(tape.gradient(loss, am.trainable_variables))
 start = weights(am)
 start_vars = [v.numpy() for v in am.trainable_variables]
@@ -122,8 +130,7 @@ out["bpps_first_changed"] = float(np.abs(weights(am) - start).max())
 out["bpps_first_sent"] = step_traffic(aopt).sent
 aopt.apply_gradients(zip(grads[1], am.trainable_variables))
 summed = [hvd.allreduce(a + b) for a, b in zip(*grads)]  # Average over ranks of the sum.
-expected = np.concatenate([(w0 - 0.1 * g.numpy()).ravel()
-                           for w0, g in zip(start_vars, summed)])
+expected = np.concatenate([(w0 - 0.1 * g.numpy()).ravel() for w0, g in zip(start_vars, summed)])
 out["bpps_error"] = float(np.abs(weights(am) - expected).max())
 out["bpps_second_sent"] = step_traffic(aopt).sent
 out["bpps_iterations"] = int(aopt.iterations.numpy())

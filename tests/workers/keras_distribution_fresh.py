@@ -22,13 +22,13 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from keras.distribution import set_distribution as early_set  # noqa: E402
+import keras
+import tensorflow as tf
+from keras.distribution import set_distribution as early_set
 
 tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration()] * 2)
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
 
 
 def outcome(fn):
@@ -52,9 +52,11 @@ try:
     keras.distribution.set_distribution(model_parallel())
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
     kernel = model.layers[0].kernel
-    result["unguarded_kernel"] = {"shape": list(kernel.shape),
-                                  "type": type(kernel.value).__name__,
-                                  "device": kernel.value.device}
+    result["unguarded_kernel"] = {
+        "shape": list(kernel.shape),
+        "type": type(kernel.value).__name__,
+        "device": kernel.value.device,
+    }
 except AttributeError as error:  # Keras < 3.15 builds none on TensorFlow.
     result["unguarded_kernel"] = {"error": str(error)}
 
@@ -63,24 +65,27 @@ import tfdist  # noqa: E402
 if "error" in result["unguarded_kernel"]:
     early_set(model_parallel())  # Buildable now; set as Keras alone would.
 
-result["strategy_after_distribution"] = outcome(
-    lambda: tfdist.strategy_from_config(cpu_replicas=2))
+result["strategy_after_distribution"] = outcome(lambda: tfdist.strategy_from_config(cpu_replicas=2))
 keras.distribution.set_distribution(None)
 result["model_parallel_alone"] = outcome(
-    lambda: keras.distribution.set_distribution(model_parallel()))
+    lambda: keras.distribution.set_distribution(model_parallel())
+)
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
 kernel = model.layers[0].kernel
 blocks = model.distribute_strategy.experimental_local_results(kernel.value)
-result["laid_out_kernel"] = {"shape": list(kernel.shape),
-                             "full": list(model.get_weights()[0].shape),
-                             "devices": [b.device for b in blocks],
-                             "distinct": not bool((blocks[0].numpy() == blocks[1].numpy()).all())}
+result["laid_out_kernel"] = {
+    "shape": list(kernel.shape),
+    "full": list(model.get_weights()[0].shape),
+    "devices": [b.device for b in blocks],
+    "distinct": not bool((blocks[0].numpy() == blocks[1].numpy()).all()),
+}
 keras.distribution.set_distribution(None)
 result["distribution_after_alone"] = repr(keras.distribution.distribution())
 strategy = tfdist.strategy_from_config(cpu_replicas=2)
 with strategy.scope():
     result["public_set_after_strategy"] = outcome(
-        lambda: keras.distribution.set_distribution(model_parallel()))
+        lambda: keras.distribution.set_distribution(model_parallel())
+    )
 result["distribution_after_refusal"] = repr(keras.distribution.distribution())
 early_set(model_parallel())  # Not wrapped: taken before tfdist was imported.
 with strategy.scope():

@@ -26,8 +26,9 @@ rng = np.random.default_rng(0)
 x = rng.normal(size=(128, 8)).astype("float32")
 y = x[:, :4].sum(axis=1, keepdims=True) - x[:, 4:].sum(axis=1, keepdims=True)
 keras.utils.set_random_seed(1)
-model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                          keras.layers.Dense(1)])
+model = keras.Sequential(
+    [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+)
 model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
 history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2, verbose=0)
 strategy = model.distribute_strategy
@@ -37,9 +38,20 @@ try:
     compressed = None
 except tfdist.ConfigError as error:
     compressed = {"field": error.field, "message": str(error)}
-print("tfdist result: " + json.dumps({
-    "devices": devices, "task": strategy.task, "kind": strategy.kind,
-    "replicas": strategy.num_replicas_in_sync, "loss": history.history["loss"],
-    "compressed": compressed,
-    "sha256": hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest(),
-}), flush=True)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "devices": devices,
+            "task": strategy.task,
+            "kind": strategy.kind,
+            "replicas": strategy.num_replicas_in_sync,
+            "loss": history.history["loss"],
+            "compressed": compressed,
+            "sha256": hashlib.sha256(
+                b"".join(w.tobytes() for w in model.get_weights())
+            ).hexdigest(),
+        }
+    ),
+    flush=True,
+)

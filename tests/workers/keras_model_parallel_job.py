@@ -22,7 +22,7 @@ import numpy as np
 import tfdist  # keras.distribution on TensorFlow
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distribution"))
-from tiny_lms import batches, causal_lm, fit  # noqa: E402
+from tiny_lms import batches, causal_lm, fit
 
 # First: MultiWorkerMirrored must be made before TensorFlow runs anything.
 keras.distribution.initialize()
@@ -35,7 +35,8 @@ devices = keras.distribution.list_devices()
 mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
 layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
 keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+)
 lm = causal_lm(keras, "llama")
 lm.set_weights(initial)
 losses = fit(lm)
@@ -45,17 +46,31 @@ table = tfdist.distribution.report(lm)
 embeddings = lm.backbone.token_embedding.embeddings
 x, _ = batches()
 logits = lm.predict(x, batch_size=8, verbose=0)
-print("tfdist result: " + json.dumps({
-    "task": strategy.task, "replicas": strategy.num_replicas_in_sync,
-    "mesh": tfdist.parallel.mesh_of(strategy).describe(),
-    "devices": devices, "losses": losses, "twin_losses": twin_losses,
-    "largest_difference": max(float(np.max(np.abs(a - b)))
-                              for a, b in zip(weights, twin.get_weights())),
-    "predict_difference": float(np.max(np.abs(logits - twin.predict(x, batch_size=8,
-                                                                    verbose=0)))),
-    "block": list(embeddings.shape),
-    "local_block": [list(b.shape) for b in strategy.experimental_local_results(embeddings.value)],
-    "bytes_per_device": table.bytes_per_device, "full_bytes": table.full_bytes,
-    "traffic": tfdist.parallel.traffic(strategy),
-    "sha256": hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
-}), flush=True)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "task": strategy.task,
+            "replicas": strategy.num_replicas_in_sync,
+            "mesh": tfdist.parallel.mesh_of(strategy).describe(),
+            "devices": devices,
+            "losses": losses,
+            "twin_losses": twin_losses,
+            "largest_difference": max(
+                float(np.max(np.abs(a - b))) for a, b in zip(weights, twin.get_weights())
+            ),
+            "predict_difference": float(
+                np.max(np.abs(logits - twin.predict(x, batch_size=8, verbose=0)))
+            ),
+            "block": list(embeddings.shape),
+            "local_block": [
+                list(b.shape) for b in strategy.experimental_local_results(embeddings.value)
+            ],
+            "bytes_per_device": table.bytes_per_device,
+            "full_bytes": table.full_bytes,
+            "traffic": tfdist.parallel.traffic(strategy),
+            "sha256": hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
+        }
+    ),
+    flush=True,
+)

@@ -44,7 +44,8 @@ tf_config = json.loads(os.environ["TF_CONFIG"])
 num_workers = len(tf_config["cluster"]["worker"])
 
 strategy = tfdist.strategy_from_config(
-    register_timeout=120, compression=os.environ.get("TFDIST_TEST_COMPRESSION"))
+    register_timeout=120, compression=os.environ.get("TFDIST_TEST_COMPRESSION")
+)
 
 
 def mnist_dataset(batch_size):
@@ -52,35 +53,42 @@ def mnist_dataset(batch_size):
     x_train = rng.integers(0, 256, size=(2048, 28, 28)).astype(np.uint8)
     y_train = (x_train[:, 10:18, 10:18].mean(axis=(1, 2)) // 25.6).astype(np.int64)
     x_train = x_train / np.float32(255)
-    return tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
-        2048, seed=1).repeat().batch(batch_size)
+    return (
+        tf.data.Dataset.from_tensor_slices((x_train, y_train))
+        .shuffle(2048, seed=1)
+        .repeat()
+        .batch(batch_size)
+    )
 
 
 def build_and_compile_cnn_model():
     tf.keras.utils.set_random_seed(3)
-    model = tf.keras.Sequential([
-        tf.keras.Input(shape=(28, 28)),
-        tf.keras.layers.Reshape(target_shape=(28, 28, 1)),
-        tf.keras.layers.Conv2D(32, 3, activation="relu"),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(128, activation="relu"),
-        tf.keras.layers.Dense(10)])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.Input(shape=(28, 28)),
+            tf.keras.layers.Reshape(target_shape=(28, 28, 1)),
+            tf.keras.layers.Conv2D(32, 3, activation="relu"),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(128, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
     model.compile(
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=tf.keras.optimizers.SGD(learning_rate=0.001),
-        metrics=["accuracy"])
+        metrics=["accuracy"],
+    )
     return model
 
 
 def digest(model):
-    return hashlib.sha256(b"".join(
-        np.ascontiguousarray(w).tobytes() for w in model.get_weights())).hexdigest()
+    return hashlib.sha256(
+        b"".join(np.ascontiguousarray(w).tobytes() for w in model.get_weights())
+    ).hexdigest()
 
 
-task_type, task_id = (strategy.cluster_resolver.task_type,
-                      strategy.cluster_resolver.task_id)
-result = {"task": f"{task_type}:{task_id}", "attempt": attempt, "pid": os.getpid(),
-          "errors": {}}
+task_type, task_id = (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id)
+result = {"task": f"{task_type}:{task_id}", "attempt": attempt, "pid": os.getpid(), "errors": {}}
 
 
 def step(name, fn):
@@ -106,14 +114,28 @@ class Record(tf.keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if kill_at and attempt == 0 and task_id == 1 and \
-                (self.epoch, batch) == tuple(map(int, kill_at.split(":"))):
+        if (
+            kill_at
+            and attempt == 0
+            and task_id == 1
+            and (self.epoch, batch) == tuple(map(int, kill_at.split(":")))
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_epoch_end(self, epoch, logs=None):
-        print("tfdist epoch: " + json.dumps(
-            {"task": result["task"], "attempt": attempt, "epoch": epoch,
-             "digest": digest(self.model), "loss": float(logs["loss"])}), flush=True)
+        print(
+            "tfdist epoch: "
+            + json.dumps(
+                {
+                    "task": result["task"],
+                    "attempt": attempt,
+                    "epoch": epoch,
+                    "digest": digest(self.model),
+                    "loss": float(logs["loss"]),
+                }
+            ),
+            flush=True,
+        )
 
 
 # 1. fit with Keras's own callbacks.
@@ -125,13 +147,20 @@ ckpt_dir = os.path.join(out_dir, "ckpt")
 callbacks = [
     tf.keras.callbacks.BackupAndRestore(backup_dir=os.path.join(out_dir, "backup")),
     tf.keras.callbacks.ModelCheckpoint(os.path.join(ckpt_dir, "model-{epoch:02d}.keras")),
-    tf.keras.callbacks.ModelCheckpoint(os.path.join(ckpt_dir, "best.weights.h5"),
-                                       save_weights_only=True, save_best_only=True,
-                                       monitor="loss"),
-    Record()]
-history = step("fit", lambda: multi_worker_model.fit(
-    multi_worker_dataset, epochs=EPOCHS, steps_per_epoch=STEPS, callbacks=callbacks,
-    verbose=0))
+    tf.keras.callbacks.ModelCheckpoint(
+        os.path.join(ckpt_dir, "best.weights.h5"),
+        save_weights_only=True,
+        save_best_only=True,
+        monitor="loss",
+    ),
+    Record(),
+]
+history = step(
+    "fit",
+    lambda: multi_worker_model.fit(
+        multi_worker_dataset, epochs=EPOCHS, steps_per_epoch=STEPS, callbacks=callbacks, verbose=0
+    ),
+)
 if history is None:
     print("tfdist result: " + json.dumps(result), flush=True)
     sys.exit(1)  # The job cannot go on; the launcher restarts it, if allowed.
@@ -184,13 +213,17 @@ result["weights_digest"] = digest(fresh)
 
 # A save into a directory that does not exist fails on every worker alike
 # (and none waits in a collective for another).
-step("missing_dir_save", lambda: multi_worker_model.save(
-    os.path.join(out_dir, "no-such-dir", "model.keras")))
+step(
+    "missing_dir_save",
+    lambda: multi_worker_model.save(os.path.join(out_dir, "no-such-dir", "model.keras")),
+)
 
 # 4. A save on the chief only (no collective in it without compression
 # state) must not wait for the others.
 if os.environ.get("TFDIST_TEST_COMPRESSION") is None and _is_chief(task_type, task_id):
-    step("chief_only_save", lambda: multi_worker_model.save(
-        os.path.join(out_dir, "chief-only.keras")))
+    step(
+        "chief_only_save",
+        lambda: multi_worker_model.save(os.path.join(out_dir, "chief-only.keras")),
+    )
 
 print("tfdist result: " + json.dumps(result), flush=True)

@@ -25,5 +25,7 @@ if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
     value = float(counter.numpy())
 else:
     value = float(strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None))
-print("tfdist result: " + json.dumps({"value": value, "task": strategy.task,
-                                      "kind": strategy.kind}), flush=True)
+print(
+    "tfdist result: " + json.dumps({"value": value, "task": strategy.task, "kind": strategy.kind}),
+    flush=True,
+)

@@ -55,7 +55,8 @@ def per_replica_data(num_replicas: int, steps: int, seed: int = 0):
 def _batch(strategy, array, step):
     def value(ctx):
         rows = array[ctx.replica_id_in_sync_group]
-        return tf.constant(rows[step * PER_REPLICA_BATCH:(step + 1) * PER_REPLICA_BATCH])
+        return tf.constant(rows[step * PER_REPLICA_BATCH : (step + 1) * PER_REPLICA_BATCH])
+
     return strategy.experimental_distribute_values_from_function(value)
 
 
@@ -77,16 +78,20 @@ def run(strategy, steps: int = 12, seed: int = 0) -> dict:
     global_batch = PER_REPLICA_BATCH * n
     with strategy.scope():
         keras.utils.set_random_seed(seed)
-        model = keras.Sequential([keras.Input((FEATURES,)),
-                                  keras.layers.Dense(HIDDEN, activation="relu"),
-                                  keras.layers.Dense(CLASSES)])
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(HIDDEN, activation="relu"),
+                keras.layers.Dense(CLASSES),
+            ]
+        )
         optimizer = keras.optimizers.SGD(LEARNING_RATE)
-        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                                 reduction=None)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
     def loss_of(inputs, labels):
-        return tf.nn.compute_average_loss(loss_object(labels, model(inputs, training=True)),
-                                          global_batch_size=global_batch)
+        return tf.nn.compute_average_loss(
+            loss_object(labels, model(inputs, training=True)), global_batch_size=global_batch
+        )
 
     @tf.function
     def gather_gradients(inputs, labels):
@@ -96,6 +101,7 @@ def run(strategy, steps: int = 12, seed: int = 0) -> dict:
             grads = tape.gradient(loss, model.trainable_variables)
             ctx = tf.distribute.get_replica_context()
             return [ctx.all_gather(g[None], axis=0) for g in grads]
+
         return strategy.run(replica_fn, args=(inputs, labels))
 
     def train_step(inputs, labels):
@@ -110,20 +116,27 @@ def run(strategy, steps: int = 12, seed: int = 0) -> dict:
         losses = strategy.run(train_step, args=(inputs, labels))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
-    gathered = [strategy.experimental_local_results(g)[0].numpy()
-                for g in gather_gradients(_batch(strategy, x, 0), _batch(strategy, y, 0))]
+    gathered = [
+        strategy.experimental_local_results(g)[0].numpy()
+        for g in gather_gradients(_batch(strategy, x, 0), _batch(strategy, y, 0))
+    ]
     losses, updates = [], []
     for step in range(steps):
         before = [v.numpy() for v in model.trainable_variables]
-        losses.append(float(distributed_train_step(_batch(strategy, x, 0),
-                                                   _batch(strategy, y, 0))))
+        losses.append(float(distributed_train_step(_batch(strategy, x, 0), _batch(strategy, y, 0))))
         after = [v.numpy() for v in model.trainable_variables]
         if step in (0, steps - 1):
             updates.append([(b - a) / LEARNING_RATE for b, a in zip(before, after)])
-    return {"first_update": updates[0], "last_update": updates[-1], "gathered": gathered,
-            "exact": [g.sum(axis=0) for g in gathered], "losses": losses,
-            "weights": [v.numpy() for v in model.trainable_variables],
-            "optimizer": optimizer, "model": model}
+    return {
+        "first_update": updates[0],
+        "last_update": updates[-1],
+        "gathered": gathered,
+        "exact": [g.sum(axis=0) for g in gathered],
+        "losses": losses,
+        "weights": [v.numpy() for v in model.trainable_variables],
+        "optimizer": optimizer,
+        "model": model,
+    }
 
 
 def reference(aggregator, gathered) -> list[np.ndarray] | None:
@@ -138,8 +151,10 @@ def reference(aggregator, gathered) -> list[np.ndarray] | None:
         return None
     out = []
     for key, grads in enumerate(gathered):
-        packed = [compressor.compress(tf.constant(g), step=tf.constant(0, tf.int64), key=key)
-                  for g in grads]
+        packed = [
+            compressor.compress(tf.constant(g), step=tf.constant(0, tf.int64), key=key)
+            for g in grads
+        ]
         out.append(reduce_compressed(compressor, [p for p, _ in packed], packed[0][1]).numpy())
     return out
 
@@ -170,5 +185,6 @@ def check(strategy, result: dict) -> dict:
         "to_exact": largest(update, result["exact"]),
         "last_ranks": [rank(u) for u in result["last_update"] if u.ndim == 2],
         "compression": str(strategy.compression),
-        "loss_first": result["losses"][0], "loss_last": result["losses"][-1],
+        "loss_first": result["losses"][0],
+        "loss_last": result["losses"][-1],
     }

@@ -16,30 +16,45 @@ import tensorflow as tf
 
 import _common
 import tfdist
-
 from tfdist.compression import CommunicationStats
 from tfdist.compression.aggregate import ReplicaComm
 
 compression = os.environ.get("TFDIST_TEST_COMPRESSION")
 strategy = tfdist.strategy_from_config(
-    register_timeout=90, compression=compression,
-    bytes_per_pack=int(os.environ.get("TFDIST_TEST_BYTES_PER_PACK", "0")))
+    register_timeout=90,
+    compression=compression,
+    bytes_per_pack=int(os.environ.get("TFDIST_TEST_BYTES_PER_PACK", "0")),
+)
 stats = CommunicationStats()
-result = _common.train(strategy, epochs=2, per_replica_batch_size=32,
-                       examples=1024, learning_rate=0.01, seed=3, callbacks=[stats],
-                       steps_per_execution=int(os.environ.get("TFDIST_TEST_STEPS", "1")))
+result = _common.train(
+    strategy,
+    epochs=2,
+    per_replica_batch_size=32,
+    examples=1024,
+    learning_rate=0.01,
+    seed=3,
+    callbacks=[stats],
+    steps_per_execution=int(os.environ.get("TFDIST_TEST_STEPS", "1")),
+)
 result["description"] = strategy.describe()
 result["comm"] = stats.last.as_logs()
 if compression:
     print("tfdist result: " + json.dumps(result), flush=True)
     sys.exit(0)
 
-per_replica = strategy.run(lambda: (tf.ones([2]) * tf.cast(
-    tf.distribute.get_replica_context().replica_id_in_sync_group + 1,
-    tf.float32), tf.constant(3.0)))
+per_replica = strategy.run(
+    lambda: (
+        tf.ones([2])
+        * tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32),
+        tf.constant(3.0),
+    )
+)
 ours = strategy.reduce("MEAN", per_replica, axis=None)
-result["tfdist_reduce"] = [ours[0].numpy().tolist(), float(ours[1]),
-                           float(strategy.reduce("SUM", per_replica[1], axis=0))]
+result["tfdist_reduce"] = [
+    ours[0].numpy().tolist(),
+    float(ours[1]),
+    float(strategy.reduce("SUM", per_replica[1], axis=0)),
+]
 
 # tfdist's compressed all-reduce follows the strategy's bytes_per_pack
 # between workers: 1 MiB packs of three 2 MiB tensors make three
@@ -50,18 +65,21 @@ shapes = [(512, 1024)] * 3
 @tf.function
 def packed():
     def fn():
-        scale = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1,
-                        tf.float32)
-        return ReplicaComm().all_reduce([tf.fill(s, scale * (i + 1))
-                                         for i, s in enumerate(shapes)])
+        scale = tf.cast(
+            tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32
+        )
+        return ReplicaComm().all_reduce([tf.fill(s, scale * (i + 1)) for i, s in enumerate(shapes)])
+
     return strategy.run(fn)
 
 
 sums = packed()
 graph = packed.get_concrete_function().graph.as_graph_def()
 nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-result["packed"] = {"sums": [sorted(set(t.numpy().ravel().tolist())) for t in sums],
-                    "collectives": sum(n.op.startswith("CollectiveReduce") for n in nodes)}
+result["packed"] = {
+    "sums": [sorted(set(t.numpy().ravel().tolist())) for t in sums],
+    "collectives": sum(n.op.startswith("CollectiveReduce") for n in nodes),
+}
 
 # TensorFlow's own reduce() on the same inputs, last: a failure here must not
 # disturb the checks above.

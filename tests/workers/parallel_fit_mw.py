@@ -24,8 +24,14 @@ y = rng.normal(size=(64, 4)).astype("float32")
 
 
 def build(column, row):
-    model = keras.Sequential([keras.Input((8,)), column(16, activation="relu"),
-                              row(8, activation="tanh"), keras.layers.Dense(4)])
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            column(16, activation="relu"),
+            row(8, activation="tanh"),
+            keras.layers.Dense(4),
+        ]
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     return model
 
@@ -40,9 +46,20 @@ data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 expected = reference.fit(data, epochs=3, verbose=0).history["loss"]
 got = model.fit(data, epochs=3, verbose=0).history["loss"]
 full = model.get_weights()  # A gather every worker joins.
-print("tfdist result: " + json.dumps({
-    "task": strategy.task, "mesh": tp.mesh_of(strategy).describe(),
-    "shard": list(model.layers[0].kernel.shape),
-    "expected": expected, "got": got,
-    "weights": max(float(np.abs(a - b).max()) for a, b in zip(full, reference.get_weights())),
-    "traffic": tp.traffic(strategy)}), flush=True)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "task": strategy.task,
+            "mesh": tp.mesh_of(strategy).describe(),
+            "shard": list(model.layers[0].kernel.shape),
+            "expected": expected,
+            "got": got,
+            "weights": max(
+                float(np.abs(a - b).max()) for a, b in zip(full, reference.get_weights())
+            ),
+            "traffic": tp.traffic(strategy),
+        }
+    ),
+    flush=True,
+)

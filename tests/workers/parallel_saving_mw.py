@@ -30,8 +30,9 @@ y = rng.normal(size=(64, 4)).astype("float32")
 
 
 def build():
-    model = keras.Sequential([keras.Input((8,)), tp.ColumnParallelDense(16, activation="relu"),
-                              tp.RowParallelDense(4)])
+    model = keras.Sequential(
+        [keras.Input((8,)), tp.ColumnParallelDense(16, activation="relu"), tp.RowParallelDense(4)]
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     return model
 
@@ -45,10 +46,10 @@ slots = tp.saving.full_weights(model.optimizer.variables)
 path = os.path.join(out, "mw.keras")
 model.save(path)
 ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-    os.path.join(out, f"ckpt_{index}", "c"))
+    os.path.join(out, f"ckpt_{index}", "c")
+)
 
-with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as f, \
-        h5py.File(f) as h5:
+with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as f, h5py.File(f) as h5:
     saved_kernel = h5["layers/column_parallel_dense/vars/0"][()]
 plain = keras.models.load_model(path)
 with strategy.scope():
@@ -62,18 +63,24 @@ def diff(a, b):
     return max(float(np.abs(np.asarray(p) - np.asarray(q)).max()) for p, q in zip(a, b))
 
 
-print("tfdist result: " + json.dumps({
-    "index": index,
-    "local_shard": list(local[0].shape),
-    "full": [list(w.shape) for w in weights],
-    "saved_kernel": list(saved_kernel.shape),
-    "saved_vs_full": float(np.abs(saved_kernel - weights[0]).max()),
-    "weights_checksum": float(sum(np.abs(w).sum() for w in weights)),
-    "plain": diff(plain.get_weights(), weights),
-    "plain_slots": diff(tp.saving.full_weights(plain.optimizer.variables), slots),
-    "again": diff(again.get_weights(), weights),
-    "again_shard": list(again.layers[0].kernel.shape),
-    "again_slots": diff(tp.saving.full_weights(again.optimizer.variables), slots),
-    "restored": diff(restored.get_weights(), weights),
-    "restored_slots": diff(tp.saving.full_weights(restored.optimizer.variables), slots),
-}), flush=True)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "index": index,
+            "local_shard": list(local[0].shape),
+            "full": [list(w.shape) for w in weights],
+            "saved_kernel": list(saved_kernel.shape),
+            "saved_vs_full": float(np.abs(saved_kernel - weights[0]).max()),
+            "weights_checksum": float(sum(np.abs(w).sum() for w in weights)),
+            "plain": diff(plain.get_weights(), weights),
+            "plain_slots": diff(tp.saving.full_weights(plain.optimizer.variables), slots),
+            "again": diff(again.get_weights(), weights),
+            "again_shard": list(again.layers[0].kernel.shape),
+            "again_slots": diff(tp.saving.full_weights(again.optimizer.variables), slots),
+            "restored": diff(restored.get_weights(), weights),
+            "restored_slots": diff(tp.saving.full_weights(restored.optimizer.variables), slots),
+        }
+    ),
+    flush=True,
+)

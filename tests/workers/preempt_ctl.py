@@ -1,4 +1,5 @@
-"""One worker of a custom training loop that saves on preemption (tests/training/test_preempt_ctl.py).
+"""One worker of a custom training loop that saves on preemption
+(tests/training/test_preempt_ctl.py).
 
     python preempt_ctl.py MODE WORKDIR
 
@@ -37,9 +38,9 @@ import tfdist  # noqa: E402
 
 strategy = tfdist.strategy_from_config(register_timeout=60)
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
 
 resolver = strategy.cluster_resolver
 TASK = f"{resolver.task_type}:{resolver.task_id}"
@@ -49,17 +50,20 @@ def dataset():
     rs = np.random.RandomState(0)
     x = rs.normal(size=(512, 8)).astype("float32")
     y = (x @ rs.normal(size=(8, 1)) + 0.1 * rs.normal(size=(512, 1))).astype("float32")
-    return (tf.data.Dataset.from_tensor_slices((x, y))
-            .shuffle(512, seed=1, reshuffle_each_iteration=True)
-            .repeat().batch(GLOBAL_BATCH))
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(512, seed=1, reshuffle_each_iteration=True)
+        .repeat()
+        .batch(GLOBAL_BATCH)
+    )
 
 
 with strategy.scope():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-                              keras.layers.Dense(1)])
-    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=10,
-                                                           decay_rate=0.8)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+    )
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=10, decay_rate=0.8)
     optimizer = keras.optimizers.Adam(schedule)
     optimizer.build(model.trainable_variables)
     step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -72,19 +76,19 @@ def train_step(iterator):
     def step_fn(inputs):
         x, y = inputs
         with tf.GradientTape() as tape:
-            loss = tf.nn.compute_average_loss(tf.square(model(x, training=True) - y)[:, 0],
-                                              global_batch_size=GLOBAL_BATCH)
+            loss = tf.nn.compute_average_loss(
+                tf.square(model(x, training=True) - y)[:, 0], global_batch_size=GLOBAL_BATCH
+            )
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
+
     losses = strategy.run(step_fn, args=(next(iterator),))
     return strategy.reduce("SUM", losses, axis=None)
 
 
-checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator,
-                                 step=step_var)
-manager = tf.train.CheckpointManager(checkpoint, os.path.join(WORKDIR, "ckpt"),
-                                     max_to_keep=2)
+checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step_var)
+manager = tf.train.CheckpointManager(checkpoint, os.path.join(WORKDIR, "ckpt"), max_to_keep=2)
 
 
 def weights():
@@ -99,9 +103,15 @@ def sha():
 
 
 def report(**extra):
-    result = {"task": TASK, "mode": MODE, "step": int(step_var.numpy()),
-              "iterations": int(optimizer.iterations.numpy()),
-              "weights": weights(), "sha": sha(), **extra}
+    result = {
+        "task": TASK,
+        "mode": MODE,
+        "step": int(step_var.numpy()),
+        "iterations": int(optimizer.iterations.numpy()),
+        "weights": weights(),
+        "sha": sha(),
+        **extra,
+    }
     print("tfdist result: " + json.dumps(result), flush=True)
 
 
@@ -132,9 +142,14 @@ elif MODE == "watcher":
             after_step(train_step(iterator))
             if watcher.should_stop(step + 1 - start):
                 manager.save(checkpoint_number=step + 1)
-                watcher.exit({"step": step + 1, "epoch": (step + 1) // STEPS_PER_EPOCH,
-                              "batch": (step + 1) % STEPS_PER_EPOCH,
-                              "backup": manager.latest_checkpoint})
+                watcher.exit(
+                    {
+                        "step": step + 1,
+                        "epoch": (step + 1) // STEPS_PER_EPOCH,
+                        "batch": (step + 1) % STEPS_PER_EPOCH,
+                        "backup": manager.latest_checkpoint,
+                    }
+                )
     report(start=start)
 elif MODE == "plain":
     while step_var.numpy() < TOTAL_STEPS:

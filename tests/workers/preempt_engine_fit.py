@@ -52,16 +52,24 @@ if MODEL == "mlp5.8m":
     y = rng.integers(0, 10, size=examples).astype("int32")
 else:
     x, y = _common.make_data(examples, 3)
-data = distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)), strategy,
-                          per_replica_batch=PER_REPLICA_BATCH, distribute=False)
+data = distribute_dataset(
+    tf.data.Dataset.from_tensor_slices((x, y)),
+    strategy,
+    per_replica_batch=PER_REPLICA_BATCH,
+    distribute=False,
+)
 with strategy.scope():
     if MODEL == "mlp5.8m":
         keras.utils.set_random_seed(3)
-        model = keras.Sequential([keras.Input((256,))] + [
-            keras.layers.Dense(units, activation="relu") for units in (2048, 2048, 512)]
-            + [keras.layers.Dense(10)])
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.
-                      SparseCategoricalCrossentropy(from_logits=True))
+        model = keras.Sequential(
+            [keras.Input((256,))]
+            + [keras.layers.Dense(units, activation="relu") for units in (2048, 2048, 512)]
+            + [keras.layers.Dense(10)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     else:
         model = _common.build_model(0.01, 3)
 
@@ -88,8 +96,7 @@ class Record(keras.callbacks.Callback):
             return  # Skipped on resume: read from the data, not trained.
         run["trained"] += step - run["before"]
         if run["first"] is None:
-            run["first"] = {"iterations": run["before"], "epoch": run["epoch"],
-                            "batch": batch}
+            run["first"] = {"iterations": run["before"], "epoch": run["epoch"], "batch": batch}
         tmp = progress.with_suffix(".tmp")
         tmp.write_text(str(step))
         os.replace(tmp, progress)
@@ -97,8 +104,7 @@ class Record(keras.callbacks.Callback):
 
 
 backup = tfdist.BackupAndRestore(backup_dir)
-model.fit(data, epochs=EPOCHS, verbose=0, shuffle=False,
-          callbacks=[backup, Record()])
+model.fit(data, epochs=EPOCHS, verbose=0, shuffle=False, callbacks=[backup, Record()])
 weights = np.concatenate([w.ravel() for w in model.get_weights()])
 result = {
     "task": strategy.task,

@@ -39,7 +39,8 @@ pause = float(os.environ.get("TFDIST_TEST_BATCH_SLEEP", "0"))
 which = os.environ.get("TFDIST_TEST_CALLBACK", "tfdist")
 
 strategy = tfdist.strategy_from_config(
-    register_timeout=90, compression=os.environ.get("TFDIST_TEST_COMPRESSION"))
+    register_timeout=90, compression=os.environ.get("TFDIST_TEST_COMPRESSION")
+)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(512, 20)).astype("float32")
 y = (x[:, :3].sum(axis=1) > 0).astype("int32")
@@ -47,14 +48,18 @@ global_batch = 32
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
 glorot = keras.initializers.GlorotUniform
 with strategy.scope():
-    model = keras.Sequential([
-        keras.Input((20,)),
-        keras.layers.Dense(64, activation="relu", kernel_initializer=glorot(1)),
-        keras.layers.Dense(2, kernel_initializer=glorot(2)),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(64, activation="relu", kernel_initializer=glorot(1)),
+            keras.layers.Dense(2, kernel_initializer=glorot(2)),
+        ]
+    )
     schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 10, 0.9)
-    model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 
 signal_in_save = int(os.environ.get("TFDIST_TEST_SIGNAL_IN_SAVE", "0"))
 kill_in_save = int(os.environ.get("TFDIST_TEST_KILL_IN_SAVE", "0"))
@@ -107,13 +112,16 @@ class First(keras.callbacks.Callback):
             start_iterations = int(model.optimizer.iterations.numpy())
 
 
-history = model.fit(data, epochs=epochs, verbose=0, shuffle=False,
-                    callbacks=[Progress(), First(), backup])
+history = model.fit(
+    data, epochs=epochs, verbose=0, shuffle=False, callbacks=[Progress(), First(), backup]
+)
 weights = np.concatenate([w.ravel() for w in model.get_weights()])
-result = {"task": strategy.task if hasattr(strategy, "task") else None,
-          "iterations": int(model.optimizer.iterations.numpy()),
-          "start_iterations": start_iterations,
-          "resumed_from": getattr(backup, "resumed_from", None),
-          "weights": weights.tolist()}
+result = {
+    "task": strategy.task if hasattr(strategy, "task") else None,
+    "iterations": int(model.optimizer.iterations.numpy()),
+    "start_iterations": start_iterations,
+    "resumed_from": getattr(backup, "resumed_from", None),
+    "weights": weights.tolist(),
+}
 print("tfdist result: " + json.dumps(result), flush=True)
 sys.exit(0)

@@ -35,9 +35,13 @@ rng = np.random.default_rng(rank)  # Each rank its own data.
 x = rng.normal(size=(STEPS * BATCH, 4)).astype("float32")
 y = np.sin(x @ np.array([[1.0], [2.0], [-1.0], [0.5]])).astype("float32")
 glorot = keras.initializers.GlorotUniform
-model = keras.Sequential([keras.Input((4,)),
-                          keras.layers.Dense(8, activation="tanh", kernel_initializer=glorot(1)),
-                          keras.layers.Dense(1, kernel_initializer=glorot(2))])
+model = keras.Sequential(
+    [
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="tanh", kernel_initializer=glorot(1)),
+        keras.layers.Dense(1, kernel_initializer=glorot(2)),
+    ]
+)
 opt = keras.optimizers.SGD(0.05, momentum=0.9)
 loss_fn = keras.losses.MeanSquaredError()
 
@@ -60,7 +64,7 @@ started = {}
 def train(state):
     started["batch"] = state.batch
     for i in range(state.batch, STEPS):
-        step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+        step(x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH])
         state.batch = i + 1
         with open(out / "progress", "a") as f:
             f.write(f"{attempt} {rank} {os.getpid()} {i}\n")
@@ -70,7 +74,16 @@ def train(state):
 
 train(state)
 weights = np.concatenate([w.ravel() for w in model.get_weights()])
-print("tfdist result: " + json.dumps({"rank": rank, "attempt": attempt,
-                                      "started": started["batch"],
-                                      "iterations": int(opt.iterations.numpy()),
-                                      "weights": weights.tolist()}), flush=True)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "rank": rank,
+            "attempt": attempt,
+            "started": started["batch"],
+            "iterations": int(opt.iterations.numpy()),
+            "weights": weights.tolist(),
+        }
+    ),
+    flush=True,
+)

@@ -40,15 +40,20 @@ x = rng.normal(size=(512, 20)).astype("float32")
 y = (x[:, :3].sum(axis=1) > 0).astype("int32")
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
 with strategy.scope():
-    model = keras.Sequential([
-        keras.Input((20,)),
-        keras.layers.Dense(64, activation="relu",
-                           kernel_initializer=keras.initializers.GlorotUniform(1)),
-        keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(2)),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(
+                64, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(1)
+            ),
+            keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(2)),
+        ]
+    )
     schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 10, 0.9)
-    model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 backup = tfdist.BackupAndRestore(out / "backup", save_freq=8)
 # In the cluster (TensorFlow's coordination service holds SIGTERM now), not
 # yet in fit (where the backup's watcher takes it over).
@@ -76,9 +81,16 @@ class Progress(keras.callbacks.Callback):
 
 
 model.fit(data, epochs=3, verbose=0, shuffle=False, callbacks=[Progress(), backup])
-(out / f"result-{attempt}-{task}.json").write_text(json.dumps({
-    "task": task, "attempt": attempt, "size": size,
-    "start_iterations": start_iterations[0] if start_iterations else None,
-    "iterations": int(model.optimizer.iterations.numpy()),
-    "resumed_from": backup.resumed_from}))
+(out / f"result-{attempt}-{task}.json").write_text(
+    json.dumps(
+        {
+            "task": task,
+            "attempt": attempt,
+            "size": size,
+            "start_iterations": start_iterations[0] if start_iterations else None,
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "resumed_from": backup.resumed_from,
+        }
+    )
+)
 print(f"{task} done: {int(model.optimizer.iterations.numpy())} steps", flush=True)

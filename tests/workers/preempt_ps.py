@@ -30,8 +30,7 @@ STEPS, EPOCHS, BATCH = 24, 3, 32
 import tfdist  # noqa: E402
 
 attempt = len([n for n in os.listdir(WORKDIR) if n.startswith("logs-")])
-cluster = tfdist.local_cluster(workers=2, ps=1,
-                               log_dir=os.path.join(WORKDIR, f"logs-{attempt}"))
+cluster = tfdist.local_cluster(workers=2, ps=1, log_dir=os.path.join(WORKDIR, f"logs-{attempt}"))
 strategy = tfdist.strategy_from_config(cluster.tf_config)
 
 import keras  # noqa: E402
@@ -46,12 +45,19 @@ def data(rows=STEPS * BATCH):
 
 
 with strategy.scope():
-    model = keras.Sequential([
-        keras.Input((4,), dtype="int32"), keras.layers.Embedding(64, 16),
-        keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(2)])
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(64, 16),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 
 
 class Progress(keras.callbacks.Callback):
@@ -76,8 +82,7 @@ class Progress(keras.callbacks.Callback):
         if self.at is not None and (self.epoch, batch) >= self.at and self.signalled is None:
             open(self.marker, "w").close()
             os.kill(cluster.pid(self.task), signal.SIGTERM)
-            self.signalled = {"task": self.task, "at": [self.epoch, batch],
-                              "time": time.time()}
+            self.signalled = {"task": self.task, "at": [self.epoch, batch], "time": time.time()}
             print(f"tfdist signalled: {self.task} at {self.epoch} {batch}", flush=True)
         time.sleep(0.03)
 
@@ -85,18 +90,30 @@ class Progress(keras.callbacks.Callback):
 x, y = data()
 backup = os.path.join(WORKDIR, "backup")
 from tfdist.training.callbacks import read_backup_pointer  # noqa: E402
+
 at_start = read_backup_pointer(backup)
 print(f"tfdist start: {json.dumps(at_start)}", flush=True)
 progress = Progress()
 result = {}
 try:
-    tfdist.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-               callbacks=[tfdist.BackupAndRestore(backup), progress])
-    result = {"iterations": int(model.optimizer.iterations.numpy()),
-              "planned": EPOCHS * STEPS, "resumed_from": at_start,
-              "first_batch": progress.batches[0] if progress.batches else None,
-              "batches": len(progress.batches), "signalled": progress.signalled,
-              "servers": {t: cluster._server(t).proc.poll() for t in cluster.tasks}}
+    tfdist.fit(
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        verbose=0,
+        callbacks=[tfdist.BackupAndRestore(backup), progress],
+    )
+    result = {
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "planned": EPOCHS * STEPS,
+        "resumed_from": at_start,
+        "first_batch": progress.batches[0] if progress.batches else None,
+        "batches": len(progress.batches),
+        "signalled": progress.signalled,
+        "servers": {t: cluster._server(t).proc.poll() for t in cluster.tasks},
+    }
 finally:
     codes = {t: cluster._server(t).proc.poll() for t in cluster.tasks}
     print(f"tfdist servers: {json.dumps(codes)}", flush=True)

@@ -110,10 +110,17 @@ while step < steps:
     stop_at = stop_file.read_text() if stop_file.exists() else ""
     if stop_at and step >= int(stop_at):
         time.sleep(save_delay)
-        record = {"task": task, "attempt": attempt, "step": step, "epoch": step // 10,
-                  "batch": step % 10, "backup": str(progress),
-                  "signal_time": requested[0] if requested else None,
-                  "saved_time": time.time(), "exit_time": time.time()}
+        record = {
+            "task": task,
+            "attempt": attempt,
+            "step": step,
+            "epoch": step // 10,
+            "batch": step % 10,
+            "backup": str(progress),
+            "signal_time": requested[0] if requested else None,
+            "saved_time": time.time(),
+            "exit_time": time.time(),
+        }
         directory = Path(os.environ["TFDIST_JOB_DIR"]) / "preempted"
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{task_type}-{index}.json.tmp"
@@ -123,8 +130,9 @@ while step < steps:
         if task_type == "chief":
             # A parameter-server job's chief saves through its servers: they
             # must still be up now.
-            up = all(_answers(a) for job in ("ps", "worker")
-                     for a in config["cluster"].get(job, []))
+            up = all(
+                _answers(a) for job in ("ps", "worker") for a in config["cluster"].get(job, [])
+            )
             how = "preempted" if up else "preempted-servers-down"
         log(step, how)
         print(f"{task} saved at step {step}", flush=True)

@@ -50,35 +50,49 @@ x = rng.normal(size=(batch * args.steps, 64)).astype("float32")
 y = rng.integers(0, 10, size=batch * args.steps)
 data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
 if task["index"] == args.slow_worker:
+
     def slow(a, b):
         slept = tf.py_function(lambda: time.sleep(args.sleep) or 0.0, [], tf.float32)
         with tf.control_dependencies([slept]):  # The batch waits for the sleep.
             return tf.identity(a), b
+
     data = data.map(slow)
 options = tf.data.Options()
 options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
 data = data.with_options(options)
 
 with strategy.scope():
-    model = keras.Sequential([keras.Input((64,)),
-                              keras.layers.Dense(args.width, activation="relu"),
-                              keras.layers.Dense(args.width, activation="relu"),
-                              keras.layers.Dense(10)])
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(args.width, activation="relu"),
+            keras.layers.Dense(args.width, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
 stats = CommunicationStats(every_batch=True)
 profile = StepProfile(log_dir=os.path.join(args.out_dir, "logs"))
-history = model.fit(data, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0,
-                    callbacks=[stats, profile])
-print("tfdist result: " + json.dumps({
-    "task": f"{task['type']}:{task['index']}",
-    "worker": profile.worker,
-    "chief": profile.chief,
-    "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-    "comm_bytes": stats.last.sent,
-    "records": len(profile.records),
-    "all_records": len(profile.all_records),
-    "stragglers": [[e, s.worker, s.factor] for e, s in profile.stragglers],
-    "warnings": warnings_seen,
-    "timeline": profile.timeline,
-}), flush=True)
+history = model.fit(
+    data, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, callbacks=[stats, profile]
+)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "task": f"{task['type']}:{task['index']}",
+            "worker": profile.worker,
+            "chief": profile.chief,
+            "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+            "comm_bytes": stats.last.sent,
+            "records": len(profile.records),
+            "all_records": len(profile.all_records),
+            "stragglers": [[e, s.worker, s.factor] for e, s in profile.stragglers],
+            "warnings": warnings_seen,
+            "timeline": profile.timeline,
+        }
+    ),
+    flush=True,
+)

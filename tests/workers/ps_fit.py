@@ -28,8 +28,8 @@ else:
     ps = 2 if SCENARIO == "partition" else 1
     cluster = tfdist.local_cluster(workers=2, ps=ps, log_dir=os.path.join(WORKDIR, "logs"))
     strategy = tfdist.strategy_from_config(
-        cluster.tf_config,
-        variable_partitioner="min_size:1024" if SCENARIO == "partition" else None)
+        cluster.tf_config, variable_partitioner="min_size:1024" if SCENARIO == "partition" else None
+    )
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,15 +45,21 @@ def data(rows=STEPS * BATCH):
 
 def make_model(steps_per_execution=1):
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((4,), dtype="int32"),
-            keras.layers.Embedding(64, 16),
-            keras.layers.Flatten(),
-            keras.layers.Dense(32, activation="relu"),
-            keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=steps_per_execution)
+        model = keras.Sequential(
+            [
+                keras.Input((4,), dtype="int32"),
+                keras.layers.Embedding(64, 16),
+                keras.layers.Flatten(),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(2),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=steps_per_execution,
+        )
     return model
 
 
@@ -79,6 +85,7 @@ class Kill(keras.callbacks.Callback):
 
 def weights_sha(model):
     import hashlib
+
     digest = hashlib.sha256()
     for w in model.get_weights():
         digest.update(np.ascontiguousarray(w).tobytes())
@@ -93,17 +100,29 @@ try:
     model = make_model(4 if SCENARIO == "partition" else 1)
     if SCENARIO in ("basic", "mirrored"):
         x_val, y_val = data(256)
-        callbacks = [keras.callbacks.ModelCheckpoint(os.path.join(WORKDIR, "best.keras")),
-                     keras.callbacks.EarlyStopping(monitor="loss", patience=10),
-                     keras.callbacks.TensorBoard(os.path.join(WORKDIR, "tb")),
-                     tfdist.BackupAndRestore(backup, delete_checkpoint=False)]
-        history = tfdist.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS,
-                             validation_data=(x_val, y_val), callbacks=callbacks, verbose=2)
+        callbacks = [
+            keras.callbacks.ModelCheckpoint(os.path.join(WORKDIR, "best.keras")),
+            keras.callbacks.EarlyStopping(monitor="loss", patience=10),
+            keras.callbacks.TensorBoard(os.path.join(WORKDIR, "tb")),
+            tfdist.BackupAndRestore(backup, delete_checkpoint=False),
+        ]
+        history = tfdist.fit(
+            model,
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            validation_data=(x_val, y_val),
+            callbacks=callbacks,
+            verbose=2,
+        )
         result["history"] = history.history
         result["evaluate"] = tfdist.evaluate(model, x_val, y_val, return_dict=True, verbose=0)
         reloaded = keras.models.load_model(os.path.join(WORKDIR, "best.keras"))
         result["reloaded_equal"] = weights_sha(reloaded) == weights_sha(model)
-        result["tensorboard_files"] = sum(len(f) for _, _, f in os.walk(os.path.join(WORKDIR, "tb")))
+        result["tensorboard_files"] = sum(
+            len(f) for _, _, f in os.walk(os.path.join(WORKDIR, "tb"))
+        )
     elif SCENARIO == "partition":
         # A tf.data.Dataset: each worker reads its own copy, repeated.
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=1).batch(BATCH)
@@ -111,6 +130,7 @@ try:
         result["history"] = history.history
         emb = model.layers[0].embeddings
         from tfdist.training import ps_patches as keras_ps
+
         raw = keras_ps.raw_variable(emb)
         result["sharded"] = keras_ps.is_sharded(emb)
         result["shard_devices"] = sorted({v.device for v in getattr(raw, "variables", [raw])})
@@ -128,12 +148,14 @@ try:
     elif SCENARIO == "worker_kill":
         # TensorFlow logs when a restarted worker is back in the cluster.
         import logging
+
         recovered = []
 
         class Recovered(logging.Handler):
             def emit(self, record):
                 if "Cluster successfully recovered" in record.getMessage():
                     recovered.append(time.monotonic())
+
         tf.get_logger().addHandler(Recovered())
         tf.get_logger().setLevel(logging.INFO)
 
@@ -148,14 +170,25 @@ try:
         # in the cluster, worker:0 dies for good in epoch 2: the job only
         # finishes if worker:1 rejoined and ran the remaining steps.
         first, second = Kill("worker:1", at=(0, 5), restart_at=(1, 5)), Kill("worker:0", at=(2, 2))
-        def dataset_fn(context):  # Runs on each worker: its own shard.
-            return (tf.data.Dataset.from_tensor_slices((x, y))
-                    .shard(context.num_input_pipelines, context.input_pipeline_id)
-                    .shuffle(256).repeat().batch(BATCH))
 
-        history = tfdist.fit(model, dataset_fn, epochs=EPOCHS, steps_per_epoch=STEPS,
-                             callbacks=[first, WaitForRejoin(), second],
-                             verbose=2, step_timeout=60)
+        def dataset_fn(context):  # Runs on each worker: its own shard.
+            return (
+                tf.data.Dataset.from_tensor_slices((x, y))
+                .shard(context.num_input_pipelines, context.input_pipeline_id)
+                .shuffle(256)
+                .repeat()
+                .batch(BATCH)
+            )
+
+        history = tfdist.fit(
+            model,
+            dataset_fn,
+            epochs=EPOCHS,
+            steps_per_epoch=STEPS,
+            callbacks=[first, WaitForRejoin(), second],
+            verbose=2,
+            step_timeout=60,
+        )
         result["history"] = history.history
         result["rejoined_after"] = recovered[0] - first.restarted_at if recovered else None
         result["iterations"] = int(model.optimizer.iterations.numpy())
@@ -176,20 +209,35 @@ try:
         kill = Kill("ps:0", at=(1, 10))
         started = time.monotonic()
         try:
-            tfdist.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS,
-                       callbacks=[tfdist.BackupAndRestore(backup), kill], verbose=2)
+            tfdist.fit(
+                model,
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=EPOCHS,
+                callbacks=[tfdist.BackupAndRestore(backup), kill],
+                verbose=2,
+            )
             result["error"] = None
         except tfdist.ParameterServerError as error:
             result["error"] = str(error)
             result["error_after"] = time.monotonic() - (kill.killed_at or started)
         from tfdist.training.callbacks import read_backup_pointer
+
         result["pointer"] = read_backup_pointer(backup)
         raise SystemExit(0)  # The ps is gone, and the variables with it.
     elif SCENARIO == "resume":
         seen = []
         record = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: seen.append(e))
-        history = tfdist.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS,
-                             callbacks=[tfdist.BackupAndRestore(backup), record], verbose=2)
+        history = tfdist.fit(
+            model,
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            callbacks=[tfdist.BackupAndRestore(backup), record],
+            verbose=2,
+        )
         result["epochs_run"] = seen
         result["history"] = history.history
     result["iterations"] = int(model.optimizer.iterations.numpy())
@@ -200,10 +248,11 @@ try:
     result["weights_sha256"] = weights_sha(model)
 except SystemExit:
     pass
-except BaseException:
+except BaseException:  # noqa: BLE001 - any failure is printed for the test, as below
     # Print it where the test looks, then skip TensorFlow's teardown (which
     # floods stderr with errors about the servers just stopped).
     import traceback
+
     print("tfdist scenario failed:\n" + traceback.format_exc(), flush=True)
     result["failed"] = True
 finally:

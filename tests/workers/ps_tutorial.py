@@ -62,7 +62,8 @@ def value_of(weight):
 
 def fit_scenario():
     partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=256 << 10, max_shards=NUM_PS)
+        min_shard_bytes=256 << 10, max_shards=NUM_PS
+    )
     strategy = tfdist.strategy_from_config(resolver(), variable_partitioner=partitioner)
 
     rs = np.random.RandomState(1)
@@ -90,14 +91,18 @@ def fit_scenario():
     history = model.fit(dataset_fn, epochs=5, steps_per_epoch=20, callbacks=callbacks)
     after_creator = int(model.optimizer.iterations.numpy())
     reloaded = keras.models.load_model(os.path.join(work, "ckpt.keras"))
-    reloaded_equal = all(np.allclose(a, b) for a, b in
-                         zip(reloaded.get_weights(), model.get_weights()))
+    reloaded_equal = all(
+        np.allclose(a, b) for a, b in zip(reloaded.get_weights(), model.get_weights())
+    )
 
     # The same model, fed a plain dataset.
     plain = tf.data.Dataset.from_tensor_slices((features, targets)).repeat().batch(8)
     plain_history = model.fit(plain, epochs=2, steps_per_epoch=10, verbose=0)
-    evaluated = model.evaluate(tf.data.Dataset.from_tensor_slices(
-        (features, targets)).batch(5), return_dict=True, verbose=0)
+    evaluated = model.evaluate(
+        tf.data.Dataset.from_tensor_slices((features, targets)).batch(5),
+        return_dict=True,
+        verbose=0,
+    )
     # What the coordinator computes itself from the weights on the ps.
     pred = model(features, training=False).numpy()
     predicted = model.predict(features, batch_size=4, verbose=0)
@@ -107,25 +112,29 @@ def fit_scenario():
         refused = None
     except tfdist.ConfigError as error:
         refused = error.field
-    report(strategy=type(strategy).__module__ + "." + type(strategy).__name__,
-           refused=refused,
-           task=strategy.task, is_chief=strategy.is_chief,
-           loss=history.history["loss"], plain_loss=plain_history.history["loss"],
-           iterations_after_creator=after_creator,
-           iterations=int(model.optimizer.iterations.numpy()),
-           evaluate=evaluated, reference_loss=reference,
-           predict_shape=list(predicted.shape),
-           predict_gap=float(np.max(np.abs(predicted - pred))),
-           reloaded_equal=reloaded_equal,
-           tensorboard_files=sum(len(f) for _, _, f in os.walk(os.path.join(work, "log"))),
-           backup_left=os.path.exists(os.path.join(work, "backup")))
+    report(
+        strategy=type(strategy).__module__ + "." + type(strategy).__name__,
+        refused=refused,
+        task=strategy.task,
+        is_chief=strategy.is_chief,
+        loss=history.history["loss"],
+        plain_loss=plain_history.history["loss"],
+        iterations_after_creator=after_creator,
+        iterations=int(model.optimizer.iterations.numpy()),
+        evaluate=evaluated,
+        reference_loss=reference,
+        predict_shape=list(predicted.shape),
+        predict_gap=float(np.max(np.abs(predicted - pred))),
+        reloaded_equal=reloaded_equal,
+        tensorboard_files=sum(len(f) for _, _, f in os.walk(os.path.join(work, "log"))),
+        backup_left=os.path.exists(os.path.join(work, "backup")),
+    )
 
 
 # --------------------------------------------------------------------------
 
 
-FEATURE_VOCAB = ["avenger", "ironman", "batman", "hulk", "spiderman", "kingkong",
-                 "wonder_woman"]
+FEATURE_VOCAB = ["avenger", "ironman", "batman", "hulk", "spiderman", "kingkong", "wonder_woman"]
 LABEL_VOCAB = ["yes", "no"]
 
 
@@ -141,13 +150,15 @@ def examples(count, seed):
 
 def ctl_scenario():
     partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=256 << 10, max_shards=NUM_PS)
+        min_shard_bytes=256 << 10, max_shards=NUM_PS
+    )
     strategy = tfdist.strategy_from_config(resolver(), variable_partitioner=partitioner)
 
     with strategy.scope():
         feature_lookup = keras.layers.StringLookup(vocabulary=FEATURE_VOCAB, mask_token=None)
-        label_lookup = keras.layers.StringLookup(vocabulary=LABEL_VOCAB, num_oov_indices=0,
-                                                 mask_token=None)
+        label_lookup = keras.layers.StringLookup(
+            vocabulary=LABEL_VOCAB, num_oov_indices=0, mask_token=None
+        )
 
     # 192 examples, not the tutorial's 200: whole batches of 32 only, so
     # that the examples counted by the metric tell the steps applied.
@@ -165,7 +176,8 @@ def ctl_scenario():
     with strategy.scope():
         model_input = keras.Input(shape=(3,), dtype="int64", name="model_input")
         emb_layer = keras.layers.Embedding(
-            input_dim=len(feature_lookup.get_vocabulary()), output_dim=16384)
+            input_dim=len(feature_lookup.get_vocabulary()), output_dim=16384
+        )
         emb_output = keras.ops.mean(emb_layer(model_input), axis=1)
         dense_output = keras.layers.Dense(units=1, activation="sigmoid")(emb_output)
         model = keras.Model({"features": model_input}, dense_output)
@@ -181,8 +193,7 @@ def ctl_scenario():
         def replica_fn(batch_data, labels):
             with tf.GradientTape() as tape:
                 pred = model(batch_data, training=True)
-                per_example_loss = keras.losses.BinaryCrossentropy(
-                    reduction="none")(labels, pred)
+                per_example_loss = keras.losses.BinaryCrossentropy(reduction="none")(labels, pred)
                 loss = tf.nn.compute_average_loss(per_example_loss)
                 gradients = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(gradients, model.trainable_variables))
@@ -205,16 +216,17 @@ def ctl_scenario():
     epoch_losses, epoch_accuracy = [], []
     for _ in range(epochs):
         accuracy.reset_state()
-        remote = [coordinator.schedule(step_fn, args=(per_worker_iterator,))
-                  for _ in range(steps_per_epoch)]
+        remote = [
+            coordinator.schedule(step_fn, args=(per_worker_iterator,))
+            for _ in range(steps_per_epoch)
+        ]
         coordinator.join()
         epoch_losses.append(float(np.mean([r.fetch() for r in remote])))
         epoch_accuracy.append(float(accuracy.result().numpy()))
     final_loss = float(coordinator.schedule(step_fn, args=(per_worker_iterator,)).fetch())
 
     # Direct evaluation on the coordinator.
-    eval_dataset = tf.data.Dataset.from_tensor_slices(examples(16, seed=1)).map(
-        preprocess).batch(8)
+    eval_dataset = tf.data.Dataset.from_tensor_slices(examples(16, seed=1)).map(preprocess).batch(8)
     direct = keras.metrics.Accuracy()
     for batch_data, labels in eval_dataset:
         pred = model(batch_data, training=False)
@@ -229,14 +241,20 @@ def ctl_scenario():
         def replica_fn(batch_data, labels):
             pred = model(batch_data, training=False)
             eval_accuracy.update_state(labels, tf.cast(tf.greater(pred, 0.5), tf.int64))
+
         batch_data, labels = next(iterator)
         strategy.run(replica_fn, args=(batch_data, labels))
 
     eval_examples = examples(16, seed=1)
 
     def eval_dataset_fn():
-        return tf.data.Dataset.from_tensor_slices(eval_examples).map(
-            preprocess).shuffle(16).repeat().batch(8)
+        return (
+            tf.data.Dataset.from_tensor_slices(eval_examples)
+            .map(preprocess)
+            .shuffle(16)
+            .repeat()
+            .batch(8)
+        )
 
     eval_iterator = iter(coordinator.create_per_worker_dataset(eval_dataset_fn))
     for _ in range(2):
@@ -244,16 +262,20 @@ def ctl_scenario():
     coordinator.join()
 
     after = [value_of(w) for w in model.trainable_weights]
-    report(strategy=type(strategy).__name__,
-           shard_devices=[s.device for s in shards],
-           shard_rows=[int(s.shape[0]) for s in shards],
-           changed=[bool(not np.allclose(a, b)) for a, b in zip(before, after)],
-           epoch_losses=epoch_losses, epoch_accuracy=epoch_accuracy, final_loss=final_loss,
-           iterations=int(optimizer.iterations.numpy()),
-           accuracy_count=float(accuracy.count.numpy()),
-           direct_accuracy=float(direct.result().numpy()),
-           distributed_accuracy=float(eval_accuracy.result().numpy()),
-           distributed_count=float(eval_accuracy.count.numpy()))
+    report(
+        strategy=type(strategy).__name__,
+        shard_devices=[s.device for s in shards],
+        shard_rows=[int(s.shape[0]) for s in shards],
+        changed=[bool(not np.allclose(a, b)) for a, b in zip(before, after)],
+        epoch_losses=epoch_losses,
+        epoch_accuracy=epoch_accuracy,
+        final_loss=final_loss,
+        iterations=int(optimizer.iterations.numpy()),
+        accuracy_count=float(accuracy.count.numpy()),
+        direct_accuracy=float(direct.result().numpy()),
+        distributed_accuracy=float(eval_accuracy.result().numpy()),
+        distributed_count=float(eval_accuracy.count.numpy()),
+    )
 
 
 # --------------------------------------------------------------------------
@@ -271,9 +293,13 @@ def local_cluster_scenario():
         history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
         iterations = int(model.optimizer.iterations.numpy())
         pids = [local.pid(task) for task in local.tasks]
-    report(strategy=type(strategy).__name__, task=strategy.task, loss=history.history["loss"],
-           iterations=iterations, server_pids=pids)
+    report(
+        strategy=type(strategy).__name__,
+        task=strategy.task,
+        loss=history.history["loss"],
+        iterations=iterations,
+        server_pids=pids,
+    )
 
 
-{"fit": fit_scenario, "ctl": ctl_scenario,
- "local_cluster": local_cluster_scenario}[SCENARIO]()
+{"fit": fit_scenario, "ctl": ctl_scenario, "local_cluster": local_cluster_scenario}[SCENARIO]()

@@ -36,15 +36,17 @@ def train_loop_per_worker(config):
 
     import tfdist
 
-    strategy = tfdist.strategy_from_config(compression=config["compression"],
-                                           register_timeout=90)
+    strategy = tfdist.strategy_from_config(compression=config["compression"], register_timeout=90)
     rank = ray.train.get_context().get_world_rank()
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
-                                  keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(2)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     start = 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
@@ -67,10 +69,14 @@ def train_loop_per_worker(config):
                 self.model.save_weights(os.path.join(folder, "model.weights.h5"))
                 with open(os.path.join(folder, "epoch"), "w") as f:
                     f.write(str(epoch))
-                ray.train.report({"epoch": epoch, "loss": float(logs["loss"]),
-                                  "compression": str(strategy.compression)},
-                                 checkpoint=ray.train.Checkpoint.from_directory(folder)
-                                 if rank == 0 else None)
+                ray.train.report(
+                    {
+                        "epoch": epoch,
+                        "loss": float(logs["loss"]),
+                        "compression": str(strategy.compression),
+                    },
+                    checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None,
+                )
             marker = os.path.join(config["log"], "killed")
             if epoch == 1 and rank == 1 and not os.path.exists(marker):
                 open(marker, "w").close()
@@ -88,15 +94,16 @@ def main():
     os.makedirs(log, exist_ok=True)
     # Everything on the loopback: Ray would otherwise use the host's address
     # for its workers and for the TF_CONFIG it writes.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
         trainer = TensorflowTrainer(
             train_loop_per_worker,
             train_loop_config={"compression": COMPRESSION, "log": log},
             scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-            run_config=RunConfig(storage_path=STORAGE, name="tfdist",
-                                 failure_config=FailureConfig(max_failures=1)))
+            run_config=RunConfig(
+                storage_path=STORAGE, name="tfdist", failure_config=FailureConfig(max_failures=1)
+            ),
+        )
         result = trainer.fit()
     finally:
         ray.shutdown()
@@ -106,19 +113,26 @@ def main():
             with open(os.path.join(log, name)) as f:
                 record = json.load(f)
             starts.setdefault(name.split("-")[1], []).append(record["start"])
-            addresses.update(a.rsplit(":", 1)[0]
-                             for a in record["tf_config"]["cluster"]["worker"])
+            addresses.update(a.rsplit(":", 1)[0] for a in record["tf_config"]["cluster"]["worker"])
     with result.checkpoint.as_directory() as folder, open(os.path.join(folder, "epoch")) as f:
         checkpoint_epoch = int(f.read())
     history = result.metrics_dataframe
-    print("tfdist result: " + json.dumps({
-        "metrics": {k: result.metrics[k] for k in ("epoch", "loss", "compression")},
-        "losses": [float(v) for v in history["loss"]],
-        "epochs": [int(v) for v in history["epoch"]],
-        "checkpoint_epoch": checkpoint_epoch, "error": repr(result.error),
-        "starts": {rank: sorted(v) for rank, v in starts.items()},
-        "hosts": sorted(addresses),
-        "killed": os.path.exists(os.path.join(log, "killed"))}), flush=True)
+    print(
+        "tfdist result: "
+        + json.dumps(
+            {
+                "metrics": {k: result.metrics[k] for k in ("epoch", "loss", "compression")},
+                "losses": [float(v) for v in history["loss"]],
+                "epochs": [int(v) for v in history["epoch"]],
+                "checkpoint_epoch": checkpoint_epoch,
+                "error": repr(result.error),
+                "starts": {rank: sorted(v) for rank, v in starts.items()},
+                "hosts": sorted(addresses),
+                "killed": os.path.exists(os.path.join(log, "killed")),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

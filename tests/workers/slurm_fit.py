@@ -16,19 +16,23 @@ import tfdist
 
 strategy = tfdist.strategy_from_config(register_timeout=90)
 choice = strategy.choice
-result = _common.train(strategy, epochs=3, per_replica_batch_size=32,
-                       examples=1024, learning_rate=0.01, seed=3)
-result.update({
-    "kind": strategy.kind,
-    "choice": None if choice is None else {"name": choice.name, "slurm": choice.slurm,
-                                           "reason": choice.reason},
-    "cluster": strategy.cluster_resolver.cluster_spec().as_dict(),
-    "task": strategy.task,
-    "is_chief": strategy.is_chief,
-    "procid": int(os.environ["SLURM_PROCID"]),
-    "slurm_job_id": os.environ["SLURM_JOB_ID"],
-    "slurm_step_id": os.environ["SLURM_STEP_ID"],
-    "tf_config": os.environ.get("TF_CONFIG"),
-})
+result = _common.train(
+    strategy, epochs=3, per_replica_batch_size=32, examples=1024, learning_rate=0.01, seed=3
+)
+result.update(
+    {
+        "kind": strategy.kind,
+        "choice": None
+        if choice is None
+        else {"name": choice.name, "slurm": choice.slurm, "reason": choice.reason},
+        "cluster": strategy.cluster_resolver.cluster_spec().as_dict(),
+        "task": strategy.task,
+        "is_chief": strategy.is_chief,
+        "procid": int(os.environ["SLURM_PROCID"]),
+        "slurm_job_id": os.environ["SLURM_JOB_ID"],
+        "slurm_step_id": os.environ["SLURM_STEP_ID"],
+        "tf_config": os.environ.get("TF_CONFIG"),
+    }
+)
 print("tfdist result: " + json.dumps(result), flush=True)
 sys.exit(0)

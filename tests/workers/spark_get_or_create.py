@@ -29,8 +29,7 @@ def train(epochs: int, learning_rate: float = 0.01) -> dict:
     in_scope = tf.distribute.get_strategy()
     x, y = _common.make_data(1024, 3)
     model = _common.build_model(learning_rate, 3)
-    history = model.fit(x, y, batch_size=64, epochs=epochs, verbose=0,
-                        shuffle=False)
+    history = model.fit(x, y, batch_size=64, epochs=epochs, verbose=0, shuffle=False)
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     report = {
         "worker_index": ctx.worker_index,
@@ -42,8 +41,11 @@ def train(epochs: int, learning_rate: float = 0.01) -> dict:
         "weights_sha256": hashlib.sha256(weights.astype("<f4").tobytes()).hexdigest(),
     }
     reports = [json.loads(r) for r in ctx.all_gather(json.dumps(report))]
-    return {"tasks": reports, "replicas": ctx.strategy.num_replicas_in_sync,
-            "tf_config": ctx.tf_config}
+    return {
+        "tasks": reports,
+        "replicas": ctx.strategy.num_replicas_in_sync,
+        "tf_config": ctx.tf_config,
+    }
 
 
 def main() -> None:
@@ -52,19 +54,29 @@ def main() -> None:
     import tfdist.spark
 
     before = SparkSession.getActiveSession()
-    result = tfdist.spark.run(train, num_workers=2, epochs=int(sys.argv[1]),
-                              learning_rate=0.02, timeout=300,
-                              env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    result = tfdist.spark.run(
+        train,
+        num_workers=2,
+        epochs=int(sys.argv[1]),
+        learning_rate=0.02,
+        timeout=300,
+        env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     session = SparkSession.getActiveSession()
     conf = session.sparkContext.getConf()
     result["session"] = {
         "active_before": before is not None,
         "master": session.sparkContext.master,
-        **{key: conf.get(key, None) for key in (
-            "spark.python.worker.reuse",
-            "spark.scheduler.barrier.maxConcurrentTasksCheck.interval",
-            "spark.driver.host", "spark.driver.bindAddress",
-            "spark.pyspark.python")},
+        **{
+            key: conf.get(key, None)
+            for key in (
+                "spark.python.worker.reuse",
+                "spark.scheduler.barrier.maxConcurrentTasksCheck.interval",
+                "spark.driver.host",
+                "spark.driver.bindAddress",
+                "spark.pyspark.python",
+            )
+        },
     }
     print("result: " + json.dumps(result), flush=True)
     session.stop()

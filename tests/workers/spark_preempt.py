@@ -42,8 +42,12 @@ def train(ctx, *, pid_dir: str, step_sleep: float = 0.15) -> dict:
     progress_dir.mkdir(exist_ok=True)
     progress = progress_dir / f"task-{ctx.worker_index}.step"
     x, y = _common.make_data(STEPS_PER_EPOCH * PER_REPLICA_BATCH * ctx.num_workers, 3)
-    data = distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)), strategy,
-                              per_replica_batch=PER_REPLICA_BATCH, distribute=False)
+    data = distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)),
+        strategy,
+        per_replica_batch=PER_REPLICA_BATCH,
+        distribute=False,
+    )
     with strategy.scope():
         model = _common.build_model(0.01, 3)
     run = {"first": None, "trained": 0, "epoch": 0}
@@ -61,8 +65,12 @@ def train(ctx, *, pid_dir: str, step_sleep: float = 0.15) -> dict:
                 return  # Skipped on resume: read from the data, not trained.
             run["trained"] += step - run["before"]
             if run["first"] is None:
-                run["first"] = {"iterations": run["before"], "epoch": run["epoch"],
-                                "batch": batch, "time": time.time()}
+                run["first"] = {
+                    "iterations": run["before"],
+                    "epoch": run["epoch"],
+                    "batch": batch,
+                    "time": time.time(),
+                }
             tmp = progress.with_suffix(".tmp")
             tmp.write_text(str(step))
             os.replace(tmp, progress)

@@ -20,9 +20,15 @@ import time
 from pathlib import Path
 
 
-def train(ctx, *, epochs: int = 3, pid_dir: str | None = None,
-          fail_task: int | None = None, fail_epoch: int = 1,
-          fail_once_marker: str | None = None) -> dict:
+def train(
+    ctx,
+    *,
+    epochs: int = 3,
+    pid_dir: str | None = None,
+    fail_task: int | None = None,
+    fail_epoch: int = 1,
+    fail_once_marker: str | None = None,
+) -> dict:
     """Fits the model; the chief returns every task's report.
 
     Args:
@@ -54,8 +60,7 @@ def train(ctx, *, epochs: int = 3, pid_dir: str | None = None,
                 if os.path.exists(fail_once_marker):
                     return
                 Path(fail_once_marker).write_text(f"attempt {ctx.attempt}")
-            raise RuntimeError(f"task {ctx.worker_index} fails on purpose at "
-                               f"epoch {epoch}")
+            raise RuntimeError(f"task {ctx.worker_index} fails on purpose at epoch {epoch}")
 
     epochs_run: list[int] = []
 
@@ -64,14 +69,14 @@ def train(ctx, *, epochs: int = 3, pid_dir: str | None = None,
             epochs_run.append(epoch)
 
     x, y = _common.make_data(1024, 3)
-    data = distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)),
-                              strategy, per_replica_batch=32, distribute=False)
+    data = distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)), strategy, per_replica_batch=32, distribute=False
+    )
     with strategy.scope():
         model = _common.build_model(0.01, 3)
     backup = BackupAndRestore(ctx.backup_dir) if ctx.backup_dir else None
     callbacks = [c for c in (backup, Record(), FailOnPurpose()) if c]
-    history = model.fit(data, epochs=epochs, verbose=0, shuffle=False,
-                        callbacks=callbacks)
+    history = model.fit(data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks)
 
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     report = {
@@ -122,8 +127,7 @@ def train_own_strategy(epochs: int = 2) -> dict:
     x, y = _common.make_data(512, 3)
     with strategy.scope():
         model = _common.build_model(0.01, 3)
-    history = model.fit(x, y, batch_size=64, epochs=epochs, verbose=0,
-                        shuffle=False)
+    history = model.fit(x, y, batch_size=64, epochs=epochs, verbose=0, shuffle=False)
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     report = {
         "task": strategy.task,

@@ -53,6 +53,7 @@ def reduce_slices():
             out[name] = (tf.convert_to_tensor(summed), count)
             result[f"{name}_wire"] = dtype
         return out
+
     return strategy.run(fn)
 
 
@@ -63,10 +64,18 @@ for name, (dense, count) in reduced.items():
 
 keras.utils.set_random_seed(0)
 with strategy.scope():
-    model = keras.Sequential([keras.Input((4,), dtype="int64"), keras.layers.Embedding(2000, 32),
-                              keras.layers.Flatten(), keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int64"),
+            keras.layers.Embedding(2000, 32),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 rng = np.random.default_rng(2)
 x = rng.integers(0, 50, size=(160, 4)).astype("int64")
 y = rng.integers(0, 3, size=160)
@@ -81,8 +90,9 @@ class Record(keras.callbacks.Callback):
 
 history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[stats, Record()])
 result["counted"] = counted
-result["predicted"] = [predict_traffic(model, "bf16", num_replicas=2, batch_size=b).sent
-                       for b in (64, 64, 32)]
+result["predicted"] = [
+    predict_traffic(model, "bf16", num_replicas=2, batch_size=b).sent for b in (64, 64, 32)
+]
 result["loss"] = history.history["loss"]
 result["weights"] = float(sum(np.abs(w).sum() for w in model.get_weights()))
 print("tfdist result: " + json.dumps(result), flush=True)

@@ -34,13 +34,20 @@ for number in range(COUNT):
     with strategy.scope():
         keras.utils.set_random_seed(number)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     # Each worker reads its own half of every global batch of 16.
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     history = model.fit(data, epochs=2, verbose=0)
-    fits.append({"replicas": strategy.num_replicas_in_sync, "loss": history.history["loss"],
-                 "kernel": model.get_weights()[0].ravel().tolist()})
+    fits.append(
+        {
+            "replicas": strategy.num_replicas_in_sync,
+            "loss": history.history["loss"],
+            "kernel": model.get_weights()[0].ravel().tolist(),
+        }
+    )
 
 unmatched = None
 if task == "worker:0":
@@ -49,5 +56,6 @@ if task == "worker:0":
         tfdist.strategy_from_config(register_timeout=3)
     except tfdist.ClusterJoinError as error:
         unmatched = {"error": str(error), "seconds": time.monotonic() - started}
-print("tfdist result: " + json.dumps({"task": task, "fits": fits, "unmatched": unmatched}),
-      flush=True)
+print(
+    "tfdist result: " + json.dumps({"task": task, "fits": fits, "unmatched": unmatched}), flush=True
+)

@@ -31,8 +31,11 @@ workers = len(config["cluster"].get("worker", []))
 print(f"task {task_type}:{index} of {workers} workers, attempt {attempt}", flush=True)
 print("WARNING: a warning", flush=True)
 # A TensorFlow INFO line with "error" in it (a PS worker prints it at its end).
-print("I0000 00:00:1795433773.187567    4577 kernel_and_device.cc:101] Ignoring "
-      "error status when releasing multi-device function handle", flush=True)
+print(
+    "I0000 00:00:1795433773.187567    4577 kernel_and_device.cc:101] Ignoring "
+    "error status when releasing multi-device function handle",
+    flush=True,
+)
 
 if out is not None:
     # A grandchild, to check that stopping reaches the whole process group.

@@ -1,4 +1,5 @@
-"""TensorFlow's "Distributed input" tutorial, step by step (tests/tutorials/test_tutorials_input.py).
+"""TensorFlow's "Distributed input" tutorial, step by step
+(tests/tutorials/test_tutorials_input.py).
 
 tensorflow/docs site/en/tutorials/distribute/input.ipynb: the script splits
 the CPU into 2 logical devices itself, before anything else, and then creates
@@ -17,7 +18,8 @@ import tfdist
 N_VIRTUAL_DEVICES = 2
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(N_VIRTUAL_DEVICES)])
+    cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(N_VIRTUAL_DEVICES)]
+)
 
 
 def local(strategy, value):
@@ -36,7 +38,7 @@ def tutorial(make_strategy) -> dict:
 
     # A plain tf.data loop, no strategy.
     global_batch_size = 16
-    dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(global_batch_size)
+    dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(global_batch_size)
 
     @tf.function
     def train_step(inputs):
@@ -52,7 +54,7 @@ def tutorial(make_strategy) -> dict:
     result["split_batch"] = [len(v) for v in local(mirrored_strategy, features)]
 
     # An explicit DATA sharding policy.
-    dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(64).batch(16)
+    dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(64).batch(16)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     dataset = dataset.with_options(options)
@@ -62,7 +64,7 @@ def tutorial(make_strategy) -> dict:
 
     def dataset_fn(input_context):
         batch_size = input_context.get_per_replica_batch_size(global_batch_size)
-        dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(64).batch(16)
+        dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(64).batch(16)
         dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
         dataset = dataset.batch(batch_size)
         return dataset.prefetch(2)
@@ -73,7 +75,7 @@ def tutorial(make_strategy) -> dict:
 
     # strategy.run over a distributed dataset: a for loop, then iter/next per epoch.
     mirrored_strategy = new_strategy()
-    dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(global_batch_size)
+    dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(global_batch_size)
     dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
     examples = 0
     for x in dist_dataset:
@@ -82,9 +84,9 @@ def tutorial(make_strategy) -> dict:
     result["for_loop_examples"] = examples
     result["loss_value"] = local(mirrored_strategy, loss)[0][0]
     steps = 0
-    for epoch in range(2):
+    for epoch in range(2):  # noqa: B007 - as in TensorFlow's tutorial
         dist_iterator = iter(dist_dataset)
-        for step in range(5):
+        for step in range(5):  # noqa: B007 - as in TensorFlow's tutorial
             loss = mirrored_strategy.run(train_step, args=(next(dist_iterator),))
             steps += 1
     result["iter_steps"] = steps
@@ -103,8 +105,9 @@ def tutorial(make_strategy) -> dict:
             optional_data = distributed_iterator.get_next_as_optional()
             if not optional_data.has_value():
                 break
-            per_replica_results = strategy.run(lambda x: tf.reduce_sum(x),
-                                               args=(optional_data.get_value(),))
+            per_replica_results = strategy.run(
+                lambda x: tf.reduce_sum(x), args=(optional_data.get_value(),)
+            )
             total += strategy.reduce("SUM", per_replica_results, axis=None)
             steps += 1
         return total, steps
@@ -114,7 +117,7 @@ def tutorial(make_strategy) -> dict:
 
     # A tf.function with the distributed dataset's element_spec as its signature.
     mirrored_strategy = new_strategy()
-    dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(global_batch_size)
+    dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(global_batch_size)
     dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
 
     @tf.function(input_signature=[dist_dataset.element_spec])
@@ -155,9 +158,11 @@ def tutorial(make_strategy) -> dict:
     # Values per replica from a function of the replica context.
     mirrored_strategy = new_strategy()
     distributed_values = mirrored_strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(ctx.replica_id_in_sync_group))
+        lambda ctx: tf.constant(ctx.replica_id_in_sync_group)
+    )
     result["replica_values"] = local(
-        mirrored_strategy, mirrored_strategy.run(lambda x: x, args=(distributed_values,)))
+        mirrored_strategy, mirrored_strategy.run(lambda x: x, args=(distributed_values,))
+    )
 
     # A generator dataset, distributed.
     mirrored_strategy = new_strategy()
@@ -166,8 +171,9 @@ def tutorial(make_strategy) -> dict:
         while True:
             yield np.random.rand(4)
 
-    dataset = tf.data.Dataset.from_generator(input_gen, output_types=tf.float32,
-                                             output_shapes=tf.TensorShape([4]))
+    dataset = tf.data.Dataset.from_generator(
+        input_gen, output_types=tf.float32, output_shapes=tf.TensorShape([4])
+    )
     iterator = iter(mirrored_strategy.experimental_distribute_dataset(dataset))
     value = mirrored_strategy.run(lambda x: x, args=(next(iterator),))
     result["generator_shapes"] = [list(np.shape(v)) for v in local(mirrored_strategy, value)]
@@ -175,8 +181,15 @@ def tutorial(make_strategy) -> dict:
     return result
 
 
-print("tfdist result: " + json.dumps({
-    "logical_cpus": len(tf.config.list_logical_devices("CPU")),
-    "tfdist": tutorial(tfdist.strategy_from_config),
-    # The same steps with TensorFlow's own strategy, for comparison.
-    "tensorflow": tutorial(tf.distribute.MirroredStrategy)}), flush=True)
+print(
+    "tfdist result: "
+    + json.dumps(
+        {
+            "logical_cpus": len(tf.config.list_logical_devices("CPU")),
+            "tfdist": tutorial(tfdist.strategy_from_config),
+            # The same steps with TensorFlow's own strategy, for comparison.
+            "tensorflow": tutorial(tf.distribute.MirroredStrategy),
+        }
+    ),
+    flush=True,
+)

@@ -55,20 +55,24 @@ def dataset_fn(global_batch_size, input_context):
 
 def build_cnn_model():
     regularizer = tf.keras.regularizers.L2(1e-5)
-    return tf.keras.Sequential([
-        tf.keras.Input(shape=(28, 28)),
-        tf.keras.layers.Reshape(target_shape=(28, 28, 1)),
-        tf.keras.layers.Conv2D(32, 3, activation="relu", kernel_regularizer=regularizer),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(128, activation="relu", kernel_regularizer=regularizer),
-        tf.keras.layers.Dense(10, kernel_regularizer=regularizer),
-    ])
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input(shape=(28, 28)),
+            tf.keras.layers.Reshape(target_shape=(28, 28, 1)),
+            tf.keras.layers.Conv2D(32, 3, activation="relu", kernel_regularizer=regularizer),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(128, activation="relu", kernel_regularizer=regularizer),
+            tf.keras.layers.Dense(10, kernel_regularizer=regularizer),
+        ]
+    )
 
 
 def _is_chief(task_type, task_id, cluster_spec):
-    return (task_type is None or task_type == "chief"
-            or (task_type == "worker" and task_id == 0
-                and "chief" not in cluster_spec.as_dict()))
+    return (
+        task_type is None
+        or task_type == "chief"
+        or (task_type == "worker" and task_id == 0 and "chief" not in cluster_spec.as_dict())
+    )
 
 
 def _get_temp_dir(dirpath, task_id):
@@ -88,12 +92,14 @@ def write_filepath(filepath, task_type, task_id, cluster_spec):
 checkpoint_dir = os.path.join(WORKDIR, "ckpt")
 
 strategy = tfdist.strategy_from_config(
-    compression=os.environ.get("TFDIST_TEST_COMPRESSION") or None)
+    compression=os.environ.get("TFDIST_TEST_COMPRESSION") or None
+)
 
 with strategy.scope():
     multi_worker_model = build_cnn_model()
     multi_worker_dataset = strategy.distribute_datasets_from_function(
-        lambda input_context: dataset_fn(global_batch_size, input_context))
+        lambda input_context: dataset_fn(global_batch_size, input_context)
+    )
     optimizer = tf.keras.optimizers.RMSprop(learning_rate=0.001)
     train_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
 
@@ -105,7 +111,8 @@ def train_step(iterator):
         with tf.GradientTape() as tape:
             predictions = multi_worker_model(x, training=True)
             per_example_loss = tf.keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True, reduction=None)(y, predictions)
+                from_logits=True, reduction=None
+            )(y, predictions)
             loss = tf.nn.compute_average_loss(per_example_loss)
             model_losses = multi_worker_model.losses
             if model_losses:
@@ -120,9 +127,10 @@ def train_step(iterator):
 
 
 def counters():
-    return (tf.Variable(initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="epoch"),
-            tf.Variable(initial_value=tf.constant(0, dtype=tf.dtypes.int64),
-                        name="step_in_epoch"))
+    return (
+        tf.Variable(initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="epoch"),
+        tf.Variable(initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="step_in_epoch"),
+    )
 
 
 def weights(model):
@@ -130,20 +138,28 @@ def weights(model):
 
 
 epoch, step_in_epoch = counters()
-task_type, task_id, cluster_spec = (strategy.cluster_resolver.task_type,
-                                    strategy.cluster_resolver.task_id,
-                                    strategy.cluster_resolver.cluster_spec())
-checkpoint = tf.train.Checkpoint(model=multi_worker_model, epoch=epoch,
-                                 step_in_epoch=step_in_epoch)
+task_type, task_id, cluster_spec = (
+    strategy.cluster_resolver.task_type,
+    strategy.cluster_resolver.task_id,
+    strategy.cluster_resolver.cluster_spec(),
+)
+checkpoint = tf.train.Checkpoint(model=multi_worker_model, epoch=epoch, step_in_epoch=step_in_epoch)
 write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id, cluster_spec)
-checkpoint_manager = tf.train.CheckpointManager(checkpoint, directory=write_checkpoint_dir,
-                                                max_to_keep=1)
+checkpoint_manager = tf.train.CheckpointManager(
+    checkpoint, directory=write_checkpoint_dir, max_to_keep=1
+)
 latest_checkpoint = tf.train.latest_checkpoint(checkpoint_dir)
 if latest_checkpoint:
     checkpoint.restore(latest_checkpoint)
 
-result = {"task": f"{task_type}:{task_id}", "replicas": strategy.num_replicas_in_sync,
-          "restored_at_start": latest_checkpoint, "loss": [], "accuracy": [], "error": None}
+result = {
+    "task": f"{task_type}:{task_id}",
+    "replicas": strategy.num_replicas_in_sync,
+    "restored_at_start": latest_checkpoint,
+    "loss": [],
+    "accuracy": [],
+    "error": None,
+}
 initial = weights(multi_worker_model)
 try:
     while epoch.numpy() < num_epochs:
@@ -169,10 +185,12 @@ except Exception as error:  # noqa: BLE001 - recorded for the test
 trained = weights(multi_worker_model)
 result["changed"] = bool(not np.array_equal(trained, initial))
 result["weights_sum"] = float(np.sum(np.abs(trained.astype(np.float64))))
-result["temp_left"] = (not _is_chief(task_type, task_id, cluster_spec)
-                       and os.path.exists(write_checkpoint_dir))
-result["checkpoint_files"] = sorted(os.listdir(checkpoint_dir)) if os.path.isdir(
-    checkpoint_dir) else []
+result["temp_left"] = not _is_chief(task_type, task_id, cluster_spec) and os.path.exists(
+    write_checkpoint_dir
+)
+result["checkpoint_files"] = (
+    sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []
+)
 
 # A restarted worker: a new model and new counters, restored from the latest
 # checkpoint in the chief's directory.
@@ -182,10 +200,12 @@ if result["error"] is None:
     with strategy.scope():
         restarted_model = build_cnn_model()
     restarted_epoch, restarted_step = counters()
-    tf.train.Checkpoint(model=restarted_model, epoch=restarted_epoch,
-                        step_in_epoch=restarted_step).restore(
-        tf.train.latest_checkpoint(checkpoint_dir)).expect_partial()
-    result["restart"] = {"epoch": int(restarted_epoch.numpy()),
-                         "step_in_epoch": int(restarted_step.numpy()),
-                         "weights_equal": bool(np.array_equal(weights(restarted_model), trained))}
+    tf.train.Checkpoint(
+        model=restarted_model, epoch=restarted_epoch, step_in_epoch=restarted_step
+    ).restore(tf.train.latest_checkpoint(checkpoint_dir)).expect_partial()
+    result["restart"] = {
+        "epoch": int(restarted_epoch.numpy()),
+        "step_in_epoch": int(restarted_step.numpy()),
+        "weights_equal": bool(np.array_equal(weights(restarted_model), trained)),
+    }
 print("tfdist result: " + json.dumps(result), flush=True)

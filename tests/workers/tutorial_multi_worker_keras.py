@@ -49,30 +49,42 @@ tf_config = json.loads(os.environ["TF_CONFIG"])
 num_workers = len(tf_config["cluster"]["worker"])
 
 strategy = tfdist.strategy_from_config(
-    compression=os.environ.get("TFDIST_TEST_COMPRESSION") or None)
+    compression=os.environ.get("TFDIST_TEST_COMPRESSION") or None
+)
 
-result = {"task": strategy.task if hasattr(strategy, "task") else None,
-          "replicas": strategy.num_replicas_in_sync, "errors": {}}
+result = {
+    "task": strategy.task if hasattr(strategy, "task") else None,
+    "replicas": strategy.num_replicas_in_sync,
+    "errors": {},
+}
 
 
 def mnist_dataset(batch_size):
     images, labels = mnist_like(1024, seed=0)
-    return tf.data.Dataset.from_tensor_slices(
-        (scaled(images), labels)).shuffle(60000, seed=0).repeat().batch(batch_size)
+    return (
+        tf.data.Dataset.from_tensor_slices((scaled(images), labels))
+        .shuffle(60000, seed=0)
+        .repeat()
+        .batch(batch_size)
+    )
 
 
 def build_and_compile_cnn_model():
-    model = tf.keras.Sequential([
-        tf.keras.layers.InputLayer(shape=(28, 28)),
-        tf.keras.layers.Reshape(target_shape=(28, 28, 1)),
-        tf.keras.layers.Conv2D(32, 3, activation="relu"),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(128, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
-    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=tf.keras.optimizers.SGD(learning_rate=0.001),
-                  metrics=["accuracy"])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.InputLayer(shape=(28, 28)),
+            tf.keras.layers.Reshape(target_shape=(28, 28, 1)),
+            tf.keras.layers.Conv2D(32, 3, activation="relu"),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(128, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=tf.keras.optimizers.SGD(learning_rate=0.001),
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -82,6 +94,7 @@ def checksum(model):
 
 def section(name):
     """Runs a section if it was asked for; its error is recorded under its name."""
+
     def run(fn):
         if name not in SECTIONS:
             return fn
@@ -91,6 +104,7 @@ def section(name):
             result["errors"][name] = f"{type(error).__name__}: {error}"[:600]
             traceback.print_exc()
         return fn
+
     return run
 
 
@@ -103,8 +117,9 @@ with strategy.scope():
 @section("fit")
 def fit():
     result["initial_checksum"] = checksum(multi_worker_model)
-    history = multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=STEPS,
-                                     verbose=0)
+    history = multi_worker_model.fit(
+        multi_worker_dataset, epochs=3, steps_per_epoch=STEPS, verbose=0
+    )
     result["fit"] = {"loss": history.history["loss"], "checksum": checksum(multi_worker_model)}
 
 
@@ -138,9 +153,11 @@ def save_and_load():
     if not _is_chief(task_type, task_id):
         tf.io.gfile.rmtree(os.path.dirname(write_model_path))
     loaded_model = tf.keras.models.load_model(model_path)
-    result["save"] = {"loaded_checksum": checksum(loaded_model),
-                      "model_checksum": checksum(multi_worker_model),
-                      "temp_left": os.path.exists(os.path.join(WORKDIR, f"workertemp_{task_id}"))}
+    result["save"] = {
+        "loaded_checksum": checksum(loaded_model),
+        "model_checksum": checksum(multi_worker_model),
+        "temp_left": os.path.exists(os.path.join(WORKDIR, f"workertemp_{task_id}")),
+    }
     history = loaded_model.fit(mnist_dataset(64), epochs=1, steps_per_epoch=2, verbose=0)
     result["save"]["loaded_fit_loss"] = history.history["loss"]
 
@@ -151,7 +168,8 @@ def checkpoint_manager_section():
     checkpoint = tf.train.Checkpoint(model=multi_worker_model)
     write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id)
     checkpoint_manager = tf.train.CheckpointManager(
-        checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+        checkpoint, directory=write_checkpoint_dir, max_to_keep=1
+    )
     checkpoint_manager.save()
     if not _is_chief(task_type, task_id):
         tf.io.gfile.rmtree(write_checkpoint_dir)
@@ -161,11 +179,12 @@ def checkpoint_manager_section():
     for variable in multi_worker_model.trainable_variables:
         variable.assign(tf.zeros_like(variable))
     checkpoint.restore(latest_checkpoint)
-    result["checkpoint"] = {"latest": latest_checkpoint and os.path.basename(latest_checkpoint),
-                            "saved_checksum": saved,
-                            "restored_checksum": checksum(multi_worker_model)}
-    history = multi_worker_model.fit(multi_worker_dataset, epochs=1, steps_per_epoch=2,
-                                     verbose=0)
+    result["checkpoint"] = {
+        "latest": latest_checkpoint and os.path.basename(latest_checkpoint),
+        "saved_checksum": saved,
+        "restored_checksum": checksum(multi_worker_model),
+    }
+    history = multi_worker_model.fit(multi_worker_dataset, epochs=1, steps_per_epoch=2, verbose=0)
     result["checkpoint"]["loss"] = history.history["loss"]
 
 
@@ -177,18 +196,25 @@ def backup_and_restore(name, **kwargs):
         with strategy.scope():
             model = build_and_compile_cnn_model()
         epochs_run = []
-        callbacks.append(tf.keras.callbacks.LambdaCallback(
-            on_epoch_begin=lambda epoch, logs: epochs_run.append(epoch)))
-        history = model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=STEPS,
-                            callbacks=callbacks, verbose=0)
+        callbacks.append(
+            tf.keras.callbacks.LambdaCallback(
+                on_epoch_begin=lambda epoch, logs: epochs_run.append(epoch)
+            )
+        )
+        history = model.fit(
+            multi_worker_dataset, epochs=2, steps_per_epoch=STEPS, callbacks=callbacks, verbose=0
+        )
         # The chief deletes the shared backup once training has finished; the
         # other worker may get here first (seen once), so it waits up to 30 s.
         deadline = time.monotonic() + 30
         while os.path.exists(backup_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
-        result[name] = {"epochs_run": epochs_run, "loss": history.history["loss"],
-                        "checksum": checksum(model),
-                        "backup_left": os.path.exists(backup_dir)}
+        result[name] = {
+            "epochs_run": epochs_run,
+            "loss": history.history["loss"],
+            "checksum": checksum(model),
+            "backup_left": os.path.exists(backup_dir),
+        }
 
 
 backup_and_restore("backup_epoch")
@@ -200,23 +226,26 @@ def model_checkpoint_section():
     directory = os.path.join(WORKDIR, "model_checkpoint")
     callbacks = [
         tf.keras.callbacks.ModelCheckpoint(
-            filepath=os.path.join(directory, "ckpt_{epoch:04d}.weights.h5"),
-            save_weights_only=True),
+            filepath=os.path.join(directory, "ckpt_{epoch:04d}.weights.h5"), save_weights_only=True
+        ),
         tf.keras.callbacks.ModelCheckpoint(filepath=os.path.join(directory, "model.keras")),
     ]
     with strategy.scope():
         model = build_and_compile_cnn_model()
-    model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=STEPS, callbacks=callbacks,
-              verbose=0)
+    model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=STEPS, callbacks=callbacks, verbose=0)
     trained = checksum(model)
     files = sorted(os.listdir(directory))
     with strategy.scope():
         from_weights = build_and_compile_cnn_model()
     from_weights.load_weights(os.path.join(directory, "ckpt_0002.weights.h5"))
     result["model_checkpoint"] = {
-        "files": files, "checksum": trained,
+        "files": files,
+        "checksum": trained,
         "weights_file_checksum": checksum(from_weights),
         "model_file_checksum": checksum(
-            tf.keras.models.load_model(os.path.join(directory, "model.keras")))}
+            tf.keras.models.load_model(os.path.join(directory, "model.keras"))
+        ),
+    }
+
 
 print("tfdist result: " + json.dumps(result), flush=True)

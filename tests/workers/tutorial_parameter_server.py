@@ -48,6 +48,7 @@ result = {"errors": {}}
 
 def section(name):
     """Runs a section; its error, if any, is recorded under its name."""
+
     def run(fn):
         try:
             fn()
@@ -55,6 +56,7 @@ def section(name):
             result["errors"][name] = f"{type(error).__name__}: {error}"[:800]
             traceback.print_exc()
         return fn
+
     return run
 
 
@@ -69,8 +71,9 @@ def create_in_process_cluster(num_workers, num_ps):
     if multiprocessing.cpu_count() < num_workers + 1:
         worker_config.inter_op_parallelism_threads = num_workers + 1
     for i in range(num_workers):
-        tf.distribute.Server(cluster_spec, job_name="worker", task_index=i,
-                             config=worker_config, protocol="grpc")
+        tf.distribute.Server(
+            cluster_spec, job_name="worker", task_index=i, config=worker_config, protocol="grpc"
+        )
     for i in range(num_ps):
         tf.distribute.Server(cluster_spec, job_name="ps", task_index=i, protocol="grpc")
     return tf.distribute.cluster_resolver.SimpleClusterResolver(cluster_spec, rpc_layer="grpc")
@@ -80,7 +83,8 @@ os.environ["GRPC_FAIL_FAST"] = "use_caller"
 NUM_WORKERS, NUM_PS = 3, 2
 cluster_resolver = create_in_process_cluster(NUM_WORKERS, NUM_PS)
 variable_partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-    min_shard_bytes=(256 << 10), max_shards=NUM_PS)
+    min_shard_bytes=(256 << 10), max_shards=NUM_PS
+)
 
 strategy = tfdist.strategy_from_config(cluster_resolver, variable_partitioner=variable_partitioner)
 result["strategy"] = type(strategy).__name__
@@ -100,9 +104,11 @@ def fit():
     log_dir = os.path.join(working_dir, "log")
     ckpt_filepath = os.path.join(working_dir, "ckpt.keras")
     backup_dir = os.path.join(working_dir, "backup")
-    callbacks = [tf.keras.callbacks.TensorBoard(log_dir=log_dir),
-                 tf.keras.callbacks.ModelCheckpoint(filepath=ckpt_filepath),
-                 tf.keras.callbacks.BackupAndRestore(backup_dir=backup_dir)]
+    callbacks = [
+        tf.keras.callbacks.TensorBoard(log_dir=log_dir),
+        tf.keras.callbacks.ModelCheckpoint(filepath=ckpt_filepath),
+        tf.keras.callbacks.BackupAndRestore(backup_dir=backup_dir),
+    ]
     history = model.fit(dataset, epochs=2, steps_per_epoch=10, callbacks=callbacks, verbose=0)
     weights = [w.tolist() for w in model.get_weights()]
     reloaded = tf.keras.models.load_model(ckpt_filepath)
@@ -111,25 +117,27 @@ def fit():
         "iterations": int(model.optimizer.iterations.numpy()),
         "checkpoint_equal": [w.tolist() for w in reloaded.get_weights()] == weights,
         "tensorboard_files": sum(len(f) for _, _, f in os.walk(log_dir)),
-        "backup_left": os.path.exists(backup_dir)}
+        "backup_left": os.path.exists(backup_dir),
+    }
 
 
-feature_vocab = ["avenger", "ironman", "batman", "hulk", "spiderman", "kingkong",
-                 "wonder_woman"]
+feature_vocab = ["avenger", "ironman", "batman", "hulk", "spiderman", "kingkong", "wonder_woman"]
 label_vocab = ["yes", "no"]
 random.seed(0)
 
 with strategy.scope():
-    feature_lookup_layer = tf.keras.layers.StringLookup(vocabulary=feature_vocab,
-                                                        mask_token=None)
-    label_lookup_layer = tf.keras.layers.StringLookup(vocabulary=label_vocab,
-                                                      num_oov_indices=0, mask_token=None)
+    feature_lookup_layer = tf.keras.layers.StringLookup(vocabulary=feature_vocab, mask_token=None)
+    label_lookup_layer = tf.keras.layers.StringLookup(
+        vocabulary=label_vocab, num_oov_indices=0, mask_token=None
+    )
     raw_feature_input = tf.keras.layers.Input(shape=(3,), dtype=tf.string, name="feature")
-    feature_preprocess_stage = tf.keras.Model({"features": raw_feature_input},
-                                              feature_lookup_layer(raw_feature_input))
+    feature_preprocess_stage = tf.keras.Model(
+        {"features": raw_feature_input}, feature_lookup_layer(raw_feature_input)
+    )
     raw_label_input = tf.keras.layers.Input(shape=(1,), dtype=tf.string, name="label")
-    label_preprocess_stage = tf.keras.Model({"label": raw_label_input},
-                                            label_lookup_layer(raw_label_input))
+    label_preprocess_stage = tf.keras.Model(
+        {"label": raw_label_input}, label_lookup_layer(raw_label_input)
+    )
 
 
 def feature_and_label_gen(num_examples=200):
@@ -145,8 +153,10 @@ examples = feature_and_label_gen()
 
 
 def preprocess(x):
-    return ({"features": feature_preprocess_stage(x["features"])},
-            label_preprocess_stage(x["label"]))
+    return (
+        {"features": feature_preprocess_stage(x["features"])},
+        label_preprocess_stage(x["label"]),
+    )
 
 
 def dataset_fn(_):
@@ -157,11 +167,12 @@ def dataset_fn(_):
 with strategy.scope():
     model_input = tf.keras.layers.Input(shape=(3,), dtype=tf.int64, name="model_input")
     emb_layer = tf.keras.layers.Embedding(
-        input_dim=len(feature_lookup_layer.get_vocabulary()), output_dim=16384)
+        input_dim=len(feature_lookup_layer.get_vocabulary()), output_dim=16384
+    )
     emb_output = tf.keras.ops.mean(emb_layer(model_input), axis=1)  # Keras 3: ops on KerasTensors.
     dense_output = tf.keras.layers.Dense(
-        units=1, activation="sigmoid",
-        kernel_regularizer=tf.keras.regularizers.L2(1e-4))(emb_output)
+        units=1, activation="sigmoid", kernel_regularizer=tf.keras.regularizers.L2(1e-4)
+    )(emb_output)
     model = tf.keras.Model({"features": model_input}, dense_output)
     optimizer = tf.keras.optimizers.RMSprop(learning_rate=0.1)
     accuracy = tf.keras.metrics.Accuracy()
@@ -173,8 +184,10 @@ table = emb_layer.embeddings
 result["layer_weights"] = [list(w.shape) for w in emb_layer.weights]
 result["shards"] = [[list(s.shape), s.device] for s in tfdist.shards(table)]
 # What the partitioner itself asks for, for this variable's shape and dtype.
-result["partitions"] = [int(n) for n in variable_partitioner(
-    shape=tf.TensorShape(table.shape), dtype=tf.as_dtype(table.dtype))]
+result["partitions"] = [
+    int(n)
+    for n in variable_partitioner(shape=tf.TensorShape(table.shape), dtype=tf.as_dtype(table.dtype))
+]
 
 
 @tf.function
@@ -226,23 +239,33 @@ def loop():
     features, labels = preprocess({k: tf.constant(v) for k, v in examples.items()})
     pred = model(features, training=False)
     data_loss = tf.keras.losses.BinaryCrossentropy()(labels, pred)
-    data_accuracy = tf.reduce_mean(tf.cast(
-        tf.equal(tf.cast(tf.greater(pred, 0.5), tf.int64), labels), tf.float32))
-    result["loop"] = {"accuracy": accuracies, "final_loss": final_loss,
-                      "data_loss": float(data_loss), "data_accuracy": float(data_accuracy),
-                      "regularization": float(tf.add_n(model.losses)),
-                      "iterations": int(optimizer.iterations.numpy()),
-                      # RMSprop's slot of the table, built in a scheduled step.
-                      "slot_shards": [[list(s.shape) for s in tfdist.shards(v)]
-                                      for v in optimizer.variables
-                                      if tuple(v.shape) == tuple(table.shape)]}
+    data_accuracy = tf.reduce_mean(
+        tf.cast(tf.equal(tf.cast(tf.greater(pred, 0.5), tf.int64), labels), tf.float32)
+    )
+    result["loop"] = {
+        "accuracy": accuracies,
+        "final_loss": final_loss,
+        "data_loss": float(data_loss),
+        "data_accuracy": float(data_accuracy),
+        "regularization": float(tf.add_n(model.losses)),
+        "iterations": int(optimizer.iterations.numpy()),
+        # RMSprop's slot of the table, built in a scheduled step.
+        "slot_shards": [
+            [list(s.shape) for s in tfdist.shards(v)]
+            for v in optimizer.variables
+            if tuple(v.shape) == tuple(table.shape)
+        ],
+    }
 
 
 @section("inline_eval")
 def inline_eval():
     random.seed(1)
-    eval_dataset = tf.data.Dataset.from_tensor_slices(
-        feature_and_label_gen(num_examples=16)).batch(8).map(preprocess)
+    eval_dataset = (
+        tf.data.Dataset.from_tensor_slices(feature_and_label_gen(num_examples=16))
+        .batch(8)
+        .map(preprocess)
+    )
     eval_accuracy = tf.keras.metrics.Accuracy()
     for batch_data, labels in eval_dataset:
         pred = model(batch_data, training=False)
@@ -260,19 +283,27 @@ def distributed_eval():
         def replica_fn(batch_data, labels):
             pred = model(batch_data, training=False)
             eval_accuracy.update_state(labels, tf.cast(tf.greater(pred, 0.5), tf.int64))
+
         batch_data, labels = next(iterator)
         strategy.run(replica_fn, args=(batch_data, labels))
 
     def eval_dataset_fn():
-        return tf.data.Dataset.from_tensor_slices(
-            feature_and_label_gen(num_examples=16)).shuffle(16).repeat().batch(8).map(preprocess)
+        return (
+            tf.data.Dataset.from_tensor_slices(feature_and_label_gen(num_examples=16))
+            .shuffle(16)
+            .repeat()
+            .batch(8)
+            .map(preprocess)
+        )
 
     per_worker_eval_iterator = iter(coordinator.create_per_worker_dataset(eval_dataset_fn))
     for _ in range(2):
         coordinator.schedule(eval_step, args=(per_worker_eval_iterator,))
     coordinator.join()
-    result["distributed_eval"] = {"accuracy": float(eval_accuracy.result()),
-                                  "count": float(eval_accuracy.count.numpy())}
+    result["distributed_eval"] = {
+        "accuracy": float(eval_accuracy.result()),
+        "count": float(eval_accuracy.count.numpy()),
+    }
 
 
 print("tfdist result: " + json.dumps(result), flush=True)

@@ -29,8 +29,10 @@ rank = strategy.cluster_resolver.task_id
 def all_reduce():
     def body():
         ctx = tf.distribute.get_replica_context()
-        return ctx.all_reduce("SUM", tf.ones([64]) * tf.cast(ctx.replica_id_in_sync_group + 1,
-                                                             tf.float32))
+        return ctx.all_reduce(
+            "SUM", tf.ones([64]) * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+        )
+
     return strategy.run(body)
 
 
@@ -39,9 +41,14 @@ before = threads()
 for _ in range(150):
     total = float(all_reduce()[0])
 after = threads()
-result = {"rank": rank, "sum": total, "first": first, "threads_before": before,
-          "threads_after": after,
-          "timeout": strategy.watchdog.timeout if strategy.watchdog else None}
+result = {
+    "rank": rank,
+    "sum": total,
+    "first": first,
+    "threads_before": before,
+    "threads_after": after,
+    "timeout": strategy.watchdog.timeout if strategy.watchdog else None,
+}
 if rank == 1:
     print("tfdist result: " + json.dumps(result), flush=True)
     time.sleep(1.0)  # Let worker 0 enter its next all-reduce first.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from tfdist.cli.launch_commands import add_horovodrun, add_launch
 from tfdist.cli.spec_commands import add_hosts, add_tfjob, run_info, run_tf_config, run_validate
@@ -36,59 +36,74 @@ from tfdist.errors import TfdistError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tfdist",
-        description="Distributed training for TensorFlow and Keras 3.")
+        prog="tfdist", description="Distributed training for TensorFlow and Keras 3."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="which strategy would be chosen here, "
-                          "and why; devices, cluster and this task")
-    info.add_argument("--config", default=None,
-                      help="TF_CONFIG JSON or spec path (default: $TF_CONFIG)")
+    info = sub.add_parser(
+        "info", help="which strategy would be chosen here, and why; devices, cluster and this task"
+    )
+    info.add_argument(
+        "--config", default=None, help="TF_CONFIG JSON or spec path (default: $TF_CONFIG)"
+    )
     info.add_argument("--strategy", default="auto")
     info.add_argument("--cpu-replicas", type=int, default=None)
-    info.add_argument("--model-parallel", type=int, default=None,
-                      help="tensor-parallel group size T (tfdist.parallel)")
+    info.add_argument(
+        "--model-parallel",
+        type=int,
+        default=None,
+        help="tensor-parallel group size T (tfdist.parallel)",
+    )
     info.add_argument("--tpu", default=None)
-    info.add_argument("--verbose", "-v", action="store_true",
-                      help="also show TensorFlow's start-up messages (CUDA, "
-                      "oneDNN, CPU instructions), hidden by default")
+    info.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="also show TensorFlow's start-up messages (CUDA, "
+        "oneDNN, CPU instructions), hidden by default",
+    )
     # TensorFlow writes its start-up noise to fd 2 itself: main() filters it.
-    info.add_argument("--patches", action="store_true",
-                      help="list every change tfdist makes to Keras/TF (tfdist/compat/"
-                           "registry.py), with why and whether it fits the installed versions")
+    info.add_argument(
+        "--patches",
+        action="store_true",
+        help="list every change tfdist makes to Keras/TF (tfdist/compat/"
+        "registry.py), with why and whether it fits the installed versions",
+    )
     info.set_defaults(func=run_info, filter_stderr=True)
 
-    validate = sub.add_parser("validate", help="check a TF_CONFIG or spec "
-                              "file ('-' reads stdin)")
+    validate = sub.add_parser("validate", help="check a TF_CONFIG or spec file ('-' reads stdin)")
     validate.add_argument("file")
-    validate.add_argument("--strategy", default=None,
-                          help="also check the rules of this strategy")
-    validate.add_argument("--require-task", action="store_true",
-                          help="the file is one process's TF_CONFIG and must "
-                          "name its task")
+    validate.add_argument("--strategy", default=None, help="also check the rules of this strategy")
+    validate.add_argument(
+        "--require-task",
+        action="store_true",
+        help="the file is one process's TF_CONFIG and must name its task",
+    )
     validate.set_defaults(func=run_validate)
 
-    tf_config = sub.add_parser("tf-config", help="print the TF_CONFIG of one "
-                               "task of a spec")
-    tf_config.add_argument("spec", help="spec path or name in cluster_specs/, "
-                           "or '-' for stdin")
-    tf_config.add_argument("--task", required=True,
-                           help="TYPE:INDEX, e.g. worker:1")
-    tf_config.add_argument("--export", action="store_true",
-                           help="print a shell 'export TF_CONFIG=...' line")
+    tf_config = sub.add_parser("tf-config", help="print the TF_CONFIG of one task of a spec")
+    tf_config.add_argument("spec", help="spec path or name in cluster_specs/, or '-' for stdin")
+    tf_config.add_argument("--task", required=True, help="TYPE:INDEX, e.g. worker:1")
+    tf_config.add_argument(
+        "--export", action="store_true", help="print a shell 'export TF_CONFIG=...' line"
+    )
     tf_config.set_defaults(func=run_tf_config)
     add_launch(sub)
     add_horovodrun(sub)
     add_hosts(sub)
     add_tfjob(sub)
-    profile = sub.add_parser("profile", help="plot where each worker's step time went",
-                             description="Reads LOGDIR/steps.jsonl, written by "
-                             "tfdist.StepProfile(log_dir=LOGDIR), prints the mean "
-                             "milliseconds per step of each phase for every worker and "
-                             "draws them to a PNG (needs matplotlib).")
+    profile = sub.add_parser(
+        "profile",
+        help="plot where each worker's step time went",
+        description="Reads LOGDIR/steps.jsonl, written by "
+        "tfdist.StepProfile(log_dir=LOGDIR), prints the mean "
+        "milliseconds per step of each phase for every worker and "
+        "draws them to a PNG (needs matplotlib).",
+    )
     profile.add_argument("logdir", help="the StepProfile log_dir")
-    profile.add_argument("--output", default=None,
-                         help="the PNG to write (default: LOGDIR/profile.png)")
+    profile.add_argument(
+        "--output", default=None, help="the PNG to write (default: LOGDIR/profile.png)"
+    )
     profile.set_defaults(func=_profile)
     return parser
 

@@ -22,14 +22,44 @@ feature is installed. Importing it imports no TensorFlow.
 
 from __future__ import annotations
 
-from tfdist.compat.patching import (FeatureDisabledWarning, Patch, PatchError, active,
-                                    apply_to, check, disabled, install, is_installed,
-                                    pristine, require, uninstall)
-from tfdist.compat.versions import (SUPPORTED, TESTED_PAIRS, UnsupportedVersionError,
-                                    check_supported, installed)
+from tfdist.compat.patching import (
+    FeatureDisabledWarning,
+    Patch,
+    PatchError,
+    active,
+    apply_to,
+    check,
+    disabled,
+    install,
+    is_installed,
+    pristine,
+    require,
+    uninstall,
+)
+from tfdist.compat.versions import (
+    SUPPORTED,
+    TESTED_PAIRS,
+    UnsupportedVersionError,
+    check_supported,
+    installed,
+)
 
 __all__ = [
-    "FeatureDisabledWarning", "Patch", "PatchError", "active", "apply_to", "check",
-    "disabled", "install", "is_installed", "pristine", "require", "uninstall",
-    "SUPPORTED", "TESTED_PAIRS", "UnsupportedVersionError", "check_supported", "installed",
+    "FeatureDisabledWarning",
+    "Patch",
+    "PatchError",
+    "active",
+    "apply_to",
+    "check",
+    "disabled",
+    "install",
+    "is_installed",
+    "pristine",
+    "require",
+    "uninstall",
+    "SUPPORTED",
+    "TESTED_PAIRS",
+    "UnsupportedVersionError",
+    "check_supported",
+    "installed",
 ]

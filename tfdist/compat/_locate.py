@@ -12,11 +12,13 @@ first looked up, so importing a table module never loads TensorFlow.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from tfdist.errors import TfdistError
 
 __all__ = ["InternalNotFound", "Table", "installed_versions"]
+
 
 class InternalNotFound(TfdistError, ImportError):
     """A Keras/TF internal tfdist needs exists at none of its known locations.
@@ -32,8 +34,7 @@ class InternalNotFound(TfdistError, ImportError):
         tried: Each candidate location with why it failed.
     """
 
-    def __init__(self, message: str, *, tfdist_name: str = "",
-                 tried: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, *, tfdist_name: str = "", tried: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.tfdist_name = tfdist_name
         self.tried = tried
@@ -42,9 +43,12 @@ class InternalNotFound(TfdistError, ImportError):
 def installed_versions() -> str:
     """``"Keras 3.15.1, TensorFlow 2.21.0"``, without importing either."""
     from tfdist.compat.versions import installed
+
     found = installed()
-    return ", ".join(f"{label} {found[name] or 'not installed'}"
-                     for label, name in (("Keras", "keras"), ("TensorFlow", "tensorflow")))
+    return ", ".join(
+        f"{label} {found[name] or 'not installed'}"
+        for label, name in (("Keras", "keras"), ("TensorFlow", "tensorflow"))
+    )
 
 
 def load(location: str) -> Any:
@@ -109,7 +113,9 @@ class Table:
             f"locations with {installed_versions()}. Tried: {'; '.join(tried)}. "
             f"tfdist does not support this version yet: add its location to "
             f"{self.module.replace('.', '/')}.py.",
-            tfdist_name=name, tried=tuple(tried))
+            tfdist_name=name,
+            tried=tuple(tried),
+        )
 
     def dir(self, namespace: Iterable[str]) -> list[str]:
         """The module's own names plus every table name, for ``dir()``."""

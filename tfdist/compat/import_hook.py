@@ -29,9 +29,12 @@ def _run(target: str, module: ModuleType) -> None:
     try:
         getattr(importlib.import_module(path), name)(module)
     except Exception as error:  # noqa: BLE001 - the user's import must go on
-        warnings.warn(f"tfdist: {target} failed after {module.__name__} was imported, "
-                      f"so what it adds is off: {type(error).__name__}: {error}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"tfdist: {target} failed after {module.__name__} was imported, "
+            f"so what it adds is off: {type(error).__name__}: {error}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -75,8 +78,10 @@ def after_import(module: str, target: str) -> None:
     A failure is a warning, never an error in the user's import.
     """
     loaded = sys.modules.get(module)
-    if loaded is not None and getattr(getattr(loaded, "__spec__", None), "_initializing",
-                                      False) is False:
+    if (
+        loaded is not None
+        and getattr(getattr(loaded, "__spec__", None), "_initializing", False) is False
+    ):
         _run(target, loaded)
         return
     with _lock:

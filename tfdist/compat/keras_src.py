@@ -38,8 +38,10 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # The TF backend's core module: its Variable is patched (loops, ps_patches,
     # parallel.saving). Keras <= 3.15: backend/tensorflow/core.py; Keras 3.16
     # (the pluggable-backend refactor) moved it to backend/tensorflow/ops/core.py.
-    "tf_core_module": ("keras.src.backend.tensorflow.core",
-                       "keras.src.backend.tensorflow.ops.core"),
+    "tf_core_module": (
+        "keras.src.backend.tensorflow.core",
+        "keras.src.backend.tensorflow.ops.core",
+    ),
     # The TF trainer module: steps swaps its module-global ``tf`` to inline
     # the step; profiling wraps TensorFlowTrainer through it.
     "tf_trainer_module": ("keras.src.backend.tensorflow.trainer",),
@@ -73,13 +75,14 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "legacy_backend": ("keras.src.legacy.backend",),
     # tf.keras.backend as TF >= 2.16 exports it, patched with legacy_backend.
     "tf_keras_backend": ("keras._tf_keras.keras.backend",),
-
     # --- classes ---------------------------------------------------------------
     # The TF backend Variable class: loops wraps _initialize; ps_patches
     # patches assign_add/numpy/...; parallel.saving its checkpoint hooks.
     # Same move as tf_core_module (Keras 3.16: ops/core.py).
-    "KerasVariable": ("keras.src.backend.tensorflow.core:Variable",
-                      "keras.src.backend.tensorflow.ops.core:Variable"),
+    "KerasVariable": (
+        "keras.src.backend.tensorflow.core:Variable",
+        "keras.src.backend.tensorflow.ops.core:Variable",
+    ),
     # The TF optimizer base: gradient all-reduce is wrapped (compression,
     # parallel.grads), accumulation reads its methods, ps_patches its update.
     "TFOptimizer": ("keras.src.backend.tensorflow.optimizer:TFOptimizer",),
@@ -88,25 +91,31 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # fit/evaluate/predict/_make_function, wrapped by training and profiling
     # (_make_function exists from Keras 3.7 on). keras-nightly 3.16 renamed
     # the class to Trainer in the same module.
-    "TensorFlowTrainer": ("keras.src.backend.tensorflow.trainer:TensorFlowTrainer",
-                          "keras.src.backend.tensorflow.trainer:Trainer"),
+    "TensorFlowTrainer": (
+        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer",
+        "keras.src.backend.tensorflow.trainer:Trainer",
+    ),
     # The backend-independent trainer (compile), wrapped by horovod.optimizer
     # and distribution.guard. keras-nightly 3.16 renamed it BaseTrainer.
-    "Trainer": ("keras.src.trainers.trainer:Trainer",
-                "keras.src.trainers.trainer:BaseTrainer"),
+    "Trainer": ("keras.src.trainers.trainer:Trainer", "keras.src.trainers.trainer:BaseTrainer"),
     # check_finite is wrapped so every replica agrees on a skipped step. The
     # public name is the same class.
-    "LossScaleOptimizer": ("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer",
-                           "keras:optimizers.LossScaleOptimizer"),
+    "LossScaleOptimizer": (
+        "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer",
+        "keras:optimizers.LossScaleOptimizer",
+    ),
     # get_weights/set_weights of sharded layers (parallel.saving).
     "Layer": ("keras.src.layers.layer:Layer", "keras:Layer"),
     # Preemption-aware fit and chief-only saving wrap its methods.
-    "BackupAndRestore": ("keras.src.callbacks.backup_and_restore:BackupAndRestore",
-                         "keras:callbacks.BackupAndRestore"),
+    "BackupAndRestore": (
+        "keras.src.callbacks.backup_and_restore:BackupAndRestore",
+        "keras:callbacks.BackupAndRestore",
+    ),
     # Chief-only saving wraps _save_model.
-    "ModelCheckpoint": ("keras.src.callbacks.model_checkpoint:ModelCheckpoint",
-                        "keras:callbacks.ModelCheckpoint"),
-
+    "ModelCheckpoint": (
+        "keras.src.callbacks.model_checkpoint:ModelCheckpoint",
+        "keras:callbacks.ModelCheckpoint",
+    ),
     # --- functions -------------------------------------------------------------
     # Keras's global state: whether a layer's call is running (current_call_ctx),
     # where a keras.distribution layout's weight is gathered whole.
@@ -126,9 +135,9 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # MultiHeadAttention's einsum helpers, so the sharded MHA builds the same
     # projections as Keras's.
     "mha_build_proj_equation": (
-        "keras.src.layers.attention.multi_head_attention:_build_proj_equation",),
-    "mha_output_shape": (
-        "keras.src.layers.attention.multi_head_attention:_get_output_shape",),
+        "keras.src.layers.attention.multi_head_attention:_build_proj_equation",
+    ),
+    "mha_output_shape": ("keras.src.layers.attention.multi_head_attention:_get_output_shape",),
     # EinsumDense's equation parser (sharded EinsumDense shapes).
     "analyze_einsum_string": ("keras.src.layers.core.einsum_dense:_analyze_einsum_string",),
 }

@@ -38,9 +38,21 @@ from typing import Any
 from tfdist.compat import versions as versions_lib
 from tfdist.errors import ConfigError, TfdistError
 
-__all__ = ["Patch", "PatchError", "FeatureDisabledWarning", "install", "uninstall",
-           "apply_to", "active", "disabled", "require", "check", "resolve_target",
-           "is_installed", "pristine"]
+__all__ = [
+    "Patch",
+    "PatchError",
+    "FeatureDisabledWarning",
+    "install",
+    "uninstall",
+    "apply_to",
+    "active",
+    "disabled",
+    "require",
+    "check",
+    "resolve_target",
+    "is_installed",
+    "pristine",
+]
 
 log = logging.getLogger("tfdist.compat")
 
@@ -99,7 +111,7 @@ class Patch:
         for clause in self.needed.split(","):
             clause = clause.strip()
             package = next(p for p in ("tensorflow", "keras") if clause.startswith(p))
-            by_package.setdefault(package, []).append(clause[len(package):])
+            by_package.setdefault(package, []).append(clause[len(package) :])
         for package, clauses in by_package.items():
             have = versions.get(package)
             if have is not None and not versions_lib.satisfies(have, ",".join(clauses)):
@@ -135,6 +147,7 @@ _disabled: dict[str, str] = {}  # Feature -> why it is off.
 
 def _registry() -> tuple[tuple[Patch, ...], dict[str, dict[str, Any]]]:
     from tfdist.compat import registry
+
     return registry.PATCHES, registry.FEATURES
 
 
@@ -157,8 +170,9 @@ def resolve_target(patch: Patch) -> tuple[Any, str]:
         for part in patch.path[:-1]:
             owner = getattr(owner, part)
     except (ImportError, AttributeError) as error:
-        raise PatchError(f"{patch.name}: target {patch.target} does not exist in "
-                         f"{_versions_text()} ({error})") from None
+        raise PatchError(
+            f"{patch.name}: target {patch.target} does not exist in {_versions_text()} ({error})"
+        ) from None
     return owner, patch.path[-1]
 
 
@@ -210,11 +224,17 @@ def _problem(patch: Patch, owner: Any, attribute: str) -> str | None:
     if patch.kind == "value":
         return None
     if patch.kind == "property":
-        return None if isinstance(value, property) else (
-            f"{where} is a {type(value).__name__}, expected a property")
+        return (
+            None
+            if isinstance(value, property)
+            else (f"{where} is a {type(value).__name__}, expected a property")
+        )
     if patch.kind == "module":
-        return None if inspect.ismodule(value) else (
-            f"{where} is a {type(value).__name__}, expected a module")
+        return (
+            None
+            if inspect.ismodule(value)
+            else (f"{where} is a {type(value).__name__}, expected a module")
+        )
     if patch.kind == "function":
         function = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
         if not callable(function):
@@ -225,9 +245,12 @@ def _problem(patch: Patch, owner: Any, attribute: str) -> str | None:
             except (TypeError, ValueError):
                 return f"{where} has no signature to check"
             if len(found) < len(patch.params) or any(
-                    want not in ("*", have) for want, have in zip(patch.params, found)):
-                return (f"{where} takes ({', '.join(found)}); tfdist's wrapper "
-                        f"expects ({', '.join(patch.params)}, ...)")
+                want not in ("*", have) for want, have in zip(patch.params, found)
+            ):
+                return (
+                    f"{where} takes ({', '.join(found)}); tfdist's wrapper "
+                    f"expects ({', '.join(patch.params)}, ...)"
+                )
     return None
 
 
@@ -271,8 +294,11 @@ def _rebuild(slot: _Slot) -> None:
     current, _ = _raw(slot.owner, slot.attribute) if _has(slot) else (MISSING, False)
     if slot.installed is not None and current is not slot.installed:
         # Someone else replaced our value since: wrap theirs, and say so.
-        log.warning("tfdist.compat: %s.%s was replaced outside tfdist; wrapping the "
-                    "new value", getattr(slot.owner, "__name__", slot.owner), slot.attribute)
+        log.warning(
+            "tfdist.compat: %s.%s was replaced outside tfdist; wrapping the new value",
+            getattr(slot.owner, "__name__", slot.owner),
+            slot.attribute,
+        )
         slot.pristine = current
     if not slot.patches:
         if slot.own and slot.pristine is not MISSING:
@@ -355,14 +381,16 @@ def install(feature: str) -> bool:
             targets.append((patch, owner, attribute))
         if problems:
             description = features[feature]["description"]
-            message = (f"tfdist cannot install {description} ({feature}): "
-                       + "; ".join(problems))
+            message = f"tfdist cannot install {description} ({feature}): " + "; ".join(problems)
             if features[feature].get("required", True):
-                raise PatchError(message + ". Use a supported pair (tfdist info lists "
-                                 "them), or report the Keras/TF version at tfdist's tracker")
+                raise PatchError(
+                    message + ". Use a supported pair (tfdist info lists "
+                    "them), or report the Keras/TF version at tfdist's tracker"
+                )
             _disabled[feature] = message
-            warnings.warn(message + f". {description} is switched off.",
-                          FeatureDisabledWarning, stacklevel=2)
+            warnings.warn(
+                message + f". {description} is switched off.", FeatureDisabledWarning, stacklevel=2
+            )
             return False
         for patch, owner, attribute in targets:
             _add(patch, owner, attribute)
@@ -407,6 +435,7 @@ def uninstall(feature: str | None = None) -> None:
 
 
 def is_installed(feature: str) -> bool:
+    """Whether the patches of ``feature`` (a registry feature name) are installed."""
     return feature in _features
 
 
@@ -432,10 +461,14 @@ def require(feature: str, what: str | None = None) -> None:
     """
     if feature in _disabled:
         _, features = _registry()
-        raise ConfigError(what or feature, feature,
-                          f"{features[feature]['description']} to be available",
-                          source="tfdist", received="switched off",
-                          hint=_disabled[feature])
+        raise ConfigError(
+            what or feature,
+            feature,
+            f"{features[feature]['description']} to be available",
+            source="tfdist",
+            received="switched off",
+            hint=_disabled[feature],
+        )
 
 
 def pristine(owner: Any, attribute: str) -> Any:

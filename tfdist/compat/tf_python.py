@@ -39,7 +39,6 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "eager_context": ("tensorflow.python.eager.context",),
     # GradientTape's defining module: ps_patches wraps GradientTape.gradient.
     "backprop": ("tensorflow.python.eager.backprop",),
-
     # --- tensorflow.python.distribute ----------------------------------------
     # is_chief, id_in_cluster, coordination_leader, collective_leader.
     "multi_worker_util": ("tensorflow.python.distribute.multi_worker_util",),
@@ -54,10 +53,10 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "ShardedVariable": ("tensorflow.python.distribute.sharded_variable:ShardedVariable",),
     # tfdist's SlurmClusterResolver subclasses TF's.
     "slurm_cluster_resolver": (
-        "tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver",),
+        "tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver",
+    ),
     # PreemptionCheckpointHandler, patched by training.tf_handler.
     "failure_handling": ("tensorflow.python.distribute.failure_handling.failure_handling",),
-
     # --- tensorflow.python.ops / framework / data / trackable / training -------
     # ResourceVariable without tf.Variable's distribution hooks (counters,
     # collective buffers), and BaseResourceVariable for isinstance checks.
@@ -80,9 +79,10 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # Trackable: the resumable iterator saves its position in checkpoints.
     "trackable_base": ("tensorflow.python.trackable.base",),
     # TF's ClusterSpec class (Slurm, Horovod); the public name is the same class.
-    "ClusterSpec": ("tensorflow.python.training.server_lib:ClusterSpec",
-                    "tensorflow:train.ClusterSpec"),
-
+    "ClusterSpec": (
+        "tensorflow.python.training.server_lib:ClusterSpec",
+        "tensorflow:train.ClusterSpec",
+    ),
     # --- protobufs --------------------------------------------------------------
     # GraphDef, to inspect and rebuild a dataset's graph (data, late_start).
     "graph_pb2": ("tensorflow.core.framework.graph_pb2",),
@@ -91,8 +91,10 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # CoordinationServiceConfig for multi-worker. TF 2.19-2.21: under XLA's
     # tsl; TF 2.16-2.18: tensorflow/tsl (2.18 already has the XLA package,
     # without this module).
-    "coordination_config_pb2": ("tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2",
-                                "tensorflow.tsl.protobuf.coordination_config_pb2"),
+    "coordination_config_pb2": (
+        "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2",
+        "tensorflow.tsl.protobuf.coordination_config_pb2",
+    ),
 }
 
 _table = Table(__name__, LOCATIONS)

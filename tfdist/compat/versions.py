@@ -22,12 +22,21 @@ from typing import NamedTuple
 from tfdist.errors import ConfigError, TfdistError
 
 __all__ = [
-    "SUPPORTED", "TESTED_PAIRS", "FEATURE_MINIMUMS", "Version", "UnsupportedVersionError",
-    "check_supported", "installed", "parse", "require", "satisfies", "SKIP_ENV",
+    "SUPPORTED",
+    "TESTED_PAIRS",
+    "FEATURE_MINIMUMS",
+    "Version",
+    "UnsupportedVersionError",
+    "check_supported",
+    "installed",
+    "parse",
+    "require",
+    "satisfies",
+    "SKIP_ENV",
 ]
 
 #: Supported ranges, ``[minimum, first unsupported)``: what CI tests. Both
-#: floors are measured (README "Supported versions"):
+#: floors are measured (docs/versions.md):
 #:
 #: * TensorFlow 2.19: before it the coordination service has no
 #:   ``cluster_register_with_barrier``, and a multi-worker task whose peer
@@ -56,7 +65,7 @@ TESTED_PAIRS: tuple[tuple[str, str], ...] = (
 #: ``strategy_from_config`` checks the strategy's name (``"mirrored"``,
 #: ``"parameter_server"``, ...), ``"compression"`` and ``"model_parallel"``
 #: before it builds anything (:func:`require`). Empty: on every supported
-#: pair every feature works (measured, README "Supported versions").
+#: pair every feature works (measured, docs/versions.md).
 FEATURE_MINIMUMS: dict[str, dict[str, str]] = {}
 
 #: Set to 1 to turn the import-time version error into a warning (trying a
@@ -64,8 +73,15 @@ FEATURE_MINIMUMS: dict[str, dict[str, str]] = {}
 SKIP_ENV = "TFDIST_SKIP_VERSION_CHECK"
 
 #: Distributions that provide the ``tensorflow`` module, most common first.
-_TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tf-nightly", "tf-nightly-cpu",
-                     "tensorflow-macos", "tensorflow-intel", "tensorflow-aarch64")
+_TF_DISTRIBUTIONS = (
+    "tensorflow",
+    "tensorflow-cpu",
+    "tf-nightly",
+    "tf-nightly-cpu",
+    "tensorflow-macos",
+    "tensorflow-intel",
+    "tensorflow-aarch64",
+)
 _KERAS_DISTRIBUTIONS = ("keras", "keras-nightly")
 
 
@@ -111,8 +127,14 @@ def satisfies(version: str, clauses: str) -> bool:
         if not match:
             raise ValueError(f"Expected clauses like '>=3.8,<3.16'. Received: {clauses!r}")
         op, want = match[1], parse(match[2])
-        ok = {">=": have >= want, ">": have > want, "<=": have <= want, "<": have < want,
-              "==": have == want, "!=": have != want}[op]
+        ok = {
+            ">=": have >= want,
+            ">": have > want,
+            "<=": have <= want,
+            "<": have < want,
+            "==": have == want,
+            "!=": have != want,
+        }[op]
         if not ok:
             return False
     return True
@@ -156,13 +178,19 @@ def installed() -> dict[str, str | None]:
 
     found: dict[str, str | None] = {}
     tf = sys.modules.get("tensorflow")
-    found["tensorflow"] = (getattr(tf, "__version__", None)
-                           or (_distribution_version(_TF_DISTRIBUTIONS)
-                               if importlib.util.find_spec("tensorflow") else None))
+    found["tensorflow"] = getattr(tf, "__version__", None) or (
+        _distribution_version(_TF_DISTRIBUTIONS) if importlib.util.find_spec("tensorflow") else None
+    )
     keras = sys.modules.get("keras")
-    found["keras"] = (getattr(keras, "__version__", None) or _keras_version_from_files()
-                      or (_distribution_version(_KERAS_DISTRIBUTIONS)
-                          if importlib.util.find_spec("keras") else None))
+    found["keras"] = (
+        getattr(keras, "__version__", None)
+        or _keras_version_from_files()
+        or (
+            _distribution_version(_KERAS_DISTRIBUTIONS)
+            if importlib.util.find_spec("keras")
+            else None
+        )
+    )
     return found
 
 
@@ -196,10 +224,12 @@ def check_supported(versions: dict[str, str | None] | None = None) -> None:
     if not problems:
         return
     pairs = ", ".join(f"TF {tf} + Keras {k}" for tf, k in TESTED_PAIRS)
-    message = (f"tfdist {_tfdist_version()} does not support the installed "
-               f"{' and '.join(problems)}. Tested pairs: {pairs}. Install a supported pair, "
-               f"e.g. pip install 'tensorflow=={TESTED_PAIRS[-1][0]}' "
-               f"'keras=={TESTED_PAIRS[-1][1]}', or set {SKIP_ENV}=1 to try anyway.")
+    message = (
+        f"tfdist {_tfdist_version()} does not support the installed "
+        f"{' and '.join(problems)}. Tested pairs: {pairs}. Install a supported pair, "
+        f"e.g. pip install 'tensorflow=={TESTED_PAIRS[-1][0]}' "
+        f"'keras=={TESTED_PAIRS[-1][1]}', or set {SKIP_ENV}=1 to try anyway."
+    )
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         return
@@ -224,7 +254,11 @@ def require(feature: str, versions: dict[str, str | None] | None = None) -> None
     for package, minimum in FEATURE_MINIMUMS.get(feature, {}).items():
         have = versions.get(package)
         if have is not None and not satisfies(have, f">={minimum}"):
-            raise ConfigError(feature, f"{package} {have}", f"{package}>={minimum}",
-                              source="tfdist", received=f"{package} {have}",
-                              hint=f"Upgrade {package}, or leave {feature} off on "
-                                   "this version")
+            raise ConfigError(
+                feature,
+                f"{package} {have}",
+                f"{package}>={minimum}",
+                source="tfdist",
+                received=f"{package} {have}",
+                hint=f"Upgrade {package}, or leave {feature} off on this version",
+            )

@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from tfdist.compression.base import Compressor
 from tfdist.compression.memory import ErrorFeedback
 from tfdist.compression.sparse import add_sparse, slices_nbytes, split_sparse
-from tfdist.compression.traffic import (GATHER_DTYPES, Traffic, dtype_name, nbytes,
-                                        wire_nbytes)
+from tfdist.compression.traffic import GATHER_DTYPES, Traffic, dtype_name, nbytes, wire_nbytes
 from tfdist.errors import ConfigError
 
-__all__ = ["StateSpec", "Item", "Comm", "LocalComm", "ReplicaComm", "Aggregator",
-           "CompressorAggregator"]
+__all__ = [
+    "StateSpec",
+    "Item",
+    "Comm",
+    "LocalComm",
+    "ReplicaComm",
+    "Aggregator",
+    "CompressorAggregator",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +85,12 @@ def is_compressible(grad: Any) -> bool:
     layers) are all-gathered, with 16-bit values under a cast (see
     :mod:`tfdist.compression.sparse`).
     """
-    return (isinstance(grad, tf.Tensor) and grad.dtype.is_floating
-            and grad.shape.is_fully_defined() and grad.shape.num_elements() > 0)
+    return (
+        isinstance(grad, tf.Tensor)
+        and grad.dtype.is_floating
+        and grad.shape.is_fully_defined()
+        and grad.shape.num_elements() > 0
+    )
 
 
 class Comm:
@@ -107,8 +118,14 @@ class Comm:
         tensors = list(tensors)
         for t in tensors:
             if isinstance(t, tf.IndexedSlices):
-                self.sliced.append((tuple(t.values.shape.as_list()[1:]), t.values.dtype.name,
-                                    t.indices.dtype.name, tf.shape(t.indices)[0]))
+                self.sliced.append(
+                    (
+                        tuple(t.values.shape.as_list()[1:]),
+                        t.values.dtype.name,
+                        t.indices.dtype.name,
+                        tf.shape(t.indices)[0],
+                    )
+                )
             elif isinstance(t, tf.Tensor):
                 self.reduced.append(_spec(t))
         return self._all_reduce(tensors) if tensors else []
@@ -119,16 +136,16 @@ class Comm:
         self.gathered.extend(_spec(t) for t in tensors)
         return self._all_gather(tensors) if tensors else []
 
-    def cond(self, pred: tf.Tensor, true_fn: Callable, false_fn: Callable,
-             args: tuple) -> Any:
+    def cond(self, pred: tf.Tensor, true_fn: Callable, false_fn: Callable, args: tuple) -> Any:
         """``tf.cond`` whose branches may use the collectives.
 
         ``pred`` must be the same on every replica.
         """
         return tf.cond(pred, lambda: true_fn(*args), lambda: false_fn(*args))
 
-    def traffic(self, dense: int, dense_gather: int = 0,
-                rows: Sequence[int] | None = None) -> Traffic:
+    def traffic(
+        self, dense: int, dense_gather: int = 0, rows: Sequence[int] | None = None
+    ) -> Traffic:
         """The recorded payloads as a :class:`Traffic`.
 
         Args:
@@ -140,22 +157,36 @@ class Comm:
         """
         if rows is None:
             rows = []
-            for shape, _, _, count in self.sliced:
+            for _shape, _, _, count in self.sliced:
                 value = tf.get_static_value(count)
                 if value is None:
-                    raise ConfigError("rows", None, "the rows each IndexedSlices sent (the "
-                                      "largest over replicas): inside a tf.function they are "
-                                      "dynamic", source="Comm.traffic")
+                    raise ConfigError(
+                        "rows",
+                        None,
+                        "the rows each IndexedSlices sent (the "
+                        "largest over replicas): inside a tf.function they are "
+                        "dynamic",
+                        source="Comm.traffic",
+                    )
                 rows.append(int(value))
         if len(rows) != len(self.sliced):
-            raise ConfigError("rows", rows, f"{len(self.sliced)} counts, one per IndexedSlices "
-                              "sent", source="Comm.traffic")
-        sparse = sum(slices_nbytes(int(r), math.prod(shape), values, indices)
-                     for (shape, values, indices, _), r in zip(self.sliced, rows))
+            raise ConfigError(
+                "rows",
+                rows,
+                f"{len(self.sliced)} counts, one per IndexedSlices sent",
+                source="Comm.traffic",
+            )
+        sparse = sum(
+            slices_nbytes(int(r), math.prod(shape), values, indices)
+            for (shape, values, indices, _), r in zip(self.sliced, rows)
+        )
         return Traffic(
-            self.num_replicas, dense=dense, dense_gather=dense_gather,
+            self.num_replicas,
+            dense=dense,
+            dense_gather=dense_gather,
             all_reduce=sum(nbytes(s, d) for s, d in self.reduced),
-            all_gather=sum(wire_nbytes(s, d) for s, d in self.gathered) + sparse)
+            all_gather=sum(wire_nbytes(s, d) for s, d in self.gathered) + sparse,
+        )
 
     def _all_reduce(self, tensors):
         raise NotImplementedError
@@ -239,7 +270,7 @@ class ReplicaComm(Comm):
             offset = 0
             for i in members:
                 size = int(words[i].shape[0])
-                out[i] = _from_words(rows[:, offset:offset + size], tensors[i])
+                out[i] = _from_words(rows[:, offset : offset + size], tensors[i])
                 offset += size
         return out
 
@@ -270,8 +301,7 @@ def _slices_to_wire(t: Any) -> Any:
 def _slices_from_wire(out: Any, like: Any) -> Any:
     """Inverse of :func:`_slices_to_wire`."""
     if isinstance(like, tf.IndexedSlices) and like.values.dtype == tf.bfloat16:
-        return tf.IndexedSlices(tf.bitcast(out.values, tf.bfloat16), out.indices,
-                                out.dense_shape)
+        return tf.IndexedSlices(tf.bitcast(out.values, tf.bfloat16), out.indices, out.dense_shape)
     return out
 
 
@@ -313,7 +343,7 @@ def _from_words(rows: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
         return tf.reshape(tf.bitcast(pairs, like.dtype), shape)
     size = like.dtype.size
     raw = tf.reshape(tf.bitcast(rows, tf.uint8), [n, -1])
-    raw = raw[:, :like.shape.num_elements() * size]
+    raw = raw[:, : like.shape.num_elements() * size]
     if size > 1:
         raw = tf.reshape(raw, [n, -1, size])
     return tf.reshape(tf.bitcast(raw, like.dtype), shape)
@@ -345,8 +375,9 @@ class Aggregator:
         """
         raise NotImplementedError
 
-    def traffic(self, shapes: list[tuple[tuple[int, ...], str]], num_replicas: int,
-                step: int | None = None) -> Traffic:
+    def traffic(
+        self, shapes: list[tuple[tuple[int, ...], str]], num_replicas: int, step: int | None = None
+    ) -> Traffic:
         """Bytes per replica per step for gradients of these shapes/dtypes."""
         raise NotImplementedError
 
@@ -389,8 +420,9 @@ class CompressorAggregator(Aggregator):
         self.name = compressor.name
 
     def __repr__(self) -> str:
-        return (f"CompressorAggregator({self.compressor!r}, "
-                f"error_feedback={self.memory is not None})")
+        return (
+            f"CompressorAggregator({self.compressor!r}, error_feedback={self.memory is not None})"
+        )
 
     def describe(self) -> str:
         return f"{self.compressor!r}, error_feedback={self.memory is not None}"
@@ -419,7 +451,8 @@ class CompressorAggregator(Aggregator):
             residual = item.state.get("residual") if self.memory is not None else None
             if residual is not None:
                 payload, ctx, new_residual = self.memory.compress(
-                    grad, tf.convert_to_tensor(residual), step=step, key=item.key)
+                    grad, tf.convert_to_tensor(residual), step=step, key=item.key
+                )
                 residual.assign(new_residual)
             else:
                 payload, ctx = comp.compress(grad, step=step, key=item.key)
@@ -435,11 +468,15 @@ class CompressorAggregator(Aggregator):
             elif payload is None:
                 out[i] = summed[at]
             elif comp.summable:
-                out[i] = comp.decompress(tuple(summed[at:at + len(payload)]), ctx)
+                out[i] = comp.decompress(tuple(summed[at : at + len(payload)]), ctx)
             else:
-                rows = gathered[at:at + len(payload)]
-                out[i] = tf.add_n([comp.decompress(tuple(r[n] for r in rows), ctx)
-                                   for n in range(comm.num_replicas)])
+                rows = gathered[at : at + len(payload)]
+                out[i] = tf.add_n(
+                    [
+                        comp.decompress(tuple(r[n] for r in rows), ctx)
+                        for n in range(comm.num_replicas)
+                    ]
+                )
         return out
 
     @property
@@ -451,14 +488,16 @@ class CompressorAggregator(Aggregator):
     def _encode_slices(self, grad: tf.IndexedSlices) -> tf.IndexedSlices:
         if self.slice_dtype is None or not grad.values.dtype.is_floating:
             return grad
-        return tf.IndexedSlices(self.compressor.encode(grad.values), grad.indices,
-                                grad.dense_shape)
+        return tf.IndexedSlices(self.compressor.encode(grad.values), grad.indices, grad.dense_shape)
 
     def _decode_slices(self, summed: tf.IndexedSlices, grad: tf.IndexedSlices):
         if summed.values.dtype == grad.values.dtype:
             return summed
-        return tf.IndexedSlices(self.compressor.decode(summed.values, grad.values.dtype),
-                                summed.indices, summed.dense_shape)
+        return tf.IndexedSlices(
+            self.compressor.decode(summed.values, grad.values.dtype),
+            summed.indices,
+            summed.dense_shape,
+        )
 
     def traffic(self, shapes, num_replicas, step=None):
         t = Traffic(num_replicas)
@@ -480,8 +519,9 @@ class CompressorAggregator(Aggregator):
                 reduced.update(dtype_name(d) for _, d in spec)
             else:
                 t.all_gather += sum(wire_nbytes(s, d) for s, d in spec)
-                gathered.update("float16" if dtype_name(d) == "float16" else "int32"
-                                for _, d in spec)
+                gathered.update(
+                    "float16" if dtype_name(d) == "float16" else "int32" for _, d in spec
+                )
         t.collectives = len(reduced) + len(gathered)
         return add_sparse(t, sparse, self.slice_dtype)
 
@@ -499,8 +539,11 @@ def check_error_feedback(compressor: Compressor, error_feedback: bool | None) ->
     if not isinstance(error_feedback, bool):
         raise ConfigError("error_feedback", error_feedback, "True, False or None")
     if error_feedback and not compressor.lossy:
-        raise ConfigError("error_feedback", error_feedback,
-                          "False or None with a lossless compressor",
-                          received=f"error_feedback=True with {compressor!r}",
-                          hint="Error feedback only helps a compressor that loses information.")
+        raise ConfigError(
+            "error_feedback",
+            error_feedback,
+            "False or None with a lossless compressor",
+            received=f"error_feedback=True with {compressor!r}",
+            hint="Error feedback only helps a compressor that loses information.",
+        )
     return error_feedback

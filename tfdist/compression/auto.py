@@ -71,20 +71,44 @@ import dataclasses
 import logging
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from tfdist.compression.aggregate import Aggregator
-from tfdist.compression.auto_model import (CANDIDATES, COMPUTE_S_PER_ENTRY,  # noqa: F401
-                                           LARGE_PROBE, MIN_GAIN, REFERENCE_PASS_S_PER_ENTRY,
-                                           SMALL_PROBE, STEP_FACTOR, Decision, LinkEstimate,
-                                           kind_of, choose, label, predict_costs, warmup_dtype)
+from tfdist.compression.auto_model import (
+    CANDIDATES,
+    COMPUTE_S_PER_ENTRY,
+    LARGE_PROBE,
+    MIN_GAIN,
+    REFERENCE_PASS_S_PER_ENTRY,
+    SMALL_PROBE,
+    STEP_FACTOR,
+    Decision,
+    LinkEstimate,
+    choose,
+    kind_of,
+    label,
+    predict_costs,
+    warmup_dtype,
+)
 from tfdist.errors import ConfigError
 
-__all__ = ["AutoCompression", "LinkEstimate", "Decision", "CANDIDATES", "COMPUTE_S_PER_ENTRY",
-           "STEP_FACTOR", "MIN_GAIN", "choose", "predict_costs", "measure_link",
-           "reference_pass", "warmup_dtype"]
+__all__ = [
+    "AutoCompression",
+    "LinkEstimate",
+    "Decision",
+    "CANDIDATES",
+    "COMPUTE_S_PER_ENTRY",
+    "STEP_FACTOR",
+    "MIN_GAIN",
+    "choose",
+    "predict_costs",
+    "measure_link",
+    "reference_pass",
+    "warmup_dtype",
+]
 
 log = logging.getLogger("tfdist.compression")
 
@@ -107,8 +131,13 @@ def reference_pass(entries: int = 1 << 20, repeats: int = 5) -> float:
     return statistics.median(times) / entries
 
 
-def measure_link(strategy: tf.distribute.Strategy, *, large: int = LARGE_PROBE,
-                 small: int = SMALL_PROBE, repeats: int = 3) -> LinkEstimate:
+def measure_link(
+    strategy: tf.distribute.Strategy,
+    *,
+    large: int = LARGE_PROBE,
+    small: int = SMALL_PROBE,
+    repeats: int = 3,
+) -> LinkEstimate:
     """Times all-reduces between the strategy's replicas; the same on every worker.
 
     Must be called in cross-replica context, eagerly, with every worker
@@ -132,7 +161,8 @@ def measure_link(strategy: tf.distribute.Strategy, *, large: int = LARGE_PROBE,
             "tfdist: compression='auto' measures the link when the optimizer builds, which "
             "must happen eagerly in cross-replica context. Expected: model.fit(), or "
             "optimizer.build(model.trainable_variables) inside strategy.scope(). "
-            "Received: a build inside a tf.function or a replica context")
+            "Received: a build inside a tf.function or a replica context"
+        )
     n = strategy.num_replicas_in_sync
 
     def probe(entries: int):
@@ -140,9 +170,12 @@ def measure_link(strategy: tf.distribute.Strategy, *, large: int = LARGE_PROBE,
         def once():
             def replica_fn():
                 ctx = tf.distribute.get_replica_context()
-                return tf.reduce_sum(ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                                    tf.ones([entries], tf.float32)))
+                return tf.reduce_sum(
+                    ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.ones([entries], tf.float32))
+                )
+
             return strategy.run(replica_fn)
+
         return once
 
     def seconds(fn) -> float:
@@ -165,16 +198,22 @@ def measure_link(strategy: tf.distribute.Strategy, *, large: int = LARGE_PROBE,
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             return tf.reduce_max(ctx.all_gather(measured[None], axis=0), axis=0)
+
         return strategy.run(replica_fn)
 
     result = slowest(tf.constant([small_s, large_s, scale], tf.float64))
     small_s, large_s, scale = (
-        float(v) for v in strategy.experimental_local_results(result)[0].numpy())
+        float(v) for v in strategy.experimental_local_results(result)[0].numpy()
+    )
     sent = all_reduce_bytes(4 * large, n) - all_reduce_bytes(4 * small, n)
     # A link faster than the timer can tell is fast: cap at 1e12 bytes/s.
     bandwidth = sent / max(large_s - small_s, sent / 1e12)
-    return LinkEstimate(bandwidth=bandwidth, latency=small_s, num_replicas=n,
-                        compute_scale=min(max(scale, 0.1), 100.0))
+    return LinkEstimate(
+        bandwidth=bandwidth,
+        latency=small_s,
+        num_replicas=n,
+        compute_scale=min(max(scale, 0.1), 100.0),
+    )
 
 
 class AutoCompression(Aggregator):
@@ -195,10 +234,16 @@ class AutoCompression(Aggregator):
 
     name = "auto"
 
-    def __init__(self, candidates: Sequence[Any] = CANDIDATES, *,
-                 link: LinkEstimate | None = None, probe_entries: int = LARGE_PROBE,
-                 repeats: int = 3, compute_per_entry: dict[str, float] | None = None,
-                 step_factor: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        candidates: Sequence[Any] = CANDIDATES,
+        *,
+        link: LinkEstimate | None = None,
+        probe_entries: int = LARGE_PROBE,
+        repeats: int = 3,
+        compute_per_entry: dict[str, float] | None = None,
+        step_factor: dict[str, float] | None = None,
+    ) -> None:
         from tfdist.compression.base import check_int
         from tfdist.compression.factory import fixed_aggregator as make_aggregator
 
@@ -247,12 +292,19 @@ class AutoCompression(Aggregator):
         n = strategy.num_replicas_in_sync
         link = None
         if n > 1:
-            link = self.link if self.link is not None else measure_link(
-                strategy, large=self.probe_entries, repeats=self.repeats)
+            link = (
+                self.link
+                if self.link is not None
+                else measure_link(strategy, large=self.probe_entries, repeats=self.repeats)
+            )
             if link.num_replicas != n:
                 link = dataclasses.replace(link, num_replicas=n)
-        decision = choose(link, shapes, self.candidates,
-                          **{k: v for k, v in self.overrides.items() if v is not None})
+        decision = choose(
+            link,
+            shapes,
+            self.candidates,
+            **{k: v for k, v in self.overrides.items() if v is not None},
+        )
         self.decision = decision
         self.chosen = None if decision.choice == "none" else make_aggregator(decision.candidate)
         log.info("tfdist compression auto -> %s", decision)
@@ -263,7 +315,8 @@ class AutoCompression(Aggregator):
             raise RuntimeError(
                 "tfdist: compression='auto' has not chosen yet (it chooses when the optimizer "
                 "builds, inside strategy.scope()), or chose none. Expected: the model "
-                "compiled inside strategy.scope() before fit")
+                "compiled inside strategy.scope() before fit"
+            )
         return self.chosen
 
     def state_specs(self, shape, dtype, key):
@@ -275,6 +328,7 @@ class AutoCompression(Aggregator):
     def traffic(self, shapes, num_replicas, step=None):
         if self.passthrough:
             from tfdist.compression.factory import fixed_aggregator as make_aggregator
+
             return make_aggregator("none").traffic(shapes, num_replicas, step=step)
         return self._require().traffic(shapes, num_replicas, step=step)
 

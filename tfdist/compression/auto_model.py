@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tfdist.errors import ConfigError
 
@@ -33,8 +34,14 @@ CANDIDATES: tuple[str, ...] = ("none", "bf16", "powersgd:4")
 #: :data:`POWERSGD_S_PER_ENTRY_RANK` per unit of rank to its base. Random-k,
 #: sign and QSGD (not default candidates) are rough estimates.
 COMPUTE_S_PER_ENTRY: dict[str, float] = {
-    "none": 0.0, "bf16": 2.0e-9, "fp16": 2.0e-9, "topk": 2.6e-8, "randomk": 2.6e-8,
-    "sign": 1.5e-8, "qsgd": 2.0e-8, "powersgd": 1.75e-9,
+    "none": 0.0,
+    "bf16": 2.0e-9,
+    "fp16": 2.0e-9,
+    "topk": 2.6e-8,
+    "randomk": 2.6e-8,
+    "sign": 1.5e-8,
+    "qsgd": 2.0e-8,
+    "powersgd": 1.75e-9,
 }
 #: PowerSGD's extra compute per entry and per unit of rank (see above).
 POWERSGD_S_PER_ENTRY_RANK = 0.4e-9
@@ -52,8 +59,14 @@ REFERENCE_PASS_S_PER_ENTRY = 1.3e-9
 #: point of accuracy at equal epochs in ``benchmarks/compression.py`` and
 #: need some 10-20% more steps to catch up in ``benchmarks/slow_network.py``.
 STEP_FACTOR: dict[str, float] = {
-    "none": 1.0, "bf16": 1.0, "fp16": 1.0, "powersgd": 1.15, "topk": 1.15,
-    "randomk": 1.5, "sign": 1.3, "qsgd": 1.05,
+    "none": 1.0,
+    "bf16": 1.0,
+    "fp16": 1.0,
+    "powersgd": 1.15,
+    "topk": 1.15,
+    "randomk": 1.5,
+    "sign": 1.3,
+    "qsgd": 1.05,
 }
 
 #: A compressor is chosen only if its predicted cost is at most this fraction
@@ -86,15 +99,24 @@ class LinkEstimate:
     compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if (not self.bandwidth > 0 or not math.isfinite(self.latency) or self.latency < 0
-                or not 0 < self.compute_scale < math.inf):
-            raise ConfigError("link", self, "a bandwidth > 0 bytes/s, a latency >= 0 s and "
-                              "a finite compute_scale > 0")
+        if (
+            not self.bandwidth > 0
+            or not math.isfinite(self.latency)
+            or self.latency < 0
+            or not 0 < self.compute_scale < math.inf
+        ):
+            raise ConfigError(
+                "link",
+                self,
+                "a bandwidth > 0 bytes/s, a latency >= 0 s and a finite compute_scale > 0",
+            )
 
     def __str__(self) -> str:
-        return (f"{self.bandwidth * 8 / 1e6:,.1f} Mbit/s sent per replica, "
-                f"{self.latency * 1e3:.2f} ms per collective, {self.num_replicas} replicas, "
-                f"compute {self.compute_scale:.2g}x the calibration machine")
+        return (
+            f"{self.bandwidth * 8 / 1e6:,.1f} Mbit/s sent per replica, "
+            f"{self.latency * 1e3:.2f} ms per collective, {self.num_replicas} replicas, "
+            f"compute {self.compute_scale:.2g}x the calibration machine"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +143,10 @@ class Decision:
         """Why: the link measured and each candidate's predicted cost."""
         if self.link is None:
             return "one replica: nothing to send"
-        costs = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in
-                          sorted(self.costs.items(), key=lambda kv: kv[1]))
-        return (f"{self.entries:,} gradient entries over {self.link}; "
-                f"predicted per step: {costs}")
+        costs = ", ".join(
+            f"{k} {v * 1e3:,.1f} ms" for k, v in sorted(self.costs.items(), key=lambda kv: kv[1])
+        )
+        return f"{self.entries:,} gradient entries over {self.link}; predicted per step: {costs}"
 
     def __str__(self) -> str:
         return f"{self.choice} ({self.explain()})"
@@ -144,6 +166,7 @@ def label(candidate: Any) -> str:
 def kind_of(candidate: Any) -> str:
     """The compression kind of ``candidate`` (e.g. ``"powersgd"``)."""
     from tfdist.compression.setting import parse_compression
+
     return parse_compression(candidate).name
 
 
@@ -151,18 +174,19 @@ def _dense_entries(shapes) -> int:
     """Floating-point entries of the dense gradients: what compression
     computes on (sparse gradients pass through)."""
     from tfdist.compression.sparse import split_sparse
+
     dense, _ = split_sparse(shapes)
     return sum(math.prod(s) for s, d in dense if d.startswith(("float", "bfloat")))
 
 
-def compute_cost(candidate: Any, entries: int,
-                 per_entry: dict[str, float] | None = None) -> float:
+def compute_cost(candidate: Any, entries: int, per_entry: dict[str, float] | None = None) -> float:
     """Predicted compute seconds a candidate adds per step for ``entries`` gradient entries."""
     per_entry = COMPUTE_S_PER_ENTRY if per_entry is None else per_entry
     kind = kind_of(candidate)
     cost = per_entry.get(kind, max(per_entry.values()))
     if kind == "powersgd":
         from tfdist.compression.factory import fixed_aggregator as make_aggregator
+
         cost += POWERSGD_S_PER_ENTRY_RANK * make_aggregator(candidate).rank
     return cost * entries
 
@@ -235,6 +259,7 @@ def choose(
         best = "none"
     if kind_of(best) == "powersgd":
         from tfdist.compression.factory import fixed_aggregator as make_aggregator
+
         chosen = make_aggregator(best)
         if not chosen.warmup_dtype_given:
             chosen = copy.copy(chosen)  # The caller's object stays as it was.
@@ -243,8 +268,9 @@ def choose(
     return Decision(label(best), costs, link, entries, best)
 
 
-def warmup_dtype(link: LinkEstimate, shapes: Sequence[tuple[tuple[int, ...], str]],
-                 **overrides: Any) -> str:
+def warmup_dtype(
+    link: LinkEstimate, shapes: Sequence[tuple[tuple[int, ...], str]], **overrides: Any
+) -> str:
     """``"bfloat16"`` when bf16 is predicted at least 10% cheaper per step than
     float32 on this link (see :data:`MIN_GAIN`), else ``"float32"``: what
     PowerSGD's dense warm-up steps send when ``"auto"`` chose PowerSGD."""

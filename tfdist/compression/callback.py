@@ -52,8 +52,9 @@ class CommunicationStats(keras.callbacks.Callback):
             :class:`~tfdist.compression.sparse.StepGradients`).
     """
 
-    def __init__(self, strategy: Any = None, every_batch: bool = False,
-                 batch_size: int | None = None) -> None:
+    def __init__(
+        self, strategy: Any = None, every_batch: bool = False, batch_size: int | None = None
+    ) -> None:
         super().__init__()
         self._strategy = strategy
         self.every_batch = every_batch
@@ -65,10 +66,14 @@ class CommunicationStats(keras.callbacks.Callback):
         self.batch_size = batch_size
 
     def _traffic(self, step: int) -> Traffic:
-        strategy = self._strategy or getattr(self.model, "distribute_strategy", None) \
+        strategy = (
+            self._strategy
+            or getattr(self.model, "distribute_strategy", None)
             or tf.distribute.get_strategy()
+        )
         if self._shapes is None:
             from tfdist.compression.sparse import StepGradients
+
             self._shapes = StepGradients(self.model, strategy, self.batch_size)
         n = strategy.num_replicas_in_sync
         aggregator = strategy_aggregator(strategy)
@@ -78,12 +83,16 @@ class CommunicationStats(keras.callbacks.Callback):
         if aggregator is None:
             from tfdist.compression.aggregate import CompressorAggregator
             from tfdist.compression.identity import NoneCompressor
+
             aggregator = CompressorAggregator(NoneCompressor())
         return aggregator.traffic(self._shapes(aggregator), n, step=step)
 
     def _strategy_now(self) -> Any:
-        return self._strategy or getattr(self.model, "distribute_strategy", None) \
+        return (
+            self._strategy
+            or getattr(self.model, "distribute_strategy", None)
             or tf.distribute.get_strategy()
+        )
 
     def _mesh_traffic(self, runtime: Any, strategy: Any) -> dict[str, float]:
         """Under a (data, tensor) mesh: the bytes counted by the collectives
@@ -96,10 +105,13 @@ class CommunicationStats(keras.callbacks.Callback):
         sent = {k: now[k] - before.get(k, 0.0) for k in now}
         dense = runtime.dense_gradient_bytes(self.model, strategy.num_replicas_in_sync)
         total = sent["tensor_parallel"] + sent["data_parallel"]
-        return {"comm_bytes": total, "comm_dense_bytes": dense,
-                "comm_ratio": dense / total if total else float("inf"),
-                "comm_tensor_parallel_bytes": sent["tensor_parallel"],
-                "comm_data_parallel_bytes": sent["data_parallel"]}
+        return {
+            "comm_bytes": total,
+            "comm_dense_bytes": dense,
+            "comm_ratio": dense / total if total else float("inf"),
+            "comm_tensor_parallel_bytes": sent["tensor_parallel"],
+            "comm_data_parallel_bytes": sent["data_parallel"],
+        }
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         runtime = _mesh_runtime(self._strategy_now())
@@ -120,8 +132,11 @@ class CommunicationStats(keras.callbacks.Callback):
             return
         optimizer = self.model.optimizer
         hvd = _horovod_settings(optimizer)
-        if not (hvd.sent_last_step(getattr(optimizer, "inner_optimizer", optimizer))
-                if hvd is not None else applies_this_step(optimizer)):
+        if not (
+            hvd.sent_last_step(getattr(optimizer, "inner_optimizer", optimizer))
+            if hvd is not None
+            else applies_this_step(optimizer)
+        ):
             return  # Only accumulated: nothing was sent.
         step = int(self.model.optimizer.iterations.numpy()) - 1  # The step just taken.
         self.last = self._traffic(step)

@@ -22,8 +22,12 @@ class _CastCompressor(Compressor):
     _limit: float
 
     def __init__(self, prescale: float = 1.0) -> None:
-        if (isinstance(prescale, bool) or not isinstance(prescale, (int, float))
-                or not math.isfinite(prescale) or prescale <= 0):
+        if (
+            isinstance(prescale, bool)
+            or not isinstance(prescale, (int, float))
+            or not math.isfinite(prescale)
+            or prescale <= 0
+        ):
             raise ConfigError("prescale", prescale, "a finite number > 0")
         self.prescale = float(prescale)
 

@@ -26,14 +26,14 @@ feedback residual or PowerSGD's factor matrices.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
 # Private, but it is where ReductionToOneDevice picks its reduce device; using
 # the same helpers keeps both classes choosing the same device.
-from tfdist.compat.tf_python import cross_device_ops as tf_cross_device_ops
-from tfdist.compat.tf_python import resource_variable_ops
+from tfdist.compat.tf_python import cross_device_ops as tf_cross_device_ops, resource_variable_ops
 from tfdist.compression.aggregate import Aggregator, CompressorAggregator
 from tfdist.compression.base import Compressor, reduce_compressed
 from tfdist.compression.memory import ErrorFeedback
@@ -50,7 +50,8 @@ _STATEFUL_HINT = (
     "feedback and PowerSGD (which keeps factor matrices) cannot run here. Use "
     "tfdist.strategy_from_config(compression=...), whose Keras hook keeps that "
     "state in optimizer variables, or subclass tf.distribute.ReductionToOneDevice "
-    "and override reduce_implementation / batch_reduce_implementation")
+    "and override reduce_implementation / batch_reduce_implementation"
+)
 
 
 def _stateless_compressor(compression: Any) -> Compressor:
@@ -65,9 +66,15 @@ def _stateless_compressor(compression: Any) -> Compressor:
             object), or a setting with ``error_feedback=True``. Field
             ``'compression'``.
     """
+
     def stateful() -> ConfigError:
-        return ConfigError("compression", compression, "a stateless compressor",
-                           source=_SOURCE, hint=_STATEFUL_HINT)
+        return ConfigError(
+            "compression",
+            compression,
+            "a stateless compressor",
+            source=_SOURCE,
+            hint=_STATEFUL_HINT,
+        )
 
     try:
         # ErrorFeedback and aggregators have a compressor name, so they
@@ -77,16 +84,20 @@ def _stateless_compressor(compression: Any) -> Compressor:
         if isinstance(compression, (ErrorFeedback, Aggregator)):
             raise stateful()
         parsed = parse_compression(compression)
-        if (parsed.name == "powersgd" or parsed.error_feedback
-                or isinstance(parsed.compressor, (ErrorFeedback, Aggregator))):
+        if (
+            parsed.name == "powersgd"
+            or parsed.error_feedback
+            or isinstance(parsed.compressor, (ErrorFeedback, Aggregator))
+        ):
             raise stateful()
         return make_compressor(parsed)
     except ConfigError as err:
         if err.source == _SOURCE:
             raise
         # The parser names strategy_from_config as the source; name this class.
-        raise ConfigError(err.field, err.value, err.expected, source=_SOURCE,
-                          hint=err.hint) from None
+        raise ConfigError(
+            err.field, err.value, err.expected, source=_SOURCE, hint=err.hint
+        ) from None
 
 
 class CompressedCrossDeviceOps(tf.distribute.ReductionToOneDevice):
@@ -141,20 +152,28 @@ class CompressedCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         # read their seed from host memory.
         with tf.init_scope(), tf.device("/cpu:0"):
             self.step = resource_variable_ops.ResourceVariable(
-                0, dtype=tf.int64, trainable=False, name="compressed_cross_device_ops_step")
+                0, dtype=tf.int64, trainable=False, name="compressed_cross_device_ops_step"
+            )
 
     def describe(self) -> str:
         """A one-line human-readable summary of this cross-device ops."""
-        how = ("payloads summed, decompressed once" if self.compressor.summable
-               else "payloads decompressed, then summed")
+        how = (
+            "payloads summed, decompressed once"
+            if self.compressor.summable
+            else "payloads decompressed, then summed"
+        )
         where = self.reduce_to_device or "the first destination device"
-        return (f"CompressedCrossDeviceOps: compression {self.compressor.name} "
-                f"({self.compressor!r}); {how} on {where}; uncompressed for "
-                "non-float, IndexedSlices, dynamic or empty shapes, one replica")
+        return (
+            f"CompressedCrossDeviceOps: compression {self.compressor.name} "
+            f"({self.compressor!r}); {how} on {where}; uncompressed for "
+            "non-float, IndexedSlices, dynamic or empty shapes, one replica"
+        )
 
     def __repr__(self) -> str:
-        return (f"CompressedCrossDeviceOps(compression={self.compressor!r}, "
-                f"reduce_to_device={self.reduce_to_device!r})")
+        return (
+            f"CompressedCrossDeviceOps(compression={self.compressor!r}, "
+            f"reduce_to_device={self.reduce_to_device!r})"
+        )
 
     # ------------------------------------------------------------------
     # CrossDeviceOps implementation hooks.
@@ -163,9 +182,11 @@ class CompressedCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         """Reduces one value; compresses it when :meth:`_compressible`."""
         if not self._compressible(per_replica_value):
             return super().reduce_implementation(
-                reduce_op, per_replica_value, destinations, options)
+                reduce_op, per_replica_value, destinations, options
+            )
         return self._compressed_reduce(
-            reduce_op, per_replica_value, destinations, self._next_step(), key=0)
+            reduce_op, per_replica_value, destinations, self._next_step(), key=0
+        )
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         """Reduces a batch with one shared step; each value's key is its index."""
@@ -174,13 +195,13 @@ class CompressedCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         results = []
         for key, (value, destinations) in enumerate(pairs):
             if not self._compressible(value):
-                results.append(super().reduce_implementation(
-                    reduce_op, value, destinations, options))
+                results.append(
+                    super().reduce_implementation(reduce_op, value, destinations, options)
+                )
                 continue
             if step is None:  # Once per call, and only if something is compressed.
                 step = self._next_step()
-            results.append(self._compressed_reduce(
-                reduce_op, value, destinations, step, key=key))
+            results.append(self._compressed_reduce(reduce_op, value, destinations, step, key=key))
         return results
 
     # ------------------------------------------------------------------
@@ -245,6 +266,9 @@ class CompressedCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         """
         if self.reduce_to_device:
             return self.reduce_to_device
-        target = (destinations if tf_cross_device_ops.check_destinations(destinations)
-                  else per_replica_value)
+        target = (
+            destinations
+            if tf_cross_device_ops.check_destinations(destinations)
+            else per_replica_value
+        )
         return tf_cross_device_ops.get_devices_from(target, self._canonicalize_devices)[0]

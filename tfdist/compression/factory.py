@@ -65,19 +65,24 @@ def make_compressor(setting: Any) -> Compressor:
     # compress/decompress: it is an aggregator; so is "auto".
     if name == "auto":
         raise ConfigError(
-            "compression", setting if isinstance(setting, str) else name,
+            "compression",
+            setting if isinstance(setting, str) else name,
             "a stateless compressor",
             hint="'auto' chooses an aggregator when the optimizer builds: use "
-                 "strategy_from_config(compression='auto') or make_aggregator('auto')")
+            "strategy_from_config(compression='auto') or make_aggregator('auto')",
+        )
     raise ConfigError(
-        "compression", setting if isinstance(setting, str) else name,
+        "compression",
+        setting if isinstance(setting, str) else name,
         "a stateless compressor",
         hint="PowerSGD is an aggregator with per-step state: use make_aggregator(), "
-             "or strategy_from_config(compression='powersgd')")
+        "or strategy_from_config(compression='powersgd')",
+    )
 
 
 def fixed_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggregator:
-    """Builds the aggregator of a fixed setting (see :func:`tfdist.compression.registry.make_aggregator`).
+    """Builds the aggregator of a fixed setting (see
+    :func:`tfdist.compression.registry.make_aggregator`).
 
     Raises:
         ConfigError: As ``make_aggregator``, and for ``"auto"``.
@@ -85,19 +90,27 @@ def fixed_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggreg
     parsed = parse_compression(setting)
     obj = parsed.compressor
     if parsed.name == "auto":
-        raise ConfigError("compression", setting if isinstance(setting, str) else parsed.name,
-                          "a fixed setting (a compressor or an aggregator), not 'auto'",
-                          hint="'auto' chooses among fixed settings; it cannot be one of "
-                               "its own candidates.")
+        raise ConfigError(
+            "compression",
+            setting if isinstance(setting, str) else parsed.name,
+            "a fixed setting (a compressor or an aggregator), not 'auto'",
+            hint="'auto' chooses among fixed settings; it cannot be one of its own candidates.",
+        )
     if isinstance(obj, Aggregator):
-        if error_feedback is not None and error_feedback != getattr(obj, "error_feedback", error_feedback):
-            raise ConfigError("error_feedback", error_feedback,
-                              f"None or {obj.error_feedback} (the value {obj!r} was built with)")
+        if error_feedback is not None and error_feedback != getattr(
+            obj, "error_feedback", error_feedback
+        ):
+            raise ConfigError(
+                "error_feedback",
+                error_feedback,
+                f"None or {obj.error_feedback} (the value {obj!r} was built with)",
+            )
         return obj
     if isinstance(obj, ErrorFeedback):
         if error_feedback is False:
-            raise ConfigError("error_feedback", error_feedback,
-                              "None or True with an ErrorFeedback object")
+            raise ConfigError(
+                "error_feedback", error_feedback, "None or True with an ErrorFeedback object"
+            )
         return CompressorAggregator(obj.compressor, error_feedback=True)
     if parsed.name == "powersgd":
         ef = True if error_feedback is None else error_feedback
@@ -107,11 +120,11 @@ def fixed_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggreg
     compressor = make_compressor(parsed)
     if error_feedback is True and not getattr(compressor, "contractive", True):
         raise ConfigError(
-            "error_feedback", error_feedback,
+            "error_feedback",
+            error_feedback,
             "False or None with a compressor that scales what it keeps to be unbiased",
             received=f"error_feedback=True with {compressor!r}",
             hint="Its error-feedback residual would grow every step; for random-k with error "
-                 "feedback use compression=RandomKCompressor(ratio, unbiased=False).")
+            "feedback use compression=RandomKCompressor(ratio, unbiased=False).",
+        )
     return CompressorAggregator(compressor, check_error_feedback(compressor, error_feedback))
-
-

@@ -82,7 +82,7 @@ def _resolve_auto(strategy: Any, variables: list) -> None:
     decision = aggregator.resolve(strategy, variables)
     setting = getattr(strategy, "_tfdist_compression", None)
     if setting is not None:
-        strategy._tfdist_compression = dataclasses.replace(setting, resolved=decision.choice)
+        strategy._tfdist_compression = dataclasses.replace(setting, resolved=decision.choice)  # noqa: SLF001 - tfdist's own setting on its strategy, updated with the auto choice
 
 
 def state_variables(optimizer: Any) -> list:
@@ -96,16 +96,19 @@ def create_state(optimizer, aggregator: Aggregator, strategy, variables) -> None
     flat = []
     with strategy.scope(), backend.name_scope(optimizer.name, caller=optimizer):
         for index, var in enumerate(variables):
-            specs = aggregator.state_specs(tuple(var.shape), standardize_dtype(var.dtype),
-                                           index)
+            specs = aggregator.state_specs(tuple(var.shape), standardize_dtype(var.dtype), index)
             colocate = var.value if isinstance(var, backend.Variable) else var
             for spec in specs:
                 with strategy.extended.colocate_vars_with(colocate):
                     v = backend.Variable(
-                        initializer=spec.initializer, shape=spec.shape, dtype=spec.dtype,
-                        trainable=False, aggregation=spec.aggregation,
+                        initializer=spec.initializer,
+                        shape=spec.shape,
+                        dtype=spec.dtype,
+                        trainable=False,
+                        aggregation=spec.aggregation,
                         synchronization="on_read",
-                        name=f"{_PREFIX}{spec.name}_{var.name}")
+                        name=f"{_PREFIX}{spec.name}_{var.name}",
+                    )
                 state.setdefault(index, {})[spec.name] = v
                 flat.append(v)
     # Kept out of Keras's own variable list (plain __dict__ entries bypass its
@@ -113,7 +116,7 @@ def create_state(optimizer, aggregator: Aggregator, strategy, variables) -> None
     # it; model.save stores them through the save/load wrappers below, and
     # tf.train.Checkpoint through named dependencies.
     for i, v in enumerate(flat):
-        optimizer._track_trackable(v, name=f"{_PREFIX}{i}", overwrite=True)
+        optimizer._track_trackable(v, name=f"{_PREFIX}{i}", overwrite=True)  # noqa: SLF001 - TF's tracking API: checkpoint dependencies outside Keras's variable list
     optimizer.__dict__["_tfdist_variables"] = flat
     optimizer.__dict__["_tfdist_state"] = state
     optimizer.__dict__["_tfdist_aggregator"] = aggregator
@@ -132,6 +135,7 @@ def wrap_build(original):
         aggregator = strategy_aggregator(strategy)
         if aggregator is not None:
             create_state(self, aggregator, strategy, list(variables))
+
     return build
 
 
@@ -159,8 +163,9 @@ def ids_per_example(indices: Any) -> int | None:
 
 
 def _traced(grad: tf.IndexedSlices) -> TracedSlices:
-    return TracedSlices(tuple(grad.values.shape[1:]), grad.indices.dtype.name,
-                        ids_per_example(grad.indices))
+    return TracedSlices(
+        tuple(grad.values.shape[1:]), grad.indices.dtype.name, ids_per_example(grad.indices)
+    )
 
 
 def with_variable_shape(grad: Any, variable: Any) -> Any:
@@ -199,18 +204,24 @@ def wrap_reduce(original):
             return out
         state = getattr(self, "_tfdist_state", None)
         if state is None or getattr(self, "_tfdist_aggregator", None) is not aggregator:
-            needs = any(aggregator.state_specs(tuple(v.shape), v.dtype.name, i)
-                        for i, (_, v) in enumerate(pairs))
+            needs = any(
+                aggregator.state_specs(tuple(v.shape), v.dtype.name, i)
+                for i, (_, v) in enumerate(pairs)
+            )
             if needs:
                 raise RuntimeError(
                     f"tfdist: compression {aggregator.describe()} keeps per-replica state, "
                     "but this optimizer was built outside the strategy that compresses. "
                     "Expected: create the model and call compile() inside strategy.scope(). "
-                    f"Received: an optimizer built under {type(self._distribution_strategy).__name__}")
+                    "Received: an optimizer built under "
+                    f"{type(self._distribution_strategy).__name__}"
+                )
             state = {}
         keys = [self._get_variable_index(v) for _, v in pairs]
-        items = [Item(with_variable_shape(g, v), key, state.get(key, {}))
-                 for (g, v), key in zip(pairs, keys)]
+        items = [
+            Item(with_variable_shape(g, v), key, state.get(key, {}))
+            for (g, v), key in zip(pairs, keys)
+        ]
         step = tf.convert_to_tensor(getattr(self.iterations, "value", self.iterations))
         comm = observer.make_comm() if observer is not None else ReplicaComm()
         reduced = aggregator.aggregate(items, step, comm)
@@ -221,13 +232,21 @@ def wrap_reduce(original):
         if not getattr(self, "_tfdist_logged", False):
             self._tfdist_logged = True
             # Sparse gradients' rows follow the batch: CommunicationStats counts them.
-            shapes = [(tuple(v.shape), v.dtype.name) for g, v in pairs
-                      if g is not None and not isinstance(g, tf.IndexedSlices)]
-            log.info("tfdist compression %s: %s%s", aggregator.describe(),
-                     aggregator.traffic(shapes, comm.num_replicas),
-                     f" and {len(aggregator.traced_slices)} sparse gradient(s)"
-                     if aggregator.traced_slices else "")
+            shapes = [
+                (tuple(v.shape), v.dtype.name)
+                for g, v in pairs
+                if g is not None and not isinstance(g, tf.IndexedSlices)
+            ]
+            log.info(
+                "tfdist compression %s: %s%s",
+                aggregator.describe(),
+                aggregator.traffic(shapes, comm.num_replicas),
+                f" and {len(aggregator.traced_slices)} sparse gradient(s)"
+                if aggregator.traced_slices
+                else "",
+            )
         return [(g, v) for g, (_, v) in zip(reduced, pairs)]
+
     return _all_reduce_sum_gradients
 
 
@@ -238,7 +257,7 @@ class _OwnKeys:
         self._store, self._exclude = store, set(exclude)
 
     def keys(self):
-        return [k for k in self._store.keys() if k not in self._exclude]
+        return [k for k in self._store.keys() if k not in self._exclude]  # noqa: SIM118 - a Keras weights store: iterating it indexes it
 
     def __getitem__(self, key):
         return self._store[key]
@@ -249,9 +268,12 @@ class _OwnKeys:
 
 def _ordered_keys(store) -> list[str]:
     """tfdist's aggregated keys (``tfdist_3``), in variable order."""
-    keys = [k for k in store.keys() if str(k).startswith(_PREFIX)
-            and str(k)[len(_PREFIX):].isdigit()]
-    return sorted(keys, key=lambda k: int(str(k)[len(_PREFIX):]))
+    keys = [
+        k
+        for k in store.keys()  # noqa: SIM118 - a Keras weights store: iterating it indexes it
+        if str(k).startswith(_PREFIX) and str(k)[len(_PREFIX) :].isdigit()
+    ]
+    return sorted(keys, key=lambda k: int(str(k)[len(_PREFIX) :]))
 
 
 def _replica_copies(optimizer, variable) -> tuple:
@@ -276,6 +298,7 @@ def wrap_save(original):
             # resume with the same replicas is exact.
             for r, copy in enumerate(_replica_copies(self, v)):
                 store[f"{_PREFIX}{i}_r{r}"] = copy.numpy()
+
     return save_own_variables
 
 
@@ -283,18 +306,24 @@ def wrap_load(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
         saved = _ordered_keys(store)
-        tfdist_keys = [k for k in store.keys() if str(k).startswith(_PREFIX)]
+        tfdist_keys = [k for k in store.keys() if str(k).startswith(_PREFIX)]  # noqa: SIM118 - a Keras weights store: iterating it indexes it
         original(self, _OwnKeys(store, tfdist_keys) if tfdist_keys else store)
         mine = state_variables(self)
         # Shapes differ when the state was saved for another model_parallel
         # layout (a shard's residual); it then starts from zeros.
-        if saved and len(saved) == len(mine) and all(
-                tuple(store[k].shape) == tuple(v.shape) for k, v in zip(saved, mine)):
+        if (
+            saved
+            and len(saved) == len(mine)
+            and all(tuple(store[k].shape) == tuple(v.shape) for k, v in zip(saved, mine))
+        ):
             for key, v in zip(saved, mine):
                 copies = _replica_copies(self, v)
                 names = [f"{key}_r{r}" for r in range(len(copies))]
-                if copies and all(n in tfdist_keys for n in names) \
-                        and f"{key}_r{len(copies)}" not in tfdist_keys:
+                if (
+                    copies
+                    and all(n in tfdist_keys for n in names)
+                    and f"{key}_r{len(copies)}" not in tfdist_keys
+                ):
                     for copy, name in zip(copies, names):
                         copy.assign(store[name])
                 else:
@@ -305,7 +334,10 @@ def wrap_load(original):
                 f"and this one has {len(mine)} (or their shapes differ: another "
                 "model_parallel layout); the compression state starts from zeros. "
                 "Load the model inside a strategy with the same compression setting to "
-                "resume it.", stacklevel=2)
+                "resume it.",
+                stacklevel=2,
+            )
+
     return load_own_variables
 
 

@@ -17,7 +17,8 @@ so PowerSGD's dense warm-up steps count as dense. With Keras's
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -35,13 +36,19 @@ def _aggregator_of(strategy: Any):
     if aggregator is None:
         from tfdist.compression.aggregate import CompressorAggregator
         from tfdist.compression.identity import NoneCompressor
+
         aggregator = CompressorAggregator(NoneCompressor())
     return aggregator
 
 
-def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
-                 strategy: Any = None, model: Any = None,
-                 batch_size: int | None = None) -> Traffic:
+def step_traffic(
+    optimizer: Any,
+    variables: Sequence[Any] | None = None,
+    *,
+    strategy: Any = None,
+    model: Any = None,
+    batch_size: int | None = None,
+) -> Traffic:
     """The bytes each replica sent for the gradients of ``optimizer``'s last step.
 
     Args:
@@ -71,12 +78,17 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
     """
 
     hvd = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd", None)
-    strategy = (strategy or getattr(optimizer, "_distribution_strategy", None)
-                or tf.distribute.get_strategy())
+    strategy = (
+        strategy
+        or getattr(optimizer, "_distribution_strategy", None)
+        or tf.distribute.get_strategy()
+    )
     steps = int(getattr(optimizer, "_iterations", optimizer.iterations).numpy())
     if steps < 1:
-        raise ValueError("step_traffic: expected an optimizer that has taken a step. "
-                         "Received: an optimizer with iterations=0")
+        raise ValueError(
+            "step_traffic: expected an optimizer that has taken a step. "
+            "Received: an optimizer with iterations=0"
+        )
     updates = int(optimizer.iterations.numpy())  # Applied steps, with accumulation.
     n = strategy.num_replicas_in_sync
     if hvd is not None:  # tfdist.horovod: one replica per process, its own aggregator.
@@ -93,15 +105,17 @@ def step_traffic(optimizer: Any, variables: Sequence[Any] | None = None, *,
     else:
         if traced:
             raise ConfigError(
-                "model", None, "the model and the global batch_size for a step whose "
-                "gradients include IndexedSlices", source="step_traffic",
-                received=f"{len(traced)} IndexedSlices gradient(s) (Embedding tables) "
-                         "and no model",
+                "model",
+                None,
+                "the model and the global batch_size for a step whose "
+                "gradients include IndexedSlices",
+                source="step_traffic",
+                received=f"{len(traced)} IndexedSlices gradient(s) (Embedding tables) and no model",
                 hint="Call step_traffic(optimizer, model=model, batch_size=GLOBAL_BATCH): "
-                     "an Embedding sends one row per id looked up, not its table.")
+                "an Embedding sends one row per id looked up, not its table.",
+            )
         if variables is None:
             variables = getattr(optimizer, "_trainable_variables", None) or []
-        shapes = [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name)
-                  for v in variables]
+        shapes = [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name) for v in variables]
     aggregator = hvd.aggregator if hvd is not None else _aggregator_of(strategy)
     return aggregator.traffic(shapes, n, step=updates - 1)

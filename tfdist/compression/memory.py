@@ -38,14 +38,20 @@ class ErrorFeedback:
     def __init__(self, compressor: Compressor) -> None:
         if not getattr(compressor, "lossy", False):
             raise ConfigError(
-                "compressor", compressor, "a lossy compressor",
-                hint="Error feedback only helps a compressor that loses information.")
+                "compressor",
+                compressor,
+                "a lossy compressor",
+                hint="Error feedback only helps a compressor that loses information.",
+            )
         if not getattr(compressor, "contractive", True):
             raise ConfigError(
-                "compressor", compressor, "a contractive compressor",
+                "compressor",
+                compressor,
+                "a contractive compressor",
                 hint="This compressor scales what it keeps up to be unbiased, so an "
-                     "error-feedback residual would grow every step. Use it without error "
-                     "feedback, or RandomKCompressor(ratio, unbiased=False) with it.")
+                "error-feedback residual would grow every step. Use it without error "
+                "feedback, or RandomKCompressor(ratio, unbiased=False) with it.",
+            )
         self.compressor = compressor
 
     def __repr__(self) -> str:
@@ -69,8 +75,9 @@ class ErrorFeedback:
         Zeros instead when the result or ``corrected`` is not all finite.
         """
         residual = corrected - self.compressor.decompress(payload, ctx)
-        finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(corrected)),
-                                tf.reduce_all(tf.math.is_finite(residual)))
+        finite = tf.logical_and(
+            tf.reduce_all(tf.math.is_finite(corrected)), tf.reduce_all(tf.math.is_finite(residual))
+        )
         return tf.where(finite, residual, tf.zeros_like(residual))
 
     def compress(

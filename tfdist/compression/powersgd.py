@@ -99,23 +99,34 @@ class PowerSGD(Aggregator):
     summable = True
     lossy = True
 
-    def __init__(self, rank: int = 4, *, warmup_steps: int = 10,
-                 warmup_dtype: str | None = None,
-                 min_compression_rate: float = 2.0, error_feedback: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int = 4,
+        *,
+        warmup_steps: int = 10,
+        warmup_dtype: str | None = None,
+        min_compression_rate: float = 2.0,
+        error_feedback: bool = True,
+        seed: int = 0,
+    ) -> None:
         self.rank = check_int("rank", rank, 1, 2**31 - 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, 2**62)
         if warmup_dtype is not None and warmup_dtype not in WARMUP_DTYPES:
-            raise ConfigError("warmup_dtype", warmup_dtype,
-                              " or ".join(repr(d) for d in WARMUP_DTYPES) + " or None")
+            raise ConfigError(
+                "warmup_dtype",
+                warmup_dtype,
+                " or ".join(repr(d) for d in WARMUP_DTYPES) + " or None",
+            )
         #: Whether the warm-up precision was given (``"auto"`` leaves it then).
         self.warmup_dtype_given = warmup_dtype is not None
         self.warmup_dtype = warmup_dtype or "float32"
-        if (isinstance(min_compression_rate, bool)
-                or not isinstance(min_compression_rate, (int, float))
-                or not min_compression_rate >= 0 or math.isinf(min_compression_rate)):
-            raise ConfigError("min_compression_rate", min_compression_rate,
-                              "a finite number >= 0")
+        if (
+            isinstance(min_compression_rate, bool)
+            or not isinstance(min_compression_rate, (int, float))
+            or not min_compression_rate >= 0
+            or math.isinf(min_compression_rate)
+        ):
+            raise ConfigError("min_compression_rate", min_compression_rate, "a finite number >= 0")
         self.min_compression_rate = float(min_compression_rate)
         if not isinstance(error_feedback, bool):
             raise ConfigError("error_feedback", error_feedback, "True or False")
@@ -124,9 +135,11 @@ class PowerSGD(Aggregator):
 
     def __repr__(self) -> str:
         warm = "" if self.warmup_dtype == "float32" else f", warmup_dtype={self.warmup_dtype!r}"
-        return (f"PowerSGD(rank={self.rank}, warmup_steps={self.warmup_steps}{warm}, "
-                f"min_compression_rate={self.min_compression_rate}, "
-                f"error_feedback={self.error_feedback}, seed={self.seed})")
+        return (
+            f"PowerSGD(rank={self.rank}, warmup_steps={self.warmup_steps}{warm}, "
+            f"min_compression_rate={self.min_compression_rate}, "
+            f"error_feedback={self.error_feedback}, seed={self.seed})"
+        )
 
     def describe(self) -> str:
         return repr(self)
@@ -158,17 +171,24 @@ class PowerSGD(Aggregator):
 
     def aggregate(self, items, step, comm):
         out = [item.grad for item in items]
-        dense = [i for i, it in enumerate(items)
-                 if it.grad is not None and not (is_compressible(it.grad) and "q" in it.state)]
-        low_rank = [i for i, it in enumerate(items)
-                    if it.grad is not None and is_compressible(it.grad) and "q" in it.state]
+        dense = [
+            i
+            for i, it in enumerate(items)
+            if it.grad is not None and not (is_compressible(it.grad) and "q" in it.state)
+        ]
+        low_rank = [
+            i
+            for i, it in enumerate(items)
+            if it.grad is not None and is_compressible(it.grad) and "q" in it.state
+        ]
         grads = [items[i].grad for i in low_rank]
         states = [items[i].state for i in low_rank]
         dense_grads = [items[i].grad for i in dense]
 
         def compressed(*args):
-            return self._power_step(list(args[:len(grads)]), list(args[len(grads):]),
-                                    states, comm)
+            return self._power_step(
+                list(args[: len(grads)]), list(args[len(grads) :]), states, comm
+            )
 
         def warmup(*args):
             if self.warmup_dtype == "float32":
@@ -182,8 +202,9 @@ class PowerSGD(Aggregator):
         if not grads:
             reduced = warmup(*args)
         elif self.warmup_steps:
-            reduced = comm.cond(tf.cast(step, tf.int64) < self.warmup_steps,
-                                warmup, compressed, args)
+            reduced = comm.cond(
+                tf.cast(step, tf.int64) < self.warmup_steps, warmup, compressed, args
+            )
         else:
             reduced = compressed(*args)
         for i, r in zip(low_rank + dense, reduced):
@@ -207,12 +228,13 @@ class PowerSGD(Aggregator):
             kernels.append(k)
             ps.append(tf.matmul(k, tf.convert_to_tensor(state["q"]), transpose_a=True))
         reduced = comm.all_reduce(ps + list(dense_grads))
-        p_hats = [orthonormalize(p) for p in reduced[:len(ps)]]
+        p_hats = [orthonormalize(p) for p in reduced[: len(ps)]]
         qs = [tf.matmul(k, p) for k, p in zip(kernels, p_hats)]
         q_sums = comm.all_reduce(qs)
         out = []
-        for grad, state, k, p, q, q_sum, p_sum in zip(grads, states, kernels, p_hats, qs,
-                                                      q_sums, reduced):
+        for grad, state, k, p, q, q_sum, p_sum in zip(
+            grads, states, kernels, p_hats, qs, q_sums, reduced
+        ):
             if "residual" in state:
                 residual = k - tf.matmul(q, p, transpose_b=True)
                 # A NaN/inf step resets the memory instead of poisoning it.
@@ -220,18 +242,21 @@ class PowerSGD(Aggregator):
                 # (and with it every replica's residual); checking the small
                 # P spares two passes over the gradient.
                 finite = tf.reduce_all(tf.math.is_finite(p_sum))
-                residual = tf.cond(finite, lambda r=residual: r,
-                                   lambda r=residual: tf.zeros_like(r))
+                residual = tf.cond(
+                    finite, lambda r=residual: r, lambda r=residual: tf.zeros_like(r)
+                )
                 state["residual"].assign(
-                    tf.cast(tf.reshape(residual, grad.shape), state["residual"].dtype))
+                    tf.cast(tf.reshape(residual, grad.shape), state["residual"].dtype)
+                )
             # Warm start for the next step. A zero or non-finite Q would stay
             # so for good (P = M Q), so keep the previous one instead.
-            usable = tf.logical_and(tf.reduce_all(tf.math.is_finite(q_sum)),
-                                    tf.reduce_any(tf.not_equal(q_sum, 0.0)))
+            usable = tf.logical_and(
+                tf.reduce_all(tf.math.is_finite(q_sum)), tf.reduce_any(tf.not_equal(q_sum, 0.0))
+            )
             state["q"].assign(tf.where(usable, q_sum, tf.convert_to_tensor(state["q"])))
             approx = tf.matmul(q_sum, p, transpose_b=True)
             out.append(tf.cast(tf.reshape(approx, grad.shape), grad.dtype))
-        return out + list(reduced[len(ps):])
+        return out + list(reduced[len(ps) :])
 
     def traffic(self, shapes, num_replicas, step=None):
         t = Traffic(num_replicas)

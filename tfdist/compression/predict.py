@@ -63,8 +63,7 @@ def predict_traffic(
     return aggregator.traffic(shapes, num_replicas, step=step)
 
 
-def _shapes_of(variables: Any, batch_size: int | None = None,
-               num_replicas: int = 1) -> list:
+def _shapes_of(variables: Any, batch_size: int | None = None, num_replicas: int = 1) -> list:
     """Gradient specs of a model, variables, or specs: ``(shape, dtype name)``
     pairs, and :class:`SparseGradient` entries for a model's Embedding tables."""
     if hasattr(variables, "trainable_variables"):

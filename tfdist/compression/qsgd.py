@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist.compression.base import (
-    Compressor, Context, check_int, context_of, numel, seed_of)
+from tfdist.compression.base import Compressor, Context, check_int, context_of, numel, seed_of
 
 MAX_LEVELS = 32767  # The largest level an int16 holds.
 
@@ -62,11 +61,12 @@ class QSGDCompressor(Compressor):
         count, size = self._buckets(ctx.numel)
         padded = tf.reshape(tf.pad(flat, [[0, count * size - ctx.numel]]), [count, size])
         norms = tf.norm(padded, axis=1)
-        norm = tf.reshape(tf.repeat(norms, size), [-1])[:ctx.numel]
+        norm = tf.reshape(tf.repeat(norms, size), [-1])[: ctx.numel]
         level = tf.math.divide_no_nan(tf.abs(flat), norm) * self.levels  # In [0, s].
         low = tf.floor(level)
         noise = tf.random.stateless_uniform(
-            [ctx.numel], seed_of(self.seed, step, key), dtype=work, alg="philox")
+            [ctx.numel], seed_of(self.seed, step, key), dtype=work, alg="philox"
+        )
         # Round up with probability level - low: E[q] = level.
         q = low + tf.cast(noise < level - low, work)
         q = tf.clip_by_value(q, 0, self.levels) * tf.sign(flat)
@@ -76,7 +76,7 @@ class QSGDCompressor(Compressor):
         norms, q = payload
         work = tf.float64 if ctx.dtype == tf.float64 else tf.float32
         _, size = self._buckets(ctx.numel)
-        norm = tf.reshape(tf.repeat(tf.cast(norms, work), size), [-1])[:ctx.numel]
+        norm = tf.reshape(tf.repeat(tf.cast(norms, work), size), [-1])[: ctx.numel]
         x = norm * tf.cast(q, work) / self.levels
         return tf.reshape(tf.cast(x, ctx.dtype), ctx.shape)
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.compression.base import (
-    Compressor, Context, check_int, check_ratio, context_of, kept_count,
-    numel, seed_of)
+    Compressor,
+    Context,
+    check_int,
+    check_ratio,
+    context_of,
+    kept_count,
+    numel,
+    seed_of,
+)
 from tfdist.errors import ConfigError
 
 
@@ -82,7 +89,8 @@ class RandomKCompressor(Compressor):
         # duplicates, in O(n) (top_k of n random draws cost 8x a plain step
         # at k = n / 10 on a 1M-entry kernel).
         perm = tf.random.experimental.stateless_shuffle(
-            tf.range(n, dtype=tf.int32), seed_of(self.seed, step, key), alg="philox")
+            tf.range(n, dtype=tf.int32), seed_of(self.seed, step, key), alg="philox"
+        )
         return perm[:k]
 
     def compress(self, tensor, step=0, key=0):

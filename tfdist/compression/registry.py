@@ -41,8 +41,12 @@ def make_aggregator(setting: Any, error_feedback: bool | None = None) -> Aggrega
     parsed = parse_compression(setting)
     if parsed.name == "auto":
         if error_feedback is not None:
-            raise ConfigError("error_feedback", error_feedback, "None with compression='auto'",
-                              hint="Each candidate 'auto' may choose keeps its own default.")
+            raise ConfigError(
+                "error_feedback",
+                error_feedback,
+                "None with compression='auto'",
+                hint="Each candidate 'auto' may choose keeps its own default.",
+            )
         if parsed.compressor is not None:
             return parsed.compressor
         return AutoCompression()

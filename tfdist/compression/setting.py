@@ -71,7 +71,8 @@ def _bad(value: Any, expected: str) -> ConfigError:
         value,
         expected,
         source="strategy_from_config",
-        hint="Use one of: " + ", ".join(COMPRESSOR_NAMES)
+        hint="Use one of: "
+        + ", ".join(COMPRESSOR_NAMES)
         + ", optionally with a parameter, e.g. 'topk:0.01' or 'powersgd:4'.",
     )
 
@@ -134,8 +135,14 @@ def parse_compression(setting: Any) -> CompressionSetting:
 #: unbiased (scaled) by default; ``RandomKCompressor(unbiased=False)`` gets
 #: error feedback (see :func:`default_error_feedback`).
 _DEFAULT_EF = {
-    "none": False, "fp16": False, "bf16": False, "qsgd": False, "randomk": False,
-    "topk": True, "sign": True, "powersgd": True,
+    "none": False,
+    "fp16": False,
+    "bf16": False,
+    "qsgd": False,
+    "randomk": False,
+    "topk": True,
+    "sign": True,
+    "powersgd": True,
     "auto": False,  # Each candidate keeps its own default.
 }
 

@@ -55,7 +55,8 @@ class SignCompressor(Compressor):
         packed, scale = payload
         shifts = tf.constant([7, 6, 5, 4, 3, 2, 1, 0])
         bits = tf.bitwise.bitwise_and(
-            tf.bitwise.right_shift(tf.cast(packed, tf.int32)[:, None], shifts), 1)
+            tf.bitwise.right_shift(tf.cast(packed, tf.int32)[:, None], shifts), 1
+        )
         bits = tf.reshape(bits, [-1])[: ctx.numel]
         signs = tf.cast(2 * bits - 1, ctx.dtype)
         return tf.reshape(tf.cast(scale, ctx.dtype) * signs, ctx.shape)

@@ -46,9 +46,21 @@ from typing import Any, NamedTuple
 
 from tfdist.errors import ConfigError
 
-__all__ = ["SparseGradient", "LENGTH_BYTES", "slices_nbytes", "split_sparse", "add_sparse",
-           "model_gradients", "embedding_tables", "rows_per_replica", "StepGradients",
-           "check_traced", "TracedSlices", "record_traced", "traced_slices"]
+__all__ = [
+    "SparseGradient",
+    "LENGTH_BYTES",
+    "slices_nbytes",
+    "split_sparse",
+    "add_sparse",
+    "model_gradients",
+    "embedding_tables",
+    "rows_per_replica",
+    "StepGradients",
+    "check_traced",
+    "TracedSlices",
+    "record_traced",
+    "traced_slices",
+]
 
 #: Bytes of the row count each replica all-gathers before its slices.
 LENGTH_BYTES = 4
@@ -98,6 +110,7 @@ class SparseGradient:
 
 def _itemsize(dtype: str) -> int:
     from tfdist.compression.traffic import itemsize
+
     return itemsize(dtype)
 
 
@@ -124,8 +137,9 @@ def rows_per_replica(batch_size: Any, num_replicas: int) -> int:
         ConfigError: ``batch_size`` is not an integer >= 1.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError("batch_size", batch_size,
-                          "the global batch size (an integer >= 1, as passed to fit)")
+        raise ConfigError(
+            "batch_size", batch_size, "the global batch size (an integer >= 1, as passed to fit)"
+        )
     return -(-batch_size // num_replicas)
 
 
@@ -148,7 +162,7 @@ class TracedSlices(NamedTuple):
 
 #: Optimizer -> the TracedSlices of its last traced step. Kept outside the
 #: optimizer: Keras tracks the lists set on it.
-_TRACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def record_traced(optimizer: Any, slices: list[TracedSlices]) -> None:
@@ -184,16 +198,22 @@ def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
     import keras
 
     tables = {}
-    layers = model._flatten_layers(include_self=False) if hasattr(model, "_flatten_layers") \
+    layers = (
+        model._flatten_layers(include_self=False)  # noqa: SLF001 - Keras has no public walk over nested layers
+        if hasattr(model, "_flatten_layers")
         else getattr(model, "layers", [])
+    )
     for layer in layers:
         if not isinstance(layer, keras.layers.Embedding):
             continue
         table = getattr(layer, "embeddings", None)
         if table is None or not getattr(table, "trainable", False):
             continue
-        nodes = [node for node in getattr(layer, "_inbound_nodes", [])
-                 if getattr(node, "input_tensors", None)]
+        nodes = [
+            node
+            for node in getattr(layer, "_inbound_nodes", [])
+            if getattr(node, "input_tensors", None)
+        ]
         # A ReversibleEmbedding called with reverse=True and tied weights
         # (GPT-2's logits) multiplies by its table: the gradient is dense.
         if getattr(layer, "tie_weights", True) and any(_reverse(node) for node in nodes):
@@ -206,8 +226,11 @@ def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
         # Each call's ids keep an int64 input's dtype, else become int32;
         # TensorFlow concatenates mixed ones as int64.
         index = "int64" if any(str(spec.dtype) == "int64" for spec in specs) else "int32"
-        tables[id(table)] = (layer, sum(math.prod(shape) for shape in shapes) if known
-                             else None, index)
+        tables[id(table)] = (
+            layer,
+            sum(math.prod(shape) for shape in shapes) if known else None,
+            index,
+        )
     return tables
 
 
@@ -217,19 +240,27 @@ def _ids_of(traced: Any) -> int | None:
 
 
 def _unknown_length(layer: Any, traced: list | None) -> ConfigError:
-    specs = [node.input_tensors[0] for node in getattr(layer, "_inbound_nodes", [])
-             if getattr(node, "input_tensors", None) and not _reverse(node)]
-    seen = ("no traced step yet" if traced is None else
-            f"a traced step whose ids per example are {[_ids_of(t) for t in traced]}")
+    specs = [
+        node.input_tensors[0]
+        for node in getattr(layer, "_inbound_nodes", [])
+        if getattr(node, "input_tensors", None) and not _reverse(node)
+    ]
+    seen = (
+        "no traced step yet"
+        if traced is None
+        else f"a traced step whose ids per example are {[_ids_of(t) for t in traced]}"
+    )
     return ConfigError(
-        "model", getattr(layer, "name", layer),
+        "model",
+        getattr(layer, "name", layer),
         "Embedding layers whose ids per example are known: a keras.Input of fixed "
         "length, or (once fit has traced a step) batches of fixed length",
         received=f"Embedding {layer.name!r} with input shapes "
-                 f"{[tuple(spec.shape) for spec in specs] or 'unknown'} and {seen}",
+        f"{[tuple(spec.shape) for spec in specs] or 'unknown'} and {seen}",
         hint="Pass the variables as a list of (shape, dtype) pairs and "
-             "tfdist.compression.SparseGradient(shape, dtype, rows, index_dtype) "
-             "entries instead.")
+        "tfdist.compression.SparseGradient(shape, dtype, rows, index_dtype) "
+        "entries instead.",
+    )
 
 
 def _reverse(node: Any) -> bool:
@@ -266,10 +297,12 @@ def model_gradients(model: Any, examples: int | None, traced: list | None = None
     if tables and examples is None:
         names = ", ".join(repr(layer.name) for layer, _, _ in tables.values())
         raise ConfigError(
-            "batch_size", None,
+            "batch_size",
+            None,
             "the global batch size (as passed to fit) for a model with Embedding layers",
             hint=f"The gradients of Embedding {names} are IndexedSlices: one row per id "
-                 "looked up, so what is sent depends on the batch, not on the table.")
+            "looked up, so what is sent depends on the batch, not on the table.",
+        )
     if traced is None:
         traced = traced_slices(getattr(model, "optimizer", None))
     order = [id(v) for v in model.trainable_variables if id(v) in tables]
@@ -292,8 +325,7 @@ def model_gradients(model: Any, examples: int | None, traced: list | None = None
     return out
 
 
-def add_sparse(traffic: Any, sparse: list[SparseGradient],
-               value_dtype: str | None = None) -> Any:
+def add_sparse(traffic: Any, sparse: list[SparseGradient], value_dtype: str | None = None) -> Any:
     """Adds sparse gradients' all-gathers to a :class:`~tfdist.compression.traffic.Traffic`.
 
     Args:
@@ -308,8 +340,9 @@ def add_sparse(traffic: Any, sparse: list[SparseGradient],
     """
     for s in sparse:
         traffic.dense_gather += slices_nbytes(s.rows, s.row_size, s.dtype, s.index_dtype)
-        traffic.all_gather += slices_nbytes(s.rows, s.row_size, value_dtype or s.dtype,
-                                            s.index_dtype)
+        traffic.all_gather += slices_nbytes(
+            s.rows, s.row_size, value_dtype or s.dtype, s.index_dtype
+        )
         traffic.collectives += 3
     return traffic
 
@@ -337,8 +370,11 @@ class StepGradients:
     def __init__(self, model: Any, strategy: Any, batch_size: int | None = None) -> None:
         self.model, self.strategy = model, strategy
         self.sparse = bool(embedding_tables(model))
-        self.examples = None if batch_size is None else rows_per_replica(
-            batch_size, strategy.num_replicas_in_sync)
+        self.examples = (
+            None
+            if batch_size is None
+            else rows_per_replica(batch_size, strategy.num_replicas_in_sync)
+        )
         self._counts: list[float] | None = None
         self._iterations: int | None = None
         self._static = None if self.sparse else model_gradients(model, None)
@@ -373,9 +409,13 @@ class StepGradients:
         tracker = getattr(self.model, "_loss_tracker", None)
         count = getattr(getattr(tracker, "count", None), "value", None)
         if count is None:
-            raise ConfigError("batch_size", None, "the global batch size for a model with "
-                              "Embedding layers trained without Keras's loss tracker",
-                              source="CommunicationStats")
+            raise ConfigError(
+                "batch_size",
+                None,
+                "the global batch size for a model with "
+                "Embedding layers trained without Keras's loss tracker",
+                source="CommunicationStats",
+            )
         counts = [float(c) for c in self.strategy.experimental_local_results(count)]
         previous = self._counts or [0.0] * len(counts)
         if any(c < p for c, p in zip(counts, previous)):  # Reset at an epoch's start.
@@ -383,15 +423,22 @@ class StepGradients:
         self._counts = counts
         # With steps_per_execution, one call covers several steps.
         iterations = int(self.model.optimizer.iterations.numpy())
-        steps = (iterations - self._iterations if self._iterations is not None
-                 else int(getattr(self.model, "steps_per_execution", 1) or 1))
+        steps = (
+            iterations - self._iterations
+            if self._iterations is not None
+            else int(getattr(self.model, "steps_per_execution", 1) or 1)
+        )
         self._iterations = iterations
-        examples = max(-(-int(round(c - p)) // max(steps, 1))
-                       for c, p in zip(counts, previous))
+        examples = max(-(-int(round(c - p)) // max(steps, 1)) for c, p in zip(counts, previous))  # noqa: RUF046 - round() of a NumPy scalar is not an int on every NumPy
         if examples == 0:
-            raise ConfigError("batch_size", None, "the global batch size for a model with "
-                              "Embedding layers whose train_step does not update Keras's "
-                              "loss tracker", source="CommunicationStats")
+            raise ConfigError(
+                "batch_size",
+                None,
+                "the global batch size for a model with "
+                "Embedding layers whose train_step does not update Keras's "
+                "loss tracker",
+                source="CommunicationStats",
+            )
         return examples
 
 
@@ -414,9 +461,12 @@ def check_traced(specs: list, traced: list | None) -> None:
     sent = [(tuple(t[0]), t[1]) for t in traced]
     if predicted != sent:
         raise ConfigError(
-            "model", predicted, "sparse gradients matching what the step sends",
+            "model",
+            predicted,
+            "sparse gradients matching what the step sends",
             source="CommunicationStats",
             received=f"IndexedSlices sent with (row shape, index dtype) {sent}; the model's "
-                     f"Embedding tables predict {predicted}",
+            f"Embedding tables predict {predicted}",
             hint="Byte accounting would be wrong. Count with predict_traffic() and a list of "
-                 "(shape, dtype) pairs and SparseGradient entries instead.")
+            "(shape, dtype) pairs and SparseGradient entries instead.",
+        )

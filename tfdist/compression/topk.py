@@ -5,7 +5,14 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.compression.base import (
-    Compressor, Context, check_min_size, check_ratio, context_of, kept_count, numel)
+    Compressor,
+    Context,
+    check_min_size,
+    check_ratio,
+    context_of,
+    kept_count,
+    numel,
+)
 
 #: Tensors with fewer entries are sent whole by top-k and sign (see
 #: :class:`TopKCompressor`).

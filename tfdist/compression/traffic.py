@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 #: Dtype names all-gather carries without packing.
 GATHER_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
@@ -98,14 +99,16 @@ class Traffic:
     def dense_sent(self) -> float:
         """Bytes a replica would send without compression: dense gradients
         all-reduced, sparse ones all-gathered."""
-        return (all_reduce_bytes(self.dense, self.num_replicas)
-                + all_gather_bytes(self.dense_gather, self.num_replicas))
+        return all_reduce_bytes(self.dense, self.num_replicas) + all_gather_bytes(
+            self.dense_gather, self.num_replicas
+        )
 
     @property
     def sent(self) -> float:
         """Bytes a replica sends with compression."""
-        return (all_reduce_bytes(self.all_reduce, self.num_replicas)
-                + all_gather_bytes(self.all_gather, self.num_replicas))
+        return all_reduce_bytes(self.all_reduce, self.num_replicas) + all_gather_bytes(
+            self.all_gather, self.num_replicas
+        )
 
     @property
     def ratio(self) -> float:
@@ -114,12 +117,20 @@ class Traffic:
 
     def as_logs(self) -> dict[str, float]:
         """The figures a Keras callback puts in the logs."""
-        return {"comm_bytes": self.sent, "comm_dense_bytes": self.dense_sent,
-                "comm_ratio": self.ratio}
+        return {
+            "comm_bytes": self.sent,
+            "comm_dense_bytes": self.dense_sent,
+            "comm_ratio": self.ratio,
+        }
 
     def __str__(self) -> str:
-        reference = ("uncompressed, sparse gradients all-gathered" if self.dense_gather
-                     else "dense fp32 all-reduce")
-        return (f"{self.sent:,.0f} bytes sent per replica per step "
-                f"({reference}: {self.dense_sent:,.0f}; "
-                f"{self.ratio:.1f}x fewer) among {self.num_replicas} replicas")
+        reference = (
+            "uncompressed, sparse gradients all-gathered"
+            if self.dense_gather
+            else "dense fp32 all-reduce"
+        )
+        return (
+            f"{self.sent:,.0f} bytes sent per replica per step "
+            f"({reference}: {self.dense_sent:,.0f}; "
+            f"{self.ratio:.1f}x fewer) among {self.num_replicas} replicas"
+        )

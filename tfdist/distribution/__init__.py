@@ -31,9 +31,14 @@ from tfdist.distribution.guard import KerasDistributionError
 __all__ = ["DataParallel", "ModelParallel", "KerasDistributionError", "initialize", "report"]
 
 
-def initialize(job_addresses: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, compression: Any = None,
-               error_feedback: bool | None = None) -> Any:
+def initialize(
+    job_addresses: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    compression: Any = None,
+    error_feedback: bool | None = None,
+) -> Any:
     """``keras.distribution.initialize()`` with tfdist's gradient compression.
 
     Joins this process to its job, as ``keras.distribution.initialize()``
@@ -59,21 +64,29 @@ def initialize(job_addresses: str | None = None, num_processes: int | None = Non
             first call's.
     """
     from tfdist.distribution import cluster
-    options = {k: v for k, v in (("compression", compression),
-                                 ("error_feedback", error_feedback)) if v is not None}
-    return cluster.initialize(*cluster.keras_defaults(job_addresses, num_processes, process_id),
-                              **options)
+
+    options = {
+        k: v
+        for k, v in (("compression", compression), ("error_feedback", error_feedback))
+        if v is not None
+    }
+    return cluster.initialize(
+        *cluster.keras_defaults(job_addresses, num_processes, process_id), **options
+    )
 
 
 def __getattr__(name):
     # DataParallel subclasses Keras's: Keras is imported on first use only.
     if name == "DataParallel":
         from tfdist.distribution.data_parallel import DataParallel
+
         return DataParallel
     if name == "ModelParallel":
         from tfdist.distribution.model_parallel import ModelParallel
+
         return ModelParallel
     if name == "report":
         from tfdist.distribution.reporting import report
+
         return report
     raise AttributeError(f"module 'tfdist.distribution' has no attribute {name!r}")

@@ -30,8 +30,15 @@ from absl import logging
 
 from tfdist.errors import ConfigError
 
-__all__ = ["cluster_config", "cluster_strategy", "global_devices", "initialize",
-           "keras_defaults", "job_options", "check_options"]
+__all__ = [
+    "cluster_config",
+    "cluster_strategy",
+    "global_devices",
+    "initialize",
+    "keras_defaults",
+    "job_options",
+    "check_options",
+]
 
 #: The strategy of the job initialize() joined, once it has.
 _joined: list[Any] = []
@@ -45,6 +52,7 @@ def keras_defaults(job_addresses: Any, num_processes: Any, process_id: Any) -> t
     """Keras's own defaults for initialize()'s arguments: its
     ``KERAS_DISTRIBUTION_*`` variables."""
     import os
+
     if job_addresses is None:
         job_addresses = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
     if num_processes is None and "KERAS_DISTRIBUTION_NUM_PROCESSES" in os.environ:
@@ -54,8 +62,7 @@ def keras_defaults(job_addresses: Any, num_processes: Any, process_id: Any) -> t
     return job_addresses, num_processes, process_id
 
 
-def cluster_config(job_addresses: Any, num_processes: Any,
-                   process_id: Any) -> dict | None:
+def cluster_config(job_addresses: Any, num_processes: Any, process_id: Any) -> dict | None:
     """The TF_CONFIG of Keras's ``initialize`` arguments; None for none.
 
     Raises:
@@ -65,26 +72,46 @@ def cluster_config(job_addresses: Any, num_processes: Any,
         return None
     source = "keras.distribution.initialize"
     if job_addresses is None:
-        raise ConfigError("job_addresses", None, "every process's host:port, comma-separated",
-                          source=source, hint="Or set none of the three and give TF_CONFIG")
-    addresses = ([a.strip() for a in job_addresses.split(",")]
-                 if isinstance(job_addresses, str) else list(job_addresses))
+        raise ConfigError(
+            "job_addresses",
+            None,
+            "every process's host:port, comma-separated",
+            source=source,
+            hint="Or set none of the three and give TF_CONFIG",
+        )
+    addresses = (
+        [a.strip() for a in job_addresses.split(",")]
+        if isinstance(job_addresses, str)
+        else list(job_addresses)
+    )
     if not addresses or any(not a or ":" not in str(a) for a in addresses):
-        raise ConfigError("job_addresses", job_addresses,
-                          "host:port entries, comma-separated", source=source)
+        raise ConfigError(
+            "job_addresses", job_addresses, "host:port entries, comma-separated", source=source
+        )
     if num_processes is not None and num_processes != len(addresses):
-        raise ConfigError("num_processes", num_processes,
-                          f"{len(addresses)}, the number of job_addresses", source=source)
-    if (not isinstance(process_id, int) or isinstance(process_id, bool)
-            or not 0 <= process_id < len(addresses)):
-        raise ConfigError("process_id", process_id,
-                          f"an integer in [0, {len(addresses) - 1}]", source=source)
-    return {"cluster": {"worker": [str(a) for a in addresses]},
-            "task": {"type": "worker", "index": process_id}}
+        raise ConfigError(
+            "num_processes",
+            num_processes,
+            f"{len(addresses)}, the number of job_addresses",
+            source=source,
+        )
+    if (
+        not isinstance(process_id, int)
+        or isinstance(process_id, bool)
+        or not 0 <= process_id < len(addresses)
+    ):
+        raise ConfigError(
+            "process_id", process_id, f"an integer in [0, {len(addresses) - 1}]", source=source
+        )
+    return {
+        "cluster": {"worker": [str(a) for a in addresses]},
+        "task": {"type": "worker", "index": process_id},
+    }
 
 
-def initialize(job_addresses: Any = None, num_processes: Any = None,
-               process_id: Any = None, **options: Any) -> Any:
+def initialize(
+    job_addresses: Any = None, num_processes: Any = None, process_id: Any = None, **options: Any
+) -> Any:
     """Joins this process to its job; returns the MultiWorkerMirrored strategy.
 
     Returns None, with a log line, where there is no job (no arguments and
@@ -102,19 +129,29 @@ def initialize(job_addresses: Any = None, num_processes: Any = None,
     wanted = {key: options.get(key) for key in OPTIONS}
     if _joined:
         if config is not None and _joined[0].task != f"worker:{config['task']['index']}":
-            raise ConfigError("process_id", process_id, f"{_joined[0].task}, as the first call",
-                              source="keras.distribution.initialize",
-                              hint="This process already joined its job")
+            raise ConfigError(
+                "process_id",
+                process_id,
+                f"{_joined[0].task}, as the first call",
+                source="keras.distribution.initialize",
+                hint="This process already joined its job",
+            )
         for key in OPTIONS:
             if wanted[key] is not None and wanted[key] != _options.get(key):
-                raise ConfigError(key, wanted[key], f"{_options.get(key)!r}, as the first call "
-                                  "made the job's strategy", source="initialize",
-                                  hint="A job's strategy is made once: pass the same options "
-                                       "to the first initialize() of the process")
+                raise ConfigError(
+                    key,
+                    wanted[key],
+                    f"{_options.get(key)!r}, as the first call made the job's strategy",
+                    source="initialize",
+                    hint="A job's strategy is made once: pass the same options "
+                    "to the first initialize() of the process",
+                )
         return _joined[0]
     if config is None and choose().name != "multi_worker_mirrored":
-        logging.info("keras.distribution.initialize(): no job_addresses and no TF_CONFIG "
-                     "cluster: this process trains alone")
+        logging.info(
+            "keras.distribution.initialize(): no job_addresses and no TF_CONFIG "
+            "cluster: this process trains alone"
+        )
         return None
     with data_parallel.making():
         strategy = strategy_from_config(config, strategy="multi_worker_mirrored", **options)
@@ -144,10 +181,14 @@ def check_options(options: dict[str, Any], source: str) -> None:
         value = options.get(key)
         if value is not None and value != job[key]:
             raise ConfigError(
-                key, value, f"{job[key]!r}, the job's: across processes the strategy is the "
-                "one initialize() made", source=source,
+                key,
+                value,
+                f"{job[key]!r}, the job's: across processes the strategy is the "
+                "one initialize() made",
+                source=source,
                 hint=f"Pass {key}= to tfdist.distribution.initialize() in every process, "
-                     "before the distribution is set")
+                "before the distribution is set",
+            )
 
 
 def cluster_strategy() -> Any:
@@ -165,5 +206,8 @@ def global_devices(device_type: str | None = None) -> list[str] | None:
     if device_type is not None:
         local = [d for d in local if d.split(":")[0].lower() == device_type.lower()]
     workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
-    return [f"/job:worker/replica:0/task:{task}/device:{device}"
-            for task in range(workers) for device in local]
+    return [
+        f"/job:worker/replica:0/task:{task}/device:{device}"
+        for task in range(workers)
+        for device in local
+    ]

@@ -28,11 +28,20 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = ["DataParallel", "honours", "is_mapped", "making", "mark", "release", "strategy_for",
-           "strategy_of", "use"]
+__all__ = [
+    "DataParallel",
+    "honours",
+    "is_mapped",
+    "making",
+    "mark",
+    "release",
+    "strategy_for",
+    "strategy_of",
+    "use",
+]
 
 #: Strategies made for a distribution: not the user's (the guard lets them be).
-_mapped: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_mapped: weakref.WeakSet[Any] = weakref.WeakSet()
 _local = threading.local()
 #: The strategy made current by :func:`use`, if it still is.
 _current: list[Any] = []
@@ -52,18 +61,28 @@ class DataParallel(keras.distribution.DataParallel):
         error_feedback: As ``tfdist.strategy_from_config``'s.
     """
 
-    def __init__(self, device_mesh=None, devices=None, auto_shard_dataset=True, *,
-                 compression: Any = None, error_feedback: bool | None = None) -> None:
-        super().__init__(device_mesh=device_mesh, devices=devices,
-                         auto_shard_dataset=auto_shard_dataset)
+    def __init__(
+        self,
+        device_mesh=None,
+        devices=None,
+        auto_shard_dataset=True,
+        *,
+        compression: Any = None,
+        error_feedback: bool | None = None,
+    ) -> None:
+        super().__init__(
+            device_mesh=device_mesh, devices=devices, auto_shard_dataset=auto_shard_dataset
+        )
         self._tfdist_options = {"compression": compression, "error_feedback": error_feedback}
 
 
 def honours(distribution: Any) -> bool:
     """Whether tfdist can train as ``distribution`` says on TensorFlow."""
     from tfdist.distribution import model_parallel
-    return (isinstance(distribution, keras.distribution.DataParallel)
-            or model_parallel.honours(distribution))
+
+    return isinstance(distribution, keras.distribution.DataParallel) or model_parallel.honours(
+        distribution
+    )
 
 
 def is_mapped(strategy: Any) -> bool:
@@ -111,10 +130,11 @@ def strategy_for(distribution: Any) -> Any:
         return strategy
     from tfdist.distribution import model_parallel
     from tfdist.strategies import strategy_from_config
+
     if model_parallel.honours(distribution):
         strategy = model_parallel.strategy_for(distribution, _local_devices)
         mark(strategy)
-        distribution._tfdist_strategy = strategy
+        distribution._tfdist_strategy = strategy  # noqa: SLF001 - tfdist's own tag on the Keras distribution (read by strategy_of)
         return strategy
     devices = [_device(d) for d in np.asarray(distribution.device_mesh.devices).ravel()]
     if any("/job:" in d or "/task:" in d for d in devices):
@@ -124,7 +144,7 @@ def strategy_for(distribution: Any) -> Any:
     with making():
         strategy = strategy_from_config(strategy="mirrored", devices=devices, **options)
     mark(strategy)
-    distribution._tfdist_strategy = strategy
+    distribution._tfdist_strategy = strategy  # noqa: SLF001 - tfdist's own tag on the Keras distribution (read by strategy_of)
     return strategy
 
 
@@ -144,34 +164,44 @@ def _local_devices(names: list) -> list[str]:
     missing = [d for d in devices if kind_and_index(d) not in local]
     if missing:
         raise ConfigError(
-            "device_mesh", devices, "devices that exist in this process",
+            "device_mesh",
+            devices,
+            "devices that exist in this process",
             source="keras.distribution",
-            hint=f"{', '.join(missing)} not found; keras.distribution.list_devices() "
-                 "names them")
+            hint=f"{', '.join(missing)} not found; keras.distribution.list_devices() names them",
+        )
     return devices
 
 
 def _cluster_strategy_for(distribution: Any, devices: list[str]) -> Any:
     """The job's strategy, for a mesh over every process's devices."""
     from tfdist.distribution import cluster
+
     strategy = cluster.cluster_strategy()
     if strategy is None:
         raise ConfigError(
-            "device_mesh", devices, "devices of this process, or keras.distribution."
-            "initialize() first", source="keras.distribution",
+            "device_mesh",
+            devices,
+            "devices of this process, or keras.distribution.initialize() first",
+            source="keras.distribution",
             hint="The mesh names devices of other processes: call "
-                 "keras.distribution.initialize() (from TF_CONFIG, or job_addresses, "
-                 "num_processes and process_id) before building it")
+            "keras.distribution.initialize() (from TF_CONFIG, or job_addresses, "
+            "num_processes and process_id) before building it",
+        )
     every = cluster.global_devices()
     if sorted(d.lower() for d in devices) != sorted(d.lower() for d in every):
         raise ConfigError(
-            "device_mesh", devices, f"every device of the job, once: {every}",
+            "device_mesh",
+            devices,
+            f"every device of the job, once: {every}",
             source="keras.distribution",
             hint="Data parallelism across processes runs on all of them; "
-                 "keras.distribution.list_devices() names them")
-    cluster.check_options(getattr(distribution, "_tfdist_options", {}),
-                          "tfdist.distribution.DataParallel")
-    distribution._tfdist_strategy = strategy
+            "keras.distribution.list_devices() names them",
+        )
+    cluster.check_options(
+        getattr(distribution, "_tfdist_options", {}), "tfdist.distribution.DataParallel"
+    )
+    distribution._tfdist_strategy = strategy  # noqa: SLF001 - tfdist's own tag on the Keras distribution (read by strategy_of)
     return strategy
 
 

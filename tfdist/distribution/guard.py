@@ -47,14 +47,24 @@ from typing import Any
 
 from tfdist.errors import TfdistError
 
-__all__ = ["KerasDistributionError", "install", "install_at_import", "check_no_distribution",
-           "register_strategy", "wrap_set_distribution", "wrap_initialize", "wrap_list_devices",
-           "wrap_entry", "new_num_processes", "new_process_id"]
+__all__ = [
+    "KerasDistributionError",
+    "install",
+    "install_at_import",
+    "check_no_distribution",
+    "register_strategy",
+    "wrap_set_distribution",
+    "wrap_initialize",
+    "wrap_list_devices",
+    "wrap_entry",
+    "new_num_processes",
+    "new_process_id",
+]
 
 #: The tfdist strategies of this process that are alive, with the order they
 #: were made in (the error names the newest: an older one may wait for the
 #: garbage collector).
-_strategies: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_strategies: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _made = itertools.count()
 
 
@@ -68,6 +78,7 @@ class KerasDistributionError(TfdistError, RuntimeError):
 
 def _on_tensorflow() -> bool:
     import keras
+
     return keras.backend.backend() == "tensorflow"
 
 
@@ -83,11 +94,13 @@ def _error(distribution: Any, when: str) -> KerasDistributionError:
         "map), or tfdist.strategy_from_config(model_parallel=T) with the layers of "
         "tfdist.parallel (ColumnParallelDense, RowParallelDense, ...), for model "
         "parallelism; keras.distribution.DataParallel alone, or "
-        "tfdist.strategy_from_config(), for data parallelism.")
+        "tfdist.strategy_from_config(), for data parallelism."
+    )
 
 
 def _current_distribution() -> Any:
     from tfdist.compat.keras_src import distribution_lib
+
     return distribution_lib.distribution()
 
 
@@ -101,6 +114,7 @@ def check_no_distribution(kind: str = "tfdist") -> None:
         KerasDistributionError: ``keras.distribution.distribution()`` is set.
     """
     from tfdist.distribution import data_parallel
+
     current = _current_distribution()
     if current is not None and _on_tensorflow() and not data_parallel.is_mapped(None):
         raise _error(current, f"is set while a tfdist {kind} strategy is created")
@@ -110,6 +124,7 @@ def register_strategy(strategy: Any) -> None:
     """Records a live tfdist strategy of the user's, so that
     ``set_distribution`` refuses (not one made for a ``DataParallel``)."""
     from tfdist.distribution import data_parallel
+
     if not data_parallel.is_mapped(strategy):
         _strategies[strategy] = next(_made)
 
@@ -120,6 +135,7 @@ def wrap_set_distribution(original):
         import tensorflow as tf
 
         from tfdist.distribution import data_parallel
+
         if value is None or not _on_tensorflow():
             data_parallel.release()
             return original(value)
@@ -136,6 +152,7 @@ def wrap_set_distribution(original):
         result = original(value)
         data_parallel.use(strategy)
         return result
+
     return set_distribution
 
 
@@ -145,7 +162,9 @@ def wrap_initialize(original):
         if not _on_tensorflow():
             return original(job_addresses, num_processes, process_id)
         from tfdist.distribution import cluster
+
         cluster.initialize(*cluster.keras_defaults(job_addresses, num_processes, process_id))
+
     return initialize
 
 
@@ -154,10 +173,12 @@ def wrap_list_devices(original):
     def list_devices(device_type=None):
         if _on_tensorflow():
             from tfdist.distribution import cluster
+
             every = cluster.global_devices(device_type)
             if every is not None:
                 return every
         return original(device_type)
+
     return list_devices
 
 
@@ -171,6 +192,7 @@ def new_num_processes(missing):
 
     def num_processes() -> int:
         return 1
+
     return num_processes
 
 
@@ -180,6 +202,7 @@ def new_process_id(missing):
 
     def process_id() -> int:
         return 0
+
     return process_id
 
 
@@ -191,8 +214,7 @@ def _refusal() -> str:
         gc.collect()
         alive = sorted(_strategies.items(), key=lambda item: item[1])
     if not alive:
-        return ("is not one tfdist honours on TensorFlow (DataParallel and ModelParallel "
-                "are)")
+        return "is not one tfdist honours on TensorFlow (DataParallel and ModelParallel are)"
     newest = type(alive[-1][0]).__name__
     others = f", and {len(alive) - 1} older" if len(alive) > 1 else ""
     return f"was set while a tfdist strategy exists in this process ({newest}{others})"
@@ -200,9 +222,10 @@ def _refusal() -> str:
 
 def _model_strategy(model: Any) -> Any:
     import tensorflow as tf
+
     from tfdist.strategies import TfdistStrategy
-    for strategy in (getattr(model, "_distribute_strategy", None),
-                     tf.distribute.get_strategy()):
+
+    for strategy in (getattr(model, "_distribute_strategy", None), tf.distribute.get_strategy()):
         if isinstance(strategy, TfdistStrategy):
             return strategy
     return None
@@ -212,14 +235,22 @@ def wrap_entry(original):
     @functools.wraps(original)
     def entry(self, *args, **kwargs):
         from tfdist.distribution import data_parallel
+
         strategy = _model_strategy(self)
         if strategy is not None:
             current = _current_distribution()
-            if (current is not None and _on_tensorflow()
-                    and data_parallel.strategy_of(current) is not strategy):
-                raise _error(current, f"is set while model.{original.__name__} runs "
-                             f"under a tfdist strategy ({type(strategy).__name__})")
+            if (
+                current is not None
+                and _on_tensorflow()
+                and data_parallel.strategy_of(current) is not strategy
+            ):
+                raise _error(
+                    current,
+                    f"is set while model.{original.__name__} runs "
+                    f"under a tfdist strategy ({type(strategy).__name__})",
+                )
         return original(self, *args, **kwargs)
+
     return entry
 
 
@@ -253,7 +284,8 @@ def install() -> None:
                 if not compat.apply_to(f"distribution_guard.{name}", module):
                     raise compat.PatchError(
                         f"tfdist's keras.distribution support cannot wrap "
-                        f"{module.__name__}.{name}: its parameters changed")
+                        f"{module.__name__}.{name}: its parameters changed"
+                    )
 
 
 def install_at_import(keras_module: Any = None) -> None:

@@ -79,17 +79,23 @@ def plan(variable: Any, distribution: Any, strategy: Any) -> sharding.ShardSpec 
     path = variable.path
 
     def refuse(expected: str) -> ConfigError:
-        return ConfigError(f"layout of {path}", axes, expected, source=_SOURCE,
-                           hint=f"The weight {path} has shape {shape}; the mesh is "
-                                f"{dict(sizes)}.")
+        return ConfigError(
+            f"layout of {path}",
+            axes,
+            expected,
+            source=_SOURCE,
+            hint=f"The weight {path} has shape {shape}; the mesh is {dict(sizes)}.",
+        )
 
     if len(axes) != len(shape):
         raise refuse(f"one entry per dimension of the weight ({len(shape)})")
     named = [a for a in axes if a is not None]
     unknown = [a for a in named if a not in sizes]
     if unknown:
-        raise refuse(f"mesh axis names ({', '.join(map(repr, sizes))}) or None; "
-                     f"{unknown[0]!r} is not an axis of the mesh")
+        raise refuse(
+            f"mesh axis names ({', '.join(map(repr, sizes))}) or None; "
+            f"{unknown[0]!r} is not an axis of the mesh"
+        )
     if len(set(named)) != len(named):
         raise refuse("each mesh axis at most once")
     splits = []
@@ -99,15 +105,15 @@ def plan(variable: Any, distribution: Any, strategy: Any) -> sharding.ShardSpec 
         if shape[dim] % sizes[axis]:
             raise refuse(
                 f"dimensions the named axes divide: dimension {dim} has {shape[dim]}, "
-                f"which the {axis!r} axis ({sizes[axis]} devices) does not divide")
+                f"which the {axis!r} axis ({sizes[axis]} devices) does not divide"
+            )
         splits.append((dim, sharding.TENSOR if axis == model else sharding.DATA))
     if not splits:
         return None
     if any(kind == sharding.DATA for _, kind in splits):
         _check_compression(strategy, path, shape, axes)
     runtime = collectives.runtime_of(strategy)
-    return sharding.ShardSpec(shape, runtime, strategy, tuple(splits), path=path,
-                              layout=axes)
+    return sharding.ShardSpec(shape, runtime, strategy, tuple(splits), path=path, layout=axes)
 
 
 def _check_compression(strategy: Any, path: str, shape: tuple, axes: tuple) -> None:
@@ -118,25 +124,31 @@ def _check_compression(strategy: Any, path: str, shape: tuple, axes: tuple) -> N
         ConfigError: Any other compression, naming the weight.
     """
     from tfdist.parallel import grads
+
     setting = getattr(strategy, "compression", None)
     if setting is None or not setting.enabled or grads.cast_aggregator(strategy) is not None:
         return
     if strategy.num_replicas_in_sync < 2:
         return
     raise ConfigError(
-        "compression", str(setting), f"one of {', '.join(grads.CAST_COMPRESSORS)} (without "
+        "compression",
+        str(setting),
+        f"one of {', '.join(grads.CAST_COMPRESSORS)} (without "
         f"error feedback) with a layout that splits a weight over the batch axis",
         source=_SOURCE,
         hint=f"The layout {axes} splits {path} (shape {shape}) over the batch axis, so its "
-             "gradient is reduce-scattered, each device summing only its block: top-k, "
-             "random-k, sign, QSGD, PowerSGD and error feedback need the whole gradient. "
-             "Use compression='bf16' or 'fp16', or a layout without the batch axis.")
+        "gradient is reduce-scattered, each device summing only its block: top-k, "
+        "random-k, sign, QSGD, PowerSGD and error feedback need the whole gradient. "
+        "Use compression='bf16' or 'fp16', or a layout without the batch axis.",
+    )
 
 
 # --- the laid-out variable -------------------------------------------------------
 
+
 def _in_layer_call() -> bool:
     from tfdist.compat.keras_src import global_state
+
     return global_state.get_global_attribute("current_call_ctx") is not None
 
 
@@ -153,6 +165,7 @@ class _LaidOut:
     @property
     def value(self):
         from tfdist.distribution import regather
+
         given = regather.override(self)
         if given is not None:  # Inside a regathered call: gathered already.
             return given
@@ -160,6 +173,7 @@ class _LaidOut:
         if spec is None or self._value is None or not _in_layer_call():
             return super().value
         from tfdist.compat.keras_src import in_stateless_scope, in_symbolic_scope
+
         if in_symbolic_scope() or in_stateless_scope():
             # Keras infers shapes: the values are never read.
             return self._maybe_autocast(tf.zeros(spec.full_shape, self._dtype))
@@ -175,7 +189,7 @@ class _LaidOut:
 
     @property
     def _shared_name(self):
-        return self._value._shared_name
+        return self._value._shared_name  # noqa: SLF001 - TF's checkpointing reads _shared_name; the wrapped variable's, forwarded
 
     # A regularizer or constraint would see one block, not the weight.
     @property
@@ -207,14 +221,17 @@ def _refuse_per_weight(variable: Any, what: str, value: Any) -> None:
         return
     spec = sharding.spec_of(variable)
     raise ConfigError(
-        f"{what} of {variable.path}", value, f"no {what} on a weight a layout splits",
+        f"{what} of {variable.path}",
+        value,
+        f"no {what} on a weight a layout splits",
         source=_SOURCE,
         hint=f"The layout {spec.layout} splits {variable.path} (shape {spec.full_shape}), "
-             f"and a {what} would see one block. Drop it, or lay the weight out "
-             "replicated (None on every dimension).")
+        f"and a {what} would see one block. Drop it, or lay the weight out "
+        "replicated (None on every dimension).",
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _class_for(base: type) -> type:
     return type(f"LaidOut{base.__name__}", (_LaidOut, base), {"__module__": __name__})
 
@@ -242,6 +259,7 @@ def wrap_initialize(original):
     def _initialize(self, value):
         from tfdist.distribution import model_parallel
         from tfdist.parallel import saving
+
         found = model_parallel.current()
         # A slot of a split weight is a block already (Keras < 3.15 also hands
         # it the weight's layout): saving registers it like its weight.
@@ -264,8 +282,10 @@ def wrap_initialize(original):
         if layer is not None:
             from tfdist.distribution import regather
             from tfdist.parallel import saving
+
             saving.cover(type(layer))  # Its own save/load write and read full values.
             regather.wrap(layer)
+
     return _initialize
 
 
@@ -275,6 +295,7 @@ def _creating_layer() -> Any:
     import keras
 
     from tfdist.compat.keras_src import global_state
+
     for scope in reversed(global_state.get_global_attribute("name_scope_stack") or []):
         caller = getattr(scope, "caller", None)
         if isinstance(caller, keras.layers.Layer):
@@ -292,6 +313,7 @@ def install() -> None:
     """
     from tfdist import compat
     from tfdist.parallel import grads, saving
+
     grads.install()
     saving.install()
     compat.install("layouts")

@@ -69,6 +69,7 @@ class Plan:
 
 def _equation(layer: Any) -> str | None:
     import keras
+
     if type(layer).call is keras.layers.Dense.call:
         return "...a,ab->...b"
     if type(layer).call is keras.layers.EinsumDense.call:
@@ -78,13 +79,17 @@ def _equation(layer: Any) -> str | None:
 
 def _embedding_plan(layer: Any) -> Plan | None:
     import keras
+
     if not isinstance(layer, keras.layers.Embedding):
         return None
     if type(layer).call not in (keras.layers.Embedding.call, _reversible_call()):
         return None
     table = getattr(layer, "_embeddings", None)
-    if table is None or getattr(layer, "quantization_mode", None) \
-            or getattr(layer, "lora_enabled", False):
+    if (
+        table is None
+        or getattr(layer, "quantization_mode", None)
+        or getattr(layer, "lora_enabled", False)
+    ):
         return None
     spec = sharding.spec_of(table)
     if spec is None or (0, sharding.TENSOR) not in spec.splits:
@@ -95,6 +100,7 @@ def _embedding_plan(layer: Any) -> Plan | None:
 def _reversible_call() -> Any:
     """keras-hub's ReversibleEmbedding.call, when keras-hub is imported."""
     import sys
+
     module = sys.modules.get("keras_hub.src.layers.modeling.reversible_embedding")
     return getattr(getattr(module, "ReversibleEmbedding", None), "call", None)
 
@@ -125,8 +131,11 @@ def plan(layer: Any) -> Plan | None:
         if equation != "...a,ab->...b":
             return None
         # Dense: the rows are the input's first axis; its features the last.
-        return (Plan("column", kernel, -1, equation) if letter == "b"
-                else Plan("row", kernel, -1, equation))
+        return (
+            Plan("column", kernel, -1, equation)
+            if letter == "b"
+            else Plan("row", kernel, -1, equation)
+        )
     # The rows: the input's and the output's first letter, not the kernel's.
     if inputs[0] != output[0] or inputs[0] in kernel_letters:
         return None
@@ -139,6 +148,7 @@ def plan(layer: Any) -> Plan | None:
 
 def _product(equation: str, x: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
     from keras import ops
+
     if equation == "...a,ab->...b":
         return ops.matmul(x, kernel)
     return ops.einsum(equation, x, kernel)
@@ -153,12 +163,19 @@ def uses_block(layer: Any, the_plan: Plan, args: tuple, kwargs: dict) -> bool:
     return not reverse or layer.tie_weights
 
 
-def call(layer: Any, the_plan: Plan, args: tuple, kwargs: dict, kernel: tf.Tensor,
-         p: collectives.Placement) -> Any:
+def call(
+    layer: Any,
+    the_plan: Plan,
+    args: tuple,
+    kwargs: dict,
+    kernel: tf.Tensor,
+    p: collectives.Placement,
+) -> Any:
     """What ``layer`` returns when called with ``args`` and ``kwargs``,
     computed with ``kernel``, its block over the tensor group (gathered over
     the batch axis)."""
     from keras import ops
+
     if the_plan.kind == "vocabulary":
         return _vocabulary_call(layer, args, kwargs, kernel, p)
     inputs = args[0] if args else kwargs["inputs"]
@@ -166,7 +183,7 @@ def call(layer: Any, the_plan: Plan, args: tuple, kwargs: dict, kernel: tf.Tenso
     if the_plan.kind == "column":
         y = _product(the_plan.equation, collectives.gather_rows(inputs), kernel)
         y = collectives.tp_all_gather(y, axis=the_plan.axis % y.shape.rank)
-        y = y[p.t * rows:(p.t + 1) * rows]
+        y = y[p.t * rows : (p.t + 1) * rows]
     else:
         # The group's rows first, then this member's features of all of them.
         x = tf.split(collectives.gather_rows(inputs), p.tp, axis=the_plan.axis)[p.t]
@@ -178,11 +195,13 @@ def call(layer: Any, the_plan: Plan, args: tuple, kwargs: dict, kernel: tf.Tenso
     return y
 
 
-def _vocabulary_call(layer: Any, args: tuple, kwargs: dict, table: tf.Tensor,
-                     p: collectives.Placement) -> Any:
+def _vocabulary_call(
+    layer: Any, args: tuple, kwargs: dict, table: tf.Tensor, p: collectives.Placement
+) -> Any:
     from keras import ops
 
     from tfdist.compat.keras_src import set_keras_mask
+
     named = dict(zip(("inputs", "reverse"), args))
     named.update(kwargs)
     inputs, reverse = named["inputs"], named.get("reverse", False)
@@ -192,7 +211,7 @@ def _vocabulary_call(layer: Any, args: tuple, kwargs: dict, table: tf.Tensor,
             x, kernel = ops.cast(x, layer.reverse_dtype), ops.cast(kernel, layer.reverse_dtype)
         logits = collectives.tp_all_gather(ops.matmul(x, kernel), axis=-1)
         rows = tf.shape(inputs)[0]
-        logits = logits[p.t * rows:(p.t + 1) * rows]
+        logits = logits[p.t * rows : (p.t + 1) * rows]
         if layer.logit_soft_cap is not None:
             cap = layer.logit_soft_cap
             logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
@@ -205,9 +224,11 @@ def _vocabulary_call(layer: Any, args: tuple, kwargs: dict, table: tf.Tensor,
     # Only this member's ids are looked up, so the table's gradient (sparse,
     # as a lookup's is) holds only their slices; the rest of the rows are 0.
     where = tf.where(mine)
-    found = tf.scatter_nd(where, tf.gather(table, tf.gather_nd(local, where)),
-                          tf.concat([tf.shape(ids, out_type=tf.int64),
-                                     tf.shape(table, out_type=tf.int64)[1:]], 0))
+    found = tf.scatter_nd(
+        where,
+        tf.gather(table, tf.gather_nd(local, where)),
+        tf.concat([tf.shape(ids, out_type=tf.int64), tf.shape(table, out_type=tf.int64)[1:]], 0),
+    )
     out = ops.cast(collectives.scatter_rows(found), layer.compute_dtype)
     mask = layer.compute_mask(inputs)
     if mask is not None:

@@ -49,8 +49,15 @@ class ModelParallel(keras.distribution.ModelParallel):
         **kwargs: Keras's other arguments (``auto_shard_dataset``).
     """
 
-    def __init__(self, *, layout_map=None, batch_dim_name=None, compression: Any = None,
-                 error_feedback: bool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        layout_map=None,
+        batch_dim_name=None,
+        compression: Any = None,
+        error_feedback: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name, **kwargs)
         self._tfdist_options = {"compression": compression, "error_feedback": error_feedback}
 
@@ -67,16 +74,22 @@ def ordered_devices(distribution: Any) -> tuple[list[str], int]:
             not one of them.
     """
     from tfdist.distribution.layouts import mesh_axes
+
     mesh = distribution.device_mesh
     names = list(mesh.axis_names)
     devices = np.asarray(mesh.devices)
     if devices.ndim > 2:
-        raise ConfigError("device_mesh", f"shape {tuple(mesh.shape)}, axes {names}",
-                          "a 1-D (batch) or 2-D (batch, model) mesh", source=_SOURCE)
+        raise ConfigError(
+            "device_mesh",
+            f"shape {tuple(mesh.shape)}, axes {names}",
+            "a 1-D (batch) or 2-D (batch, model) mesh",
+            source=_SOURCE,
+        )
     batch, model = mesh_axes(distribution)
     if batch not in names:
-        raise ConfigError("batch_dim_name", batch, f"one of the mesh's axes {names}",
-                          source=_SOURCE)
+        raise ConfigError(
+            "batch_dim_name", batch, f"one of the mesh's axes {names}", source=_SOURCE
+        )
     if devices.ndim == 2 and names.index(batch) == 1:
         devices = devices.T
     tp = devices.shape[1] if devices.ndim == 2 else 1
@@ -94,6 +107,7 @@ def strategy_for(distribution: Any, check_devices: Any) -> Any:
     from tfdist.distribution import data_parallel, layouts
     from tfdist.parallel import mesh as mesh_lib
     from tfdist.strategies import strategy_from_config
+
     names, tp = ordered_devices(distribution)
     options = dict(getattr(distribution, "_tfdist_options", {}))
     if any("/job:" in d or "/task:" in d for d in names):
@@ -102,8 +116,9 @@ def strategy_for(distribution: Any, check_devices: Any) -> Any:
         return strategy
     devices = check_devices(names)
     with data_parallel.making():
-        strategy = strategy_from_config(strategy="mirrored", devices=devices,
-                                        model_parallel=tp, **options)
+        strategy = strategy_from_config(
+            strategy="mirrored", devices=devices, model_parallel=tp, **options
+        )
         if tp == 1:
             mesh_lib.attach(strategy, 1, always=True)
     layouts.install()
@@ -122,29 +137,39 @@ def _cluster_strategy_for(names: list[str], tp: int, options: dict) -> Any:
     """
     from tfdist.distribution import cluster
     from tfdist.parallel import mesh as mesh_lib
+
     strategy = cluster.cluster_strategy()
     if strategy is None:
         raise ConfigError(
-            "device_mesh", names, "devices of this process, or keras.distribution."
-            "initialize() first", source=_SOURCE,
+            "device_mesh",
+            names,
+            "devices of this process, or keras.distribution.initialize() first",
+            source=_SOURCE,
             hint="The mesh names devices of other processes: call "
-                 "keras.distribution.initialize() before building it")
+            "keras.distribution.initialize() before building it",
+        )
     cluster.check_options(options, "tfdist.distribution.ModelParallel")
     every = cluster.global_devices()
     if [d.lower() for d in names] != [d.lower() for d in every]:
         raise ConfigError(
-            "device_mesh", names, f"every device of the job once, batch-major in process "
-            f"order: {every}", source=_SOURCE,
+            "device_mesh",
+            names,
+            f"every device of the job once, batch-major in process order: {every}",
+            source=_SOURCE,
             hint="Build the mesh from keras.distribution.list_devices() as it lists them: "
-                 "replica r of the job is device r, at (batch, model) = divmod(r, model size)")
+            "replica r of the job is device r, at (batch, model) = divmod(r, model size)",
+        )
     attached = getattr(strategy, "_tfdist_parallel", None)
     if attached is None:
         mesh_lib.attach(strategy, tp, always=True)
     elif attached.mesh.tp != tp:
         raise ConfigError(
-            "device_mesh", f"a model axis of {tp}", f"{attached.mesh.tp}, the model axis "
-            "this job's first ModelParallel gave its processes", source=_SOURCE,
-            hint="A job's tensor groups are fixed once made; start a new job for another")
+            "device_mesh",
+            f"a model axis of {tp}",
+            f"{attached.mesh.tp}, the model axis this job's first ModelParallel gave its processes",
+            source=_SOURCE,
+            hint="A job's tensor groups are fixed once made; start a new job for another",
+        )
     return strategy
 
 
@@ -153,11 +178,15 @@ def current() -> tuple[Any, Any] | None:
     current one; else None."""
     from tfdist.compat.keras_src import distribution_lib
     from tfdist.distribution import data_parallel
+
     distribution = distribution_lib.distribution()
     if not honours(distribution):
         return None
     strategy = data_parallel.strategy_of(distribution)
-    if strategy is None or not tf.distribute.has_strategy() \
-            or tf.distribute.get_strategy() is not strategy:
+    if (
+        strategy is None
+        or not tf.distribute.has_strategy()
+        or tf.distribute.get_strategy() is not strategy
+    ):
         return None
     return distribution, strategy

@@ -68,16 +68,18 @@ def regathers(layer: Any) -> bool:
 
 def own_split(layer: Any) -> list:
     """The split weights ``layer`` owns (not its sublayers')."""
-    own = (list(getattr(layer, "_trainable_variables", []))
-           + list(getattr(layer, "_non_trainable_variables", [])))
+    own = list(getattr(layer, "_trainable_variables", [])) + list(
+        getattr(layer, "_non_trainable_variables", [])
+    )
     return [v for v in own if sharding.spec_of(v) is not None]
 
 
 def is_leaf(layer: Any) -> bool:
     """No sublayer of ``layer`` has weights of its own."""
-    for sub in layer._flatten_layers(include_self=False):
-        if list(getattr(sub, "_trainable_variables", [])) \
-                or list(getattr(sub, "_non_trainable_variables", [])):
+    for sub in layer._flatten_layers(include_self=False):  # noqa: SLF001 - Keras has no public walk over nested layers
+        if list(getattr(sub, "_trainable_variables", [])) or list(
+            getattr(sub, "_non_trainable_variables", [])
+        ):
             return False
     return True
 
@@ -91,6 +93,7 @@ def wrap(layer: Any) -> None:
     @functools.wraps(original)
     def call(*args, **kwargs):
         return _call(layer, original, args, kwargs)
+
     # An instance attribute: Keras's Layer.__call__ calls self.call.
     object.__setattr__(layer, "call", call)
     object.__setattr__(layer, _ATTR, True)
@@ -98,26 +101,30 @@ def wrap(layer: Any) -> None:
 
 def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
     from tfdist.compat.keras_src import global_state, in_stateless_scope, in_symbolic_scope
+
     p = collectives.current()
     split = own_split(layer)
-    if p is None or not split or in_symbolic_scope() or in_stateless_scope() \
-            or not is_leaf(layer):
+    if p is None or not split or in_symbolic_scope() or in_stateless_scope() or not is_leaf(layer):
         return original(*args, **kwargs)
     autocast = global_state.get_global_attribute("autocast_scope")
     leaves = tf.nest.flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
     tensors = [tf.convert_to_tensor(leaves[i]) for i in where]
-    blocks = [v._maybe_autocast(tf.convert_to_tensor(v._value)) for v in split]
+    blocks = [v._maybe_autocast(tf.convert_to_tensor(v._value)) for v in split]  # noqa: SLF001 - the local block as Keras reads it: its tf.Variable, autocast
     specs = [sharding.spec_of(v) for v in split]
     shapes = [tuple(b.shape) for b in blocks]
     n = len(tensors)
     from tfdist.distribution import megatron
+
     the_plan = megatron.plan(layer) if p.tp > 1 else None
     # What each weight is gathered over: a tensor-parallel kernel keeps its
     # tensor block (gathered over the batch axis alone), the rest are whole.
-    gathers = [tuple((d, k) for d, k in s.splits if k == sharding.DATA)
-               if the_plan is not None and v is the_plan.kernel else s.splits
-               for v, s in zip(split, specs)]
+    gathers = [
+        tuple((d, k) for d, k in s.splits if k == sharding.DATA)
+        if the_plan is not None and v is the_plan.kernel
+        else s.splits
+        for v, s in zip(split, specs)
+    ]
 
     def rebuild(values):
         out = list(leaves)
@@ -127,8 +134,7 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
 
     def run(values, fulls):
         call_args, call_kwargs = rebuild(values)
-        if the_plan is None or not megatron.uses_block(layer, the_plan, call_args,
-                                                       call_kwargs):
+        if the_plan is None or not megatron.uses_block(layer, the_plan, call_args, call_kwargs):
             with overriding(split, fulls):
                 return original(*call_args, **call_kwargs)
         at = next(i for i, v in enumerate(split) if v is the_plan.kernel)
@@ -144,8 +150,9 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
         # Gathered once the call's inputs exist, not as soon as the step
         # starts: otherwise every layer's full weights could be alive at once.
         with tf.control_dependencies(values):
-            fulls = [tf.stop_gradient(collectives.gather_blocks(b, g, p))
-                     for b, g in zip(own, gathers)]
+            fulls = [
+                tf.stop_gradient(collectives.gather_blocks(b, g, p)) for b, g in zip(own, gathers)
+            ]
         out = run(values, fulls)
         structure.append(out)
         flat_out = tf.nest.flatten(out)
@@ -155,25 +162,40 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
             with tf.GradientTape() as tape:
                 # Likewise once the output's gradient exists.
                 with tf.control_dependencies([d for d in dys if d is not None]):
-                    fulls = [tf.stop_gradient(collectives.gather_blocks(b, g, p))
-                             for b, g in zip(own, gathers)]
+                    fulls = [
+                        tf.stop_gradient(collectives.gather_blocks(b, g, p))
+                        for b, g in zip(own, gathers)
+                    ]
                 floats = [v for v in values if v.dtype.is_floating]
                 tape.watch(floats + fulls)
-                scope = (type(autocast)(autocast.dtype) if autocast is not None
-                         else contextlib.nullcontext())
+                scope = (
+                    type(autocast)(autocast.dtype)
+                    if autocast is not None
+                    else contextlib.nullcontext()
+                )
                 with scope:
                     again = tf.nest.flatten(run(values, fulls))
             sources = floats + fulls + variables
-            grads = tape.gradient(again, sources, output_gradients=list(dys),
-                                  unconnected_gradients=tf.UnconnectedGradients.NONE)
-            by_float = dict(zip([id(v) for v in floats], grads[:len(floats)]))
+            grads = tape.gradient(
+                again,
+                sources,
+                output_gradients=list(dys),
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
+            )
+            by_float = dict(zip([id(v) for v in floats], grads[: len(floats)]))
             inputs = [by_float.get(id(v)) for v in values]
-            weights = [None if g is None else collectives.block_gradient(
-                           g, gather, p, shape, summed_over_tensor=gather != s.splits)
-                       for g, gather, s, shape
-                       in zip(grads[len(floats):len(floats) + len(fulls)], gathers, specs,
-                              shapes)]
-            return inputs + weights, grads[len(floats) + len(fulls):]
+            weights = [
+                None
+                if g is None
+                else collectives.block_gradient(
+                    g, gather, p, shape, summed_over_tensor=gather != s.splits
+                )
+                for g, gather, s, shape in zip(
+                    grads[len(floats) : len(floats) + len(fulls)], gathers, specs, shapes
+                )
+            ]
+            return inputs + weights, grads[len(floats) + len(fulls) :]
+
         return flat_out, grad
 
     flat_out = regathered(*tensors, *blocks)

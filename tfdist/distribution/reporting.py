@@ -81,21 +81,31 @@ class LayoutReport:
         for r in self.rows:
             if r.path == path:
                 return r
-        raise KeyError(f"no weight at {path!r}; the paths are "
-                       f"{[r.path for r in self.rows][:8]}...")
+        raise KeyError(f"no weight at {path!r}; the paths are {[r.path for r in self.rows][:8]}...")
 
     def __str__(self) -> str:
         header = ("path", "shape", "layout", "block", "how", "bytes/device")
         lines = [header] + [
-            (r.path, str(r.shape), str(r.layout) if r.layout else "-", str(r.block), r.how,
-             f"{r.bytes_per_device:,}") for r in self.rows]
+            (
+                r.path,
+                str(r.shape),
+                str(r.layout) if r.layout else "-",
+                str(r.block),
+                r.how,
+                f"{r.bytes_per_device:,}",
+            )
+            for r in self.rows
+        ]
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
-                for line in lines]
+        text = [
+            "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines
+        ]
         ratio = self.bytes_per_device / self.full_bytes if self.full_bytes else 1.0
-        text.append(f"weights per device: {self.bytes_per_device:,} bytes of "
-                    f"{self.full_bytes:,} ({ratio:.2f}x); optimizer slots split like "
-                    "their weights")
+        text.append(
+            f"weights per device: {self.bytes_per_device:,} bytes of "
+            f"{self.full_bytes:,} ({ratio:.2f}x); optimizer slots split like "
+            "their weights"
+        )
         return "\n".join(text)
 
 
@@ -126,10 +136,12 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
     """
     if distribution is None:
         from tfdist.compat.keras_src import distribution_lib
+
         distribution = distribution_lib.distribution()
     from tfdist.distribution import megatron, regather
+
     kept, tensor_parallel = set(), {}
-    for layer in model._flatten_layers(include_self=True):
+    for layer in model._flatten_layers(include_self=True):  # noqa: SLF001 - Keras has no public walk over nested layers
         split = regather.own_split(layer)
         if not regather.regathers(layer) or not regather.is_leaf(layer):
             # tfdist.parallel's own layers' shards (no layout) are theirs.
@@ -144,11 +156,23 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
         itemsize = np.dtype(v.dtype if isinstance(v.dtype, str) else v.dtype.name).itemsize
         shape = spec.full_shape if spec else tuple(int(s) for s in v.shape)
         block = spec.shard_shape if spec else shape
-        rows.append(WeightRow(
-            path=v.path, shape=shape, layout=_layout_of(v, distribution), block=block,
-            how=(REPLICATED if spec is None else PARALLEL_LAYER if spec.layout is None
-                 else GATHERED_KEPT if id(v) in kept
-                 else tensor_parallel.get(id(v), GATHERED)),
-            bytes_per_device=int(np.prod(block)) * itemsize,
-            full_bytes=int(np.prod(shape)) * itemsize))
+        rows.append(
+            WeightRow(
+                path=v.path,
+                shape=shape,
+                layout=_layout_of(v, distribution),
+                block=block,
+                how=(
+                    REPLICATED
+                    if spec is None
+                    else PARALLEL_LAYER
+                    if spec.layout is None
+                    else GATHERED_KEPT
+                    if id(v) in kept
+                    else tensor_parallel.get(id(v), GATHERED)
+                ),
+                bytes_per_device=int(np.prod(block)) * itemsize,
+                full_bytes=int(np.prod(shape)) * itemsize,
+            )
+        )
     return LayoutReport(tuple(rows))

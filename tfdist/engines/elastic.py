@@ -52,15 +52,22 @@ def parse_workers(value: Any, source: str = _SOURCE) -> tuple[int, int]:
         if len(parts) > 2 or not all(re.fullmatch(r"\d+", p.strip()) for p in parts):
             raise ConfigError("workers", value, expected, source=source)
         low, high = int(parts[0]), int(parts[-1])
-    elif (isinstance(value, (tuple, list)) and len(value) == 2
-          and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+    elif (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         low, high = value
     else:
         raise ConfigError("workers", value, expected, source=source)
     if low < 1 or low > high:
-        raise ConfigError("workers", value, expected, source=source,
-                          hint="MIN must be at least 1 and not above MAX." if low > high
-                          else None)
+        raise ConfigError(
+            "workers",
+            value,
+            expected,
+            source=source,
+            hint="MIN must be at least 1 and not above MAX." if low > high else None,
+        )
     return low, high
 
 
@@ -73,19 +80,28 @@ def parse_slots(text: str, script: str = "", source: str = _SOURCE) -> int:
     """
     lines = [line.strip() for line in text.splitlines()]
     lines = [line for line in lines if line and not line.startswith("#")]
-    expected = ("output of one integer (the worker slots available) or lines "
-                "HOST[:SLOTS]")
+    expected = "output of one integer (the worker slots available) or lines HOST[:SLOTS]"
     if len(lines) == 1 and re.fullmatch(r"\d+", lines[0]):
         return int(lines[0])
     if not lines:
-        raise ConfigError("host_discovery_script", script, expected, source=source,
-                          received=f"{script!r} printed nothing")
+        raise ConfigError(
+            "host_discovery_script",
+            script,
+            expected,
+            source=source,
+            received=f"{script!r} printed nothing",
+        )
     slots = 0
     for line in lines:
         match = _HOST_LINE.match(line)
         if match is None or line.isdigit():
-            raise ConfigError("host_discovery_script", script, expected, source=source,
-                              received=f"{script!r} printed {line!r}")
+            raise ConfigError(
+                "host_discovery_script",
+                script,
+                expected,
+                source=source,
+                received=f"{script!r} printed {line!r}",
+            )
         slots += int(match.group(2) or 1)
     return slots
 
@@ -102,18 +118,29 @@ class Discovery:
             ``'host_discovery_script'``).
     """
 
-    def __init__(self, script: str | os.PathLike, timeout: float = 10.0,
-                 source: str = _SOURCE) -> None:
+    def __init__(
+        self, script: str | os.PathLike, timeout: float = 10.0, source: str = _SOURCE
+    ) -> None:
         self.script = os.fspath(script)
         self.timeout = timeout
         self._source = source
         if not os.path.isfile(self.script):
-            raise ConfigError("host_discovery_script", self.script, "an executable file",
-                              source=source, received=f"{self.script!r}: no such file")
+            raise ConfigError(
+                "host_discovery_script",
+                self.script,
+                "an executable file",
+                source=source,
+                received=f"{self.script!r}: no such file",
+            )
         if not os.access(self.script, os.X_OK):
-            raise ConfigError("host_discovery_script", self.script, "an executable file",
-                              source=source, received=f"{self.script!r}: not executable",
-                              hint=f"chmod +x {self.script}")
+            raise ConfigError(
+                "host_discovery_script",
+                self.script,
+                "an executable file",
+                source=source,
+                received=f"{self.script!r}: not executable",
+                hint=f"chmod +x {self.script}",
+            )
 
     def slots(self) -> int:
         """Runs the script once; the slots it reports.
@@ -124,19 +151,36 @@ class Discovery:
         """
         expected = "a script that exits 0 and prints the worker slots available"
         try:
-            done = subprocess.run([os.path.abspath(self.script)], capture_output=True,
-                                  text=True, timeout=self.timeout, stdin=subprocess.DEVNULL)
+            done = subprocess.run(
+                [os.path.abspath(self.script)],
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
-            raise ConfigError("host_discovery_script", self.script, expected,
-                              source=self._source,
-                              received=f"{self.script!r} did not answer in {self.timeout:g} s") from None
+            raise ConfigError(
+                "host_discovery_script",
+                self.script,
+                expected,
+                source=self._source,
+                received=f"{self.script!r} did not answer in {self.timeout:g} s",
+            ) from None
         except OSError as error:
-            raise ConfigError("host_discovery_script", self.script, expected,
-                              source=self._source,
-                              received=f"{self.script!r} could not run: {error}") from None
+            raise ConfigError(
+                "host_discovery_script",
+                self.script,
+                expected,
+                source=self._source,
+                received=f"{self.script!r} could not run: {error}",
+            ) from None
         if done.returncode != 0:
-            raise ConfigError("host_discovery_script", self.script, expected,
-                              source=self._source,
-                              received=f"{self.script!r} exited with code {done.returncode}: "
-                              f"{(done.stderr or done.stdout).strip()[-200:]!r}")
+            raise ConfigError(
+                "host_discovery_script",
+                self.script,
+                expected,
+                source=self._source,
+                received=f"{self.script!r} exited with code {done.returncode}: "
+                f"{(done.stderr or done.stdout).strip()[-200:]!r}",
+            )
         return parse_slots(done.stdout, self.script, self._source)

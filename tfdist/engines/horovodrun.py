@@ -24,8 +24,9 @@ import dataclasses
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tfdist import spec as spec_lib
 from tfdist.errors import ConfigError
@@ -56,8 +57,23 @@ _HOST_RE = re.compile(r"[\w.-]+")
 _PYTHON_RE = re.compile(r"python(\d+(\.\d+)*)?")
 # Interpreter options that take a value (``-W ignore``, ``-X dev``).
 _VALUE_FLAGS = ("-W", "-X")
-_PLAIN_FLAGS = {"-u", "-O", "-OO", "-B", "-E", "-s", "-S", "-I", "-b", "-bb", "-q", "-d", "-P",
-                "-R", "-v"}
+_PLAIN_FLAGS = {
+    "-u",
+    "-O",
+    "-OO",
+    "-B",
+    "-E",
+    "-s",
+    "-S",
+    "-I",
+    "-b",
+    "-bb",
+    "-q",
+    "-d",
+    "-P",
+    "-R",
+    "-v",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +96,14 @@ def _host_entry(entry: str, field: str, source: str, line: int | None = None) ->
         raise ConfigError(field, entry, expected, source=source, line=line)
     count = int(slots) if sep else 1
     if count < 1:
-        raise ConfigError(field, entry, expected, source=source, line=line,
-                          hint="A host with no slots runs no process: leave it out.")
+        raise ConfigError(
+            field,
+            entry,
+            expected,
+            source=source,
+            line=line,
+            hint="A host with no slots runs no process: leave it out.",
+        )
     return HostSlots(host, count)
 
 
@@ -89,15 +111,20 @@ def _no_duplicates(hosts: list[HostSlots], field: str, source: str) -> list[Host
     seen: set[str] = set()
     for entry in hosts:
         if entry.host.lower() in seen:
-            raise ConfigError(field, ",".join(map(str, hosts)), "each host listed once",
-                              source=source, hint=f"{entry.host!r} appears twice; "
-                              "give it its total number of slots instead.")
+            raise ConfigError(
+                field,
+                ",".join(map(str, hosts)),
+                "each host listed once",
+                source=source,
+                hint=f"{entry.host!r} appears twice; give it its total number of slots instead.",
+            )
         seen.add(entry.host.lower())
     return hosts
 
 
-def parse_hosts(hosts: str | Sequence[str], *, field: str = "hosts",
-                source: str = "tfdist horovodrun") -> list[HostSlots]:
+def parse_hosts(
+    hosts: str | Sequence[str], *, field: str = "hosts", source: str = "tfdist horovodrun"
+) -> list[HostSlots]:
     """Reads horovodrun's ``-H`` value.
 
     Args:
@@ -124,8 +151,9 @@ def parse_hosts(hosts: str | Sequence[str], *, field: str = "hosts",
     return _no_duplicates([_host_entry(e, field, source) for e in entries], field, source)
 
 
-def parse_hostfile(path: str | os.PathLike, *,
-                   source: str = "tfdist horovodrun") -> list[HostSlots]:
+def parse_hostfile(
+    path: str | os.PathLike, *, source: str = "tfdist horovodrun"
+) -> list[HostSlots]:
     """Reads a horovodrun (Open MPI style) host file.
 
     Each line is ``host slots=N`` or a bare ``host`` (one slot); blank lines
@@ -138,8 +166,13 @@ def parse_hostfile(path: str | os.PathLike, *,
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
-        raise ConfigError("hostfile", os.fspath(path), "a readable host file", source=source,
-                          received=f"{os.fspath(path)!r} ({error.strerror})") from None
+        raise ConfigError(
+            "hostfile",
+            os.fspath(path),
+            "a readable host file",
+            source=source,
+            received=f"{os.fspath(path)!r} ({error.strerror})",
+        ) from None
     where = f"{source} (--hostfile {os.fspath(path)})"
     hosts = []
     for number, raw in enumerate(text.splitlines(), start=1):
@@ -149,23 +182,39 @@ def parse_hostfile(path: str | os.PathLike, *,
         words = line.split()
         slots = [w for w in words[1:] if w.startswith(("slots=", "max_slots="))]
         if len(words) > 2 or len(slots) != len(words) - 1 or ":" in words[0]:
-            raise ConfigError("hostfile", raw, "lines 'host slots=N' (or a bare host)",
-                              source=f"{where}, line {number}", line=number)
+            raise ConfigError(
+                "hostfile",
+                raw,
+                "lines 'host slots=N' (or a bare host)",
+                source=f"{where}, line {number}",
+                line=number,
+            )
         count = slots[0].split("=", 1)[1] if slots else "1"
-        hosts.append(_host_entry(f"{words[0]}:{count}", "hostfile", f"{where}, line {number}",
-                                 number))
+        hosts.append(
+            _host_entry(f"{words[0]}:{count}", "hostfile", f"{where}, line {number}", number)
+        )
     if not hosts:
-        raise ConfigError("hostfile", os.fspath(path), "a host file with at least one host",
-                          source=source)
+        raise ConfigError(
+            "hostfile", os.fspath(path), "a host file with at least one host", source=source
+        )
     return _no_duplicates(hosts, "hostfile", where)
 
 
-def read_hosts(hosts: Any = None, hostfile: str | os.PathLike | None = None, *,
-               source: str = "tfdist horovodrun") -> list[HostSlots] | None:
+def read_hosts(
+    hosts: Any = None,
+    hostfile: str | os.PathLike | None = None,
+    *,
+    source: str = "tfdist horovodrun",
+) -> list[HostSlots] | None:
     """The hosts from ``hosts`` or ``hostfile`` (not both); None without either."""
     if hosts is not None and hostfile is not None:
-        raise ConfigError("hostfile", os.fspath(hostfile), "no host file when hosts are given",
-                          source=source, hint="Give -H/--hosts or --hostfile, not both.")
+        raise ConfigError(
+            "hostfile",
+            os.fspath(hostfile),
+            "no host file when hosts are given",
+            source=source,
+            hint="Give -H/--hosts or --hostfile, not both.",
+        )
     if hostfile is not None:
         return parse_hostfile(hostfile, source=source)
     if hosts is not None:
@@ -173,8 +222,13 @@ def read_hosts(hosts: Any = None, hostfile: str | os.PathLike | None = None, *,
     return None
 
 
-def rank_hosts(np: Any, hosts: Sequence[HostSlots] | None, *,
-               source: str = "tfdist horovodrun", field: str = "np") -> list[str]:
+def rank_hosts(
+    np: Any,
+    hosts: Sequence[HostSlots] | None,
+    *,
+    source: str = "tfdist horovodrun",
+    field: str = "np",
+) -> list[str]:
     """The host of each rank: ranks fill the hosts in order, as horovodrun.
 
     Args:
@@ -196,9 +250,13 @@ def rank_hosts(np: Any, hosts: Sequence[HostSlots] | None, *,
         return ["localhost"] * np
     total = sum(h.slots for h in hosts)
     if np > total:
-        raise ConfigError(field, np, f"at most {total}, the slots of the hosts "
-                          f"({','.join(map(str, hosts))})", source=source,
-                          hint="Lower -np or give the hosts more slots (host:slots).")
+        raise ConfigError(
+            field,
+            np,
+            f"at most {total}, the slots of the hosts ({','.join(map(str, hosts))})",
+            source=source,
+            hint="Lower -np or give the hosts more slots (host:slots).",
+        )
     ranks: list[str] = []
     for entry in hosts:
         ranks.extend([entry.host] * min(entry.slots, np - len(ranks)))
@@ -215,8 +273,9 @@ def is_python_word(word: str) -> bool:
     return word == sys.executable or bool(_PYTHON_RE.fullmatch(os.path.basename(word)))
 
 
-def split_python(words: Sequence[str], *, field: str = "command",
-                 source: str = "tfdist horovodrun") -> tuple[str | None, list[str], list[str]]:
+def split_python(
+    words: Sequence[str], *, field: str = "command", source: str = "tfdist horovodrun"
+) -> tuple[str | None, list[str], list[str]]:
     """Splits a Horovod-style command into (interpreter, script, arguments).
 
     ``python train.py --lr 1`` -> ``(None, ["train.py"], ["--lr", "1"])``:
@@ -238,8 +297,11 @@ def split_python(words: Sequence[str], *, field: str = "command",
     if not is_python_word(words[0]):
         return None, [words[0]], words[1:]
     python = words[0]
-    same = python == sys.executable or os.sep not in python or (
-        os.path.exists(python) and os.path.samefile(python, sys.executable))
+    same = (
+        python == sys.executable
+        or os.sep not in python
+        or (os.path.exists(python) and os.path.samefile(python, sys.executable))
+    )
     interpreter = None if same else python
     flags: list[str] = []
     i = 1
@@ -248,21 +310,31 @@ def split_python(words: Sequence[str], *, field: str = "command",
         if word in ("-m", "-c"):
             if i + 1 >= len(words):
                 break
-            return interpreter, [*flags, word, words[i + 1]], words[i + 2:]
+            return interpreter, [*flags, word, words[i + 1]], words[i + 2 :]
         if word in _VALUE_FLAGS and i + 1 < len(words):
-            flags += words[i:i + 2]
+            flags += words[i : i + 2]
             i += 2
         elif word in _PLAIN_FLAGS or word.startswith(_VALUE_FLAGS):
             flags.append(word)
             i += 1
         elif word.startswith("-"):
-            raise ConfigError(field, " ".join(words), expected, source=source,
-                              hint=f"{word!r} is not a Python option tfdist passes on "
-                              "(-u, -O, -B, -E, -s, -S, -I, -W ARG, -X OPT, -m, -c).")
+            raise ConfigError(
+                field,
+                " ".join(words),
+                expected,
+                source=source,
+                hint=f"{word!r} is not a Python option tfdist passes on "
+                "(-u, -O, -B, -E, -s, -S, -I, -W ARG, -X OPT, -m, -c).",
+            )
         else:
-            return interpreter, [*flags, word], words[i + 1:]
-    raise ConfigError(field, " ".join(words), expected, source=source,
-                      hint=f"{python!r} is followed by no script, -m MODULE or -c CODE.")
+            return interpreter, [*flags, word], words[i + 1 :]
+    raise ConfigError(
+        field,
+        " ".join(words),
+        expected,
+        source=source,
+        hint=f"{python!r} is followed by no script, -m MODULE or -c CODE.",
+    )
 
 
 def multi_host_spec(ranks: Sequence[str], port: int = DEFAULT_PORT) -> dict:
@@ -270,8 +342,13 @@ def multi_host_spec(ranks: Sequence[str], port: int = DEFAULT_PORT) -> dict:
     return spec_lib.spec_from_hosts(list(ranks), port=port)
 
 
-def format_commands(ranks: Sequence[str], script: Sequence[str], args: Sequence[str],
-                    python: str | None = None, port: int = DEFAULT_PORT) -> str:
+def format_commands(
+    ranks: Sequence[str],
+    script: Sequence[str],
+    args: Sequence[str],
+    python: str | None = None,
+    port: int = DEFAULT_PORT,
+) -> str:
     """Each host's commands for a job whose ranks run on ``ranks``.
 
     The lines are those of ``tfdist hosts``: per task its ``TF_CONFIG``
@@ -280,18 +357,23 @@ def format_commands(ranks: Sequence[str], script: Sequence[str], args: Sequence[
     from tfdist.engines.hosts import format_host_commands, host_commands
 
     script = list(script)
-    commands = host_commands(multi_host_spec(ranks, port), script[0], [*script[1:], *args],
-                             python=python or "python")
+    commands = host_commands(
+        multi_host_spec(ranks, port), script[0], [*script[1:], *args], python=python or "python"
+    )
     return format_host_commands(commands)
 
 
 def multi_host_note(ranks: Sequence[str], what: str) -> str:
     """The message printed before the per-host commands."""
     hosts = list(dict.fromkeys(ranks))
-    note = (f"{what}: the ranks run on {len(hosts)} hosts ({', '.join(hosts)}); tfdist starts "
-            "processes on this machine only. Run each line below on its host (tasks of one "
-            "host in separate shells); worker i is rank i.")
+    note = (
+        f"{what}: the ranks run on {len(hosts)} hosts ({', '.join(hosts)}); tfdist starts "
+        "processes on this machine only. Run each line below on its host (tasks of one "
+        "host in separate shells); worker i is rank i."
+    )
     if any(h.lower() in LOCAL_HOSTS for h in hosts):
-        note += (" Warning: 'localhost' in a job with other hosts cannot be reached from "
-                 "them: name this machine as the others see it.")
+        note += (
+            " Warning: 'localhost' in a job with other hosts cannot be reached from "
+            "them: name this machine as the others see it."
+        )
     return note

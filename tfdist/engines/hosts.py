@@ -35,11 +35,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tfdist import spec as spec_lib
+
 # The manifests and their YAML, public here as before they had their own modules.
-from tfdist.engines.tfjob import (DEFAULT_BACKUP_MOUNT, DEFAULT_GRACE_SECONDS,  # noqa: F401
-                                  DEFAULT_RESTART_POLICY, REPLICA_TYPES, RESTART_POLICIES, fail,
-                                  command_word, replica_counts, tfjob_manifest)
-from tfdist.engines.yaml_text import to_yaml  # noqa: F401
+from tfdist.engines.tfjob import (
+    DEFAULT_BACKUP_MOUNT,
+    DEFAULT_GRACE_SECONDS,
+    DEFAULT_RESTART_POLICY,
+    REPLICA_TYPES,
+    RESTART_POLICIES,
+    command_word,
+    fail,
+    replica_counts,
+    tfjob_manifest,
+)
+from tfdist.engines.yaml_text import to_yaml
 from tfdist.errors import ClusterSpecError
 
 __all__ = [
@@ -131,8 +140,13 @@ def _python_argv(python: str | Sequence[str], source: str) -> tuple[str, ...]:
 
 def _script_args(args: Any, source: str) -> list[str]:
     if isinstance(args, (str, bytes, os.PathLike)):
-        fail("args", args, "a list of arguments", source,
-             hint=f"Wrap a single argument in a list: [{os.fsdecode(os.fspath(args))!r}].")
+        fail(
+            "args",
+            args,
+            "a list of arguments",
+            source,
+            hint=f"Wrap a single argument in a list: [{os.fsdecode(os.fspath(args))!r}].",
+        )
     if isinstance(args, Mapping) or not isinstance(args, Iterable):
         fail("args", args, "a list of arguments", source)
     return [command_word(arg, f"args[{i}]", source) for i, arg in enumerate(args)]
@@ -184,7 +198,9 @@ def host_commands(
     config = spec_lib.parse(spec, require_task=False)
     if not config.cluster:
         raise ClusterSpecError(
-            "cluster", config.to_dict()["cluster"], "a cluster with at least one task",
+            "cluster",
+            config.to_dict()["cluster"],
+            "a cluster with at least one task",
             source=config.source,
             hint="Each task of the cluster needs an address; see cluster_specs/.",
         )
@@ -201,25 +217,45 @@ def host_commands(
     commands = []
     for task_type, index, address in config.tasks():
         host, _ = spec_lib.parse_address(address)
-        commands.append(HostCommand(
-            host=host, task_type=task_type, task_index=index, address=address,
-            tf_config=config.with_task(task_type, index).to_dict(), argv=argv,
-        ))
+        commands.append(
+            HostCommand(
+                host=host,
+                task_type=task_type,
+                task_index=index,
+                address=address,
+                tf_config=config.with_task(task_type, index).to_dict(),
+                argv=argv,
+            )
+        )
     if evaluator:
         if evaluator_host is None:
             host = commands[0].host  # The chief, else worker 0 (tasks() order).
-        elif isinstance(evaluator_host, str) and evaluator_host.strip() and not any(
-                char.isspace() for char in evaluator_host):
+        elif (
+            isinstance(evaluator_host, str)
+            and evaluator_host.strip()
+            and not any(char.isspace() for char in evaluator_host)
+        ):
             host = evaluator_host
         else:
             fail("evaluator_host", evaluator_host, "a host name without spaces", source)
-        commands.append(HostCommand(
-            host=host, task_type="evaluator", task_index=0, address=None,
-            tf_config=config.with_task("evaluator", 0).to_dict(), argv=argv,
-        ))
+        commands.append(
+            HostCommand(
+                host=host,
+                task_type="evaluator",
+                task_index=0,
+                address=None,
+                tf_config=config.with_task("evaluator", 0).to_dict(),
+                argv=argv,
+            )
+        )
     elif evaluator_host is not None:
-        fail("evaluator_host", evaluator_host, "None unless an evaluator is started", source,
-             hint="Pass evaluator=True to start one.")
+        fail(
+            "evaluator_host",
+            evaluator_host,
+            "None unless an evaluator is started",
+            source,
+            hint="Pass evaluator=True to start one.",
+        )
     return commands
 
 

@@ -52,12 +52,14 @@ def pickler(choice: str | None = None) -> tuple[str, Any]:
     found = []
     try:
         import cloudpickle
+
         found.append(cloudpickle)
     except ImportError:
         pass
     if not found or _major(found[0]) < 3:
         try:
             from pyspark import cloudpickle as spark_cloudpickle
+
             found.insert(0, spark_cloudpickle)
         except ImportError:
             pass
@@ -111,8 +113,10 @@ def main(directory: str) -> int:
         try:
             data = module.dumps(value)
         except Exception as error:  # noqa: BLE001
-            raise TypeError(f"func's return value on rank {rank} cannot be pickled "
-                            f"({name}): {type(value).__name__}: {error}") from None
+            raise TypeError(
+                f"func's return value on rank {rank} cannot be pickled "
+                f"({name}): {type(value).__name__}: {error}"
+            ) from None
         _write(out / f"rank-{rank}.result", data)
         return 0
     except SystemExit as error:
@@ -128,6 +132,9 @@ def main(directory: str) -> int:
 
 
 def _write_error(path: Path, error: BaseException) -> None:
-    info = {"type": type(error).__qualname__, "message": str(error),
-            "traceback": traceback.format_exc()}
+    info = {
+        "type": type(error).__qualname__,
+        "message": str(error),
+        "traceback": traceback.format_exc(),
+    }
     _write(path, json.dumps(info).encode("utf-8"))

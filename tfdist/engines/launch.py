@@ -48,22 +48,38 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import IO, Any
 
 from tfdist import spec as spec_lib
 from tfdist.engines import elastic as launch_elastic
 from tfdist.engines.launch_attempt import Attempt, AttemptEnd, Settings, read_status_records
-from tfdist.engines.launch_results import (LOCAL_HOSTS, DEFAULT_GRACE, PREEMPTED_EXIT_CODE,
-                                           SERVER_CODE, STATUS_DIR, LaunchResult, TaskExit)
-from tfdist.engines.launch_tasks import Output, position, Signals
+from tfdist.engines.launch_results import (
+    DEFAULT_GRACE,
+    LOCAL_HOSTS,
+    PREEMPTED_EXIT_CODE,
+    SERVER_CODE,
+    STATUS_DIR,
+    LaunchResult,
+    TaskExit,
+)
+from tfdist.engines.launch_tasks import Output, Signals, position
 from tfdist.engines.net import local_spec
 from tfdist.engines.netns import netns_command, run_in_netns
 from tfdist.errors import ConfigError, require_int
 
-__all__ = ["launch", "LaunchResult", "TaskExit", "SERVER_CODE", "PREEMPTED_EXIT_CODE",
-           "DEFAULT_GRACE", "read_status_records", "netns_command", "run_in_netns"]
-
+__all__ = [
+    "launch",
+    "LaunchResult",
+    "TaskExit",
+    "SERVER_CODE",
+    "PREEMPTED_EXIT_CODE",
+    "DEFAULT_GRACE",
+    "read_status_records",
+    "netns_command",
+    "run_in_netns",
+]
 
 
 def _check_counts(workers: Any, ps: Any, max_restarts: Any) -> None:
@@ -74,13 +90,15 @@ def _check_counts(workers: Any, ps: Any, max_restarts: Any) -> None:
 
 def _signal_number(value: Any) -> int:
     """``"SIGUSR1"``, ``"USR1"``, ``10`` or a ``signal.Signals`` -> its number."""
-    expected = ("a signal name or number that a process can catch (SIGTERM, SIGUSR1, "
-                "SIGINT...)")
+    expected = "a signal name or number that a process can catch (SIGTERM, SIGUSR1, SIGINT...)"
     try:
         if isinstance(value, str):
             name = value.strip().upper()
-            number = int(name) if name.isdigit() else signal.Signals[
-                name if name.startswith("SIG") else "SIG" + name]
+            number = (
+                int(name)
+                if name.isdigit()
+                else signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+            )
         elif isinstance(value, int) and not isinstance(value, bool):
             number = value
         else:
@@ -89,8 +107,13 @@ def _signal_number(value: Any) -> int:
     except (KeyError, ValueError):
         raise ConfigError("preempt_signal", value, expected, source="tfdist launch") from None
     if number in (signal.SIGKILL, signal.SIGSTOP):
-        raise ConfigError("preempt_signal", value, expected, source="tfdist launch",
-                          hint=f"{number.name} cannot be caught, so nothing could be saved.")
+        raise ConfigError(
+            "preempt_signal",
+            value,
+            expected,
+            source="tfdist launch",
+            hint=f"{number.name} cannot be caught, so nothing could be saved.",
+        )
     return int(number)
 
 
@@ -198,8 +221,13 @@ def launch(
     elastic = min_workers != max_workers or host_discovery_script is not None
     if spec is not None:
         if elastic:
-            raise ConfigError("spec", spec, "no spec with an elastic --workers MIN:MAX",
-                              source=source, hint="An elastic job picks its own ports.")
+            raise ConfigError(
+                "spec",
+                spec,
+                "no spec with an elastic --workers MIN:MAX",
+                source=source,
+                hint="An elastic job picks its own ports.",
+            )
         spec = spec_lib.parse(spec, require_task=False).to_dict()
         jobs = spec["cluster"]
         # Later attempts use new ports for a cluster of the same shape.
@@ -209,30 +237,52 @@ def launch(
         others = non_local_hosts(spec)
         if others:
             raise ConfigError(
-                "spec", others, "a spec with only local hosts (127.0.0.1, localhost)",
-                source=source, received=", ".join(others),
+                "spec",
+                others,
+                "a spec with only local hosts (127.0.0.1, localhost)",
+                source=source,
+                received=", ".join(others),
                 hint="tfdist launch starts processes on this machine only; "
-                "`tfdist hosts SPEC -- SCRIPT` prints each host's TF_CONFIG and command.")
+                "`tfdist hosts SPEC -- SCRIPT` prints each host's TF_CONFIG and command.",
+            )
     _check_counts(max_workers, ps, max_restarts)
     if ps and not chief:
-        raise ConfigError("chief", chief, "True with ps > 0", source=source,
-                          hint="A parameter-server job needs a chief to run the training.")
+        raise ConfigError(
+            "chief",
+            chief,
+            "True with ps > 0",
+            source=source,
+            hint="A parameter-server job needs a chief to run the training.",
+        )
     if elastic and (ps or chief):
         field, value = ("ps", ps) if ps else ("chief", chief)
-        raise ConfigError(field, value, "no chief or ps in an elastic (MIN:MAX) job",
-                          source=source, hint="Elastic jobs are MultiWorkerMirrored workers "
-                          "only (worker 0 is the chief); a parameter-server job already "
-                          "carries on without a lost worker.")
+        raise ConfigError(
+            field,
+            value,
+            "no chief or ps in an elastic (MIN:MAX) job",
+            source=source,
+            hint="Elastic jobs are MultiWorkerMirrored workers "
+            "only (worker 0 is the chief); a parameter-server job already "
+            "carries on without a lost worker.",
+        )
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
         raise ConfigError("grace", grace, "a number of seconds > 0", source=source)
     preempt_signum = _signal_number(preempt_signal)
     if worker_failed not in launch_elastic.WORKER_FAILED:
-        raise ConfigError("worker_failed", worker_failed,
-                          f"one of {', '.join(launch_elastic.WORKER_FAILED)}", source=source)
-    if isinstance(discovery_interval, bool) or not isinstance(
-            discovery_interval, (int, float)) or not discovery_interval > 0:
-        raise ConfigError("discovery_interval", discovery_interval, "a number of seconds > 0",
-                          source=source)
+        raise ConfigError(
+            "worker_failed",
+            worker_failed,
+            f"one of {', '.join(launch_elastic.WORKER_FAILED)}",
+            source=source,
+        )
+    if (
+        isinstance(discovery_interval, bool)
+        or not isinstance(discovery_interval, (int, float))
+        or not discovery_interval > 0
+    ):
+        raise ConfigError(
+            "discovery_interval", discovery_interval, "a number of seconds > 0", source=source
+        )
     discovery = None
     size = max_workers
     out = Output(output or sys.stdout)
@@ -240,8 +290,10 @@ def launch(
         discovery = launch_elastic.Discovery(host_discovery_script, source=source)
         slots = discovery.slots()  # Bad output: a ConfigError before anything starts.
         size = min(max_workers, max(min_workers, slots))
-        out.say(f"elastic job: {min_workers} to {max_workers} workers; the discovery script "
-                f"reports {slots} slot(s): starting {size} worker(s)")
+        out.say(
+            f"elastic job: {min_workers} to {max_workers} workers; the discovery script "
+            f"reports {slots} slot(s): starting {size} worker(s)"
+        )
     script_argv = [script] if isinstance(script, str) else list(script)
     result = LaunchResult()
     if handle_signals is None:
@@ -254,19 +306,35 @@ def launch(
     attempt = 0
     # One scratch directory for the whole launch, kept across restarts.
     job_dir = tempfile.mkdtemp(prefix="tfdist-job-")
-    env = {"TFDIST_JOB_DIR": job_dir, **(env or {}),
-           "TFDIST_PREEMPT_SIGNAL": signal.Signals(preempt_signum).name,
-           "TFDIST_GRACE": f"{grace:g}"}
+    env = {
+        "TFDIST_JOB_DIR": job_dir,
+        **(env or {}),
+        "TFDIST_PREEMPT_SIGNAL": signal.Signals(preempt_signum).name,
+        "TFDIST_GRACE": f"{grace:g}",
+    }
     if elastic:
         env.update(TFDIST_MIN_WORKERS=str(min_workers), TFDIST_MAX_WORKERS=str(max_workers))
     settings = Settings(
-        evaluator=evaluator, script_argv=script_argv, args=list(args),
-        parameter_server=ps > 0, show_all=show_all, env=env, python=python,
-        log_dir=log_dir, stop_timeout=stop_timeout, out=out, verbose=verbose,
-        grace=float(grace), preempt_signal=preempt_signum, stops=stops,
+        evaluator=evaluator,
+        script_argv=script_argv,
+        args=list(args),
+        parameter_server=ps > 0,
+        show_all=show_all,
+        env=env,
+        python=python,
+        log_dir=log_dir,
+        stop_timeout=stop_timeout,
+        out=out,
+        verbose=verbose,
+        grace=float(grace),
+        preempt_signal=preempt_signum,
+        stops=stops,
         status_dir=Path(env["TFDIST_JOB_DIR"]) / STATUS_DIR,
-        discovery=discovery, discovery_interval=float(discovery_interval),
-        min_workers=min_workers, max_workers=max_workers)
+        discovery=discovery,
+        discovery_interval=float(discovery_interval),
+        min_workers=min_workers,
+        max_workers=max_workers,
+    )
 
     try:
         while True:
@@ -275,8 +343,9 @@ def launch(
                 result.exit_code = 128 + stops.signum
                 out.say(f"{signal.Signals(stops.signum).name}: stopped between two attempts")
                 return result
-            job_spec = (spec if spec is not None and attempt == 0
-                        else local_spec(size, chief=chief, ps=ps))
+            job_spec = (
+                spec if spec is not None and attempt == 0 else local_spec(size, chief=chief, ps=ps)
+            )
             result.workers = size
             end = Attempt(settings, job_spec, attempt, size).run()
             attempt += 1
@@ -298,58 +367,70 @@ def launch(
                 old, size = size, end.target
                 result.resizes.append((old, size, "discovery"))
                 verb = "grew" if size > old else "shrank"
-                how = (f"the workers saved at {position(end.record)}" if end.record
-                       else "nothing was saved; the job resumes from its last backup")
-                out.say(f"{verb} {old} -> {size} workers (MIN {min_workers}, MAX "
-                        f"{max_workers}): {how}; relaunching at the new size "
-                        "(not counted as a restart)")
+                how = (
+                    f"the workers saved at {position(end.record)}"
+                    if end.record
+                    else "nothing was saved; the job resumes from its last backup"
+                )
+                out.say(
+                    f"{verb} {old} -> {size} workers (MIN {min_workers}, MAX "
+                    f"{max_workers}): {how}; relaunching at the new size "
+                    "(not counted as a restart)"
+                )
                 continue
             failure = end.failure
             result.attempts.append(failure)
             if end.how == "port" and result.port_relaunches < port_relaunches:
                 result.port_relaunches += 1
-                out.say(f"{failure.task} could not bind its port (taken by another process); "
-                        "relaunching every task on new ports (not counted as a restart)")
+                out.say(
+                    f"{failure.task} could not bind its port (taken by another process); "
+                    "relaunching every task on new ports (not counted as a restart)"
+                )
                 continue
             if end.how == "preempted":
-                what = (f"{failure.task} was preempted and the job saved at "
-                        f"{position(end.record)}")
+                what = f"{failure.task} was preempted and the job saved at {position(end.record)}"
             else:
                 what = f"{failure.task} {failure.how}"
             can_shrink = elastic and size > min_workers
             if result.restarts < max_restarts and not (can_shrink and worker_failed == "shrink"):
                 result.restarts += 1
-                resume = (f", resuming at {position(end.record)}" if end.how == "preempted"
-                          else "")
-                out.say(f"{what}; restart {result.restarts} of {max_restarts} on new "
-                        f"ports{resume}")
+                resume = f", resuming at {position(end.record)}" if end.how == "preempted" else ""
+                out.say(f"{what}; restart {result.restarts} of {max_restarts} on new ports{resume}")
                 continue
             if can_shrink:
                 old, size = size, size - 1
                 result.resizes.append((old, size, f"{failure.task} {failure.how}"))
-                why = ("--worker-failed shrink" if worker_failed == "shrink"
-                       else "restarts spent")
-                origin = (f"at {position(end.record)}" if end.how == "preempted"
-                          else "from its last backup")
-                out.say(f"{what}; {why}: shrinking {old} -> {size} workers (MIN "
-                        f"{min_workers}); the job resumes {origin}; global batch kept "
-                        "by the script, see README 'Elastic jobs'")
+                why = "--worker-failed shrink" if worker_failed == "shrink" else "restarts spent"
+                origin = (
+                    f"at {position(end.record)}"
+                    if end.how == "preempted"
+                    else "from its last backup"
+                )
+                out.say(
+                    f"{what}; {why}: shrinking {old} -> {size} workers (MIN "
+                    f"{min_workers}); the job resumes {origin}; global batch kept "
+                    "by the script, see docs/guide/preemption.md, 'Elastic jobs'"
+                )
                 continue
             result.failure = failure
             if end.how == "preempted":
                 result.outcome = "preempted"
                 result.saved = end.record
                 result.exit_code = PREEMPTED_EXIT_CODE
-                out.say(f"giving up: {what}"
-                        + (f" after {result.restarts} restart(s)" if max_restarts else "")
-                        + "; run the same command to resume")
+                out.say(
+                    f"giving up: {what}"
+                    + (f" after {result.restarts} restart(s)" if max_restarts else "")
+                    + "; run the same command to resume"
+                )
                 return result
             result.outcome = "failed"
             result.exit_code = failure.exit_code or 1
             tail = "\n".join(f"    {line}" for line in failure.tail[-15:])
-            out.say(f"giving up: {failure.task} {failure.how}"
-                    + (f" after {result.restarts} restart(s)" if max_restarts else "")
-                    + (f". Its last lines:\n{tail}" if tail else ""))
+            out.say(
+                f"giving up: {failure.task} {failure.how}"
+                + (f" after {result.restarts} restart(s)" if max_restarts else "")
+                + (f". Its last lines:\n{tail}" if tail else "")
+            )
             return result
     except KeyboardInterrupt:  # Without our handlers (handle_signals=False).
         out.say("SIGINT: every task was stopped")
@@ -362,8 +443,7 @@ def launch(
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _report_stop(end: "AttemptEnd", signum: int, result: LaunchResult,
-                 out: Output) -> LaunchResult:
+def _report_stop(end: AttemptEnd, signum: int, result: LaunchResult, out: Output) -> LaunchResult:
     """The one line saying what a stop signal to the launcher led to."""
     name = signal.Signals(signum).name
     took = f"{end.drain_seconds:.1f} s after {name}"
@@ -373,16 +453,21 @@ def _report_stop(end: "AttemptEnd", signum: int, result: LaunchResult,
     elif end.record is not None:
         result.outcome, result.saved = "preempted", end.record
         result.exit_code = 128 + signum
-        out.say(f"preempted: saved at {position(end.record)}; run the same command to "
-                f"resume ({took})")
+        out.say(
+            f"preempted: saved at {position(end.record)}; run the same command to resume ({took})"
+        )
     elif end.killed:
         result.outcome, result.exit_code = "killed", 128 + signum
         if end.hurried:
-            out.say(f"killed on a second signal ({end.hurried}), nothing saved "
-                    f"({', '.join(end.killed)} still running {took})")
+            out.say(
+                f"killed on a second signal ({end.hurried}), nothing saved "
+                f"({', '.join(end.killed)} still running {took})"
+            )
         else:
-            out.say(f"killed after the grace period, nothing saved ({', '.join(end.killed)} "
-                    f"still running {end.grace:g} s after {name})")
+            out.say(
+                f"killed after the grace period, nothing saved ({', '.join(end.killed)} "
+                f"still running {end.grace:g} s after {name})"
+            )
     else:
         result.outcome, result.exit_code = "stopped", 128 + signum
         how = "; ".join(f"{e.task} {e.how}" for e in end.exits if e.returncode != 0)

@@ -14,10 +14,22 @@ from pathlib import Path
 from typing import Any
 
 from tfdist.engines import elastic as launch_elastic
-from tfdist.engines.launch_results import (EVALUATOR_GRACE, PREEMPTED_EXIT_CODE, RESEND_SECONDS,
-                                           SERVER_CODE, TaskExit)
-from tfdist.engines.launch_tasks import (compact_json, Output, position, Signals, stop_all, Task,
-                                         tasks_of)
+from tfdist.engines.launch_results import (
+    EVALUATOR_GRACE,
+    PREEMPTED_EXIT_CODE,
+    RESEND_SECONDS,
+    SERVER_CODE,
+    TaskExit,
+)
+from tfdist.engines.launch_tasks import (
+    Output,
+    Signals,
+    Task,
+    compact_json,
+    position,
+    stop_all,
+    tasks_of,
+)
 from tfdist.errors import ConfigError
 
 
@@ -85,8 +97,8 @@ class Attempt:
         self.attempt = attempt
         self.size = size
         self.tasks: list[Task] = []
-        self.trainers: list[Task] = []   # Run the script and save.
-        self.servers: list[Task] = []    # A parameter-server job's ps and workers.
+        self.trainers: list[Task] = []  # Run the script and save.
+        self.servers: list[Task] = []  # A parameter-server job's ps and workers.
         self.lead = "chief:0" if "chief" in spec["cluster"] else "worker:0"
 
     def run(self) -> AttemptEnd:
@@ -98,9 +110,11 @@ class Attempt:
             evaluator_deadline = None
             while True:
                 if s.stops.count > seen:
-                    s.out.say(f"{signal.Signals(s.stops.signum).name}: passing "
-                              f"{signal.Signals(s.preempt_signal).name} on to the training "
-                              f"tasks; they have {s.grace:g} s (--grace) to save and exit")
+                    s.out.say(
+                        f"{signal.Signals(s.stops.signum).name}: passing "
+                        f"{signal.Signals(s.preempt_signal).name} on to the training "
+                        f"tasks; they have {s.grace:g} s (--grace) to save and exit"
+                    )
                     self._forward()
                     return self._drain("stopped", s.stops.time)
                 now = time.monotonic()
@@ -109,35 +123,48 @@ class Attempt:
                     if code is None or code == 0:
                         continue
                     task.finish(1.0)
-                    if (task in self.trainers and code == PREEMPTED_EXIT_CODE
-                            and self._records().get(task.task)):
+                    if (
+                        task in self.trainers
+                        and code == PREEMPTED_EXIT_CODE
+                        and self._records().get(task.task)
+                    ):
                         record = self._records()[task.task]
-                        s.out.say(f"{task.task} exited {code} after saving at "
-                                  f"{position(record)} (preempted); waiting up to "
-                                  f"{s.grace:g} s for the other tasks to save and exit")
+                        s.out.say(
+                            f"{task.task} exited {code} after saving at "
+                            f"{position(record)} (preempted); waiting up to "
+                            f"{s.grace:g} s for the other tasks to save and exit"
+                        )
                         # The grace period runs from the task's signal when a
                         # record says when it came.
-                        times = [r["signal_time"] for r in self._records().values()
-                                 if isinstance(r.get("signal_time"), (int, float))]
+                        times = [
+                            r["signal_time"]
+                            for r in self._records().values()
+                            if isinstance(r.get("signal_time"), (int, float))
+                        ]
                         started = now - max(0.0, time.time() - min(times)) if times else now
                         end = self._drain("preempted", started)
                         # Named after the task that got the signal: the first
                         # to exit may be another one.
                         first = _first_signalled(end.records) or task.task
-                        end.failure = next((e for e in end.exits if e.task == first),
-                                           task.exit())
+                        end.failure = next((e for e in end.exits if e.task == first), task.exit())
                         return end
                     failure = task.exit()
                     stop_all(self.tasks, s.stop_timeout)
-                    return AttemptEnd("port" if task.port_taken else "failed", failure,
-                                      lead=self.lead)
+                    return AttemptEnd(
+                        "port" if task.port_taken else "failed", failure, lead=self.lead
+                    )
                 if all(t.poll() == 0 for t in self.trainers):
                     # Training is done; a side-car evaluator gets a grace period
                     # to evaluate the last checkpoint, then it is stopped.
                     evaluator_deadline = evaluator_deadline or time.monotonic() + EVALUATOR_GRACE
-                    if all(t.poll() is not None for t in self.tasks
-                           if t.task.startswith("evaluator")) \
-                            or time.monotonic() > evaluator_deadline:
+                    if (
+                        all(
+                            t.poll() is not None
+                            for t in self.tasks
+                            if t.task.startswith("evaluator")
+                        )
+                        or time.monotonic() > evaluator_deadline
+                    ):
                         return AttemptEnd("finished", lead=self.lead)
                 # After the exits: a lost worker is a failure, even if the
                 # discovery script already reports its slot gone.
@@ -145,11 +172,14 @@ class Attempt:
                     target = self._target()
                     next_check = time.monotonic() + s.discovery_interval
                     if target is not None and not any(
-                            t.poll() not in (None, 0) for t in self.tasks):
-                        s.out.say(f"the discovery script reports room for {target} worker(s) "
-                                  f"(now {self.size}): passing "
-                                  f"{signal.Signals(s.preempt_signal).name} on so that the "
-                                  "workers save, then relaunching")
+                        t.poll() not in (None, 0) for t in self.tasks
+                    ):
+                        s.out.say(
+                            f"the discovery script reports room for {target} worker(s) "
+                            f"(now {self.size}): passing "
+                            f"{signal.Signals(s.preempt_signal).name} on so that the "
+                            "workers save, then relaunching"
+                        )
                         self._forward()
                         end = self._drain("resize", time.monotonic())
                         end.target = target
@@ -172,10 +202,16 @@ class Attempt:
             name = f"{task_type}:{index}"
             task_env = dict(base_env, TF_CONFIG=compact_json(config))
             server = s.parameter_server and task_type in ("ps", "worker")
-            argv = ([s.python, "-c", SERVER_CODE] if server
-                    else [s.python, *s.script_argv, *s.args])
-            task = Task(name, argv, task_env, s.out, s.show_all or name == self.lead,
-                        logs / f"{name.replace(':', '-')}.log" if logs else None, s.verbose)
+            argv = [s.python, "-c", SERVER_CODE] if server else [s.python, *s.script_argv, *s.args]
+            task = Task(
+                name,
+                argv,
+                task_env,
+                s.out,
+                s.show_all or name == self.lead,
+                logs / f"{name.replace(':', '-')}.log" if logs else None,
+                s.verbose,
+            )
             self.tasks.append(task)
             if server:
                 self.servers.append(task)
@@ -249,16 +285,25 @@ class Attempt:
         for t in watched:
             t.finish(1.0)
         return AttemptEnd(
-            how, records=self._records(), exits=[t.exit() for t in self.trainers],
-            killed=killed, finished=all(t.proc.returncode == 0 for t in self.trainers),
-            drain_seconds=last_exit - started, grace=s.grace, lead=self.lead,
-            hurried=hurried)
+            how,
+            records=self._records(),
+            exits=[t.exit() for t in self.trainers],
+            killed=killed,
+            finished=all(t.proc.returncode == 0 for t in self.trainers),
+            drain_seconds=last_exit - started,
+            grace=s.grace,
+            lead=self.lead,
+            hurried=hurried,
+        )
 
 
 def _first_signalled(records: dict[str, dict]) -> str | None:
     """The task whose record has the earliest ``signal_time``."""
-    timed = [(r["signal_time"], task) for task, r in records.items()
-             if isinstance(r.get("signal_time"), (int, float))]
+    timed = [
+        (r["signal_time"], task)
+        for task, r in records.items()
+        if isinstance(r.get("signal_time"), (int, float))
+    ]
     return min(timed)[1] if timed else None
 
 

@@ -10,11 +10,12 @@ import re
 import signal
 
 #: What ps and worker tasks of a parameter-server job run.
-SERVER_CODE = ("import tfdist.strategies as s, tfdist.spec as c; "
-               "s.serve(c.parse())")
+SERVER_CODE = "import tfdist.strategies as s, tfdist.spec as c; s.serve(c.parse())"
 
-PORT_TAKEN = re.compile(r"Could not start gRPC server|Address already in use|"
-                        r"Failed to add port to server")
+PORT_TAKEN = re.compile(
+    r"Could not start gRPC server|Address already in use|"
+    r"Failed to add port to server"
+)
 #: Lines of a non-chief task shown by default: warnings, errors, tracebacks.
 IMPORTANT = re.compile(r"\bwarn|error|exception|traceback|^[EFW]\d{4}", re.IGNORECASE)
 #: TensorFlow's INFO lines: not shown for a non-chief task, even with "error"
@@ -35,6 +36,8 @@ DEFAULT_GRACE = 30.0
 RESEND_SECONDS = 2.0
 #: Where, under TFDIST_JOB_DIR, the tasks write their preemption records.
 STATUS_DIR = "preempted"
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskExit:
     """How one task ended.

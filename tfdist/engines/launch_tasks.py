@@ -42,22 +42,37 @@ class Signals:
 class Task:
     """One child process and the thread that copies its output."""
 
-    def __init__(self, task: str, argv: list[str], env: dict, out: "Output",
-                 shown: bool, log_path: Path | None, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        task: str,
+        argv: list[str],
+        env: dict,
+        out: Output,
+        shown: bool,
+        log_path: Path | None,
+        verbose: bool = False,
+    ) -> None:
         self.task = task
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL)
         self.port_taken = False
-        self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115
+        self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115 - open for the task's lifetime
         # Own session: the launcher signals the whole group, grandchildren too.
         self.proc = subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, text=True,
-            encoding="utf-8", errors="replace", bufsize=1)
-        self._thread = threading.Thread(target=self._pump, args=(out, shown, verbose),
-                                        daemon=True)
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            bufsize=1,
+        )
+        self._thread = threading.Thread(target=self._pump, args=(out, shown, verbose), daemon=True)
         self._thread.start()
 
-    def _pump(self, out: "Output", shown: bool, verbose: bool) -> None:
+    def _pump(self, out: Output, shown: bool, verbose: bool) -> None:
         in_traceback = False
         noise = None if verbose else NoiseFilter()
         for line in self.proc.stdout:
@@ -70,8 +85,7 @@ class Task:
                 continue  # In the log file only.
             self.tail.append(line)
             in_traceback = in_traceback or line.startswith("Traceback")
-            if shown or in_traceback or (IMPORTANT.search(line)
-                                         and not TF_INFO.match(line)):
+            if shown or in_traceback or (IMPORTANT.search(line) and not TF_INFO.match(line)):
                 out.line(f"[{self.task}] {line}")
         if self._log:
             self._log.close()
@@ -142,8 +156,13 @@ def tasks_of(spec: dict, evaluator: bool) -> list[tuple[str, int, dict]]:
     tasks = [(t, i, cfg) for t, i, cfg in spec_lib.all_task_configs(spec)]
     if evaluator:
         # The evaluator stays outside `cluster`, as TensorFlow expects.
-        tasks.append(("evaluator", 0, {"cluster": spec["cluster"],
-                                       "task": {"type": "evaluator", "index": 0}}))
+        tasks.append(
+            (
+                "evaluator",
+                0,
+                {"cluster": spec["cluster"], "task": {"type": "evaluator", "index": 0}},
+            )
+        )
     return tasks
 
 

@@ -35,9 +35,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tfdist.engines import net
+
 # What each server runs and how a taken port shows: as in ``tfdist launch``.
 from tfdist.engines.launch_results import PORT_TAKEN, SERVER_CODE
 from tfdist.errors import ConfigError, TfdistError, require_int
@@ -57,6 +59,7 @@ def _die_with_parent() -> None:
     so that a killed chief leaves no orphan servers (Linux only)."""
     if sys.platform.startswith("linux"):
         import ctypes
+
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -69,15 +72,21 @@ def _listening(port: int, host: str = "127.0.0.1") -> bool:
 class _Server:
     """One server subprocess and its log file."""
 
-    def __init__(self, task: str, argv: Sequence[str], env: Mapping[str, str],
-                 log_path: str) -> None:
+    def __init__(
+        self, task: str, argv: Sequence[str], env: Mapping[str, str], log_path: str
+    ) -> None:
         self.task = task
         self.log_path = log_path
-        self.log = open(log_path, "ab")
+        self.log = open(log_path, "ab")  # noqa: SIM115 - the server's log, open for its lifetime
         # A session of its own: stopping it also stops anything it started.
-        self.proc = subprocess.Popen(list(argv), env=dict(env), stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -121,9 +130,17 @@ class LocalCluster:
     # (tfdist.strategies does not import the engines).
     _tfdist_cluster_source = True
 
-    def __init__(self, workers: int, ps: int, mode: str, *, start_timeout: float,
-                 python: str, env: Mapping[str, str] | None,
-                 log_dir: str | None) -> None:
+    def __init__(
+        self,
+        workers: int,
+        ps: int,
+        mode: str,
+        *,
+        start_timeout: float,
+        python: str,
+        env: Mapping[str, str] | None,
+        log_dir: str | None,
+    ) -> None:
         self.workers, self.ps, self.mode = workers, ps, mode
         self.start_timeout = start_timeout
         self.python = python
@@ -150,25 +167,25 @@ class LocalCluster:
     @property
     def tasks(self) -> list[str]:
         """The server tasks (workers, then ps), e.g. ``["worker:0", "ps:0"]``."""
-        return ([f"worker:{i}" for i in range(self.workers)]
-                + [f"ps:{i}" for i in range(self.ps)])
+        return [f"worker:{i}" for i in range(self.workers)] + [f"ps:{i}" for i in range(self.ps)]
 
     def _split(self, task: str) -> tuple[str, int]:
         task_type, _, index = str(task).partition(":")
         if task not in self.tasks:
-            raise ConfigError("task", task, f"one of {self.tasks}",
-                              source="LocalCluster")
+            raise ConfigError("task", task, f"one of {self.tasks}", source="LocalCluster")
         return task_type, int(index)
 
     # -- start ---------------------------------------------------------------
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         for attempt in range(3):
             ports = net.free_ports(1 + self.workers + self.ps)
             addrs = [f"127.0.0.1:{p}" for p in ports]
-            self.cluster = {"chief": addrs[:1],
-                            "worker": addrs[1:1 + self.workers],
-                            "ps": addrs[1 + self.workers:]}
+            self.cluster = {
+                "chief": addrs[:1],
+                "worker": addrs[1 : 1 + self.workers],
+                "ps": addrs[1 + self.workers :],
+            }
             if self.mode == "in_process":
                 self._start_in_process()
                 return self
@@ -181,13 +198,16 @@ class LocalCluster:
                 self._stop_servers()  # Someone took a port: new ports.
                 if attempt == 2:
                     raise LocalClusterError(
-                        "the servers could not bind their ports in 3 tries; "
-                        f"logs in {self.log_dir}") from None
+                        f"the servers could not bind their ports in 3 tries; logs in {self.log_dir}"
+                    ) from None
         raise AssertionError("unreachable")
 
     def _spawn(self, task: str) -> None:
-        env = dict(self._env, TF_CONFIG=json.dumps(self.task_config(task)),
-                   TF_CPP_MIN_LOG_LEVEL=self._env.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+        env = dict(
+            self._env,
+            TF_CONFIG=json.dumps(self.task_config(task)),
+            TF_CPP_MIN_LOG_LEVEL=self._env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        )
         env.pop("TFDIST_LAUNCH_ATTEMPT", None)
         log = os.path.join(self.log_dir, task.replace(":", "-") + ".log")
         self._servers[task] = _Server(task, [self.python, "-c", SERVER_CODE], env, log)
@@ -205,14 +225,15 @@ class LocalCluster:
                     if PORT_TAKEN.search(tail):
                         raise _PortTaken(task)
                     raise LocalClusterError(
-                        f"{task} exited with code {code} while starting; its "
-                        f"last lines:\n{tail}")
+                        f"{task} exited with code {code} while starting; its last lines:\n{tail}"
+                    )
                 if _listening(port):
                     waiting.remove(task)
             if waiting and time.monotonic() > deadline:
                 raise LocalClusterError(
                     f"{', '.join(waiting)} did not listen within "
-                    f"start_timeout={self.start_timeout:g}s; logs in {self.log_dir}")
+                    f"start_timeout={self.start_timeout:g}s; logs in {self.log_dir}"
+                )
             if waiting:
                 time.sleep(0.1)
 
@@ -229,14 +250,22 @@ class LocalCluster:
                     f"an in-process cluster of {self.workers} workers needs at "
                     f"least {threads} inter-op threads (TensorFlow has {have} "
                     "and is already running). Call local_cluster() before any "
-                    "other TensorFlow work, or use mode='process'.") from None
+                    "other TensorFlow work, or use mode='process'."
+                ) from None
         spec = tf.train.ClusterSpec(self.cluster)
         config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads)
         for task in self.tasks:
             task_type, index = task.split(":")
-            self._in_process.append(tf.distribute.Server(
-                spec, job_name=task_type, task_index=int(index), protocol="grpc",
-                config=config, start=True))
+            self._in_process.append(
+                tf.distribute.Server(
+                    spec,
+                    job_name=task_type,
+                    task_index=int(index),
+                    protocol="grpc",
+                    config=config,
+                    start=True,
+                )
+            )
 
     # -- failures ------------------------------------------------------------
 
@@ -256,7 +285,8 @@ class LocalCluster:
         if self.mode != "process":
             raise LocalClusterError(
                 f"{task}: in-process servers cannot be killed or restarted; "
-                "use local_cluster(mode='process')")
+                "use local_cluster(mode='process')"
+            )
         return self._servers[task]
 
     def kill(self, task: str, sig: int = signal.SIGKILL) -> None:
@@ -269,8 +299,9 @@ class LocalCluster:
         """Starts a killed server again, on the same address."""
         server = self._server(task)
         if server.proc.poll() is None:
-            raise LocalClusterError(f"{task} is still running (pid "
-                                    f"{server.proc.pid}); kill it first")
+            raise LocalClusterError(
+                f"{task} is still running (pid {server.proc.pid}); kill it first"
+            )
         server.log.close()
         self._spawn(task)
         self._wait_listening([task])
@@ -296,32 +327,42 @@ class LocalCluster:
         self._stop_servers()
         if self._own_log_dir:
             import shutil
+
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def logs(self) -> str:
         """The last lines of every server's log, for error messages."""
-        return "\n".join(f"--- {task} ---\n{server.tail()}"
-                         for task, server in self._servers.items())
+        return "\n".join(
+            f"--- {task} ---\n{server.tail()}" for task, server in self._servers.items()
+        )
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
     def __repr__(self) -> str:
-        return (f"LocalCluster(workers={self.workers}, ps={self.ps}, "
-                f"mode={self.mode!r}, cluster={self.cluster})")
+        return (
+            f"LocalCluster(workers={self.workers}, ps={self.ps}, "
+            f"mode={self.mode!r}, cluster={self.cluster})"
+        )
 
 
 class _PortTaken(Exception):
     pass
 
 
-def local_cluster(workers: int = 2, ps: int = 1, *, mode: str = "process",
-                  start_timeout: float = 60.0, python: str | None = None,
-                  env: Mapping[str, str] | None = None,
-                  log_dir: str | None = None) -> LocalCluster:
+def local_cluster(
+    workers: int = 2,
+    ps: int = 1,
+    *,
+    mode: str = "process",
+    start_timeout: float = 60.0,
+    python: str | None = None,
+    env: Mapping[str, str] | None = None,
+    log_dir: str | None = None,
+) -> LocalCluster:
     """Starts a parameter-server cluster on 127.0.0.1; this process is its chief.
 
     Args:
@@ -347,14 +388,26 @@ def local_cluster(workers: int = 2, ps: int = 1, *, mode: str = "process",
     workers = require_int("workers", workers, minimum=1, source="local_cluster")
     ps = require_int("ps", ps, minimum=1, source="local_cluster")
     if mode not in _MODES:
-        raise ConfigError("mode", mode, " or ".join(repr(m) for m in _MODES),
-                          source="local_cluster")
-    if not isinstance(start_timeout, (int, float)) or isinstance(start_timeout, bool) \
-            or start_timeout <= 0:
-        raise ConfigError("start_timeout", start_timeout, "a number of seconds > 0",
-                          source="local_cluster")
-    cluster = LocalCluster(workers, ps, mode, start_timeout=float(start_timeout),
-                           python=python or sys.executable, env=env, log_dir=log_dir)
+        raise ConfigError(
+            "mode", mode, " or ".join(repr(m) for m in _MODES), source="local_cluster"
+        )
+    if (
+        not isinstance(start_timeout, (int, float))
+        or isinstance(start_timeout, bool)
+        or start_timeout <= 0
+    ):
+        raise ConfigError(
+            "start_timeout", start_timeout, "a number of seconds > 0", source="local_cluster"
+        )
+    cluster = LocalCluster(
+        workers,
+        ps,
+        mode,
+        start_timeout=float(start_timeout),
+        python=python or sys.executable,
+        env=env,
+        log_dir=log_dir,
+    )
     with contextlib.ExitStack() as undo:
         undo.callback(cluster.stop)
         cluster.start()

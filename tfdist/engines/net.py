@@ -16,17 +16,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET,
-                                                     socket.SOCK_STREAM))
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             sock.bind((host, 0))
             ports.append(sock.getsockname()[1])
         return ports
 
 
-def local_spec(workers: int, *, chief: bool = False, ps: int = 0,
-               host: str = "127.0.0.1") -> dict:
+def local_spec(workers: int, *, chief: bool = False, ps: int = 0, host: str = "127.0.0.1") -> dict:
     """A cluster spec on free local ports: ``{"cluster": {...}}``."""
     from tfdist import spec as spec_lib
+
     ports = free_ports(int(chief) + ps + workers, host)
-    return spec_lib.spec_from_hosts([f"{host}:{p}" for p in ports],
-                                   chief=chief, num_ps=ps)
+    return spec_lib.spec_from_hosts([f"{host}:{p}" for p in ports], chief=chief, num_ps=ps)

@@ -8,7 +8,8 @@ import os
 import signal
 import subprocess
 import threading
-from typing import IO, Sequence
+from collections.abc import Sequence
+from typing import IO
 
 from tfdist.engines.launch_results import DEFAULT_GRACE
 from tfdist.errors import ConfigError
@@ -23,12 +24,12 @@ def netns_command(argv: Sequence[str]) -> list[str]:
     namespaces (``unshare -rn``).
     """
     mode = "-n" if os.geteuid() == 0 else "-rn"
-    return ["unshare", mode, "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
-            *argv]
+    return ["unshare", mode, "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
 
 
-def run_in_netns(argv: Sequence[str], output: IO[str] | None = None,
-                 grace: float = DEFAULT_GRACE) -> int:
+def run_in_netns(
+    argv: Sequence[str], output: IO[str] | None = None, grace: float = DEFAULT_GRACE
+) -> int:
     """Runs ``argv`` in a private network namespace; returns its exit code.
 
     SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 to this process are passed on to
@@ -41,14 +42,24 @@ def run_in_netns(argv: Sequence[str], output: IO[str] | None = None,
     command = netns_command(argv)
     probe = subprocess.run(netns_command(["true"]), capture_output=True, text=True)
     if probe.returncode != 0:
-        raise ConfigError("netns", True, "a machine where this user may create a network "
-                          "namespace (root, or unprivileged user namespaces)",
-                          source="tfdist launch", received=probe.stderr.strip() or "failed",
-                          hint="Run without --netns.")
+        raise ConfigError(
+            "netns",
+            True,
+            "a machine where this user may create a network "
+            "namespace (root, or unprivileged user namespaces)",
+            source="tfdist launch",
+            received=probe.stderr.strip() or "failed",
+            hint="Run without --netns.",
+        )
     env = dict(os.environ, TFDIST_IN_NETNS="1")
-    proc = subprocess.Popen(command, env=env, start_new_session=True,
-                            stdout=None if output is None else subprocess.PIPE,
-                            stderr=subprocess.STDOUT if output is not None else None, text=True)
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        start_new_session=True,
+        stdout=None if output is None else subprocess.PIPE,
+        stderr=subprocess.STDOUT if output is not None else None,
+        text=True,
+    )
 
     def forward(signum, frame):
         try:

@@ -36,7 +36,8 @@ import os
 import re
 import subprocess
 import sys
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 __all__ = ["NOISE", "NoiseFilter", "filtered_stderr"]
 
@@ -49,9 +50,11 @@ def _glog(level: str, file: str, message: str) -> re.Pattern[str]:
     * TF 2.16 to 2.20's own: ``YYYY-MM-DD HH:MM:SS.ffffff: LEVEL
       path/to/file:line] message``.
     """
-    return re.compile(rf"(?:{level}\d{{4}} \d\d:\d\d:[\d.]+ +\d+ "
-                      rf"|\d{{4}}-\d\d-\d\d \d\d:\d\d:[\d.]+: {level} (?:\S+/)?)"
-                      rf"{file}:\d+\] {message}")
+    return re.compile(
+        rf"(?:{level}\d{{4}} \d\d:\d\d:[\d.]+ +\d+ "
+        rf"|\d{{4}}-\d\d-\d\d \d\d:\d\d:[\d.]+: {level} (?:\S+/)?)"
+        rf"{file}:\d+\] {message}"
+    )
 
 
 #: The start-up lines dropped, by name, as observed with TensorFlow 2.16 to
@@ -60,43 +63,62 @@ def _glog(level: str, file: str, message: str) -> re.Pattern[str]:
 NOISE: dict[str, re.Pattern[str]] = {
     "absl-preinit": re.compile(
         r"WARNING: All log messages before absl::InitializeLog\(\) is called "
-        r"are written to STDERR"),
+        r"are written to STDERR"
+    ),
     "onednn": _glog(
-        "I", r"port\.cc", r"oneDNN custom operations are on\. You may see "
+        "I",
+        r"port\.cc",
+        r"oneDNN custom operations are on\. You may see "
         r"slightly different numerical results due to floating-point "
         r"round-off errors from different computation orders\. To turn them "
-        r"off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`\."),
+        r"off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`\.",
+    ),
     "no-cuda-driver": _glog(
-        "I", r"cudart_stub\.cc", r"Could not find cuda drivers on your "
-        r"machine, GPU will not be used\."),
+        "I",
+        r"cudart_stub\.cc",
+        r"Could not find cuda drivers on your "
+        r"machine, GPU will not be used\.",
+    ),
     "cpu-instructions": _glog(
-        "I", r"cpu_feature_guard\.cc", r"This TensorFlow binary is optimized "
+        "I",
+        r"cpu_feature_guard\.cc",
+        r"This TensorFlow binary is optimized "
         r"to use available CPU instructions in performance-critical "
-        r"operations\."),
+        r"operations\.",
+    ),
     # The second line of "cpu-instructions": dropped only right after it.
     "cpu-instructions-2": re.compile(
         r"To enable the following instructions: [A-Z0-9_ ]+, in other "
-        r"operations, rebuild TensorFlow with the appropriate compiler flags\."),
+        r"operations, rebuild TensorFlow with the appropriate compiler flags\."
+    ),
     # Dropped only after "no-cuda-driver" in the same process.
     "cuinit": _glog("E", r"cuda_platform\.cc", r"failed call to cuInit: .*"),
     # TF 2.16 to 2.19 register their CUDA plugins twice, on any machine.
     "plugin-registered-twice": _glog(
-        "E", r"cuda_(?:fft|dnn|blas)\.cc", r"Unable to register (cu[A-Za-z]+) factory: "
+        "E",
+        r"cuda_(?:fft|dnn|blas)\.cc",
+        r"Unable to register (cu[A-Za-z]+) factory: "
         r"Attempting to register factory for plugin \1 when one has already been "
-        r"registered"),
+        r"registered",
+    ),
     "placer-registered-twice": _glog(
-        "W", r"computation_placer\.cc", r"computation placer already registered\. Please "
-        r"check linkage and avoid linking the same target more than once\."),
+        "W",
+        r"computation_placer\.cc",
+        r"computation placer already registered\. Please "
+        r"check linkage and avoid linking the same target more than once\.",
+    ),
     # TF 2.16 without TensorRT (never needed on a CPU).
     "no-tensorrt": _glog("W", r"py_utils\.cc", r"TF-TRT Warning: Could not find TensorRT"),
     # A multi-worker task's cluster start-up, at INFO level.
     "cluster-start": _glog(
-        "I", r"(?:coordination_service(?:_agent)?\.(?:cc|h)|grpc_server_lib\.cc)",
+        "I",
+        r"(?:coordination_service(?:_agent)?\.(?:cc|h)|grpc_server_lib\.cc)",
         r"(?:Initializing CoordinationService"
         r"|Started server with target: grpc://\S+"
         r"|Barrier\(\S+\) has passed with status: OK"
         r"|/job:\S+ has connected to coordination service\. Incarnation: \d+"
-        r"|Coordination agent has successfully connected\.)"),
+        r"|Coordination agent has successfully connected\.)",
+    ),
 }
 
 
@@ -120,7 +142,8 @@ class NoiseFilter:
             self._no_cuda_driver = True
         noise = bool(name) and (
             (name != "cuinit" or self._no_cuda_driver)
-            and (name != "cpu-instructions-2" or self._previous == "cpu-instructions"))
+            and (name != "cpu-instructions-2" or self._previous == "cpu-instructions")
+        )
         self._previous = name if noise else ""
         return noise
 
@@ -160,7 +183,11 @@ def filtered_stderr(enabled: bool = True) -> Iterator[None]:
     try:
         reader = subprocess.Popen(
             [sys.executable, "-I", "-S", os.path.abspath(__file__)],
-            stdin=subprocess.PIPE, stdout=saved, stderr=saved, close_fds=True)
+            stdin=subprocess.PIPE,
+            stdout=saved,
+            stderr=saved,
+            close_fds=True,
+        )
     except OSError:  # No filter: the noise shows, nothing else changes.
         os.close(saved)
         yield

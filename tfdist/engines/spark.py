@@ -71,13 +71,25 @@ import inspect
 import math
 import os
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 # The settings are public here too, as before the split.
 from tfdist.engines.spark_session import (  # noqa: F401
-    SOURCE, INSTALL_HINT, LOCAL_SETTINGS, LOOPBACK_SETTINGS, SESSION_SETTINGS, SparkJobError,
-    SparkTimeoutError, check_worker_reuse, context_of, submit, wait_for_task_slots, local_session)
-from tfdist.engines.spark_task import TrainContext, TaskSpec, context
+    INSTALL_HINT,
+    LOCAL_SETTINGS,
+    LOOPBACK_SETTINGS,
+    SESSION_SETTINGS,
+    SOURCE,
+    SparkJobError,
+    SparkTimeoutError,
+    check_worker_reuse,
+    context_of,
+    local_session,
+    submit,
+    wait_for_task_slots,
+)
+from tfdist.engines.spark_task import TaskSpec, TrainContext, context
 from tfdist.errors import ConfigError, require_int
 
 __all__ = [
@@ -91,29 +103,40 @@ __all__ = [
 ]
 
 
-
 def _check_env(env: Any) -> dict[str, str]:
     if env is None:
         return {}
     if not isinstance(env, Mapping) or not all(
-            isinstance(k, str) and k and "=" not in k and isinstance(v, str)
-            for k, v in env.items()):
-        raise ConfigError("env", env, "a mapping of variable names to string "
-                          "values, e.g. {'TF_CPP_MIN_LOG_LEVEL': '2'}",
-                          source=SOURCE)
+        isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()
+    ):
+        raise ConfigError(
+            "env",
+            env,
+            "a mapping of variable names to string values, e.g. {'TF_CPP_MIN_LOG_LEVEL': '2'}",
+            source=SOURCE,
+        )
     return dict(env)
 
 
-def _check_seconds(field: str, value: Any, *, allow_none: bool,
-                   allow_zero: bool = False) -> float | None:
+def _check_seconds(
+    field: str, value: Any, *, allow_none: bool, allow_zero: bool = False
+) -> float | None:
     if allow_none and (value is None or value == math.inf):
         return None
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and not math.isnan(value) and (value >= 0 if allow_zero else value > 0))
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and not math.isnan(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(field, value, f"a number of seconds {bound}"
-                          + (" or None" if allow_none else ""), source=SOURCE)
+        raise ConfigError(
+            field,
+            value,
+            f"a number of seconds {bound}" + (" or None" if allow_none else ""),
+            source=SOURCE,
+        )
     return float(value)
 
 
@@ -123,19 +146,17 @@ def _check_backup_dir(value: Any) -> str | None:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError("backup_dir", value, "None or a directory path "
-                          "that every executor sees", source=SOURCE)
+        raise ConfigError(
+            "backup_dir", value, "None or a directory path that every executor sees", source=SOURCE
+        )
     return value
 
 
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY,
-               inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-               inspect.Parameter.KEYWORD_ONLY)
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def _plan_call(train_fn: Callable[..., Any],
-               kwargs: Mapping[str, Any]) -> tuple[bool, dict, dict]:
+def _plan_call(train_fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[bool, dict, dict]:
     """How each task calls ``train_fn``: (pass the context?, its keyword
     arguments, the strategy options), from ``run``'s extra keywords.
 
@@ -147,6 +168,7 @@ def _plan_call(train_fn: Callable[..., Any],
     one of :func:`tfdist.strategy_from_config`'s options.
     """
     from tfdist.spec.options import StrategyOptions
+
     option_names = {f.name for f in dataclasses.fields(StrategyOptions)}
     try:
         signature = inspect.signature(train_fn)
@@ -155,21 +177,26 @@ def _plan_call(train_fn: Callable[..., Any],
     params = list(signature.parameters.values()) if signature else []
     first = params[0] if params else None
     pass_context = signature is None or (
-        first is not None and first.kind in _POSITIONAL
-        and first.default is inspect.Parameter.empty and first.name not in kwargs)
-    named = {p.name for p in params[1 if pass_context else 0:]
-             if p.kind in _BY_KEYWORD}
-    any_keyword = signature is None or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        first is not None
+        and first.kind in _POSITIONAL
+        and first.default is inspect.Parameter.empty
+        and first.name not in kwargs
+    )
+    named = {p.name for p in params[1 if pass_context else 0 :] if p.kind in _BY_KEYWORD}
+    any_keyword = signature is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     train_kwargs: dict[str, Any] = {}
     options: dict[str, Any] = {}
     for name, value in kwargs.items():
         if name in named and name in option_names:
             raise ConfigError(
-                name, value, "a keyword that names either a parameter of "
-                "train_fn or a strategy option, not both", source=SOURCE,
+                name,
+                value,
+                "a keyword that names either a parameter of "
+                "train_fn or a strategy option, not both",
+                source=SOURCE,
                 hint=f"train_fn has a parameter {name!r}, which is also an "
-                "option of tfdist.strategy_from_config: rename the parameter")
+                "option of tfdist.strategy_from_config: rename the parameter",
+            )
         if name in named:
             train_kwargs[name] = value
         elif name in option_names:
@@ -177,37 +204,56 @@ def _plan_call(train_fn: Callable[..., Any],
         elif any_keyword and signature is not None:
             train_kwargs[name] = value
         elif name in ("strategy", "config"):
-            raise ConfigError(name, value, "no such option (tfdist.spark "
-                              "builds each task's TF_CONFIG and always uses "
-                              "the multi_worker_mirrored strategy)",
-                              source=SOURCE)
+            raise ConfigError(
+                name,
+                value,
+                "no such option (tfdist.spark "
+                "builds each task's TF_CONFIG and always uses "
+                "the multi_worker_mirrored strategy)",
+                source=SOURCE,
+            )
         else:
             raise ConfigError(
-                name, value, "a parameter of train_fn ("
-                + (", ".join(sorted(named)) or "it has none") + ") or an "
-                "option of tfdist.strategy_from_config ("
-                + ", ".join(sorted(option_names)) + ")", source=SOURCE)
+                name,
+                value,
+                "a parameter of train_fn ("
+                + (", ".join(sorted(named)) or "it has none")
+                + ") or an "
+                "option of tfdist.strategy_from_config (" + ", ".join(sorted(option_names)) + ")",
+                source=SOURCE,
+            )
     if signature is not None:
         try:
             signature.bind(*([None] if pass_context else []), **train_kwargs)
         except TypeError as error:
-            shown = ", ".join(["ctx"] * pass_context
-                              + [f"{k}=..." for k in train_kwargs])
+            shown = ", ".join(["ctx"] * pass_context + [f"{k}=..." for k in train_kwargs])
             raise ConfigError(
-                "train_fn", train_fn, f"a function the tasks can call as "
-                f"train_fn({shown})", source=SOURCE,
+                "train_fn",
+                train_fn,
+                f"a function the tasks can call as train_fn({shown})",
+                source=SOURCE,
                 hint=f"Python says: {error}. A required first positional "
                 "parameter gets the TrainContext; pass the others as keywords "
-                "of run()") from None
+                "of run()",
+            ) from None
     return pass_context, train_kwargs, options
 
 
-def run(train_fn: Callable[..., Any], num_workers: int, *,
-        spark: Any = None, compression: Any = None,
-        error_feedback: bool | None = None, backup_dir: str | os.PathLike | None = None,
-        max_retries: int = 0, timeout: float | None = 24 * 3600.0,
-        env: Mapping[str, str] | None = None, host: str | None = None,
-        wait_for_slots: float = 60.0, **kwargs: Any) -> Any:
+def run(
+    train_fn: Callable[..., Any],
+    num_workers: int,
+    *,
+    spark: Any = None,
+    compression: Any = None,
+    error_feedback: bool | None = None,
+    backup_dir: str | os.PathLike | None = None,
+    max_retries: int = 0,
+    timeout: float | None = 24 * 3600.0,
+    env: Mapping[str, str] | None = None,
+    host: str | None = None,
+    wait_for_slots: float = 60.0,
+    **kwargs: Any,
+) -> Any:
     """Runs ``train_fn`` on ``num_workers`` Spark barrier tasks.
 
     Each task builds its ``TF_CONFIG`` (job ``worker``, index = its Spark
@@ -285,26 +331,30 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
         ImportError: pyspark is not installed.
     """
     if not callable(train_fn):
-        raise ConfigError("train_fn", train_fn, "a callable: train_fn(ctx, "
-                          "**kwargs) or train_fn(**kwargs)", source=SOURCE)
+        raise ConfigError(
+            "train_fn",
+            train_fn,
+            "a callable: train_fn(ctx, **kwargs) or train_fn(**kwargs)",
+            source=SOURCE,
+        )
     require_int("num_workers", num_workers, 1, source=SOURCE)
     require_int("max_retries", max_retries, 0, source=SOURCE)
     timeout = _check_seconds("timeout", timeout, allow_none=True)
-    wait_for_slots = _check_seconds("wait_for_slots", wait_for_slots,
-                                    allow_none=False, allow_zero=True)
+    wait_for_slots = _check_seconds(
+        "wait_for_slots", wait_for_slots, allow_none=False, allow_zero=True
+    )
     backup_dir = _check_backup_dir(backup_dir)
     env = _check_env(env)
     if host is not None and (not isinstance(host, str) or not host.strip()):
-        raise ConfigError("host", host, "None or a host name or IP address",
-                          source=SOURCE)
+        raise ConfigError("host", host, "None or a host name or IP address", source=SOURCE)
     if error_feedback is not None and not isinstance(error_feedback, bool):
-        raise ConfigError("error_feedback", error_feedback, "None, True or False",
-                          source=SOURCE)
+        raise ConfigError("error_feedback", error_feedback, "None, True or False", source=SOURCE)
     pass_context, train_kwargs, options = _plan_call(train_fn, kwargs)
     # Fail here, not in every task: the options and compression, checked
     # without TensorFlow (the tasks read their own environment).
     from tfdist.compression import parse_compression
     from tfdist.spec.options import make_options
+
     parse_compression(compression)
     make_options(env={}, **options)
 
@@ -315,24 +365,38 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
     slots = wait_for_task_slots(sc, num_workers, wait_for_slots)
     if slots is not None and slots < num_workers:
         raise ConfigError(
-            "num_workers", num_workers,
+            "num_workers",
+            num_workers,
             f"at most {slots}, the task slots this Spark cluster has",
-            source=SOURCE, hint="Barrier tasks run all at once, one slot "
-            "each: add executors or cores, or lower num_workers.")
+            source=SOURCE,
+            hint="Barrier tasks run all at once, one slot "
+            "each: add executors or cores, or lower num_workers.",
+        )
     if max_retries and backup_dir is None:
         from absl import logging
-        logging.warning("tfdist.spark.run: max_retries=%d without backup_dir: "
-                        "a retry trains from the start.", max_retries)
+
+        logging.warning(
+            "tfdist.spark.run: max_retries=%d without backup_dir: a retry trains from the start.",
+            max_retries,
+        )
 
     deadline = None if timeout is None else time.monotonic() + timeout
     attempts = max_retries + 1
     failures: list[SparkJobError] = []
     for attempt in range(attempts):
-        spec = TaskSpec(train_fn=train_fn, pass_context=pass_context,
-                        train_kwargs=dict(train_kwargs), num_workers=num_workers,
-                        attempt=attempt, compression=compression,
-                        error_feedback=error_feedback, options=dict(options),
-                        env=env, host=host, backup_dir=backup_dir)
+        spec = TaskSpec(
+            train_fn=train_fn,
+            pass_context=pass_context,
+            train_kwargs=dict(train_kwargs),
+            num_workers=num_workers,
+            attempt=attempt,
+            compression=compression,
+            error_feedback=error_feedback,
+            options=dict(options),
+            env=env,
+            host=host,
+            backup_dir=backup_dir,
+        )
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return submit(sc, spec, left, attempts, timeout)
@@ -345,15 +409,22 @@ def run(train_fn: Callable[..., Any], num_workers: int, *,
             if attempt + 1 == attempts:
                 raise
             from absl import logging
+
             if error.preempted is not None:
                 logging.warning(
                     "tfdist.spark.run: attempt %d of %d was preempted and saved at "
                     "step %s; submitting the job again (it resumes at that step "
-                    "from backup_dir).", attempt + 1, attempts,
-                    error.preempted.get("step"))
+                    "from backup_dir).",
+                    attempt + 1,
+                    attempts,
+                    error.preempted.get("step"),
+                )
                 continue
-            logging.warning("tfdist.spark.run: attempt %d of %d failed; "
-                            "submitting the job again%s.\n%s", attempt + 1,
-                            attempts, " (train_fn resumes from backup_dir)"
-                            if backup_dir else "", error)
+            logging.warning(
+                "tfdist.spark.run: attempt %d of %d failed; submitting the job again%s.\n%s",
+                attempt + 1,
+                attempts,
+                " (train_fn resumes from backup_dir)" if backup_dir else "",
+                error,
+            )
     raise AssertionError("unreachable")  # pragma: no cover

@@ -13,9 +13,10 @@ import pickle
 import sys
 import time
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from tfdist.engines.spark_task import MARK_RE, RESULT_TASK_RE, TB_RE, run_task, TaskSpec
+from tfdist.engines.spark_task import MARK_RE, RESULT_TASK_RE, TB_RE, TaskSpec, run_task
 from tfdist.errors import ConfigError, TfdistError, require_int
 
 #: How to install what this module needs.
@@ -42,6 +43,7 @@ LOCAL_SETTINGS: dict[str, str] = {
     "spark.ui.enabled": "false",
 }
 
+
 class SparkJobError(TfdistError, RuntimeError):
     """The Spark job of :func:`run` failed.
 
@@ -58,11 +60,17 @@ class SparkJobError(TfdistError, RuntimeError):
             ``batch``, ``signal_time``, ``saved_time``...); else None.
     """
 
-    def __init__(self, message: str, *, partition: int | None = None,
-                 attempt: int = 0, task_traceback: str | None = None,
-                 spark_message: str | None = None,
-                 failures: tuple["SparkJobError", ...] = (),
-                 preempted: dict | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        partition: int | None = None,
+        attempt: int = 0,
+        task_traceback: str | None = None,
+        spark_message: str | None = None,
+        failures: tuple[SparkJobError, ...] = (),
+        preempted: dict | None = None,
+    ) -> None:
         super().__init__(message)
         self.partition = partition
         self.attempt = attempt
@@ -83,7 +91,8 @@ def _pyspark():
     except ImportError as error:
         raise ImportError(
             "tfdist.spark needs pyspark (4.x), which is not installed "
-            f"({error}). Install it with: {INSTALL_HINT}") from error
+            f"({error}). Install it with: {INSTALL_HINT}"
+        ) from error
     return pyspark
 
 
@@ -93,8 +102,7 @@ def _pyspark():
 
 def _is_local_master(master: str | None) -> bool:
     """Whether a Spark master URL runs everything on this machine."""
-    return bool(master) and (master == "local" or master.startswith(
-        ("local[", "local-cluster[")))
+    return bool(master) and (master == "local" or master.startswith(("local[", "local-cluster[")))
 
 
 def _new_session_settings() -> tuple[dict[str, str], str | None]:
@@ -108,15 +116,14 @@ def _new_session_settings() -> tuple[dict[str, str], str | None]:
     pyspark = _pyspark()
     settings = dict(SESSION_SETTINGS)
     try:
-        pyspark.SparkContext._ensure_initialized()
-        conf = pyspark.SparkConf(_jvm=pyspark.SparkContext._jvm)
+        pyspark.SparkContext._ensure_initialized()  # noqa: SLF001 - starts PySpark's JVM gateway to read spark.master before any session
+        conf = pyspark.SparkConf(_jvm=pyspark.SparkContext._jvm)  # noqa: SLF001 - the gateway started above; SparkConf takes it only so
         master = conf.get("spark.master", None)
-    except Exception:  # A private API: then only the settings of any master.
+    except Exception:  # noqa: BLE001 - a private API: then only the settings of any master.
         return settings, None
     if _is_local_master(master):
         settings.update(LOOPBACK_SETTINGS)
-        if not (conf.contains("spark.pyspark.python")
-                or os.environ.get("PYSPARK_PYTHON")):
+        if not (conf.contains("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON")):
             # The executors' Python is this one, which has tfdist.
             settings["spark.pyspark.python"] = sys.executable
     return settings, master
@@ -125,16 +132,20 @@ def _new_session_settings() -> tuple[dict[str, str], str | None]:
 def _get_or_create_session():
     """``SparkSession.builder.getOrCreate()`` with what :func:`run` needs."""
     from pyspark.sql import SparkSession
+
     settings, master = _new_session_settings()
     builder = SparkSession.builder
     for key, value in settings.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     from absl import logging
-    logging.info("tfdist.spark.run: no active Spark session; started one "
-                 "with SparkSession.builder.getOrCreate() (master %s) and %s",
-                 session.sparkContext.master,
-                 ", ".join(f"{k}={v}" for k, v in settings.items()))
+
+    logging.info(
+        "tfdist.spark.run: no active Spark session; started one "
+        "with SparkSession.builder.getOrCreate() (master %s) and %s",
+        session.sparkContext.master,
+        ", ".join(f"{k}={v}" for k, v in settings.items()),
+    )
     return session, master
 
 
@@ -149,8 +160,8 @@ def context_of(spark: Any) -> tuple[Any, bool]:
     pyspark = _pyspark()
     if spark is None:
         from pyspark.sql import SparkSession
-        spark = (SparkSession.getActiveSession()
-                 or pyspark.SparkContext._active_spark_context)
+
+        spark = SparkSession.getActiveSession() or pyspark.SparkContext._active_spark_context  # noqa: SLF001 - PySpark's only handle on a running SparkContext
         if spark is None:
             session, master = _get_or_create_session()
             return context_of(session)[0], _is_local_master(master)
@@ -159,13 +170,15 @@ def context_of(spark: Any) -> tuple[Any, bool]:
     if hasattr(spark, "sparkContext"):
         try:
             return spark.sparkContext, False
-        except Exception as error:  # Spark Connect sessions have none.
+        except Exception as error:  # noqa: BLE001 - Spark Connect sessions have none.
             raise ConfigError(
-                "spark", spark, "a classic SparkSession (with a SparkContext)",
-                source=SOURCE, hint="Spark Connect sessions have no RDD "
-                f"barrier mode. Spark said: {error}") from None
-    raise ConfigError("spark", spark, "a SparkSession, a SparkContext or None",
-                      source=SOURCE)
+                "spark",
+                spark,
+                "a classic SparkSession (with a SparkContext)",
+                source=SOURCE,
+                hint=f"Spark Connect sessions have no RDD barrier mode. Spark said: {error}",
+            ) from None
+    raise ConfigError("spark", spark, "a SparkSession, a SparkContext or None", source=SOURCE)
 
 
 def check_worker_reuse(sc: Any) -> None:
@@ -173,21 +186,25 @@ def check_worker_reuse(sc: Any) -> None:
     value = sc.getConf().get("spark.python.worker.reuse", "true")
     if str(value).strip().lower() != "false":
         raise ConfigError(
-            "spark.python.worker.reuse", value, "'false'", source=SOURCE,
+            "spark.python.worker.reuse",
+            value,
+            "'false'",
+            source=SOURCE,
             hint="TensorFlow's collectives can be configured once per "
             "process: a reused Python worker fails the next job ('Collective "
             "ops are already configured') or hangs. Build the session with "
             ".config('spark.python.worker.reuse', 'false') (it cannot be "
-            "changed on a running session), or use tfdist.spark.local_session()")
+            "changed on a running session), or use tfdist.spark.local_session()",
+        )
 
 
 def _task_slots(sc: Any) -> int | None:
     """Tasks Spark can run at once now, or None if it cannot be told."""
     try:
-        jsc = sc._jsc.sc()
+        jsc = sc._jsc.sc()  # noqa: SLF001 - the JVM SparkContext: free task slots have no Python API
         profile = jsc.resourceProfileManager().defaultResourceProfile()
         return int(jsc.maxNumConcurrentTasks(profile))
-    except Exception:  # A private API: leave the check to Spark.
+    except Exception:  # noqa: BLE001 - a private API: leave the check to Spark.
         return None
 
 
@@ -202,16 +219,19 @@ def wait_for_task_slots(sc: Any, num_workers: int, seconds: float) -> int | None
 
 
 def _without_java_frames(text: str, limit: int = 60) -> str:
-    lines = [line for line in text.splitlines()
-             if not line.lstrip().startswith("at ")
-             and not line.lstrip().startswith("... ")]
+    lines = [
+        line
+        for line in text.splitlines()
+        if not line.lstrip().startswith("at ") and not line.lstrip().startswith("... ")
+    ]
     if len(lines) > limit:
         lines = lines[:limit] + [f"... ({len(lines) - limit} more lines)"]
     return "\n".join(lines)
 
 
-def _job_error(error: BaseException, attempt: int, attempts: int,
-               num_workers: int) -> SparkJobError:
+def _job_error(
+    error: BaseException, attempt: int, attempts: int, num_workers: int
+) -> SparkJobError:
     """Turns Spark's error into a SparkJobError with the task's traceback."""
     text = str(error)
     spark_message = _without_java_frames(text)
@@ -230,52 +250,62 @@ def _job_error(error: BaseException, attempt: int, attempts: int,
                 f"{preempted.get('epoch')}, batch {preempted.get('batch')}), the "
                 "chief saved a backup there, and the tasks exited with code "
                 f"{_preempted_exit_code()}. A new attempt resumes at that step "
-                "from backup_dir.")
+                "from backup_dir."
+            )
         else:
             message = (
                 f"{SOURCE}: Spark task {partition} (worker {partition} of "
                 f"{num_workers}, on {info['host']}, pid {info['pid']}) failed on "
                 f"{where}: {info['type']}: {info['message']}\n"
                 "Spark aborted the barrier stage and stopped the other tasks.\n\n"
-                f"Traceback of task {partition}:\n{task_traceback}")
-        return SparkJobError(message, partition=partition, attempt=attempt,
-                             task_traceback=task_traceback,
-                             spark_message=spark_message, preempted=preempted)
+                f"Traceback of task {partition}:\n{task_traceback}"
+            )
+        return SparkJobError(
+            message,
+            partition=partition,
+            attempt=attempt,
+            task_traceback=task_traceback,
+            spark_message=spark_message,
+            preempted=preempted,
+        )
     found = RESULT_TASK_RE.search(text)
     partition = int(found.group(1)) if found else None
     who = f"task {partition}" if partition is not None else "a task"
-    message = (f"{SOURCE}: the Spark job failed on {where} ({who}; the "
-               "failure came from outside train_fn, e.g. a lost executor or "
-               f"a killed Python worker). Spark said:\n{spark_message}")
-    return SparkJobError(message, partition=partition, attempt=attempt,
-                         spark_message=spark_message)
+    message = (
+        f"{SOURCE}: the Spark job failed on {where} ({who}; the "
+        "failure came from outside train_fn, e.g. a lost executor or "
+        f"a killed Python worker). Spark said:\n{spark_message}"
+    )
+    return SparkJobError(message, partition=partition, attempt=attempt, spark_message=spark_message)
 
 
 def _preempted_exit_code() -> int:
     from tfdist.training.preemption import PREEMPTED_EXIT_CODE  # No TensorFlow.
+
     return PREEMPTED_EXIT_CODE
 
 
-def submit(sc: Any, spec: TaskSpec, seconds: float | None,
-           attempts: int, timeout: float | None) -> Any:
+def submit(
+    sc: Any, spec: TaskSpec, seconds: float | None, attempts: int, timeout: float | None
+) -> Any:
     """Runs one barrier job within ``seconds``; returns the chief's result."""
     pyspark = _pyspark()
     group = f"tfdist-{uuid.uuid4().hex[:12]}"
     box: dict[str, Any] = {}
 
     def job() -> None:
-        sc.setJobGroup(group, f"tfdist.spark.run: {spec.num_workers} workers, "
-                       f"attempt {spec.attempt + 1}", interruptOnCancel=True)
+        sc.setJobGroup(
+            group,
+            f"tfdist.spark.run: {spec.num_workers} workers, attempt {spec.attempt + 1}",
+            interruptOnCancel=True,
+        )
         try:
             rdd = sc.parallelize(range(spec.num_workers), spec.num_workers)
-            box["rows"] = (rdd.barrier()
-                           .mapPartitions(functools.partial(run_task, spec))
-                           .collect())
+            box["rows"] = rdd.barrier().mapPartitions(functools.partial(run_task, spec)).collect()
         except BaseException as error:  # noqa: BLE001 - re-raised below
             box["error"] = error
 
-    thread = pyspark.InheritableThread(target=job, daemon=True,
-                                       name=f"{group}-collect")
+    thread = pyspark.InheritableThread(target=job, daemon=True, name=f"{group}-collect")
     thread.start()
     try:
         thread.join(seconds)
@@ -292,18 +322,19 @@ def submit(sc: Any, spec: TaskSpec, seconds: float | None,
             "kills its tasks. Raise timeout= if training needs longer. A hung "
             "peer is caught by collective_timeout= (default 600 s), a peer "
             "that never joins by register_timeout= (default 120 s).",
-            attempt=spec.attempt)
+            attempt=spec.attempt,
+        )
     if "error" in box:
         error = box["error"]
         if _is_spark_error(error):
-            raise _job_error(error, spec.attempt, attempts,
-                             spec.num_workers) from error
+            raise _job_error(error, spec.attempt, attempts, spec.num_workers) from error
         raise error
     rows = box["rows"]
     if len(rows) != 1:
         raise SparkJobError(
-            f"{SOURCE}: expected one result, from the chief (task 0). "
-            f"Received: {len(rows)}", attempt=spec.attempt)
+            f"{SOURCE}: expected one result, from the chief (task 0). Received: {len(rows)}",
+            attempt=spec.attempt,
+        )
     return pickle.loads(rows[0])
 
 
@@ -326,10 +357,14 @@ def _is_spark_error(error: BaseException) -> bool:
 # A session for one machine.
 
 
-def local_session(num_workers: int = 2, *, master: str | None = None,
-                  app_name: str = "tfdist",
-                  conf: Mapping[str, str] | None = None,
-                  wait_for_slots: float = 60.0):
+def local_session(
+    num_workers: int = 2,
+    *,
+    master: str | None = None,
+    app_name: str = "tfdist",
+    conf: Mapping[str, str] | None = None,
+    wait_for_slots: float = 60.0,
+):
     """Starts a SparkSession on this machine, set up for :func:`run`.
 
     Everything stays on 127.0.0.1 (``SPARK_LOCAL_IP``, the driver's host
@@ -361,23 +396,31 @@ def local_session(num_workers: int = 2, *, master: str | None = None,
     source = "tfdist.spark.local_session"
     require_int("num_workers", num_workers, 1, source=source)
     if master is not None and (not isinstance(master, str) or not master.strip()):
-        raise ConfigError("master", master, "None or a Spark master URL such as "
-                          "'local[2]' or 'local-cluster[2,1,1024]'", source=source)
-    if conf is not None and not isinstance(conf, Mapping):
-        raise ConfigError("conf", conf, "a mapping of Spark settings",
-                          source=source)
-    pyspark = _pyspark()
-    if pyspark.SparkContext._active_spark_context is not None:
-        running = pyspark.SparkContext._active_spark_context
         raise ConfigError(
-            "master", master, "no SparkContext running in this process",
-            source=source, hint=f"One is running already ({running.master}); "
+            "master",
+            master,
+            "None or a Spark master URL such as 'local[2]' or 'local-cluster[2,1,1024]'",
+            source=source,
+        )
+    if conf is not None and not isinstance(conf, Mapping):
+        raise ConfigError("conf", conf, "a mapping of Spark settings", source=source)
+    pyspark = _pyspark()
+    if pyspark.SparkContext._active_spark_context is not None:  # noqa: SLF001 - PySpark's only handle on a running SparkContext
+        running = pyspark.SparkContext._active_spark_context  # noqa: SLF001 - PySpark's only handle on a running SparkContext
+        raise ConfigError(
+            "master",
+            master,
+            "no SparkContext running in this process",
+            source=source,
+            hint=f"One is running already ({running.master}); "
             "stop it first, or pass it to tfdist.spark.run(spark=...) if it "
-            "has spark.python.worker.reuse=false.")
+            "has spark.python.worker.reuse=false.",
+        )
     master = master or f"local[{num_workers}]"
     # Read by the JVM when it starts (and by local-cluster's executors).
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     from pyspark.sql import SparkSession
+
     settings = dict(LOCAL_SETTINGS)
     settings["spark.pyspark.python"] = sys.executable
     settings["spark.pyspark.driver.python"] = sys.executable

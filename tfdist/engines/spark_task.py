@@ -14,7 +14,8 @@ import os
 import re
 import socket
 import traceback
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from tfdist.errors import ConfigError, TfdistError
 
@@ -73,8 +74,7 @@ class TrainContext:
         (until :func:`run`'s ``timeout``).
         """
         if not isinstance(message, str):
-            raise ConfigError("message", message, "a string",
-                              source="TrainContext.all_gather")
+            raise ConfigError("message", message, "a string", source="TrainContext.all_gather")
         return list(self._barrier_context.allGather(message))
 
     def barrier(self) -> None:
@@ -114,6 +114,7 @@ def _preemption_record(error: BaseException) -> dict | None:
     """The status record of a task that saved on preemption and exits
     (tfdist.training.preemption.Preempted, a SystemExit), else None."""
     from tfdist.training.preemption import Preempted  # No TensorFlow.
+
     return dict(error.record) if isinstance(error, Preempted) else None
 
 
@@ -139,12 +140,13 @@ def _encode_failure(spec: TaskSpec, partition: int, error: BaseException) -> str
     what = f"failed: {type(error).__name__}: {error}"
     if record is not None:
         info["preempted"] = record
-        info["message"] = (f"saved at step {record.get('step')} and exited with "
-                           f"code {error.code}")
+        info["message"] = f"saved at step {record.get('step')} and exited with code {error.code}"
         what = f"was preempted: {info['message']}"
-    return (f"tfdist.spark: task {partition} (worker {partition} of "
-            f"{spec.num_workers}) {what}\n"
-            f"{_MARK} {json.dumps(info)}\n{_TB_START}\n{text.rstrip()}\n{_TB_END}")
+    return (
+        f"tfdist.spark: task {partition} (worker {partition} of "
+        f"{spec.num_workers}) {what}\n"
+        f"{_MARK} {json.dumps(info)}\n{_TB_START}\n{text.rstrip()}\n{_TB_END}"
+    )
 
 
 _CURRENT: TrainContext | None = None
@@ -164,7 +166,8 @@ def context() -> TrainContext:
         raise TfdistError(
             "tfdist.spark.context() works only inside train_fn, on a Spark "
             "task started by tfdist.spark.run(train_fn, ...). Received: a "
-            f"call in process {os.getpid()}, outside such a task.")
+            f"call in process {os.getpid()}, outside such a task."
+        )
     return _CURRENT
 
 
@@ -174,13 +177,21 @@ def _call_train_fn(spec: TaskSpec, ctx: TrainContext) -> Any:
     ``tfdist.strategy_from_config()`` answering ``ctx.strategy`` (a train_fn
     that makes its own strategy gets the task's, whose scope it is in)."""
     from tfdist.strategies.provided import provide
+
     global _CURRENT
     _CURRENT = ctx
     try:
-        with provide(ctx.strategy, tf_config=ctx.tf_config,
-                     compression=spec.compression,
-                     error_feedback=spec.error_feedback, options=spec.options,
-                     source="tfdist.spark.run"), ctx.strategy.scope():
+        with (
+            provide(
+                ctx.strategy,
+                tf_config=ctx.tf_config,
+                compression=spec.compression,
+                error_feedback=spec.error_feedback,
+                options=spec.options,
+                source="tfdist.spark.run",
+            ),
+            ctx.strategy.scope(),
+        ):
             if spec.pass_context:
                 return spec.train_fn(ctx, **spec.train_kwargs)
             return spec.train_fn(**spec.train_kwargs)
@@ -200,33 +211,47 @@ def run_task(spec: TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
         os.environ["TFDIST_LAUNCH_ATTEMPT"] = str(spec.attempt)
         host = spec.host or _executor_host(barrier_context, partition)
         from tfdist.engines.net import free_ports
+
         port = free_ports(1, host)[0]
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         addresses = barrier_context.allGather(address)
-        tf_config = {"cluster": {"worker": list(addresses)},
-                     "task": {"type": "worker", "index": partition}}
+        tf_config = {
+            "cluster": {"worker": list(addresses)},
+            "task": {"type": "worker", "index": partition},
+        }
         os.environ["TF_CONFIG"] = json.dumps(tf_config)
 
         from tfdist.strategies import strategy_from_config
+
         strategy = strategy_from_config(
-            tf_config, strategy="multi_worker_mirrored",
-            compression=spec.compression, error_feedback=spec.error_feedback,
-            **spec.options)
+            tf_config,
+            strategy="multi_worker_mirrored",
+            compression=spec.compression,
+            error_feedback=spec.error_feedback,
+            **spec.options,
+        )
         ctx = TrainContext(
-            strategy=strategy, worker_index=partition,
-            num_workers=spec.num_workers, is_chief=partition == 0,
-            attempt=spec.attempt, backup_dir=spec.backup_dir,
-            tf_config=tf_config, _barrier_context=barrier_context)
+            strategy=strategy,
+            worker_index=partition,
+            num_workers=spec.num_workers,
+            is_chief=partition == 0,
+            attempt=spec.attempt,
+            backup_dir=spec.backup_dir,
+            tf_config=tf_config,
+            _barrier_context=barrier_context,
+        )
         result = _call_train_fn(spec, ctx)
         payload = None
         if partition == 0:
             from pyspark import cloudpickle
+
             try:
                 payload = cloudpickle.dumps(result)
             except Exception as error:
                 raise TypeError(
                     "train_fn's return value on the chief must be picklable. "
-                    f"Received: {type(result).__name__} ({error})") from error
+                    f"Received: {type(result).__name__} ({error})"
+                ) from error
         # Worker 0 leads TensorFlow's coordination service: no task leaves
         # (and its process exits) while another may still talk to it.
         barrier_context.barrier()

@@ -37,14 +37,18 @@ _TFJOB_API_VERSION = "kubeflow.org/v1"
 _TFJOB_CONTAINER = "tensorflow"  # The operator only sets TF_CONFIG in this container.
 _MAX_NAME = 63  # Kubernetes label / Service name limit.
 _MAX_INT64 = 2**63 - 1  # terminationGracePeriodSeconds is an int64.
-_DNS1123_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS1123_SUBDOMAIN_RE = re.compile(
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
 #: The volume :func:`tfjob_manifest` mounts for ``backup_claim``, and where by default.
 _BACKUP_VOLUME = "tfdist-backup"
 DEFAULT_BACKUP_MOUNT = "/backup"
 _DNS1035_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # A Kubernetes resource quantity: "2", "0.5", "500m", "4Gi", "1e3".
-_QUANTITY_RE = re.compile(r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][-+]?[0-9]+)?")
+_QUANTITY_RE = re.compile(
+    r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][-+]?[0-9]+)?"
+)
 
 
 def fail(field: str, value: Any, expected: str, source: str, hint: str | None = None) -> NoReturn:
@@ -108,8 +112,9 @@ def replica_counts(spec_or_counts: Any) -> dict[str, int]:
     else:
         config = spec_lib.parse(spec_or_counts, require_task=False)
         if not config.cluster:
-            raise ClusterSpecError("cluster", {}, "a cluster with at least one chief or worker",
-                                   source=config.source)
+            raise ClusterSpecError(
+                "cluster", {}, "a cluster with at least one chief or worker", source=config.source
+            )
         counts = {job: len(addresses) for job, addresses in config.cluster.items()}
         if config.task_type == "evaluator":
             counts["evaluator"] = 1
@@ -117,15 +122,22 @@ def replica_counts(spec_or_counts: Any) -> dict[str, int]:
 
     for task_type in ("chief", "evaluator"):
         if counts.get(task_type, 0) > 1:
-            fail(f"counts.{task_type}", counts[task_type],
-                 f"at most one {task_type} (TensorFlow has a single {task_type})", source)
+            fail(
+                f"counts.{task_type}",
+                counts[task_type],
+                f"at most one {task_type} (TensorFlow has a single {task_type})",
+                source,
+            )
     if not counts.get("chief") and not counts.get("worker"):
-        fail("counts", dict(spec_or_counts) if isinstance(spec_or_counts, Mapping) else counts,
-             "at least one chief or worker", source)
+        fail(
+            "counts",
+            dict(spec_or_counts) if isinstance(spec_or_counts, Mapping) else counts,
+            "at least one chief or worker",
+            source,
+        )
     if counts.get("ps"):
         if not counts.get("chief"):
-            fail("counts.chief", 0, "1 when there are parameter servers (the coordinator)",
-                 source)
+            fail("counts.chief", 0, "1 when there are parameter servers (the coordinator)", source)
         if not counts.get("worker"):
             fail("counts.worker", 0, "at least 1 when there are parameter servers", source)
     return counts
@@ -153,10 +165,14 @@ def _check_name(name: Any, counts: Mapping[str, int], source: str) -> str:
     # The operator names each replica's pod and Service NAME-TYPE-INDEX.
     longest = max((f"{name}-{t}-{c - 1}" for t, c in counts.items()), key=len)
     if len(longest) > _MAX_NAME:
-        fail("name", name,
-             f"a name short enough for the Service names the operator derives from it "
-             f"(at most {_MAX_NAME} characters, e.g. {longest!r} has {len(longest)})",
-             source, hint=f"Use at most {_MAX_NAME - (len(longest) - len(name))} characters.")
+        fail(
+            "name",
+            name,
+            f"a name short enough for the Service names the operator derives from it "
+            f"(at most {_MAX_NAME} characters, e.g. {longest!r} has {len(longest)})",
+            source,
+            hint=f"Use at most {_MAX_NAME - (len(longest) - len(name))} characters.",
+        )
     return name
 
 
@@ -202,13 +218,15 @@ def _check_grace(value: Any, source: str) -> int:
     Kubernetes takes an integer; 0 would mean SIGKILL at once, with no time
     to save a backup.
     """
-    expected = ("whole seconds >= 1 from SIGTERM to SIGKILL "
-                "(terminationGracePeriodSeconds), e.g. 60")
+    expected = "whole seconds >= 1 from SIGTERM to SIGKILL (terminationGracePeriodSeconds), e.g. 60"
     received = value
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())  # From the command line.
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or not 1 <= value <= _MAX_INT64):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not 1 <= value <= _MAX_INT64
+    ):
         value = received
         number = value
         if isinstance(value, str):
@@ -217,8 +235,12 @@ def _check_grace(value: Any, source: str) -> int:
             except ValueError:
                 number = None
         hint = None
-        if (isinstance(number, numbers.Real) and not isinstance(number, bool)
-                and math.isfinite(number) and number >= 1):
+        if (
+            isinstance(number, numbers.Real)
+            and not isinstance(number, bool)
+            and math.isfinite(number)
+            and number >= 1
+        ):
             hint = f"Kubernetes takes whole seconds: use {math.ceil(number)}."
         fail("grace", value, expected, source, hint=hint)
     return int(value)
@@ -228,21 +250,36 @@ def _check_backup_volume(claim: Any, mount: Any, source: str) -> str | None:
     """Checks the backup claim and mount path; returns the mount path."""
     if claim is None:
         if mount is not None:
-            fail("backup_mount", mount, "None when there is no backup_claim", source,
-                 hint="Name the PersistentVolumeClaim to mount with backup_claim "
-                       "(--backup-claim).")
+            fail(
+                "backup_mount",
+                mount,
+                "None when there is no backup_claim",
+                source,
+                hint="Name the PersistentVolumeClaim to mount with backup_claim (--backup-claim).",
+            )
         return None
-    if (not isinstance(claim, str) or len(claim) > 253
-            or not _DNS1123_SUBDOMAIN_RE.fullmatch(claim)):
-        fail("backup_claim", claim,
-             "None or the name of a PersistentVolumeClaim: lowercase letters, digits, "
-             "'-' and '.', starting and ending with a letter or digit", source,
-             hint=_dns_hint(claim, letter_first=False) if isinstance(claim, str) else None)
+    if not isinstance(claim, str) or len(claim) > 253 or not _DNS1123_SUBDOMAIN_RE.fullmatch(claim):
+        fail(
+            "backup_claim",
+            claim,
+            "None or the name of a PersistentVolumeClaim: lowercase letters, digits, "
+            "'-' and '.', starting and ending with a letter or digit",
+            source,
+            hint=_dns_hint(claim, letter_first=False) if isinstance(claim, str) else None,
+        )
     mount = DEFAULT_BACKUP_MOUNT if mount is None else mount
-    if (not isinstance(mount, str) or not mount.startswith("/") or ":" in mount
-            or any(c.isspace() for c in mount)):
-        fail("backup_mount", mount, "an absolute path in the container, without ':' or "
-             "spaces, e.g. '/backup'", source)
+    if (
+        not isinstance(mount, str)
+        or not mount.startswith("/")
+        or ":" in mount
+        or any(c.isspace() for c in mount)
+    ):
+        fail(
+            "backup_mount",
+            mount,
+            "an absolute path in the container, without ':' or spaces, e.g. '/backup'",
+            source,
+        )
     return mount
 
 
@@ -328,25 +365,41 @@ def tfjob_manifest(
     counts = replica_counts(spec_or_counts)
     name = _check_name(name, counts, source)
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
-        fail("image", image, "a non-empty container image reference without spaces, "
-             "e.g. 'registry.example.com/train:1'", source)
+        fail(
+            "image",
+            image,
+            "a non-empty container image reference without spaces, "
+            "e.g. 'registry.example.com/train:1'",
+            source,
+        )
     command_words = _check_command("command", command, source, allow_empty=False)
     arg_words = _check_command("args", args, source, allow_empty=True)
     if namespace is not None and (
-            not isinstance(namespace, str) or len(namespace) > _MAX_NAME
-            or not _DNS1123_RE.fullmatch(namespace)):
-        fail("namespace", namespace,
-             "None or a DNS-1123 label: at most 63 lowercase letters, digits and '-', "
-             "starting and ending with a letter or digit", source,
-             hint=_dns_hint(namespace, letter_first=False) if isinstance(namespace, str) else None)
+        not isinstance(namespace, str)
+        or len(namespace) > _MAX_NAME
+        or not _DNS1123_RE.fullmatch(namespace)
+    ):
+        fail(
+            "namespace",
+            namespace,
+            "None or a DNS-1123 label: at most 63 lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit",
+            source,
+            hint=_dns_hint(namespace, letter_first=False) if isinstance(namespace, str) else None,
+        )
     if restart_policy not in RESTART_POLICIES:
         hint = None
         if isinstance(restart_policy, str):
             lowered = {policy.lower(): policy for policy in RESTART_POLICIES}
             close = difflib.get_close_matches(restart_policy.lower(), list(lowered), n=1)
             hint = f"Did you mean {lowered[close[0]]!r}?" if close else None
-        fail("restart_policy", restart_policy,
-             "one of " + ", ".join(repr(p) for p in RESTART_POLICIES), source, hint=hint)
+        fail(
+            "restart_policy",
+            restart_policy,
+            "one of " + ", ".join(repr(p) for p in RESTART_POLICIES),
+            source,
+            hint=hint,
+        )
     grace = _check_grace(grace, source)
     backup_mount = _check_backup_volume(backup_claim, backup_mount, source)
     resources: dict[str, str] = {}
@@ -372,8 +425,9 @@ def tfjob_manifest(
         pod: dict[str, Any] = {"terminationGracePeriodSeconds": grace}
         if backup_claim is not None:
             container["volumeMounts"] = [{"name": _BACKUP_VOLUME, "mountPath": backup_mount}]
-            pod["volumes"] = [{"name": _BACKUP_VOLUME,
-                               "persistentVolumeClaim": {"claimName": backup_claim}}]
+            pod["volumes"] = [
+                {"name": _BACKUP_VOLUME, "persistentVolumeClaim": {"claimName": backup_claim}}
+            ]
         pod["containers"] = [container]
         return {
             "replicas": count,
@@ -390,8 +444,7 @@ def tfjob_manifest(
         "metadata": metadata,
         "spec": {
             "tfReplicaSpecs": {
-                REPLICA_TYPES[task_type]: replica_spec(count)
-                for task_type, count in counts.items()
+                REPLICA_TYPES[task_type]: replica_spec(count) for task_type, count in counts.items()
             },
         },
     }

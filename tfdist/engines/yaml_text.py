@@ -22,8 +22,19 @@ from typing import Any
 _PLAIN_RE = re.compile(r"[A-Za-z_/][A-Za-z0-9_./@+=-]*(:[A-Za-z0-9_./@+=-]+)*")
 # Words that YAML 1.1 (PyYAML, go-yaml v2 under kubectl) reads as bool/null.
 _RESERVED = {"y", "n", "yes", "no", "true", "false", "on", "off", "null"}
-_ESCAPES = {"\\": "\\\\", '"': '\\"', "\0": "\\0", "\a": "\\a", "\b": "\\b", "\t": "\\t",
-            "\n": "\\n", "\v": "\\v", "\f": "\\f", "\r": "\\r", "\x1b": "\\e"}
+_ESCAPES = {
+    "\\": "\\\\",
+    '"': '\\"',
+    "\0": "\\0",
+    "\a": "\\a",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\v": "\\v",
+    "\f": "\\f",
+    "\r": "\\r",
+    "\x1b": "\\e",
+}
 
 
 def _printable(code: int) -> bool:
@@ -98,7 +109,7 @@ def _lines(value: Any, indent: int) -> list[str]:
         for item in value:
             if _is_block(item):
                 nested = _lines(item, indent + 2)
-                lines.append(f"{pad}- {nested[0][indent + 2:]}")
+                lines.append(f"{pad}- {nested[0][indent + 2 :]}")
                 lines.extend(nested[1:])
             else:
                 lines.append(f"{pad}- {_inline(item)}")

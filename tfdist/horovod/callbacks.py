@@ -39,7 +39,8 @@ from __future__ import annotations
 import numbers
 import warnings
 import zlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import keras
 import numpy as np
@@ -66,8 +67,13 @@ def _check_rank(field: str, value: Any, source: str) -> int:
 
 
 def _number(field: str, value: Any, source: str, *, positive: bool = False) -> float:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not np.isfinite(value) or (positive and value <= 0) or value < 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not np.isfinite(value)
+        or (positive and value <= 0)
+        or value < 0
+    ):
         expected = "a finite number > 0" if positive else "a finite number >= 0"
         raise ConfigError(field, value, expected, source=source)
     return float(value)
@@ -98,8 +104,9 @@ def _optimizer_variables(model: Any) -> list:
     return list(optimizer.variables)
 
 
-def broadcast_model(model: Any, root_rank: int = 0, *, exclude: Iterable[int] = (),
-                    device: str = "") -> None:
+def broadcast_model(
+    model: Any, root_rank: int = 0, *, exclude: Iterable[int] = (), device: str = ""
+) -> None:
     """Assigns the root rank's model and optimizer variables on every rank.
 
     Every rank must call it (it issues collectives in the same order on all).
@@ -141,8 +148,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             variable.
     """
 
-    def __init__(self, root_rank: int, device: str = "",
-                 local_variables: Any = None) -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = _check_rank("root_rank", root_rank, "BroadcastGlobalVariablesCallback")
         self.device = device
@@ -158,8 +164,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def register_local_var(self, var: Any) -> None:
         """Keeps ``var`` out of the broadcast (a Keras or tf.Variable)."""
         if not _is_variable(var):
-            raise ConfigError("local_variables", var, "Keras or TensorFlow variables",
-                              source="BroadcastGlobalVariablesCallback")
+            raise ConfigError(
+                "local_variables",
+                var,
+                "Keras or TensorFlow variables",
+                source="BroadcastGlobalVariablesCallback",
+            )
         self._local_ids.add(id(var))
         # A tf.Variable behind a Keras variable, and the other way round.
         backing = getattr(var, "value", None) if isinstance(var, keras.Variable) else None
@@ -178,10 +188,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             return
         size = runtime.size()
         if self.root_rank >= size:
-            raise ConfigError("root_rank", self.root_rank, f"a rank in [0, {size - 1}]",
-                              source="BroadcastGlobalVariablesCallback")
-        broadcast_model(self.model, self.root_rank, exclude=self._excluded(),
-                        device=self.device)
+            raise ConfigError(
+                "root_rank",
+                self.root_rank,
+                f"a rank in [0, {size - 1}]",
+                source="BroadcastGlobalVariablesCallback",
+            )
+        broadcast_model(self.model, self.root_rank, exclude=self._excluded(), device=self.device)
         self.broadcast_done = True
 
 
@@ -203,9 +216,12 @@ def average_logs(logs: dict, device: str = "") -> dict:
     Raises:
         ValueError: The ranks' metric names differ (every rank raises).
     """
-    names = sorted(k for k, v in logs.items()
-                   if (isinstance(v, numbers.Real) and not isinstance(v, bool))
-                   or (isinstance(v, np.ndarray) and v.size == 1))
+    names = sorted(
+        k
+        for k, v in logs.items()
+        if (isinstance(v, numbers.Real) and not isinstance(v, bool))
+        or (isinstance(v, np.ndarray) and v.size == 1)
+    )
     if runtime.size() == 1:
         return logs
     with tf.device(device):
@@ -214,9 +230,11 @@ def average_logs(logs: dict, device: str = "") -> dict:
         if np.any(digests != digest):
             everyone = collectives.allgather_object(names)
             shown = "; ".join(f"rank {r}: {n}" for r, n in enumerate(everyone))
-            raise ValueError("MetricAverageCallback: the ranks log different metrics, "
-                             f"so they cannot be averaged ({shown}). Add the callback "
-                             "before any callback that logs on some ranks only.")
+            raise ValueError(
+                "MetricAverageCallback: the ranks log different metrics, "
+                f"so they cannot be averaged ({shown}). Add the callback "
+                "before any callback that logs on some ranks only."
+            )
         if not names:
             return logs
         values = tf.constant([float(np.asarray(logs[k])) for k in names], tf.float64)
@@ -261,10 +279,14 @@ def _rate_variable(model: Any, source: str) -> Any:
     rate = getattr(_unwrap(optimizer), "_learning_rate", None)
     if not isinstance(rate, keras.Variable):
         raise ConfigError(
-            "optimizer.learning_rate", rate, "a float rate that can be set per batch",
-            source=source, hint="Build the optimizer with a float learning_rate; a "
+            "optimizer.learning_rate",
+            rate,
+            "a float rate that can be set per batch",
+            source=source,
+            hint="Build the optimizer with a float learning_rate; a "
             "LearningRateSchedule or callable cannot be assigned (put the schedule "
-            "into it instead of using this callback)")
+            "into it instead of using this callback)",
+        )
     return rate
 
 
@@ -279,9 +301,11 @@ def _velocity_slots(optimizer: Any) -> list | None:
     if isinstance(optimizer, keras.optimizers.SGD):
         return list(optimizer.momentums)
     if isinstance(optimizer, keras.optimizers.RMSprop):
-        return list(optimizer._momentums)
-    _warn_once(f"tfdist.horovod: no momentum correction for {type(optimizer).__name__} "
-               "(only SGD's and RMSprop's momentum buffers are known)")
+        return list(optimizer._momentums)  # noqa: SLF001 - Keras's RMSprop keeps its momentum buffers only here
+    _warn_once(
+        f"tfdist.horovod: no momentum correction for {type(optimizer).__name__} "
+        "(only SGD's and RMSprop's momentum buffers are known)"
+    )
     return None
 
 
@@ -312,19 +336,29 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     _source = "LearningRateScheduleCallback"
 
-    def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float],
-                 start_epoch: int = 0, end_epoch: int | None = None, staircase: bool = True,
-                 momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        initial_lr: float,
+        multiplier: float | Callable[[float], float],
+        start_epoch: int = 0,
+        end_epoch: int | None = None,
+        staircase: bool = True,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+    ) -> None:
         super().__init__()
         self.initial_lr = _number("initial_lr", initial_lr, self._source)
         self.start_epoch = _number("start_epoch", start_epoch, self._source)
-        self.end_epoch = None if end_epoch is None else _number("end_epoch", end_epoch,
-                                                                 self._source)
+        self.end_epoch = (
+            None if end_epoch is None else _number("end_epoch", end_epoch, self._source)
+        )
         self.staircase = bool(staircase)
         self.momentum_correction = bool(momentum_correction)
-        self.steps_per_epoch = (None if steps_per_epoch is None else
-                                int(_number("steps_per_epoch", steps_per_epoch, self._source,
-                                            positive=True)))
+        self.steps_per_epoch = (
+            None
+            if steps_per_epoch is None
+            else int(_number("steps_per_epoch", steps_per_epoch, self._source, positive=True))
+        )
         if callable(multiplier):
             self.multiplier = multiplier
         else:
@@ -338,9 +372,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             steps = (self.params or {}).get("steps")
             if not steps:
                 raise ConfigError(
-                    "steps_per_epoch", steps, "an integer >= 1 (fit does not know the "
-                    "number of batches per epoch)", source=self._source,
-                    hint=f"Pass steps_per_epoch= to {type(self).__name__}, or to fit")
+                    "steps_per_epoch",
+                    steps,
+                    "an integer >= 1 (fit does not know the number of batches per epoch)",
+                    source=self._source,
+                    hint=f"Pass steps_per_epoch= to {type(self).__name__}, or to fit",
+                )
             self.steps_per_epoch = int(steps)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -367,8 +404,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None:
-            logs["lr"] = float(keras.ops.convert_to_numpy(
-                _rate_variable(self.model, self._source)))
+            logs["lr"] = float(keras.ops.convert_to_numpy(_rate_variable(self.model, self._source)))
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -392,28 +428,40 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     _source = "LearningRateWarmupCallback"
 
-    def __init__(self, initial_lr: float, warmup_epochs: float = 5,
-                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
-                 verbose: int = 0) -> None:
-        self.warmup_epochs = _number("warmup_epochs", warmup_epochs, self._source,
-                                     positive=True)
+    def __init__(
+        self,
+        initial_lr: float,
+        warmup_epochs: float = 5,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+        verbose: int = 0,
+    ) -> None:
+        self.warmup_epochs = _number("warmup_epochs", warmup_epochs, self._source, positive=True)
 
         def multiplier(epoch: float) -> float:
             size = runtime.size()
             epoch += 1.0 / self.steps_per_epoch
             return 1.0 / size * (epoch * (size - 1) / self.warmup_epochs + 1)
 
-        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
-                         staircase=False, momentum_correction=momentum_correction,
-                         steps_per_epoch=steps_per_epoch)
+        super().__init__(
+            initial_lr,
+            multiplier,
+            start_epoch=0,
+            end_epoch=warmup_epochs,
+            staircase=False,
+            momentum_correction=momentum_correction,
+            steps_per_epoch=steps_per_epoch,
+        )
         self.verbose = verbose
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
         if self.verbose and epoch == self.end_epoch - 1 and runtime.rank() == 0:
             rate = float(keras.ops.convert_to_numpy(_rate_variable(self.model, self._source)))
-            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {rate:g}.",
-                  flush=True)
+            print(
+                f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {rate:g}.",
+                flush=True,
+            )
 
 
 def _warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 (a memo on purpose)

@@ -7,7 +7,7 @@ same kind of collective on the same dtype and shape (and name, when given),
 and fails with :class:`~tfdist.horovod.runtime.CollectiveMismatchError`
 otherwise (see :mod:`tfdist.horovod.runtime`).
 
-Differences from Horovod, all documented in the README:
+Differences from Horovod, all documented in docs/guide/horovod.md:
 
 * ``broadcast`` is an all-reduce in which only the root contributes, which
   sends about twice the bytes of a tree broadcast; it is exact (x + 0 = x).
@@ -22,7 +22,8 @@ import contextlib
 import enum
 import pickle
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -31,36 +32,68 @@ from tfdist.errors import ConfigError
 from tfdist.horovod import runtime
 from tfdist.horovod.runtime import CollectiveMismatchError
 
-__all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce",
-           "grouped_allreduce", "allgather", "broadcast", "broadcast_variables",
-           "broadcast_object", "allgather_object", "barrier", "join", "sum_dense",
-           "gather_rows", "gather_varying"]
+__all__ = [
+    "ReduceOp",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "allreduce",
+    "grouped_allreduce",
+    "allgather",
+    "broadcast",
+    "broadcast_variables",
+    "broadcast_object",
+    "allgather_object",
+    "barrier",
+    "join",
+    "sum_dense",
+    "gather_rows",
+    "gather_varying",
+]
 
 
 class ReduceOp(enum.IntEnum):
     """Horovod's reduction ops (``hvd.Average``...)."""
 
+    #: The mean over ranks (Horovod's default).
     Average = 0
+    #: The sum over ranks.
     Sum = 1
+    #: Horovod's Adasum; tfdist refuses it (no Adasum reduction in TensorFlow).
     Adasum = 2
+    #: The element-wise minimum over ranks.
     Min = 3
+    #: The element-wise maximum over ranks.
     Max = 4
+    #: The element-wise product over ranks.
     Product = 5
 
 
 Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
 Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product
 
-_MERGE = {ReduceOp.Sum: "Add", ReduceOp.Average: "Add", ReduceOp.Min: "Min",
-          ReduceOp.Max: "Max", ReduceOp.Product: "Mul"}
+_MERGE = {
+    ReduceOp.Sum: "Add",
+    ReduceOp.Average: "Add",
+    ReduceOp.Min: "Min",
+    ReduceOp.Max: "Max",
+    ReduceOp.Product: "Mul",
+}
 
 #: dtypes TensorFlow's CPU collectives reduce; others travel as int32.
 _REDUCIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 _SIGNATURE_BYTES = 120
 
 
-def resolve_op(op: Any, average: Any = None, source: str = "hvd.allreduce",
-               allowed: Sequence[ReduceOp] = tuple(_MERGE)) -> ReduceOp:
+def resolve_op(
+    op: Any,
+    average: Any = None,
+    source: str = "hvd.allreduce",
+    allowed: Sequence[ReduceOp] = tuple(_MERGE),
+) -> ReduceOp:
     """``op``/``average`` as Horovod takes them -> a :class:`ReduceOp`.
 
     Raises:
@@ -68,8 +101,13 @@ def resolve_op(op: Any, average: Any = None, source: str = "hvd.allreduce",
     """
     if average is not None:
         if op is not None:
-            raise ConfigError("op", op, "op or the deprecated average, not both",
-                              source=source, received=f"op={op!r}, average={average!r}")
+            raise ConfigError(
+                "op",
+                op,
+                "op or the deprecated average, not both",
+                source=source,
+                received=f"op={op!r}, average={average!r}",
+            )
         return ReduceOp.Average if average else ReduceOp.Sum
     if op is None:
         return ReduceOp.Average
@@ -79,13 +117,18 @@ def resolve_op(op: Any, average: Any = None, source: str = "hvd.allreduce",
         raise ConfigError("op", op, "hvd.Average or hvd.Sum", source=source) from None
     if resolved == ReduceOp.Adasum:
         raise ConfigError(
-            "op", "hvd.Adasum", "hvd.Average or hvd.Sum", source=source,
+            "op",
+            "hvd.Adasum",
+            "hvd.Average or hvd.Sum",
+            source=source,
             hint="Adasum is Horovod's own MPI reduction; TensorFlow's collectives, which "
-                 "tfdist.horovod runs on, have no such reduction. hvd.Average trains the "
-                 "same model as Horovod's default.")
+            "tfdist.horovod runs on, have no such reduction. hvd.Average trains the "
+            "same model as Horovod's default.",
+        )
     if resolved not in allowed:
-        raise ConfigError("op", resolved.name, " or ".join(f"hvd.{a.name}" for a in allowed),
-                          source=source)
+        raise ConfigError(
+            "op", resolved.name, " or ".join(f"hvd.{a.name}" for a in allowed), source=source
+        )
     return resolved
 
 
@@ -108,15 +151,15 @@ def _check_same(what: str) -> None:
     raw = what.encode()[:_SIGNATURE_BYTES].ljust(_SIGNATURE_BYTES, b"\0")
     words = tf.bitcast(tf.reshape(tf.constant(np.frombuffer(raw, np.uint8)), [-1, 4]), tf.int32)
     rows = gather_rows(tf.reshape(words, [1, -1])).numpy()
-    seen = [bytes(r.astype("<i4").tobytes()).rstrip(b"\0").decode(errors="replace")
-            for r in rows]
+    seen = [bytes(r.astype("<i4").tobytes()).rstrip(b"\0").decode(errors="replace") for r in rows]
     if len(set(seen)) > 1:
         issued = "; ".join(f"rank {r} issued {s}" for r, s in enumerate(seen))
         raise CollectiveMismatchError(
             f"tfdist.horovod: the ranks issued different collectives at the same point: "
             f"{issued}. Expected: every rank issues the same collectives in the same order "
             "(TensorFlow matches them by order; Horovod matched them by name). Keep "
-            "collectives out of rank-specific code such as `if hvd.rank() == 0:`.")
+            "collectives out of rank-specific code such as `if hvd.rank() == 0:`."
+        )
 
 
 @contextlib.contextmanager
@@ -131,6 +174,7 @@ def _Guard(what: str) -> Iterator[None]:  # noqa: N802 - used like a class.
 
 
 # --- the primitives ---------------------------------------------------------
+
 
 def _wire(t: tf.Tensor) -> tf.Tensor:
     return t if t.dtype in _REDUCIBLE else tf.cast(t, tf.int32)
@@ -150,11 +194,10 @@ def sum_dense(tensors: Sequence[tf.Tensor], merge: str = "Add") -> list[tf.Tenso
         flat = [tf.reshape(_wire(tensors[i]), [-1]) for i in members]
         packed = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
         if merge == "Add":
-            reduced = runtime.watched(lambda: launcher.all_reduce(packed))
+            reduced = runtime.watched(lambda: launcher.all_reduce(packed))  # noqa: B023 - watched() calls it at once
         else:
-            reduced = runtime.watched(lambda: _reduce_other(launcher, packed, merge))
-        parts = tf.split(reduced, [int(f.shape[0]) for f in flat]) if len(flat) > 1 \
-            else [reduced]
+            reduced = runtime.watched(lambda: _reduce_other(launcher, packed, merge))  # noqa: B023 - watched() calls it at once
+        parts = tf.split(reduced, [int(f.shape[0]) for f in flat]) if len(flat) > 1 else [reduced]
         for i, part in zip(members, parts):
             out[i] = tf.cast(tf.reshape(part, tf.shape(tensors[i])), tensors[i].dtype)
     return out
@@ -165,11 +208,15 @@ def _reduce_other(launcher, packed: tf.Tensor, merge: str) -> tf.Tensor:
     and ordered like the launcher's own all-reduces."""
     from tfdist.compat.tf_python import collective_ops
 
-    with tf.device(launcher._device):  # noqa: SLF001
+    with tf.device(launcher._device):  # noqa: SLF001 - TF's launcher has no Min/Max/Product
         return collective_ops.all_reduce_v2(
-            packed, launcher._group_size, launcher._group_key,  # noqa: SLF001
-            launcher._next_instance_key(), merge_op=merge,  # noqa: SLF001
-            ordering_token=launcher._get_ordering_token())  # noqa: SLF001
+            packed,
+            launcher._group_size,  # noqa: SLF001 - its group size
+            launcher._group_key,  # noqa: SLF001 - its group key
+            launcher._next_instance_key(),  # noqa: SLF001 - its next instance key
+            merge_op=merge,
+            ordering_token=launcher._get_ordering_token(),  # noqa: SLF001 - keeps the collectives in order
+        )
 
 
 def gather_rows(rows: tf.Tensor) -> tf.Tensor:
@@ -177,7 +224,7 @@ def gather_rows(rows: tf.Tensor) -> tf.Tensor:
     if runtime.size() == 1:
         return tf.identity(rows)
     launcher = runtime.launcher()
-    return runtime.watched(lambda: launcher._all_gather(rows, None))  # noqa: SLF001
+    return runtime.watched(lambda: launcher._all_gather(rows, None))  # noqa: SLF001 - TF's launcher has no public all-gather
 
 
 def gather_varying(tensor: tf.Tensor) -> tf.Tensor:
@@ -192,41 +239,58 @@ def gather_varying(tensor: tf.Tensor) -> tf.Tensor:
     pad = [[0, most - tf.shape(wire, out_type=tf.int64)[0]]] + [[0, 0]] * (wire.shape.rank - 1)
     padded = tf.pad(wire, tf.cast(pad, tf.int64))
     gathered = gather_rows(padded)
-    parts = [gathered[r * most:r * most + counts[r]] for r in range(n)]
+    parts = [gathered[r * most : r * most + counts[r]] for r in range(n)]
     return tf.cast(tf.concat(parts, axis=0), tensor.dtype)
 
 
 # --- Horovod's API ----------------------------------------------------------
 
+
 def _as_tensor(value: Any) -> Any:
     if isinstance(value, tf.IndexedSlices):
         return value
-    return tf.convert_to_tensor(getattr(value, "value", value)
-                                if not isinstance(value, tf.Tensor) else value)
+    return tf.convert_to_tensor(
+        getattr(value, "value", value) if not isinstance(value, tf.Tensor) else value
+    )
 
 
 def _check_process_set(process_set: Any, source: str) -> None:
     if process_set is not None:
-        raise ConfigError("process_set", process_set, "None (every rank): process sets are "
-                          "not supported", source=source)
+        raise ConfigError(
+            "process_set",
+            process_set,
+            "None (every rank): process sets are not supported",
+            source=source,
+        )
 
 
-def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_sparse: str = "",
-              compression: Any = None, op: Any = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, name: str | None = None,
-              process_set: Any = None, ignore_name_scope: bool = False) -> Any:
+def allreduce(
+    tensor: Any,
+    average: Any = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: Any = None,
+    ignore_name_scope: bool = False,
+) -> Any:
     """Reduces ``tensor`` over all ranks (default: the average), as ``hvd.allreduce``.
 
     Args:
         tensor: A tensor, variable or ``tf.IndexedSlices`` (gathered, as
             Horovod does).
         average: Deprecated Horovod spelling of ``op``.
-        device_dense, device_sparse: Ignored (TensorFlow places collectives).
+        device_dense: Ignored (TensorFlow places collectives).
+        device_sparse: Ignored (TensorFlow places collectives).
         compression: ``hvd.Compression.none``/``fp16``, a Horovod-style
             compressor class, or a stateless tfdist compression setting.
         op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min``,
             ``hvd.Max`` or ``hvd.Product``.
-        prescale_factor, postscale_factor: Multiply before / after the sum.
+        prescale_factor: Multiplies the tensor before the sum.
+        postscale_factor: Multiplies the result after the sum.
         name: Checked against the other ranks' outside a ``tf.function``.
         process_set: Only None is supported.
         ignore_name_scope: Ignored.
@@ -241,11 +305,13 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
     tensor = _as_tensor(tensor)
     if isinstance(tensor, tf.IndexedSlices):
         if op not in (ReduceOp.Average, ReduceOp.Sum):
-            raise ConfigError("op", op.name, "hvd.Average or hvd.Sum for IndexedSlices",
-                              source="hvd.allreduce")
+            raise ConfigError(
+                "op", op.name, "hvd.Average or hvd.Sum for IndexedSlices", source="hvd.allreduce"
+            )
         with _Guard(_describe("allreduce(slices)", name, tensor.values, True)):
-            values = gather_varying(tensor.values * prescale_factor
-                                    if prescale_factor != 1.0 else tensor.values)
+            values = gather_varying(
+                tensor.values * prescale_factor if prescale_factor != 1.0 else tensor.values
+            )
             indices = gather_varying(tensor.indices)
         scale = postscale_factor / (runtime.size() if op == ReduceOp.Average else 1)
         if scale != 1.0:
@@ -274,10 +340,17 @@ def _postscale(out: tf.Tensor, op: ReduceOp, postscale_factor: float) -> tf.Tens
     return out
 
 
-def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense: str = "",
-                      device_sparse: str = "", compression: Any = None, op: Any = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: Any = None) -> list:
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: Any = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list:
     """Reduces several tensors in one collective per dtype (``hvd.grouped_allreduce``)."""
     from tfdist.horovod.compression import as_horovod_compressor
 
@@ -285,20 +358,27 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     op = resolve_op(op, average, "hvd.grouped_allreduce")
     tensors = [_as_tensor(t) for t in tensors]
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
-        return [allreduce(t, op=op, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor) for t in tensors]
+        return [
+            allreduce(t, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+            for t in tensors
+        ]
     compressor = as_horovod_compressor(compression, "hvd.grouped_allreduce")
     what = "grouped_allreduce " + " ".join(_describe("", None, t).strip() for t in tensors)
     with _Guard(what):
-        pairs = [compressor.compress(t * tf.cast(prescale_factor, t.dtype)
-                                     if prescale_factor != 1.0 else t) for t in tensors]
+        pairs = [
+            compressor.compress(
+                t * tf.cast(prescale_factor, t.dtype) if prescale_factor != 1.0 else t
+            )
+            for t in tensors
+        ]
         reduced = sum_dense([p for p, _ in pairs], _MERGE[op])
         outs = [compressor.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
     return [_postscale(o, op, postscale_factor) for o in outs]
 
 
-def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
-              process_set: Any = None) -> tf.Tensor:
+def allgather(
+    tensor: Any, name: str | None = None, ignore_name_scope: bool = False, process_set: Any = None
+) -> tf.Tensor:
     """Concatenates every rank's ``tensor`` on axis 0, in rank order; the
     first dimension may differ between ranks (``hvd.allgather``). A scalar
     counts as shape [1]."""
@@ -312,8 +392,11 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
 
 def _check_root(root_rank: Any, source: str) -> int:
     n = runtime.size()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) \
-            or not 0 <= int(root_rank) < n:
+    if (
+        isinstance(root_rank, bool)
+        or not isinstance(root_rank, (int, np.integer))
+        or not 0 <= int(root_rank) < n
+    ):
         raise ConfigError("root_rank", root_rank, f"a rank in [0, {n - 1}]", source=source)
     return int(root_rank)
 
@@ -324,16 +407,29 @@ def _broadcast_many(tensors: Sequence[tf.Tensor], root: int) -> list[tf.Tensor]:
         sent = list(tensors)
     else:
         sent = [tf.zeros_like(t) for t in tensors]
-    bad = [t.dtype.name for t in tensors if not (t.dtype.is_floating or t.dtype.is_integer
-                                                  or t.dtype == tf.bool)]
+    bad = [
+        t.dtype.name
+        for t in tensors
+        if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype == tf.bool)
+    ]
     if bad:
-        raise ConfigError("tensor.dtype", bad[0], "a numeric or bool tensor",
-                          source="hvd.broadcast", hint="Use hvd.broadcast_object for others.")
+        raise ConfigError(
+            "tensor.dtype",
+            bad[0],
+            "a numeric or bool tensor",
+            source="hvd.broadcast",
+            hint="Use hvd.broadcast_object for others.",
+        )
     return sum_dense(sent)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              ignore_name_scope: bool = False, process_set: Any = None) -> tf.Tensor:
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = None,
+) -> tf.Tensor:
     """``root_rank``'s ``tensor`` on every rank (``hvd.broadcast``)."""
     _check_process_set(process_set, "hvd.broadcast")
     root = _check_root(root_rank, "hvd.broadcast")
@@ -342,8 +438,9 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
         return _broadcast_many([tensor], root)[0]
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: Any = None,
-                        inplace: bool = False) -> Any:
+def broadcast_variables(
+    variables: Sequence[Any], root_rank: int, process_set: Any = None, inplace: bool = False
+) -> Any:
     """Assigns ``root_rank``'s values to ``variables`` on every rank.
 
     One collective per dtype whatever the number of variables. Works with
@@ -359,7 +456,8 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: A
         return None
     values = [tf.convert_to_tensor(getattr(v, "value", v)) for v in variables]
     what = f"broadcast_variables(root={root}) {len(values)} variables " + ",".join(
-        sorted({v.dtype.name for v in values}))
+        sorted({v.dtype.name for v in values})
+    )
     with _Guard(what):
         out = _broadcast_many(values, root)
     ops = [v.assign(o) for v, o in zip(variables, out)]
@@ -369,6 +467,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: A
 def _dumps(obj: Any) -> bytes:
     try:
         import cloudpickle
+
         return cloudpickle.dumps(obj)
     except ImportError:
         return pickle.dumps(obj)
@@ -383,8 +482,13 @@ def _tensor_bytes(words: Any, length: int) -> bytes:
     return np.asarray(words, dtype="<i4").tobytes()[:length]
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
-                     process_set: Any = None) -> Any:
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    session: Any = None,
+    name: str | None = None,
+    process_set: Any = None,
+) -> Any:
     """``root_rank``'s ``obj`` (pickled) on every rank (``hvd.broadcast_object``).
 
     Outside a ``tf.function`` only, as in Horovod.
@@ -396,14 +500,18 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
     data = _dumps(obj) if runtime.rank() == root else b""
     with _Guard(f"broadcast_object(root={root})" + (f" {name!r}" if name else "")):
         length = int(_broadcast_many([tf.constant(len(data), tf.int64)], root)[0].numpy())
-        words = _bytes_tensor(data) if runtime.rank() == root else \
-            tf.zeros([(length + 3) // 4], tf.int32)
+        words = (
+            _bytes_tensor(data)
+            if runtime.rank() == root
+            else tf.zeros([(length + 3) // 4], tf.int32)
+        )
         got = _broadcast_many([words], root)[0].numpy()
     return pickle.loads(_tensor_bytes(got, length))
 
 
-def allgather_object(obj: Any, session: Any = None, name: str | None = None,
-                     process_set: Any = None) -> list:
+def allgather_object(
+    obj: Any, session: Any = None, name: str | None = None, process_set: Any = None
+) -> list:
     """Every rank's ``obj``, in rank order (``hvd.allgather_object``)."""
     _check_process_set(process_set, "hvd.allgather_object")
     if runtime.size() == 1:
@@ -415,7 +523,7 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
     out, at = [], 0
     for length in lengths:
         n = (int(length) + 3) // 4
-        out.append(pickle.loads(_tensor_bytes(words[at:at + n], int(length))))
+        out.append(pickle.loads(_tensor_bytes(words[at : at + n], int(length))))
         at += n
     return out
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from tfdist.errors import ConfigError
 
@@ -100,13 +101,20 @@ class CommitStore:
         try:
             payload: Any = pickle.loads(data)
         except Exception as error:  # Not ours: say which file, do not guess.
-            raise ConfigError(ELASTIC_DIR_ENV, str(self.path), "a commit written by "
-                              "tfdist.horovod.elastic", source="tfdist.horovod.elastic",
-                              received=f"{self.path}: {error}") from error
+            raise ConfigError(
+                ELASTIC_DIR_ENV,
+                str(self.path),
+                "a commit written by tfdist.horovod.elastic",
+                source="tfdist.horovod.elastic",
+                received=f"{self.path}: {error}",
+            ) from error
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-            raise ConfigError(ELASTIC_DIR_ENV, str(self.path),
-                              f"a commit in the format {FORMAT!r}",
-                              source="tfdist.horovod.elastic",
-                              received=f"{self.path}: format "
-                              f"{payload.get('format') if isinstance(payload, dict) else None!r}")
+            raise ConfigError(
+                ELASTIC_DIR_ENV,
+                str(self.path),
+                f"a commit in the format {FORMAT!r}",
+                source="tfdist.horovod.elastic",
+                received=f"{self.path}: format "
+                f"{payload.get('format') if isinstance(payload, dict) else None!r}",
+            )
         return payload

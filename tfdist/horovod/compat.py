@@ -34,10 +34,20 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["HorovodSpellingWarning", "install", "is_installed", "wrap_compile", "wrap_variables",
-           "wrap_init_subclass", "wrap_lr", "wrap_set_value", "wrap_batch_set_value"]
+__all__ = [
+    "HorovodSpellingWarning",
+    "install",
+    "is_installed",
+    "wrap_compile",
+    "wrap_variables",
+    "wrap_init_subclass",
+    "wrap_lr",
+    "wrap_set_value",
+    "wrap_batch_set_value",
+]
 
 #: The Keras 2 ``compile`` argument that Keras 3 dropped.
 RUN_TF_FUNCTION_ARG = "experimental_run_tf_function"
@@ -46,7 +56,8 @@ RUN_TF_FUNCTION_ARG = "experimental_run_tf_function"
 #: (its other wrappers of compile and fit, e.g. tfdist.parallel's guard);
 #: Keras's and TensorFlow's are added by install().
 _SKIP_DIRS: tuple[str, ...] = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
 
 _lock = threading.Lock()
 _installed = False
@@ -56,16 +67,20 @@ _ADVICE = {
     "compile": (
         "model.compile(experimental_run_tf_function=...) is a Keras 2 argument that "
         "Keras 3 rejects; tfdist.horovod drops it (Keras 3 always calls the optimizer's "
-        "apply, where DistributedOptimizer all-reduces). Remove the argument."),
+        "apply, where DistributedOptimizer all-reduces). Remove the argument."
+    ),
     "variables()": (
         "optimizer.variables() is Keras 2; in Keras 3 `variables` is a list property. "
-        "tfdist.horovod accepts the call; write `optimizer.variables`."),
+        "tfdist.horovod accepts the call; write `optimizer.variables`."
+    ),
     "set_value": (
         "tf.keras.backend.set_value() fails on Keras 3 variables; tfdist.horovod "
-        "assigns the value. Write `variable.assign(value)`."),
+        "assigns the value. Write `variable.assign(value)`."
+    ),
     "lr": (
         "optimizer.lr is Keras 2; Keras 3 calls it `learning_rate`. tfdist.horovod "
-        "treats `lr` as `learning_rate`; write `optimizer.learning_rate`."),
+        "treats `lr` as `learning_rate`; write `optimizer.learning_rate`."
+    ),
 }
 
 
@@ -83,7 +98,7 @@ def _warn_once(spelling: str) -> None:
         if spelling in _warned:
             return
         _warned.add(spelling)
-    level, frame = 2, sys._getframe(1)
+    level, frame = 2, sys._getframe(1)  # noqa: SLF001 - CPython's frame access; inspect.stack() would read every frame's source
     while frame is not None and _is_wrapper(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(_ADVICE[spelling], HorovodSpellingWarning, stacklevel=level)
@@ -116,12 +131,14 @@ class _CallableVariables(list):
 
 def wrap_compile(original: Callable) -> Callable:
     """``Trainer.compile`` that drops ``experimental_run_tf_function``."""
+
     @functools.wraps(original)
     def compile(self, *args, **kwargs):  # noqa: A001 - Keras's own name
         if RUN_TF_FUNCTION_ARG in kwargs:
             kwargs.pop(RUN_TF_FUNCTION_ARG)
             _warn_once("compile")
         return original(self, *args, **kwargs)
+
     return compile
 
 
@@ -142,6 +159,7 @@ def wrap_variables(prop: property) -> property:
 def _patch_variables(cls: type) -> None:
     """Wraps ``cls.variables`` if ``cls`` itself defines it as a property."""
     from tfdist import compat
+
     if isinstance(cls.__dict__.get("variables"), property):
         compat.apply_to("horovod_spellings.variables", cls, "variables")
 
@@ -163,6 +181,7 @@ def wrap_init_subclass(original: Any) -> classmethod:
     subclass made later (tfdist's DistributedOptimizer, a user's optimizer)
     may too.
     """
+
     def __init_subclass__(cls, **kwargs):
         original.__get__(None, cls)(**kwargs)
         _patch_variables(cls)
@@ -172,6 +191,7 @@ def wrap_init_subclass(original: Any) -> classmethod:
 
 def wrap_lr(_absent: Any) -> property:
     """The ``lr`` property Keras 3 does not have."""
+
     def lr(self):
         _warn_once("lr")
         return self.learning_rate
@@ -258,12 +278,14 @@ def install() -> None:
         from tfdist import compat
         from tfdist.compat.keras_src import BaseOptimizer
 
-        _SKIP_DIRS += tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                            for m in (keras, tf))
+        _SKIP_DIRS += tuple(
+            os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (keras, tf)
+        )
         # Not converted by autograph inside a tf.function (Horovod's examples
         # call opt.variables() there): plain Python, run once at trace time.
         _CallableVariables.__call__ = tf.autograph.experimental.do_not_convert(
-            _CallableVariables.__call__)
+            _CallableVariables.__call__
+        )
         if not compat.install("horovod_spellings"):
             return  # Switched off, with a warning naming the target.
         _register_tree_node()

@@ -21,8 +21,14 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression",
-           "aggregator_for", "as_horovod_compressor"]
+__all__ = [
+    "Compressor",
+    "NoneCompressor",
+    "FP16Compressor",
+    "Compression",
+    "aggregator_for",
+    "as_horovod_compressor",
+]
 
 
 class Compressor:
@@ -79,9 +85,15 @@ class Compression:
 
 
 def _is_horovod_style(obj: Any) -> bool:
-    return (isinstance(obj, type) and issubclass(obj, Compressor)) or isinstance(obj, Compressor) \
-        or (callable(getattr(obj, "compress", None)) and callable(getattr(obj, "decompress", None))
-            and not _is_tfdist(obj))
+    return (
+        (isinstance(obj, type) and issubclass(obj, Compressor))
+        or isinstance(obj, Compressor)
+        or (
+            callable(getattr(obj, "compress", None))
+            and callable(getattr(obj, "decompress", None))
+            and not _is_tfdist(obj)
+        )
+    )
 
 
 def _is_tfdist(obj: Any) -> bool:
@@ -104,7 +116,9 @@ class _HorovodStyle:
             lossy = True
 
             def __repr__(self):
-                return f"horovod-style {getattr(horovod_compressor, '__name__', horovod_compressor)}"
+                return (
+                    f"horovod-style {getattr(horovod_compressor, '__name__', horovod_compressor)}"
+                )
 
             def compress(self, tensor, step=0, key=0):
                 sent, ctx = horovod_compressor.compress(tensor)
@@ -131,7 +145,11 @@ def aggregator_for(compression: Any, source: str = "hvd.DistributedOptimizer"):
     from tfdist.compression.aggregate import CompressorAggregator
     from tfdist.compression.registry import make_aggregator
 
-    if compression is None or compression is NoneCompressor or isinstance(compression, NoneCompressor):
+    if (
+        compression is None
+        or compression is NoneCompressor
+        or isinstance(compression, NoneCompressor)
+    ):
         return CompressorAggregator(identity.NoneCompressor())
     if compression is FP16Compressor or isinstance(compression, FP16Compressor):
         return CompressorAggregator(casting.FP16Compressor())
@@ -140,10 +158,15 @@ def aggregator_for(compression: Any, source: str = "hvd.DistributedOptimizer"):
     try:
         aggregator = make_aggregator(compression)
     except ConfigError as error:
-        raise ConfigError("compression", compression, "hvd.Compression.none, "
-                          "hvd.Compression.fp16, a Horovod-style compressor or a tfdist "
-                          "setting such as 'bf16', 'topk:0.01', 'powersgd:4'",
-                          source=source, hint=str(error)) from None
+        raise ConfigError(
+            "compression",
+            compression,
+            "hvd.Compression.none, "
+            "hvd.Compression.fp16, a Horovod-style compressor or a tfdist "
+            "setting such as 'bf16', 'topk:0.01', 'powersgd:4'",
+            source=source,
+            hint=str(error),
+        ) from None
     return aggregator
 
 
@@ -178,8 +201,12 @@ def measure_link(repeats: int = 3):
     n = runtime.size()
     sent = all_reduce_bytes(4 * large, n) - all_reduce_bytes(4 * small, n)
     bandwidth = sent / max(large_s - small_s, sent / 1e12)
-    return auto.LinkEstimate(bandwidth=bandwidth, latency=small_s, num_replicas=n,
-                             compute_scale=min(max(scale, 0.1), 100.0))
+    return auto.LinkEstimate(
+        bandwidth=bandwidth,
+        latency=small_s,
+        num_replicas=n,
+        compute_scale=min(max(scale, 0.1), 100.0),
+    )
 
 
 class _Ranks:
@@ -219,12 +246,16 @@ def as_horovod_compressor(compression: Any, source: str = "hvd.allreduce"):
     aggregator = aggregator_for(compression, source)
     comp = getattr(aggregator, "compressor", None)
     if comp is None or not comp.summable or getattr(aggregator, "memory", None) is not None:
-        raise ConfigError("compression", compression, "hvd.Compression.none/fp16, 'bf16' or "
-                          "another setting whose payload is summed and keeps no state",
-                          source=source,
-                          hint="Compressors with state or all-gathered payloads (top-k, "
-                               "PowerSGD, error feedback) work in hvd.DistributedOptimizer "
-                               "and hvd.DistributedGradientTape.")
+        raise ConfigError(
+            "compression",
+            compression,
+            "hvd.Compression.none/fp16, 'bf16' or "
+            "another setting whose payload is summed and keeps no state",
+            source=source,
+            hint="Compressors with state or all-gathered payloads (top-k, "
+            "PowerSGD, error feedback) work in hvd.DistributedOptimizer "
+            "and hvd.DistributedGradientTape.",
+        )
 
     class _Cast(Compressor):
         @staticmethod

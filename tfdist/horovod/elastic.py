@@ -70,14 +70,20 @@ Differences from Horovod:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import keras
 
 from tfdist.errors import ConfigError
 from tfdist.horovod import runtime
-from tfdist.horovod.elastic_state import (KerasState, ObjectState, State, TensorFlowKerasState,
-                                          TensorFlowState)
+from tfdist.horovod.elastic_state import (
+    KerasState,
+    ObjectState,
+    State,
+    TensorFlowKerasState,
+    TensorFlowState,
+)
 from tfdist.training.preemption import PreemptionWatcher
 
 __all__ = [
@@ -109,13 +115,21 @@ def run(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, State):
-            raise ConfigError("state", state, "a tfdist.horovod.elastic State (KerasState, "
-                              "TensorFlowKerasState, TensorFlowState, ObjectState)",
-                              source=f"elastic.run({getattr(func, '__name__', func)})")
-        state._enter()
+            raise ConfigError(
+                "state",
+                state,
+                "a tfdist.horovod.elastic State (KerasState, "
+                "TensorFlowKerasState, TensorFlowState, ObjectState)",
+                source=f"elastic.run({getattr(func, '__name__', func)})",
+            )
+        state._enter()  # noqa: SLF001 - tfdist's own entry hook, kept out of Horovod's public State API
         # Commits are the step boundaries at which a preemption is agreed.
-        watcher = PreemptionWatcher(name="elastic", task=f"rank:{runtime.rank()}",
-                                    index=runtime.rank(), workers=runtime.size())
+        watcher = PreemptionWatcher(
+            name="elastic",
+            task=f"rank:{runtime.rank()}",
+            index=runtime.rank(),
+            workers=runtime.size(),
+        )
         state.__dict__["_watcher"] = watcher
         try:
             with watcher:
@@ -136,10 +150,17 @@ class CommitStateCallback(keras.callbacks.Callback):
 
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
         super().__init__()
-        if (isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int)
-                or batches_per_commit < 1):
-            raise ConfigError("batches_per_commit", batches_per_commit, "an integer >= 1",
-                              source="CommitStateCallback")
+        if (
+            isinstance(batches_per_commit, bool)
+            or not isinstance(batches_per_commit, int)
+            or batches_per_commit < 1
+        ):
+            raise ConfigError(
+                "batches_per_commit",
+                batches_per_commit,
+                "an integer >= 1",
+                source="CommitStateCallback",
+            )
         self.state = state
         self.batches_per_commit = batches_per_commit
         self.batches_remaining = batches_per_commit

@@ -9,7 +9,8 @@ import copy
 import itertools
 import logging
 import pickle
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import keras
 import numpy as np
@@ -52,8 +53,12 @@ class State:
         callbacks = list(callbacks)
         for callback in callbacks:
             if not callable(callback):
-                raise ConfigError("callbacks", callback, "functions taking no argument",
-                                  source="State.register_reset_callbacks")
+                raise ConfigError(
+                    "callbacks",
+                    callback,
+                    "functions taking no argument",
+                    source="State.register_reset_callbacks",
+                )
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
@@ -80,8 +85,11 @@ class State:
                 store.write(dict(self._payload(), commit=self._commits))
                 self._wrote = True
             elif not self._told_in_memory and runtime.size() > 1:
-                log.warning("%s: commits stay in memory (no TFDIST_ELASTIC_DIR, not under "
-                            "`tfdist launch`): a restarted job will start afresh", _SOURCE)
+                log.warning(
+                    "%s: commits stay in memory (no TFDIST_ELASTIC_DIR, not under "
+                    "`tfdist launch`): a restarted job will start afresh",
+                    _SOURCE,
+                )
             self._told_in_memory = True
         self.check_host_updates()
 
@@ -97,8 +105,13 @@ class State:
         """
         watcher = self.__dict__.get("_watcher")
         if watcher is not None and watcher.should_stop(self._commits):
-            watcher.exit({"commit": self._commits, "step": self._commits,
-                          "backup": str(self._store().path) if self._store() else None})
+            watcher.exit(
+                {
+                    "commit": self._commits,
+                    "step": self._commits,
+                    "backup": str(self._store().path) if self._store() else None,
+                }
+            )
 
     def save(self) -> None:
         """Snapshots the state in memory."""
@@ -159,8 +172,10 @@ class State:
             raise TfdistError(f"rank 0 could not resume: {status[1]}")
         self._commits = status[1]
         if runtime.rank() == 0:
-            print(f"{_SOURCE}: resumed from commit {status[1]} in {status[2]}"
-                  f"{self._describe()}", flush=True)
+            print(
+                f"{_SOURCE}: resumed from commit {status[1]} in {status[2]}{self._describe()}",
+                flush=True,
+            )
         self.on_reset()
 
     def _describe(self) -> str:
@@ -182,21 +197,28 @@ class ObjectState(State):
         super().__init__()
         for name in kwargs:
             if name.startswith("_") or name in _RESERVED:
-                raise ConfigError(name, kwargs[name], "an attribute name that does not start "
-                                  "with '_' and is not one of " + ", ".join(sorted(_RESERVED)),
-                                  source=type(self).__name__)
+                raise ConfigError(
+                    name,
+                    kwargs[name],
+                    "an attribute name that does not start "
+                    "with '_' and is not one of " + ", ".join(sorted(_RESERVED)),
+                    source=type(self).__name__,
+                )
             try:
                 pickle.dumps(kwargs[name])
             except Exception as error:  # Any pickling failure: say which attribute.
-                raise ConfigError(name, kwargs[name], "a picklable value (commits and "
-                                  "sync pickle the attributes)", source=type(self).__name__,
-                                  hint=str(error)) from error
+                raise ConfigError(
+                    name,
+                    kwargs[name],
+                    "a picklable value (commits and sync pickle the attributes)",
+                    source=type(self).__name__,
+                    hint=str(error),
+                ) from error
         self._saved_state = copy.deepcopy(kwargs)
         self._set_attrs()
 
     def save(self) -> None:
-        self._saved_state = {name: copy.deepcopy(getattr(self, name))
-                             for name in self._saved_state}
+        self._saved_state = {name: copy.deepcopy(getattr(self, name)) for name in self._saved_state}
 
     def restore(self) -> None:
         self._set_attrs()
@@ -216,16 +238,23 @@ class ObjectState(State):
     def _load(self, payload: dict, where: str) -> None:
         attrs = payload.get("attrs", {})
         if set(attrs) != set(self._saved_state):
-            raise ConfigError("commit", where, "a commit of the attributes "
-                              f"{sorted(self._saved_state)}", source=_SOURCE,
-                              received=f"{where}: attributes {sorted(attrs)}",
-                              hint="Delete the commit or use another TFDIST_ELASTIC_DIR")
+            raise ConfigError(
+                "commit",
+                where,
+                f"a commit of the attributes {sorted(self._saved_state)}",
+                source=_SOURCE,
+                received=f"{where}: attributes {sorted(attrs)}",
+                hint="Delete the commit or use another TFDIST_ELASTIC_DIR",
+            )
         self._saved_state = attrs
         self.restore()
 
     def _describe(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(self._saved_state.items())
-                          if isinstance(v, (int, float, str, bool)))
+        shown = ", ".join(
+            f"{k}={v!r}"
+            for k, v in sorted(self._saved_state.items())
+            if isinstance(v, (int, float, str, bool))
+        )
         return f": {shown}" if shown else ""
 
 
@@ -245,14 +274,18 @@ def _check_arrays(what: str, variables: list, arrays: Any, where: str) -> None:
     expected = [tuple(v.shape) for v in variables]
     got = [tuple(np.shape(a)) for a in arrays] if isinstance(arrays, list) else None
     if got != expected:
-        raise ConfigError("commit", where, f"a commit of {len(expected)} {what} variables "
-                          "with the same shapes as this script's", source=_SOURCE,
-                          received=f"{where}: {'no list' if got is None else len(got)} "
-                          f"{what} arrays, shapes {got if got is None else got[:6]}"
-                          f"{'...' if got and len(got) > 6 else ''} (expected "
-                          f"{expected[:6]}{'...' if len(expected) > 6 else ''})",
-                          hint="The model changed since the commit was written; delete it "
-                          "or use another TFDIST_ELASTIC_DIR")
+        raise ConfigError(
+            "commit",
+            where,
+            f"a commit of {len(expected)} {what} variables with the same shapes as this script's",
+            source=_SOURCE,
+            received=f"{where}: {'no list' if got is None else len(got)} "
+            f"{what} arrays, shapes {got if got is None else got[:6]}"
+            f"{'...' if got and len(got) > 6 else ''} (expected "
+            f"{expected[:6]}{'...' if len(expected) > 6 else ''})",
+            hint="The model changed since the commit was written; delete it "
+            "or use another TFDIST_ELASTIC_DIR",
+        )
 
 
 class _VariablesState(ObjectState):
@@ -313,16 +346,21 @@ class TensorFlowKerasState(_VariablesState):
         ConfigError: The model is not built, or there is no optimizer.
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any
+    ) -> None:
         source = type(self).__name__
         if not getattr(model, "built", False):
-            raise ConfigError("model", model, "a built model", source=source,
-                              hint="Call model.build(input_shape), or run one step first")
+            raise ConfigError(
+                "model",
+                model,
+                "a built model",
+                source=source,
+                hint="Call model.build(input_shape), or run one step first",
+            )
         optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         if optimizer is None:
-            raise ConfigError("optimizer", None, "an optimizer, or a compiled model",
-                              source=source)
+            raise ConfigError("optimizer", None, "an optimizer, or a compiled model", source=source)
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         self.model = model
@@ -332,8 +370,10 @@ class TensorFlowKerasState(_VariablesState):
         super().__init__(**kwargs)
 
     def _groups(self) -> dict[str, list]:
-        return {"model": model_state_variables(self.model),
-                "optimizer": list(self.optimizer.variables)}
+        return {
+            "model": model_state_variables(self.model),
+            "optimizer": list(self.optimizer.variables),
+        }
 
 
 class KerasState(TensorFlowKerasState):
@@ -353,14 +393,22 @@ class TensorFlowState(_VariablesState):
     """
 
     def __init__(self, variables: Any = None, session: Any = None, **kwargs: Any) -> None:
-        if variables is None or isinstance(variables, (str, bytes)) or not all(
-                isinstance(v, (tf.Variable, keras.Variable)) for v in variables):
-            raise ConfigError("variables", variables, "a list of tf.Variable or Keras "
-                              "variables (TF2 has no global variables to default to)",
-                              source="TensorFlowState")
+        if (
+            variables is None
+            or isinstance(variables, (str, bytes))
+            or not all(isinstance(v, (tf.Variable, keras.Variable)) for v in variables)
+        ):
+            raise ConfigError(
+                "variables",
+                variables,
+                "a list of tf.Variable or Keras "
+                "variables (TF2 has no global variables to default to)",
+                source="TensorFlowState",
+            )
         if session is not None:
-            raise ConfigError("session", session, "None (TensorFlow 2 runs eagerly)",
-                              source="TensorFlowState")
+            raise ConfigError(
+                "session", session, "None (TensorFlow 2 runs eagerly)", source="TensorFlowState"
+            )
         self.variables = list(variables)
         self.session = None
         self._save_variables()

@@ -40,8 +40,15 @@ from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, runtime
 from tfdist.horovod.collectives import ReduceOp
 
-__all__ = ["DistributedOptimizer", "HorovodComm", "reduce_gradients", "check_reduction",
-           "install", "load_model", "is_distributed"]
+__all__ = [
+    "DistributedOptimizer",
+    "HorovodComm",
+    "reduce_gradients",
+    "check_reduction",
+    "install",
+    "load_model",
+    "is_distributed",
+]
 
 log = logging.getLogger("tfdist.horovod")
 
@@ -60,8 +67,11 @@ class HorovodComm(ReplicaComm):
             out[i] = r
         for i, t in enumerate(tensors):
             if isinstance(t, tf.IndexedSlices):
-                out[i] = tf.IndexedSlices(collectives.gather_varying(t.values),
-                                          collectives.gather_varying(t.indices), t.dense_shape)
+                out[i] = tf.IndexedSlices(
+                    collectives.gather_varying(t.values),
+                    collectives.gather_varying(t.indices),
+                    t.dense_shape,
+                )
         return out
 
     def _gather_rows(self, rows):
@@ -71,9 +81,18 @@ class HorovodComm(ReplicaComm):
         return tf.cond(pred, lambda: true_fn(*args), lambda: false_fn(*args))
 
 
-def reduce_gradients(grads: list, keys: list | None = None, *, aggregator, state: dict, step,
-                     op: ReduceOp, predivide: float = 1.0, sparse_as_dense: bool = False,
-                     comm: HorovodComm | None = None) -> list:
+def reduce_gradients(
+    grads: list,
+    keys: list | None = None,
+    *,
+    aggregator,
+    state: dict,
+    step,
+    op: ReduceOp,
+    predivide: float = 1.0,
+    sparse_as_dense: bool = False,
+    comm: HorovodComm | None = None,
+) -> list:
     """Averages (or sums) each rank's gradients through ``aggregator``.
 
     Args:
@@ -118,8 +137,9 @@ def reduce_gradients(grads: list, keys: list | None = None, *, aggregator, state
 
 def _scale(g, factor: float):
     if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices,
-                                g.dense_shape)
+        return tf.IndexedSlices(
+            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
     return g * tf.cast(factor, g.dtype)
 
 
@@ -131,8 +151,15 @@ def is_distributed(optimizer: Any) -> bool:
 
 
 class _Settings:
-    def __init__(self, aggregator, op, predivide, sparse_as_dense, backward_passes_per_step,
-                 average_aggregated_gradients):
+    def __init__(
+        self,
+        aggregator,
+        op,
+        predivide,
+        sparse_as_dense,
+        backward_passes_per_step,
+        average_aggregated_gradients,
+    ):
         self.aggregator = aggregator
         self.op = op
         self.predivide = predivide
@@ -161,19 +188,21 @@ class _DistributedMixin:
         settings = self._tfdist_hvd
         from tfdist.compression.keras_hook import create_state
         from tfdist.horovod.compression import resolved
+
         settings.aggregator = resolved(settings.aggregator, list(variables))
-        if any(settings.aggregator.state_specs(tuple(v.shape),
-                                               standardize_dtype(v.dtype), i)
-               for i, v in enumerate(variables)):
-            create_state(self, settings.aggregator, tf.distribute.get_strategy(),
-                         list(variables))
+        if any(
+            settings.aggregator.state_specs(tuple(v.shape), standardize_dtype(v.dtype), i)
+            for i, v in enumerate(variables)
+        ):
+            create_state(self, settings.aggregator, tf.distribute.get_strategy(), list(variables))
         if settings.backward_passes_per_step > 1:
             with backend.name_scope(self.name, caller=self):
                 self._tfdist_hvd_acc = [
-                    self.add_variable_from_reference(v, name="hvd_accumulated")
-                    for v in variables]
+                    self.add_variable_from_reference(v, name="hvd_accumulated") for v in variables
+                ]
                 self._tfdist_hvd_count = self.add_variable(
-                    (), dtype="int64", initializer="zeros", name="hvd_passes")
+                    (), dtype="int64", initializer="zeros", name="hvd_passes"
+                )
 
     def apply(self, grads, trainable_variables=None):
         if not self.built:
@@ -181,8 +210,11 @@ class _DistributedMixin:
                 self.build(trainable_variables)
             self.built = True
         grads = list(grads)
-        variables = list(trainable_variables) if trainable_variables is not None \
+        variables = (
+            list(trainable_variables)
+            if trainable_variables is not None
             else list(self._trainable_variables)
+        )
         settings = self._tfdist_hvd
         if settings.backward_passes_per_step > 1:
             return self._tfdist_accumulate(grads, variables, trainable_variables)
@@ -198,9 +230,16 @@ class _DistributedMixin:
         comm = HorovodComm() if runtime.size() > 1 else None
         self.__dict__["_tfdist_comm"] = comm
         return reduce_gradients(
-            grads, keys, aggregator=settings.aggregator,
-            state=getattr(self, "_tfdist_state", None) or {}, step=step, op=settings.op,
-            predivide=settings.predivide, sparse_as_dense=settings.sparse_as_dense, comm=comm)
+            grads,
+            keys,
+            aggregator=settings.aggregator,
+            state=getattr(self, "_tfdist_state", None) or {},
+            step=step,
+            op=settings.op,
+            predivide=settings.predivide,
+            sparse_as_dense=settings.sparse_as_dense,
+            comm=comm,
+        )
 
     def _tfdist_accumulate(self, grads, variables, trainable_variables):
         settings = self._tfdist_hvd
@@ -214,8 +253,10 @@ class _DistributedMixin:
         base = super()
 
         def send():
-            local = [None if g is None else acc.value * tf.cast(scale, acc.dtype)
-                     for acc, g in zip(accumulators, grads)]
+            local = [
+                None if g is None else acc.value * tf.cast(scale, acc.dtype)
+                for acc, g in zip(accumulators, grads)
+            ]
             reduced = self._tfdist_reduce(local, variables)
             base.apply(reduced, trainable_variables)
             for acc in accumulators:
@@ -230,12 +271,14 @@ class _DistributedMixin:
         if tf.executing_eagerly():
             send() if bool(due) else wait()
         else:
-            tf.cond(due, lambda: (send(), tf.constant(True))[1],
-                    lambda: (wait(), tf.constant(False))[1])
+            tf.cond(
+                due, lambda: (send(), tf.constant(True))[1], lambda: (wait(), tf.constant(False))[1]
+            )
 
 
-def check_reduction(op: Any, process_set: Any, gradient_predivide_factor: Any,
-                    source: str) -> ReduceOp:
+def check_reduction(
+    op: Any, process_set: Any, gradient_predivide_factor: Any, source: str
+) -> ReduceOp:
     """Checks what DistributedOptimizer and DistributedGradientTape share.
 
     Returns:
@@ -248,46 +291,72 @@ def check_reduction(op: Any, process_set: Any, gradient_predivide_factor: Any,
     resolved = collectives.resolve_op(op, None, source, allowed=(ReduceOp.Average, ReduceOp.Sum))
     if process_set is not None:
         raise ConfigError("process_set", process_set, "None (every rank)", source=source)
-    if isinstance(gradient_predivide_factor, bool) \
-            or not isinstance(gradient_predivide_factor, (int, float)) \
-            or not gradient_predivide_factor > 0:
-        raise ConfigError("gradient_predivide_factor", gradient_predivide_factor,
-                          "a number > 0", source=source)
+    if (
+        isinstance(gradient_predivide_factor, bool)
+        or not isinstance(gradient_predivide_factor, (int, float))
+        or not gradient_predivide_factor > 0
+    ):
+        raise ConfigError(
+            "gradient_predivide_factor", gradient_predivide_factor, "a number > 0", source=source
+        )
     if gradient_predivide_factor != 1.0 and resolved != ReduceOp.Average:
-        raise ConfigError("gradient_predivide_factor", gradient_predivide_factor,
-                          "1.0 unless op=hvd.Average", source=source)
+        raise ConfigError(
+            "gradient_predivide_factor",
+            gradient_predivide_factor,
+            "1.0 unless op=hvd.Average",
+            source=source,
+        )
     return resolved
 
 
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ConfigError("optimizer", optimizer, "a Keras 3 optimizer (keras.optimizers.*)",
-                          source="hvd.DistributedOptimizer",
-                          received=type(optimizer).__name__)
+        raise ConfigError(
+            "optimizer",
+            optimizer,
+            "a Keras 3 optimizer (keras.optimizers.*)",
+            source="hvd.DistributedOptimizer",
+            received=type(optimizer).__name__,
+        )
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ConfigError("optimizer", type(optimizer).__name__, "the inner optimizer",
-                          source="hvd.DistributedOptimizer",
-                          hint="Wrap the inner optimizer; compile() adds the loss scaling "
-                               "under mixed precision.")
+        raise ConfigError(
+            "optimizer",
+            type(optimizer).__name__,
+            "the inner optimizer",
+            source="hvd.DistributedOptimizer",
+            hint="Wrap the inner optimizer; compile() adds the loss scaling under mixed precision.",
+        )
 
 
-def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False,  # noqa: N802
-                         device_dense: str = "", device_sparse: str = "",
-                         compression: Any = None, sparse_as_dense: bool = False,
-                         backward_passes_per_step: int = 1, op: Any = ReduceOp.Average,
-                         gradient_predivide_factor: float = 1.0,
-                         average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups: Any = None, process_set: Any = None,
-                         scale_local_gradients: bool = True):
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer,
+    name: str | None = None,
+    use_locking: bool = False,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: Any = ReduceOp.Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = None,
+    scale_local_gradients: bool = True,
+):
     """Wraps a Keras 3 optimizer so that it averages gradients over all ranks.
 
     Args:
         optimizer: A Keras 3 optimizer. A new optimizer of the same class and
             config is returned (its variables, if any, are not carried over).
         name: A name for the new optimizer; default: the old one's.
-        use_locking, device_dense, device_sparse, num_groups, groups:
-            Accepted for Horovod scripts; TensorFlow places and packs the
-            collectives itself (one per dtype per step).
+        use_locking: Accepted for Horovod scripts; no effect.
+        device_dense: Accepted; TensorFlow places the collectives itself.
+        device_sparse: Accepted; TensorFlow places the collectives itself.
+        num_groups: Accepted; TensorFlow packs the collectives itself (one
+            per dtype per step).
+        groups: Accepted, as ``num_groups``.
         compression: ``hvd.Compression.none`` (default) or ``.fp16``, a
             Horovod-style compressor, or any tfdist compression setting or
             object (``"powersgd:4"``, ``"topk:0.01"``...).
@@ -313,21 +382,35 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     _check_optimizer(optimizer)
     source = "hvd.DistributedOptimizer"
     resolved = check_reduction(op, process_set, gradient_predivide_factor, source)
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise ConfigError("backward_passes_per_step", backward_passes_per_step,
-                          "an integer >= 1", source=source)
+    if (
+        isinstance(backward_passes_per_step, bool)
+        or not isinstance(backward_passes_per_step, int)
+        or backward_passes_per_step < 1
+    ):
+        raise ConfigError(
+            "backward_passes_per_step", backward_passes_per_step, "an integer >= 1", source=source
+        )
     if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ConfigError("gradient_accumulation_steps", optimizer.gradient_accumulation_steps,
-                          "None: use backward_passes_per_step, which sends once per "
-                          "accumulation", source=source)
-    settings = _Settings(aggregator_for(compression, source), resolved,
-                         float(gradient_predivide_factor), bool(sparse_as_dense),
-                         backward_passes_per_step, bool(average_aggregated_gradients))
+        raise ConfigError(
+            "gradient_accumulation_steps",
+            optimizer.gradient_accumulation_steps,
+            "None: use backward_passes_per_step, which sends once per accumulation",
+            source=source,
+        )
+    settings = _Settings(
+        aggregator_for(compression, source),
+        resolved,
+        float(gradient_predivide_factor),
+        bool(sparse_as_dense),
+        backward_passes_per_step,
+        bool(average_aggregated_gradients),
+    )
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedMixin, base), {
-        "__module__": base.__module__, "__qualname__": base.__qualname__,
-        "__doc__": base.__doc__})
+    cls = type(
+        base.__name__,
+        (_DistributedMixin, base),
+        {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__},
+    )
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
@@ -336,8 +419,12 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     return new
 
 
-def load_model(filepath: str, custom_optimizers: list | None = None,
-               custom_objects: dict | None = None, compression: Any = None):
+def load_model(
+    filepath: str,
+    custom_optimizers: list | None = None,
+    custom_objects: dict | None = None,
+    compression: Any = None,
+):
     """``keras.models.load_model`` whose optimizer comes back distributed
     (``hvd.load_model``): its state is restored, then it all-reduces."""
     objects = dict(custom_objects or {})
@@ -350,7 +437,7 @@ def load_model(filepath: str, custom_optimizers: list | None = None,
     inner = getattr(opt, "inner_optimizer", opt)
     dist = DistributedOptimizer(inner, compression=compression)
     if inner.built:
-        dist.build(inner._trainable_variables)  # noqa: SLF001
+        dist.build(inner._trainable_variables)  # noqa: SLF001 - what Keras built it for; no public accessor
         for mine, theirs in zip(dist.variables, inner.variables):
             mine.assign(theirs)
     if inner is opt:
@@ -362,6 +449,7 @@ def load_model(filepath: str, custom_optimizers: list | None = None,
 
 # --- Keras 3 patches, installed by hvd.init() -------------------------------
 
+
 def wrap_check_finite(original):
     @functools.wraps(original)
     def check_finite(self, grads):
@@ -372,6 +460,7 @@ def wrap_check_finite(original):
         # finite branch all-reduces. Count the ranks whose gradients are not.
         bad = collectives.sum_dense([tf.cast(tf.logical_not(finite), tf.int32)])[0]
         return tf.equal(bad, 0)
+
     return check_finite
 
 
@@ -379,12 +468,20 @@ def wrap_compile(original):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):  # noqa: A001 - Keras's name.
         original(self, *args, **kwargs)
-        if getattr(self, "_jit_compile", False) and runtime.is_initialized() \
-                and runtime.size() > 1 and is_distributed(getattr(self, "optimizer", None)):
-            log.warning("tfdist.horovod: jit_compile turned off for %s: XLA cannot compile "
-                        "TensorFlow's multi-process all-reduce that "
-                        "hvd.DistributedOptimizer runs in each step", self.name)
+        if (
+            getattr(self, "_jit_compile", False)
+            and runtime.is_initialized()
+            and runtime.size() > 1
+            and is_distributed(getattr(self, "optimizer", None))
+        ):
+            log.warning(
+                "tfdist.horovod: jit_compile turned off for %s: XLA cannot compile "
+                "TensorFlow's multi-process all-reduce that "
+                "hvd.DistributedOptimizer runs in each step",
+                self.name,
+            )
             self._jit_compile = False
+
     return compile
 
 

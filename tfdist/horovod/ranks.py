@@ -25,7 +25,7 @@ import dataclasses
 import json
 import os
 import zlib
-from typing import Mapping
+from collections.abc import Mapping
 
 from tfdist.errors import ConfigError
 
@@ -71,8 +71,11 @@ class Topology:
     @property
     def tasks(self) -> list[tuple[str, int, str]]:
         """``(job, index, address)`` of every rank, in rank order."""
-        return [(job, i, addr) for job in WORKER_JOBS
-                for i, addr in enumerate(self.cluster.get(job, ()))]
+        return [
+            (job, i, addr)
+            for job in WORKER_JOBS
+            for i, addr in enumerate(self.cluster.get(job, ()))
+        ]
 
     @property
     def leader(self) -> str:
@@ -98,12 +101,22 @@ def _from_hosts(rank: int, hosts: list[str], source: str, **given: int) -> Topol
     local_rank = same_host.index(rank)
     local = {r: [q for q, h in enumerate(hosts) if h == hosts[r]].index(r) for r in range(size)}
     cross = [r for r in range(size) if local[r] == local_rank]
-    topo = dict(rank=rank, size=size, local_rank=local_rank, local_size=len(same_host),
-                cross_rank=cross.index(rank), cross_size=len(cross))
+    topo = dict(
+        rank=rank,
+        size=size,
+        local_rank=local_rank,
+        local_size=len(same_host),
+        cross_rank=cross.index(rank),
+        cross_size=len(cross),
+    )
     for name, value in given.items():
         if value is not None and value != topo[name]:
-            raise ConfigError(name, value, f"{topo[name]} (from the hosts of the {size} ranks: "
-                              f"{', '.join(hosts)})", source=source)
+            raise ConfigError(
+                name,
+                value,
+                f"{topo[name]} (from the hosts of the {size} ranks: {', '.join(hosts)})",
+                source=source,
+            )
     return Topology(**topo, source=source)
 
 
@@ -131,11 +144,15 @@ def _from_tf_config(env: Mapping[str, str]) -> Topology | None:
         return None
     extra = sorted(set(cfg.cluster) - set(WORKER_JOBS))
     if extra:
-        raise ConfigError("cluster", sorted(cfg.cluster), "only 'chief' and 'worker' jobs: "
-                          "Horovod's model is one all-reduce ring of equal ranks",
-                          source="TF_CONFIG", received=f"jobs {sorted(cfg.cluster)}",
-                          hint=f"Drop the {', '.join(repr(j) for j in extra)} job(s), or use "
-                               "tfdist.strategy_from_config() for parameter-server training.")
+        raise ConfigError(
+            "cluster",
+            sorted(cfg.cluster),
+            "only 'chief' and 'worker' jobs: Horovod's model is one all-reduce ring of equal ranks",
+            source="TF_CONFIG",
+            received=f"jobs {sorted(cfg.cluster)}",
+            hint=f"Drop the {', '.join(repr(j) for j in extra)} job(s), or use "
+            "tfdist.strategy_from_config() for parameter-server training.",
+        )
     if cfg.task_type not in WORKER_JOBS:
         raise ConfigError("task.type", cfg.task_type, "'chief' or 'worker'", source="TF_CONFIG")
     cluster = {job: list(cfg.cluster[job]) for job in WORKER_JOBS if job in cfg.cluster}
@@ -143,8 +160,9 @@ def _from_tf_config(env: Mapping[str, str]) -> Topology | None:
     rank = order.index((cfg.task_type, cfg.task_index))
     hosts = [_host(cluster[job][i]) for job, i in order]
     topo = _from_hosts(rank, hosts, "TF_CONFIG")
-    return dataclasses.replace(topo, cluster=cluster, task_type=cfg.task_type,
-                               task_id=cfg.task_index)
+    return dataclasses.replace(
+        topo, cluster=cluster, task_type=cfg.task_type, task_id=cfg.task_index
+    )
 
 
 def _from_slurm(env: Mapping[str, str]) -> Topology | None:
@@ -161,19 +179,33 @@ def _from_slurm(env: Mapping[str, str]) -> Topology | None:
     spec = resolver.cluster_spec().as_dict()
     addresses = list(spec["worker"])
     rank = resolver.task_id
-    topo = _from_hosts(rank, [_host(a) for a in addresses], "Slurm",
-                       local_rank=_int(env, "SLURM_LOCALID", "Slurm"))
-    return dataclasses.replace(topo, cluster={"worker": addresses}, task_type="worker",
-                               task_id=rank)
+    topo = _from_hosts(
+        rank, [_host(a) for a in addresses], "Slurm", local_rank=_int(env, "SLURM_LOCALID", "Slurm")
+    )
+    return dataclasses.replace(
+        topo, cluster={"worker": addresses}, task_type="worker", task_id=rank
+    )
 
 
 #: Launchers that set rank variables but no addresses: (source, rank, size,
 #: local rank, local size, a job id to derive ports from).
 _RANK_VARIABLES = (
-    ("HOROVOD_*", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-     "HOROVOD_GLOO_RENDEZVOUS_PORT"),
-    ("OMPI_*", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid"),
+    (
+        "HOROVOD_*",
+        "HOROVOD_RANK",
+        "HOROVOD_SIZE",
+        "HOROVOD_LOCAL_RANK",
+        "HOROVOD_LOCAL_SIZE",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT",
+    ),
+    (
+        "OMPI_*",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "OMPI_MCA_ess_base_jobid",
+    ),
     ("PMI_*", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMI_JOBID"),
 )
 
@@ -193,9 +225,13 @@ def parse_hosts(text: str, field: str = "TFDIST_HOSTS", source: str = "environme
         except ValueError:
             n = 0
         if not host or n < 1:
-            raise ConfigError(field, text, "host:slots entries separated by commas, "
-                              "slots >= 1, e.g. 'node1:2,node2:2'", source=source,
-                              received=repr(entry))
+            raise ConfigError(
+                field,
+                text,
+                "host:slots entries separated by commas, slots >= 1, e.g. 'node1:2,node2:2'",
+                source=source,
+                received=repr(entry),
+            )
         slots += [_host(host + ":0")] * n
     if not slots:
         raise ConfigError(field, text, "at least one host:slots entry", source=source)
@@ -208,8 +244,9 @@ def port_base(env: Mapping[str, str], job_id: str | None, source: str) -> int:
     given = _int(env, "TFDIST_PORT_BASE", source, minimum=1)
     if given is not None:
         if given + _PORT_SPAN > 65535:
-            raise ConfigError("TFDIST_PORT_BASE", given, f"a port <= {65535 - _PORT_SPAN}",
-                              source=source)
+            raise ConfigError(
+                "TFDIST_PORT_BASE", given, f"a port <= {65535 - _PORT_SPAN}", source=source
+            )
         return given
     key = (job_id or "tfdist").encode()
     return _PORT_LOW + zlib.crc32(key) % (_PORT_HIGH - _PORT_SPAN - _PORT_LOW + 1)
@@ -222,8 +259,9 @@ def _from_rank_variables(env: Mapping[str, str]) -> Topology | None:
         rank = _int(env, rank_v, source)
         size = _int(env, size_v, source, minimum=1)
         if rank >= size:
-            raise ConfigError(rank_v, env[rank_v], f"a rank in [0, {size - 1}] "
-                              f"({size_v}={size})", source=source)
+            raise ConfigError(
+                rank_v, env[rank_v], f"a rank in [0, {size - 1}] ({size_v}={size})", source=source
+            )
         if size == 1:
             return None
         local_rank = _int(env, lrank_v, source)
@@ -231,25 +269,36 @@ def _from_rank_variables(env: Mapping[str, str]) -> Topology | None:
         if "TFDIST_HOSTS" in env:
             hosts = parse_hosts(env["TFDIST_HOSTS"])
             if len(hosts) != size:
-                raise ConfigError("TFDIST_HOSTS", env["TFDIST_HOSTS"],
-                                  f"{size} slots in all ({size_v}={size})", source=source,
-                                  received=f"{len(hosts)} slots")
+                raise ConfigError(
+                    "TFDIST_HOSTS",
+                    env["TFDIST_HOSTS"],
+                    f"{size} slots in all ({size_v}={size})",
+                    source=source,
+                    received=f"{len(hosts)} slots",
+                )
         elif local_size is not None and local_size == size:
             hosts = ["127.0.0.1"] * size
         else:
             raise ConfigError(
-                "TFDIST_HOSTS", None, "the hosts of the ranks ('host1:slots,host2:slots') "
-                f"for a job of {size} ranks that spans several hosts", source=source,
+                "TFDIST_HOSTS",
+                None,
+                "the hosts of the ranks ('host1:slots,host2:slots') "
+                f"for a job of {size} ranks that spans several hosts",
+                source=source,
                 received=f"{lsize_v}={env.get(lsize_v)!r}",
                 hint="Launch with `tfdist launch` or `tfdist horovodrun` (which set "
-                     "TF_CONFIG), or export TFDIST_HOSTS in every rank.")
+                "TF_CONFIG), or export TFDIST_HOSTS in every rank.",
+            )
         base = port_base(env, env.get(job_v), source)
         topo = _from_hosts(rank, hosts, source, local_rank=local_rank, local_size=local_size)
         # Ports count per host, so that every host's ranks get base, base+1...
-        addresses = [f"{h}:{base + [q for q, g in enumerate(hosts) if g == h].index(r)}"
-                     for r, h in enumerate(hosts)]
-        return dataclasses.replace(topo, cluster={"worker": addresses}, task_type="worker",
-                                   task_id=rank)
+        addresses = [
+            f"{h}:{base + [q for q, g in enumerate(hosts) if g == h].index(r)}"
+            for r, h in enumerate(hosts)
+        ]
+        return dataclasses.replace(
+            topo, cluster={"worker": addresses}, task_type="worker", task_id=rank
+        )
     return None
 
 
@@ -276,8 +325,10 @@ def discover(environ: Mapping[str, str] | None = None) -> Topology:
 
 def describe(topo: Topology) -> str:
     """One line for logs: ``rank 1 of 2 (local 1 of 2) from TF_CONFIG``."""
-    return (f"rank {topo.rank} of {topo.size} (local {topo.local_rank} of {topo.local_size}, "
-            f"cross {topo.cross_rank} of {topo.cross_size}) from {topo.source}")
+    return (
+        f"rank {topo.rank} of {topo.size} (local {topo.local_rank} of {topo.local_size}, "
+        f"cross {topo.cross_rank} of {topo.cross_size}) from {topo.source}"
+    )
 
 
 def dumps(topo: Topology) -> str:

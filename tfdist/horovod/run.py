@@ -35,11 +35,11 @@ import os
 import pickle
 import sys
 import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
-from tfdist.engines import horovodrun
-from tfdist.engines import hvd_worker as _hvd_worker
+from tfdist.engines import horovodrun, hvd_worker as _hvd_worker
 from tfdist.errors import ConfigError, TfdistError
 
 __all__ = ["run", "RunError"]
@@ -63,15 +63,27 @@ class RunError(TfdistError, RuntimeError):
         details: The rank's traceback, or its last lines of output.
     """
 
-    def __init__(self, rank: int, size: int, exit_code: int, error_type: str | None,
-                 error_message: str | None, details: str) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        exit_code: int,
+        error_type: str | None,
+        error_message: str | None,
+        details: str,
+    ) -> None:
         self.rank, self.exit_code = rank, exit_code
         self.error_type, self.error_message, self.details = error_type, error_message, details
-        what = (f"{error_type}: {error_message}" if error_type
-                else f"the process exited with code {exit_code} without a Python error")
+        what = (
+            f"{error_type}: {error_message}"
+            if error_type
+            else f"the process exited with code {exit_code} without a Python error"
+        )
         self._args = (rank, size, exit_code, error_type, error_message, details)
-        super().__init__(f"{_SOURCE}: rank {rank} of {size} failed: {what}\n"
-                         f"--- rank {rank} ---\n{details.rstrip()}")
+        super().__init__(
+            f"{_SOURCE}: rank {rank} of {size} failed: {what}\n"
+            f"--- rank {rank} ---\n{details.rstrip()}"
+        )
 
     def __reduce__(self):
         return (type(self), self._args)
@@ -87,24 +99,31 @@ def _main_source() -> dict[str, str] | None:
     return {"path": os.path.abspath(path)} if path else None
 
 
-def _check_options(np: Any, num_proc: Any, use_gloo: Any, use_mpi: Any,
-                   elastic: Mapping[str, Any], kwargs: Any) -> int:
+def _check_options(
+    np: Any, num_proc: Any, use_gloo: Any, use_mpi: Any, elastic: Mapping[str, Any], kwargs: Any
+) -> int:
     for name, value in elastic.items():
         if value is not None:
-            raise ConfigError(name, value, "None: tfdist.horovod.run() starts a fixed number "
-                              "of processes", source=_SOURCE, hint="Use np=N; a failed rank "
-                              "stops the job, and with max_restarts=K it restarts from the "
-                              "script's last commit (tfdist.horovod.elastic).")
+            raise ConfigError(
+                name,
+                value,
+                "None: tfdist.horovod.run() starts a fixed number of processes",
+                source=_SOURCE,
+                hint="Use np=N; a failed rank "
+                "stops the job, and with max_restarts=K it restarts from the "
+                "script's last commit (tfdist.horovod.elastic).",
+            )
     if np is not None and num_proc is not None and np != num_proc:
-        raise ConfigError("np", np, f"the same as num_proc ({num_proc!r}), or only one of them",
-                          source=_SOURCE)
+        raise ConfigError(
+            "np", np, f"the same as num_proc ({num_proc!r}), or only one of them", source=_SOURCE
+        )
     count = 1 if np is None and num_proc is None else (num_proc if np is None else np)
     if use_gloo and use_mpi:
-        raise ConfigError("use_mpi", use_mpi, "not True together with use_gloo=True",
-                          source=_SOURCE)
+        raise ConfigError(
+            "use_mpi", use_mpi, "not True together with use_gloo=True", source=_SOURCE
+        )
     if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise ConfigError("kwargs", kwargs, "None or a dict of keyword arguments",
-                          source=_SOURCE)
+        raise ConfigError("kwargs", kwargs, "None or a dict of keyword arguments", source=_SOURCE)
     return count
 
 
@@ -154,9 +173,16 @@ def run(
         args: Positional arguments of ``func`` (pickled too).
         kwargs: Keyword arguments of ``func``.
         num_proc: Number of processes (Horovod's name); default 1.
-        min_num_proc, max_num_proc, slots, reset_limit, cooldown_range,
-            min_np, max_np: Horovod's elastic mode: not supported, must be
-            None (a ConfigError says what to use instead).
+        min_num_proc: Horovod's elastic mode: not supported, must be None
+            (a ConfigError says what to use instead); so must
+            ``max_num_proc``, ``slots``, ``reset_limit``, ``cooldown_range``,
+            ``min_np`` and ``max_np``.
+        max_num_proc: As ``min_num_proc``.
+        slots: As ``min_num_proc``.
+        reset_limit: As ``min_num_proc``.
+        cooldown_range: As ``min_num_proc``.
+        min_np: As ``min_num_proc``.
+        max_np: As ``min_num_proc``.
         hosts: ``"localhost:2"`` style slots. Every rank must land on
             localhost or 127.0.0.1: ``run`` starts processes on this machine
             only. For other hosts, ``tfdist horovodrun -np N -H ... python
@@ -164,14 +190,19 @@ def run(
         hostfile: A host file (``host slots=N`` lines), as ``hosts``.
         start_timeout: Seconds for every rank to join; passed to the ranks
             as ``TFDIST_REGISTER_TIMEOUT``.
-        ssh_port, ssh_identity_file, disable_cache, mpi_args,
-            network_interface: Accepted for Horovod's signature; no effect
-            (no SSH, no MPI: the processes are local).
+        ssh_port: Accepted for Horovod's signature; no effect (no SSH, no
+            MPI: the processes are local); so are ``ssh_identity_file``,
+            ``disable_cache``, ``mpi_args`` and ``network_interface``.
+        ssh_identity_file: As ``ssh_port``.
+        disable_cache: As ``ssh_port``.
+        mpi_args: As ``ssh_port``.
+        network_interface: As ``ssh_port``.
         output_filename: Keep each rank's full log under this directory
             (``DIR/attempt-N/worker-RANK.log``).
         verbose: Also show TensorFlow's start-up messages.
-        use_gloo, use_mpi: Accepted; no effect (TensorFlow's collectives
-            carry the all-reduces). Both True is an error, as in Horovod.
+        use_gloo: Accepted; no effect (TensorFlow's collectives carry the
+            all-reduces). With ``use_mpi`` also True, an error, as in Horovod.
+        use_mpi: As ``use_gloo``.
         executable: The Python interpreter of the workers (default: this one).
         np: Horovod's older name of ``num_proc``.
         max_restarts: (tfdist) Restart every rank up to this many times after
@@ -196,36 +227,61 @@ def run(
         raise TfdistError(
             f"{_SOURCE} was called while a worker loaded the script's __main__ to find func "
             "(cloudpickle is not installed, so functions of __main__ go by name). Put the "
-            "call under `if __name__ == \"__main__\":`, or install cloudpickle.")
-    elastic = {"min_num_proc": min_num_proc, "max_num_proc": max_num_proc, "slots": slots,
-               "reset_limit": reset_limit, "cooldown_range": cooldown_range,
-               "min_np": min_np, "max_np": max_np}
+            'call under `if __name__ == "__main__":`, or install cloudpickle.'
+        )
+    elastic = {
+        "min_num_proc": min_num_proc,
+        "max_num_proc": max_num_proc,
+        "slots": slots,
+        "reset_limit": reset_limit,
+        "cooldown_range": cooldown_range,
+        "min_np": min_np,
+        "max_np": max_np,
+    }
     count = _check_options(np, num_proc, use_gloo, use_mpi, elastic, kwargs)
     ranks = horovodrun.rank_hosts(
-        count, horovodrun.read_hosts(hosts, hostfile, source=_SOURCE), source=_SOURCE,
-        field="np" if num_proc is None else "num_proc")
+        count,
+        horovodrun.read_hosts(hosts, hostfile, source=_SOURCE),
+        source=_SOURCE,
+        field="np" if num_proc is None else "num_proc",
+    )
     if not horovodrun.is_local(ranks):
         others = sorted({h for h in ranks if h.lower() not in horovodrun.LOCAL_HOSTS})
         raise ConfigError(
-            "hosts" if hostfile is None else "hostfile", hosts if hostfile is None else hostfile,
+            "hosts" if hostfile is None else "hostfile",
+            hosts if hostfile is None else hostfile,
             "only this machine's hosts (localhost, 127.0.0.1): run() launches locally",
-            source=_SOURCE, received=f"ranks on {', '.join(others)}",
+            source=_SOURCE,
+            received=f"ranks on {', '.join(others)}",
             hint="For several hosts put the training in a script and run `tfdist horovodrun "
             "-np N -H host1:slots,host2:slots python script.py`: it prints each host's "
-            "TF_CONFIG and command.")
-    if start_timeout is not None and (isinstance(start_timeout, bool) or not isinstance(
-            start_timeout, (int, float)) or start_timeout <= 0):
-        raise ConfigError("start_timeout", start_timeout, "None or a number of seconds > 0",
-                          source=_SOURCE)
+            "TF_CONFIG and command.",
+        )
+    if start_timeout is not None and (
+        isinstance(start_timeout, bool)
+        or not isinstance(start_timeout, (int, float))
+        or start_timeout <= 0
+    ):
+        raise ConfigError(
+            "start_timeout", start_timeout, "None or a number of seconds > 0", source=_SOURCE
+        )
     task_env = dict(env or {})
     if start_timeout is not None:
         task_env["TFDIST_REGISTER_TIMEOUT"] = str(start_timeout)
     with tempfile.TemporaryDirectory(prefix="tfdist-hvd-run-") as directory:
         _write_call(Path(directory), func, tuple(args), dict(kwargs or {}))
         result = launch_lib.launch(
-            ["-c", _hvd_worker.WORKER_CODE], [directory], workers=count,
-            max_restarts=max_restarts, show_all=True, env=task_env,
-            python=executable or sys.executable, log_dir=output_filename, verbose=bool(verbose), stop_timeout=_STOP_TIMEOUT)
+            ["-c", _hvd_worker.WORKER_CODE],
+            [directory],
+            workers=count,
+            max_restarts=max_restarts,
+            show_all=True,
+            env=task_env,
+            python=executable or sys.executable,
+            log_dir=output_filename,
+            verbose=bool(verbose),
+            stop_timeout=_STOP_TIMEOUT,
+        )
         # Attempts are numbered from 0; every failure (a restart or a port
         # relaunch) started the next one.
         if result.ok:
@@ -233,10 +289,12 @@ def run(
         if result.failure is None:  # Stopped by a signal.
             if result.exit_code == 130:
                 raise KeyboardInterrupt
-            raise TfdistError(f"{_SOURCE}: stopped (exit code {result.exit_code}); "
-                              "every rank was stopped")
-        raise _rank_error(Path(directory) / f"attempt-{len(result.attempts) - 1}",
-                          result.failure, count)
+            raise TfdistError(
+                f"{_SOURCE}: stopped (exit code {result.exit_code}); every rank was stopped"
+            )
+        raise _rank_error(
+            Path(directory) / f"attempt-{len(result.attempts) - 1}", result.failure, count
+        )
 
 
 def _write_call(directory: Path, func: Any, args: tuple, kwargs: dict) -> None:
@@ -245,21 +303,36 @@ def _write_call(directory: Path, func: Any, args: tuple, kwargs: dict) -> None:
     try:
         payload = module.dumps((func, args, kwargs))
     except Exception as error:  # noqa: BLE001 - any pickling failure means the same
-        hint = ("Install cloudpickle to send lambdas, closures and functions of __main__."
-                if name == "pickle" else None)
-        raise ConfigError("func", func, "a function that can be pickled, with picklable "
-                          "args and kwargs", source=_SOURCE,
-                          received=f"{func!r} ({type(error).__name__}: {error})",
-                          hint=hint) from None
+        hint = (
+            "Install cloudpickle to send lambdas, closures and functions of __main__."
+            if name == "pickle"
+            else None
+        )
+        raise ConfigError(
+            "func",
+            func,
+            "a function that can be pickled, with picklable args and kwargs",
+            source=_SOURCE,
+            received=f"{func!r} ({type(error).__name__}: {error})",
+            hint=hint,
+        ) from None
     main = None
     if name == "pickle" and b"__main__" in payload:
         main = _main_source()
         if main is None:
-            raise ConfigError("func", func, "a function the workers can import", source=_SOURCE,
-                              hint="It is defined in an interactive __main__ (no script "
-                              "file); install cloudpickle, or move it to a module.")
-    header = {"sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-              "main": main, "serializer": name}
+            raise ConfigError(
+                "func",
+                func,
+                "a function the workers can import",
+                source=_SOURCE,
+                hint="It is defined in an interactive __main__ (no script "
+                "file); install cloudpickle, or move it to a module.",
+            )
+    header = {
+        "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
+        "main": main,
+        "serializer": name,
+    }
     (directory / "header.json").write_text(json.dumps(header), encoding="utf-8")
     (directory / "call.pkl").write_bytes(payload)
 
@@ -270,8 +343,10 @@ def _read_results(attempt: Path, count: int) -> list[Any]:
         for rank in range(count):
             path = attempt / f"rank-{rank}.result"
             if not path.exists():
-                raise TfdistError(f"{_SOURCE}: rank {rank} exited with code 0 but left no "
-                                  "result (did func call os._exit or sys.exit(0)?)")
+                raise TfdistError(
+                    f"{_SOURCE}: rank {rank} exited with code 0 but left no "
+                    "result (did func call os._exit or sys.exit(0)?)"
+                )
             results.append(pickle.loads(path.read_bytes()))
     return results
 
@@ -282,11 +357,13 @@ def _rank_error(attempt: Path, failure: Any, count: int) -> RunError:
     error_file = attempt / f"rank-{rank}.error"
     if error_file.exists():
         info = json.loads(error_file.read_text(encoding="utf-8"))
-        return RunError(rank, count, failure.exit_code, info["type"], info["message"],
-                        info["traceback"])
+        return RunError(
+            rank, count, failure.exit_code, info["type"], info["message"], info["traceback"]
+        )
     tail = "\n".join(failure.tail[-15:]) or "(no output)"
-    return RunError(rank, count, failure.exit_code, None, None,
-                    f"{failure.how}. Its last lines:\n{tail}")
+    return RunError(
+        rank, count, failure.exit_code, None, None, f"{failure.how}. Its last lines:\n{tail}"
+    )
 
 
 @contextlib.contextmanager

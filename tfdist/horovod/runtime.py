@@ -34,15 +34,28 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.horovod import ranks as ranks_lib
 from tfdist.horovod.ranks import Topology
 
-__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "topology", "CollectiveMismatchError",
-           "CollectiveTimeoutError", "NotInitializedError"]
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "topology",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "NotInitializedError",
+]
 
 log = logging.getLogger("tfdist.horovod")
 
@@ -92,8 +105,12 @@ def _timeout_from_env() -> float | None:
         try:
             value = float(stall)
         except ValueError:
-            raise ConfigError("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", stall,
-                              "a number of seconds", source="environment") from None
+            raise ConfigError(
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                stall,
+                "a number of seconds",
+                source="environment",
+            ) from None
         return value if value > 0 else None
     return make_options().collective_timeout
 
@@ -117,12 +134,17 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     global _state
     if comm is not None:
-        raise ConfigError("comm", comm, "None: tfdist.horovod runs every rank in one "
-                          "communicator and takes the ranks from the launcher's environment",
-                          source="hvd.init")
+        raise ConfigError(
+            "comm",
+            comm,
+            "None: tfdist.horovod runs every rank in one "
+            "communicator and takes the ranks from the launcher's environment",
+            source="hvd.init",
+        )
     if process_sets is not None:
-        raise ConfigError("process_sets", process_sets, "None: process sets are not supported",
-                          source="hvd.init")
+        raise ConfigError(
+            "process_sets", process_sets, "None: process sets are not supported", source="hvd.init"
+        )
     if _state is not None:
         return
     topo = ranks_lib.discover()
@@ -131,6 +153,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         _configure(topo)
     _state = state
     from tfdist.horovod import compat, optimizer
+
     compat.install()
     optimizer.install()
     log.info("tfdist.horovod: %s", ranks_lib.describe(topo))
@@ -138,8 +161,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 def _configure(topo: Topology) -> None:
     """Configures coordination and collectives; starts nothing."""
-    from tfdist.compat.tf_python import ClusterSpec, tensorflow_server_pb2
-    from tfdist.compat.tf_python import eager_context as context
+    from tfdist.compat.tf_python import ClusterSpec, eager_context as context, tensorflow_server_pb2
     from tfdist.spec.options import make_options
     from tfdist.strategies.multi_worker import configure_coordination
 
@@ -149,22 +171,31 @@ def _configure(topo: Topology) -> None:
         # TensorFlow would re-point every existing tensor at a new device
         # name ("unknown device" later); say what to move.
         raise ConfigError(
-            "hvd.init", "called after TensorFlow started", "hvd.init() before any other "
+            "hvd.init",
+            "called after TensorFlow started",
+            "hvd.init() before any other "
             "TensorFlow work (a tensor, a dataset, tf.config.list_logical_devices)",
             source="tfdist.horovod",
             hint="Move `hvd.init()` to the top of the script, as Horovod's examples do; "
-                 "tf.config.list_physical_devices and set_visible_devices may come after it.")
+            "tf.config.list_physical_devices and set_visible_devices may come after it.",
+        )
     configure_coordination(spec, make_options().register_timeout)
     ctx.configure_collective_ops(
         collective_leader=topo.leader,
         scoped_allocator_enabled_ops=("CollectiveReduce",),
-        device_filters=(f"/job:{topo.task_type}/task:{topo.task_id}",))
+        device_filters=(f"/job:{topo.task_type}/task:{topo.task_id}",),
+    )
     config = copy.deepcopy(ctx.config)  # As MultiWorkerMirroredStrategy does.
     config.experimental.collective_group_leader = topo.leader
     port = int(topo.cluster[topo.task_type][topo.task_id].rsplit(":", 1)[1])
     server_def = tensorflow_server_pb2.ServerDef(
-        cluster=spec.as_cluster_def(), default_session_config=config,
-        job_name=topo.task_type, task_index=topo.task_id, protocol="grpc", port=port)
+        cluster=spec.as_cluster_def(),
+        default_session_config=config,
+        job_name=topo.task_type,
+        task_index=topo.task_id,
+        protocol="grpc",
+        port=port,
+    )
     ctx.enable_collective_ops(server_def)
 
 
@@ -172,7 +203,8 @@ def _require() -> _State:
     if _state is None:
         raise NotInitializedError(
             "tfdist.horovod has not been initialized: expected `hvd.init()` before this "
-            "call. Received: a call before init()")
+            "call. Received: a call before init()"
+        )
     return _state
 
 
@@ -230,6 +262,7 @@ def shutdown() -> None:
 
 # --- the launcher, created at the first collective --------------------------
 
+
 def launcher():
     """TensorFlow's collective launcher for this rank (created on first use,
     after the script's device set-up)."""
@@ -250,11 +283,17 @@ def launcher():
             # The first collective may come in any trace of a tf.function.
             with tf.init_scope(), created_eagerly():
                 state.launcher = cross_device_utils.CollectiveReplicaLauncher(
-                    keys.get_group_key([state.device]), topo.size, keys, state.device,
-                    collective_util.Options())
+                    keys.get_group_key([state.device]),
+                    topo.size,
+                    keys,
+                    state.device,
+                    collective_util.Options(),
+                )
                 with tf.device("/cpu:0"):
-                    state.counters = (tf.Variable(0, dtype=tf.int64, trainable=False),
-                                      tf.Variable(0, dtype=tf.int64, trainable=False))
+                    state.counters = (
+                        tf.Variable(0, dtype=tf.int64, trainable=False),
+                        tf.Variable(0, dtype=tf.int64, trainable=False),
+                    )
             _start_watchdogs(state)
     return state.launcher
 
@@ -266,11 +305,11 @@ def _start_watchdogs(state: _State) -> None:
     from tfdist.strategies.watchdog import PeerWatchdog
 
     me = (state.topo.task_type, state.topo.task_id)
-    peers = [f"/job:{job}/replica:0/task:{i}" for job, i, _ in state.topo.tasks
-             if (job, i) != me]
+    peers = [f"/job:{job}/replica:0/task:{i}" for job, i, _ in state.topo.tasks if (job, i) != me]
     state.peer_watchdog = PeerWatchdog(peers, timeout).start()
-    state.stall_thread = threading.Thread(target=_watch_stalls, args=(state,),
-                                          name="tfdist-hvd-stall", daemon=True)
+    state.stall_thread = threading.Thread(
+        target=_watch_stalls, args=(state,), name="tfdist-hvd-stall", daemon=True
+    )
     state.stall_thread.start()
 
 
@@ -283,22 +322,29 @@ def _watch_stalls(state: _State) -> None:
     ``started`` ahead of ``finished`` that does not move for the timeout is a
     collective some rank never joined.
     """
-    from tfdist.compat.tf_python import eager_context as context
-    from tfdist.compat.tf_python import framework_errors as errors
+    from tfdist.compat.tf_python import eager_context as context, framework_errors as errors
 
     interval = min(1.0, state.collective_timeout / 4)
     seen, since = None, time.monotonic()
     while not state.stop.wait(interval):
         now = time.monotonic()
         with state.lock:
-            late = [(what, now - start) for what, start in state.inflight.values()
-                    if now - start > state.collective_timeout]
+            late = [
+                (what, now - start)
+                for what, start in state.inflight.values()
+                if now - start > state.collective_timeout
+            ]
         counts = tuple(int(c.numpy()) for c in state.counters) if state.counters else None
         if counts != seen:
             seen, since = counts, now
         elif counts and counts[0] > counts[1] and now - since > state.collective_timeout:
-            late.append(("a collective inside a tf.function (DistributedOptimizer, "
-                         "DistributedGradientTape or hvd.* in a traced step)", now - since))
+            late.append(
+                (
+                    "a collective inside a tf.function (DistributedOptimizer, "
+                    "DistributedGradientTape or hvd.* in a traced step)",
+                    now - since,
+                )
+            )
         if late and state.aborted is None:
             what, waited = late[0]
             state.aborted = (
@@ -306,7 +352,8 @@ def _watch_stalls(state: _State) -> None:
                 f"{state.collective_timeout:g} s): some rank did not issue it. TensorFlow "
                 "matches collectives by the order each rank issues them (Horovod matched "
                 "them by name): every rank must issue the same collectives in the same order; "
-                "keep rank-0-only work (checkpoints, logging) free of collectives")
+                "keep rank-0-only work (checkpoints, logging) free of collectives"
+            )
             log.error("tfdist.horovod: %s", state.aborted)
             context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, state.aborted)
             return
@@ -324,7 +371,7 @@ def inflight(what: str) -> Iterator[None]:
         state.inflight[token] = (what, time.monotonic())
     try:
         yield
-    except Exception as error:  # noqa: BLE001 - re-raised with the reason.
+    except Exception as error:  # Re-raised with the reason.
         if state.aborted is not None:
             raise CollectiveTimeoutError(state.aborted) from error
         raise

@@ -50,21 +50,29 @@ def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
 
     from tfdist.compat.keras_src import standardize_dtype
     from tfdist.horovod.compression import resolved
+
     store = tape_state(aggregator)
     store["aggregator"] = resolved(aggregator, sources)
     aggregator = store["aggregator"]
     with tf.init_scope(), collectives.runtime.created_eagerly():
         if store["step"] is None:
-            store["step"] = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                        name="hvd_tape_step")
+            store["step"] = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_tape_step")
         for var in sources:
             if id(var) in store["vars"]:
                 continue
-            specs = aggregator.state_specs(tuple(var.shape),
-                                           standardize_dtype(var.dtype), len(store["vars"]))
-            made = {s.name: keras.Variable(initializer=s.initializer, shape=s.shape,
-                                           dtype=s.dtype, trainable=False,
-                                           name=f"hvd_tape_{s.name}") for s in specs}
+            specs = aggregator.state_specs(
+                tuple(var.shape), standardize_dtype(var.dtype), len(store["vars"])
+            )
+            made = {
+                s.name: keras.Variable(
+                    initializer=s.initializer,
+                    shape=s.shape,
+                    dtype=s.dtype,
+                    trainable=False,
+                    name=f"hvd_tape_{s.name}",
+                )
+                for s in specs
+            }
             store["vars"][id(var)] = (var, made, len(store["vars"]))
     return store, store["step"]
 
@@ -72,8 +80,13 @@ def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
 class _DistributedTape:
     """Methods put before the tape's class in a dynamic subclass."""
 
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+    def gradient(
+        self,
+        target,
+        sources,
+        output_gradients=None,
+        unconnected_gradients=tf.UnconnectedGradients.NONE,
+    ):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads, expand_composites=False)
@@ -83,26 +96,43 @@ class _DistributedTape:
         state = {store["vars"][id(v)][2]: store["vars"][id(v)][1] for v in flat_sources}
         comm = HorovodComm() if collectives.runtime.size() > 1 else None
         reduced = reduce_gradients(
-            flat, keys, aggregator=store["aggregator"], state=state, step=step,
-            op=settings["op"], predivide=settings["predivide"],
-            sparse_as_dense=settings["sparse_as_dense"], comm=comm)
+            flat,
+            keys,
+            aggregator=store["aggregator"],
+            state=state,
+            step=step,
+            op=settings["op"],
+            predivide=settings["predivide"],
+            sparse_as_dense=settings["sparse_as_dense"],
+            comm=comm,
+        )
         self.__dict__["_tfdist_comm"] = comm
         step.assign_add(1)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
-def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  # noqa: N802
-                            device_sparse: str = "", compression: Any = None,
-                            sparse_as_dense: bool = False, op: Any = ReduceOp.Average,
-                            gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                            groups: Any = None, process_set: Any = None,
-                            scale_local_gradients: bool = True) -> tf.GradientTape:
+def DistributedGradientTape(  # noqa: N802 - Horovod's name
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    sparse_as_dense: bool = False,
+    op: Any = ReduceOp.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = None,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
     """A tape whose ``gradient()`` averages (or sums) over all ranks.
 
     Args:
         gradtape: The ``tf.GradientTape`` the step recorded with.
-        device_dense, device_sparse, num_groups, groups,
-            scale_local_gradients: Accepted for Horovod scripts.
+        device_dense: Accepted for Horovod scripts; no effect.
+        device_sparse: Accepted for Horovod scripts; no effect.
+        num_groups: Accepted for Horovod scripts; no effect.
+        groups: Accepted for Horovod scripts; no effect.
+        scale_local_gradients: Accepted for Horovod scripts; no effect.
         compression: ``hvd.Compression.none``/``fp16``, a Horovod-style
             compressor, or a tfdist setting/object (``"powersgd:4"``).
         sparse_as_dense: Send IndexedSlices as dense tensors.
@@ -117,8 +147,13 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
 
     source = "hvd.DistributedGradientTape"
     if not isinstance(gradtape, tf.GradientTape):
-        raise ConfigError("gradtape", gradtape, "a tf.GradientTape", source=source,
-                          received=type(gradtape).__name__)
+        raise ConfigError(
+            "gradtape",
+            gradtape,
+            "a tf.GradientTape",
+            source=source,
+            received=type(gradtape).__name__,
+        )
     resolved = check_reduction(op, process_set, gradient_predivide_factor, source)
     aggregator = _AGGREGATORS.get(_key(compression))
     if aggregator is None:
@@ -129,8 +164,11 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape.__dict__["_tfdist_hvd"] = {
-        "aggregator": aggregator, "op": resolved, "predivide": float(gradient_predivide_factor),
-        "sparse_as_dense": bool(sparse_as_dense)}
+        "aggregator": aggregator,
+        "op": resolved,
+        "predivide": float(gradient_predivide_factor),
+        "sparse_as_dense": bool(sparse_as_dense),
+    }
     return tape
 
 
@@ -154,9 +192,14 @@ def tape_traffic(variables: Any, compression: Any = None):
     aggregator = _AGGREGATORS.get(_key(compression))
     store = _STATE.get(id(aggregator)) if aggregator is not None else None
     if store is None or store["step"] is None or int(store["step"].numpy()) < 1:
-        raise ValueError("tape_traffic: expected a DistributedGradientTape with compression="
-                         f"{compression!r} to have reduced gradients. Received: none yet")
-    shapes = [(tuple(int(d) for d in v.shape), standardize_dtype(v.dtype))
-              for v in tf.nest.flatten(variables)]
-    return store["aggregator"].traffic(shapes, collectives.runtime.size(),
-                              step=int(store["step"].numpy()) - 1)
+        raise ValueError(
+            "tape_traffic: expected a DistributedGradientTape with compression="
+            f"{compression!r} to have reduced gradients. Received: none yet"
+        )
+    shapes = [
+        (tuple(int(d) for d in v.shape), standardize_dtype(v.dtype))
+        for v in tf.nest.flatten(variables)
+    ]
+    return store["aggregator"].traffic(
+        shapes, collectives.runtime.size(), step=int(store["step"].numpy()) - 1
+    )

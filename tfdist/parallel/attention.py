@@ -21,9 +21,11 @@ from typing import Any
 import keras
 from keras import ops
 
-from tfdist.compat.keras_src import analyze_einsum_string as _analyze_einsum_string
-from tfdist.compat.keras_src import mha_build_proj_equation as _build_proj_equation
-from tfdist.compat.keras_src import mha_output_shape as _get_output_shape
+from tfdist.compat.keras_src import (
+    analyze_einsum_string as _analyze_einsum_string,
+    mha_build_proj_equation as _build_proj_equation,
+    mha_output_shape as _get_output_shape,
+)
 from tfdist.errors import ConfigError
 from tfdist.parallel import collectives, sharding
 
@@ -47,8 +49,15 @@ class _HeadsEinsumDense(keras.layers.EinsumDense):
         **kwargs: ``keras.layers.EinsumDense``'s arguments.
     """
 
-    def __init__(self, equation: str, *, kernel_axis: int, bias_axis: int | None,
-                 partial: bool, **kwargs: Any):
+    def __init__(
+        self,
+        equation: str,
+        *,
+        kernel_axis: int,
+        bias_axis: int | None,
+        partial: bool,
+        **kwargs: Any,
+    ):
         super().__init__(equation, **kwargs)
         self.kernel_axis = kernel_axis
         self.bias_axis = bias_axis
@@ -60,37 +69,56 @@ class _HeadsEinsumDense(keras.layers.EinsumDense):
         # Keras 3.15 also returns the kernel's input and output axes (for
         # VarianceScaling's fans); earlier versions return the shapes only.
         shapes = _analyze_einsum_string(
-            self.equation, self.bias_axes, input_shape, self.partial_output_shape)
+            self.equation, self.bias_axes, input_shape, self.partial_output_shape
+        )
         kernel_shape, bias_shape = shapes[0], shapes[1]
         input_axes, output_axes = shapes[3:5] if len(shapes) >= 5 else (None, None)
         # Keras 3.10 to 3.14 answer compute_output_shape from it (build sets it).
         self.full_output_shape = tuple(shapes[2])
         self.input_spec = keras.InputSpec(ndim=len(input_shape))
         initializer = self.kernel_initializer
-        if isinstance(initializer, keras.initializers.VarianceScaling) \
-                and input_axes is not None and (
-                initializer.input_axes is None or initializer.output_axes is None):
+        if (
+            isinstance(initializer, keras.initializers.VarianceScaling)
+            and input_axes is not None
+            and (initializer.input_axes is None or initializer.output_axes is None)
+        ):
             # Keras's fans for the full kernel; the seed stays as configured
             # so that sharding can give every worker the same one.
-            initializer = type(initializer).from_config({
-                **initializer.get_config(), "input_axes": input_axes,
-                "output_axes": output_axes})
+            initializer = type(initializer).from_config(
+                {**initializer.get_config(), "input_axes": input_axes, "output_axes": output_axes}
+            )
         self._kernel = sharding.add_sharded_weight(
-            self, "kernel", tuple(kernel_shape), axis=self.kernel_axis,
-            initializer=initializer, regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint, dtype=self.dtype)
+            self,
+            "kernel",
+            tuple(kernel_shape),
+            axis=self.kernel_axis,
+            initializer=initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+            dtype=self.dtype,
+        )
         if bias_shape is None:
             self.bias = None
         elif self.bias_axis is None:
             self.bias = self.add_weight(
-                name="bias", shape=tuple(bias_shape), initializer=self.bias_initializer,
-                regularizer=self.bias_regularizer, constraint=self.bias_constraint,
-                dtype=self.dtype)
+                name="bias",
+                shape=tuple(bias_shape),
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+                dtype=self.dtype,
+            )
         else:
             self.bias = sharding.add_sharded_weight(
-                self, "bias", tuple(bias_shape), axis=self.bias_axis,
-                initializer=self.bias_initializer, regularizer=self.bias_regularizer,
-                constraint=self.bias_constraint, dtype=self.dtype)
+                self,
+                "bias",
+                tuple(bias_shape),
+                axis=self.bias_axis,
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+                dtype=self.dtype,
+            )
         self.built = True
 
     def call(self, inputs, training=None):
@@ -127,41 +155,69 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
     group all-gathers its heads' scores: ``T-1`` times their size on the wire).
     """
 
-    def __init__(self, num_heads: int, key_dim: int, value_dim: int | None = None,
-                 dropout: float = 0.0, use_bias: bool = True, output_shape: Any = None,
-                 **kwargs: Any):
-        super().__init__(num_heads, key_dim, value_dim=value_dim, dropout=dropout,
-                         use_bias=use_bias, output_shape=output_shape, **kwargs)
+    def __init__(
+        self,
+        num_heads: int,
+        key_dim: int,
+        value_dim: int | None = None,
+        dropout: float = 0.0,
+        use_bias: bool = True,
+        output_shape: Any = None,
+        **kwargs: Any,
+    ):
+        super().__init__(
+            num_heads,
+            key_dim,
+            value_dim=value_dim,
+            dropout=dropout,
+            use_bias=use_bias,
+            output_shape=output_shape,
+            **kwargs,
+        )
         runtime = collectives.runtime_of()
         if runtime is not None:
             self._check_heads(runtime.mesh.tp)
 
     def _check_heads(self, tp: int) -> None:
         if self._num_heads % tp:
-            raise ConfigError(f"{self.name}.num_heads", self._num_heads,
-                              f"a number of heads that model_parallel={tp} divides (the "
-                              f"ParallelMultiHeadAttention '{self.name}' splits its heads "
-                              "over the tensor group)", source="tfdist.parallel")
+            raise ConfigError(
+                f"{self.name}.num_heads",
+                self._num_heads,
+                f"a number of heads that model_parallel={tp} divides (the "
+                f"ParallelMultiHeadAttention '{self.name}' splits its heads "
+                "over the tensor group)",
+                source="tfdist.parallel",
+            )
 
-    def _projection(self, name: str, rank: int, heads_dim: int, output: bool = False,
-                    output_dims: Any = None) -> _HeadsEinsumDense:
+    def _projection(
+        self, name: str, rank: int, heads_dim: int, output: bool = False, output_dims: Any = None
+    ) -> _HeadsEinsumDense:
         common = self._get_common_kwargs_for_sublayer()
         if output:
             equation, bias_axes, out_rank = _build_proj_equation(
-                rank - 1, bound_dims=2, output_dims=len(output_dims))
+                rank - 1, bound_dims=2, output_dims=len(output_dims)
+            )
             shape = _get_output_shape(out_rank - 1, output_dims)
             # Kernel (heads, value_dim, *out): heads on axis 0; bias whole.
             kernel_axis, bias_axis = 0, None
         else:
             equation, bias_axes, out_rank = _build_proj_equation(
-                rank - 1, bound_dims=1, output_dims=2)
+                rank - 1, bound_dims=1, output_dims=2
+            )
             shape = _get_output_shape(out_rank - 1, [self._num_heads, heads_dim])
             # Kernel (d, heads, size), bias (heads, size).
             kernel_axis, bias_axis = 1, 0
         return _HeadsEinsumDense(
-            equation, output_shape=shape, bias_axes=bias_axes if self._use_bias else None,
-            name=name, kernel_axis=kernel_axis, bias_axis=bias_axis, partial=output,
-            activation="sigmoid" if name == "gate" else None, **common)
+            equation,
+            output_shape=shape,
+            bias_axes=bias_axes if self._use_bias else None,
+            name=name,
+            kernel_axis=kernel_axis,
+            bias_axis=bias_axis,
+            partial=output,
+            activation="sigmoid" if name == "gate" else None,
+            **common,
+        )
 
     def build(self, query_shape, value_shape, key_shape=None):
         runtime = collectives.runtime_of()
@@ -170,9 +226,11 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
         self._check_heads(runtime.mesh.tp)
         key_shape = value_shape if key_shape is None else key_shape
         if value_shape[1:-1] != key_shape[1:-1]:
-            raise ValueError("All dimensions of `value` and `key`, except the last one, "
-                             f"must be equal. Received: value_shape={value_shape} and "
-                             f"key_shape={key_shape}")
+            raise ValueError(
+                "All dimensions of `value` and `key`, except the last one, "
+                f"must be equal. Received: value_shape={value_shape} and "
+                f"key_shape={key_shape}"
+            )
         # Keras's sub-layers, in Keras's order, with sharded weights.
         self._query_dense = self._projection("query", len(query_shape), self._key_dim)
         self._query_dense.build(query_shape)
@@ -186,8 +244,9 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
         self._value_dense.build(value_shape)
         self._build_attention(len(query_shape) + 1)
         out = self._output_shape if self._output_shape else [query_shape[-1]]
-        self._output_dense = self._projection("attention_output", len(query_shape), 0,
-                                              output=True, output_dims=list(out))
+        self._output_dense = self._projection(
+            "attention_output", len(query_shape), 0, output=True, output_dims=list(out)
+        )
         heads_input = list(self._query_dense.compute_output_shape(query_shape))
         heads_input[-1] = self._value_dim
         self._output_dense.build(tuple(heads_input))
@@ -195,31 +254,55 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def _sharded(self) -> bool:
         dense = getattr(self, "_query_dense", None)
-        return dense is not None and sharding.is_sharded(dense._kernel)
+        return dense is not None and sharding.is_sharded(dense._kernel)  # noqa: SLF001 - the variable itself: EinsumDense.kernel may be a LoRA sum
 
-    def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
-             attention_mask=None, return_attention_scores=False, training=None,
-             use_causal_mask=False):
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+    ):
         if not self._sharded():
-            return super().call(query, value, key=key, query_mask=query_mask,
-                                value_mask=value_mask, key_mask=key_mask,
-                                attention_mask=attention_mask,
-                                return_attention_scores=return_attention_scores,
-                                training=training, use_causal_mask=use_causal_mask)
+            return super().call(
+                query,
+                value,
+                key=key,
+                query_mask=query_mask,
+                value_mask=value_mask,
+                key_mask=key_mask,
+                attention_mask=attention_mask,
+                return_attention_scores=return_attention_scores,
+                training=training,
+                use_causal_mask=use_causal_mask,
+            )
         p = collectives.current()
         if key is None:
             key = value
         # Here, not at module level: Keras < 3.6 has no mask helpers, and
         # tfdist.parallel must still import there.
         from tfdist.compat.keras_src import get_keras_mask, set_keras_mask
+
         query_mask = get_keras_mask(query)
         for x in (query, value, key):
             set_keras_mask(x, None)
         # The mask of this replica's rows (explicit, causal and the inputs'
         # Keras masks), then the group's rows like the inputs.
         attention_mask = self._compute_attention_mask(
-            query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-            attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+            query,
+            value,
+            query_mask=query_mask,
+            value_mask=value_mask,
+            key_mask=key_mask,
+            attention_mask=attention_mask,
+            use_causal_mask=use_causal_mask,
+        )
         rows = ops.shape(query)[0]
         if p is not None:
             gathered = {id(query): collectives.gather_rows(query)}
@@ -232,8 +315,9 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
         q = self._query_dense(query)
         k = self._key_dense(key)
         v = self._value_dense(value)
-        output, scores = self._compute_attention(q, k, v, attention_mask, training,
-                                                 return_attention_scores)
+        output, scores = self._compute_attention(
+            q, k, v, attention_mask, training, return_attention_scores
+        )
         if gate is not None:
             output = ops.multiply(output, gate)
         output = self._output_dense(output)
@@ -246,7 +330,7 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
             # attention axes): all heads, this replica's rows.
             heads_axis = len(scores.shape) - 2 * len(self._attention_axes) - 1
             scores = collectives.tp_all_gather(scores, axis=heads_axis)
-            scores = scores[p.t * rows:(p.t + 1) * rows]
+            scores = scores[p.t * rows : (p.t + 1) * rows]
         return output, scores
 
 
@@ -256,5 +340,6 @@ def _gather_mask(mask: Any, rank: int) -> Any:
     if mask is None or len(mask.shape) < rank or mask.shape[0] == 1:
         return mask  # No batch axis, or one broadcast over the batch.
     import tensorflow as tf
+
     gathered = collectives.gather_rows(tf.stop_gradient(ops.cast(mask, "int32")))
     return ops.cast(gathered, "bool")

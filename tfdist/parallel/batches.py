@@ -40,12 +40,19 @@ from tfdist.compat.built_functions import around_built_functions
 from tfdist.errors import ConfigError
 from tfdist.parallel.collectives import runtime_of
 
-__all__ = ["check_arrays", "uneven_batch_error", "wrap_entry", "wrap_make_function",
-           "wrap_make_predict_function"]
+__all__ = [
+    "check_arrays",
+    "uneven_batch_error",
+    "wrap_entry",
+    "wrap_make_function",
+    "wrap_make_predict_function",
+]
 
-_MISMATCH = re.compile(r"Shape mismatch in the collective instance \d+\. Op at device "
-                       r"(\S+) expected shape (\[[^\]]*\]) but another member in the group "
-                       r"expected shape (\[[^\]]*\])")
+_MISMATCH = re.compile(
+    r"Shape mismatch in the collective instance \d+\. Op at device "
+    r"(\S+) expected shape (\[[^\]]*\]) but another member in the group "
+    r"expected shape (\[[^\]]*\])"
+)
 
 
 def uneven_batch_error(error: Exception, strategy: Any) -> ConfigError | None:
@@ -57,16 +64,18 @@ def uneven_batch_error(error: Exception, strategy: Any) -> ConfigError | None:
     device, mine, other = match.groups()
     replicas = strategy.num_replicas_in_sync
     return ConfigError(
-        "batch_size", None,
+        "batch_size",
+        None,
         f"global batches that split evenly over the {replicas} replicas, so that the "
         f"{runtime.mesh.tp} replicas of each tensor-parallel group hold as many rows",
         source="tfdist.parallel",
         received=f"a batch whose rows differ within a tensor group: the group's all-gather "
-                 f"on {device} expected shape {mine}, another member {other}",
+        f"on {device} expected shape {mine}, another member {other}",
         hint="Batch the dataset with drop_remainder=True, or make the number of "
-             f"examples a multiple of the global batch size and that a multiple of "
-             f"{replicas}. TensorFlow has aborted this process's collectives after the "
-             "mismatch: start the process again")
+        f"examples a multiple of the global batch size and that a multiple of "
+        f"{replicas}. TensorFlow has aborted this process's collectives after the "
+        "mismatch: start the process again",
+    )
 
 
 def check_arrays(model: Any, x: Any, batch_size: Any) -> None:
@@ -90,14 +99,16 @@ def check_arrays(model: Any, x: Any, batch_size: Any) -> None:
         return
     runtime = runtime_of(model.distribute_strategy)
     raise ConfigError(
-        "batch_size", batch_size,
+        "batch_size",
+        batch_size,
         f"batches that split evenly over the {replicas} replicas, so that the "
         f"{runtime.mesh.tp} replicas of each tensor-parallel group hold as many rows",
         source="tfdist.parallel",
         received=f"{int(rows)} examples in batches of {batch}, which leave "
-                 f"{'a batch' if uneven[0] == batch else 'a last batch'} of {uneven[0]}",
+        f"{'a batch' if uneven[0] == batch else 'a last batch'} of {uneven[0]}",
         hint=f"Use a batch size that is a multiple of {replicas}, and a number of "
-             f"examples that is a multiple of it (or drop the last {last})")
+        f"examples that is a multiple of it (or drop the last {last})",
+    )
 
 
 def wrap_entry(original):
@@ -110,6 +121,7 @@ def wrap_entry(original):
             batch_size = args[position] if len(args) > position else None
         check_arrays(self, x, batch_size)
         return original(self, x, *args, **kwargs)
+
     return entry
 
 
@@ -123,17 +135,18 @@ def _converting(function, model):
             if named is None:
                 raise
             raise named from error
+
     return call
 
 
 def _under_mesh(model: Any) -> bool:
-    runtime = runtime_of(getattr(model, "_distribute_strategy", None) or
-                         tf.distribute.get_strategy())
+    runtime = runtime_of(
+        getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
+    )
     return runtime is not None and runtime.mesh.tp > 1
 
 
-_AROUND = around_built_functions(lambda model, function: _converting(function, model),
-                                 _under_mesh)
+_AROUND = around_built_functions(lambda model, function: _converting(function, model), _under_mesh)
 
 
 def wrap_make_function(original):

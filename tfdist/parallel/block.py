@@ -52,10 +52,18 @@ class TransformerBlock(keras.layers.Layer):
     and is passed on.
     """
 
-    def __init__(self, num_heads: int, key_dim: int, ff_dim: int, dropout: float = 0.0,
-                 epsilon: float = 1e-6, use_causal_mask: bool = False,
-                 activation: Any = "relu", kernel_initializer: Any = "glorot_uniform",
-                 **kwargs: Any):
+    def __init__(
+        self,
+        num_heads: int,
+        key_dim: int,
+        ff_dim: int,
+        dropout: float = 0.0,
+        epsilon: float = 1e-6,
+        use_causal_mask: bool = False,
+        activation: Any = "relu",
+        kernel_initializer: Any = "glorot_uniform",
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.key_dim = int(key_dim)
@@ -74,10 +82,14 @@ class TransformerBlock(keras.layers.Layer):
         tp = runtime.mesh.tp
         for field, width in (("num_heads", self.num_heads), ("ff_dim", self.ff_dim)):
             if width % tp:
-                raise ConfigError(f"{self.name}.{field}", width,
-                                  f"a width that model_parallel={tp} divides (the "
-                                  f"TransformerBlock '{self.name}' splits it over the "
-                                  "tensor group)", source="tfdist.parallel")
+                raise ConfigError(
+                    f"{self.name}.{field}",
+                    width,
+                    f"a width that model_parallel={tp} divides (the "
+                    f"TransformerBlock '{self.name}' splits it over the "
+                    "tensor group)",
+                    source="tfdist.parallel",
+                )
 
     def _initializer(self) -> Any:
         # A fresh instance per weight, as Keras's own layers clone theirs.
@@ -88,19 +100,30 @@ class TransformerBlock(keras.layers.Layer):
         self._check()
         d = int(input_shape[-1])
         self.attention = ParallelMultiHeadAttention(
-            self.num_heads, self.key_dim, kernel_initializer=self._initializer(),
-            dtype=self.dtype_policy, name="attention")
+            self.num_heads,
+            self.key_dim,
+            kernel_initializer=self._initializer(),
+            dtype=self.dtype_policy,
+            name="attention",
+        )
         self.dropout1 = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
-        self.norm1 = keras.layers.LayerNormalization(epsilon=self.epsilon,
-                                                     dtype=self.dtype_policy, name="norm1")
-        self.ffn_in = ColumnParallelDense(self.ff_dim, activation=self.activation,
-                                          kernel_initializer=self._initializer(),
-                                          dtype=self.dtype_policy, name="ffn_in")
-        self.ffn_out = RowParallelDense(d, kernel_initializer=self._initializer(),
-                                        dtype=self.dtype_policy, name="ffn_out")
+        self.norm1 = keras.layers.LayerNormalization(
+            epsilon=self.epsilon, dtype=self.dtype_policy, name="norm1"
+        )
+        self.ffn_in = ColumnParallelDense(
+            self.ff_dim,
+            activation=self.activation,
+            kernel_initializer=self._initializer(),
+            dtype=self.dtype_policy,
+            name="ffn_in",
+        )
+        self.ffn_out = RowParallelDense(
+            d, kernel_initializer=self._initializer(), dtype=self.dtype_policy, name="ffn_out"
+        )
         self.dropout2 = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
-        self.norm2 = keras.layers.LayerNormalization(epsilon=self.epsilon,
-                                                     dtype=self.dtype_policy, name="norm2")
+        self.norm2 = keras.layers.LayerNormalization(
+            epsilon=self.epsilon, dtype=self.dtype_policy, name="norm2"
+        )
         shape = tuple(input_shape)
         self.attention.build(shape, shape)
         self.norm1.build(shape)
@@ -114,8 +137,9 @@ class TransformerBlock(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None):
-        attended = self.attention(inputs, inputs, training=training,
-                                  use_causal_mask=self.use_causal_mask)
+        attended = self.attention(
+            inputs, inputs, training=training, use_causal_mask=self.use_causal_mask
+        )
         x = self.norm1(inputs + self.dropout1(attended, training=training))
         y = self.ffn_out(self.ffn_in(x))
         return self.norm2(x + self.dropout2(y, training=training))
@@ -124,8 +148,14 @@ class TransformerBlock(keras.layers.Layer):
         return input_shape
 
     def get_config(self):
-        return {**super().get_config(), "num_heads": self.num_heads, "key_dim": self.key_dim,
-                "ff_dim": self.ff_dim, "dropout": self.dropout, "epsilon": self.epsilon,
-                "use_causal_mask": self.use_causal_mask,
-                "activation": keras.activations.serialize(self.activation),
-                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer)}
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "key_dim": self.key_dim,
+            "ff_dim": self.ff_dim,
+            "dropout": self.dropout,
+            "epsilon": self.epsilon,
+            "use_causal_mask": self.use_causal_mask,
+            "activation": keras.activations.serialize(self.activation),
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+        }

@@ -34,10 +34,20 @@ import tensorflow as tf
 
 from tfdist.parallel.mesh import Mesh
 
-__all__ = ["Placement", "Runtime", "current", "gather_rows", "scatter_rows",
-           "tp_all_reduce", "tp_all_gather", "gather_blocks", "block_gradient",
-           "dp_all_reduce", "traffic",
-           "reset_traffic"]
+__all__ = [
+    "Placement",
+    "Runtime",
+    "current",
+    "gather_rows",
+    "scatter_rows",
+    "tp_all_reduce",
+    "tp_all_gather",
+    "gather_blocks",
+    "block_gradient",
+    "dp_all_reduce",
+    "traffic",
+    "reset_traffic",
+]
 
 #: Group keys of the mesh's groups start this far above the strategy's own
 #: collective key base (tfdist gives each strategy a range of 100000).
@@ -53,17 +63,22 @@ def check_tensorflow() -> None:
         RuntimeError: Naming the missing API and the TensorFlow version.
     """
     from tfdist.compat.tf_python import collective_util, cross_device_utils
+
     needs = [(cross_device_utils, "CollectiveReplicaLauncher"), (collective_util, "Options")]
     for module, name in needs:
         if not hasattr(module, name):
-            raise RuntimeError(f"tfdist.parallel needs {module.__name__}.{name}, which "
-                               f"TensorFlow {tf.__version__} does not have; use the "
-                               "TensorFlow range pyproject.toml pins")
+            raise RuntimeError(
+                f"tfdist.parallel needs {module.__name__}.{name}, which "
+                f"TensorFlow {tf.__version__} does not have; use the "
+                "TensorFlow range pyproject.toml pins"
+            )
     launcher = cross_device_utils.CollectiveReplicaLauncher
     for method in ("all_reduce", "_all_gather", "all_reduce_indexed_slices"):
         if not callable(getattr(launcher, method, None)):
-            raise RuntimeError(f"tfdist.parallel needs CollectiveReplicaLauncher.{method}, "
-                               f"which TensorFlow {tf.__version__} does not have")
+            raise RuntimeError(
+                f"tfdist.parallel needs CollectiveReplicaLauncher.{method}, "
+                f"which TensorFlow {tf.__version__} does not have"
+            )
 
 
 class _InstanceKeys:
@@ -91,9 +106,11 @@ def _first_local_replica(strategy: Any) -> int:
     extended = strategy.extended
     index = getattr(extended, "_id_in_cluster", None)
     if index is None:
-        raise RuntimeError("tfdist.parallel needs MultiWorkerMirroredStrategy's "
-                           f"extended._id_in_cluster, which TensorFlow {tf.__version__} "
-                           "does not have")
+        raise RuntimeError(
+            "tfdist.parallel needs MultiWorkerMirroredStrategy's "
+            f"extended._id_in_cluster, which TensorFlow {tf.__version__} "
+            "does not have"
+        )
     return int(index) * len(extended.worker_devices)
 
 
@@ -107,8 +124,12 @@ class Runtime:
     """
 
     def __init__(self, strategy: Any, mesh: Mesh) -> None:
-        from tfdist.compat.tf_python import (collective_util, cross_device_utils,
-                                             resource_variable_ops)
+        from tfdist.compat.tf_python import (
+            collective_util,
+            cross_device_utils,
+            resource_variable_ops,
+        )
+
         check_tensorflow()
         self.mesh = mesh
         self.devices = tuple(strategy.extended.worker_devices)
@@ -124,13 +145,17 @@ class Runtime:
                 d, t = mesh.coords(self.first + i)
                 self.tp[self.first + i] = launcher(base + d, mesh.tp, keys, device, options)
                 if mesh.dp > 1:
-                    self.dp[self.first + i] = launcher(base + mesh.dp + t, mesh.dp, keys,
-                                                       device, options)
+                    self.dp[self.first + i] = launcher(
+                        base + mesh.dp + t, mesh.dp, keys, device, options
+                    )
             # Bytes sent, summed over the local replicas. Plain variables
             # (not mirrored): created directly, outside the strategy's creator.
-            self.sent = {kind: resource_variable_ops.ResourceVariable(
-                tf.zeros([], tf.float64), trainable=False, name=f"tfdist_{kind}_bytes")
-                for kind in KINDS}
+            self.sent = {
+                kind: resource_variable_ops.ResourceVariable(
+                    tf.zeros([], tf.float64), trainable=False, name=f"tfdist_{kind}_bytes"
+                )
+                for kind in KINDS
+            }
 
     def local_replicas(self) -> int:
         return len(self.devices)
@@ -145,8 +170,10 @@ class Runtime:
         :class:`~tfdist.compression.CommunicationStats`, which reaches the mesh
         through this runtime (compression does not import tfdist.parallel)."""
         from tfdist.compression.traffic import all_reduce_bytes, nbytes
+
         # Here, not at the top: sharding imports this module.
         from tfdist.parallel import sharding
+
         full = 0.0
         for v in model.trainable_variables:
             spec = sharding.spec_of(v)
@@ -191,9 +218,11 @@ def current() -> Placement | None:
         return None
     replica = tf.get_static_value(ctx.replica_id_in_sync_group)
     if replica is None:
-        raise RuntimeError("tfdist.parallel: the replica id is not a constant in this "
-                           "replica context; tensor-parallel layers run under Mirrored "
-                           "and MultiWorkerMirrored strategies")
+        raise RuntimeError(
+            "tfdist.parallel: the replica id is not a constant in this "
+            "replica context; tensor-parallel layers run under Mirrored "
+            "and MultiWorkerMirrored strategies"
+        )
     d, t = runtime.mesh.coords(int(replica))
     return Placement(runtime, int(replica), d, t)
 
@@ -221,11 +250,11 @@ def _tp_reduce(p: Placement, x: tf.Tensor) -> tf.Tensor:
 def _tp_gather(p: Placement, x: tf.Tensor) -> tf.Tensor:
     y = _wire(x)
     _count(p, "tensor_parallel", y, True, p.tp)
-    return tf.cast(p.runtime.tp[p.replica]._all_gather(y, None), x.dtype)
+    return tf.cast(p.runtime.tp[p.replica]._all_gather(y, None), x.dtype)  # noqa: SLF001 - TF's collective launcher has no public all-gather
 
 
 def _rows(x: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
-    return x[start:start + size]
+    return x[start : start + size]
 
 
 def gather_rows(x: tf.Tensor) -> tf.Tensor:
@@ -242,6 +271,7 @@ def gather_rows(x: tf.Tensor) -> tf.Tensor:
         def grad(dy):
             b = tf.shape(x)[0]
             return _rows(_tp_reduce(p, dy), p.t * b, b)
+
         return _tp_gather(p, x), grad
 
     return op(x)
@@ -260,6 +290,7 @@ def scatter_rows(y: tf.Tensor) -> tf.Tensor:
 
         def grad(dy):
             return _tp_gather(p, dy)
+
         return _rows(_tp_reduce(p, y), p.t * b, b), grad
 
     return op(y)
@@ -302,6 +333,7 @@ def tp_all_gather(x: tf.Tensor, axis: int = -1) -> tf.Tensor:
             begin = tf.tensor_scatter_nd_update(tf.constant(begin), [[axis]], [p.t * width])
             size = tf.tensor_scatter_nd_update(tf.constant(size), [[axis]], [width])
             return tf.slice(summed, begin, size)
+
         return out, grad
 
     return op(x)
@@ -332,8 +364,9 @@ def _live(splits: tuple[tuple[int, str], ...], p: Placement) -> list:
     return [(dim, kind) for dim, kind in splits if _group(p, kind)[1] > 1]
 
 
-def gather_blocks(x: tf.Tensor, splits: tuple[tuple[int, str], ...],
-                  p: Placement | None = None) -> tf.Tensor:
+def gather_blocks(
+    x: tf.Tensor, splits: tuple[tuple[int, str], ...], p: Placement | None = None
+) -> tf.Tensor:
     """The full weight from this replica's block: all-gathered along each
     split dimension over its group (``(dimension, "tensor" | "data")``
     pairs, as :class:`tfdist.parallel.sharding.ShardSpec` has them).
@@ -352,15 +385,19 @@ def gather_blocks(x: tf.Tensor, splits: tuple[tuple[int, str], ...],
             launcher, n, _, counter = _group(p, kind)
             wire = _wire(y)
             _count(p, counter, wire, True, n)
-            y = tf.cast(_concat_gathered(launcher._all_gather(wire, None), wire, n, dim),
-                        x.dtype)
+            y = tf.cast(_concat_gathered(launcher._all_gather(wire, None), wire, n, dim), x.dtype)  # noqa: SLF001 - TF's collective launcher has no public all-gather
         return y, lambda dy: block_gradient(dy, splits, p, tuple(x.shape))
 
     return op(x)
 
 
-def block_gradient(dy: Any, splits: tuple[tuple[int, str], ...], p: Placement,
-                   block_shape: tuple[int, ...], summed_over_tensor: bool = False) -> Any:
+def block_gradient(
+    dy: Any,
+    splits: tuple[tuple[int, str], ...],
+    p: Placement,
+    block_shape: tuple[int, ...],
+    summed_over_tensor: bool = False,
+) -> Any:
     """A full weight's gradient on this replica, summed over each split's
     group with this replica's block kept: over both groups, the sum over
     every replica, which the optimizer applies as it is (a reduce-scatter
@@ -371,9 +408,12 @@ def block_gradient(dy: Any, splits: tuple[tuple[int, str], ...], p: Placement,
     live = _live(splits, p)
     # Split over the data axis alone, the block is replicated over the tensor
     # group, whose members' gradients (of other rows) are summed whole too.
-    replicated_over_tensor = (any(kind == "data" for _, kind in live)
-                              and not any(kind == "tensor" for _, kind in live) and p.tp > 1
-                              and not summed_over_tensor)
+    replicated_over_tensor = (
+        any(kind == "data" for _, kind in live)
+        and not any(kind == "tensor" for _, kind in live)
+        and p.tp > 1
+        and not summed_over_tensor
+    )
     if isinstance(dy, tf.IndexedSlices):
         if replicated_over_tensor:
             live = [(None, "tensor")] + live
@@ -394,6 +434,7 @@ def block_gradient(dy: Any, splits: tuple[tuple[int, str], ...], p: Placement,
         aggregator = None
         if kind == "data":  # The data-axis sum takes the strategy's cast compression.
             from tfdist.parallel import grads
+
             aggregator = grads.cast_aggregator(tf.distribute.get_strategy())
         if aggregator is not None:
             summed = grads.compressed_group_sum(dy, p, aggregator)
@@ -407,8 +448,9 @@ def block_gradient(dy: Any, splits: tuple[tuple[int, str], ...], p: Placement,
     return dy
 
 
-def _block_of_slices(p: Placement, dy: tf.IndexedSlices, live: list,
-                     block_shape: tuple) -> tf.IndexedSlices:
+def _block_of_slices(
+    p: Placement, dy: tf.IndexedSlices, live: list, block_shape: tuple
+) -> tf.IndexedSlices:
     """A gathered table's sparse gradient (a lookup's), for this replica's
     block: every replica's slices, gathered as Keras's all-replica sum does
     for a whole table, then the rows and columns of the block. Kept sparse
@@ -417,8 +459,13 @@ def _block_of_slices(p: Placement, dy: tf.IndexedSlices, live: list,
     for _, kind in live:
         launcher, n, _, counter = _group(p, kind)
         p.runtime.sent[counter].assign_add(
-            tf.cast(tf.size(dy.values) * dy.values.dtype.size
-                    + tf.size(dy.indices) * dy.indices.dtype.size, tf.float64) * (n - 1))
+            tf.cast(
+                tf.size(dy.values) * dy.values.dtype.size
+                + tf.size(dy.indices) * dy.indices.dtype.size,
+                tf.float64,
+            )
+            * (n - 1)
+        )
         dy = launcher.all_reduce_indexed_slices(dy)
     values, indices = dy.values, dy.indices
     for dim, kind in live:

@@ -31,11 +31,17 @@ __all__ = ["ColumnParallelDense", "RowParallelDense"]
 
 def _refuse_quantization(layer: keras.layers.Dense) -> None:
     if layer.quantization_mode or getattr(layer, "lora_rank", None):
-        what = (f"quantization_mode={layer.quantization_mode!r}" if layer.quantization_mode
-                else f"lora_rank={layer.lora_rank!r}")
-        raise ConfigError(f"{layer.name}", what, "no quantization or LoRA on a sharded "
-                          f"{type(layer).__name__} (model_parallel > 1)",
-                          source="tfdist.parallel")
+        what = (
+            f"quantization_mode={layer.quantization_mode!r}"
+            if layer.quantization_mode
+            else f"lora_rank={layer.lora_rank!r}"
+        )
+        raise ConfigError(
+            f"{layer.name}",
+            what,
+            f"no quantization or LoRA on a sharded {type(layer).__name__} (model_parallel > 1)",
+            source="tfdist.parallel",
+        )
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
@@ -61,13 +67,27 @@ class ColumnParallelDense(keras.layers.Dense):
         _refuse_quantization(self)
         in_dim = int(input_shape[-1])
         self._kernel = sharding.add_sharded_weight(
-            self, "kernel", (in_dim, self.units), axis=1,
-            initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint)
-        self.bias = (sharding.add_sharded_weight(
-            self, "bias", (self.units,), axis=0, initializer=self.bias_initializer,
-            regularizer=self.bias_regularizer, constraint=self.bias_constraint)
-            if self.use_bias else None)
+            self,
+            "kernel",
+            (in_dim, self.units),
+            axis=1,
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+        )
+        self.bias = (
+            sharding.add_sharded_weight(
+                self,
+                "bias",
+                (self.units,),
+                axis=0,
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+            )
+            if self.use_bias
+            else None
+        )
         self.input_spec = keras.InputSpec(min_ndim=2, axes={-1: in_dim})
         self.built = True
 
@@ -76,16 +96,19 @@ class ColumnParallelDense(keras.layers.Dense):
             return super().call(inputs, training=training)
         p = collectives.current()
         if p is None:
-            return _dense(inputs, sharding.local_full_tensor(self._kernel),
-                          self.bias if self.bias is None else sharding.local_full_tensor(self.bias),
-                          self.activation)
+            return _dense(
+                inputs,
+                sharding.local_full_tensor(self._kernel),
+                self.bias if self.bias is None else sharding.local_full_tensor(self.bias),
+                self.activation,
+            )
         x = collectives.gather_rows(inputs)
         y = _dense(x, self._kernel, self.bias, self.activation)
         if not self.gather_output:
             return y
         full = collectives.tp_all_gather(y, axis=-1)
         rows = ops.shape(inputs)[0]
-        return full[p.t * rows:(p.t + 1) * rows]
+        return full[p.t * rows : (p.t + 1) * rows]
 
     def get_config(self):
         return {**super().get_config(), "gather_output": self.gather_output}
@@ -118,13 +141,25 @@ class RowParallelDense(keras.layers.Dense):
             # Built lazily on the first real batch: the input is a shard.
             in_dim *= runtime.mesh.tp
         self._kernel = sharding.add_sharded_weight(
-            self, "kernel", (in_dim, self.units), axis=0,
-            initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint)
-        self.bias = (self.add_weight(
-            name="bias", shape=(self.units,), initializer=self.bias_initializer,
-            regularizer=self.bias_regularizer, constraint=self.bias_constraint)
-            if self.use_bias else None)
+            self,
+            "kernel",
+            (in_dim, self.units),
+            axis=0,
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+        )
+        self.bias = (
+            self.add_weight(
+                name="bias",
+                shape=(self.units,),
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+            )
+            if self.use_bias
+            else None
+        )
         self.input_spec = keras.InputSpec(min_ndim=2)
         self.built = True
 
@@ -133,12 +168,13 @@ class RowParallelDense(keras.layers.Dense):
             return super().call(inputs, training=training)
         p = collectives.current()
         if p is None:
-            return _dense(inputs, sharding.local_full_tensor(self._kernel), self.bias,
-                          self.activation)
+            return _dense(
+                inputs, sharding.local_full_tensor(self._kernel), self.bias, self.activation
+            )
         x = inputs
         if not self.input_is_parallel:
             width = int(inputs.shape[-1]) // p.tp
-            x = collectives.gather_rows(inputs)[..., p.t * width:(p.t + 1) * width]
+            x = collectives.gather_rows(inputs)[..., p.t * width : (p.t + 1) * width]
         y = collectives.scatter_rows(ops.matmul(x, self._kernel))
         if self.bias is not None:
             y = ops.add(y, self.bias)

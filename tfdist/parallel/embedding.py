@@ -53,16 +53,26 @@ class VocabParallelEmbedding(keras.layers.Embedding):
         if collectives.runtime_of() is None:
             return super().build(input_shape)
         if self.quantization_mode or self.lora_rank:
-            what = (f"quantization_mode={self.quantization_mode!r}" if self.quantization_mode
-                    else f"lora_rank={self.lora_rank!r}")
-            raise ConfigError(self.name, what, "no quantization or LoRA on a sharded "
-                              "VocabParallelEmbedding (model_parallel > 1)",
-                              source="tfdist.parallel")
+            what = (
+                f"quantization_mode={self.quantization_mode!r}"
+                if self.quantization_mode
+                else f"lora_rank={self.lora_rank!r}"
+            )
+            raise ConfigError(
+                self.name,
+                what,
+                "no quantization or LoRA on a sharded VocabParallelEmbedding (model_parallel > 1)",
+                source="tfdist.parallel",
+            )
         self._embeddings = sharding.add_sharded_weight(
-            self, "embeddings", (self.input_dim, self.output_dim), axis=0,
+            self,
+            "embeddings",
+            (self.input_dim, self.output_dim),
+            axis=0,
             initializer=self.embeddings_initializer,
             regularizer=self.embeddings_regularizer,
-            constraint=self.embeddings_constraint)
+            constraint=self.embeddings_constraint,
+        )
         self.built = True
 
     def call(self, inputs):

@@ -31,6 +31,7 @@ from tfdist.compression.aggregate import Item, ReplicaComm
 from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
 from tfdist.parallel import collectives, sharding
 
+
 class GroupComm(ReplicaComm):
     """An aggregator's collectives over this replica's data-parallel group."""
 
@@ -46,19 +47,24 @@ class GroupComm(ReplicaComm):
         launcher = p.runtime.dp[p.replica]
         # IndexedSlices (a vocabulary shard's) are gathered, as the replica
         # context's all_reduce does.
-        return [launcher.all_reduce_indexed_slices(t) if isinstance(t, tf.IndexedSlices)
-                else launcher.all_reduce(tf.convert_to_tensor(t)) for t in tensors]
+        return [
+            launcher.all_reduce_indexed_slices(t)
+            if isinstance(t, tf.IndexedSlices)
+            else launcher.all_reduce(tf.convert_to_tensor(t))
+            for t in tensors
+        ]
 
     def _gather_rows(self, rows):
         p = collectives.current()
-        return p.runtime.dp[p.replica]._all_gather(rows, None)
+        return p.runtime.dp[p.replica]._all_gather(rows, None)  # noqa: SLF001 - TF's collective launcher has no public all-gather
 
     def sent(self) -> float:
         """Bytes this replica sent in the collectives recorded so far."""
         reduced = sum(nbytes(s, d) for s, d in self.reduced)
         gathered = sum(wire_nbytes(s, d) for s, d in self.gathered)
-        return (all_reduce_bytes(reduced, self.num_replicas)
-                + all_gather_bytes(gathered, self.num_replicas))
+        return all_reduce_bytes(reduced, self.num_replicas) + all_gather_bytes(
+            gathered, self.num_replicas
+        )
 
 
 #: Compressors a reduce-scatter can use: elementwise casts, no state.
@@ -69,8 +75,11 @@ def cast_aggregator(strategy: Any) -> Any:
     """The strategy's aggregator when it is a cast without error feedback
     (what a weight split over the data-parallel group can use), else None."""
     aggregator = keras_hook.strategy_aggregator(strategy)
-    if (aggregator is None or getattr(aggregator, "memory", True) is not None
-            or getattr(aggregator, "name", None) not in CAST_COMPRESSORS):
+    if (
+        aggregator is None
+        or getattr(aggregator, "memory", True) is not None
+        or getattr(aggregator, "name", None) not in CAST_COMPRESSORS
+    ):
         return None
     return aggregator
 
@@ -111,7 +120,7 @@ def _reduce_sharded(optimizer, pairs, p: collectives.Placement) -> list:
                 out[i] = collectives.dp_all_reduce(g, p)
         return out
     state = getattr(optimizer, "_tfdist_state", None) or {}
-    keys = [optimizer._get_variable_index(v) for _, _, v in present]
+    keys = [optimizer._get_variable_index(v) for _, _, v in present]  # noqa: SLF001 - Keras keys optimizer state by this index; no public lookup
     items = [Item(g, key, state.get(key, {})) for (_, g, _), key in zip(present, keys)]
     step = tf.convert_to_tensor(getattr(optimizer.iterations, "value", optimizer.iterations))
     comm = GroupComm(p)
@@ -128,15 +137,22 @@ def _dp_gather_slices(g: tf.IndexedSlices, p: collectives.Placement) -> tf.Index
     second moment squares the slices before their duplicates are summed, so a
     dense sum would train differently from Keras."""
     p.runtime.sent["data_parallel"].assign_add(
-        tf.cast(tf.size(g.values) * g.values.dtype.size
-                + tf.size(g.indices) * g.indices.dtype.size, tf.float64) * (p.mesh.dp - 1))
+        tf.cast(
+            tf.size(g.values) * g.values.dtype.size + tf.size(g.indices) * g.indices.dtype.size,
+            tf.float64,
+        )
+        * (p.mesh.dp - 1)
+    )
     return p.runtime.dp[p.replica].all_reduce_indexed_slices(g)
 
 
 def _count_replicated(pairs, p: collectives.Placement) -> None:
     aggregator = keras_hook.strategy_aggregator(tf.distribute.get_strategy())
-    dense = [(tuple(v.shape), v.dtype.name) for g, v in pairs
-             if g is not None and not isinstance(g, tf.IndexedSlices)]
+    dense = [
+        (tuple(v.shape), v.dtype.name)
+        for g, v in pairs
+        if g is not None and not isinstance(g, tf.IndexedSlices)
+    ]
     n = p.mesh.num_replicas
     if aggregator is not None:
         sent = aggregator.traffic(dense, n).sent
@@ -145,8 +161,13 @@ def _count_replicated(pairs, p: collectives.Placement) -> None:
     for g, _ in pairs:  # Sparse gradients: all-gathered, rows follow the batch.
         if isinstance(g, tf.IndexedSlices):
             p.runtime.sent["data_parallel"].assign_add(
-                tf.cast(tf.size(g.values) * g.values.dtype.size
-                        + tf.size(g.indices) * g.indices.dtype.size, tf.float64) * (n - 1))
+                tf.cast(
+                    tf.size(g.values) * g.values.dtype.size
+                    + tf.size(g.indices) * g.indices.dtype.size,
+                    tf.float64,
+                )
+                * (n - 1)
+            )
     p.runtime.sent["data_parallel"].assign_add(tf.constant(sent, tf.float64))
 
 
@@ -166,8 +187,9 @@ def wrap_reduce(original):
         rest = [pair for i, pair in enumerate(pairs) if i not in chosen]
         _count_replicated(rest, p)
         out: list = [None] * len(pairs)
-        for i, pair in zip([i for i in range(len(pairs)) if i not in chosen],
-                           original(self, rest) if rest else []):
+        for i, pair in zip(
+            [i for i in range(len(pairs)) if i not in chosen], original(self, rest) if rest else []
+        ):
             out[i] = pair
         reduced = _reduce_sharded(self, [pairs[i] for i in sharded], p)
         for i, g in zip(sharded, reduced):
@@ -175,6 +197,7 @@ def wrap_reduce(original):
         for i in complete:  # Summed over every replica as the weight was gathered.
             out[i] = pairs[i]
         return out
+
     return _all_reduce_sum_gradients
 
 
@@ -192,6 +215,7 @@ def wrap_check_finite(original):
         bad = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
         bad = collectives.dp_all_reduce(collectives.tp_all_reduce(bad), p)
         return tf.equal(bad, 0.0)
+
     return check_finite
 
 
@@ -205,6 +229,7 @@ def install() -> None:
             parallelism was switched off (with a warning).
     """
     from tfdist import compat
+
     keras_hook.install()
     compat.install("tensor_parallel")
     compat.require("tensor_parallel", "model_parallel")

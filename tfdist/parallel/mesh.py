@@ -40,9 +40,12 @@ class Mesh:
 
     def __post_init__(self):
         if self.tp < 1 or self.num_replicas % self.tp:
-            raise ConfigError("model_parallel", self.tp,
-                              f"a divisor of the {self.num_replicas} replicas",
-                              source=_SOURCE)
+            raise ConfigError(
+                "model_parallel",
+                self.tp,
+                f"a divisor of the {self.num_replicas} replicas",
+                source=_SOURCE,
+            )
 
     @property
     def dp(self) -> int:
@@ -85,7 +88,7 @@ def _model_parallel(value: Any) -> int:
         number = int(str(value).strip()) if isinstance(value, str) else int(value)
     except (TypeError, ValueError):
         raise ConfigError("model_parallel", value, "an integer >= 1", source=_SOURCE) from None
-    if number != value and not isinstance(value, str) or number < 1:
+    if (number != value and not isinstance(value, str)) or number < 1:
         raise ConfigError("model_parallel", value, "an integer >= 1", source=_SOURCE)
     return number
 
@@ -110,15 +113,20 @@ def attach(strategy: Any, model_parallel: Any, always: bool = False) -> Mesh | N
     tp = _model_parallel(model_parallel)
     kind = getattr(strategy, "kind", type(strategy).__name__)
     if tp == 1 and not always:
-        strategy._tfdist_parallel = None
+        strategy._tfdist_parallel = None  # noqa: SLF001 - tfdist's own attribute on its strategy (read by mesh_of)
         return None
     if kind not in ("mirrored", "multi_worker_mirrored"):
-        raise ConfigError("model_parallel", tp if tp > 1 else "a layout", f"1 under the {kind} strategy",
-                          source=_SOURCE, hint="Tensor parallelism runs under "
-                          "'mirrored' and 'multi_worker_mirrored'.")
+        raise ConfigError(
+            "model_parallel",
+            tp if tp > 1 else "a layout",
+            f"1 under the {kind} strategy",
+            source=_SOURCE,
+            hint="Tensor parallelism runs under 'mirrored' and 'multi_worker_mirrored'.",
+        )
     mesh = Mesh(strategy.num_replicas_in_sync, tp)
     from tfdist.parallel import collectives, grads, saving
+
     grads.install()
     saving.install()
-    strategy._tfdist_parallel = collectives.Runtime(strategy, mesh)
+    strategy._tfdist_parallel = collectives.Runtime(strategy, mesh)  # noqa: SLF001 - tfdist's own attribute on its strategy (read by mesh_of)
     return mesh

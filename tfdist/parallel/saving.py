@@ -45,17 +45,31 @@ import contextlib
 import functools
 import threading
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import sharding
 
-__all__ = ["install", "cover", "creating_slot", "full_weights", "wrap_get_weights", "wrap_set_weights",
-           "wrap_save", "wrap_load", "wrap_legacy_subset", "wrap_legacy_optimizer",
-           "wrap_legacy_set", "wrap_optimizer_set", "wrap_slot", "wrap_serialize",
-           "wrap_restore"]
+__all__ = [
+    "install",
+    "cover",
+    "creating_slot",
+    "full_weights",
+    "wrap_get_weights",
+    "wrap_set_weights",
+    "wrap_save",
+    "wrap_load",
+    "wrap_legacy_subset",
+    "wrap_legacy_optimizer",
+    "wrap_legacy_set",
+    "wrap_optimizer_set",
+    "wrap_slot",
+    "wrap_serialize",
+    "wrap_restore",
+]
 
 #: Marks this module's wrappers (functools.wraps copies an inner wrapper's
 #: marks outward, so tfdist's other wrappers see theirs too).
@@ -69,11 +83,14 @@ _creating = threading.local()
 
 def full_weights(variables: Iterable[Any]) -> list[np.ndarray]:
     """Full values of ``variables`` (sharded or not), as numpy arrays."""
-    return [sharding.full_value(v) if sharding.is_sharded(v) else np.asarray(v.numpy())
-            for v in variables]
+    return [
+        sharding.full_value(v) if sharding.is_sharded(v) else np.asarray(v.numpy())
+        for v in variables
+    ]
 
 
 # --- get_weights / set_weights -------------------------------------------------
+
 
 def wrap_get_weights(original):
     @functools.wraps(original)
@@ -82,6 +99,7 @@ def wrap_get_weights(original):
         if not any(sharding.is_sharded(v) for v in weights):
             return original(self)
         return full_weights(weights)
+
     return get_weights
 
 
@@ -96,7 +114,8 @@ def wrap_set_weights(original):
             raise ValueError(
                 f"You called `set_weights(weights)` on layer '{self.name}' with a weight "
                 f"list of length {len(weights)}, but the layer was expecting "
-                f"{len(variables)} weights.")
+                f"{len(variables)} weights."
+            )
         for variable, value in zip(variables, weights):
             spec = sharding.spec_of(variable)
             expected = spec.full_shape if spec else tuple(variable.shape)
@@ -104,16 +123,19 @@ def wrap_set_weights(original):
                 raise ValueError(
                     f"Layer {self.name} weight shape {tuple(expected)} "
                     f"{'(the full shape of a sharded weight) ' if spec else ''}is not "
-                    f"compatible with provided weight shape {tuple(np.shape(value))}.")
+                    f"compatible with provided weight shape {tuple(np.shape(value))}."
+                )
         for variable, value in zip(variables, weights):
             if sharding.is_sharded(variable):
                 sharding.assign_full(variable, value)
             else:
                 variable.assign(value)
+
     return set_weights
 
 
 # --- model.save / load_model ---------------------------------------------------
+
 
 class _FullStore:
     """A weights store that writes sharded variables whole.
@@ -154,7 +176,8 @@ def _assign_loaded(variable: Any, value: Any) -> None:
             f"tfdist.parallel: the saved value of {getattr(variable, 'path', variable.name)} "
             f"has shape {shape}; expected the full shape {spec.full_shape} (files hold full "
             f"weights; this variable is a shard of shape {spec.shard_shape}: "
-            f"{spec.describe_weight()})")
+            f"{spec.describe_weight()})"
+        )
     sharding.assign_full(variable, np.asarray(value))
 
 
@@ -184,10 +207,12 @@ def _full_io(variables: Iterable[Any]):
 def _own_variables(obj: Any) -> list:
     """The variables a saveable writes in its own ``save_own_variables``."""
     from tfdist.compat.keras_src import BaseOptimizer
+
     if isinstance(obj, BaseOptimizer):
         return list(obj.variables)
-    return (list(getattr(obj, "_trainable_variables", []))
-            + list(getattr(obj, "_non_trainable_variables", [])))
+    return list(getattr(obj, "_trainable_variables", [])) + list(
+        getattr(obj, "_non_trainable_variables", [])
+    )
 
 
 def wrap_save(original):
@@ -198,6 +223,7 @@ def wrap_save(original):
             return original(self, store)
         with _full_io(variables):
             return original(self, _FullStore(store))
+
     return save_own_variables
 
 
@@ -209,6 +235,7 @@ def wrap_load(original):
             return original(self, store)
         with _full_io(variables):
             return original(self, store)
+
     return load_own_variables
 
 
@@ -223,18 +250,24 @@ def cover(cls: type) -> None:
     on the class that defines it.
     """
     from tfdist import compat
-    for method, patch in (("save_own_variables", "tensor_parallel.save_subclass"),
-                          ("load_own_variables", "tensor_parallel.load_subclass")):
+
+    for method, patch in (
+        ("save_own_variables", "tensor_parallel.save_subclass"),
+        ("load_own_variables", "tensor_parallel.load_subclass"),
+    ):
         definer = next((klass for klass in cls.__mro__ if method in vars(klass)), None)
         if definer is None or definer.__module__.startswith("tfdist."):
             continue
-        if getattr(definer, "__name__", "") in ("Layer", "BaseOptimizer") \
-                and definer.__module__.startswith("keras."):
+        if getattr(definer, "__name__", "") in (
+            "Layer",
+            "BaseOptimizer",
+        ) and definer.__module__.startswith("keras."):
             continue  # The static patches of install().
         compat.apply_to(patch, definer, method)
 
 
 # --- legacy HDF5 (model.save("m.h5")) ------------------------------------------
+
 
 class _Full:
     """A sharded variable's full value under its name, for the legacy HDF5
@@ -256,6 +289,7 @@ def wrap_legacy_subset(original):
     @functools.wraps(original)
     def save_subset_weights_to_hdf5_group(group, weights):
         return original(group, _full_or_same(weights))
+
     return save_subset_weights_to_hdf5_group
 
 
@@ -274,6 +308,7 @@ def wrap_legacy_optimizer(original):
         if not any(sharding.is_sharded(v) for v in variables):
             return original(group, optimizer)
         return original(group, _Weights(_full_or_same(variables)))
+
     return save_optimizer_weights_to_hdf5_group
 
 
@@ -287,9 +322,11 @@ def _assign_checked(variables: list, values: list, what: str, skip_mismatch: boo
             rest.append((variable, value))
             continue
         if tuple(np.shape(value)) != spec.full_shape:
-            message = (f"Shape mismatch in {what} for weight {variable.path}. Weight "
-                       f"expects the full shape {spec.full_shape} (a sharded weight). "
-                       f"Received saved weight with shape {tuple(np.shape(value))}")
+            message = (
+                f"Shape mismatch in {what} for weight {variable.path}. Weight "
+                f"expects the full shape {spec.full_shape} (a sharded weight). "
+                f"Received saved weight with shape {tuple(np.shape(value))}"
+            )
             if skip_mismatch:
                 warnings.warn(message, stacklevel=3)
                 continue
@@ -303,13 +340,14 @@ def wrap_legacy_set(original):
     def _set_weights(instance, symbolic_weights, weight_values, name, skip_mismatch=False):
         if not any(sharding.is_sharded(v) for v in symbolic_weights):
             return original(instance, symbolic_weights, weight_values, name, skip_mismatch)
-        rest = _assign_checked(list(symbolic_weights), list(weight_values), name,
-                               skip_mismatch)
+        rest = _assign_checked(list(symbolic_weights), list(weight_values), name, skip_mismatch)
         if rest:
-            return original(instance, [v for v, _ in rest], [w for _, w in rest], name,
-                            skip_mismatch)
+            return original(
+                instance, [v for v, _ in rest], [w for _, w in rest], name, skip_mismatch
+            )
         if hasattr(instance, "finalize_state"):
             instance.finalize_state()
+
     return _set_weights
 
 
@@ -320,17 +358,21 @@ def wrap_optimizer_set(original):
         if not self.built or not any(sharding.is_sharded(v) for v in variables):
             return original(self, weights)
         weights = list(weights)
-        rest = _assign_checked(variables[:len(weights)], weights, f"optimizer '{self.name}'")
+        rest = _assign_checked(variables[: len(weights)], weights, f"optimizer '{self.name}'")
         for variable, value in rest:
             if tuple(variable.shape) != tuple(np.shape(value)):
-                raise ValueError(f"Optimizer variable {variable.path} has shape "
-                                 f"{tuple(variable.shape)} not compatible with provided "
-                                 f"weight shape {tuple(np.shape(value))}.")
+                raise ValueError(
+                    f"Optimizer variable {variable.path} has shape "
+                    f"{tuple(variable.shape)} not compatible with provided "
+                    f"weight shape {tuple(np.shape(value))}."
+                )
             variable.assign(value)
+
     return set_weights
 
 
 # --- optimizer slots -------------------------------------------------------------
+
 
 def creating_slot() -> bool:
     """Whether this thread is creating an optimizer slot of a sharded weight
@@ -356,10 +398,12 @@ def wrap_slot(original):
             if pending is not None:
                 _assign_full_tensor(slot, pending)
         return slot
+
     return add_variable_from_reference
 
 
 # --- tf.train.Checkpoint ------------------------------------------------------
+
 
 def _full_tensor(variable: Any) -> tf.Tensor:
     """The full value as a tensor; graph-safe (a multi-task checkpoint saves
@@ -375,7 +419,8 @@ def _assign_full_tensor(variable: Any, value: Any) -> Any:
         raise ValueError(
             f"tfdist.parallel: the checkpoint's value of "
             f"{getattr(variable, 'path', variable.name)} has shape {tuple(value.shape)}; "
-            f"expected the full shape {spec.full_shape}")
+            f"expected the full shape {spec.full_shape}"
+        )
     components = spec.strategy.experimental_local_results(sharding.inner_variable(variable))
     ops = []
     for i, component in enumerate(components):
@@ -390,6 +435,7 @@ def wrap_serialize(original):
         if sharding.is_sharded(self):
             return {_VALUE_KEY: _full_tensor(self)}
         return original(self)
+
     return _serialize_to_tensors
 
 
@@ -400,17 +446,22 @@ def wrap_restore(original):
             return _assign_full_tensor(self, restored_tensors[_VALUE_KEY])
         spec = getattr(_creating, "spec", None)
         value = restored_tensors.get(_VALUE_KEY)
-        if (spec is not None and tuple(self.shape) == spec.shard_shape
-                and tuple(getattr(value, "shape", ())) == spec.full_shape):
+        if (
+            spec is not None
+            and tuple(self.shape) == spec.shard_shape
+            and tuple(getattr(value, "shape", ())) == spec.full_shape
+        ):
             # A deferred restore of a slot being created from a sharded
             # weight, before it is registered: the slot wrapper applies it.
             vars(self)[_PENDING] = value
             return None
         return original(self, restored_tensors)
+
     return _restore_from_tensors
 
 
 # --- install ----------------------------------------------------------------------
+
 
 def install() -> None:
     """Wraps Keras's weight access, saving and checkpointing once: the
@@ -423,6 +474,7 @@ def install() -> None:
     """
     from tfdist import compat
     from tfdist.compression import keras_hook
+
     # Compression's wrappers of the optimizer's save/load go inside ours
     # (the registry's order).
     keras_hook.install()

@@ -28,9 +28,23 @@ from tfdist.errors import ConfigError
 from tfdist.parallel import collectives
 from tfdist.parallel.mesh import Mesh
 
-__all__ = ["ShardSpec", "TENSOR", "DATA", "add_sharded_weight", "spec_of", "full_value",
-           "full_tensor", "assign_full", "check_full_shape", "shard_of", "register_like",
-           "local_full_tensor", "is_sharded", "inner_variable", "mark"]
+__all__ = [
+    "ShardSpec",
+    "TENSOR",
+    "DATA",
+    "add_sharded_weight",
+    "spec_of",
+    "full_value",
+    "full_tensor",
+    "assign_full",
+    "check_full_shape",
+    "shard_of",
+    "register_like",
+    "local_full_tensor",
+    "is_sharded",
+    "inner_variable",
+    "mark",
+]
 
 _ATTR = "_tfdist_shard"
 
@@ -67,8 +81,9 @@ class ShardSpec:
     layout: tuple | None = None
 
     @classmethod
-    def on_tensor_axis(cls, axis: int, full_shape: tuple[int, ...], runtime: Any,
-                       strategy: Any) -> "ShardSpec":
+    def on_tensor_axis(
+        cls, axis: int, full_shape: tuple[int, ...], runtime: Any, strategy: Any
+    ) -> ShardSpec:
         """Split on ``axis`` over the tensor group (tfdist.parallel's layers)."""
         return cls(tuple(full_shape), runtime, strategy, ((axis, TENSOR),))
 
@@ -123,11 +138,13 @@ class ShardSpec:
 
     def assemble(self, parts: dict, concat: Any) -> Any:
         """The full value from one block per index (``concat(list, axis)``)."""
+
         def join(prefix: tuple[int, ...]) -> Any:
             if len(prefix) == len(self.splits):
                 return parts[prefix]
             dim, kind = self.splits[len(prefix)]
             return concat([join(prefix + (i,)) for i in range(self.parts(kind))], dim)
+
         return join(())
 
     def local_cover(self, first: int, local: int) -> dict | None:
@@ -150,8 +167,9 @@ class ShardSpec:
 
     def describe_weight(self) -> str:
         """The weight as messages name it: path, full shape and split."""
-        where = ", ".join(f"dim {dim} over the {kind} axis ({self.parts(kind)})"
-                          for dim, kind in self.splits)
+        where = ", ".join(
+            f"dim {dim} over the {kind} axis ({self.parts(kind)})" for dim, kind in self.splits
+        )
         name = f"{self.path} " if self.path else ""
         return f"{name}(full shape {self.full_shape}, split: {where})"
 
@@ -166,7 +184,7 @@ def spec_of(variable: Any) -> ShardSpec | None:
     """The ShardSpec of a Keras variable (or of its tf value), or None."""
     spec = getattr(variable, _ATTR, None)
     if spec is None and hasattr(variable, "_value"):
-        spec = getattr(variable._value, _ATTR, None)
+        spec = getattr(variable._value, _ATTR, None)  # noqa: SLF001 - a Keras variable's backing tf.Variable may hold the mark
     return spec
 
 
@@ -219,8 +237,10 @@ def _gathered_blocks(variable: Any, spec: ShardSpec) -> dict:
     strategy, runtime = spec.strategy, spec.runtime
     components = _components(variable, spec)
     per_replica = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.expand_dims(tf.convert_to_tensor(
-            components[ctx.replica_id_in_sync_group - runtime.first]), 0))
+        lambda ctx: tf.expand_dims(
+            tf.convert_to_tensor(components[ctx.replica_id_in_sync_group - runtime.first]), 0
+        )
+    )
     everything = strategy.gather(per_replica, axis=0)
     blocks: dict = {}
     for r in range(spec.mesh.num_replicas):
@@ -240,8 +260,10 @@ def full_value(variable: Any) -> np.ndarray:
     blocks = _local_blocks(variable, spec)
     if blocks is None:
         blocks = _gathered_blocks(variable, spec)
-    return spec.assemble({k: np.asarray(v.numpy()) for k, v in blocks.items()},
-                         lambda parts, axis: np.concatenate(parts, axis=axis))
+    return spec.assemble(
+        {k: np.asarray(v.numpy()) for k, v in blocks.items()},
+        lambda parts, axis: np.concatenate(parts, axis=axis),
+    )
 
 
 def full_tensor(variable: Any) -> tf.Tensor:
@@ -249,13 +271,16 @@ def full_tensor(variable: Any) -> tf.Tensor:
     inside a tf.function). A collective when the blocks span processes."""
     spec = spec_of(variable)
     blocks = _local_blocks(variable, spec)
-    return _assemble_tensor(spec, blocks if blocks is not None
-                            else _gathered_blocks(variable, spec))
+    return _assemble_tensor(
+        spec, blocks if blocks is not None else _gathered_blocks(variable, spec)
+    )
 
 
 def _assemble_tensor(spec: ShardSpec, blocks: dict) -> tf.Tensor:
-    return spec.assemble({k: tf.convert_to_tensor(v) for k, v in blocks.items()},
-                         lambda parts, axis: tf.concat(parts, axis=axis))
+    return spec.assemble(
+        {k: tf.convert_to_tensor(v) for k, v in blocks.items()},
+        lambda parts, axis: tf.concat(parts, axis=axis),
+    )
 
 
 def local_full_tensor(variable: Any) -> tf.Tensor:
@@ -267,6 +292,7 @@ def local_full_tensor(variable: Any) -> tf.Tensor:
     blocks = _local_blocks(variable, spec)
     if blocks is None:
         from tfdist.compat.keras_src import in_symbolic_scope
+
         if in_symbolic_scope():
             # Keras infers shapes (compute_output_spec, fit's symbolic
             # build): the values are never read.
@@ -275,7 +301,8 @@ def local_full_tensor(variable: Any) -> tf.Tensor:
             "tfdist.parallel: a sharded weight was read outside the replica "
             "context, and its shards are held by other processes. Expected: call the "
             "model through fit/evaluate/predict or strategy.run. Received: a direct call "
-            "under MultiWorkerMirroredStrategy")
+            "under MultiWorkerMirroredStrategy"
+        )
     return _assemble_tensor(spec, blocks)
 
 
@@ -285,9 +312,11 @@ def check_full_shape(variable: Any, value: Any, what: str = "a value") -> None:
     spec = spec_of(variable)
     shape = tuple(np.shape(value)) if not tf.is_tensor(value) else tuple(value.shape)
     if spec is not None and shape != spec.full_shape:
-        raise ValueError(f"tfdist.parallel: expected {what} of the full shape "
-                         f"{spec.full_shape} for {getattr(variable, 'path', variable.name)}. "
-                         f"Received: shape {shape}")
+        raise ValueError(
+            f"tfdist.parallel: expected {what} of the full shape "
+            f"{spec.full_shape} for {getattr(variable, 'path', variable.name)}. "
+            f"Received: shape {shape}"
+        )
 
 
 def assign_full(variable: Any, value: Any) -> None:
@@ -303,8 +332,9 @@ def assign_full(variable: Any, value: Any) -> None:
     value = np.asarray(value)
     check_full_shape(variable, value)
     for i, component in enumerate(_components(variable, spec)):
-        component.assign(spec.block(value, spec.runtime.first + i).astype(
-            component.dtype.as_numpy_dtype))
+        component.assign(
+            spec.block(value, spec.runtime.first + i).astype(component.dtype.as_numpy_dtype)
+        )
 
 
 def _seeded(initializer: Any, seed: int | None) -> Any:
@@ -326,9 +356,17 @@ def _shared_seed(strategy: Any, runtime: Any) -> int | None:
         return int(strategy.experimental_local_results(seed)[0].numpy())
 
 
-def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
-                       initializer: Any, regularizer: Any = None, constraint: Any = None,
-                       dtype: Any = None, trainable: bool = True) -> Any:
+def add_sharded_weight(
+    layer: Any,
+    name: str,
+    shape: tuple[int, ...],
+    axis: int,
+    initializer: Any,
+    regularizer: Any = None,
+    constraint: Any = None,
+    dtype: Any = None,
+    trainable: bool = True,
+) -> Any:
     """Adds a weight of full shape ``shape`` to ``layer``, split on ``axis``.
 
     Under a strategy with a mesh of T > 1 the weight has the shard's shape;
@@ -339,26 +377,43 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
             layer.
     """
     import keras
+
     strategy = tf.distribute.get_strategy()
     runtime = collectives.runtime_of(strategy)
     shape = tuple(int(s) for s in shape)
     if runtime is None:
-        return layer.add_weight(name=name, shape=shape, initializer=initializer,
-                                regularizer=regularizer, constraint=constraint,
-                                dtype=dtype, trainable=trainable)
+        return layer.add_weight(
+            name=name,
+            shape=shape,
+            initializer=initializer,
+            regularizer=regularizer,
+            constraint=constraint,
+            dtype=dtype,
+            trainable=trainable,
+        )
     tp = runtime.mesh.tp
     axis = axis % len(shape)
     if shape[axis] % tp:
-        raise ConfigError(f"{layer.name}.{name}", shape[axis],
-                          f"a width that model_parallel={tp} divides (the {type(layer).__name__} "
-                          f"'{layer.name}' splits its {name} of shape {shape} on axis {axis})",
-                          source="tfdist.parallel")
+        raise ConfigError(
+            f"{layer.name}.{name}",
+            shape[axis],
+            f"a width that model_parallel={tp} divides (the {type(layer).__name__} "
+            f"'{layer.name}' splits its {name} of shape {shape} on axis {axis})",
+            source="tfdist.parallel",
+        )
     spec = ShardSpec.on_tensor_axis(axis, shape, runtime, strategy)
     from tfdist.parallel import saving
+
     saving.cover(type(layer))  # Its save/load then write and read full values.
-    variable = layer.add_weight(name=name, shape=spec.shard_shape, initializer="zeros",
-                                regularizer=None, constraint=constraint, dtype=dtype,
-                                trainable=trainable)
+    variable = layer.add_weight(
+        name=name,
+        shape=spec.shard_shape,
+        initializer="zeros",
+        regularizer=None,
+        constraint=constraint,
+        dtype=dtype,
+        trainable=trainable,
+    )
     mark(variable, spec)
     init = _seeded(keras.initializers.get(initializer), _shared_seed(strategy, runtime))
     with tf.init_scope(), tf.device("/cpu:0"):
@@ -367,13 +422,14 @@ def add_sharded_weight(layer: Any, name: str, shape: tuple[int, ...], axis: int,
         # Created in a symbolic trace (a layer without build() holding this
         # one): Keras creates the tf variable when the trace ends. Mark and
         # fill it then.
-        deferred = variable._deferred_initialize
+        deferred = variable._deferred_initialize  # noqa: SLF001 - Keras creates a variable made in a symbolic trace only through this hook
 
         def _deferred_initialize():
             deferred()
             mark(variable, spec)
             assign_full(variable, full)
-        variable._deferred_initialize = _deferred_initialize
+
+        variable._deferred_initialize = _deferred_initialize  # noqa: SLF001 - wraps that hook to mark and fill the variable once created
     else:
         assign_full(variable, full)
     if regularizer is not None:

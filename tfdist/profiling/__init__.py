@@ -18,13 +18,13 @@ CLI.
 
 from tfdist.profiling.records import PHASES, Span, StepRecord, mean_phases, phases
 
-__all__ = ["PHASES", "Span", "StepRecord", "mean_phases", "phases", "StepProfile",
-           "LoopProfile"]
+__all__ = ["PHASES", "Span", "StepRecord", "mean_phases", "phases", "StepProfile", "LoopProfile"]
 
 
 def __getattr__(name):
     # The callbacks import TensorFlow and Keras; the records do not.
     if name in ("StepProfile", "LoopProfile"):
         from tfdist.profiling import callback
+
         return getattr(callback, name)
     raise AttributeError(f"module 'tfdist.profiling' has no attribute {name!r}")

@@ -22,7 +22,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -31,12 +32,26 @@ import tensorflow as tf
 from tfdist.errors import ConfigError
 from tfdist.profiling import instrument
 from tfdist.profiling.gather import gather_rows, local_replicas, worker_index
-from tfdist.profiling.records import (PHASES, StepRecord, derive_waits, from_row, mean_phases,
-                                      phases, row_width, to_row)
+from tfdist.profiling.records import (
+    PHASES,
+    StepRecord,
+    derive_waits,
+    from_row,
+    mean_phases,
+    phases,
+    row_width,
+    to_row,
+)
 from tfdist.profiling.stragglers import Straggler, check_factor, find_stragglers
 
-__all__ = ["StepProfile", "LoopProfile", "TIMELINE_ENV", "SUPPORTED_KINDS", "install_timeline",
-           "wrap_fit"]
+__all__ = [
+    "StepProfile",
+    "LoopProfile",
+    "TIMELINE_ENV",
+    "SUPPORTED_KINDS",
+    "install_timeline",
+    "wrap_fit",
+]
 
 log = logging.getLogger("tfdist.profiling")
 
@@ -52,9 +67,11 @@ def _kind(strategy: Any) -> str:
     kind = getattr(strategy, "kind", None)
     if isinstance(kind, str):
         return kind
-    for cls, name in ((tf.distribute.MultiWorkerMirroredStrategy, "multi_worker_mirrored"),
-                      (tf.distribute.MirroredStrategy, "mirrored"),
-                      (tf.distribute.OneDeviceStrategy, "one_device")):
+    for cls, name in (
+        (tf.distribute.MultiWorkerMirroredStrategy, "multi_worker_mirrored"),
+        (tf.distribute.MirroredStrategy, "mirrored"),
+        (tf.distribute.OneDeviceStrategy, "one_device"),
+    ):
         if isinstance(strategy, cls):
             return name
     if type(strategy).__name__ == "_DefaultDistributionStrategy":
@@ -105,10 +122,16 @@ class StepProfile(keras.callbacks.Callback):
             TPU), or a bad ``straggler_factor``.
     """
 
-    def __init__(self, log_dir: str | os.PathLike | None = None,
-                 timeline: str | os.PathLike | None = None, *,
-                 straggler_factor: float = 1.3, predict: bool = True,
-                 barrier: bool = False, every_batch: bool = False) -> None:
+    def __init__(
+        self,
+        log_dir: str | os.PathLike | None = None,
+        timeline: str | os.PathLike | None = None,
+        *,
+        straggler_factor: float = 1.3,
+        predict: bool = True,
+        barrier: bool = False,
+        every_batch: bool = False,
+    ) -> None:
         super().__init__()
         self.log_dir = os.fspath(log_dir) if log_dir is not None else None
         if timeline is None:
@@ -120,14 +143,18 @@ class StepProfile(keras.callbacks.Callback):
         self.every_batch = bool(every_batch)
         if self.log_dir is not None:
             from tfdist.training.callbacks import TensorBoard
+
             try:
                 import tensorboard.summary.v2  # noqa: F401
             except ImportError as error:
                 from tfdist.training.callbacks import TensorBoardNotInstalledError
+
                 raise TensorBoardNotInstalledError(
                     "StepProfile(log_dir=...) writes TensorBoard scalars with tf.summary, "
                     f"which needs the 'tensorboard' package ({error}). Install it with: "
-                    f"{TensorBoard.INSTALL_HINT}", name="tensorboard") from error
+                    f"{TensorBoard.INSTALL_HINT}",
+                    name="tensorboard",
+                ) from error
         self.profiler: instrument.Profiler | None = None
         #: This worker's records (every epoch of the last fit).
         self.records: list[StepRecord] = []
@@ -152,15 +179,26 @@ class StepProfile(keras.callbacks.Callback):
         instrument.install()
         kind = _kind(strategy)
         if kind not in SUPPORTED_KINDS:
-            raise ConfigError("strategy", kind, "one of " + ", ".join(SUPPORTED_KINDS)
-                              + ": the profiler takes apart steps whose gradients are "
-                              "all-reduced by the workers", source=_SOURCE)
+            raise ConfigError(
+                "strategy",
+                kind,
+                "one of "
+                + ", ".join(SUPPORTED_KINDS)
+                + ": the profiler takes apart steps whose gradients are "
+                "all-reduced by the workers",
+                source=_SOURCE,
+            )
         from tfdist.parallel.mesh import mesh_of
+
         if mesh_of(strategy) is not None:
-            raise ConfigError("strategy", f"{kind} with a (data, tensor) mesh",
-                              "a strategy without model_parallel: the tensor-parallel "
-                              "layers' collectives run inside the forward and backward "
-                              "passes, which the profiler does not take apart", source=_SOURCE)
+            raise ConfigError(
+                "strategy",
+                f"{kind} with a (data, tensor) mesh",
+                "a strategy without model_parallel: the tensor-parallel "
+                "layers' collectives run inside the forward and backward "
+                "passes, which the profiler does not take apart",
+                source=_SOURCE,
+            )
         if self.profiler is None or self.profiler.strategy is not strategy:
             self.profiler = instrument.Profiler(strategy, barrier=self.barrier)
         self.profiler.attach()
@@ -170,6 +208,7 @@ class StepProfile(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         from tfdist.training.callbacks import is_chief
+
         strategy = self._strategy()
         self.worker = worker_index(strategy)
         self.workers = max(1, strategy.num_replicas_in_sync // local_replicas(strategy))
@@ -190,6 +229,7 @@ class StepProfile(keras.callbacks.Callback):
             return None
         from tfdist.compression import auto
         from tfdist.compression.keras_hook import strategy_aggregator
+
         aggregator = strategy_aggregator(strategy)
         decision = getattr(aggregator, "decision", None)
         if decision is not None and getattr(decision, "link", None) is not None:
@@ -205,8 +245,9 @@ class StepProfile(keras.callbacks.Callback):
         self._host_begin = time.time()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        record = self.profiler.record(worker=self.worker, epoch=self._epoch,
-                                      host_begin=self._host_begin, host_end=time.time())
+        record = self.profiler.record(
+            worker=self.worker, epoch=self._epoch, host_begin=self._host_begin, host_end=time.time()
+        )
         if (getattr(self.model, "steps_per_execution", 1) or 1) > 1:
             # The host called k steps; the marks are the last one's. The
             # record covers that step alone, from its batch on.
@@ -226,15 +267,16 @@ class StepProfile(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         mine, self._epoch_records = self._epoch_records, []
         width = row_width(instrument.MAX_SPANS)
-        rows = np.array([to_row(r, instrument.MAX_SPANS) for r in mine],
-                        np.float64).reshape(-1, width)
+        rows = np.array([to_row(r, instrument.MAX_SPANS) for r in mine], np.float64).reshape(
+            -1, width
+        )
         gathered = gather_rows(self._strategy(), rows)
         records = [from_row(row) for worker_rows in gathered for row in worker_rows]
         if not self.barrier:
             derive_waits(records)
             own = [r for r in records if r.worker == self.worker]
             if mine and len(own) == len(mine):
-                self.records[-len(mine):] = own
+                self.records[-len(mine) :] = own
         self.all_records.extend(records)
         summary = mean_phases(records)
         self.summaries.append(summary)
@@ -270,7 +312,8 @@ class StepProfile(keras.callbacks.Callback):
             fig["profile_bytes"] = s["bytes"]
             if self.link is not None:
                 fig["profile_comm_predicted_ms"] = 1e3 * (
-                    spans.get(w, 0.0) * self.link.latency + s["bytes"] / self.link.bandwidth)
+                    spans.get(w, 0.0) * self.link.latency + s["bytes"] / self.link.bandwidth
+                )
             out[w] = fig
         return out
 
@@ -279,6 +322,7 @@ class StepProfile(keras.callbacks.Callback):
         this worker's own measurements and the link measured."""
         from tfdist.compression.keras_hook import strategy_aggregator
         from tfdist.compression.traffic import all_reduce_bytes, nbytes
+
         aggregator = strategy_aggregator(self._strategy())
         mine = summary.get(self.worker)
         if aggregator is None or self.link is None or mine is None:
@@ -292,23 +336,33 @@ class StepProfile(keras.callbacks.Callback):
         cost = mine["compress"] + mine["decompress"]
         pays = cost < saved
         name = aggregator.describe()
-        message = (f"compression {name} costs {cost * 1e3:.1f} ms per step of compute "
-                   f"(compress {mine['compress'] * 1e3:.1f} + decompress "
-                   f"{mine['decompress'] * 1e3:.1f}) and saves {saved * 1e3:.1f} ms on the wire "
-                   f"({(dense - mine['bytes']) / 1e6:,.2f} MB fewer per step at "
-                   f"{self.link.bandwidth / 1e6:,.1f} MB/s measured)")
+        message = (
+            f"compression {name} costs {cost * 1e3:.1f} ms per step of compute "
+            f"(compress {mine['compress'] * 1e3:.1f} + decompress "
+            f"{mine['decompress'] * 1e3:.1f}) and saves {saved * 1e3:.1f} ms on the wire "
+            f"({(dense - mine['bytes']) / 1e6:,.2f} MB fewer per step at "
+            f"{self.link.bandwidth / 1e6:,.1f} MB/s measured)"
+        )
         if not pays:
             message += ": it does not pay on this link"
-        check = {"compression": name, "cost_s": cost, "saved_s": saved, "pays": pays,
-                 "dense_bytes": dense, "bytes": mine["bytes"], "message": message}
+        check = {
+            "compression": name,
+            "cost_s": cost,
+            "saved_s": saved,
+            "pays": pays,
+            "dense_bytes": dense,
+            "bytes": mine["bytes"],
+            "message": message,
+        }
         self.compression_checks.append(check)
         return check
 
     def _trainable_variables(self) -> list:
         return list(self.model.trainable_variables)
 
-    def _write(self, epoch: int, records: list[StepRecord], figures: dict,
-               stragglers: list[Straggler]) -> None:
+    def _write(
+        self, epoch: int, records: list[StepRecord], figures: dict, stragglers: list[Straggler]
+    ) -> None:
         with open(os.path.join(self.log_dir, "steps.jsonl"), "a", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps(r.to_json()) + "\n")
@@ -316,16 +370,21 @@ class StepProfile(keras.callbacks.Callback):
             writer = self._writer(w)
             with writer.as_default(step=epoch):
                 for key, value in fig.items():
-                    tf.summary.scalar("profile/" + key[len("profile_"):], value)
+                    tf.summary.scalar("profile/" + key[len("profile_") :], value)
             writer.flush()
         summary = {
-            "epochs": [{str(w): s for w, s in epoch_summary.items()}
-                       for epoch_summary in self.summaries],
+            "epochs": [
+                {str(w): s for w, s in epoch_summary.items()} for epoch_summary in self.summaries
+            ],
             "stragglers": [{"epoch": e, **s.__dict__} for e, s in self.stragglers],
             "compression": self.compression_checks,
-            "link": None if self.link is None else {
-                "bandwidth": self.link.bandwidth, "latency": self.link.latency,
-                "num_replicas": self.link.num_replicas},
+            "link": None
+            if self.link is None
+            else {
+                "bandwidth": self.link.bandwidth,
+                "latency": self.link.latency,
+                "num_replicas": self.link.num_replicas,
+            },
         }
         path = os.path.join(self.log_dir, "summary.json")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -336,7 +395,8 @@ class StepProfile(keras.callbacks.Callback):
         writers = self.__dict__.setdefault("_writers", {})
         if worker not in writers:
             writers[worker] = tf.summary.create_file_writer(
-                os.path.join(self.log_dir, f"worker_{worker}"))
+                os.path.join(self.log_dir, f"worker_{worker}")
+            )
         return writers[worker]
 
     # -- the end -----------------------------------------------------------
@@ -354,10 +414,12 @@ class StepProfile(keras.callbacks.Callback):
 
     def _write_timeline(self) -> None:
         from tfdist.profiling import timeline
+
         timeline.write(timeline.worker_path(self.timeline, self.worker), self.records)
         if self.chief:
-            timeline.write(self.timeline, self.all_records,
-                           offsets=timeline.align(self.all_records))
+            timeline.write(
+                self.timeline, self.all_records, offsets=timeline.align(self.all_records)
+            )
 
 
 class LoopProfile(StepProfile):
@@ -387,8 +449,9 @@ class LoopProfile(StepProfile):
         **kwargs: As for :class:`StepProfile`.
     """
 
-    def __init__(self, strategy: Any, variables: Sequence[Any] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, strategy: Any, variables: Sequence[Any] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._loop_strategy = strategy
         self._variables = list(variables) if variables is not None else []
@@ -405,7 +468,7 @@ class LoopProfile(StepProfile):
         """Marks the batch ready (inside the replica function); returns it."""
         return self.profiler.mark_input(data)
 
-    def __enter__(self) -> "LoopProfile":
+    def __enter__(self) -> LoopProfile:
         self.profiler.attach()
         self.on_train_begin()
         self._begun = True
@@ -419,9 +482,11 @@ class LoopProfile(StepProfile):
     def step(self) -> Iterator[None]:
         """Times one step; the step function must run inside it."""
         if not self._begun:
-            raise RuntimeError("tfdist: LoopProfile.step() runs inside `with profile:`; "
-                               "expected the training loop in that block. Received a step "
-                               "outside it")
+            raise RuntimeError(
+                "tfdist: LoopProfile.step() runs inside `with profile:`; "
+                "expected the training loop in that block. Received a step "
+                "outside it"
+            )
         self.on_train_batch_begin(0)
         yield
         self.on_train_batch_end(0)
@@ -438,10 +503,14 @@ class LoopProfile(StepProfile):
 def wrap_fit(original):
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        if os.environ.get(TIMELINE_ENV, "").strip() and _kind(
-                self.distribute_strategy) in SUPPORTED_KINDS:
+        if (
+            os.environ.get(TIMELINE_ENV, "").strip()
+            and _kind(self.distribute_strategy) in SUPPORTED_KINDS
+        ):
             callbacks = kwargs.get("callbacks")
-            if callbacks is None and len(args) > 5:  # fit(x, y, batch_size, epochs, verbose, callbacks)
+            if (
+                callbacks is None and len(args) > 5
+            ):  # fit(x, y, batch_size, epochs, verbose, callbacks)
                 callbacks = args[5]
             listed = list(getattr(callbacks, "callbacks", callbacks) or [])
             if not any(isinstance(c, StepProfile) for c in listed):
@@ -450,6 +519,7 @@ def wrap_fit(original):
                 else:
                     kwargs["callbacks"] = [*listed, StepProfile()]
         return original(self, *args, **kwargs)
+
     return fit
 
 
@@ -459,4 +529,5 @@ def install_timeline() -> None:
     (unless it has one): the registry's ``timeline``; idempotent. tfdist's
     strategies call it."""
     from tfdist import compat
+
     compat.install("timeline")

@@ -21,6 +21,7 @@ __all__ = ["worker_index", "local_replicas", "gather_rows"]
 def local_replicas(strategy: Any) -> int:
     """Replicas this worker runs (its devices), >= 1."""
     from tfdist.profiling.instrument import worker_devices
+
     return max(1, len(worker_devices(strategy)))
 
 
@@ -29,6 +30,7 @@ def worker_index(strategy: Any) -> int:
     then the workers in order), as MultiWorkerMirrored numbers them; 0
     without a cluster."""
     from tfdist.training.callbacks.workers import cluster
+
     spec, task_type, task_id = cluster(strategy)
     if not spec or task_type not in ("chief", "worker"):
         return 0
@@ -50,9 +52,9 @@ def gather_rows(strategy: Any, rows: np.ndarray) -> list[np.ndarray]:
     counts = [int(c) for c in counts[::per_worker, 0]]
     width = rows.shape[1]
     padded = np.zeros((max(counts), width), np.float64)
-    padded[:rows.shape[0]] = rows
+    padded[: rows.shape[0]] = rows
     out = _all_gather(strategy, padded, per_worker).reshape(-1, max(counts), width)
-    return [out[w * per_worker][:counts[w]] for w in range(workers)]
+    return [out[w * per_worker][: counts[w]] for w in range(workers)]
 
 
 def _all_gather(strategy: Any, value: np.ndarray, per_worker: int) -> np.ndarray:
@@ -66,6 +68,7 @@ def _all_gather(strategy: Any, value: np.ndarray, per_worker: int) -> np.ndarray
             ctx = tf.distribute.get_replica_context()
             first = tf.equal(ctx.replica_id_in_sync_group % per_worker, 0)
             return tf.where(first, local, tf.zeros_like(local))
+
         return strategy.gather(strategy.run(replica_fn), axis=0)
 
     return gather().numpy()

@@ -36,7 +36,8 @@ TensorFlow's default (one pack per step) does anyway.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -48,8 +49,15 @@ from tfdist.compression.sparse import slices_nbytes
 from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
 from tfdist.profiling.records import Span, StepRecord
 
-__all__ = ["Profiler", "ProfiledComm", "HEADER", "MAX_SPANS", "wrap_step", "profiler_of",
-           "wrap_make_function"]
+__all__ = [
+    "Profiler",
+    "ProfiledComm",
+    "HEADER",
+    "MAX_SPANS",
+    "wrap_step",
+    "profiler_of",
+    "wrap_make_function",
+]
 
 #: Slots of the marks vector before the spans.
 HEADER = 8
@@ -72,7 +80,7 @@ def worker_devices(strategy: Any) -> list[str]:
         return []
 
 
-def profiler_of(strategy: Any = None) -> "Profiler | None":
+def profiler_of(strategy: Any = None) -> Profiler | None:
     """The profiler active on ``strategy`` (default: the current one)."""
     strategy = strategy or tf.distribute.get_strategy()
     return getattr(strategy, _ATTR, None)
@@ -90,9 +98,11 @@ def _plain_variable(initial_value: Any, name: str) -> tf.Variable:
     """A variable of this host only, even inside a strategy's scope (a
     distributed one would be mirrored or synced, and its copies read through
     the strategy)."""
+
     def creator(next_creator, **kwargs):
         return resource_variable_ops.ResourceVariable(
-            initial_value=kwargs["initial_value"], trainable=False, name=name)
+            initial_value=kwargs["initial_value"], trainable=False, name=name
+        )
 
     with tf.init_scope(), tf.variable_creator_scope(creator):
         return tf.Variable(initial_value, trainable=False, name=name)
@@ -132,13 +142,14 @@ class Profiler:
         self._primary = tf.DeviceSpec.from_string(devices[0]).to_string() if devices else None
         self._local_replicas = max(1, len(devices))
         with tf.device(devices[0] if devices else None):
-            self.marks = _plain_variable(tf.zeros([HEADER + 4 * MAX_SPANS], tf.float64),
-                                         name="tfdist_profile_marks")
+            self.marks = _plain_variable(
+                tf.zeros([HEADER + 4 * MAX_SPANS], tf.float64), name="tfdist_profile_marks"
+            )
         self._trace: _Trace | None = None
         self.dropped_spans = 0
 
     # -- attaching ---------------------------------------------------------
-    def attach(self) -> "Profiler":
+    def attach(self) -> Profiler:
         """Makes the strategy's steps record into this profiler (replacing
         one a failed ``fit`` left attached)."""
         setattr(self.strategy, _ATTR, self)
@@ -173,7 +184,8 @@ class Profiler:
             self.marks.assign(tf.zeros_like(self.marks))
         self.marks.scatter_nd_update(
             tf.constant([[s] for s in slots], tf.int64),
-            tf.stack([tf.cast(v, tf.float64) for v in values]))
+            tf.stack([tf.cast(v, tf.float64) for v in values]),
+        )
 
     @staticmethod
     def _stamp(after: Sequence[Any]) -> tf.Tensor:
@@ -234,7 +246,7 @@ class Profiler:
         if self._trace is not None and self._trace.owner != "step":
             self._trace = None  # A custom loop's step ends with its update.
 
-    def make_comm(self) -> "ProfiledComm":
+    def make_comm(self) -> ProfiledComm:
         """The collectives the aggregator of a compressed step uses."""
         return ProfiledComm(self)
 
@@ -263,20 +275,20 @@ class Profiler:
             return outputs
         base = HEADER + 4 * trace.spans
         trace.spans += 1
-        self._write([base, base + 1, base + 2, base + 3],
-                    [start, end, sent, _KIND_CODES[kind]])
+        self._write([base, base + 1, base + 2, base + 3], [start, end, sent, _KIND_CODES[kind]])
         return outputs
 
     # -- run time ----------------------------------------------------------
-    def record(self, *, worker: int, epoch: int, host_begin: float,
-               host_end: float) -> StepRecord:
+    def record(self, *, worker: int, epoch: int, host_begin: float, host_end: float) -> StepRecord:
         """The last step's record, read from the marks."""
-        return decode(self.marks.numpy(), worker=worker, epoch=epoch,
-                      host_begin=host_begin, host_end=host_end)
+        return decode(
+            self.marks.numpy(), worker=worker, epoch=epoch, host_begin=host_begin, host_end=host_end
+        )
 
 
-def decode(marks: np.ndarray, *, worker: int, epoch: int, host_begin: float,
-           host_end: float) -> StepRecord:
+def decode(
+    marks: np.ndarray, *, worker: int, epoch: int, host_begin: float, host_end: float
+) -> StepRecord:
     """A :class:`StepRecord` from one step's marks vector and host times.
 
     Instants not measured (0) repeat the one before, so their phase is 0.
@@ -284,7 +296,7 @@ def decode(marks: np.ndarray, *, worker: int, epoch: int, host_begin: float,
     marks = np.asarray(marks, dtype=np.float64)
     spans = []
     for base in range(HEADER, marks.shape[0] - 3, 4):
-        start, end, sent, kind = marks[base:base + 4]
+        start, end, sent, kind = marks[base : base + 4]
         if start > 0 and kind in _KINDS:
             spans.append(Span(_KINDS[kind], float(start), float(end), float(sent)))
     spans.sort(key=lambda s: s.start)
@@ -296,10 +308,19 @@ def decode(marks: np.ndarray, *, worker: int, epoch: int, host_begin: float,
             value = max(s.end for s in spans)
         last = value if value > 0 else last
         instants.append(last)
-    return StepRecord(worker=worker, step=int(marks[_STEP]), epoch=epoch,
-                      host_begin=host_begin, input_ready=instants[0],
-                      grads_ready=instants[1], peers_ready=instants[2], reduced=instants[3],
-                      end=instants[4], host_end=max(host_end, instants[4]), spans=spans)
+    return StepRecord(
+        worker=worker,
+        step=int(marks[_STEP]),
+        epoch=epoch,
+        host_begin=host_begin,
+        input_ready=instants[0],
+        grads_ready=instants[1],
+        peers_ready=instants[2],
+        reduced=instants[3],
+        end=instants[4],
+        host_end=max(host_end, instants[4]),
+        spans=spans,
+    )
 
 
 def _payload_bytes(tensors: Sequence[Any]) -> tuple[Any, Any]:
@@ -337,18 +358,25 @@ class ProfiledComm(ReplicaComm):
 
     def _all_reduce(self, tensors):
         return self._profiler.span(
-            "all_reduce", tensors, lambda: super(ProfiledComm, self)._all_reduce(tensors),
-            sent_by_all_reduce(tensors, self.num_replicas))
+            "all_reduce",
+            tensors,
+            lambda: super(ProfiledComm, self)._all_reduce(tensors),
+            sent_by_all_reduce(tensors, self.num_replicas),
+        )
 
     def _all_gather(self, tensors):
         payload = sum(wire_nbytes(t.shape.as_list(), t.dtype.name) for t in tensors)
         return self._profiler.span(
-            "all_gather", tensors, lambda: super(ProfiledComm, self)._all_gather(tensors),
-            all_gather_bytes(payload, self.num_replicas))
+            "all_gather",
+            tensors,
+            lambda: super(ProfiledComm, self)._all_gather(tensors),
+            all_gather_bytes(payload, self.num_replicas),
+        )
 
 
 def wrap_step(step_function: Callable, profiler: Profiler) -> Callable:
     """``step_function`` (Keras's ``train_step``) with the input and end marks."""
+
     @functools.wraps(step_function)
     def profiled_step(data):
         profiler.begin_trace()
@@ -360,6 +388,7 @@ def wrap_step(step_function: Callable, profiler: Profiler) -> Callable:
         weights = [tf.convert_to_tensor(v) for v in getattr(model, "trainable_variables", ())]
         profiler.end_trace([outputs, weights])
         return outputs
+
     return profiled_step
 
 
@@ -370,6 +399,7 @@ def wrap_make_function(original):
         if profiler is not None and getattr(step_function, "__name__", "") == "train_step":
             step_function = wrap_step(step_function, profiler)
         return original(self, step_function)
+
     return _make_function
 
 
@@ -383,6 +413,7 @@ def install() -> None:
             the profiler was switched off (with a warning).
     """
     from tfdist import compat
+
     keras_hook.install()
     compat.install("profiling")
     compat.require("profiling", "StepProfile")

@@ -18,8 +18,7 @@ from tfdist.profiling.records import PHASES, StepRecord, mean_phases, phases
 __all__ = ["load", "plot", "table", "ProfileLogError", "MatplotlibNotInstalledError"]
 
 #: One colour per phase, in PHASES order (colour-blind safe, Okabe-Ito).
-COLORS = ("#999999", "#0072B2", "#E69F00", "#CC79A7", "#D55E00", "#F0E442", "#009E73",
-          "#56B4E9")
+COLORS = ("#999999", "#0072B2", "#E69F00", "#CC79A7", "#D55E00", "#F0E442", "#009E73", "#56B4E9")
 
 
 class ProfileLogError(TfdistError, ValueError):
@@ -41,7 +40,8 @@ def load(logdir: str | os.PathLike) -> list[StepRecord]:
     if not os.path.isfile(path):
         raise ProfileLogError(
             f"no step records at {path}: expected the log_dir of a StepProfile "
-            "(tfdist.StepProfile(log_dir=...)) whose fit ran at least one epoch")
+            "(tfdist.StepProfile(log_dir=...)) whose fit ran at least one epoch"
+        )
     records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -50,11 +50,15 @@ def load(logdir: str | os.PathLike) -> list[StepRecord]:
             try:
                 records.append(StepRecord.from_json(json.loads(line)))
             except (ValueError, TypeError, KeyError) as error:
-                raise ProfileLogError(f"{path}, line {number}: not a step record ({error}); "
-                                      f"received {line.strip()[:80]!r}") from error
+                raise ProfileLogError(
+                    f"{path}, line {number}: not a step record ({error}); "
+                    f"received {line.strip()[:80]!r}"
+                ) from error
     if not records:
-        raise ProfileLogError(f"{path} holds no step records: expected one JSON record per "
-                              "line, written at the end of each epoch")
+        raise ProfileLogError(
+            f"{path} holds no step records: expected one JSON record per "
+            "line, written at the end of each epoch"
+        )
     return records
 
 
@@ -63,8 +67,14 @@ def table(summary: dict[int, dict[str, float]]) -> str:
     head = ["worker", *PHASES, "step ms", "bytes/step"]
     rows = [head]
     for worker, s in summary.items():
-        rows.append([str(worker), *(f"{s[p] * 1e3:.1f}" for p in PHASES),
-                     f"{s['step'] * 1e3:.1f}", f"{s['bytes']:,.0f}"])
+        rows.append(
+            [
+                str(worker),
+                *(f"{s[p] * 1e3:.1f}" for p in PHASES),
+                f"{s['step'] * 1e3:.1f}",
+                f"{s['bytes']:,.0f}",
+            ]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
@@ -87,18 +97,23 @@ def plot(logdir: str | os.PathLike, output: str | os.PathLike | None = None) -> 
     records = load(logdir)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise MatplotlibNotInstalledError(
             f"tfdist profile draws with matplotlib, which is not installed ({error}). "
-            "Install it with: pip install matplotlib", name="matplotlib") from error
-    output = os.fspath(output) if output is not None else os.path.join(
-        os.fspath(logdir), "profile.png")
+            "Install it with: pip install matplotlib",
+            name="matplotlib",
+        ) from error
+    output = (
+        os.fspath(output) if output is not None else os.path.join(os.fspath(logdir), "profile.png")
+    )
     summary = mean_phases(records)
     workers = list(summary)
-    fig, (bars, lines) = plt.subplots(1, 2, figsize=(12, 4.5),
-                                      gridspec_kw={"width_ratios": [1, 1.6]})
+    fig, (bars, lines) = plt.subplots(
+        1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 1.6]}
+    )
     bottom = [0.0] * len(workers)
     for phase, color in zip(PHASES, COLORS):
         heights = [summary[w][phase] * 1e3 for w in workers]
@@ -110,14 +125,21 @@ def plot(logdir: str | os.PathLike, output: str | os.PathLike | None = None) -> 
     bars.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for w in workers:
         mine = sorted((r for r in records if r.worker == w), key=lambda r: r.step)
-        lines.plot([r.step for r in mine], [phases(r)["step"] * 1e3 for r in mine],
-                   marker=".", linewidth=1, label=f"worker {w}")
+        lines.plot(
+            [r.step for r in mine],
+            [phases(r)["step"] * 1e3 for r in mine],
+            marker=".",
+            linewidth=1,
+            label=f"worker {w}",
+        )
     lines.set_xlabel("step")
     lines.set_ylabel("step time (ms)")
     lines.set_title("Step time over the run")
     lines.legend(fontsize=8)
-    fig.suptitle(f"tfdist profile: {len(workers)} worker(s), "
-                 f"{int(max(s['steps'] for s in summary.values()))} steps measured")
+    fig.suptitle(
+        f"tfdist profile: {len(workers)} worker(s), "
+        f"{int(max(s['steps'] for s in summary.values()))} steps measured"
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     fig.savefig(output, dpi=100)

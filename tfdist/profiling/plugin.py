@@ -12,4 +12,5 @@ from typing import Any
 def install(strategy: Any) -> None:
     if os.environ.get("TFDIST_TIMELINE", "").strip():
         from tfdist.profiling.callback import install_timeline
+
         install_timeline()

@@ -17,14 +17,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-__all__ = ["Span", "StepRecord", "PHASES", "phases", "busy", "union_length", "mean_phases",
-           "to_row", "from_row", "row_width", "derive_waits"]
+__all__ = [
+    "Span",
+    "StepRecord",
+    "PHASES",
+    "phases",
+    "busy",
+    "union_length",
+    "mean_phases",
+    "to_row",
+    "from_row",
+    "row_width",
+    "derive_waits",
+]
 
 #: The phases of a step, in the order they happen.
-PHASES = ("input", "compute", "wait", "compress", "communicate", "decompress",
-          "update", "other")
+PHASES = ("input", "compute", "wait", "compress", "communicate", "decompress", "update", "other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +113,18 @@ class StepRecord:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "StepRecord":
+    def from_json(cls, data: Mapping[str, Any]) -> StepRecord:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - fields
         if unknown:
-            raise ValueError(f"a step record has unknown fields {sorted(unknown)}; "
-                             f"expected only {sorted(fields)}")
+            raise ValueError(
+                f"a step record has unknown fields {sorted(unknown)}; "
+                f"expected only {sorted(fields)}"
+            )
         values = dict(data)
-        values["spans"] = [Span(str(k), float(a), float(b), float(n))
-                           for k, a, b, n in values.get("spans", [])]
+        values["spans"] = [
+            Span(str(k), float(a), float(b), float(n)) for k, a, b, n in values.get("spans", [])
+        ]
         return cls(**values)
 
 
@@ -174,8 +188,9 @@ def mean_phases(records: Iterable[StepRecord]) -> dict[int, dict[str, float]]:
     ``busy``), the mean ``bytes`` and the number of ``steps``."""
     sums: dict[int, dict[str, float]] = {}
     for r in records:
-        acc = sums.setdefault(r.worker, {k: 0.0 for k in (*PHASES, "step", "busy",
-                                                          "bytes", "steps")})
+        acc = sums.setdefault(
+            r.worker, {k: 0.0 for k in (*PHASES, "step", "busy", "bytes", "steps")}
+        )
         p = phases(r)
         for k in (*PHASES, "step"):
             acc[k] += p[k]
@@ -190,8 +205,15 @@ def mean_phases(records: Iterable[StepRecord]) -> dict[int, dict[str, float]]:
     return dict(sorted(sums.items()))
 
 
-_INSTANTS = ("host_begin", "input_ready", "grads_ready", "peers_ready", "reduced", "end",
-             "host_end")
+_INSTANTS = (
+    "host_begin",
+    "input_ready",
+    "grads_ready",
+    "peers_ready",
+    "reduced",
+    "end",
+    "host_end",
+)
 _KIND_CODES = {"all_reduce": 1.0, "all_gather": 2.0}
 _KINDS = {v: k for k, v in _KIND_CODES.items()}
 
@@ -220,10 +242,13 @@ def from_row(row: Iterable[float]) -> StepRecord:
     row = [float(v) for v in row]
     head = 3 + len(_INSTANTS)
     count = int(row[head])
-    spans = [Span(_KINDS[row[i]], row[i + 1], row[i + 2], row[i + 3])
-             for i in range(head + 1, head + 1 + 4 * count, 4)]
-    return StepRecord(int(row[0]), int(row[1]), int(row[2]),
-                      **dict(zip(_INSTANTS, row[3:head])), spans=spans)
+    spans = [
+        Span(_KINDS[row[i]], row[i + 1], row[i + 2], row[i + 3])
+        for i in range(head + 1, head + 1 + 4 * count, 4)
+    ]
+    return StepRecord(
+        int(row[0]), int(row[1]), int(row[2]), **dict(zip(_INSTANTS, row[3:head])), spans=spans
+    )
 
 
 def derive_waits(records: Iterable[StepRecord]) -> list[StepRecord]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Mapping
+from collections.abc import Mapping
 
 from tfdist.errors import ConfigError
 
@@ -43,11 +43,13 @@ class Straggler:
     steps: int
 
     def __str__(self) -> str:
-        return (f"worker {self.worker} is a straggler: busy {self.busy * 1e3:.1f} ms per step "
-                f"against the workers' median {self.median * 1e3:.1f} ms "
-                f"({self.factor:.2f}x > {self.threshold:g}x); the other workers waited "
-                f"{self.peers_wait * 1e3:.1f} ms per step for it (step {self.step * 1e3:.1f} ms, "
-                f"{self.steps} steps)")
+        return (
+            f"worker {self.worker} is a straggler: busy {self.busy * 1e3:.1f} ms per step "
+            f"against the workers' median {self.median * 1e3:.1f} ms "
+            f"({self.factor:.2f}x > {self.threshold:g}x); the other workers waited "
+            f"{self.peers_wait * 1e3:.1f} ms per step for it (step {self.step * 1e3:.1f} ms, "
+            f"{self.steps} steps)"
+        )
 
 
 def check_factor(value: object) -> float:
@@ -57,14 +59,17 @@ def check_factor(value: object) -> float:
     except (TypeError, ValueError):
         factor = float("nan")
     if isinstance(value, bool) or not factor > 1.0 or factor == float("inf"):
-        raise ConfigError("straggler_factor", value,
-                          "a finite number above 1 (how many times the workers' median busy "
-                          "time a straggler exceeds)", source="tfdist.profiling")
+        raise ConfigError(
+            "straggler_factor",
+            value,
+            "a finite number above 1 (how many times the workers' median busy "
+            "time a straggler exceeds)",
+            source="tfdist.profiling",
+        )
     return factor
 
 
-def find_stragglers(summary: Mapping[int, Mapping[str, float]],
-                    factor: float) -> list[Straggler]:
+def find_stragglers(summary: Mapping[int, Mapping[str, float]], factor: float) -> list[Straggler]:
     """The workers of ``summary`` (worker -> :func:`~tfdist.profiling.records.mean_phases`
     entry) whose busy time exceeds ``factor`` times the median, slowest first.
     One worker has no peers: no straggler."""
@@ -78,7 +83,16 @@ def find_stragglers(summary: Mapping[int, Mapping[str, float]],
     for w, b in busy.items():
         if b > factor * median:
             others = [s["wait"] for v, s in summary.items() if v != w]
-            out.append(Straggler(worker=w, busy=b, median=median, factor=b / median,
-                                 threshold=factor, peers_wait=statistics.fmean(others),
-                                 step=summary[w]["step"], steps=int(summary[w]["steps"])))
+            out.append(
+                Straggler(
+                    worker=w,
+                    busy=b,
+                    median=median,
+                    factor=b / median,
+                    threshold=factor,
+                    peers_wait=statistics.fmean(others),
+                    step=summary[w]["step"],
+                    steps=int(summary[w]["steps"]),
+                )
+            )
     return sorted(out, key=lambda s: -s.factor)

@@ -20,7 +20,8 @@ import json
 import os
 import statistics
 import tempfile
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from tfdist.profiling.records import StepRecord
 
@@ -60,18 +61,30 @@ def _us(seconds: float) -> float:
 
 
 def _event(name: str, start: float, end: float, worker: int, args: dict) -> dict:
-    return {"name": name, "ph": "X", "ts": _us(start), "dur": _us(max(0.0, end - start)),
-            "pid": worker, "tid": 0, "cat": "tfdist", "args": args}
+    return {
+        "name": name,
+        "ph": "X",
+        "ts": _us(start),
+        "dur": _us(max(0.0, end - start)),
+        "pid": worker,
+        "tid": 0,
+        "cat": "tfdist",
+        "args": args,
+    }
 
 
 def _step_events(r: StepRecord, shift: float) -> list[dict]:
     """The envelope and the phases of one step, in time order."""
+
     def at(t: float) -> float:
         return t - shift
 
     args = {"step": r.step, "epoch": r.epoch}
-    events = [_event(f"step {r.step}", at(r.host_begin), at(r.host_end), r.worker,
-                     {**args, "bytes": r.bytes})]
+    events = [
+        _event(
+            f"step {r.step}", at(r.host_begin), at(r.host_end), r.worker, {**args, "bytes": r.bytes}
+        )
+    ]
     phases: list[tuple[str, float, float, dict]] = [
         ("input", r.host_begin, r.input_ready, {}),
         ("compute", r.input_ready, r.grads_ready, {}),
@@ -82,8 +95,9 @@ def _step_events(r: StepRecord, shift: float) -> list[dict]:
         start = max(span.start, cursor)
         if start > cursor:
             phases.append(("compress", cursor, start, {}))
-        phases.append(("communicate", start, max(start, span.end),
-                       {"kind": span.kind, "bytes": span.bytes}))
+        phases.append(
+            ("communicate", start, max(start, span.end), {"kind": span.kind, "bytes": span.bytes})
+        )
         cursor = max(cursor, span.end)
     phases.append(("decompress", cursor, max(cursor, r.reduced), {}))
     phases.append(("update", max(cursor, r.reduced), max(cursor, r.end), {}))
@@ -93,8 +107,9 @@ def _step_events(r: StepRecord, shift: float) -> list[dict]:
     return events
 
 
-def chrome_trace(records: Iterable[StepRecord],
-                 offsets: Mapping[int, float] | None = None) -> dict[str, Any]:
+def chrome_trace(
+    records: Iterable[StepRecord], offsets: Mapping[int, float] | None = None
+) -> dict[str, Any]:
     """The Chrome-trace JSON object of ``records`` (see the module doc).
 
     Args:
@@ -106,19 +121,41 @@ def chrome_trace(records: Iterable[StepRecord],
     offsets = dict(offsets or {})
     events: list[dict] = []
     for worker in sorted({r.worker for r in records}):
-        events.append({"name": "process_name", "ph": "M", "pid": worker, "tid": 0,
-                       "args": {"name": f"worker {worker}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": worker, "tid": 0,
-                       "args": {"sort_index": worker}})
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": worker,
+                "tid": 0,
+                "args": {"name": f"worker {worker}"},
+            }
+        )
+        events.append(
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "pid": worker,
+                "tid": 0,
+                "args": {"sort_index": worker},
+            }
+        )
     for r in records:
         events.extend(_step_events(r, offsets.get(r.worker, 0.0)))
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"producer": "tfdist.profiling",
-                          "clock_offsets_s": {str(w): o for w, o in sorted(offsets.items())}}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "producer": "tfdist.profiling",
+            "clock_offsets_s": {str(w): o for w, o in sorted(offsets.items())},
+        },
+    }
 
 
-def write(path: str | os.PathLike, records: Iterable[StepRecord],
-          offsets: Mapping[int, float] | None = None) -> str:
+def write(
+    path: str | os.PathLike,
+    records: Iterable[StepRecord],
+    offsets: Mapping[int, float] | None = None,
+) -> str:
     """Writes :func:`chrome_trace` to ``path`` atomically (a temporary file
     in the same directory, renamed): a reader never sees half a trace."""
     path = os.fspath(path)

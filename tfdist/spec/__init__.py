@@ -1,5 +1,8 @@
 """The spec layer: what a cluster is, before anything runs on it.
 
+"Spec" as in a cluster spec (``tf.train.ClusterSpec``, TF_CONFIG's
+``cluster``), not a test specification: the tests are in ``tests/``.
+
 It owns the TF_CONFIG (:class:`TFConfig`: parsed, validated, generated for each
 task), the cluster specs in ``cluster_specs/``, the options of
 ``strategy_from_config`` (:mod:`~tfdist.spec.options`) and the detection of
@@ -22,8 +25,15 @@ from __future__ import annotations
 
 from tfdist.spec.address import parse_address, parse_task
 from tfdist.spec.generate import all_task_configs, spec_from_hosts, tf_config_for_task
-from tfdist.spec.names import (CLUSTER_JOBS, DEFAULT_SPEC_DIR, KINDS, RESOLVER_SOURCE, SPEC_DIR_ENV,
-                               STRATEGIES, TASK_TYPES)
+from tfdist.spec.names import (
+    CLUSTER_JOBS,
+    DEFAULT_SPEC_DIR,
+    KINDS,
+    RESOLVER_SOURCE,
+    SPEC_DIR_ENV,
+    STRATEGIES,
+    TASK_TYPES,
+)
 from tfdist.spec.parse import is_cluster_resolver, parse
 from tfdist.spec.tf_config import TFConfig
 from tfdist.spec.validate import validate

@@ -38,7 +38,7 @@ def check_host(host: str) -> None:
     if "://" in host:
         raise BadAddress(
             "Remove the scheme (e.g. 'grpc://'): cluster addresses are plain host:port; "
-            "set \"rpc_layer\": \"grpc\" instead."
+            'set "rpc_layer": "grpc" instead.'
         )
     if not _HOST_RE.fullmatch(host):
         raise BadAddress(
@@ -140,7 +140,10 @@ def parse_task(text: str) -> tuple[str, int]:
     task_type, index = match.group(1), int(match.group(2))
     if task_type not in TASK_TYPES:
         raise ClusterSpecError(
-            "task", text, expected, source="parse_task()",
+            "task",
+            text,
+            expected,
+            source="parse_task()",
             hint=did_you_mean(task_type, TASK_TYPES),
         )
     if index < 0:

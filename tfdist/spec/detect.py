@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from tfdist import spec as spec_lib
 from tfdist.errors import ConfigError
@@ -63,8 +64,9 @@ def slurm_step_tasks(env: Mapping[str, str]) -> int | None:
     try:
         return int(raw) if raw is not None else None
     except ValueError:
-        raise ConfigError("SLURM_STEP_NUM_TASKS", raw, "an integer",
-                          source="Slurm environment") from None
+        raise ConfigError(
+            "SLURM_STEP_NUM_TASKS", raw, "an integer", source="Slurm environment"
+        ) from None
 
 
 def _tf_device_count(kind: str) -> int:
@@ -76,14 +78,17 @@ def _tf_device_count(kind: str) -> int:
         # _tf_device_count("GPU") imported TensorFlow.
         return 1 if device_type == "CPU" else 0
     import tensorflow as tf  # Only when detection needs to look at hardware.
+
     if not logical:
         return len(tf.config.list_physical_devices(device_type))
     # What MirroredStrategy() would mirror over, read without starting the
     # runtime (tf.config.list_logical_devices would start it, and a later
     # set_logical_device_configuration in the script would then fail). Both
     # calls only read the configuration, before or after the runtime started.
-    return sum(len(tf.config.get_logical_device_configuration(device) or [None])
-               for device in tf.config.get_visible_devices(device_type))
+    return sum(
+        len(tf.config.get_logical_device_configuration(device) or [None])
+        for device in tf.config.get_visible_devices(device_type)
+    )
 
 
 def _describe_cluster(cfg: spec_lib.TFConfig) -> str:
@@ -91,12 +96,14 @@ def _describe_cluster(cfg: spec_lib.TFConfig) -> str:
     return f"{cfg.source} lists {jobs}"
 
 
-def choose(config: Any = None,
-           *,
-           strategy: str = "auto",
-           options: StrategyOptions | None = None,
-           env: Mapping[str, str] | None = None,
-           count_devices: DeviceCounter | None = None) -> Choice:
+def choose(
+    config: Any = None,
+    *,
+    strategy: str = "auto",
+    options: StrategyOptions | None = None,
+    env: Mapping[str, str] | None = None,
+    count_devices: DeviceCounter | None = None,
+) -> Choice:
     """Decides which strategy to build, without building it.
 
     Args:
@@ -120,11 +127,9 @@ def choose(config: Any = None,
     options = options or StrategyOptions()
     count = count_devices or _tf_device_count
     name = canonical_strategy_name(strategy)
-    cfg = spec_lib.parse(config, env=env,
-                        strategy=None if name == "auto" else name)
+    cfg = spec_lib.parse(config, env=env, strategy=None if name == "auto" else name)
     in_cluster = bool(cfg.cluster)
-    slurm_tasks = None if (in_cluster or config is not None) else (
-        slurm_step_tasks(env))
+    slurm_tasks = None if (in_cluster or config is not None) else (slurm_step_tasks(env))
 
     def choice(kind: str, reason: str, **kw: Any) -> Choice:
         role = "trainer"
@@ -139,34 +144,39 @@ def choose(config: Any = None,
         if name == "tpu":
             return choice("tpu", reason, tpu=options.tpu or "local")
         if name == "multi_worker_mirrored" and not in_cluster and slurm_tasks:
-            return choice(name, reason + f" in a Slurm step of {slurm_tasks} "
-                          "tasks", slurm=True)
+            return choice(name, reason + f" in a Slurm step of {slurm_tasks} tasks", slurm=True)
         return choice(name, reason)
 
     if options.tpu:
-        return choice("tpu", f"a TPU was given (tpu={options.tpu!r})",
-                      tpu=options.tpu)
+        return choice("tpu", f"a TPU was given (tpu={options.tpu!r})", tpu=options.tpu)
     if cfg.kind == "parameter_server":
-        return choice("parameter_server",
-                      _describe_cluster(cfg) + ": a 'ps' job means "
-                      "parameter-server training")
+        return choice(
+            "parameter_server",
+            _describe_cluster(cfg) + ": a 'ps' job means parameter-server training",
+        )
     if in_cluster:
-        return choice("multi_worker_mirrored",
-                      _describe_cluster(cfg) + ": synchronous training over "
-                      f"{cfg.num_workers} worker task(s)")
+        return choice(
+            "multi_worker_mirrored",
+            _describe_cluster(cfg) + ": synchronous training over "
+            f"{cfg.num_workers} worker task(s)",
+        )
     if slurm_tasks and slurm_tasks > 1:
-        return choice("multi_worker_mirrored",
-                      f"a Slurm job step of {slurm_tasks} tasks "
-                      "(SLURM_PROCID is set): one worker per task",
-                      slurm=True)
+        return choice(
+            "multi_worker_mirrored",
+            f"a Slurm job step of {slurm_tasks} tasks (SLURM_PROCID is set): one worker per task",
+            slurm=True,
+        )
     if options.devices and len(options.devices) > 1:
-        return choice("mirrored", f"{len(options.devices)} devices were "
-                      f"given: {', '.join(options.devices)}")
+        return choice(
+            "mirrored", f"{len(options.devices)} devices were given: {', '.join(options.devices)}"
+        )
     if options.devices:
         return choice("one_device", f"1 device was given: {options.devices[0]}")
     if options.cpu_replicas and options.cpu_replicas > 1:
-        return choice("mirrored", f"cpu_replicas={options.cpu_replicas}: "
-                      "the CPU is split into that many logical devices")
+        return choice(
+            "mirrored",
+            f"cpu_replicas={options.cpu_replicas}: the CPU is split into that many logical devices",
+        )
     tpus = count("TPU")
     if tpus:
         return choice("tpu", f"{tpus} local TPU device(s) found", tpu="local")
@@ -175,16 +185,24 @@ def choose(config: Any = None,
     if logical_gpus > 1:
         if logical_gpus == gpus:
             return choice("mirrored", f"{gpus} local GPUs found")
-        return choice("mirrored", f"{logical_gpus} logical GPUs, as tf.config "
-                      f"set up the {gpus} local GPU(s) before this call")
+        return choice(
+            "mirrored",
+            f"{logical_gpus} logical GPUs, as tf.config "
+            f"set up the {gpus} local GPU(s) before this call",
+        )
     # cpu_replicas=1 asks for one CPU replica, however the CPU was split.
     cpus = 1 if logical_gpus or options.cpu_replicas else count("logical CPU")
     if cpus > 1:
-        return choice("mirrored", f"{cpus} logical CPUs, as tf.config."
-                      "set_logical_device_configuration split the CPU before "
-                      "this call")
+        return choice(
+            "mirrored",
+            f"{cpus} logical CPUs, as tf.config."
+            "set_logical_device_configuration split the CPU before "
+            "this call",
+        )
     device = "1 GPU" if logical_gpus == 1 else "the CPU"
-    where = "no TF_CONFIG cluster" + (
-        ", a Slurm step of 1 task" if slurm_tasks == 1 else "") + (
-        ", cpu_replicas=1" if options.cpu_replicas == 1 and not gpus else "")
+    where = (
+        "no TF_CONFIG cluster"
+        + (", a Slurm step of 1 task" if slurm_tasks == 1 else "")
+        + (", cpu_replicas=1" if options.cpu_replicas == 1 and not gpus else "")
+    )
     return choice("one_device", f"{where} and one device ({device})")

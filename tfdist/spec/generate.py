@@ -10,8 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from tfdist.errors import ClusterSpecError
-from tfdist.spec.address import (BadAddress, check_host, check_ipv6, format_address,
-                                 split_address)
+from tfdist.spec.address import BadAddress, check_host, check_ipv6, format_address, split_address
 from tfdist.spec.parse import parse
 
 # Generation.
@@ -116,13 +115,16 @@ def spec_from_hosts(
     num_ps, port = int(num_ps), int(port)
     if num_ps > 0 and not chief:
         fail(
-            "chief", chief, "True when num_ps > 0 (parameter-server training needs a chief)",
+            "chief",
+            chief,
+            "True when num_ps > 0 (parameter-server training needs a chief)",
             hint="Pass chief=True; the first host becomes the chief.",
         )
     num_workers = len(entries) - int(chief) - num_ps
     if num_ps > 0 and num_workers < 1:
         fail(
-            "hosts", entries,
+            "hosts",
+            entries,
             f"at least {num_ps + 2} hosts (1 chief, {num_ps} ps and at least 1 worker)",
         )
     if not entries:
@@ -137,12 +139,15 @@ def spec_from_hosts(
         try:
             host, host_port = _split_host(entry)
         except BadAddress as bad:
-            fail(field, entry, "a 'host' or 'host:port' string with a valid host and port", bad.hint)
+            fail(
+                field, entry, "a 'host' or 'host:port' string with a valid host and port", bad.hint
+            )
         if host_port is not None:
             key = (host.lower(), host_port)
             if key in explicit:
                 fail(
-                    field, entry,
+                    field,
+                    entry,
                     f"an address used once (it is also hosts[{explicit[key]}])",
                     hint="Each task needs its own host:port.",
                 )
@@ -158,8 +163,12 @@ def spec_from_hosts(
             while (host.lower(), candidate) in explicit:
                 candidate += 1
             if candidate > 65535:
-                fail(f"hosts[{position}]", entries[position], "a free port <= 65535",
-                     hint="Pass a lower port= or give the ports explicitly.")
+                fail(
+                    f"hosts[{position}]",
+                    entries[position],
+                    "a free port <= 65535",
+                    hint="Pass a lower port= or give the ports explicitly.",
+                )
             next_port[host.lower()] = candidate + 1
             host_port = candidate
         addresses.append(format_address(host, host_port))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tfdist.errors import ConfigError
 
@@ -119,53 +120,49 @@ def canonical_strategy_name(name: Any) -> str:
         ConfigError: ``name`` is not a known strategy name.
     """
     if not isinstance(name, str):
-        raise ConfigError("strategy", name, "a strategy name string",
-                          source=_SOURCE)
+        raise ConfigError("strategy", name, "a strategy name string", source=_SOURCE)
     key = name.strip().lower().replace("-", "_")
     key = _STRATEGY_ALIASES.get(key.replace("_", ""), key)
     if key not in STRATEGY_NAMES:
-        raise ConfigError("strategy", name,
-                          "one of " + ", ".join(map(repr, STRATEGY_NAMES)),
-                          source=_SOURCE)
+        raise ConfigError(
+            "strategy", name, "one of " + ", ".join(map(repr, STRATEGY_NAMES)), source=_SOURCE
+        )
     return key
 
 
 def _int(field: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool):
-        raise ConfigError(field, value, f"an integer >= {minimum}",
-                          source=_SOURCE)
+        raise ConfigError(field, value, f"an integer >= {minimum}", source=_SOURCE)
     if isinstance(value, str):
         try:
             value = int(value.strip())
         except ValueError:
-            raise ConfigError(field, value, f"an integer >= {minimum}",
-                              source=_SOURCE) from None
+            raise ConfigError(field, value, f"an integer >= {minimum}", source=_SOURCE) from None
     if not isinstance(value, int) or value < minimum:
-        raise ConfigError(field, value, f"an integer >= {minimum}",
-                          source=_SOURCE)
+        raise ConfigError(field, value, f"an integer >= {minimum}", source=_SOURCE)
     return value
 
 
 def _seconds(field: str, value: Any, *, allow_none: bool) -> float | None:
-    if value is None or (isinstance(value, str) and value.strip().lower()
-                         in ("", "none", "inf")):
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "inf")):
         if allow_none:
             return None
-        raise ConfigError(field, value, "a number of seconds > 0",
-                          source=_SOURCE)
+        raise ConfigError(field, value, "a number of seconds > 0", source=_SOURCE)
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
     if isinstance(value, bool) or not seconds > 0:
-        raise ConfigError(field, value, "a number of seconds > 0"
-                          + (" or None" if allow_none else ""),
-                          source=_SOURCE)
+        raise ConfigError(
+            field,
+            value,
+            "a number of seconds > 0" + (" or None" if allow_none else ""),
+            source=_SOURCE,
+        )
     return seconds
 
 
-def make_options(env: Mapping[str, str] | None = None,
-                 **options: Any) -> StrategyOptions:
+def make_options(env: Mapping[str, str] | None = None, **options: Any) -> StrategyOptions:
     """Validates keyword options, falling back to environment variables.
 
     Args:
@@ -183,9 +180,9 @@ def make_options(env: Mapping[str, str] | None = None,
     fields = {f.name for f in dataclasses.fields(StrategyOptions)}
     for name in options:
         if name not in fields:
-            raise ConfigError(name, options[name],
-                              "a known option: " + ", ".join(sorted(fields)),
-                              source=_SOURCE)
+            raise ConfigError(
+                name, options[name], "a known option: " + ", ".join(sorted(fields)), source=_SOURCE
+            )
     for name, var in ENV_VARS.items():
         if options.get(name) is None and env.get(var, "").strip():
             options[name] = env[var].strip()
@@ -195,56 +192,69 @@ def make_options(env: Mapping[str, str] | None = None,
     if devices is not None:
         if isinstance(devices, str):
             devices = [d for d in devices.split(",") if d.strip()]
-        if (not isinstance(devices, Sequence) or not devices
-                or not all(isinstance(d, str) and d.strip() for d in devices)):
-            raise ConfigError("devices", options.get("devices"),
-                              "a non-empty list of device names such as "
-                              "['/gpu:0', '/gpu:1']", source=_SOURCE)
+        if (
+            not isinstance(devices, Sequence)
+            or not devices
+            or not all(isinstance(d, str) and d.strip() for d in devices)
+        ):
+            raise ConfigError(
+                "devices",
+                options.get("devices"),
+                "a non-empty list of device names such as ['/gpu:0', '/gpu:1']",
+                source=_SOURCE,
+            )
         if len(set(devices)) != len(devices):
-            raise ConfigError("devices", options.get("devices"),
-                              "each device at most once", source=_SOURCE)
+            raise ConfigError(
+                "devices", options.get("devices"), "each device at most once", source=_SOURCE
+            )
         out["devices"] = tuple(d.strip() for d in devices)
     if options.get("cpu_replicas") is not None:
-        out["cpu_replicas"] = _int("cpu_replicas", options["cpu_replicas"],
-                                   minimum=1)
+        out["cpu_replicas"] = _int("cpu_replicas", options["cpu_replicas"], minimum=1)
         if "devices" in out:
-            raise ConfigError("cpu_replicas", options["cpu_replicas"],
-                              "either devices or cpu_replicas, not both",
-                              source=_SOURCE)
+            raise ConfigError(
+                "cpu_replicas",
+                options["cpu_replicas"],
+                "either devices or cpu_replicas, not both",
+                source=_SOURCE,
+            )
     if options.get("communication") is not None:
         comm = options["communication"]
         if not isinstance(comm, str) or comm.strip().upper() not in COMMUNICATIONS:
-            raise ConfigError("communication", comm,
-                              "one of " + ", ".join(COMMUNICATIONS),
-                              source=_SOURCE)
+            raise ConfigError(
+                "communication", comm, "one of " + ", ".join(COMMUNICATIONS), source=_SOURCE
+            )
         out["communication"] = comm.strip().upper()
     if options.get("bytes_per_pack") is not None:
-        out["bytes_per_pack"] = _int("bytes_per_pack", options["bytes_per_pack"],
-                                     minimum=0)
+        out["bytes_per_pack"] = _int("bytes_per_pack", options["bytes_per_pack"], minimum=0)
     if "collective_timeout" in options:
         out["collective_timeout"] = _seconds(
-            "collective_timeout", options["collective_timeout"], allow_none=True)
+            "collective_timeout", options["collective_timeout"], allow_none=True
+        )
     if options.get("register_timeout") is not None:
         out["register_timeout"] = _seconds(
-            "register_timeout", options["register_timeout"], allow_none=False)
+            "register_timeout", options["register_timeout"], allow_none=False
+        )
     if options.get("variable_partitioner") is not None:
-        out["variable_partitioner"] = _check_partitioner(
-            options["variable_partitioner"])
+        out["variable_partitioner"] = _check_partitioner(options["variable_partitioner"])
     if options.get("tpu") is not None:
         tpu = options["tpu"]
         if not isinstance(tpu, str) or not tpu.strip():
-            raise ConfigError("tpu", tpu, "a TPU name, a 'grpc://host:port' "
-                              "address or 'local'", source=_SOURCE)
+            raise ConfigError(
+                "tpu", tpu, "a TPU name, a 'grpc://host:port' address or 'local'", source=_SOURCE
+            )
         out["tpu"] = tpu.strip()
     if options.get("slurm_port_base") is not None:
         port = _int("slurm_port_base", options["slurm_port_base"], minimum=1024)
         if port > 65000:
-            raise ConfigError("slurm_port_base", options["slurm_port_base"],
-                              "a port in [1024, 65000]", source=_SOURCE)
+            raise ConfigError(
+                "slurm_port_base",
+                options["slurm_port_base"],
+                "a port in [1024, 65000]",
+                source=_SOURCE,
+            )
         out["slurm_port_base"] = port
     if options.get("model_parallel") is not None:
-        out["model_parallel"] = _int("model_parallel", options["model_parallel"],
-                                     minimum=1)
+        out["model_parallel"] = _int("model_parallel", options["model_parallel"], minimum=1)
     return StrategyOptions(**out)
 
 
@@ -252,8 +262,7 @@ def make_options(env: Mapping[str, str] | None = None,
 MODEL_PARALLEL_STRATEGIES = ("mirrored", "multi_worker_mirrored")
 
 
-def check_model_parallel(kind: str, model_parallel: int, *,
-                         role: str = "trainer") -> int:
+def check_model_parallel(kind: str, model_parallel: int, *, role: str = "trainer") -> int:
     """Refuses ``model_parallel`` > 1 where no mesh can be built.
 
     Called before a strategy is built, as for compression. Whether T divides
@@ -280,16 +289,22 @@ def check_model_parallel(kind: str, model_parallel: int, *,
         return model_parallel
     if kind == "one_device":
         raise ConfigError(
-            "model_parallel", model_parallel,
-            "1 under the one_device strategy (T must divide the replicas, "
-            "and there is 1 replica)", source=_SOURCE,
+            "model_parallel",
+            model_parallel,
+            "1 under the one_device strategy (T must divide the replicas, and there is 1 replica)",
+            source=_SOURCE,
             hint="Tensor parallelism needs several replicas: pass "
             "cpu_replicas=N (N a multiple of T), devices=[...], or run "
-            "under 'mirrored' on several GPUs or 'multi_worker_mirrored'.")
+            "under 'mirrored' on several GPUs or 'multi_worker_mirrored'.",
+        )
     raise ConfigError(
-        "model_parallel", model_parallel, f"1 under the {kind} strategy",
-        source=_SOURCE, hint="Tensor parallelism (tfdist.parallel) runs "
-        "under 'mirrored' and 'multi_worker_mirrored'.")
+        "model_parallel",
+        model_parallel,
+        f"1 under the {kind} strategy",
+        source=_SOURCE,
+        hint="Tensor parallelism (tfdist.parallel) runs "
+        "under 'mirrored' and 'multi_worker_mirrored'.",
+    )
 
 
 def _check_partitioner(value: Any) -> Any:
@@ -297,20 +312,26 @@ def _check_partitioner(value: Any) -> Any:
     if not isinstance(value, str):
         if callable(value):
             return value
-        raise ConfigError("variable_partitioner", value,
-                          "a Partitioner or 'fixed:N', 'min_size:BYTES', "
-                          "'max_size:BYTES'", source=_SOURCE)
+        raise ConfigError(
+            "variable_partitioner",
+            value,
+            "a Partitioner or 'fixed:N', 'min_size:BYTES', 'max_size:BYTES'",
+            source=_SOURCE,
+        )
     kind, _, number = value.strip().lower().partition(":")
     if kind not in ("fixed", "min_size", "max_size"):
-        raise ConfigError("variable_partitioner", value,
-                          "'fixed:N', 'min_size:BYTES' or 'max_size:BYTES'",
-                          source=_SOURCE)
+        raise ConfigError(
+            "variable_partitioner",
+            value,
+            "'fixed:N', 'min_size:BYTES' or 'max_size:BYTES'",
+            source=_SOURCE,
+        )
     try:
         count = int(number)
     except ValueError:
         count = 0
     if count < 1:
-        raise ConfigError("variable_partitioner", value,
-                          f"'{kind}:N' with N a positive integer",
-                          source=_SOURCE)
+        raise ConfigError(
+            "variable_partitioner", value, f"'{kind}:N' with N a positive integer", source=_SOURCE
+        )
     return value.strip().lower()

@@ -45,8 +45,7 @@ def _json_hint(text: str, error: json.JSONDecodeError) -> str:
     hints = []
     if "double quotes" in error.msg and "'" in text:
         hints.append(
-            "JSON needs double quotes, not single quotes (is this a Python dict? "
-            "use json.dumps())."
+            "JSON needs double quotes, not single quotes (is this a Python dict? use json.dumps())."
         )
     elif re.search(r",\s*[}\]]", text):
         hints.append("JSON does not allow a trailing comma before '}' or ']'.")
@@ -65,14 +64,21 @@ def _loads(text: str, source: str) -> Any:
         return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as error:
         raise ClusterSpecError(
-            "<json>", text, "valid JSON", source=source,
-            line=error.lineno, column=error.colno,
+            "<json>",
+            text,
+            "valid JSON",
+            source=source,
+            line=error.lineno,
+            column=error.colno,
             received=f"{error.msg} at line {error.lineno}, column {error.colno}",
             hint=_json_hint(text, error),
         ) from None
     except _DuplicateKey as duplicate:
         raise ClusterSpecError(
-            "<json>", duplicate.key, "unique keys in each JSON object", source=source,
+            "<json>",
+            duplicate.key,
+            "unique keys in each JSON object",
+            source=source,
             received=f"the key {duplicate.key!r} twice",
             hint="JSON silently keeps only the last one; merge them.",
         ) from None
@@ -115,7 +121,8 @@ def _find_spec(source: str | os.PathLike, environ: Mapping[str, str]) -> Path:
         available = []
     listing = ", ".join(available) if available else "none"
     raise ClusterSpecError(
-        "path", os.fsdecode(os.fspath(source)),
+        "path",
+        os.fsdecode(os.fspath(source)),
         f"a JSON string, a JSON file, or the name of a spec in {spec_dir}",
         source=_display_path(given),
         hint=f"Searched: {', '.join(str(c) for c in candidates)}. Specs in {spec_dir} "
@@ -128,7 +135,10 @@ def _read_spec(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ClusterSpecError(
-            "path", str(path), "a readable UTF-8 JSON file", source=_display_path(path),
+            "path",
+            str(path),
+            "a readable UTF-8 JSON file",
+            source=_display_path(path),
             received=f"{str(path)!r} ({error})",
         ) from None
 
@@ -184,7 +194,8 @@ def parse(
         # not be one of the cluster's tasks.
         ps_job = "ps" in data.get("cluster", {})
         return Validator(RESOLVER_SOURCE).run(
-            data, require_task=require_task and not ps_job, strategy=strategy)
+            data, require_task=require_task and not ps_job, strategy=strategy
+        )
     if source is None:
         text = environ.get("TF_CONFIG")
         data = {} if text is None or not str(text).strip() else _loads(str(text), "TF_CONFIG")
@@ -205,7 +216,8 @@ def parse(
             data, require_task=require_task, strategy=strategy
         )
     raise ClusterSpecError(
-        "<root>", source,
+        "<root>",
+        source,
         "a TF_CONFIG dict, a JSON string, a TFConfig, or the path of a JSON file",
         source="parse()",
     )

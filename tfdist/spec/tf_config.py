@@ -138,7 +138,7 @@ class TFConfig:
         """Returns the ``TF_CONFIG`` JSON string (see :meth:`to_dict`)."""
         return json.dumps(self.to_dict(), indent=indent)
 
-    def with_task(self, task_type: str | None, task_index: int | None) -> "TFConfig":
+    def with_task(self, task_type: str | None, task_index: int | None) -> TFConfig:
         """Returns a validated copy for another task of the same cluster.
 
         Args:
@@ -151,6 +151,7 @@ class TFConfig:
         """
         # Here, not at the top: validate.py builds TFConfigs.
         from tfdist.spec.validate import validate
+
         config = dataclasses.replace(self, task_type=task_type, task_index=task_index)
         return validate(config, require_task=task_type is not None)
 

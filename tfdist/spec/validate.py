@@ -14,10 +14,22 @@ from typing import Any, NoReturn
 
 from tfdist.errors import ClusterSpecError
 from tfdist.spec.address import BadAddress, split_address
-from tfdist.spec.names import (IGNORED_TASK_KEYS, IGNORED_TOP_LEVEL_KEYS, RPC_LAYERS,
-                               SINGLE_MACHINE_STRATEGIES, TASK_EXAMPLE, TASK_KEYS,
-                               TOP_LEVEL_KEYS, CLUSTER_JOBS, RESOLVER_SOURCE, STRATEGIES,
-                               TASK_TYPES, did_you_mean, quoted, short)
+from tfdist.spec.names import (
+    CLUSTER_JOBS,
+    IGNORED_TASK_KEYS,
+    IGNORED_TOP_LEVEL_KEYS,
+    RESOLVER_SOURCE,
+    RPC_LAYERS,
+    SINGLE_MACHINE_STRATEGIES,
+    STRATEGIES,
+    TASK_EXAMPLE,
+    TASK_KEYS,
+    TASK_TYPES,
+    TOP_LEVEL_KEYS,
+    did_you_mean,
+    quoted,
+    short,
+)
 from tfdist.spec.tf_config import TFConfig
 
 # --------------------------------------------------------------------------
@@ -39,7 +51,10 @@ def _normalize_strategy(strategy: Any, source: str) -> str | None:
             if name.replace("_", "") == key:
                 return name
     raise ClusterSpecError(
-        "strategy", strategy, f"None or one of {quoted(STRATEGIES)}", source=source,
+        "strategy",
+        strategy,
+        f"None or one of {quoted(STRATEGIES)}",
+        source=source,
         hint=did_you_mean(strategy, STRATEGIES),
     )
 
@@ -67,7 +82,9 @@ class Validator:
         strategy = _normalize_strategy(strategy, self.source)
         if not isinstance(data, Mapping):
             self.fail(
-                "<root>", data, f'a JSON object like {{"cluster": {{...}}, "task": {TASK_EXAMPLE}}}',
+                "<root>",
+                data,
+                f'a JSON object like {{"cluster": {{...}}, "task": {TASK_EXAMPLE}}}',
                 received="null" if data is None else None,
             )
         self._check_top_level_keys(data)
@@ -89,7 +106,9 @@ class Validator:
             if key in TOP_LEVEL_KEYS or key in IGNORED_TOP_LEVEL_KEYS:
                 continue
             self.fail(
-                str(key), key, f"only the top-level keys {quoted(TOP_LEVEL_KEYS)}",
+                str(key),
+                key,
+                f"only the top-level keys {quoted(TOP_LEVEL_KEYS)}",
                 hint=did_you_mean(key, TOP_LEVEL_KEYS),
             )
 
@@ -97,7 +116,9 @@ class Validator:
         if "cluster" not in data:
             if "task" in data:
                 self.fail(
-                    "cluster", None, "a 'cluster' object because 'task' is set",
+                    "cluster",
+                    None,
+                    "a 'cluster' object because 'task' is set",
                     received="no 'cluster' key",
                     hint="Without a cluster TensorFlow silently ignores 'task' and trains "
                     "locally; add the cluster's jobs.",
@@ -106,20 +127,24 @@ class Validator:
         raw = data["cluster"]
         if not isinstance(raw, Mapping):
             self.fail(
-                "cluster", raw,
+                "cluster",
+                raw,
                 "a JSON object mapping job names ('chief', 'worker', 'ps') to lists of "
                 "'host:port' addresses",
             )
         if not raw and "task" in data:
             self.fail(
-                "cluster", raw, "a non-empty 'cluster' because 'task' is set",
+                "cluster",
+                raw,
+                "a non-empty 'cluster' because 'task' is set",
                 hint="With an empty cluster TensorFlow silently ignores 'task' and trains "
                 "locally; add the cluster's jobs.",
             )
         for name in raw:
             if name == "evaluator":
                 self.fail(
-                    "cluster.evaluator", raw[name],
+                    "cluster.evaluator",
+                    raw[name],
                     "no 'evaluator' job in 'cluster' (the evaluator runs outside the "
                     "training cluster)",
                     hint="Remove 'evaluator' from 'cluster' and give the evaluator process "
@@ -127,7 +152,9 @@ class Validator:
                 )
             if name not in CLUSTER_JOBS:
                 self.fail(
-                    f"cluster.{name}", name, f"a job name among {quoted(CLUSTER_JOBS)}",
+                    f"cluster.{name}",
+                    name,
+                    f"a job name among {quoted(CLUSTER_JOBS)}",
                     hint=did_you_mean(name, CLUSTER_JOBS),
                 )
 
@@ -138,20 +165,26 @@ class Validator:
             field = f"cluster.{job}"
             if isinstance(addresses, Mapping):
                 self.fail(
-                    field, addresses, jobs_expected,
+                    field,
+                    addresses,
+                    jobs_expected,
                     hint="Sparse jobs ({index: address}) are not supported; list every "
                     "task's address, in index order.",
                 )
             if isinstance(addresses, str):
                 self.fail(
-                    field, addresses, jobs_expected,
+                    field,
+                    addresses,
+                    jobs_expected,
                     hint='Put the address in a list, e.g. ["localhost:2222"].',
                 )
             if not isinstance(addresses, (list, tuple)):
                 self.fail(field, addresses, jobs_expected)
             if not addresses:
                 self.fail(
-                    field, addresses, jobs_expected,
+                    field,
+                    addresses,
+                    jobs_expected,
                     hint=f"Remove the '{job}' job or give it at least one address.",
                 )
             for index, address in enumerate(addresses):
@@ -163,7 +196,8 @@ class Validator:
                 key = (host.lower(), port)
                 if key in seen:
                     self.fail(
-                        item, address,
+                        item,
+                        address,
                         f"an address used by a single task (it is also '{seen[key]}')",
                         hint="TensorFlow hangs when two tasks share a host:port; give each "
                         "task its own port.",
@@ -174,12 +208,15 @@ class Validator:
 
         if len(cluster.get("chief", ())) > 1:
             self.fail(
-                "cluster.chief", list(cluster["chief"]), "exactly one 'chief' address",
+                "cluster.chief",
+                list(cluster["chief"]),
+                "exactly one 'chief' address",
                 hint="Keep one chief and move the other addresses to the 'worker' job.",
             )
         if "ps" in cluster and "worker" not in cluster and "chief" not in cluster:
             self.fail(
-                "cluster.ps", dict(raw),
+                "cluster.ps",
+                dict(raw),
                 "a 'ps' job only together with 'chief' and 'worker' jobs",
                 hint="Parameter servers only hold variables; add a 'chief' and at least "
                 "one 'worker' to train.",
@@ -192,7 +229,8 @@ class Validator:
         jobs = f"jobs {list(cluster)}" if cluster else "no cluster"
         if strategy == "multi_worker_mirrored" and "ps" in cluster:
             self.fail(
-                "cluster.ps", list(cluster["ps"]),
+                "cluster.ps",
+                list(cluster["ps"]),
                 "no 'ps' job: a multi_worker_mirrored cluster cannot have a 'ps' job",
                 hint="TensorFlow would hang. Use strategy='parameter_server' to train "
                 "with parameter servers, or remove the 'ps' job.",
@@ -200,7 +238,8 @@ class Validator:
         if strategy == "parameter_server" or (strategy is None and "ps" in cluster):
             if not cluster:
                 self.fail(
-                    "cluster", data.get("cluster"),
+                    "cluster",
+                    data.get("cluster"),
                     "a cluster with 'chief', 'worker' and 'ps' jobs for "
                     "strategy='parameter_server'",
                     received=jobs,
@@ -209,23 +248,26 @@ class Validator:
                 )
             if "ps" not in cluster:
                 self.fail(
-                    "cluster.ps", None,
-                    "a 'ps' job: strategy='parameter_server' needs at least one "
-                    "parameter server",
+                    "cluster.ps",
+                    None,
+                    "a 'ps' job: strategy='parameter_server' needs at least one parameter server",
                     received=jobs,
                     hint="Add a 'ps' job, or use strategy='multi_worker_mirrored'.",
                 )
             if "worker" not in cluster:
                 self.fail(
-                    "cluster.worker", None,
-                    "at least one 'worker' for parameter-server training", received=jobs,
+                    "cluster.worker",
+                    None,
+                    "at least one 'worker' for parameter-server training",
+                    received=jobs,
                 )
             # The caller that hands TensorFlow's strategy a resolver is the
             # coordinator, as in TF's tutorial (a resolver of workers and ps,
             # no chief). From TF_CONFIG no process would be the coordinator.
             if "chief" not in cluster and self.source != RESOLVER_SOURCE:
                 self.fail(
-                    "cluster.chief", None,
+                    "cluster.chief",
+                    None,
                     "exactly one 'chief' (the coordinator of parameter-server training)",
                     received=jobs,
                     hint="Without a chief the workers and ps wait forever; add "
@@ -234,7 +276,8 @@ class Validator:
         num_tasks = sum(len(addresses) for addresses in cluster.values())
         if strategy in SINGLE_MACHINE_STRATEGIES and num_tasks > 1:
             self.fail(
-                "cluster", data.get("cluster"),
+                "cluster",
+                data.get("cluster"),
                 f"at most one task for strategy='{strategy}', which runs on one machine",
                 hint="Use strategy='multi_worker_mirrored' for a multi-worker cluster "
                 "(or 'parameter_server' with a 'ps' job), or unset TF_CONFIG.",
@@ -247,7 +290,8 @@ class Validator:
         if "task" not in data:
             if require_task and num_tasks > 1:
                 self.fail(
-                    "task", None,
+                    "task",
+                    None,
                     f"a 'task' saying which task this process is, e.g. {TASK_EXAMPLE}",
                     received="no 'task' key",
                     hint=f"A cluster of {num_tasks} tasks needs a 'task' in each process's "
@@ -262,32 +306,39 @@ class Validator:
         for key in task:
             if key not in TASK_KEYS and key not in IGNORED_TASK_KEYS:
                 self.fail(
-                    f"task.{key}", key, "only the keys 'type' and 'index' in 'task'",
+                    f"task.{key}",
+                    key,
+                    "only the keys 'type' and 'index' in 'task'",
                     hint=did_you_mean(key, TASK_KEYS),
                 )
 
         if "type" not in task:
             self.fail(
-                "task.type", dict(task),
+                "task.type",
+                dict(task),
                 f"a 'type' in 'task', one of {quoted(TASK_TYPES)}",
             )
         task_type = task["type"]
         if not isinstance(task_type, str) or task_type not in TASK_TYPES:
             self.fail(
-                "task.type", task_type, f"one of {quoted(TASK_TYPES)}",
+                "task.type",
+                task_type,
+                f"one of {quoted(TASK_TYPES)}",
                 hint=did_you_mean(task_type, TASK_TYPES),
             )
         if task_type == "evaluator":
             if "chief" not in cluster and "worker" not in cluster:
                 self.fail(
-                    "task.type", task_type,
+                    "task.type",
+                    task_type,
                     "a task in the cluster; an 'evaluator' needs a cluster with a 'chief' "
                     "or 'worker' job to evaluate",
                 )
         elif task_type not in cluster:
             jobs = quoted(cluster) if cluster else "none"
             self.fail(
-                "task.type", task_type,
+                "task.type",
+                task_type,
                 f"a job of the cluster (jobs: {jobs}) or 'evaluator'",
                 hint=f"Add a '{task_type}' job to 'cluster' or fix 'task.type'.",
             )
@@ -298,34 +349,45 @@ class Validator:
         if isinstance(index, bool) or not isinstance(index, numbers.Integral):
             hint = None
             if isinstance(index, str) and index.strip().lstrip("-").isdigit():
-                hint = f'Write the index as a number: "index": {short(index.strip())}, not "{short(index)}".'
+                hint = (
+                    f'Write the index as a number: "index": {short(index.strip())}, '
+                    f'not "{short(index)}".'
+                )
             self.fail(
-                "task.index", index, "an integer (the task's position in its job, from 0)",
+                "task.index",
+                index,
+                "an integer (the task's position in its job, from 0)",
                 hint=hint,
             )
         index = int(index)
         if task_type == "evaluator":
             if index != 0:
                 self.fail(
-                    "task.index", index, "0 for the evaluator (there is only one)",
+                    "task.index",
+                    index,
+                    "0 for the evaluator (there is only one)",
                 )
         else:
             size = len(cluster[task_type])
             if not 0 <= index < size:
                 plural = "task" if size == 1 else "tasks"
                 self.fail(
-                    "task.index", index,
-                    f"an integer in [0, {size - 1}] (the '{task_type}' job has "
-                    f"{size} {plural})",
+                    "task.index",
+                    index,
+                    f"an integer in [0, {size - 1}] (the '{task_type}' job has {size} {plural})",
                     hint="Task indices start at 0." if index < 0 else None,
                 )
         return task_type, index
 
     def _check_extras(self, data: Mapping) -> tuple[str | None, str | None]:
         rpc_layer = data.get("rpc_layer")
-        if rpc_layer is not None and (not isinstance(rpc_layer, str) or rpc_layer not in RPC_LAYERS):
+        if rpc_layer is not None and (
+            not isinstance(rpc_layer, str) or rpc_layer not in RPC_LAYERS
+        ):
             self.fail(
-                "rpc_layer", rpc_layer, f"one of {quoted(RPC_LAYERS)} (or no 'rpc_layer')",
+                "rpc_layer",
+                rpc_layer,
+                f"one of {quoted(RPC_LAYERS)} (or no 'rpc_layer')",
                 hint="TensorFlow 2 only ships the 'grpc' RPC layer.",
             )
         environment = data.get("environment")
@@ -354,7 +416,10 @@ def validate(
     """
     if not isinstance(config, TFConfig):
         raise ClusterSpecError(
-            "<root>", config, "a TFConfig", source="validate()",
+            "<root>",
+            config,
+            "a TFConfig",
+            source="validate()",
             hint="Use tfdist.spec.parse() for dicts, JSON strings and files.",
         )
     data: dict[str, Any] = {}

@@ -1,5 +1,9 @@
 """The strategies layer: tfdist's tf.distribute strategies and :func:`strategy_from_config`.
 
+Not the example scripts: those are the repository root's ``strategies/``
+folder (``strategies/mirrored.py``, ...), which use this package as a user's
+script does.
+
 It owns the strategy classes (each subclasses TensorFlow's own, so anything
 that takes a ``tf.distribute.Strategy`` takes them), the factory that picks one
 from the spec layer's choice, the multi-worker join and peer watchdog, the late

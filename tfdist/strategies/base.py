@@ -50,8 +50,9 @@ def communication_options(options: StrategyOptions):
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=options.bytes_per_pack,
         implementation=getattr(
-            tf.distribute.experimental.CommunicationImplementation,
-            options.communication))
+            tf.distribute.experimental.CommunicationImplementation, options.communication
+        ),
+    )
 
 
 def compression_for(kind: str, compression: Any) -> CompressionSetting:
@@ -64,11 +65,12 @@ def compression_for(kind: str, compression: Any) -> CompressionSetting:
     setting = parse_compression(compression)
     if setting.enabled and kind in ("parameter_server", "tpu"):
         raise ConfigError(
-            "compression", str(setting),
+            "compression",
+            str(setting),
             "None or 'none' under the parameter_server and tpu strategies",
             source="strategy_from_config",
-            hint="Gradient compression works under 'mirrored' and "
-            "'multi_worker_mirrored'.")
+            hint="Gradient compression works under 'mirrored' and 'multi_worker_mirrored'.",
+        )
     return setting
 
 
@@ -78,8 +80,7 @@ class TfdistStrategy:
     #: Canonical strategy name, as accepted by ``strategy=``.
     kind: str = ""
 
-    def _tfdist_init(self, compression: Any = None,
-                     choice: Choice | None = None) -> None:
+    def _tfdist_init(self, compression: Any = None, choice: Choice | None = None) -> None:
         setting = compression_for(self.kind, compression)
         # The layers above install here, in order (tfdist.plugins):
         # the guard against keras.distribution (tfdist.parallel), the Keras
@@ -123,8 +124,7 @@ class TfdistStrategy:
 
     def _tfdist_resolver(self):
         # ParameterServerStrategy keeps its resolver private.
-        return (getattr(self, "cluster_resolver", None)
-                or getattr(self, "_cluster_resolver", None))
+        return getattr(self, "cluster_resolver", None) or getattr(self, "_cluster_resolver", None)
 
     @property
     def task(self) -> str | None:
@@ -143,8 +143,7 @@ class TfdistStrategy:
         spec = resolver.cluster_spec()
         if not spec.as_dict():
             return True
-        return multi_worker_util.is_chief(spec, resolver.task_type,
-                                          resolver.task_id)
+        return multi_worker_util.is_chief(spec, resolver.task_type, resolver.task_id)
 
     def _cluster_dict(self) -> dict:
         resolver = self._tfdist_resolver()
@@ -152,18 +151,17 @@ class TfdistStrategy:
 
     def describe(self) -> str:
         """A few lines: kind, replicas, cluster, this task, chief, compression."""
-        lines = [f"{type(self).__name__} ({self.kind}): "
-                 f"{self.num_replicas_in_sync} replica(s) in sync"]
+        lines = [
+            f"{type(self).__name__} ({self.kind}): {self.num_replicas_in_sync} replica(s) in sync"
+        ]
         devices = getattr(self.extended, "worker_devices", None)
         if devices:
             lines.append("  devices: " + ", ".join(devices))
         cluster = self._cluster_dict()
         if cluster:
-            jobs = "; ".join(f"{job}={list(addrs)}"
-                             for job, addrs in sorted(cluster.items()))
+            jobs = "; ".join(f"{job}={list(addrs)}" for job, addrs in sorted(cluster.items()))
             lines.append(f"  cluster: {jobs}")
-            lines.append(f"  this task: {self.task} "
-                         f"({'chief' if self.is_chief else 'not chief'})")
+            lines.append(f"  this task: {self.task} ({'chief' if self.is_chief else 'not chief'})")
         else:
             lines.append("  cluster: none (this process only)")
         lines.extend(plugins.run("describe", self))
@@ -182,6 +180,8 @@ class TfdistStrategy:
         task = f" task={self.task}" if self.task else ""
         tp = self.model_parallel
         mp = f" model_parallel={tp}" if tp > 1 else ""
-        return (f"<tfdist.{type(self).__name__} "
-                f"replicas={self.num_replicas_in_sync}{mp}{task} "
-                f"chief={self.is_chief} compression={self.compression}>")
+        return (
+            f"<tfdist.{type(self).__name__} "
+            f"replicas={self.num_replicas_in_sync}{mp}{task} "
+            f"chief={self.is_chief} compression={self.compression}>"
+        )

@@ -8,7 +8,8 @@ already has.
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def _ports(addresses: Any) -> set[int]:
@@ -42,11 +43,14 @@ def disconnect_coordinator(cluster: Mapping[str, Sequence[str]]) -> None:
     local = type(server_def)()
     local.CopyFrom(server_def)
     del local.cluster.job[:]
-    local.cluster.job.extend(job for job in server_def.cluster.job
-                             if job.name == server_def.job_name)
+    local.cluster.job.extend(
+        job for job in server_def.cluster.job if job.name == server_def.job_name
+    )
     try:
         ctx.update_server_def(local)
     except Exception as error:  # noqa: BLE001 - a dead server: stop anyway.
-        print(f"tfdist: could not detach from the local cluster before stopping "
-              f"it ({type(error).__name__}: {str(error).splitlines()[0][:200]})",
-              file=sys.stderr)
+        print(
+            f"tfdist: could not detach from the local cluster before stopping "
+            f"it ({type(error).__name__}: {str(error).splitlines()[0][:200]})",
+            file=sys.stderr,
+        )

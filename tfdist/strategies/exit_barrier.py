@@ -40,7 +40,7 @@ import atexit
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from absl import logging
 
@@ -67,8 +67,9 @@ def exit_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise ConfigError("TFDIST_EXIT_TIMEOUT", text, "a number of seconds >= 0 (0: off)",
-                          source="environment")
+        raise ConfigError(
+            "TFDIST_EXIT_TIMEOUT", text, "a number of seconds >= 0 (0: off)", source="environment"
+        )
     return value
 
 
@@ -99,11 +100,17 @@ def _wait_for_peers() -> None:
         return
     timeout = exit_timeout()
     from tfdist.compat.tf_python import eager_context as context
+
     started = time.monotonic()
     try:
         context.context().wait_at_barrier(BARRIER_ID, int(timeout * 1000))
     except Exception as error:  # noqa: BLE001 - exiting either way
         text = (str(error).strip().splitlines() or [""])[0][:300]
-        logging.warning("tfdist: left without waiting for every peer after %.1f s "
-                        "(TFDIST_EXIT_TIMEOUT=%g): %s: %s", time.monotonic() - started,
-                        timeout, type(error).__name__, text)
+        logging.warning(
+            "tfdist: left without waiting for every peer after %.1f s "
+            "(TFDIST_EXIT_TIMEOUT=%g): %s: %s",
+            time.monotonic() - started,
+            timeout,
+            type(error).__name__,
+            text,
+        )

@@ -18,17 +18,21 @@ from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice, choose
 from tfdist.spec.options import StrategyOptions, check_model_parallel, make_options
-from tfdist.strategies.base import (ClusterJoinError, TfdistStrategy, TPUNotFoundError,
-                                    communication_options, compression_for)
+from tfdist.strategies import provided
+from tfdist.strategies.base import (
+    ClusterJoinError,
+    TfdistStrategy,
+    TPUNotFoundError,
+    communication_options,
+    compression_for,
+)
 from tfdist.strategies.local import MirroredStrategy, OneDeviceStrategy, logical_cpus
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy, resolver_of, serve
-from tfdist.strategies import provided
 from tfdist.strategies.tpu import TPUStrategy, check_tpu
 
 
-def explain(config: Any = None, *, strategy: str = "auto",
-            **options: Any) -> Choice:
+def explain(config: Any = None, *, strategy: str = "auto", **options: Any) -> Choice:
     """Says which strategy :func:`strategy_from_config` would build, and why.
 
     Takes the same arguments (without ``compression``) and builds nothing.
@@ -43,9 +47,14 @@ def explain(config: Any = None, *, strategy: str = "auto",
     return choice
 
 
-def strategy_from_config(config: Any = None, *, strategy: str = "auto",
-                         compression: Any = None, error_feedback: bool | None = None,
-                         **options: Any) -> tf.distribute.Strategy:
+def strategy_from_config(
+    config: Any = None,
+    *,
+    strategy: str = "auto",
+    compression: Any = None,
+    error_feedback: bool | None = None,
+    **options: Any,
+) -> tf.distribute.Strategy:
     """Returns the right tf.distribute strategy for where this runs.
 
     Args:
@@ -117,8 +126,7 @@ def strategy_from_config(config: Any = None, *, strategy: str = "auto",
     opts = make_options(**options)
     comp = dataclasses.replace(parse_compression(compression), error_feedback=error_feedback)
     # Inside a tfdist.spark task: the task's strategy, not a second one.
-    task_strategy = provided.lookup(config, strategy, compression,
-                                    error_feedback, options)
+    task_strategy = provided.lookup(config, strategy, compression, error_feedback, options)
     if task_strategy is not None:
         return task_strategy
     config, resolver = _config_source(config)
@@ -146,22 +154,25 @@ def _config_source(config: Any) -> tuple[Any, Any]:
     if getattr(type(config), "_tfdist_cluster_source", False):
         return config.tf_config, None
     if isinstance(config, tf.distribute.cluster_resolver.TPUClusterResolver):
-        raise ConfigError("config", type(config).__name__, "a TF_CONFIG, a "
-                          "ClusterResolver of a chief/worker/ps cluster or a "
-                          "LocalCluster", source="strategy_from_config",
-                          hint="For a TPU pass tpu='NAME' (or 'local').")
+        raise ConfigError(
+            "config",
+            type(config).__name__,
+            "a TF_CONFIG, a ClusterResolver of a chief/worker/ps cluster or a LocalCluster",
+            source="strategy_from_config",
+            hint="For a TPU pass tpu='NAME' (or 'local').",
+        )
     if isinstance(config, tf.distribute.cluster_resolver.ClusterResolver):
         return config, config
     return config, None
 
 
-def _build(choice: Choice, opts: StrategyOptions, comp: CompressionSetting,
-           resolver: Any = None) -> tf.distribute.Strategy:
+def _build(
+    choice: Choice, opts: StrategyOptions, comp: CompressionSetting, resolver: Any = None
+) -> tf.distribute.Strategy:
     cfg = choice.tf_config
     # Refuse bad pairings before building anything.
     compression_for(choice.name, comp)
-    model_parallel = check_model_parallel(choice.name, opts.model_parallel,
-                                          role=choice.role)
+    model_parallel = check_model_parallel(choice.name, opts.model_parallel, role=choice.role)
     if choice.name != "default" and choice.role != "server":
         plugins.run("refuse", choice.name)
     if choice.role == "server":
@@ -184,31 +195,45 @@ def _build(choice: Choice, opts: StrategyOptions, comp: CompressionSetting,
         cross_device_ops = None
         if opts.communication == "NCCL":
             if not tf.config.list_physical_devices("GPU"):
-                raise ConfigError("communication", "NCCL", "RING or AUTO on a "
-                                  "machine without GPUs",
-                                  source="strategy_from_config")
+                raise ConfigError(
+                    "communication",
+                    "NCCL",
+                    "RING or AUTO on a machine without GPUs",
+                    source="strategy_from_config",
+                )
             cross_device_ops = tf.distribute.NcclAllReduce()
-        return MirroredStrategy(devices, cross_device_ops, compression=comp,
-                                model_parallel=model_parallel, choice=choice)
+        return MirroredStrategy(
+            devices,
+            cross_device_ops,
+            compression=comp,
+            model_parallel=model_parallel,
+            choice=choice,
+        )
     if choice.name == "multi_worker_mirrored":
         if choice.slurm:
             from tfdist.strategies.slurm import SlurmClusterResolver
+
             resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
         elif resolver is None:
             resolver = resolver_of(cfg)
         return MultiWorkerMirroredStrategy(
-            resolver, communication_options(opts), compression=comp,
+            resolver,
+            communication_options(opts),
+            compression=comp,
             register_timeout=opts.register_timeout,
             collective_timeout=opts.collective_timeout,
-            model_parallel=model_parallel, choice=choice)
+            model_parallel=model_parallel,
+            choice=choice,
+        )
     if choice.name == "parameter_server":
         return ParameterServerStrategy(
-            resolver or resolver_of(cfg), opts.variable_partitioner,
-            compression=comp, choice=choice)
+            resolver or resolver_of(cfg), opts.variable_partitioner, compression=comp, choice=choice
+        )
     if choice.name == "tpu":
         check_tpu(choice.tpu)
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
-            tpu="" if choice.tpu == "local" else choice.tpu)
+            tpu="" if choice.tpu == "local" else choice.tpu
+        )
         if choice.tpu != "local":
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
@@ -220,13 +245,23 @@ def describe(strategy: tf.distribute.Strategy) -> str:
     """Describes any strategy, tfdist's or TensorFlow's own."""
     if isinstance(strategy, TfdistStrategy):
         return strategy.describe()
-    return (f"{type(strategy).__name__} (TensorFlow's): "
-            f"{strategy.num_replicas_in_sync} replica(s) in sync")
+    return (
+        f"{type(strategy).__name__} (TensorFlow's): "
+        f"{strategy.num_replicas_in_sync} replica(s) in sync"
+    )
 
 
 # Their public path, as before the strategies were split into modules: reprs,
 # pickles and type names read "tfdist.strategies.<Class>".
-for _cls in (TfdistStrategy, OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy,
-             ParameterServerStrategy, TPUStrategy, ClusterJoinError, TPUNotFoundError):
+for _cls in (
+    TfdistStrategy,
+    OneDeviceStrategy,
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    ParameterServerStrategy,
+    TPUStrategy,
+    ClusterJoinError,
+    TPUNotFoundError,
+):
     _cls.__module__ = __name__.rpartition(".")[0]
 del _cls

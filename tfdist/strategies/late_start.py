@@ -22,15 +22,22 @@ import contextlib
 import gc
 import os
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from absl import logging
 
-from tfdist.compat.tf_python import (data_options, dataset_ops, gen_experimental_dataset_ops,
-                                     graph_pb2, iterator_ops, multi_worker_util,
-                                     resource_variable_ops)
-from tfdist.compat.tf_python import eager_context as context
-from tfdist.compat.tf_python import framework_ops as ops
+from tfdist.compat.tf_python import (
+    data_options,
+    dataset_ops,
+    eager_context as context,
+    framework_ops as ops,
+    gen_experimental_dataset_ops,
+    graph_pb2,
+    iterator_ops,
+    multi_worker_util,
+    resource_variable_ops,
+)
 from tfdist.errors import TfdistError
 
 #: The device job of everything created before collectives are enabled.
@@ -47,12 +54,17 @@ class StrategyOrderError(TfdistError, RuntimeError):
 def _caller() -> str:
     """`` (at file:line)`` of the innermost frame outside tfdist, the
     standard library and installed packages, or ""."""
-    skip = (os.path.dirname(os.path.abspath(__file__)) + os.sep,  # tfdist
-            os.path.dirname(os.path.abspath(os.__file__)) + os.sep)  # stdlib
+    skip = (
+        os.path.dirname(os.path.abspath(__file__)) + os.sep,  # tfdist
+        os.path.dirname(os.path.abspath(os.__file__)) + os.sep,
+    )  # stdlib
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
-        if not (path.startswith(skip) or frame.filename.startswith("<")
-                or f"{os.sep}site-packages{os.sep}" in path):
+        if not (
+            path.startswith(skip)
+            or frame.filename.startswith("<")
+            or f"{os.sep}site-packages{os.sep}" in path
+        ):
             return f" (at {os.path.basename(path)}:{frame.lineno})"
     return ""
 
@@ -66,7 +78,8 @@ def order_error(call: str, what: str) -> StrategyOrderError:
         "tf.data datasets built earlier are carried over, variables and "
         "iterators are not. Move the strategy line up, right after the "
         "imports, and build models and optimizers inside "
-        f"`with strategy.scope():` after it. TensorFlow said: {TF_MESSAGE}")
+        f"`with strategy.scope():` after it. TensorFlow said: {TF_MESSAGE}"
+    )
 
 
 def _local(tensor: Any) -> bool:
@@ -111,17 +124,21 @@ def _serialize(dataset, call: str) -> bytes:
     """The dataset's graph, read while its device still exists."""
     policies = data_options.ExternalStatePolicy
     try:
-        graph = dataset._as_serialized_graph(
-            external_state_policy=policies.FAIL, strip_device_assignment=True)
+        graph = dataset._as_serialized_graph(  # noqa: SLF001 - TF's only way to carry a dataset over a runtime restart
+            external_state_policy=policies.FAIL, strip_device_assignment=True
+        )
     except Exception:  # noqa: BLE001 - external state: retried below
         # A Python generator (from_generator) is external state that stays
         # valid in this process: its function is registered by a token.
         try:
-            graph = dataset._as_serialized_graph(
-                external_state_policy=policies.WARN, strip_device_assignment=True)
-        except Exception as error:  # noqa: BLE001 - reported with the cause
-            raise order_error(call, "a tf.data dataset that cannot be carried "
-                              f"over ({dataset.element_spec}: {error})") from error
+            graph = dataset._as_serialized_graph(  # noqa: SLF001 - TF's only way to carry a dataset over a runtime restart
+                external_state_policy=policies.WARN, strip_device_assignment=True
+            )
+        except Exception as error:  # Reported with the cause.
+            raise order_error(
+                call,
+                f"a tf.data dataset that cannot be carried over ({dataset.element_spec}: {error})",
+            ) from error
     data = graph.numpy()
     if _LOCAL_JOB.encode() not in data:
         return data
@@ -137,8 +154,7 @@ def _serialize(dataset, call: str) -> bytes:
 
 
 @contextlib.contextmanager
-def after_start(cluster_spec, task_type: str, task_id: int,
-                call: str) -> Iterator[None]:
+def after_start(cluster_spec, task_type: str, task_id: int, call: str) -> Iterator[None]:
     """Lets ``MultiWorkerMirroredStrategy.__init__`` run in a started runtime.
 
     Outside it, where the runtime has not started (or collectives are already
@@ -158,11 +174,14 @@ def after_start(cluster_spec, task_type: str, task_id: int,
             serialized, or this TensorFlow has none of the settings used.
     """
     ctx = context.context()
-    if ctx._context_handle is None or getattr(ctx, "_collective_leader", None) is not None:
+    if ctx._context_handle is None or getattr(ctx, "_collective_leader", None) is not None:  # noqa: SLF001 - TF exposes no other test of a started runtime
         yield
         return
-    fields = ("_collective_scoped_allocator_enabled_ops",
-              "_collective_use_nccl_communication", "_collective_device_filters")
+    fields = (
+        "_collective_scoped_allocator_enabled_ops",
+        "_collective_use_nccl_communication",
+        "_collective_device_filters",
+    )
     if not all(hasattr(ctx, f) for f in ("_collective_leader", *fields)):
         raise order_error(call, "any other TensorFlow work")
     gc.collect()  # An iterator in a dead cycle must not count as live.
@@ -180,19 +199,22 @@ def after_start(cluster_spec, task_type: str, task_id: int,
     del tensors
     # The values MultiWorkerMirroredStrategy passes to configure_collective_ops,
     # which then returns at once instead of refusing a started runtime.
-    ctx._collective_leader = multi_worker_util.collective_leader(
-        cluster_spec, task_type, task_id)
-    ctx._collective_scoped_allocator_enabled_ops = ("CollectiveReduce",)
-    ctx._collective_use_nccl_communication = False
-    ctx._collective_device_filters = (f"/job:{task_type}/task:{task_id}",)
+    ctx._collective_leader = multi_worker_util.collective_leader(cluster_spec, task_type, task_id)  # noqa: SLF001 - what MultiWorkerMirrored gives configure_collective_ops; no setter
+    ctx._collective_scoped_allocator_enabled_ops = ("CollectiveReduce",)  # noqa: SLF001 - as above: the scoped-allocator ops
+    ctx._collective_use_nccl_communication = False  # noqa: SLF001 - as above: NCCL off
+    ctx._collective_device_filters = (f"/job:{task_type}/task:{task_id}",)  # noqa: SLF001 - as above: the device filters
     yield
     for dataset, graph in zip(datasets, graphs):
-        dataset._variant_tensor_attr = (
-            gen_experimental_dataset_ops.dataset_from_graph(graph))
+        dataset._variant_tensor_attr = gen_experimental_dataset_ops.dataset_from_graph(graph)  # noqa: SLF001 - points the dataset at its rebuilt graph; no public API
     logging.warning(
         "tfdist: %s ran after TensorFlow's runtime had started; collective ops "
         "were enabled late and %d tf.data dataset(s) built before were rebuilt "
-        "on this worker's device.%s", call, len(datasets),
+        "on this worker's device.%s",
+        call,
+        len(datasets),
         f" {len(stale)} other tensor(s) created before it (e.g. "
         f"{stale[0].dtype.name} {stale[0].shape}) cannot be used after it: "
-        "create them after the strategy." if stale else "")
+        "create them after the strategy."
+        if stale
+        else "",
+    )

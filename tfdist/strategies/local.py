@@ -1,5 +1,4 @@
-"""Strategies on this machine: one device, or mirrored over its GPUs or logical CPUs.
-"""
+"""Strategies on this machine: one device, or mirrored over its GPUs or logical CPUs."""
 
 from __future__ import annotations
 
@@ -17,8 +16,9 @@ class OneDeviceStrategy(TfdistStrategy, tf.distribute.OneDeviceStrategy):
 
     kind = "one_device"
 
-    def __init__(self, device: str = "/cpu:0", *, compression: Any = None,
-                 choice: Choice | None = None):
+    def __init__(
+        self, device: str = "/cpu:0", *, compression: Any = None, choice: Choice | None = None
+    ):
         super().__init__(device)
         self._tfdist_init(compression, choice)
 
@@ -32,9 +32,15 @@ class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
 
     kind = "mirrored"
 
-    def __init__(self, devices=None, cross_device_ops=None, *,
-                 compression: Any = None, model_parallel: int = 1,
-                 choice: Choice | None = None):
+    def __init__(
+        self,
+        devices=None,
+        cross_device_ops=None,
+        *,
+        compression: Any = None,
+        model_parallel: int = 1,
+        choice: Choice | None = None,
+    ):
         self._collective_key_base = next_key_base()
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._tfdist_init(compression, choice)
@@ -48,13 +54,16 @@ def logical_cpus(count: int) -> list[str]:
     if current is None or len(current) < count:
         try:
             tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+                cpu, [tf.config.LogicalDeviceConfiguration()] * count
+            )
         except RuntimeError:
             have = len(tf.config.list_logical_devices("CPU"))
             raise ConfigError(
-                "cpu_replicas", count,
-                f"at most {have}, the logical CPUs TensorFlow already started "
-                "with", source="strategy_from_config",
+                "cpu_replicas",
+                count,
+                f"at most {have}, the logical CPUs TensorFlow already started with",
+                source="strategy_from_config",
                 hint="The CPU can only be split before TensorFlow starts: call "
-                "strategy_from_config before any other TensorFlow work.") from None
+                "strategy_from_config before any other TensorFlow work.",
+            ) from None
     return [d.name for d in tf.config.list_logical_devices("CPU")[:count]]

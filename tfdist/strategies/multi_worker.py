@@ -20,8 +20,11 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist import plugins
-from tfdist.compat.tf_python import coordination_config_pb2, multi_worker_util
-from tfdist.compat.tf_python import eager_context as context
+from tfdist.compat.tf_python import (
+    coordination_config_pb2,
+    eager_context as context,
+    multi_worker_util,
+)
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice
 from tfdist.spec.options import make_options
@@ -47,8 +50,7 @@ def _rank(strategy: tf.distribute.Strategy, value: Any) -> int | None:
 _TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 
 
-class MultiWorkerMirroredStrategy(TfdistStrategy,
-                                  tf.distribute.MultiWorkerMirroredStrategy):
+class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirroredStrategy):
     """``MultiWorkerMirroredStrategy`` that Keras 3 ``fit`` works with.
 
     Args:
@@ -70,43 +72,53 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
 
     kind = "multi_worker_mirrored"
 
-    def __init__(self, cluster_resolver=None, communication_options=None, *,
-                 compression: Any = None, register_timeout: float | None = None,
-                 collective_timeout: float | None = None,
-                 model_parallel: int = 1, choice: Choice | None = None):
+    def __init__(
+        self,
+        cluster_resolver=None,
+        communication_options=None,
+        *,
+        compression: Any = None,
+        register_timeout: float | None = None,
+        collective_timeout: float | None = None,
+        model_parallel: int = 1,
+        choice: Choice | None = None,
+    ):
         self._collective_key_base = next_key_base()
         if cluster_resolver is None:
-            cluster_resolver = (
-                tf.distribute.cluster_resolver.TFConfigClusterResolver())
+            cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         if register_timeout is None:
             register_timeout = make_options().register_timeout
         spec = cluster_resolver.cluster_spec()
-        multi = sum(len(spec.as_dict().get(job, ()))
-                    for job in ("chief", "worker")) > 1
+        multi = sum(len(spec.as_dict().get(job, ())) for job in ("chief", "worker")) > 1
         if multi and cluster_resolver.task_type in ("chief", "worker"):
             _refuse_beside_horovod()
             configure_coordination(spec, register_timeout)
-        call = ("tfdist.strategy_from_config()" if choice is not None
-                else "tfdist.MultiWorkerMirroredStrategy()")
+        call = (
+            "tfdist.strategy_from_config()"
+            if choice is not None
+            else "tfdist.MultiWorkerMirroredStrategy()"
+        )
         late = contextlib.nullcontext()
         if spec.as_dict() and cluster_resolver.task_type in ("chief", "worker"):
             # TensorFlow refuses once its runtime started (a dataset built
             # first); late_start carries datasets over or says what to move.
-            late = late_start.after_start(spec, cluster_resolver.task_type,
-                                          cluster_resolver.task_id, call)
+            late = late_start.after_start(
+                spec, cluster_resolver.task_type, cluster_resolver.task_id, call
+            )
         in_step = contextlib.nullcontext()
         if multi and cluster_resolver.task_type in ("chief", "worker"):
             # A later strategy replaces the collective server's state: all
             # tasks together, or a peer's first collective is lost.
             in_step = rejoin.in_step(
-                f"{cluster_resolver.task_type}:{cluster_resolver.task_id}", register_timeout)
+                f"{cluster_resolver.task_type}:{cluster_resolver.task_id}", register_timeout
+            )
         try:
             with late, in_step:
-                super().__init__(cluster_resolver=cluster_resolver,
-                                 communication_options=communication_options)
+                super().__init__(
+                    cluster_resolver=cluster_resolver, communication_options=communication_options
+                )
         except tf.errors.DeadlineExceededError as error:
-            raise _join_error(error, spec, cluster_resolver,
-                              register_timeout) from None
+            raise _join_error(error, spec, cluster_resolver, register_timeout) from None
         except late_start.StrategyOrderError:
             raise
         except RuntimeError as error:
@@ -123,21 +135,26 @@ class MultiWorkerMirroredStrategy(TfdistStrategy,
             logging.warning(
                 "tfdist: CommunicationOptions(timeout_seconds=%s) makes TensorFlow start "
                 "one thread per collective that sleeps for the whole timeout (thousands "
-                "in a long job); pass collective_timeout= to tfdist instead", timeout)
+                "in a long job); pass collective_timeout= to tfdist instead",
+                timeout,
+            )
         self.watchdog: PeerWatchdog | None = None
         if multi and collective_timeout and cluster_resolver.task_type in ("chief", "worker"):
             this = (cluster_resolver.task_type, cluster_resolver.task_id)
-            peers = [f"/job:{job}/replica:0/task:{i}"
-                     for job in ("chief", "worker")
-                     for i in range(len(spec.as_dict().get(job, ())))
-                     if (job, i) != this]
+            peers = [
+                f"/job:{job}/replica:0/task:{i}"
+                for job in ("chief", "worker")
+                for i in range(len(spec.as_dict().get(job, ())))
+                if (job, i) != this
+            ]
             self.watchdog = PeerWatchdog(peers, collective_timeout).start()
         if multi and cluster_resolver.task_type in ("chief", "worker"):
             # A task that just exits looks crashed to the peers still alive
             # 10 s later: leave the coordination service together.
             watchdog = self.watchdog
             exit_barrier.leave_together(
-                lambda: watchdog is not None and watchdog.failure is not None)
+                lambda: watchdog is not None and watchdog.failure is not None
+            )
 
     def reduce(self, reduce_op, value, axis):
         """Reduces ``value`` across replicas, as Keras 3 ``fit`` calls it.
@@ -167,14 +184,18 @@ def _refuse_beside_horovod() -> None:
     runtime = sys.modules.get("tfdist.horovod.runtime")
     if runtime is not None and runtime.is_initialized() and runtime.size() > 1:
         raise ConfigError(
-            "strategy", "MultiWorkerMirroredStrategy", "no multi-worker strategy in a process "
-            "where hvd.init() joined a job of several ranks", source="tfdist",
+            "strategy",
+            "MultiWorkerMirroredStrategy",
+            "no multi-worker strategy in a process where hvd.init() joined a job of several ranks",
+            source="tfdist",
             hint="Use either the Horovod API (one process per rank, no strategy) or a tfdist "
-                 "strategy in one script, not both.")
+            "strategy in one script, not both.",
+        )
 
 
-def configure_coordination(spec, register_timeout: float,
-                           heartbeat_timeout: float | None = None) -> None:
+def configure_coordination(
+    spec, register_timeout: float, heartbeat_timeout: float | None = None
+) -> None:
     """Sets up TF's coordination service with a registration deadline.
 
     This is what MultiWorkerMirroredStrategy configures itself, plus
@@ -191,15 +212,18 @@ def configure_coordination(spec, register_timeout: float,
     ctx = context.context()
     if ctx.coordination_service is not None:
         return  # Someone (a launcher, a test) configured it already.
-    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(addrs))
-            for job, addrs in spec.as_dict().items()
-            if job in ("chief", "worker")]
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(addrs))
+        for job, addrs in spec.as_dict().items()
+        if job in ("chief", "worker")
+    ]
     ctx.configure_coordination_service(
         service_type="standalone",
         service_leader=multi_worker_util.coordination_leader(spec),
         coordinated_jobs=jobs,
         cluster_register_timeout_in_ms=int(register_timeout * 1000),
-        heartbeat_timeout_in_ms=int((heartbeat_timeout or 0) * 1000))
+        heartbeat_timeout_in_ms=int((heartbeat_timeout or 0) * 1000),
+    )
     ctx.coordination_service.cluster_register_with_barrier = True
 
 
@@ -208,18 +232,23 @@ def _join_error(error, spec, resolver, register_timeout) -> ClusterJoinError:
     text = str(error)
     this = f"{resolver.task_type}:{resolver.task_id}"
     tail = text.split("timed out task names:", 1)
-    missing = sorted({f"{j}:{i}" for j, i in _TASK_NAME.findall(tail[1])}
-                     - {this}) if len(tail) == 2 else []
+    missing = (
+        sorted({f"{j}:{i}" for j, i in _TASK_NAME.findall(tail[1])} - {this})
+        if len(tail) == 2
+        else []
+    )
     if not missing:
         # We are not the leader: the leader itself never answered.
         leader = _TASK_NAME.search(multi_worker_util.coordination_leader(spec))
         missing = [f"{leader.group(1)}:{leader.group(2)}"] if leader else []
-    where = {f"{job}:{i}": addr for job, addrs in spec.as_dict().items()
-             for i, addr in enumerate(addrs)}
+    where = {
+        f"{job}:{i}": addr for job, addrs in spec.as_dict().items() for i, addr in enumerate(addrs)
+    }
     named = ", ".join(f"{t} ({where.get(t, '?')})" for t in missing) or "a peer"
     return ClusterJoinError(
         f"{named} did not join the cluster within register_timeout="
         f"{register_timeout:g}s (this task: {this}). Start every task with its "
         "own TF_CONFIG, check that the addresses are reachable from each "
         "other, or raise register_timeout (TFDIST_REGISTER_TIMEOUT). "
-        f"TensorFlow said: {text.splitlines()[0]}")
+        f"TensorFlow said: {text.splitlines()[0]}"
+    )

@@ -10,8 +10,7 @@ from typing import Any
 import tensorflow as tf
 from absl import logging
 
-from tfdist import plugins
-from tfdist import spec as spec_lib
+from tfdist import plugins, spec as spec_lib
 from tfdist.spec.detect import Choice
 from tfdist.strategies.base import TfdistStrategy
 
@@ -25,13 +24,11 @@ def _partitioner(value: Any, num_ps: int):
         return parts.FixedShardsPartitioner(int(number))
     if kind == "min_size":
         # TF's default max_shards=1 would never shard: allow one per ps.
-        return parts.MinSizePartitioner(min_shard_bytes=int(number),
-                                        max_shards=max(1, num_ps))
+        return parts.MinSizePartitioner(min_shard_bytes=int(number), max_shards=max(1, num_ps))
     return parts.MaxSizePartitioner(max_shard_bytes=int(number))
 
 
-class ParameterServerStrategy(TfdistStrategy,
-                              tf.distribute.experimental.ParameterServerStrategy):
+class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.ParameterServerStrategy):
     """``ParameterServerStrategy`` that Keras 3 can train under.
 
     Creating one installs :mod:`tfdist.training.ps_patches` (atomic increments on the
@@ -40,11 +37,18 @@ class ParameterServerStrategy(TfdistStrategy,
 
     kind = "parameter_server"
 
-    def __init__(self, cluster_resolver, variable_partitioner=None, *,
-                 compression: Any = None, choice: Choice | None = None):
+    def __init__(
+        self,
+        cluster_resolver,
+        variable_partitioner=None,
+        *,
+        compression: Any = None,
+        choice: Choice | None = None,
+    ):
         num_ps = len(cluster_resolver.cluster_spec().as_dict().get("ps", ()))
-        super().__init__(cluster_resolver,
-                         variable_partitioner=_partitioner(variable_partitioner, num_ps))
+        super().__init__(
+            cluster_resolver, variable_partitioner=_partitioner(variable_partitioner, num_ps)
+        )
         self._tfdist_init(compression, choice)
         # Keras 3's fixes for this strategy (tfdist.training.ps_patches).
         plugins.run("parameter_server", self)
@@ -54,8 +58,10 @@ def resolver_of(cfg: spec_lib.TFConfig):
     """A SimpleClusterResolver of ``cfg``'s cluster and task."""
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({job: list(a) for job, a in cfg.cluster.items()}),
-        task_type=cfg.task_type, task_id=cfg.task_index,
-        rpc_layer=cfg.rpc_layer or "grpc")
+        task_type=cfg.task_type,
+        task_id=cfg.task_index,
+        rpc_layer=cfg.rpc_layer or "grpc",
+    )
 
 
 def serve(cfg: spec_lib.TFConfig) -> None:
@@ -66,13 +72,21 @@ def serve(cfg: spec_lib.TFConfig) -> None:
     server serves on until the coordinator has saved, then exits with code
     143 (:mod:`tfdist.training.ps_preemption`).
     """
-    logging.info("tfdist: %s serves the parameter-server cluster; the chief "
-                 "runs the training.", cfg.task_id)
-    print(f"tfdist: {cfg.task_id} is serving the parameter-server cluster "
-          f"at {cfg.task_address}", file=sys.stderr, flush=True)
+    logging.info(
+        "tfdist: %s serves the parameter-server cluster; the chief runs the training.", cfg.task_id
+    )
+    print(
+        f"tfdist: {cfg.task_id} is serving the parameter-server cluster at {cfg.task_address}",
+        file=sys.stderr,
+        flush=True,
+    )
     server = tf.distribute.Server(
-        resolver_of(cfg).cluster_spec(), job_name=cfg.task_type,
-        task_index=cfg.task_index, protocol=cfg.rpc_layer or "grpc", start=True)
+        resolver_of(cfg).cluster_spec(),
+        job_name=cfg.task_type,
+        task_index=cfg.task_index,
+        protocol=cfg.rpc_layer or "grpc",
+        start=True,
+    )
     # tfdist.training.plugin serves until preempted; server.join() would
     # never return, so no Python signal handler would run.
     if not plugins.run("serve", cfg.task_type, cfg.task_index, server):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from tfdist.compression import parse_compression
 from tfdist.errors import ConfigError
@@ -40,9 +41,15 @@ _current: Provided | None = None
 
 
 @contextlib.contextmanager
-def provide(strategy: Any, *, tf_config: dict, compression: Any,
-            error_feedback: bool | None, options: Mapping[str, Any],
-            source: str) -> Iterator[None]:
+def provide(
+    strategy: Any,
+    *,
+    tf_config: dict,
+    compression: Any,
+    error_feedback: bool | None,
+    options: Mapping[str, Any],
+    source: str,
+) -> Iterator[None]:
     """Makes ``strategy_from_config`` return ``strategy`` meanwhile.
 
     Args:
@@ -54,8 +61,9 @@ def provide(strategy: Any, *, tf_config: dict, compression: Any,
     """
     global _current
     saved = _current
-    _current = Provided(strategy, dict(tf_config), compression, error_feedback,
-                        dict(options), source)
+    _current = Provided(
+        strategy, dict(tf_config), compression, error_feedback, dict(options), source
+    )
     try:
         yield
     finally:
@@ -73,8 +81,13 @@ def _same_cluster(config: Any, tf_config: dict) -> bool:
     return isinstance(config, Mapping) and dict(config) == tf_config
 
 
-def lookup(config: Any, strategy: str, compression: Any,
-           error_feedback: bool | None, options: Mapping[str, Any]) -> Any:
+def lookup(
+    config: Any,
+    strategy: str,
+    compression: Any,
+    error_feedback: bool | None,
+    options: Mapping[str, Any],
+) -> Any:
     """The provided strategy when ``strategy_from_config``'s arguments ask for
     it, else None (build as usual).
 
@@ -91,24 +104,32 @@ def lookup(config: Any, strategy: str, compression: Any,
         return None
     if not _same_cluster(config, provided.tf_config):
         return None
-    hint = (f"Here {provided.source} built this process's strategy, and "
-            "strategy_from_config() returns it (one multi-worker strategy per "
-            f"process): pass the setting to {provided.source} instead.")
+    hint = (
+        f"Here {provided.source} built this process's strategy, and "
+        "strategy_from_config() returns it (one multi-worker strategy per "
+        f"process): pass the setting to {provided.source} instead."
+    )
     if compression is not None or error_feedback is not None:
-        given = dataclasses.replace(parse_compression(provided.compression),
-                                    error_feedback=provided.error_feedback)
+        given = dataclasses.replace(
+            parse_compression(provided.compression), error_feedback=provided.error_feedback
+        )
         asked = dataclasses.replace(
-            parse_compression(provided.compression if compression is None
-                              else compression),
-            error_feedback=(provided.error_feedback if error_feedback is None
-                            else error_feedback))
+            parse_compression(provided.compression if compression is None else compression),
+            error_feedback=(provided.error_feedback if error_feedback is None else error_feedback),
+        )
         if str(asked) != str(given):
-            field, value = (("compression", compression)
-                            if compression is not None
-                            else ("error_feedback", error_feedback))
-            raise ConfigError(field, value, f"None or the setting given to "
-                              f"{provided.source} ({given})",
-                              source="strategy_from_config", hint=hint)
+            field, value = (
+                ("compression", compression)
+                if compression is not None
+                else ("error_feedback", error_feedback)
+            )
+            raise ConfigError(
+                field,
+                value,
+                f"None or the setting given to {provided.source} ({given})",
+                source="strategy_from_config",
+                hint=hint,
+            )
     asked_options = {k: v for k, v in options.items() if v is not None}
     if asked_options:
         given = make_options(**provided.options)
@@ -116,8 +137,11 @@ def lookup(config: Any, strategy: str, compression: Any,
         for field in dataclasses.fields(given):
             if getattr(merged, field.name) != getattr(given, field.name):
                 raise ConfigError(
-                    field.name, asked_options.get(field.name),
+                    field.name,
+                    asked_options.get(field.name),
                     f"None or the value given to {provided.source} "
                     f"({getattr(given, field.name)!r})",
-                    source="strategy_from_config", hint=hint)
+                    source="strategy_from_config",
+                    hint=hint,
+                )
     return provided.strategy

@@ -80,8 +80,11 @@ def _meet(barrier: str, number: int, task: str, timeout: float) -> None:
     except Exception as error:  # noqa: BLE001 - any failure: the tasks are out of step
         text = str(error).strip()
         tail = text.split("timed out task names:", 1)
-        missing = sorted({f"{job}:{i}" for job, i in _TASK_NAME.findall(tail[-1])} - {task}
-                         ) if len(tail) == 2 else []
+        missing = (
+            sorted({f"{job}:{i}" for job, i in _TASK_NAME.findall(tail[-1])} - {task})
+            if len(tail) == 2
+            else []
+        )
         raise ClusterJoinError(
             f"Expected every task of the cluster to create its multi-worker strategy "
             f"#{number + 1} of this process within register_timeout={timeout:g}s; "
@@ -91,4 +94,5 @@ def _meet(barrier: str, number: int, task: str, timeout: float) -> None:
             "strategies in the same order (a strategy per model in a loop is fine; a "
             "strategy only the chief creates is not), or raise register_timeout when "
             f"tasks do long uneven work between them. TensorFlow said: "
-            f"{type(error).__name__}: {(text.splitlines() or [''])[0][:300]}") from None
+            f"{type(error).__name__}: {(text.splitlines() or [''])[0][:300]}"
+        ) from None

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import zlib
-from typing import Mapping
+from collections.abc import Mapping
 
 from tfdist.compat.tf_python import ClusterSpec, slurm_cluster_resolver
 from tfdist.errors import ConfigError
@@ -57,8 +57,9 @@ def count_gpus() -> int:
     if shutil.which("nvidia-smi") is None:
         return 0
     try:
-        out = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=20, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
@@ -79,8 +80,9 @@ class SlurmClusterResolver(slurm_cluster_resolver.SlurmClusterResolver):
             resolver would fail with "range() arg 3 must not be zero").
     """
 
-    def __init__(self, jobs=None, port_base: int | None = None,
-                 gpus_per_node: int | None = None, **kwargs):
+    def __init__(
+        self, jobs=None, port_base: int | None = None, gpus_per_node: int | None = None, **kwargs
+    ):
         if port_base is None:
             port_base = default_port_base()
         if gpus_per_node is None:
@@ -91,19 +93,20 @@ class SlurmClusterResolver(slurm_cluster_resolver.SlurmClusterResolver):
             # skip GPU placement in cluster_spec below.
             kwargs.setdefault("gpus_per_task", 0)
             kwargs["auto_set_gpu"] = False
-        super().__init__(jobs=jobs, port_base=port_base,
-                         gpus_per_node=gpus_per_node, **kwargs)
+        super().__init__(jobs=jobs, port_base=port_base, gpus_per_node=gpus_per_node, **kwargs)
         if not self._no_gpus and self._gpus_per_task < 1:
             # More tasks than GPUs on a node: TF's placement would fail later
             # with "range() arg 3 must not be zero".
             tasks = max(self._task_configuration.values())
             raise ConfigError(
-                "gpus_per_task", self._gpus_per_task,
-                f"at least 1 GPU per task ({tasks} tasks share a node with "
-                f"{gpus_per_node} GPU(s))", source="Slurm environment",
+                "gpus_per_task",
+                self._gpus_per_task,
+                f"at least 1 GPU per task ({tasks} tasks share a node with {gpus_per_node} GPU(s))",
+                source="Slurm environment",
                 hint="Start at most as many tasks per node as it has GPUs "
-                     "(srun --ntasks-per-node), or hide the GPUs with "
-                     "CUDA_VISIBLE_DEVICES= to train on the CPU.")
+                "(srun --ntasks-per-node), or hide the GPUs with "
+                "CUDA_VISIBLE_DEVICES= to train on the CPU.",
+            )
 
     def cluster_spec(self) -> ClusterSpec:
         if not self._no_gpus:
@@ -114,7 +117,7 @@ class SlurmClusterResolver(slurm_cluster_resolver.SlurmClusterResolver):
         self._cluster_allocation = {}
         start = 0
         for task_type, num_tasks in sorted(self._jobs.items()):
-            self._cluster_allocation[task_type] = tasks[start:start + num_tasks]
+            self._cluster_allocation[task_type] = tasks[start : start + num_tasks]
             if start <= self._rank < start + num_tasks:
                 self.task_type, self.task_id = task_type, self._rank - start
             start += num_tasks

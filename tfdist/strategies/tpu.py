@@ -1,5 +1,4 @@
-"""``TPUStrategy``, and a check that a TPU is reachable before TensorFlow waits for one.
-"""
+"""``TPUStrategy``, and a check that a TPU is reachable before TensorFlow waits for one."""
 
 from __future__ import annotations
 
@@ -20,8 +19,9 @@ class TPUStrategy(TfdistStrategy, tf.distribute.TPUStrategy):
 
     kind = "tpu"
 
-    def __init__(self, tpu_cluster_resolver, *, compression: Any = None,
-                 choice: Choice | None = None):
+    def __init__(
+        self, tpu_cluster_resolver, *, compression: Any = None, choice: Choice | None = None
+    ):
         super().__init__(tpu_cluster_resolver)
         self._tfdist_init(compression, choice)
 
@@ -30,7 +30,8 @@ def _no_tpu(tpu: str, why: str) -> TPUNotFoundError:
     return TPUNotFoundError(
         f"No TPU found for tpu={tpu!r}: {why}. To train without a TPU, pass "
         "strategy='auto' (or 'mirrored', 'one_device', ...) and unset "
-        "TPU_NAME.")
+        "TPU_NAME."
+    )
 
 
 def _on_google_cloud() -> bool:
@@ -59,16 +60,20 @@ def check_tpu(tpu: str, connect_timeout: float = 3.0) -> None:
         return
     if tpu.startswith("grpc://"):
         try:
-            host, port = spec_lib.parse_address(tpu[len("grpc://"):])
+            host, port = spec_lib.parse_address(tpu[len("grpc://") :])
         except ConfigError as error:
-            raise ConfigError("tpu", tpu, "'grpc://host:port'",
-                              source="strategy_from_config") from error
+            raise ConfigError(
+                "tpu", tpu, "'grpc://host:port'", source="strategy_from_config"
+            ) from error
         try:
             socket.create_connection((host, port), timeout=connect_timeout).close()
         except OSError as error:
             raise _no_tpu(tpu, f"nothing answers at {host}:{port} ({error})") from None
         return
     if not _on_google_cloud():
-        raise _no_tpu(tpu, "a TPU name is resolved through the Google Cloud "
-                      "metadata server, and this machine is not a Google Cloud "
-                      "VM")
+        raise _no_tpu(
+            tpu,
+            "a TPU name is resolved through the Google Cloud "
+            "metadata server, and this machine is not a Google Cloud "
+            "VM",
+        )

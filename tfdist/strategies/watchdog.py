@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["PeerWatchdog"]
 
@@ -37,13 +37,15 @@ MAX_PROBE_SECONDS = 10.0
 
 def _tf_probe(peer: str, timeout_s: float) -> None:
     from tfdist.compat.tf_python import eager_context as context
+
     context.context().check_collective_ops_peer_health(
-        peer, timeout_in_ms=max(1, int(timeout_s * 1000)))
+        peer, timeout_in_ms=max(1, int(timeout_s * 1000))
+    )
 
 
 def _tf_abort(message: str) -> None:
-    from tfdist.compat.tf_python import eager_context as context
-    from tfdist.compat.tf_python import framework_errors as errors
+    from tfdist.compat.tf_python import eager_context as context, framework_errors as errors
+
     context.context().abort_collective_ops(errors.UNAVAILABLE, message)
 
 
@@ -64,17 +66,23 @@ class PeerWatchdog:
         clock: Monotonic time source.
     """
 
-    def __init__(self, peers: Sequence[str], timeout: float, *,
-                 interval: float | None = None,
-                 probe: Callable[[str, float], None] = _tf_probe,
-                 abort: Callable[[str], None] = _tf_abort,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        peers: Sequence[str],
+        timeout: float,
+        *,
+        interval: float | None = None,
+        probe: Callable[[str, float], None] = _tf_probe,
+        abort: Callable[[str], None] = _tf_abort,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not timeout > 0:
             raise ValueError(f"Expected a timeout > 0 seconds. Received: {timeout!r}")
         self.peers = list(peers)
         self.timeout = float(timeout)
-        self.interval = (min(MAX_PROBE_SECONDS, self.timeout / 4) if interval is None
-                         else float(interval))
+        self.interval = (
+            min(MAX_PROBE_SECONDS, self.timeout / 4) if interval is None else float(interval)
+        )
         self._probe, self._abort, self._clock = probe, abort, clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -82,11 +90,12 @@ class PeerWatchdog:
         self.failure: str | None = None
         self._warned: set[str] = set()
 
-    def start(self) -> "PeerWatchdog":
+    def start(self) -> PeerWatchdog:
         """Starts the thread (once); returns self."""
         if self._thread is None and self.peers:
-            self._thread = threading.Thread(target=self._run, name="tfdist-peer-watchdog",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="tfdist-peer-watchdog", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -111,22 +120,31 @@ class PeerWatchdog:
                 text = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 kind = type(error).__name__
                 if kind == "FailedPreconditionError":  # A new incarnation: it restarted.
-                    return (f"tfdist: peer {peer} restarted (TensorFlow: {kind}: {text}); "
-                            "aborting this worker's collectives, which would wait for "
-                            "the old process forever")
+                    return (
+                        f"tfdist: peer {peer} restarted (TensorFlow: {kind}: {text}); "
+                        "aborting this worker's collectives, which would wait for "
+                        "the old process forever"
+                    )
                 waited = self._clock() - last_ok[peer]
                 if waited >= self.timeout:
-                    return (f"tfdist: peer {peer} has not answered for {waited:.0f} s "
-                            f"(collective_timeout={self.timeout:g}); it is hung or gone, "
-                            f"so this worker's collectives are aborted. Last probe: "
-                            f"{kind}: {text}")
+                    return (
+                        f"tfdist: peer {peer} has not answered for {waited:.0f} s "
+                        f"(collective_timeout={self.timeout:g}); it is hung or gone, "
+                        f"so this worker's collectives are aborted. Last probe: "
+                        f"{kind}: {text}"
+                    )
                 # Once per silence, and only past half the timeout: a peer
                 # that finished first and exited is silent too.
                 if peer not in self._warned and waited >= self.timeout / 2:
                     self._warned.add(peer)
-                    log.warning("tfdist: peer %s has not answered for %.0f s (%s); "
-                                "collectives fail after %g s of silence", peer, waited,
-                                kind, self.timeout)
+                    log.warning(
+                        "tfdist: peer %s has not answered for %.0f s (%s); "
+                        "collectives fail after %g s of silence",
+                        peer,
+                        waited,
+                        kind,
+                        self.timeout,
+                    )
             else:
                 last_ok[peer] = self._clock()
                 self._warned.discard(peer)

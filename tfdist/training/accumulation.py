@@ -30,16 +30,23 @@ TensorFlow optimizer handles accumulation under distribution itself) Keras's
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
 from tfdist.compat.keras_src import TFOptimizer
-from tfdist.compression.applied import applies_this_step  # noqa: F401 - re-exported
+from tfdist.compression.applied import applies_this_step  # Re-exported.
 from tfdist.training.loops import in_tfdist_replica_context
 
-__all__ = ["install", "keras_has_accumulation_fix", "replica_cond", "applies_this_step",
-           "wrap_ops", "wrap_backend"]
+__all__ = [
+    "install",
+    "keras_has_accumulation_fix",
+    "replica_cond",
+    "applies_this_step",
+    "wrap_ops",
+    "wrap_backend",
+]
 #: TFOptimizer methods of Keras 3.15 about accumulation; a Keras that adds
 #: others there (keras PR #23592 overrides the applying branch for
 #: tf.distribute) handles accumulation under distribution itself.
@@ -49,8 +56,10 @@ _KNOWN_ACCUMULATION_METHODS = frozenset({"_backend_increment_gradient_accumulato
 def keras_has_accumulation_fix() -> bool:
     """Whether this Keras's TensorFlow optimizer overrides more of gradient
     accumulation than Keras 3.15 does (a sign of keras PR #23592)."""
-    return any("accumulat" in name and name not in _KNOWN_ACCUMULATION_METHODS
-               for name in vars(TFOptimizer))
+    return any(
+        "accumulat" in name and name not in _KNOWN_ACCUMULATION_METHODS
+        for name in vars(TFOptimizer)
+    )
 
 
 def replica_cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> None:
@@ -71,6 +80,7 @@ def replica_cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], A
 
         def branch(fns):
             return lambda: run(lambda fn: fn(), args=(fns,))
+
         tf.cond(pred, branch(true_fns), branch(false_fns))
 
     tf.distribute.get_replica_context().merge_call(merged, args=(pred, true_fn, false_fn))
@@ -147,6 +157,8 @@ def wrap_backend(original: types.ModuleType) -> types.ModuleType:
 def _check_cond(ops: Any) -> None:
     if not callable(getattr(ops, "cond", None)):
         from tfdist import compat
+
         raise compat.PatchError(
             "tfdist's gradient accumulation wraps Keras's ops.cond, which the ops module "
-            f"Keras's optimizer uses ({ops!r}) does not have")
+            f"Keras's optimizer uses ({ops!r}) does not have"
+        )

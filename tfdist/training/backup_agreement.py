@@ -40,8 +40,9 @@ def describe(point: Point) -> str:
     return f"epoch {epoch}" + (f", batch {batch}" if batch else "")
 
 
-def agree(held: Mapping[str, Iterable[Point]],
-          where: Mapping[str, str] | None = None) -> Point | None:
+def agree(
+    held: Mapping[str, Iterable[Point]], where: Mapping[str, str] | None = None
+) -> Point | None:
     """The point every task resumes at.
 
     Args:
@@ -74,4 +75,5 @@ def agree(held: Mapping[str, Iterable[Point]],
         "hold a backup of one common point (epoch, batch); received: "
         + "; ".join(holding(task) for task in sets)
         + ". Nothing was loaded. Restore the missing backup, or remove every task's "
-        "backup directory to start over.")
+        "backup directory to start over."
+    )

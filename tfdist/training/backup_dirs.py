@@ -75,8 +75,10 @@ class Decision:
 
 
 def _slots(callback: Any) -> dict[str, tuple[str, str]]:
-    return {"latest": (callback._weights_path, callback._training_metadata_path),
-            "previous": (callback._prev_weights_path, callback._prev_training_metadata_path)}
+    return {
+        "latest": (callback._weights_path, callback._training_metadata_path),  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+        "previous": (callback._prev_weights_path, callback._prev_training_metadata_path),  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+    }
 
 
 def weights_digest(path: str) -> dict:
@@ -92,8 +94,9 @@ def _point(weights: str, metadata: str) -> backup_agreement.Point | None:
         if not os.path.exists(weights):
             return None
         if "tfdist_weights_sha256" in meta and (
-                os.path.getsize(weights) != meta.get("tfdist_weights_size")
-                or sha256(weights) != meta["tfdist_weights_sha256"]):
+            os.path.getsize(weights) != meta.get("tfdist_weights_size")
+            or sha256(weights) != meta["tfdist_weights_sha256"]
+        ):
             return None  # Torn: weights of one save, metadata of another.
         return int(meta["epoch"]), int(meta.get("tfdist_batches_done") or 0)
     except (OSError, ValueError, KeyError, TypeError):
@@ -129,11 +132,19 @@ def decide(callback: Any, strategy: Any) -> Decision:
         pass
     try:
         mine = held(callback)
-        records = task_exchange.exchange(strategy, "keras-backup", {
-            "dir": directory, "host": socket.gethostname(), "probe": probe,
-            "held": {slot: list(point) for slot, point in mine.items()}})
-        sharing = [i for i, r in enumerate(records)
-                   if os.path.exists(os.path.join(directory, r["probe"]))]
+        records = task_exchange.exchange(
+            strategy,
+            "keras-backup",
+            {
+                "dir": directory,
+                "host": socket.gethostname(),
+                "probe": probe,
+                "held": {slot: list(point) for slot, point in mine.items()},
+            },
+        )
+        sharing = [
+            i for i, r in enumerate(records) if os.path.exists(os.path.join(directory, r["probe"]))
+        ]
         # Nobody removes its probe before every task has looked.
         task_exchange.exchange(strategy, "keras-backup-looked", {})
     finally:
@@ -144,7 +155,8 @@ def decide(callback: Any, strategy: Any) -> Decision:
         _sweep_probes(directory, keep={r["probe"] for r in records})
     point = backup_agreement.agree(
         {names[i]: [tuple(p) for p in r["held"].values()] for i, r in enumerate(records)},
-        where={names[i]: f"{r['dir']} on {r['host']}" for i, r in enumerate(records)})
+        where={names[i]: f"{r['dir']} on {r['host']}" for i, r in enumerate(records)},
+    )
     slot = next((s for s, p in mine.items() if p == point), None)
     return Decision(point, slot, writes)
 
@@ -163,18 +175,18 @@ def loading(callback: Any, slot: str) -> Iterator[None]:
     """Keras's load reads ``slot``'s files meanwhile. (Keras loads weights
     only from a ``.weights.h5`` name: the previous backup's are copied to
     one in a private directory, leaving ``backup_dir`` to its writer.)"""
-    saved = callback._weights_path, callback._training_metadata_path
+    saved = callback._weights_path, callback._training_metadata_path  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
     weights, metadata = _slots(callback)[slot]
     scratch = None
     if slot == "previous":
         scratch = tempfile.mkdtemp(prefix="tfdist-backup-load-")
         shutil.copyfile(weights, os.path.join(scratch, os.path.basename(saved[0])))
         weights = os.path.join(scratch, os.path.basename(saved[0]))
-    callback._weights_path, callback._training_metadata_path = weights, metadata
+    callback._weights_path, callback._training_metadata_path = weights, metadata  # noqa: SLF001 - BackupAndRestore loads from these paths: pointed at the slot
     try:
         yield
     finally:
-        callback._weights_path, callback._training_metadata_path = saved
+        callback._weights_path, callback._training_metadata_path = saved  # noqa: SLF001 - BackupAndRestore's own paths, put back
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -185,8 +197,9 @@ def _atomic_file(target: str, suffix: str = "") -> Iterator[str]:
     and renamed over ``target``, so a kill leaves the old file or the new
     one, never half of one. (``suffix``: Keras saves weights only to a
     ``.weights.h5`` name.)"""
-    tmp = os.path.join(os.path.dirname(target),
-                       f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{suffix}")
+    tmp = os.path.join(
+        os.path.dirname(target), f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{suffix}"
+    )
     try:
         yield tmp
         with open(tmp, "rb") as f:
@@ -224,12 +237,15 @@ def save_own(callback: Any, metadata: dict) -> None:
     """
     from tfdist.training import saving as keras_saving
     from tfdist.training.chief_save import next_key
+
     directory = str(callback.backup_dir)
     os.makedirs(directory, exist_ok=True)
-    weights, meta_path = callback._weights_path, callback._training_metadata_path
+    weights, meta_path = callback._weights_path, callback._training_metadata_path  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
     if getattr(callback, "double_checkpoint", False):
-        for path, previous in ((weights, callback._prev_weights_path),
-                               (meta_path, callback._prev_training_metadata_path)):
+        for path, previous in (
+            (weights, callback._prev_weights_path),  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+            (meta_path, callback._prev_training_metadata_path),  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+        ):
             if os.path.exists(path):
                 _replace_with_copy(path, previous)
     with _atomic_file(weights, suffix=".weights.h5") as tmp:
@@ -237,6 +253,12 @@ def save_own(callback: Any, metadata: dict) -> None:
             callback.model.save_weights(filepath=tmp, overwrite=True)
         # The chief's coordinated save of this name counted one more.
         next_key(weights)
-    keras_saving.write_json(meta_path, {"epoch": callback._current_epoch,
-                                        "batch": callback._last_batch_seen, **metadata,
-                                        **weights_digest(weights)})
+    keras_saving.write_json(
+        meta_path,
+        {
+            "epoch": callback._current_epoch,  # noqa: SLF001 - BackupAndRestore's position in the fit, as it records it
+            "batch": callback._last_batch_seen,  # noqa: SLF001 - BackupAndRestore's position in the fit, as it records it
+            **metadata,
+            **weights_digest(weights),
+        },
+    )

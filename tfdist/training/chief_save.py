@@ -15,7 +15,8 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from absl import logging
 
@@ -55,6 +56,7 @@ def unsynchronized():
 def multi_worker(strategy: Any) -> tuple[bool, bool]:
     """(tfdist multi-worker strategy of >= 2 workers, this task is the chief)."""
     from tfdist.strategies import MultiWorkerMirroredStrategy
+
     if not isinstance(strategy, MultiWorkerMirroredStrategy):
         return False, True
     resolver = getattr(strategy, "cluster_resolver", None)
@@ -71,6 +73,7 @@ def active(model: Any = None) -> tuple[bool, bool]:
     if getattr(STATE, "off", False):
         return False, True
     import tensorflow as tf
+
     strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
     return multi_worker(strategy)
 
@@ -78,6 +81,7 @@ def active(model: Any = None) -> tuple[bool, bool]:
 def local(path: str) -> bool:
     """Whether ``path`` is on a local (or mounted) filesystem."""
     from tfdist.compat.keras_src import file_utils
+
     return not (file_utils.is_remote_path(path) or path.startswith("hf://"))
 
 
@@ -96,6 +100,7 @@ def next_key(path: str) -> str:
 
 def _coordination():
     from tfdist.compat.tf_python import eager_context as context
+
     ctx = context.context()
     return ctx if ctx.coordination_service is not None else None
 
@@ -111,10 +116,14 @@ def wait(key: str, path: str, own_seconds: float) -> dict | None:
     """The chief's record for ``key``; None if it did not come in time."""
     ctx = _coordination()
     if ctx is None:
-        logging.warning("tfdist: no coordination service; %s may be read before the "
-                        "chief has finished writing it", path)
+        logging.warning(
+            "tfdist: no coordination service; %s may be read before the "
+            "chief has finished writing it",
+            path,
+        )
         return None
     import tensorflow as tf
+
     timeout = WAIT_SECONDS + 2 * own_seconds
     try:
         return json.loads(ctx.get_config_key_value(key, int(timeout * 1000)))
@@ -122,12 +131,18 @@ def wait(key: str, path: str, own_seconds: float) -> dict | None:
         logging.warning(
             "tfdist: the chief made no save matching this worker's save of %s within "
             "%.0f s; going on without it. Call model.save (and save_weights) on every "
-            "worker with the same file name, or on the chief only.", path, timeout)
+            "worker with the same file name, or on the chief only.",
+            path,
+            timeout,
+        )
     except tf.errors.OpError as error:
         # The service lives in the chief's process: the chief has exited (it
         # may be ahead: it waits for nobody). Its files are complete anyway.
-        logging.warning("tfdist: cannot ask the chief about its save of %s (%s); "
-                        "going on without it.", path, str(error).splitlines()[0])
+        logging.warning(
+            "tfdist: cannot ask the chief about its save of %s (%s); going on without it.",
+            path,
+            str(error).splitlines()[0],
+        )
     return None
 
 
@@ -160,7 +175,7 @@ def _sweep(directory: str) -> None:
     for name in names:
         if not name.startswith(mark):
             continue
-        pid = name[len(mark):].split("-", 1)[0]
+        pid = name[len(mark) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
@@ -197,8 +212,9 @@ def _move_into(staging: str, name: str, directory: str) -> None:
 
 def _staged(path: str, save: Callable[[str], Any], directory: str) -> Any:
     """Runs ``save(staged_path)`` in a fresh directory inside ``directory``."""
-    staging = os.path.join(directory, f"{TMP_PREFIX}{socket.gethostname()}-"
-                                      f"{os.getpid()}-{uuid.uuid4().hex}")
+    staging = os.path.join(
+        directory, f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
+    )
     os.mkdir(staging)
     name = os.path.basename(path)
     try:
@@ -244,7 +260,8 @@ def _worker_save(path: str, save: Callable[[str], Any]) -> Any:
         if record is not None and not record["ok"]:
             raise ChiefSaveError(
                 f"The chief failed to save {record['path']} ({record.get('error')}); "
-                f"this worker's save of {path} fails with it.")
+                f"this worker's save of {path} fails with it."
+            )
         mine = os.path.abspath(path) if local(path) else path
         if record is None:
             # The chief's path is unknown: write only where nothing is yet.

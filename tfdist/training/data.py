@@ -38,7 +38,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 from absl import logging
@@ -81,7 +82,6 @@ class ShardDecision:
     num_files: int | None
 
 
-
 def global_batch_size(per_replica_batch: int, strategy: Any) -> int:
     """The batch ``fit`` and ``experimental_distribute_dataset`` expect.
 
@@ -96,8 +96,12 @@ def global_batch_size(per_replica_batch: int, strategy: Any) -> int:
     per_replica_batch = require_int("per_replica_batch", per_replica_batch, 1, source)
     replicas = getattr(strategy, "num_replicas_in_sync", None)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError("strategy", strategy, "a tf.distribute strategy "
-                          "(something with num_replicas_in_sync >= 1)", source=source)
+        raise ConfigError(
+            "strategy",
+            strategy,
+            "a tf.distribute strategy (something with num_replicas_in_sync >= 1)",
+            source=source,
+        )
     return per_replica_batch * replicas
 
 
@@ -106,15 +110,22 @@ def global_batch_size(per_replica_batch: int, strategy: Any) -> int:
 
 # The reader ops of TensorFlow's auto-shard rewrite (grappler auto_shard.cc),
 # which also accepts their versioned names (TFRecordDatasetV2...).
-_READERS = ("ArrayRecordDataset", "FixedLengthRecordDataset", "RecordIODataset",
-            "SSTableDataset", "TextLineDataset", "TFRecordDataset")
+_READERS = (
+    "ArrayRecordDataset",
+    "FixedLengthRecordDataset",
+    "RecordIODataset",
+    "SSTableDataset",
+    "TextLineDataset",
+    "TFRecordDataset",
+)
 _READER_OP = re.compile(r"^(?:%s)(?:V\d+)?$" % "|".join(_READERS))
 _SLICES = re.compile(r"^TensorSliceDataset(?:V\d+)?$")
 
 
 def _graph(dataset: tf.data.Dataset) -> graph_pb2.GraphDef:
-    serialized = dataset._as_serialized_graph(  # pylint: disable=protected-access
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE)
+    serialized = dataset._as_serialized_graph(  # noqa: SLF001 - TF's only serialized form of a dataset
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE
+    )
     return graph_pb2.GraphDef.FromString(serialized.numpy())
 
 
@@ -125,8 +136,7 @@ def _node_name(ref: str) -> str:
 def _functions_called(node, functions: dict) -> list:
     called = []
     for attr in node.attr.values():
-        names = [attr.func.name] if attr.HasField("func") else [
-            f.name for f in attr.list.func]
+        names = [attr.func.name] if attr.HasField("func") else [f.name for f in attr.list.func]
         called.extend(functions[n] for n in names if n in functions)
     return called
 
@@ -166,13 +176,19 @@ def _count_files(ref: str, nodes: dict) -> int | None:
             if pattern is None or pattern.op != "Const":
                 return None
             patterns = tf.make_ndarray(pattern.attr["value"].tensor).ravel()
-            return len({name for p in patterns
-                        for name in tf.io.gfile.glob(p.decode())})
+            return len({name for p in patterns for name in tf.io.gfile.glob(p.decode())})
         if _SLICES.match(node.op) or node.op in ("Identity", "Reshape"):
             node = nodes.get(_node_name(node.input[0]))
             continue
-        if node.op.startswith(("ShuffleDataset", "PrefetchDataset", "CacheDataset",
-                               "OptionsDataset", "FinalizeDataset")):
+        if node.op.startswith(
+            (
+                "ShuffleDataset",
+                "PrefetchDataset",
+                "CacheDataset",
+                "OptionsDataset",
+                "FinalizeDataset",
+            )
+        ):
             node = nodes.get(_node_name(node.input[0]))
             continue
         return None  # Computed at run time (map, repeat, zip...): not counted.
@@ -199,10 +215,18 @@ def _inspect(dataset: tf.data.Dataset) -> _Inspection:
             # flat_map/interleave over a dataset of file names.
             counts.append(_count_files(node.input[0], nodes) if node.input else None)
     if not counts:
-        sources = sorted({n.op for n in graph.node if n.op.endswith(
-            ("Dataset", "DatasetV2", "DatasetV3")) and not any(
-            _node_name(i) in nodes and nodes[_node_name(i)].op.endswith(
-                ("Dataset", "DatasetV2", "DatasetV3")) for i in n.input)})
+        sources = sorted(
+            {
+                n.op
+                for n in graph.node
+                if n.op.endswith(("Dataset", "DatasetV2", "DatasetV3"))
+                and not any(
+                    _node_name(i) in nodes
+                    and nodes[_node_name(i)].op.endswith(("Dataset", "DatasetV2", "DatasetV3"))
+                    for i in n.input
+                )
+            }
+        )
         return _Inspection(False, None, ", ".join(sources) or "no file reader")
     known = [c for c in counts if c is not None]
     if len(known) < len(counts):
@@ -213,8 +237,13 @@ def _inspect(dataset: tf.data.Dataset) -> _Inspection:
 # --------------------------------------------------------------------------
 # Choosing and applying the policy.
 
-_POLICIES = {"auto": None, "file": Policy.FILE, "data": Policy.DATA,
-             "off": Policy.OFF, "hint": Policy.HINT}
+_POLICIES = {
+    "auto": None,
+    "file": Policy.FILE,
+    "data": Policy.DATA,
+    "off": Policy.OFF,
+    "hint": Policy.HINT,
+}
 
 
 def _parse_policy(policy: Any) -> Policy | None:
@@ -223,9 +252,12 @@ def _parse_policy(policy: Any) -> Policy | None:
         return None if policy == Policy.AUTO else policy
     if isinstance(policy, str) and policy.strip().lower() in _POLICIES:
         return _POLICIES[policy.strip().lower()]
-    raise ConfigError("policy", policy, "one of 'auto', 'file', 'data', 'off', "
-                      "'hint' or a tf.data.experimental.AutoShardPolicy",
-                      source="distribute_dataset")
+    raise ConfigError(
+        "policy",
+        policy,
+        "one of 'auto', 'file', 'data', 'off', 'hint' or a tf.data.experimental.AutoShardPolicy",
+        source="distribute_dataset",
+    )
 
 
 def _count_given_files(files: Any) -> int:
@@ -233,14 +265,19 @@ def _count_given_files(files: Any) -> int:
         return len(tf.io.gfile.glob(files))
     if isinstance(files, Sequence) and all(isinstance(f, str) for f in files):
         return len(files)
-    raise ConfigError("files", files, "a glob pattern or a list of file names",
-                      source="choose_shard_policy")
+    raise ConfigError(
+        "files", files, "a glob pattern or a list of file names", source="choose_shard_policy"
+    )
 
 
-def choose_shard_policy(dataset: tf.data.Dataset, strategy: Any = None, *,
-                        workers: int | None = None,
-                        files: str | Sequence[str] | None = None,
-                        warn: bool = True) -> ShardDecision:
+def choose_shard_policy(
+    dataset: tf.data.Dataset,
+    strategy: Any = None,
+    *,
+    workers: int | None = None,
+    files: str | Sequence[str] | None = None,
+    warn: bool = True,
+) -> ShardDecision:
     """Chooses the auto-shard policy for ``dataset``, and says why.
 
     * No file reader (``from_tensor_slices``, generators, ``range``): DATA.
@@ -265,13 +302,17 @@ def choose_shard_policy(dataset: tf.data.Dataset, strategy: Any = None, *,
     Returns:
         A :class:`ShardDecision`.
     """
-    count = (require_int("workers", workers, 1, "choose_shard_policy")
-             if workers is not None else _num_workers(strategy))
+    count = (
+        require_int("workers", workers, 1, "choose_shard_policy")
+        if workers is not None
+        else _num_workers(strategy)
+    )
     try:
         seen = _inspect(dataset)
     except Exception as error:  # noqa: BLE001 - private TF API; DATA is safe.
-        seen = _Inspection(files is not None, None,
-                           f"the dataset graph could not be read ({error})")
+        seen = _Inspection(
+            files is not None, None, f"the dataset graph could not be read ({error})"
+        )
     num_files = _count_given_files(files) if files is not None else seen.num_files
     reads_files = seen.reads_files or files is not None
 
@@ -285,31 +326,47 @@ def choose_shard_policy(dataset: tf.data.Dataset, strategy: Any = None, *,
         return ShardDecision(policy, reason, count, reads_files, num_files)
 
     if not reads_files:
-        return decide(Policy.DATA, f"DATA: the dataset reads no files "
-                      f"({seen.detail}), so every worker produces all elements "
-                      f"and keeps 1 in {count}.")
+        return decide(
+            Policy.DATA,
+            f"DATA: the dataset reads no files "
+            f"({seen.detail}), so every worker produces all elements "
+            f"and keeps 1 in {count}.",
+        )
     if num_files is None:
-        return decide(Policy.DATA, "DATA: the dataset reads files but their "
-                      f"number could not be counted ({seen.detail}); FILE "
-                      "sharding fails at the first read if a worker gets no "
-                      "file. Pass files= to count them.", warning=True)
+        return decide(
+            Policy.DATA,
+            "DATA: the dataset reads files but their "
+            f"number could not be counted ({seen.detail}); FILE "
+            "sharding fails at the first read if a worker gets no "
+            "file. Pass files= to count them.",
+            warning=True,
+        )
     if num_files < count:
-        return decide(Policy.DATA, f"DATA: only {num_files} file(s) for {count} "
-                      "workers; FILE sharding would leave a worker without a "
-                      "file, which fails at its first read. Every worker reads "
-                      f"all files and keeps 1 element in {count}; split the "
-                      f"input into at least {count} files to shard by file.",
-                      warning=True)
-    return decide(Policy.FILE, f"FILE: {num_files} file(s) for {count} "
-                  "worker(s); each worker reads its own files.")
+        return decide(
+            Policy.DATA,
+            f"DATA: only {num_files} file(s) for {count} "
+            "workers; FILE sharding would leave a worker without a "
+            "file, which fails at its first read. Every worker reads "
+            f"all files and keeps 1 element in {count}; split the "
+            f"input into at least {count} files to shard by file.",
+            warning=True,
+        )
+    return decide(
+        Policy.FILE,
+        f"FILE: {num_files} file(s) for {count} worker(s); each worker reads its own files.",
+    )
 
 
-def distribute_dataset(dataset: tf.data.Dataset, strategy: Any,
-                       per_replica_batch: int | None = None, *,
-                       policy: Any = "auto",
-                       files: str | Sequence[str] | None = None,
-                       drop_remainder: bool = True,
-                       distribute: bool = True):
+def distribute_dataset(
+    dataset: tf.data.Dataset,
+    strategy: Any,
+    per_replica_batch: int | None = None,
+    *,
+    policy: Any = "auto",
+    files: str | Sequence[str] | None = None,
+    drop_remainder: bool = True,
+    distribute: bool = True,
+):
     """Batches ``dataset`` to the global batch and sets its auto-shard policy.
 
     Args:
@@ -341,16 +398,19 @@ def distribute_dataset(dataset: tf.data.Dataset, strategy: Any,
     """
     chosen = _parse_policy(policy)
     if per_replica_batch is not None:
-        dataset = dataset.batch(global_batch_size(per_replica_batch, strategy),
-                                drop_remainder=drop_remainder)
+        dataset = dataset.batch(
+            global_batch_size(per_replica_batch, strategy), drop_remainder=drop_remainder
+        )
     if chosen is None or chosen == Policy.FILE:
-        decision = choose_shard_policy(dataset, strategy, files=files,
-                                       warn=chosen is None)
+        decision = choose_shard_policy(dataset, strategy, files=files, warn=chosen is None)
         if chosen == Policy.FILE and decision.policy != Policy.FILE:
-            raise ConfigError("policy", policy, "'file' only for a dataset that "
-                              "reads at least as many files as workers",
-                              source="distribute_dataset",
-                              hint=decision.reason.split(": ", 1)[1])
+            raise ConfigError(
+                "policy",
+                policy,
+                "'file' only for a dataset that reads at least as many files as workers",
+                source="distribute_dataset",
+                hint=decision.reason.split(": ", 1)[1],
+            )
         chosen = decision.policy
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = chosen

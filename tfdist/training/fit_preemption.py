@@ -38,24 +38,33 @@ from absl import logging
 
 from tfdist.training.preemption import PreemptionWatcher
 
-__all__ = ["install", "wrap_begin", "wrap_epoch_begin", "wrap_batch_end", "wrap_epoch_end",
-           "wrap_save", "wrap_end"]
+__all__ = [
+    "install",
+    "wrap_begin",
+    "wrap_epoch_begin",
+    "wrap_batch_end",
+    "wrap_epoch_end",
+    "wrap_save",
+    "wrap_end",
+]
 
 
 def _under_tfdist(model: Any) -> bool:
     import tensorflow as tf
+
     strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
     return type(strategy).__module__.startswith("tfdist.")
 
 
 def _strategy(model: Any):
     import tensorflow as tf
+
     return getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
 
 
 def _read_metadata(callback: Any) -> dict | None:
     try:
-        with open(callback._training_metadata_path) as f:
+        with open(callback._training_metadata_path) as f:  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
             return json.load(f)
     except (OSError, ValueError):
         return None
@@ -70,17 +79,19 @@ def metadata(callback: Any, digest: bool | None = None) -> dict:
             metadata to it); default: in a multi-worker job, where the
             workers check their backups against each other's at resume.
     """
-    from tfdist.training import backup_dirs
-    from tfdist.training import saving as keras_saving
+    from tfdist.training import backup_dirs, saving as keras_saving
+
     strategy = _strategy(callback.model)
-    fields = {"tfdist_batches_done": int(callback.__dict__.get("_tfdist_done", 0)),
-              "tfdist_preempted": bool(callback.__dict__.get("_tfdist_preempting", False)),
-              "replicas": strategy.num_replicas_in_sync,
-              "steps_per_epoch": (callback.params or {}).get("steps")}
+    fields = {
+        "tfdist_batches_done": int(callback.__dict__.get("_tfdist_done", 0)),
+        "tfdist_preempted": bool(callback.__dict__.get("_tfdist_preempting", False)),
+        "replicas": strategy.num_replicas_in_sync,
+        "steps_per_epoch": (callback.params or {}).get("steps"),
+    }
     if digest is None:
         digest = keras_saving.active(callback.model)[0]
-    if digest and os.path.exists(callback._weights_path):
-        fields.update(backup_dirs.weights_digest(callback._weights_path))
+    if digest and os.path.exists(callback._weights_path):  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+        fields.update(backup_dirs.weights_digest(callback._weights_path))  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
     return fields
 
 
@@ -91,8 +102,8 @@ def _agreed_load(callback: Any, original: Any, logs: Any) -> dict | None:
     Returns:
         The loaded backup's metadata, or None (a fresh start on every task).
     """
-    from tfdist.training import backup_agreement, backup_dirs
-    from tfdist.training import saving as keras_saving
+    from tfdist.training import backup_agreement, backup_dirs, saving as keras_saving
+
     decision = backup_dirs.decide(callback, _strategy(callback.model))
     chief = keras_saving.active(callback.model)[1]
     callback.__dict__["_tfdist_own_copy"] = decision.writes and not chief
@@ -103,9 +114,13 @@ def _agreed_load(callback: Any, original: Any, logs: Any) -> dict | None:
         saved = _read_metadata(callback)
     if decision.slot == "previous" and decision.writes:
         backup_dirs.roll_back(callback)
-    logging.info("tfdist: the workers agreed to resume Keras's BackupAndRestore at %s "
-                 "(this task's %s backup in %s)", backup_agreement.describe(decision.point),
-                 decision.slot, callback.backup_dir)
+    logging.info(
+        "tfdist: the workers agreed to resume Keras's BackupAndRestore at %s "
+        "(this task's %s backup in %s)",
+        backup_agreement.describe(decision.point),
+        decision.slot,
+        callback.backup_dir,
+    )
     return saved
 
 
@@ -114,6 +129,7 @@ def _agrees(callback: Any) -> bool:
     multi-worker job with a local ``backup_dir``)."""
     from tfdist.training import saving as keras_saving
     from tfdist.training.chief_save import local
+
     return keras_saving.active(callback.model)[0] and local(str(callback.backup_dir))
 
 
@@ -121,12 +137,19 @@ def wrap_begin(original):
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
         state = self.__dict__
-        state.update(_tfdist_done=0, _tfdist_calls=0, _tfdist_resume=None,
-                     _tfdist_preempting=False, _tfdist_watcher=None, _tfdist_own_copy=False)
+        state.update(
+            _tfdist_done=0,
+            _tfdist_calls=0,
+            _tfdist_resume=None,
+            _tfdist_preempting=False,
+            _tfdist_watcher=None,
+            _tfdist_own_copy=False,
+        )
         if not _under_tfdist(self.model):
             return original(self, logs)
         from tfdist.training import resume
         from tfdist.training.callbacks.backup import SkipSteps, unwrap_train_function
+
         unwrap_train_function(self.model)
         if _agrees(self):
             # Keras loads what this task's directory holds; in a multi-worker
@@ -136,18 +159,28 @@ def wrap_begin(original):
             original(self, logs)
             saved = _read_metadata(self) if os.path.exists(self._weights_path) else None
         if saved and saved.get("tfdist_batches_done"):
-            meta = {"step": saved["tfdist_batches_done"], "epoch": saved["epoch"],
-                    "replicas": saved.get("replicas"),
-                    "steps_per_epoch": saved.get("steps_per_epoch")}
-            done = resume.resize(meta, _strategy(self.model).num_replicas_in_sync,
-                                 (self.params or {}).get("steps"), self.model.optimizer)
+            meta = {
+                "step": saved["tfdist_batches_done"],
+                "epoch": saved["epoch"],
+                "replicas": saved.get("replicas"),
+                "steps_per_epoch": saved.get("steps_per_epoch"),
+            }
+            done = resume.resize(
+                meta,
+                _strategy(self.model).num_replicas_in_sync,
+                (self.params or {}).get("steps"),
+                self.model.optimizer,
+            )
             if done:
-                self.model.train_function = SkipSteps(self.model, self.model.train_function,
-                                                      done)
+                self.model.train_function = SkipSteps(self.model, self.model.train_function, done)
                 state["_tfdist_resume"] = (int(saved["epoch"]), done)
-                logging.info("tfdist: Keras BackupAndRestore resumes at epoch %d, batch %d",
-                             saved["epoch"], done)
+                logging.info(
+                    "tfdist: Keras BackupAndRestore resumes at epoch %d, batch %d",
+                    saved["epoch"],
+                    done,
+                )
         state["_tfdist_watcher"] = PreemptionWatcher(_strategy(self.model), name="fit").start()
+
     return on_train_begin
 
 
@@ -161,6 +194,7 @@ def wrap_epoch_begin(original):
         self.__dict__["_tfdist_done"] = resumed[1] if resumed and resumed[0] == epoch else 0
         self.__dict__["_tfdist_resume"] = None
         return original(self, epoch, logs)
+
     return on_epoch_begin
 
 
@@ -178,8 +212,14 @@ def wrap_batch_end(original):
             state["_tfdist_preempting"] = True
             self._last_batch_seen = batch
             self._save_model()
-            watcher.exit({"epoch": self._current_epoch, "batch": state["_tfdist_done"],
-                          "backup": str(self.backup_dir)})
+            watcher.exit(
+                {
+                    "epoch": self._current_epoch,
+                    "batch": state["_tfdist_done"],
+                    "backup": str(self.backup_dir),
+                }
+            )
+
     return on_train_batch_end
 
 
@@ -188,6 +228,7 @@ def wrap_epoch_end(original):
     def on_epoch_end(self, epoch, logs=None):
         self.__dict__["_tfdist_done"] = 0  # An epoch-end save starts the next epoch.
         return original(self, epoch, logs)
+
     return on_epoch_end
 
 
@@ -198,19 +239,24 @@ def wrap_save(original):
             # A non-chief task that writes its own backup_dir (decided at
             # train begin), instead of saving into scratch.
             from tfdist.training import backup_dirs
+
             return backup_dirs.save_own(self, metadata(self, digest=False))
         result = original(self)
         if not _under_tfdist(self.model):
             return result
         from tfdist.training import saving as keras_saving
+
         on, chief = keras_saving.active(self.model)
         if chief and not on:
             # Keras wrote its own fields; add tfdist's (atomically). (In a
             # multi-worker job tfdist's save writes them in one go.)
-            saved = _read_metadata(self) or {"epoch": self._current_epoch,
-                                              "batch": self._last_batch_seen}
+            saved = _read_metadata(self) or {
+                "epoch": self._current_epoch,
+                "batch": self._last_batch_seen,
+            }
             keras_saving.write_json(self._training_metadata_path, {**saved, **metadata(self)})
         return result
+
     return _save_model
 
 
@@ -222,12 +268,14 @@ def wrap_end(original):
             watcher.stop()
         if _under_tfdist(self.model):
             from tfdist.training.callbacks.backup import unwrap_train_function
+
             unwrap_train_function(self.model)
         result = original(self, logs)
         if self.__dict__.pop("_tfdist_own_copy", False) and self.delete_checkpoint:
             # The chief deletes its own; this task wrote this one.
             shutil.rmtree(str(self.backup_dir), ignore_errors=True)
         return result
+
     return on_train_end
 
 
@@ -236,4 +284,5 @@ def install() -> None:
     which composes outside :mod:`tfdist.training.saving`'s wrappers of the same
     methods); idempotent."""
     from tfdist import compat
+
     compat.install("fit_preemption")

@@ -41,8 +41,13 @@ import tensorflow as tf
 
 from tfdist.compat.keras_src import backend
 
-__all__ = ["install", "in_tfdist_replica_context", "needs_cross_replica_build",
-           "wrap_initialize", "wrap_apply"]
+__all__ = [
+    "install",
+    "in_tfdist_replica_context",
+    "needs_cross_replica_build",
+    "wrap_initialize",
+    "wrap_apply",
+]
 
 
 def in_tfdist_replica_context() -> bool:
@@ -53,8 +58,10 @@ def in_tfdist_replica_context() -> bool:
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return False
     strategy = tf.distribute.get_strategy()
-    return (isinstance(strategy, TfdistStrategy)
-            and strategy.kind in ("mirrored", "multi_worker_mirrored"))
+    return isinstance(strategy, TfdistStrategy) and strategy.kind in (
+        "mirrored",
+        "multi_worker_mirrored",
+    )
 
 
 def needs_cross_replica_build(optimizer: Any) -> bool:
@@ -66,8 +73,10 @@ def needs_cross_replica_build(optimizer: Any) -> bool:
     if not in_tfdist_replica_context():
         return False
     strategy = tf.distribute.get_strategy()
-    return (getattr(optimizer, "_distribution_strategy", None) is strategy
-            and getattr(strategy, "_tfdist_aggregator", None) is not None)
+    return (
+        getattr(optimizer, "_distribution_strategy", None) is strategy
+        and getattr(strategy, "_tfdist_aggregator", None) is not None
+    )
 
 
 def wrap_initialize(original):
@@ -77,6 +86,7 @@ def wrap_initialize(original):
             with tf.init_scope():
                 return original(self, value)
         return original(self, value)
+
     return _initialize
 
 
@@ -91,13 +101,17 @@ def wrap_apply(original):
                 # Every replica waits here; this runs once, as fit's build.
                 if self.built:
                     return
-                with tf.init_scope(), distribution.scope(), \
-                        backend.name_scope(self.name, caller=self):
+                with (
+                    tf.init_scope(),
+                    distribution.scope(),
+                    backend.name_scope(self.name, caller=self),
+                ):
                     self.build(variables)
                 self.built = True
 
             tf.distribute.get_replica_context().merge_call(build)
         return original(self, grads, trainable_variables)
+
     return apply
 
 

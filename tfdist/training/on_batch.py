@@ -37,8 +37,10 @@ def _local_replicas(model: Any) -> int:
     from tfdist.strategies import TfdistStrategy
 
     strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
-    if (not isinstance(strategy, TfdistStrategy)
-            or strategy.kind not in ("mirrored", "multi_worker_mirrored")):
+    if not isinstance(strategy, TfdistStrategy) or strategy.kind not in (
+        "mirrored",
+        "multi_worker_mirrored",
+    ):
         return 1
     return len(strategy.extended.worker_devices)
 
@@ -53,8 +55,11 @@ def _splittable(element: Any) -> bool:
     for leaf in leaves:
         if leaf is None:
             continue
-        if not isinstance(leaf, (np.ndarray, tf.Tensor)) or isinstance(
-                leaf, tf.distribute.DistributedValues) or len(leaf.shape) == 0:
+        if (
+            not isinstance(leaf, (np.ndarray, tf.Tensor))
+            or isinstance(leaf, tf.distribute.DistributedValues)
+            or len(leaf.shape) == 0
+        ):
             return False
         rows.add(int(leaf.shape[0]))
     return len(rows) == 1
@@ -72,8 +77,11 @@ def _split(strategy: Any, local: int, element: Any) -> Any:
         # Global replica ids run worker by worker, each worker holding `local`.
         i = context.replica_id_in_sync_group % local
         return tf.nest.map_structure(
-            lambda leaf: None if leaf is None else tf.convert_to_tensor(
-                leaf[starts[i]:starts[i + 1]]), element)
+            lambda leaf: (
+                None if leaf is None else tf.convert_to_tensor(leaf[starts[i] : starts[i + 1]])
+            ),
+            element,
+        )
 
     return strategy.experimental_distribute_values_from_function(part)
 
@@ -81,17 +89,18 @@ def _split(strategy: Any, local: int, element: Any) -> Any:
 def _distributing(model: Any, function: Any) -> Any:
     """``function`` (Keras's train, test or predict function), which splits
     each plain batch it is handed over the replicas first."""
+
     @functools.wraps(function)
     def call(data):
         local = _local_replicas(model)
-        if local < 2 or isinstance(data, (tf.data.Iterator,
-                                          tf.distribute.DistributedIterator)):
+        if local < 2 or isinstance(data, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             return function(data)
         strategy = model.distribute_strategy
         split = (_split(strategy, local, e) if _splittable(e) else e for e in data)
         # The predict function indexes its list; the others take as many
         # elements as they run steps.
         return function(list(split) if isinstance(data, list) else split)
+
     return call
 
 

@@ -55,8 +55,17 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
-from tfdist.training.ps_data import (PS, SOURCE, ParameterServerError, StepTimeoutError, build,
-                                     check_model, check_positive_int, local_dataset, verbosity)
+from tfdist.training.ps_data import (
+    PS,
+    SOURCE,
+    ParameterServerError,
+    StepTimeoutError,
+    build,
+    check_model,
+    check_positive_int,
+    local_dataset,
+    verbosity,
+)
 from tfdist.training.ps_loop import ParameterServerFit
 from tfdist.training.ps_patches import shards
 from tfdist.training.ps_steps import evaluate_on_coordinator
@@ -72,14 +81,27 @@ def _strategy_of(model: Any) -> tf.distribute.Strategy:
     return getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
 
 
-def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None = None,
-        epochs: int = 1, verbose: Any = "auto", callbacks: list | None = None,
-        validation_split: float = 0.0, validation_data: Any = None,
-        shuffle: bool = True, class_weight: dict | None = None,
-        sample_weight: Any = None, initial_epoch: int = 0,
-        steps_per_epoch: int | None = None, validation_steps: int | None = None,
-        validation_batch_size: int | None = None, validation_freq: int = 1, *,
-        step_timeout: float | None = 600.0) -> keras.callbacks.History:
+def fit(
+    model: keras.Model,
+    x: Any = None,
+    y: Any = None,
+    batch_size: int | None = None,
+    epochs: int = 1,
+    verbose: Any = "auto",
+    callbacks: list | None = None,
+    validation_split: float = 0.0,
+    validation_data: Any = None,
+    shuffle: bool = True,
+    class_weight: dict | None = None,
+    sample_weight: Any = None,
+    initial_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_batch_size: int | None = None,
+    validation_freq: int = 1,
+    *,
+    step_timeout: float | None = 600.0,
+) -> keras.callbacks.History:
     """Trains ``model`` like ``model.fit``, under any tfdist strategy.
 
     Takes ``model.fit``'s arguments, with the model first. Under a strategy
@@ -125,27 +147,54 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     strategy = _strategy_of(model)
     if not isinstance(strategy, PS):
         return model.fit(
-            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-            callbacks=callbacks, validation_split=validation_split,
-            validation_data=validation_data, shuffle=shuffle,
-            class_weight=class_weight, sample_weight=sample_weight,
-            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=callbacks,
+            validation_split=validation_split,
+            validation_data=validation_data,
+            shuffle=shuffle,
+            class_weight=class_weight,
+            sample_weight=sample_weight,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
             validation_steps=validation_steps,
             validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq)
+            validation_freq=validation_freq,
+        )
     return ParameterServerFit(model, strategy, step_timeout).run(
-        x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-        callbacks=callbacks, validation_split=validation_split,
-        validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
-        sample_weight=sample_weight, initial_epoch=initial_epoch,
-        steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-        validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        verbose=verbose,
+        callbacks=callbacks,
+        validation_split=validation_split,
+        validation_data=validation_data,
+        shuffle=shuffle,
+        class_weight=class_weight,
+        sample_weight=sample_weight,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch,
+        validation_steps=validation_steps,
+        validation_batch_size=validation_batch_size,
+        validation_freq=validation_freq,
+    )
 
 
-def evaluate(model: keras.Model, x: Any = None, y: Any = None,
-             batch_size: int | None = None, verbose: Any = "auto",
-             sample_weight: Any = None, steps: int | None = None,
-             callbacks: list | None = None, return_dict: bool = False) -> Any:
+def evaluate(
+    model: keras.Model,
+    x: Any = None,
+    y: Any = None,
+    batch_size: int | None = None,
+    verbose: Any = "auto",
+    sample_weight: Any = None,
+    steps: int | None = None,
+    callbacks: list | None = None,
+    return_dict: bool = False,
+) -> Any:
     """``model.evaluate`` that also works under ParameterServerStrategy.
 
     Under ParameterServerStrategy the evaluation runs inline on the
@@ -155,25 +204,41 @@ def evaluate(model: keras.Model, x: Any = None, y: Any = None,
     """
     strategy = _strategy_of(model)
     if not isinstance(strategy, PS):
-        return model.evaluate(x, y, batch_size=batch_size, verbose=verbose,
-                              sample_weight=sample_weight, steps=steps,
-                              callbacks=callbacks, return_dict=return_dict)
+        return model.evaluate(
+            x,
+            y,
+            batch_size=batch_size,
+            verbose=verbose,
+            sample_weight=sample_weight,
+            steps=steps,
+            callbacks=callbacks,
+            return_dict=return_dict,
+        )
     check_model(model, strategy)
     data = local_dataset(x, y, sample_weight, batch_size, "x")
     build(model, strategy, data)
     callback_list = keras.callbacks.CallbackList(
-        callbacks, add_progbar=verbose != 0, verbose=verbosity(verbose), epochs=1,
-        steps=steps, model=model)
+        callbacks,
+        add_progbar=verbose != 0,
+        verbose=verbosity(verbose),
+        epochs=1,
+        steps=steps,
+        model=model,
+    )
     logs = evaluate_on_coordinator(model, data, steps, callback_list)
     if return_dict:
         return logs
-    return [logs[name] for name in model.metrics_names if name in logs] or \
-        list(logs.values())
+    return [logs[name] for name in model.metrics_names if name in logs] or list(logs.values())
 
 
-def predict(model: keras.Model, x: Any, batch_size: int | None = None,
-            verbose: Any = "auto", steps: int | None = None,
-            callbacks: list | None = None) -> Any:
+def predict(
+    model: keras.Model,
+    x: Any,
+    batch_size: int | None = None,
+    verbose: Any = "auto",
+    steps: int | None = None,
+    callbacks: list | None = None,
+) -> Any:
     """``model.predict`` that also works under ParameterServerStrategy.
 
     Under ParameterServerStrategy the predictions are computed inline on the
@@ -182,17 +247,23 @@ def predict(model: keras.Model, x: Any, batch_size: int | None = None,
     """
     strategy = _strategy_of(model)
     if not isinstance(strategy, PS):
-        return model.predict(x, batch_size=batch_size, verbose=verbose, steps=steps,
-                             callbacks=callbacks)
+        return model.predict(
+            x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        )
     check_positive_int("steps", steps)
     data = local_dataset(x, None, None, batch_size, "x")
     step = getattr(model, "_tfdist_predict_step", None)
     if step is None:
         step = tf.function(model.predict_step, reduce_retracing=True)
-        model._tfdist_predict_step = step
+        model._tfdist_predict_step = step  # noqa: SLF001 - tfdist's own cache of the traced step, on the model
     callback_list = keras.callbacks.CallbackList(
-        callbacks, add_progbar=verbose != 0, verbose=verbosity(verbose), epochs=1,
-        steps=steps, model=model)
+        callbacks,
+        add_progbar=verbose != 0,
+        verbose=verbosity(verbose),
+        epochs=1,
+        steps=steps,
+        model=model,
+    )
     callback_list.on_predict_begin()
     outputs = []
     for index, batch in enumerate(data.take(steps) if steps else data):

@@ -15,8 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist.training import (accumulation, fit_preemption, loops, on_batch, saving, steps,
-                             tf_handler, xla)
+from tfdist.training import (
+    accumulation,
+    fit_preemption,
+    loops,
+    on_batch,
+    saving,
+    steps,
+    tf_handler,
+    xla,
+)
 
 
 def install(strategy: Any) -> None:
@@ -44,6 +52,7 @@ def parameter_server(strategy: Any) -> None:
     # Keras 3 loses concurrent increments and cannot differentiate sharded
     # variables under this strategy; see tfdist.training.ps_patches.
     from tfdist.training import ps_patches
+
     ps_patches.install()
 
 

@@ -42,14 +42,21 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Iterator, NoReturn
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from absl import logging
 
 from tfdist.errors import ConfigError, TfdistError
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "PreemptionError", "PreemptionWatcher",
-           "preemption_signal", "status_dir"]
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
+    "PreemptionError",
+    "PreemptionWatcher",
+    "preemption_signal",
+    "status_dir",
+]
 
 #: A preempted task's exit code: 128 + SIGTERM. Kubeflow's TFJob
 #: ``restartPolicy: ExitCode`` retries 128-255 (and not 1-127), and TF's own
@@ -106,8 +113,12 @@ def preemption_signal(value: Any = None) -> signal.Signals:
             return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
         return signal.Signals(value)
     except (KeyError, ValueError):
-        raise ConfigError("signal", value, "a signal name such as 'SIGTERM' or 'USR1', "
-                          "or its number", source=source) from None
+        raise ConfigError(
+            "signal",
+            value,
+            "a signal name such as 'SIGTERM' or 'USR1', or its number",
+            source=source,
+        ) from None
 
 
 def status_dir() -> str | None:
@@ -119,6 +130,7 @@ def status_dir() -> str | None:
 def _cluster_of(strategy: Any) -> tuple[str, int, int]:
     """(task name, id among the training tasks, number of training tasks)."""
     from tfdist.training.callbacks.workers import cluster  # The callbacks import TensorFlow.
+
     spec, task_type, task_id = cluster(strategy)
     trainers = [(job, i) for job in ("chief", "worker") for i in range(len(spec.get(job, [])))]
     if task_type is None or (task_type, task_id) not in trainers:
@@ -156,28 +168,35 @@ class PreemptionWatcher:
             coordination service took up to 60 s here, past a 30 s grace
             period. The backup and the status record are on disk by then;
             ``finally`` blocks still run, later ``atexit`` handlers do not.
-        task, index, workers: This task's name, its index among the
-            training tasks and their number, for jobs without a
-            tf.distribute strategy (``tfdist.horovod``); default: from the
-            strategy's cluster.
+        task: This task's name, for jobs without a tf.distribute strategy
+            (``tfdist.horovod``); default: from the strategy's cluster.
+        index: This task's index among the training tasks; default, as
+            ``task``.
+        workers: The number of training tasks; default, as ``task``.
 
     Attributes:
         signal_time: ``time.time()`` of the first signal seen here, or None.
         stopped_at: The agreed step, once known.
     """
 
-    def __init__(self, strategy: Any = None, signals: Any = None, name: str = "loop", *,
-                 fast_exit: bool = True, task: str | None = None, index: int | None = None,
-                 workers: int | None = None) -> None:
+    def __init__(
+        self,
+        strategy: Any = None,
+        signals: Any = None,
+        name: str = "loop",
+        *,
+        fast_exit: bool = True,
+        task: str | None = None,
+        index: int | None = None,
+        workers: int | None = None,
+    ) -> None:
         if signals is None or isinstance(signals, (str, int)):
             signals = [signals]
         self.signals = [preemption_signal(s) for s in signals]
         if not self.signals:
-            raise ConfigError("signals", signals, "at least one signal",
-                              source="PreemptionWatcher")
+            raise ConfigError("signals", signals, "at least one signal", source="PreemptionWatcher")
         if not isinstance(fast_exit, bool):
-            raise ConfigError("fast_exit", fast_exit, "True or False",
-                              source="PreemptionWatcher")
+            raise ConfigError("fast_exit", fast_exit, "True or False", source="PreemptionWatcher")
         self.name = name
         self.fast_exit = fast_exit
         self._strategy = strategy
@@ -196,10 +215,11 @@ class PreemptionWatcher:
 
     # -- life cycle ----------------------------------------------------------
 
-    def start(self) -> "PreemptionWatcher":
+    def start(self) -> PreemptionWatcher:
         """Installs the signal handler and, with several workers, the watcher
         thread. Call it in the main thread, at the same point on every worker."""
         import tensorflow as tf
+
         if self._topology is not None:
             task, index, workers = self._topology
             self.index, self.workers = index or 0, workers
@@ -214,8 +234,9 @@ class PreemptionWatcher:
         self._running = True
         self._install()
         if self.workers > 1:
-            self._thread = threading.Thread(target=self._watch, daemon=True,
-                                            name="tfdist-preemption-watcher")
+            self._thread = threading.Thread(
+                target=self._watch, daemon=True, name="tfdist-preemption-watcher"
+            )
             self._thread.start()
         return self
 
@@ -235,10 +256,14 @@ class PreemptionWatcher:
             self._thread.join(10.0)
             self._thread = None
         if self._own.is_set() and self.stopped_at is None:
-            logging.warning("tfdist: %s was signalled (%s) after its last step; the loop "
-                            "finished, nothing more to save.", self.task, self.name)
+            logging.warning(
+                "tfdist: %s was signalled (%s) after its last step; the loop "
+                "finished, nothing more to save.",
+                self.task,
+                self.name,
+            )
 
-    def __enter__(self) -> "PreemptionWatcher":
+    def __enter__(self) -> PreemptionWatcher:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -260,9 +285,13 @@ class PreemptionWatcher:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self._own.is_set():
             self.signal_time = time.time()
-            logging.warning("tfdist: %s received %s: the workers will save at the next "
-                            "step boundary and exit with code %d.", self.task,
-                            signal.Signals(signum).name, PREEMPTED_EXIT_CODE)
+            logging.warning(
+                "tfdist: %s received %s: the workers will save at the next "
+                "step boundary and exit with code %d.",
+                self.task,
+                signal.Signals(signum).name,
+                PREEMPTED_EXIT_CODE,
+            )
         self._own.set()
 
     def notify(self) -> None:
@@ -285,6 +314,7 @@ class PreemptionWatcher:
         import tensorflow as tf
 
         from tfdist.compat.tf_python import eager_context as context
+
         try:
             context.context().set_config_key_value(key, value)
             return True
@@ -301,6 +331,7 @@ class PreemptionWatcher:
     def _watch(self) -> None:
         """Waits for the agreed step, records it, acknowledges it."""
         from tfdist.compat.tf_python import eager_context as context
+
         try:
             value = context.context().get_config_key_value(self._key("stop_after"))
         except Exception as error:  # noqa: BLE001 - the job is ending.
@@ -342,8 +373,9 @@ class PreemptionWatcher:
             self._published = True
             # Peers may already be inside step+1, none beyond it.
             if self._set(self._key("stop_after"), str(step + 1), exists_ok=True):
-                logging.info("tfdist: %s asks every worker to stop after step %d",
-                             self.task, step + 1)
+                logging.info(
+                    "tfdist: %s asks every worker to stop after step %d", self.task, step + 1
+                )
                 self._wait_for_acks()
         # Another worker's notice (ours came second): its value arrives through
         # the watcher before that worker lets step+1 run.
@@ -362,17 +394,19 @@ class PreemptionWatcher:
 
     def _wait_for_acks(self) -> None:
         from tfdist.compat.tf_python import eager_context as context
+
         timeout = ack_timeout()
         deadline = time.monotonic() + timeout
         for i in range(self.workers):
             left = max(1, int((deadline - time.monotonic()) * 1000))
             try:
                 context.context().get_config_key_value(self._key(f"ack/{i}"), left)
-            except Exception as error:  # noqa: BLE001 - DeadlineExceeded, Unavailable.
+            except Exception as error:  # DeadlineExceeded, Unavailable.
                 raise PreemptionError(
                     f"{self.task}: training task {i} of {self.workers} did not acknowledge "
                     f"the preemption notice within {timeout:g} s ({error}); it is gone, "
-                    "so no consistent backup can be taken.") from error
+                    "so no consistent backup can be taken."
+                ) from error
         self._agreed.wait(timeout)
 
     # -- exit ----------------------------------------------------------------
@@ -384,6 +418,7 @@ class PreemptionWatcher:
         if self.workers == 1 or self._prefix == "":
             return
         from tfdist.compat.tf_python import eager_context as context
+
         if self.index == 0:
             self._set(self._key("saved"), "1", exists_ok=True)
             return
@@ -391,14 +426,23 @@ class PreemptionWatcher:
         try:
             context.context().get_config_key_value(self._key("saved"), int(timeout * 1000))
         except Exception as error:  # noqa: BLE001 - exit anyway: the grace period runs.
-            logging.warning("tfdist: %s: the chief did not confirm its backup within %g s "
-                            "(%s); exiting anyway.", self.task, timeout, error)
+            logging.warning(
+                "tfdist: %s: the chief did not confirm its backup within %g s "
+                "(%s); exiting anyway.",
+                self.task,
+                timeout,
+                error,
+            )
 
     def record(self, **fields: Any) -> dict:
         """The status record: task, attempt, signal time and ``fields``."""
-        return {"task": self.task, "attempt": int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", 0)),
-                "signal_time": self.signal_time, "stopped_after": self.stopped_at,
-                **fields}
+        return {
+            "task": self.task,
+            "attempt": int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", 0)),
+            "signal_time": self.signal_time,
+            "stopped_after": self.stopped_at,
+            **fields,
+        }
 
     def exit(self, record: dict | None = None) -> NoReturn:
         """Writes the status record and raises :class:`Preempted` (exit code
@@ -408,19 +452,31 @@ class PreemptionWatcher:
         record["exit_time"] = time.time()
         write_status(record)
         self.stop()
-        since = (f" {record['exit_time'] - self.signal_time:.2f} s after the signal"
-                 if self.signal_time else "")
+        since = (
+            f" {record['exit_time'] - self.signal_time:.2f} s after the signal"
+            if self.signal_time
+            else ""
+        )
         where = f"step {record['step']}" if "step" in record else f"step {self.stopped_at}"
-        logging.warning("tfdist: %s saved at %s and exits (preempted)%s.", self.task, where,
-                        since)
+        logging.warning("tfdist: %s saved at %s and exits (preempted)%s.", self.task, where, since)
         grace = _grace()
-        if grace is not None and self.signal_time is not None \
-                and record["exit_time"] - self.signal_time > grace:
-            logging.warning("tfdist: that took longer than the grace period (%g s): a SIGKILL "
-                            "may have come first on a real preemption. Save less often "
-                            "elsewhere, or ask for a longer grace period.", grace)
-        print(f"tfdist: preempted: {self.task} saved at {where}; exiting with code "
-              f"{PREEMPTED_EXIT_CODE}{since}", file=sys.stderr, flush=True)
+        if (
+            grace is not None
+            and self.signal_time is not None
+            and record["exit_time"] - self.signal_time > grace
+        ):
+            logging.warning(
+                "tfdist: that took longer than the grace period (%g s): a SIGKILL "
+                "may have come first on a real preemption. Save less often "
+                "elsewhere, or ask for a longer grace period.",
+                grace,
+            )
+        print(
+            f"tfdist: preempted: {self.task} saved at {where}; exiting with code "
+            f"{PREEMPTED_EXIT_CODE}{since}",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.fast_exit:
             # Registered last, so it runs first at exit.
             atexit.register(_exit_now)

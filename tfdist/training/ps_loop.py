@@ -10,7 +10,8 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -18,22 +19,37 @@ import tensorflow as tf
 from tfdist.errors import ConfigError, require_int
 from tfdist.training import ps_patches as keras_ps
 from tfdist.training.preemption import Preempted
-from tfdist.training.ps_data import (IN_FLIGHT_PER_WORKER, SOURCE, build, check_model,
-                                     check_positive_int, is_dataset_fn, local_dataset,
-                                     TrainData, verbosity)
-from tfdist.training.ps_steps import (cluster_spec, evaluate_on_coordinator, numpy_logs,
-                                      ps_failure, train_step_fn, wait)
+from tfdist.training.ps_data import (
+    IN_FLIGHT_PER_WORKER,
+    SOURCE,
+    TrainData,
+    build,
+    check_model,
+    check_positive_int,
+    is_dataset_fn,
+    local_dataset,
+    verbosity,
+)
+from tfdist.training.ps_steps import (
+    cluster_spec,
+    evaluate_on_coordinator,
+    numpy_logs,
+    ps_failure,
+    train_step_fn,
+    wait,
+)
 
 
 class ParameterServerFit:
     """One ``fit`` call under ParameterServerStrategy, run on the coordinator."""
 
     def __init__(self, model: Any, strategy: Any, step_timeout: float | None) -> None:
-        if step_timeout is not None and (isinstance(step_timeout, bool) or not
-                                         isinstance(step_timeout, (int, float))
-                                         or step_timeout <= 0):
-            raise ConfigError("step_timeout", step_timeout, "seconds > 0 or None",
-                              source=SOURCE)
+        if step_timeout is not None and (
+            isinstance(step_timeout, bool)
+            or not isinstance(step_timeout, (int, float))
+            or step_timeout <= 0
+        ):
+            raise ConfigError("step_timeout", step_timeout, "seconds > 0 or None", source=SOURCE)
         check_model(model, strategy)
         keras_ps.install()
         self.model, self.strategy, self.step_timeout = model, strategy, step_timeout
@@ -53,89 +69,129 @@ class ParameterServerFit:
                 for _ in tf.range(steps - 1):
                     logs = strategy.run(step_fn, args=(next(iterator),))
                 return logs
+
             self._functions[steps] = train
         return self._functions[steps]
 
-    def run(self, x, y, *, batch_size, epochs, verbose, callbacks, validation_split,
-            validation_data, shuffle, class_weight, sample_weight, initial_epoch,
-            steps_per_epoch, validation_steps, validation_batch_size,
-            validation_freq) -> keras.callbacks.History:
+    def run(
+        self,
+        x,
+        y,
+        *,
+        batch_size,
+        epochs,
+        verbose,
+        callbacks,
+        validation_split,
+        validation_data,
+        shuffle,
+        class_weight,
+        sample_weight,
+        initial_epoch,
+        steps_per_epoch,
+        validation_steps,
+        validation_batch_size,
+        validation_freq,
+    ) -> keras.callbacks.History:
         model = self.model
         if class_weight is not None:
-            raise ConfigError("class_weight", class_weight, "None under "
-                              "ParameterServerStrategy", source=SOURCE,
-                              hint="Put per-sample weights in the data instead.")
+            raise ConfigError(
+                "class_weight",
+                class_weight,
+                "None under ParameterServerStrategy",
+                source=SOURCE,
+                hint="Put per-sample weights in the data instead.",
+            )
         require_int("epochs", epochs, minimum=0, source=SOURCE)
         check_positive_int("validation_freq", validation_freq, allow_none=False)
         check_positive_int("steps_per_epoch", steps_per_epoch)
         if validation_split:
             if isinstance(x, tf.data.Dataset) or is_dataset_fn(x):
-                raise ConfigError("validation_split", validation_split,
-                                  "0 unless x is arrays; pass validation_data",
-                                  source=SOURCE)
+                raise ConfigError(
+                    "validation_split",
+                    validation_split,
+                    "0 unless x is arrays; pass validation_data",
+                    source=SOURCE,
+                )
             from tfdist.compat.keras_src import array_slicing
+
             (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-                (x, y, sample_weight), validation_split=validation_split)
+                (x, y, sample_weight), validation_split=validation_split
+            )
         data = TrainData(x, y, sample_weight, batch_size, shuffle, steps_per_epoch)
         steps = data.steps_per_epoch
         val_data = None
         if validation_data is not None:
-            val_data = local_dataset(validation_data, None, None,
-                                     validation_batch_size or batch_size, "validation_data")
+            val_data = local_dataset(
+                validation_data, None, None, validation_batch_size or batch_size, "validation_data"
+            )
         build(model, self.strategy, data.sample)
 
         strategy, make = self.strategy, data.make
         if data.dataset is not None:
             per_worker = self.coordinator.create_per_worker_dataset(
-                strategy.experimental_distribute_dataset(data.dataset))
+                strategy.experimental_distribute_dataset(data.dataset)
+            )
         else:
             per_worker = self.coordinator.create_per_worker_dataset(
-                lambda: strategy.distribute_datasets_from_function(make))
+                lambda: strategy.distribute_datasets_from_function(make)
+            )
         iterator = iter(per_worker)
         per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         window = IN_FLIGHT_PER_WORKER * max(1, self.num_workers)
 
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = keras.callbacks.CallbackList(
-                callbacks, add_history=True, add_progbar=verbose != 0,
-                verbose=verbosity(verbose), epochs=epochs, steps=steps, model=model)
+                callbacks,
+                add_history=True,
+                add_progbar=verbose != 0,
+                verbose=verbosity(verbose),
+                epochs=epochs,
+                steps=steps,
+                model=model,
+            )
         model.stop_training = False
         callbacks.on_train_begin()
         start_step = _resume_step(model)
-        first_epoch = model._initial_epoch or initial_epoch
+        first_epoch = model._initial_epoch or initial_epoch  # noqa: SLF001 - Keras's fit starts from _initial_epoch, as its BackupAndRestore sets it
         training_logs = None
         try:
             with _training_marker(_watchers(callbacks)):
                 for epoch in range(first_epoch, epochs):
                     model.reset_metrics()
                     callbacks.on_epoch_begin(epoch)
-                    logs = self._run_epoch(iterator, callbacks, start_step, steps,
-                                           per_call, window)
+                    logs = self._run_epoch(iterator, callbacks, start_step, steps, per_call, window)
                     start_step = 0
-                    epoch_logs = numpy_logs(model._get_metrics_result_or_logs(logs))
-                    if val_data is not None and model._should_eval(epoch, validation_freq):
-                        val_logs = evaluate_on_coordinator(model, val_data, validation_steps,
-                                                           callbacks)
+                    epoch_logs = numpy_logs(model._get_metrics_result_or_logs(logs))  # noqa: SLF001 - the epoch logs exactly as Keras's fit makes them
+                    if val_data is not None and model._should_eval(epoch, validation_freq):  # noqa: SLF001 - Keras's own validation_freq rule
+                        val_logs = evaluate_on_coordinator(
+                            model, val_data, validation_steps, callbacks
+                        )
                         epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                     callbacks.on_epoch_end(epoch, epoch_logs)
                     training_logs = epoch_logs
                     if model.stop_training:
                         break
-        except (tf.errors.UnavailableError, tf.errors.AbortedError,
-                tf.errors.CancelledError) as error:
+        except (
+            tf.errors.UnavailableError,
+            tf.errors.AbortedError,
+            tf.errors.CancelledError,
+        ) as error:
             raise ps_failure(error, self.strategy) from error
         except Preempted:
             # Saved; the servers leave once they see the status record. Detach
             # from them first, or this process's exit tries to reach them for
             # each function it ran ("Failed to connect ... refused").
             from tfdist.strategies.coordinator import disconnect_coordinator
+
             disconnect_coordinator(cluster_spec(self.strategy))
             raise
         callbacks.on_train_end(logs=training_logs)
         return model.history
 
-    def _run_epoch(self, iterator, callbacks, first_step: int, steps: int,
-                   per_call: int, window: int) -> dict:
+    def _run_epoch(
+        self, iterator, callbacks, first_step: int, steps: int, per_call: int, window: int
+    ) -> dict:
         model = self.model
         pending: collections.deque = collections.deque()
         step, logs = first_step, {}
@@ -160,8 +216,7 @@ class ParameterServerFit:
             while step < steps and len(pending) < limit and not model.stop_training:
                 count = min(per_call, steps - step)
                 callbacks.on_train_batch_begin(step)
-                remote = self.coordinator.schedule(self._train_function(count),
-                                                   args=(iterator,))
+                remote = self.coordinator.schedule(self._train_function(count), args=(iterator,))
                 pending.append((step + count - 1, remote))
                 step += count
             if not pending:
@@ -195,8 +250,7 @@ def _watchers(callbacks: Any) -> list:
     (:mod:`tfdist.training.fit_preemption`). They exist from ``on_train_begin``."""
     found = []
     for callback in getattr(callbacks, "callbacks", callbacks or ()):
-        watcher = (getattr(callback, "watcher", None)
-                   or vars(callback).get("_tfdist_watcher"))
+        watcher = getattr(callback, "watcher", None) or vars(callback).get("_tfdist_watcher")
         if watcher is not None and hasattr(watcher, "should_stop"):
             found.append(watcher)
     return found
@@ -219,6 +273,7 @@ def _training_marker(watchers: list):
     (:mod:`tfdist.training.ps_preemption`); without it, a server stops at once (the
     job is ending anyway)."""
     from tfdist.training.ps_preemption import TRAINING_MARKER, notice_dir
+
     directory = notice_dir() if watchers else None
     path = None
     if directory is not None:
@@ -250,6 +305,7 @@ class _PsNotices:
 
     def __init__(self, watchers: list) -> None:
         from tfdist.training.ps_preemption import notice_dir
+
         self.watchers = watchers
         self.directory = notice_dir() if watchers else None
         self._next = 0.0
@@ -269,10 +325,15 @@ class _PsNotices:
             except (OSError, ValueError):
                 task = names[0]
             from absl import logging
-            logging.warning("tfdist.fit: %s was preempted; saving before its "
-                            "variables are gone.", task)
-            print(f"tfdist.fit: {task} was preempted: saving a backup at the next step "
-                  "boundary before its variables are gone.", flush=True)
+
+            logging.warning(
+                "tfdist.fit: %s was preempted; saving before its variables are gone.", task
+            )
+            print(
+                f"tfdist.fit: {task} was preempted: saving a backup at the next step "
+                "boundary before its variables are gone.",
+                flush=True,
+            )
             for watcher in self.watchers:
                 watcher.notify()
 
@@ -285,6 +346,7 @@ def _resume_step(model: Any) -> int:
     at that step.
     """
     from tfdist.training.callbacks.backup import SkipSteps, unwrap_train_function
+
     fn = getattr(model, "train_function", None)
     skip = fn.remaining if isinstance(fn, SkipSteps) else 0
     unwrap_train_function(model)

@@ -35,21 +35,37 @@ own code runs unchanged.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.compat.keras_src import (in_stateless_scope,
-                                     in_symbolic_scope)
-from tfdist.compat.keras_src import base_optimizer_module as base_optimizer
+from tfdist.compat.keras_src import (
+    base_optimizer_module as base_optimizer,
+    in_stateless_scope,
+    in_symbolic_scope,
+)
 from tfdist.compat.tf_python import ShardedVariable
 
-__all__ = ["install", "gradients", "is_sharded", "raw_variable", "shards", "wrap_assign_add",
-           "wrap_assign_sub", "wrap_numpy", "wrap_array", "wrap_update_step",
-           "wrap_slot_from_reference", "wrap_fit", "wrap_evaluate", "wrap_predict",
-           "wrap_tape_gradient"]
+__all__ = [
+    "install",
+    "gradients",
+    "is_sharded",
+    "raw_variable",
+    "shards",
+    "wrap_assign_add",
+    "wrap_assign_sub",
+    "wrap_numpy",
+    "wrap_array",
+    "wrap_update_step",
+    "wrap_slot_from_reference",
+    "wrap_fit",
+    "wrap_evaluate",
+    "wrap_predict",
+    "wrap_tape_gradient",
+]
 
 _PS = tf.distribute.experimental.ParameterServerStrategy
 
@@ -61,12 +77,17 @@ def _under_parameter_server() -> bool:
 def _atomic(method: str, keras_method: Any) -> Any:
     @functools.wraps(keras_method)
     def assign(self, value):
-        if (self._value is None or in_stateless_scope() or in_symbolic_scope()
-                or not _under_parameter_server()):
+        if (
+            self._value is None
+            or in_stateless_scope()
+            or in_symbolic_scope()
+            or not _under_parameter_server()
+        ):
             return keras_method(self, value)
         value = tf.cast(value, self._value.dtype)
         getattr(self._value, method)(value, read_value=False)
         return self._value
+
     return assign
 
 
@@ -82,16 +103,15 @@ def _update_step(keras_method: Any) -> Any:
             else:
                 plain.append((grad, var))
         return keras_method(self, distribution, plain, learning_rate)
+
     return update
 
 
 def _slot_from_reference(keras_method: Any) -> Any:
     @functools.wraps(keras_method)
-    def add_variable_from_reference(self, reference_variable, name=None,
-                                    initializer="zeros"):
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         if _shards(reference_variable) is None:
-            return keras_method(self, reference_variable, name=name,
-                                initializer=initializer)
+            return keras_method(self, reference_variable, name=name, initializer=initializer)
         # Keras colocates the slot with its variable, which a ShardedVariable
         # refuses inside a function (the optimizer builds lazily in the
         # user's first scheduled step). Create it eagerly instead, out of
@@ -99,7 +119,9 @@ def _slot_from_reference(keras_method: Any) -> Any:
         # the strategy's partitioner shards it like its variable.
         with tf.init_scope():
             return base_optimizer.BaseOptimizer.add_variable_from_reference(
-                self, reference_variable, name=name, initializer=initializer)
+                self, reference_variable, name=name, initializer=initializer
+            )
+
     return add_variable_from_reference
 
 
@@ -109,24 +131,31 @@ def _whole(keras_method: Any, to_numpy: Any) -> Any:
         if isinstance(self._value, ShardedVariable):
             return to_numpy(tf.convert_to_tensor(self._value).numpy(), *args, **kwargs)
         return keras_method(self, *args, **kwargs)
+
     return read
 
 
 def _tape_gradient(tf_method: Any) -> Any:
     @functools.wraps(tf_method)
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+    def gradient(
+        self,
+        target,
+        sources,
+        output_gradients=None,
+        unconnected_gradients=tf.UnconnectedGradients.NONE,
+    ):
         flat = tf.nest.flatten(sources)
         shards = [_shards(source) for source in flat]
         if not any(shards):
-            return tf_method(self, target, sources, output_gradients,
-                             unconnected_gradients)
+            return tf_method(self, target, sources, output_gradients, unconnected_gradients)
         expanded = [parts if parts else source for parts, source in zip(shards, flat)]
-        grads = tf_method(self, target, expanded, output_gradients,
-                          unconnected_gradients)
-        joined = [_join(grad, [int(v.shape[0]) for v in parts]) if parts else grad
-                  for parts, grad in zip(shards, grads)]
+        grads = tf_method(self, target, expanded, output_gradients, unconnected_gradients)
+        joined = [
+            _join(grad, [int(v.shape[0]) for v in parts]) if parts else grad
+            for parts, grad in zip(shards, grads)
+        ]
         return tf.nest.pack_sequence_as(sources, joined)
+
     return gradient
 
 
@@ -141,24 +170,28 @@ def _shards(source: Any) -> list | None:
 
 def _under_tfdist_ps(model: Any) -> bool:
     from tfdist.strategies import ParameterServerStrategy
-    return isinstance(getattr(model, "_distribute_strategy", None),
-                      ParameterServerStrategy)
+
+    return isinstance(getattr(model, "_distribute_strategy", None), ParameterServerStrategy)
 
 
 def _route(keras_method: Any, tfdist_function: str) -> Any:
     """``model.fit``/``evaluate``/``predict``: tfdist's under tfdist's PS strategy."""
+
     @functools.wraps(keras_method)
     def method(self, *args, **kwargs):
         if not _under_tfdist_ps(self):
             return keras_method(self, *args, **kwargs)
         from tfdist.training import parameter_server as training
+
         return getattr(training, tfdist_function)(self, *args, **kwargs)
+
     return method
 
 
 def install() -> None:
     """Installs the fixes (the registry's ``parameter_server``); idempotent."""
     from tfdist import compat
+
     compat.install("parameter_server")
 
 
@@ -233,8 +266,7 @@ def shards(weight: Any) -> list[tf.Variable]:
     parts = _shards(weight)
     if parts is not None:
         return parts
-    return [getattr(weight, "_value", weight) if isinstance(weight, keras.Variable)
-            else weight]
+    return [getattr(weight, "_value", weight) if isinstance(weight, keras.Variable) else weight]
 
 
 def _join(parts: Sequence[Any], shard_rows: Sequence[int]) -> Any:
@@ -252,14 +284,20 @@ def _join(parts: Sequence[Any], shard_rows: Sequence[int]) -> Any:
                 values.append(part)
                 indices.append(tf.range(offset, offset + rows, dtype=tf.int64))
             offset += rows
-        dense_shape = tf.TensorShape([offset]).concatenate(
-            (values[0].shape[1:]))
-        return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0),
-                                tf.constant(dense_shape.as_list(), tf.int64))
+        dense_shape = tf.TensorShape([offset]).concatenate(values[0].shape[1:])
+        return tf.IndexedSlices(
+            tf.concat(values, 0),
+            tf.concat(indices, 0),
+            tf.constant(dense_shape.as_list(), tf.int64),
+        )
     template = next(p for p in parts if p is not None)
-    return tf.concat([p if p is not None else
-                      tf.zeros([rows, *template.shape[1:]], template.dtype)
-                      for p, rows in zip(parts, shard_rows)], 0)
+    return tf.concat(
+        [
+            p if p is not None else tf.zeros([rows, *template.shape[1:]], template.dtype)
+            for p, rows in zip(parts, shard_rows)
+        ],
+        0,
+    )
 
 
 def gradients(tape: tf.GradientTape, target: Any, weights: Sequence[Any]) -> list:

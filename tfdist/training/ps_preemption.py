@@ -44,8 +44,7 @@ from typing import Any, NoReturn
 
 from tfdist.training.preemption import PREEMPTED_EXIT_CODE, preemption_signal, status_dir
 
-__all__ = ["serve_until_preempted", "NOTICE_DIR", "TRAINING_MARKER", "notice_dir",
-           "grace_seconds"]
+__all__ = ["serve_until_preempted", "NOTICE_DIR", "TRAINING_MARKER", "notice_dir", "grace_seconds"]
 
 #: Where a ps leaves its notice, inside ``$TFDIST_JOB_DIR``.
 NOTICE_DIR = "ps-notices"
@@ -85,7 +84,8 @@ def _coordinator_training() -> bool:
     directory = notice_dir()
     try:
         return directory is not None and any(
-            name.startswith(TRAINING_MARKER) for name in os.listdir(directory))
+            name.startswith(TRAINING_MARKER) for name in os.listdir(directory)
+        )
     except OSError:
         return False
 
@@ -95,8 +95,9 @@ def _coordinator_done() -> bool:
     if directory is None:
         return False
     try:
-        return any(name.startswith("chief-") and name.endswith(".json")
-                   for name in os.listdir(directory))
+        return any(
+            name.startswith("chief-") and name.endswith(".json") for name in os.listdir(directory)
+        )
     except OSError:
         return False
 
@@ -132,30 +133,46 @@ def serve_until_preempted(task_type: str, task_index: int, server: Any = None) -
     if not _coordinator_training():
         # Nothing to save for (no tfdist.fit with a backup running, or no
         # TFDIST_JOB_DIR): the job is being stopped, or cannot be helped.
-        print(f"tfdist: {task} received {signum.name}: no training to save for; exiting "
-              f"with code {PREEMPTED_EXIT_CODE}.", file=sys.stderr, flush=True)
+        print(
+            f"tfdist: {task} received {signum.name}: no training to save for; exiting "
+            f"with code {PREEMPTED_EXIT_CODE}.",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(PREEMPTED_EXIT_CODE)
     grace = grace_seconds()
     deadline = time.monotonic() + max(0.0, grace - _MARGIN)
     if task_type == "ps":
-        _write_json(notice_dir(), f"ps-{task_index}.json",
-                    {"task": task, "signal_time": signal_time[0], "grace": grace})
+        _write_json(
+            notice_dir(),
+            f"ps-{task_index}.json",
+            {"task": task, "signal_time": signal_time[0], "grace": grace},
+        )
         what = "asked the coordinator to save; serving its variables until it has"
     else:
         what = "serving until the coordinator has saved (the job can go on without it)"
-    print(f"tfdist: {task} received {signum.name}: {what}, at most {grace:g} s "
-          f"(TFDIST_GRACE); then it exits with code {PREEMPTED_EXIT_CODE}.",
-          file=sys.stderr, flush=True)
-    while (time.monotonic() < deadline and not _coordinator_done()
-           and _coordinator_training()):
+    print(
+        f"tfdist: {task} received {signum.name}: {what}, at most {grace:g} s "
+        f"(TFDIST_GRACE); then it exits with code {PREEMPTED_EXIT_CODE}.",
+        file=sys.stderr,
+        flush=True,
+    )
+    while time.monotonic() < deadline and not _coordinator_done() and _coordinator_training():
         time.sleep(0.1)
     if _coordinator_done():
         time.sleep(1.0)  # It detaches from the servers before it exits.
-    reason = ("the coordinator saved" if _coordinator_done() else
-              "the coordinator stopped training" if not _coordinator_training() else
-              "the grace period ended")
-    print(f"tfdist: {task} exits ({reason}), {time.time() - signal_time[0]:.1f} s after "
-          "the signal.", file=sys.stderr, flush=True)
+    reason = (
+        "the coordinator saved"
+        if _coordinator_done()
+        else "the coordinator stopped training"
+        if not _coordinator_training()
+        else "the grace period ended"
+    )
+    print(
+        f"tfdist: {task} exits ({reason}), {time.time() - signal_time[0]:.1f} s after the signal.",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stderr.flush()
     # The server cannot be stopped; leave without TensorFlow's teardown.
     os._exit(PREEMPTED_EXIT_CODE)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -26,15 +27,17 @@ def _keras_train_step(model: Any, data: Any) -> dict:
 
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
-        if model._call_has_training_arg:
+        if model._call_has_training_arg:  # noqa: SLF001 - calls the model as Keras's train_step does
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                                   sample_weight=sample_weight, training=True)
-        model._loss_tracker.update_state(
+        loss = model._compute_loss(  # noqa: SLF001 - Keras's train_step loss, with its scaling
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        model._loss_tracker.update_state(  # noqa: SLF001 - the loss metric Keras's train_step updates
             loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+        )
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
     if model.trainable_weights:
@@ -47,6 +50,7 @@ def _keras_train_step(model: Any, data: Any) -> dict:
 def train_step_fn(model: Any) -> Callable:
     """The train step the workers run: Keras's, or the model's own."""
     from tfdist.compat.keras_src import TensorFlowTrainer
+
     own = type(model).train_step
     if own is TensorFlowTrainer.train_step:
         return lambda data: _keras_train_step(model, data)
@@ -60,7 +64,8 @@ def wait(remote: Any, timeout: float | None, what: str) -> Any:
         raise StepTimeoutError(
             f"{what} did not finish within step_timeout={timeout:g}s: no worker "
             "ran it. Are all workers down? Restart them (they rejoin), or raise "
-            "step_timeout.")
+            "step_timeout."
+        )
     return remote.fetch()
 
 
@@ -68,13 +73,13 @@ def numpy_logs(logs: Any) -> dict:
     """``logs`` with numpy values (floats for scalars)."""
     if not isinstance(logs, dict):
         return {}
-    return {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
-            for k, v in logs.items()}
+    return {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v) for k, v in logs.items()}
 
 
 def cluster_spec(strategy: Any) -> dict:
     """The cluster spec dict of ``strategy``."""
     from tfdist.training.callbacks.workers import cluster
+
     return cluster(strategy)[0]
 
 
@@ -92,29 +97,42 @@ def ps_failure(error: Exception, strategy: Any) -> ParameterServerError:
     """The ParameterServerError of ``error``, naming the unreachable ps."""
     ps = [str(a) for a in cluster_spec(strategy).get("ps", [])]
     text = str(error)
-    lost = [f"ps:{i} ({addr})" for i, addr in enumerate(ps)
-            if f":{addr.rsplit(':', 1)[-1]}" in text or not _answers(addr)]
+    lost = [
+        f"ps:{i} ({addr})"
+        for i, addr in enumerate(ps)
+        if f":{addr.rsplit(':', 1)[-1]}" in text or not _answers(addr)
+    ]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    detail = next((line for line in lines if re.search(
-        r"connect|refused|socket closed|unavailable|reset", line, re.I)),
-        lines[0] if lines else type(error).__name__)
-    who = (", ".join(lost) + " is unreachable") if lost else \
-        f"a parameter server is unreachable (ps: {', '.join(ps)})"
+    detail = next(
+        (
+            line
+            for line in lines
+            if re.search(r"connect|refused|socket closed|unavailable|reset", line, re.I)
+        ),
+        lines[0] if lines else type(error).__name__,
+    )
+    who = (
+        (", ".join(lost) + " is unreachable")
+        if lost
+        else f"a parameter server is unreachable (ps: {', '.join(ps)})"
+    )
     return ParameterServerError(
         f"training stopped: {who}. {type(error).__name__}: {detail[:300]}. "
         "A ps holds its share of the variables, and they are gone with it: "
         "restart the cluster and resume from the last backup "
-        "(tfdist.BackupAndRestore keeps only complete ones).")
+        "(tfdist.BackupAndRestore keeps only complete ones)."
+    )
 
 
-def evaluate_on_coordinator(model: Any, data: tf.data.Dataset, steps: int | None,
-                            callbacks: Any) -> dict:
+def evaluate_on_coordinator(
+    model: Any, data: tf.data.Dataset, steps: int | None, callbacks: Any
+) -> dict:
     """Evaluates on the coordinator: every batch once, variables read from the ps."""
     check_positive_int("validation_steps", steps)
     test_step = getattr(model, "_tfdist_test_step", None)
     if test_step is None:
         test_step = tf.function(model.test_step, reduce_retracing=True)
-        model._tfdist_test_step = test_step
+        model._tfdist_test_step = test_step  # noqa: SLF001 - tfdist's own cache of the traced step, on the model
     model.reset_metrics()
     callbacks.on_test_begin()
     logs: dict = {}
@@ -123,6 +141,6 @@ def evaluate_on_coordinator(model: Any, data: tf.data.Dataset, steps: int | None
         callbacks.on_test_batch_begin(step)
         logs = numpy_logs(test_step(batch))
         callbacks.on_test_batch_end(step, logs)
-    logs = numpy_logs(model._get_metrics_result_or_logs(logs))
+    logs = numpy_logs(model._get_metrics_result_or_logs(logs))  # noqa: SLF001 - the logs exactly as Keras's evaluate makes them
     callbacks.on_test_end(logs)
     return logs

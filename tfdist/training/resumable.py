@@ -22,7 +22,8 @@ skipped batches without training on them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
@@ -45,10 +46,14 @@ def _kind(data: Any) -> str:
         return "distributed"
     if callable(data):
         return "function"
-    raise ConfigError("data", type(data).__name__,
-                      "a tf.data.Dataset, a function input_context -> tf.data.Dataset "
-                      "(as for strategy.distribute_datasets_from_function), or a "
-                      "distributed dataset", source=_SOURCE)
+    raise ConfigError(
+        "data",
+        type(data).__name__,
+        "a tf.data.Dataset, a function input_context -> tf.data.Dataset "
+        "(as for strategy.distribute_datasets_from_function), or a "
+        "distributed dataset",
+        source=_SOURCE,
+    )
 
 
 class CheckpointableIterator(trackable.Trackable):
@@ -89,14 +94,16 @@ class CheckpointableIterator(trackable.Trackable):
         self._data = data
         self._strategy = strategy or tf.distribute.get_strategy()
         if isinstance(self._strategy, tf.distribute.experimental.ParameterServerStrategy):
-            raise ConfigError("strategy", type(self._strategy).__name__,
-                              "a strategy that trains in sync (Mirrored, "
-                              "MultiWorkerMirrored, one device)", source=_SOURCE,
-                              hint="Under ParameterServerStrategy use tfdist.fit with "
-                              "tfdist.BackupAndRestore, which resumes mid-epoch.")
+            raise ConfigError(
+                "strategy",
+                type(self._strategy).__name__,
+                "a strategy that trains in sync (Mirrored, MultiWorkerMirrored, one device)",
+                source=_SOURCE,
+                hint="Under ParameterServerStrategy use tfdist.fit with "
+                "tfdist.BackupAndRestore, which resumes mid-epoch.",
+            )
         with tf.init_scope():
-            self._count = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                      name="batches_taken")
+            self._count = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches_taken")
         self._used_in_function = False
         # Made at the first batch or restore, not now: a second iterator over
         # a dataset reshuffled each iteration gets a different order.
@@ -111,8 +118,11 @@ class CheckpointableIterator(trackable.Trackable):
             return iter(strategy.experimental_distribute_dataset(dataset))
         if self._kind == "function":
             fn: Callable = self._data
-            return iter(strategy.distribute_datasets_from_function(
-                lambda context: fn(context).skip(skip) if skip else fn(context)))
+            return iter(
+                strategy.distribute_datasets_from_function(
+                    lambda context: fn(context).skip(skip) if skip else fn(context)
+                )
+            )
         iterator = iter(self._data)
         for _ in range(skip):
             next(iterator)
@@ -132,7 +142,7 @@ class CheckpointableIterator(trackable.Trackable):
     def element_spec(self) -> Any:
         return self._current().element_spec
 
-    def __iter__(self) -> "CheckpointableIterator":
+    def __iter__(self) -> CheckpointableIterator:
         return self
 
     def __next__(self) -> Any:
@@ -155,14 +165,16 @@ class CheckpointableIterator(trackable.Trackable):
             raise IteratorRestoreError(
                 "CheckpointableIterator can only be restored eagerly (call "
                 "checkpoint.restore / manager.restore_or_initialize outside a "
-                "tf.function).")
+                "tf.function)."
+            )
         batches = int(restored_tensors["batches"])
         if self._used_in_function and batches != self.batches:
             # A traced step holds the old iterator: it would go on reading it.
             raise IteratorRestoreError(
                 f"the checkpoint moves the iterator to batch {batches}, but a "
                 f"tf.function has already read from it (at batch {self.batches}). "
-                "Restore the checkpoint before the first training step.")
+                "Restore the checkpoint before the first training step."
+            )
         if self._iterator is not None and batches != self.batches:
             self._iterator = None  # Made again at the next batch, skipping.
         return self._count.assign(batches)

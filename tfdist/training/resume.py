@@ -56,6 +56,7 @@ def state_file(checkpoint: str, task: str) -> str:
 
 def _state(optimizer: Any) -> list:
     from tfdist.compression.keras_hook import state_variables
+
     inner = getattr(optimizer, "inner_optimizer", None)
     return state_variables(inner if inner is not None else optimizer)
 
@@ -64,8 +65,9 @@ def _local(strategy: Any, variable: Any) -> tuple:
     return tuple(strategy.experimental_local_results(getattr(variable, "value", variable)))
 
 
-def save_replica_state(optimizer: Any, strategy: Any, directory: str, checkpoint: str,
-                       task: str) -> str | None:
+def save_replica_state(
+    optimizer: Any, strategy: Any, directory: str, checkpoint: str, task: str
+) -> str | None:
     """Writes this worker's replicas' compression state, atomically.
 
     Returns:
@@ -74,8 +76,11 @@ def save_replica_state(optimizer: Any, strategy: Any, directory: str, checkpoint
     variables = _state(optimizer)
     if not variables:
         return None
-    arrays = {f"v{i}_r{r}": copy.numpy()
-              for i, v in enumerate(variables) for r, copy in enumerate(_local(strategy, v))}
+    arrays = {
+        f"v{i}_r{r}": copy.numpy()
+        for i, v in enumerate(variables)
+        for r, copy in enumerate(_local(strategy, v))
+    }
     arrays["replicas"] = np.array(strategy.num_replicas_in_sync)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, state_file(checkpoint, task))
@@ -92,8 +97,9 @@ def save_replica_state(optimizer: Any, strategy: Any, directory: str, checkpoint
     return path
 
 
-def load_replica_state(optimizer: Any, strategy: Any, directory: str, checkpoint: str,
-                       task: str, saved_replicas: int) -> str:
+def load_replica_state(
+    optimizer: Any, strategy: Any, directory: str, checkpoint: str, task: str, saved_replicas: int
+) -> str:
     """After the weights were loaded: makes the compression state exact (same
     size) or carries the residuals' sum over (another size).
 
@@ -112,16 +118,23 @@ def load_replica_state(optimizer: Any, strategy: Any, directory: str, checkpoint
             if "MEAN" in str(getattr(v.value, "aggregation", "")).upper():
                 for copy in _local(strategy, v):
                     copy.assign(copy * ratio)
-        logging.warning("tfdist: compression residuals saved by %d replicas are carried over "
-                        "to %d: each gets the saved mean times %d/%d, so their sum (the "
-                        "gradient still owed) is kept.", saved_replicas, replicas,
-                        saved_replicas, replicas)
+        logging.warning(
+            "tfdist: compression residuals saved by %d replicas are carried over "
+            "to %d: each gets the saved mean times %d/%d, so their sum (the "
+            "gradient still owed) is kept.",
+            saved_replicas,
+            replicas,
+            saved_replicas,
+            replicas,
+        )
         return "rescaled"
     path = os.path.join(directory, state_file(checkpoint, task))
     if not os.path.exists(path):
-        logging.warning("tfdist: %s is missing; the compression state resumes from the "
-                        "replicas' mean (their sum is kept, each replica's share is not).",
-                        path)
+        logging.warning(
+            "tfdist: %s is missing; the compression state resumes from the "
+            "replicas' mean (their sum is kept, each replica's share is not).",
+            path,
+        )
         return "mean"
     with np.load(path) as saved:
         for i, v in enumerate(variables):
@@ -146,30 +159,46 @@ def resize(meta: dict, replicas: int, steps_per_epoch: int | None, optimizer: An
     step = int(meta["step"])
     old_replicas = int(meta.get("replicas") or replicas)
     old_steps = meta.get("steps_per_epoch")
-    if old_replicas == replicas and (not old_steps or not steps_per_epoch
-                                     or old_steps == steps_per_epoch):
+    if old_replicas == replicas and (
+        not old_steps or not steps_per_epoch or old_steps == steps_per_epoch
+    ):
         return step
     if not old_steps or not steps_per_epoch or old_steps == steps_per_epoch:
         logging.warning(
             "tfdist: the job resumes at another size: %d -> %d replicas. Policy: global "
             "batch kept (%s steps per epoch), so the per-replica batch changes; it resumes "
-            "at batch %d of epoch %s; compression residuals keep their sum.", old_replicas,
-            replicas, steps_per_epoch or "same", step, meta.get("epoch"))
+            "at batch %d of epoch %s; compression residuals keep their sum.",
+            old_replicas,
+            replicas,
+            steps_per_epoch or "same",
+            step,
+            meta.get("epoch"),
+        )
         return step
     new_step = math.floor(step * steps_per_epoch / old_steps)
-    message = (f"tfdist: the job resumes at another size: {old_replicas} -> {replicas} "
-               f"replicas, {old_steps} -> {steps_per_epoch} steps per epoch (the global batch "
-               f"follows the workers). Policy: the fraction of the epoch done is kept "
-               f"(batch {step} -> {new_step})")
+    message = (
+        f"tfdist: the job resumes at another size: {old_replicas} -> {replicas} "
+        f"replicas, {old_steps} -> {steps_per_epoch} steps per epoch (the global batch "
+        f"follows the workers). Policy: the fraction of the epoch done is kept "
+        f"(batch {step} -> {new_step})"
+    )
     rate = getattr(optimizer, "_learning_rate", None)
     from keras.optimizers.schedules import LearningRateSchedule
+
     if optimizer is None or rate is None or isinstance(rate, LearningRateSchedule):
-        logging.warning("%s; the learning-rate schedule is left as it is: scale it with "
-                        "the global batch in the script if you need to.", message)
+        logging.warning(
+            "%s; the learning-rate schedule is left as it is: scale it with "
+            "the global batch in the script if you need to.",
+            message,
+        )
         return new_step
     factor = old_steps / steps_per_epoch
     old = float(np.asarray(optimizer.learning_rate))
     optimizer.learning_rate = old * factor
-    logging.warning("%s; learning rate %.6g -> %.6g (linear scaling with the global batch, "
-                    "Goyal et al. 2017).", message, old, old * factor)
+    logging.warning(
+        "%s; learning rate %.6g -> %.6g (linear scaling with the global batch, Goyal et al. 2017).",
+        message,
+        old,
+        old * factor,
+    )
     return new_step

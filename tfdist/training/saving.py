@@ -61,16 +61,41 @@ import tempfile
 import time
 import uuid
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from tfdist.training.chief_save import (STATE, TMP_PREFIX, WAIT_SECONDS, ChiefSaveError,
-                                        coordinated, fsync, local, multi_worker, next_key,
-                                        publish, wait, active, unsynchronized)
+from tfdist.training.chief_save import (
+    STATE,
+    TMP_PREFIX,
+    WAIT_SECONDS,
+    ChiefSaveError,
+    active,
+    coordinated,
+    fsync,
+    local,
+    multi_worker,
+    next_key,
+    publish,
+    unsynchronized,
+    wait,
+)
 
-__all__ = ["ChiefSaveError", "install", "active", "unsynchronized", "WAIT_SECONDS",
-           "wrap_save_model", "wrap_save_weights", "wrap_save_h5", "wrap_checkpoint_save",
-           "wrap_backup_save", "wrap_backup_begin", "wrap_backup_end", "wrap_manager_save",
-           "write_json"]
+__all__ = [
+    "ChiefSaveError",
+    "install",
+    "active",
+    "unsynchronized",
+    "WAIT_SECONDS",
+    "wrap_save_model",
+    "wrap_save_weights",
+    "wrap_save_h5",
+    "wrap_checkpoint_save",
+    "wrap_backup_save",
+    "wrap_backup_begin",
+    "wrap_backup_end",
+    "wrap_manager_save",
+    "write_json",
+]
 
 
 # --------------------------------------------------------------------------
@@ -81,6 +106,7 @@ def wrap_save_model(original):
     @functools.wraps(original)
     def save_model(model, filepath, *args, **kwargs):
         return coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
+
     return save_model
 
 
@@ -88,6 +114,7 @@ def wrap_save_weights(original):
     @functools.wraps(original)
     def save_weights_only(model, filepath, *args, **kwargs):
         return coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
+
     return save_weights_only
 
 
@@ -95,6 +122,7 @@ def wrap_save_h5(original):
     @functools.wraps(original)
     def save_model_to_hdf5(model, filepath, *args, **kwargs):
         return coordinated(filepath, model, lambda p: original(model, p, *args, **kwargs))
+
     return save_model_to_hdf5
 
 
@@ -117,6 +145,7 @@ def wrap_checkpoint_save(original):
         finally:
             self.filepath = filepath
             shutil.rmtree(scratch, ignore_errors=True)
+
     return _save_model
 
 
@@ -137,8 +166,9 @@ def write_json(path: str, data: dict) -> None:
 
 
 def _copy_atomically(source: str, target: str) -> None:
-    tmp = os.path.join(os.path.dirname(target) or ".",
-                       f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    tmp = os.path.join(
+        os.path.dirname(target) or ".", f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    )
     try:
         shutil.copyfile(source, tmp)
         fsync(tmp)
@@ -167,16 +197,20 @@ def wrap_backup_save(original):
                 shutil.rmtree(scratch, ignore_errors=True)
         os.makedirs(self.backup_dir, exist_ok=True)
         if self.double_checkpoint:
-            for path, previous in ((self._weights_path, self._prev_weights_path),
-                                   (self._training_metadata_path,
-                                    self._prev_training_metadata_path)):
+            for path, previous in (
+                (self._weights_path, self._prev_weights_path),
+                (self._training_metadata_path, self._prev_training_metadata_path),
+            ):
                 if os.path.exists(path):
                     _copy_atomically(path, previous)
         self.model.save_weights(filepath=self._weights_path, overwrite=True)
         from tfdist.training.fit_preemption import metadata
-        write_json(self._training_metadata_path,
-                   {"epoch": self._current_epoch, "batch": self._last_batch_seen,
-                    **metadata(self)})
+
+        write_json(
+            self._training_metadata_path,
+            {"epoch": self._current_epoch, "batch": self._last_batch_seen, **metadata(self)},
+        )
+
     return _save_model
 
 
@@ -200,6 +234,7 @@ def wrap_backup_begin(original):
                 return self._load_model()
             finally:
                 self._weights_path, self._training_metadata_path = paths
+
     return on_train_begin
 
 
@@ -210,12 +245,13 @@ def wrap_backup_end(original):
         if on and not chief:
             return None  # The backup is the chief's; it deletes it.
         return original(self, logs)
+
     return on_train_end
 
 
 #: The newest tfdist multi-worker strategy of this process, for saves made
 #: outside its scope (the tutorials call CheckpointManager.save there).
-_JOB_STRATEGY: Callable[[], Any] = lambda: None
+_JOB_STRATEGY: Callable[[], Any] = lambda: None  # noqa: E731 - stands in for the weakref.ref that set_job_strategy stores
 
 
 def set_job_strategy(strategy: Any) -> None:
@@ -228,8 +264,9 @@ def _same_directory(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b) if local(a) and local(b) else a == b
 
 
-def _manager_save_to_scratch(manager: Any, original: Callable, chief_dir: str,
-                             args: tuple, kwargs: dict) -> str:
+def _manager_save_to_scratch(
+    manager: Any, original: Callable, chief_dir: str, args: tuple, kwargs: dict
+) -> str:
     """Runs ``manager``'s save into a private directory that is removed.
 
     The save must still run here (saving on-read variables is a collective,
@@ -239,22 +276,31 @@ def _manager_save_to_scratch(manager: Any, original: Callable, chief_dir: str,
     as it was, except that its latest checkpoint is the chief's of that name.
     """
     import collections
-    saved = (manager._directory, manager._checkpoint_prefix, manager._maybe_delete,
-             manager._latest_checkpoint)
+
+    saved = (
+        manager._directory,  # noqa: SLF001 - CheckpointManager has no public way to save elsewhere: its directory
+        manager._checkpoint_prefix,  # noqa: SLF001 - its file prefix
+        manager._maybe_delete,  # noqa: SLF001 - its deletion queue
+        manager._latest_checkpoint,  # noqa: SLF001 - its latest path
+    )
     scratch = tempfile.mkdtemp(prefix="tfdist-ckpt-")
-    manager._directory = scratch
-    manager._checkpoint_prefix = os.path.join(scratch, os.path.basename(saved[1]))
+    manager._directory = scratch  # noqa: SLF001 - CheckpointManager has no public way to save elsewhere: its directory, redirected
+    manager._checkpoint_prefix = os.path.join(scratch, os.path.basename(saved[1]))  # noqa: SLF001 - its file prefix, redirected
     # Its sweep must not delete the chief's older checkpoints.
-    manager._maybe_delete = collections.OrderedDict()
+    manager._maybe_delete = collections.OrderedDict()  # noqa: SLF001 - its deletion queue, emptied
     try:
         path = original(manager, *args, **kwargs)
     finally:
-        (manager._directory, manager._checkpoint_prefix, manager._maybe_delete,
-         manager._latest_checkpoint) = saved
+        (
+            manager._directory,  # noqa: SLF001 - CheckpointManager has no public way to save elsewhere: its directory
+            manager._checkpoint_prefix,  # noqa: SLF001 - its file prefix
+            manager._maybe_delete,  # noqa: SLF001 - its deletion queue
+            manager._latest_checkpoint,  # noqa: SLF001 - its latest path
+        ) = saved
         shutil.rmtree(scratch, ignore_errors=True)
     if path:
         path = os.path.join(chief_dir, os.path.basename(path))
-        manager._latest_checkpoint = path
+        manager._latest_checkpoint = path  # noqa: SLF001 - its latest path: the chief's file
     return path
 
 
@@ -269,8 +315,11 @@ def wrap_manager_save(original):
         # chief's directory (the same script on every worker) saves into a
         # private directory instead: only the chief writes there.
         strategy = _JOB_STRATEGY()
-        on, chief = ((False, True) if strategy is None or getattr(STATE, "off", False)
-                     else multi_worker(strategy))
+        on, chief = (
+            (False, True)
+            if strategy is None or getattr(STATE, "off", False)
+            else multi_worker(strategy)
+        )
         if not on:
             return original(self, *args, **kwargs)
         key = next_key("tf.train.CheckpointManager.save")
@@ -296,8 +345,10 @@ def wrap_manager_save(original):
         if record is not None and not record["ok"]:
             raise ChiefSaveError(
                 f"The chief failed to save a checkpoint in {record['path']} "
-                f"({record.get('error')}); this worker's CheckpointManager.save fails with it.")
+                f"({record.get('error')}); this worker's CheckpointManager.save fails with it."
+            )
         return value
+
     return save
 
 
@@ -310,4 +361,5 @@ def install() -> None:
             or its signature changed (the message names it).
     """
     from tfdist import compat
+
     compat.install("saving")

@@ -38,11 +38,13 @@ def needs_inline_step(model: Any) -> bool:
     from tfdist.strategies import TfdistStrategy
 
     strategy = getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
-    return (isinstance(strategy, TfdistStrategy)
-            and strategy.kind in ("mirrored", "multi_worker_mirrored")
-            and (getattr(model, "steps_per_execution", 1) or 1) > 1
-            and not getattr(model, "jit_compile", False)
-            and not getattr(model, "run_eagerly", False))
+    return (
+        isinstance(strategy, TfdistStrategy)
+        and strategy.kind in ("mirrored", "multi_worker_mirrored")
+        and (getattr(model, "steps_per_execution", 1) or 1) > 1
+        and not getattr(model, "jit_compile", False)
+        and not getattr(model, "run_eagerly", False)
+    )
 
 
 class _InlineStepTF:
@@ -73,6 +75,7 @@ def wrap_make_function(original):
             return original(self, step_function)
         finally:
             tf_trainer.tf = real_tf
+
     return _make_function
 
 

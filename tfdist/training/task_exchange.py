@@ -42,6 +42,7 @@ def trainers(strategy: Any) -> tuple[list[str], int]:
     """The names of the tasks that train in sync (``chief`` then ``worker``
     tasks, as ``"worker:1"``) and this task's index among them."""
     from tfdist.training.callbacks.workers import cluster
+
     spec, task_type, task_id = cluster(strategy)
     names = [f"{job}:{i}" for job in ("chief", "worker") for i in range(len(spec.get(job, ())))]
     mine = f"{task_type}:{task_id}"
@@ -58,8 +59,9 @@ def _next_prefix(name: str) -> str:
     return f"tfdist/exchange/{attempt}/{count}-{name}"
 
 
-def exchange(strategy: Any, name: str, record: dict,
-             timeout: float = EXCHANGE_SECONDS) -> list[dict]:
+def exchange(
+    strategy: Any, name: str, record: dict, timeout: float = EXCHANGE_SECONDS
+) -> list[dict]:
     """Publishes ``record`` (JSON-serializable) and returns every training
     task's record of the same exchange, in task order (this task's included).
 
@@ -72,13 +74,15 @@ def exchange(strategy: Any, name: str, record: dict,
     import tensorflow as tf
 
     from tfdist.compat.tf_python import eager_context as context
+
     names, index = trainers(strategy)
     ctx = context.context()
     if ctx.coordination_service is None:
         raise ExchangeError(
             f"{names[index]}: expected TensorFlow's coordination service (it is set up "
             f"with the multi-worker strategy) to exchange '{name}' with {len(names) - 1} "
-            "other task(s); received none in this process.")
+            "other task(s); received none in this process."
+        )
     prefix = _next_prefix(name)
     ctx.set_config_key_value(f"{prefix}/{index}", json.dumps(record))
     records = []
@@ -91,5 +95,6 @@ def exchange(strategy: Any, name: str, record: dict,
             raise ExchangeError(
                 f"{names[index]}: expected {task} to report '{name}' within {timeout:g} s "
                 f"(every training task must run the same callbacks); received "
-                f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
+                f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            ) from error
     return records

@@ -34,35 +34,55 @@ def _record(handler: Any) -> dict:
     task_id = getattr(resolver, "task_id", None) or 0
     manager = getattr(handler, "_write_checkpoint_manager", None)
     signalled = getattr(handler, "_received_own_sigterm_time", None)
-    record = {"task": f"{task_type}:{task_id}",
-              "attempt": int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", 0)),
-              "step": int(getattr(handler, "_run_counter", 0)),
-              "backup": getattr(manager, "latest_checkpoint", None),
-              "signal_time": signalled, "source": "PreemptionCheckpointHandler"}
+    record = {
+        "task": f"{task_type}:{task_id}",
+        "attempt": int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", 0)),
+        "step": int(getattr(handler, "_run_counter", 0)),
+        "backup": getattr(manager, "latest_checkpoint", None),
+        "signal_time": signalled,
+        "source": "PreemptionCheckpointHandler",
+    }
     return record
 
 
 def _exit(handler: Any) -> None:
     from tfdist.training.preemption import PREEMPTED_EXIT_CODE, write_status
+
     record = _record(handler)
     record["exit_time"] = time.time()
     write_status(record)
-    print(f"tfdist: preempted: {record['task']} saved at step {record['step']} "
-          f"(PreemptionCheckpointHandler); exiting with code {PREEMPTED_EXIT_CODE}",
-          file=sys.stderr, flush=True)
+    print(
+        f"tfdist: preempted: {record['task']} saved at step {record['step']} "
+        f"(PreemptionCheckpointHandler); exiting with code {PREEMPTED_EXIT_CODE}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.exit(PREEMPTED_EXIT_CODE)
 
 
 def wrap_init(original):
     @functools.wraps(original)
-    def __init__(self, cluster_resolver, checkpoint_or_checkpoint_manager,
-                 checkpoint_dir=None, termination_config=None):
+    def __init__(
+        self,
+        cluster_resolver,
+        checkpoint_or_checkpoint_manager,
+        checkpoint_dir=None,
+        termination_config=None,
+    ):
         if termination_config is None:
             import tensorflow as tf
+
             termination_config = tf.distribute.experimental.TerminationConfig(
-                exit_fn=lambda: _exit(self))
-        original(self, cluster_resolver, checkpoint_or_checkpoint_manager,
-                 checkpoint_dir, termination_config)
+                exit_fn=lambda: _exit(self)
+            )
+        original(
+            self,
+            cluster_resolver,
+            checkpoint_or_checkpoint_manager,
+            checkpoint_dir,
+            termination_config,
+        )
+
     return __init__
 
 
@@ -70,4 +90,5 @@ def install() -> None:
     """Wraps ``PreemptionCheckpointHandler.__init__`` once (the registry's
     ``preemption_handler``); idempotent."""
     from tfdist import compat
+
     compat.install("preemption_handler")

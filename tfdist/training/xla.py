@@ -85,23 +85,28 @@ _local = threading.local()
 
 # --- which models ----------------------------------------------------------------
 
+
 def _strategy(model: Any) -> Any:
     return getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
 
 
 def _tfdist_kind(strategy: Any) -> str | None:
     from tfdist.strategies import TfdistStrategy
+
     return strategy.kind if isinstance(strategy, TfdistStrategy) else None
 
 
 def uses_replica_xla(model: Any) -> bool:
     """Whether tfdist compiles ``model``'s replica steps with XLA."""
-    return (_tfdist_kind(_strategy(model)) in XLA_KINDS
-            and bool(getattr(model, "_jit_compile", False))
-            and not getattr(model, "run_eagerly", False))
+    return (
+        _tfdist_kind(_strategy(model)) in XLA_KINDS
+        and bool(getattr(model, "_jit_compile", False))
+        and not getattr(model, "run_eagerly", False)
+    )
 
 
 # --- compile: refusals and "auto" -------------------------------------------------
+
 
 def _devices_are_cpus(strategy: Any) -> bool:
     devices = getattr(strategy.extended, "worker_devices", ()) or ()
@@ -111,11 +116,13 @@ def _devices_are_cpus(strategy: Any) -> bool:
 def _collective_layers(model: Any, strategy: Any) -> list[str]:
     """Layers whose forward pass all-reduces across replicas."""
     import keras
+
     sharded = (getattr(strategy, "model_parallel", 1) or 1) > 1  # Else they are dense.
     found = []
-    for layer in model._flatten_layers(include_self=False):
+    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 - Keras has no public walk over nested layers
         if isinstance(layer, keras.layers.BatchNormalization) and getattr(
-                layer, "synchronized", False):
+            layer, "synchronized", False
+        ):
             found.append(f"{layer.name} (BatchNormalization(synchronized=True))")
         elif sharded and type(layer).__module__.startswith("tfdist.parallel"):
             found.append(f"{layer.name} ({type(layer).__name__}, sharded by tfdist.parallel)")
@@ -132,47 +139,64 @@ def check_compile(model: Any, strategy: Any) -> None:
     kind = _tfdist_kind(strategy)
     if kind == "parameter_server":
         raise ConfigError(
-            "jit_compile", True, "False or 'auto' under ParameterServerStrategy",
+            "jit_compile",
+            True,
+            "False or 'auto' under ParameterServerStrategy",
             source="compile",
             hint="Its workers run each step against variables on the parameter servers, "
-                 "which XLA cannot compile into one cluster. Use jit_compile=False, or a "
-                 "Mirrored or MultiWorkerMirrored strategy (a cluster without ps tasks) "
-                 "for XLA")
+            "which XLA cannot compile into one cluster. Use jit_compile=False, or a "
+            "Mirrored or MultiWorkerMirrored strategy (a cluster without ps tasks) "
+            "for XLA",
+        )
     if kind == "tpu":
         raise ConfigError(
-            "jit_compile", True, "False or 'auto' under TPUStrategy", source="compile",
-            hint="TPUStrategy compiles every step with XLA already; leave jit_compile unset")
+            "jit_compile",
+            True,
+            "False or 'auto' under TPUStrategy",
+            source="compile",
+            hint="TPUStrategy compiles every step with XLA already; leave jit_compile unset",
+        )
     if kind not in XLA_KINDS:
         return
-    unsupported = [f"{layer.name} ({type(layer).__name__})"
-                   for layer in model._flatten_layers(include_self=False)
-                   if not getattr(layer, "supports_jit", True)]
+    unsupported = [
+        f"{layer.name} ({type(layer).__name__})"
+        for layer in model._flatten_layers(include_self=False)  # noqa: SLF001 - Keras has no public walk over nested layers
+        if not getattr(layer, "supports_jit", True)
+    ]
     if unsupported:
         raise ConfigError(
-            "jit_compile", True, "layers that XLA can compile", source="compile",
+            "jit_compile",
+            True,
+            "layers that XLA can compile",
+            source="compile",
             hint=f"These declare supports_jit=False: {', '.join(unsupported)}. Move them "
-                 "into the tf.data input pipeline (dataset.map), or use jit_compile=False")
+            "into the tf.data input pipeline (dataset.map), or use jit_compile=False",
+        )
     collective = _collective_layers(model, strategy)
     if collective:
         raise ConfigError(
-            "jit_compile", True, "no cross-replica collective in the forward pass",
+            "jit_compile",
+            True,
+            "no cross-replica collective in the forward pass",
             source="compile",
             hint=f"These layers all-reduce across replicas: {', '.join(collective)}. tfdist "
-                 "compiles each replica's step alone, and a collective cannot sit inside it "
-                 "(on CPU TensorFlow has none under XLA: 'Collectives are not yet implemented "
-                 "for CPU devices when compiling with XLA'). Use jit_compile=False, or "
-                 "BatchNormalization(synchronized=False)")
+            "compiles each replica's step alone, and a collective cannot sit inside it "
+            "(on CPU TensorFlow has none under XLA: 'Collectives are not yet implemented "
+            "for CPU devices when compiling with XLA'). Use jit_compile=False, or "
+            "BatchNormalization(synchronized=False)",
+        )
 
 
 def wrap_compile(original):
     @functools.wraps(original)
-    def compile(self, *args, **kwargs):
+    def compile(self, *args, **kwargs):  # noqa: A001 - wraps Keras's Model.compile
         jit = kwargs.get("jit_compile", "auto")
         if jit is True and not kwargs.get("run_eagerly", False):
             check_compile(self, _strategy(self))
         self._tfdist_jit_requested = jit  # For the fit's log line.
         self._tfdist_xla_logged = False
         return original(self, *args, **kwargs)
+
     return compile
 
 
@@ -191,6 +215,7 @@ def wrap_resolve_auto(original):
         if resolved and (_devices_are_cpus(strategy) or _collective_layers(self, strategy)):
             return False  # CPU replicas (a GPU is visible), or a collective inside.
         return resolved
+
     return _resolve_auto_jit_compile
 
 
@@ -199,16 +224,21 @@ def describe_line(strategy: Any) -> str | None:
     kind = _tfdist_kind(strategy)
     if kind in XLA_KINDS:
         if _devices_are_cpus(strategy):
-            return ("  xla: jit_compile='auto' resolves to off (CPU replicas, as Keras "
-                    "without a strategy); jit_compile=True compiles each replica's step")
-        return ("  xla: jit_compile='auto' resolves to on (GPU replicas) where every "
-                "layer supports XLA; each replica's step is compiled, the all-reduce is not")
+            return (
+                "  xla: jit_compile='auto' resolves to off (CPU replicas, as Keras "
+                "without a strategy); jit_compile=True compiles each replica's step"
+            )
+        return (
+            "  xla: jit_compile='auto' resolves to on (GPU replicas) where every "
+            "layer supports XLA; each replica's step is compiled, the all-reduce is not"
+        )
     if kind == "parameter_server":
         return "  xla: off (jit_compile=True is refused under parameter servers)"
     return None
 
 
 # --- the replica step -------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class _Apply:
@@ -242,6 +272,7 @@ def wrap_apply_gradients(original):
             return original(self, grads_and_vars)
         grads, variables = zip(*grads_and_vars)
         return _record(self, grads, variables)
+
     return apply_gradients
 
 
@@ -253,6 +284,7 @@ def wrap_apply(original):
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         return _record(self, grads, trainable_variables)
+
     return apply
 
 
@@ -265,8 +297,11 @@ def replica_step(step_function, kind: str):
             ``"test"``.
     """
     if kind == "test":
-        compiled_test = tf.function(tf.autograph.experimental.do_not_convert(step_function),
-                                    jit_compile=True, reduce_retracing=True)
+        compiled_test = tf.function(
+            tf.autograph.experimental.do_not_convert(step_function),
+            jit_compile=True,
+            reduce_retracing=True,
+        )
         # A plain function: strategy.run given a tf.function itself re-wraps
         # it around every replica (one XLA cluster over all devices).
         return lambda data: compiled_test(data)
@@ -278,13 +313,16 @@ def replica_step(step_function, kind: str):
             logs = step_function(data)
         if len(calls) > 1:
             raise ConfigError(
-                "jit_compile", True, "a train_step that applies gradients once",
-                source="fit", received=f"True, and train_step applied gradients {len(calls)} "
-                                       "times",
+                "jit_compile",
+                True,
+                "a train_step that applies gradients once",
+                source="fit",
+                received=f"True, and train_step applied gradients {len(calls)} times",
                 hint="tfdist compiles a replica's forward and backward pass with XLA and "
-                     "applies the gradients after it, outside XLA, so a step whose second "
-                     "forward pass reads the first update (a GAN's two optimizers) cannot "
-                     "be split. Use jit_compile=False")
+                "applies the gradients after it, outside XLA, so a step whose second "
+                "forward pass reads the first update (a GAN's two optimizers) cannot "
+                "be split. Use jit_compile=False",
+            )
         applies[:] = calls
         return logs, [c.grads for c in calls]
 
@@ -295,11 +333,14 @@ def replica_step(step_function, kind: str):
         for call, call_grads in zip(applies, grads):
             call.optimizer.apply_gradients(zip(call_grads, call.variables))
         return logs
+
     return step
 
 
-_UNSUPPORTED = re.compile(r"No registered '(\w+)' OpKernel for XLA_\w+ devices compatible "
-                          r"with node \{\{node ([^}]+)\}\}")
+_UNSUPPORTED = re.compile(
+    r"No registered '(\w+)' OpKernel for XLA_\w+ devices compatible "
+    r"with node \{\{node ([^}]+)\}\}"
+)
 
 
 def name_unsupported_op(error: Exception) -> ConfigError | None:
@@ -309,9 +350,13 @@ def name_unsupported_op(error: Exception) -> ConfigError | None:
         return None
     op, node = match.groups()
     return ConfigError(
-        "jit_compile", True, "ops that XLA can compile", source="fit",
+        "jit_compile",
+        True,
+        "ops that XLA can compile",
+        source="fit",
         hint=f"XLA has no kernel for the op {op} (node {node}). Move the layer that makes "
-             "it into the tf.data input pipeline (dataset.map), or use jit_compile=False")
+        "it into the tf.data input pipeline (dataset.map), or use jit_compile=False",
+    )
 
 
 def _named_errors(function):
@@ -324,6 +369,7 @@ def _named_errors(function):
             if named is None:
                 raise
             raise named from error
+
     return call
 
 
@@ -337,9 +383,11 @@ def wrap_make_function(original):
                 _log_without_xla(self)
             return original(self, step_function)
         if not getattr(self, "_tfdist_xla_logged", False) and kind == "train":
-            logging.info("tfdist: %s fits with XLA: each replica's forward and backward "
-                         "pass is compiled; the all-reduce and the optimizer run outside XLA",
-                         self.name)
+            logging.info(
+                "tfdist: %s fits with XLA: each replica's forward and backward "
+                "pass is compiled; the all-reduce and the optimizer run outside XLA",
+                self.name,
+            )
             self._tfdist_xla_logged = True
         # Keras must not compile the function around strategy.run.
         self._jit_compile = False
@@ -347,6 +395,7 @@ def wrap_make_function(original):
             return _named_errors(original(self, replica_step(step_function, kind)))
         finally:
             self._jit_compile = True
+
     return _make_function
 
 
@@ -354,15 +403,17 @@ def _log_without_xla(model: Any) -> None:
     """The fit's line when its step is not compiled: why, once per compile."""
     if getattr(model, "_tfdist_xla_logged", False):
         return
-    model._tfdist_xla_logged = True
+    model._tfdist_xla_logged = True  # noqa: SLF001 - tfdist's own log-once flag on the model
     requested = getattr(model, "_tfdist_jit_requested", "auto")
     if getattr(model, "run_eagerly", False):
         why = "run_eagerly=True"
     elif requested == "auto":
-        why = ("jit_compile='auto' resolves to off: CPU replicas, as Keras without a strategy"
-               if _devices_are_cpus(_strategy(model)) else
-               "jit_compile='auto' resolves to off: a layer without XLA support or a "
-               "collective in the forward pass")
+        why = (
+            "jit_compile='auto' resolves to off: CPU replicas, as Keras without a strategy"
+            if _devices_are_cpus(_strategy(model))
+            else "jit_compile='auto' resolves to off: a layer without XLA support or a "
+            "collective in the forward pass"
+        )
     else:
         why = f"jit_compile={requested!r}"
     logging.info("tfdist: %s fits without XLA (%s)", model.name, why)
@@ -372,6 +423,7 @@ def wrap_make_predict_function(original):
     @functools.wraps(original)
     def make_predict_function(self, force=False):
         from tfdist.compat.keras_src import TensorFlowTrainer
+
         # Keras >= 3.12 wraps its per-replica XLA predict step in a plain
         # function (_autoconvert_optionals). Keras 3.10 hands strategy.run the
         # tf.function itself, which strategy.run re-wraps around every replica
@@ -384,6 +436,7 @@ def wrap_make_predict_function(original):
             return original(self, force)
         finally:
             self._jit_compile = True
+
     return make_predict_function
 
 

@@ -35,8 +35,11 @@ from tfdist.training.callbacks.backup import BackupAndRestore
 from tfdist.training.callbacks.files import BackupError, read_backup_pointer
 from tfdist.training.callbacks.learning_rate import LearningRateWarmup, scale_learning_rate
 from tfdist.training.callbacks.workers import is_chief, num_workers
-from tfdist.training.callbacks.writers import (ModelCheckpoint, TensorBoard,
-                                               TensorBoardNotInstalledError)
+from tfdist.training.callbacks.writers import (
+    ModelCheckpoint,
+    TensorBoard,
+    TensorBoardNotInstalledError,
+)
 
 __all__ = [
     "BackupError",

@@ -18,14 +18,28 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist.errors import ConfigError
-from tfdist.training import resume, task_exchange
-from tfdist.training import saving as keras_saving
-from tfdist.training.callbacks.files import (CKPT_PREFIX, CKPT_SUFFIX, TMP_PREFIX, POINTER,
-                                             BackupError, check_backup_dir, fsync_dir,
-                                             fsync_file, sha256, write_json_atomically,
-                                             read_backup_pointer)
-from tfdist.training.callbacks.workers import (drop_scratch, make_scratch, model_strategy,
-                                               task_name, is_chief, num_workers)
+from tfdist.training import resume, saving as keras_saving, task_exchange
+from tfdist.training.callbacks.files import (
+    CKPT_PREFIX,
+    CKPT_SUFFIX,
+    POINTER,
+    TMP_PREFIX,
+    BackupError,
+    check_backup_dir,
+    fsync_dir,
+    fsync_file,
+    read_backup_pointer,
+    sha256,
+    write_json_atomically,
+)
+from tfdist.training.callbacks.workers import (
+    drop_scratch,
+    is_chief,
+    make_scratch,
+    model_strategy,
+    num_workers,
+    task_name,
+)
 from tfdist.training.preemption import PreemptionWatcher
 
 
@@ -123,22 +137,32 @@ class BackupAndRestore(keras.callbacks.Callback):
         scratch_dirs: Scratch directories this worker used (all removed).
     """
 
-    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
-                 delete_checkpoint: bool = True, save_on_preemption: bool = True) -> None:
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+        save_on_preemption: bool = True,
+    ) -> None:
         super().__init__()
         self.backup_dir = check_backup_dir(backup_dir)
-        if save_freq != "epoch" and (isinstance(save_freq, bool)
-                                     or not isinstance(save_freq, int)
-                                     or save_freq < 1):
-            raise ConfigError("save_freq", save_freq,
-                              "'epoch' or a number of batches >= 1",
-                              source="BackupAndRestore")
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        ):
+            raise ConfigError(
+                "save_freq",
+                save_freq,
+                "'epoch' or a number of batches >= 1",
+                source="BackupAndRestore",
+            )
         if not isinstance(delete_checkpoint, bool):
-            raise ConfigError("delete_checkpoint", delete_checkpoint, "True or False",
-                              source="BackupAndRestore")
+            raise ConfigError(
+                "delete_checkpoint", delete_checkpoint, "True or False", source="BackupAndRestore"
+            )
         if not isinstance(save_on_preemption, bool):
-            raise ConfigError("save_on_preemption", save_on_preemption, "True or False",
-                              source="BackupAndRestore")
+            raise ConfigError(
+                "save_on_preemption", save_on_preemption, "True or False", source="BackupAndRestore"
+            )
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.save_on_preemption = save_on_preemption
@@ -190,7 +214,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         except (BackupError, OSError, ValueError) as caught:
             error = caught
         if num_workers(strategy) > 1 and not isinstance(
-                strategy, tf.distribute.experimental.ParameterServerStrategy):
+            strategy, tf.distribute.experimental.ParameterServerStrategy
+        ):
             # (Under a ParameterServerStrategy only the coordinator runs
             # callbacks: there is nobody to agree with.)
             self._check_agreement(strategy, meta, error)
@@ -211,33 +236,40 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.save_on_preemption:
             self.watcher = PreemptionWatcher(strategy, name="fit").start()
         if meta is None:
-            model._initial_epoch = None
+            model._initial_epoch = None  # noqa: SLF001 - Keras's fit starts from _initial_epoch, as its BackupAndRestore sets it
             self._resume_epoch, self._resume_step = None, 0
             return
         epoch = int(meta["epoch"])
         steps_per_epoch = (self.params or {}).get("steps")
-        step = resume.resize(meta, strategy.num_replicas_in_sync, steps_per_epoch,
-                             model.optimizer)
-        model._initial_epoch = epoch
+        step = resume.resize(meta, strategy.num_replicas_in_sync, steps_per_epoch, model.optimizer)
+        model._initial_epoch = epoch  # noqa: SLF001 - Keras's fit starts from _initial_epoch, as its BackupAndRestore sets it
         self._resume_epoch, self._resume_step = epoch, step
         if step > 0:
             model.train_function = SkipSteps(model, model.train_function, step)
-        logging.info("tfdist BackupAndRestore: resuming at epoch %d, batch %d "
-                     "from %s", epoch, step, meta["file"])
+        logging.info(
+            "tfdist BackupAndRestore: resuming at epoch %d, batch %d from %s",
+            epoch,
+            step,
+            meta["file"],
+        )
 
     def _verify(self, meta: dict) -> None:
         """Checks that the backup the pointer names is there and complete."""
         path = self._path(meta["file"])
         if not os.path.exists(path):
-            raise BackupError(f"{self.backup_dir}: the pointer names {meta['file']}, "
-                              "which does not exist here. Is backup_dir a directory "
-                              "that every worker sees?")
+            raise BackupError(
+                f"{self.backup_dir}: the pointer names {meta['file']}, "
+                "which does not exist here. Is backup_dir a directory "
+                "that every worker sees?"
+            )
         size, digest = os.path.getsize(path), sha256(path)
         if size != meta["size"] or digest != meta["sha256"]:
-            raise BackupError(f"{path} is damaged (size {size}, expected "
-                              f"{meta['size']}; sha256 mismatch: "
-                              f"{digest != meta['sha256']}). Remove the backup "
-                              "directory to start over.")
+            raise BackupError(
+                f"{path} is damaged (size {size}, expected "
+                f"{meta['size']}; sha256 mismatch: "
+                f"{digest != meta['sha256']}). Remove the backup "
+                "directory to start over."
+            )
 
     def _load(self, meta: dict, strategy: Any) -> None:
         model = self.model
@@ -251,16 +283,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             if self._multi_worker(strategy) or saved != strategy.num_replicas_in_sync:
                 # (One process holding every replica already has each copy in
                 # the weights file.)
-                resume.load_replica_state(model.optimizer, strategy, self.backup_dir,
-                                          meta["file"], task_name(strategy), saved)
+                resume.load_replica_state(
+                    model.optimizer,
+                    strategy,
+                    self.backup_dir,
+                    meta["file"],
+                    task_name(strategy),
+                    saved,
+                )
 
     @staticmethod
     def _multi_worker(strategy: Any) -> bool:
         return num_workers(strategy) > 1 and not isinstance(
-            strategy, tf.distribute.experimental.ParameterServerStrategy)
+            strategy, tf.distribute.experimental.ParameterServerStrategy
+        )
 
-    def _check_agreement(self, strategy: Any, meta: dict | None,
-                         error: Exception | None) -> None:
+    def _check_agreement(self, strategy: Any, meta: dict | None, error: Exception | None) -> None:
         """One all-reduce: did every worker find the same, complete backup?
 
         Each replica contributes (ok, epoch, step, save_count) and their
@@ -268,30 +306,36 @@ class BackupAndRestore(keras.callbacks.Callback):
         Every worker computes the same answer, so all fail together rather
         than one training on while the others wait in a collective.
         """
-        values = [0.0 if error else 1.0,
-                  float(meta["epoch"]) if meta else -1.0,
-                  float(meta["step"]) if meta else -1.0,
-                  float(int(meta["save_count"]) % (1 << 20)) if meta else -1.0]
+        values = [
+            0.0 if error else 1.0,
+            float(meta["epoch"]) if meta else -1.0,
+            float(meta["step"]) if meta else -1.0,
+            float(int(meta["save_count"]) % (1 << 20)) if meta else -1.0,
+        ]
         local = tf.constant(values + [v * v for v in values], tf.float64)
 
         @tf.function  # Run eagerly, MultiWorkerMirrored warns of overhead.
         def all_reduce():
-            return strategy.reduce("SUM", strategy.run(lambda: tf.identity(local)),
-                                   axis=None)
+            return strategy.reduce("SUM", strategy.run(lambda: tf.identity(local)), axis=None)
 
         total = all_reduce().numpy()
         n = strategy.num_replicas_in_sync
         sums, squares = total[:4], total[4:]
         if error is None and all(n * q == s * s for s, q in zip(sums, squares)):
             return
-        mine = (f"failed: {error}" if error else
-                f"read epoch={values[1]:g} step={values[2]:g} (save {meta['save_count']})"
-                if meta else "found no backup")
+        mine = (
+            f"failed: {error}"
+            if error
+            else f"read epoch={values[1]:g} step={values[2]:g} (save {meta['save_count']})"
+            if meta
+            else "found no backup"
+        )
         try:
             # Every worker is here (they all saw the same sums): tell each
             # other what each found, for one message naming them all.
-            views = task_exchange.exchange(strategy, "tfdist-backup-disagree",
-                                           {"task": task_name(strategy), "view": mine})
+            views = task_exchange.exchange(
+                strategy, "tfdist-backup-disagree", {"task": task_name(strategy), "view": mine}
+            )
             found = "; ".join(f"{v['task']} {v['view']}" for v in views)
         except task_exchange.ExchangeError:
             found = f"this worker ({task_name(strategy)}) {mine}"
@@ -300,7 +344,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             f"every worker to read one complete backup (or none), received: {found} "
             f"({int(sums[0])} of {n} replicas read theirs without error). Nothing was "
             "loaded. backup_dir must be one directory that every worker sees (a shared "
-            "filesystem).") from error
+            "filesystem)."
+        ) from error
 
     def _sweep(self, keep: str | None) -> None:
         """Removes leftovers of interrupted saves: temp files, orphan backups."""
@@ -343,9 +388,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         elif self._chief:
             self._write_pointer(self._pointer_meta, epoch, step, preempted=True)
         saved = time.time()
-        self.watcher.exit({"step": self._global_step, "epoch": epoch, "batch": step,
-                           "backup": self._path(self._current_file or "") if self._chief
-                           else None, "saved_time": saved})
+        self.watcher.exit(
+            {
+                "step": self._global_step,
+                "epoch": epoch,
+                "batch": step,
+                "backup": self._path(self._current_file or "") if self._chief else None,
+                "saved_time": saved,
+            }
+        )
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._resume_epoch = None
@@ -369,8 +420,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             # is a collective the chief completes only after every worker
             # joined it, so its pointer never names a backup whose state
             # files are not all written.
-            resume.save_replica_state(self.model.optimizer, strategy, self.backup_dir, name,
-                                      task_name(strategy))
+            resume.save_replica_state(
+                self.model.optimizer, strategy, self.backup_dir, name, task_name(strategy)
+            )
         if not self._chief:
             scratch = make_scratch("tfdist-backup-")
             self.scratch_dirs.append(scratch)
@@ -394,23 +446,34 @@ class BackupAndRestore(keras.callbacks.Callback):
             if os.path.exists(tmp):
                 os.remove(tmp)
         fsync_dir(self.backup_dir)
-        meta = {"file": name, "sha256": sha256(final),
-                "size": os.path.getsize(final), "save_count": self._save_count}
+        meta = {
+            "file": name,
+            "sha256": sha256(final),
+            "size": os.path.getsize(final),
+            "save_count": self._save_count,
+        }
         self._write_pointer(meta, epoch, step, preempted=preempted)
         previous, self._current_file = self._current_file, name
         if previous and previous != name:
             self._sweep(keep=name)  # Only once the pointer moved on.
         self.saves_written += 1
 
-    def _write_pointer(self, meta: dict, epoch: int, step: int,
-                       preempted: bool = False) -> None:
+    def _write_pointer(self, meta: dict, epoch: int, step: int, preempted: bool = False) -> None:
         strategy = model_strategy(self.model)
-        meta = dict(meta, epoch=epoch, step=step, format=1, preempted=preempted,
-                    global_step=self._global_step,
-                    steps_per_epoch=(self.params or {}).get("steps"),
-                    writer=task_name(strategy), host=socket.gethostname(),
-                    pid=os.getpid(), time=time.time(),
-                    replicas=strategy.num_replicas_in_sync)
+        meta = dict(
+            meta,
+            epoch=epoch,
+            step=step,
+            format=1,
+            preempted=preempted,
+            global_step=self._global_step,
+            steps_per_epoch=(self.params or {}).get("steps"),
+            writer=task_name(strategy),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            time=time.time(),
+            replicas=strategy.num_replicas_in_sync,
+        )
         write_json_atomically(self._path(POINTER), meta)
         self._pointer_meta = meta
 
@@ -421,7 +484,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.watcher.stop()
             self.watcher = None
         unwrap_train_function(self.model)
-        self.model._initial_epoch = None  # Keras 3 leaves it set for the next fit.
+        self.model._initial_epoch = None  # noqa: SLF001 - Keras 3 leaves it set for the next fit.
         if not (self.delete_checkpoint and self._chief):
             return
         # The pointer goes first: a kill during the cleanup leaves no pointer

@@ -1,5 +1,4 @@
-"""Atomic, checked files: fsync, SHA-256, the JSON pointer naming the latest good backup.
-"""
+"""Atomic, checked files: fsync, SHA-256, the JSON pointer naming the latest good backup."""
 
 from __future__ import annotations
 
@@ -94,10 +93,15 @@ def read_backup_pointer(backup_dir: str | os.PathLike) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as error:
-        raise BackupError(f"{path}: cannot read the backup pointer ({error}). "
-                          "Remove the backup directory to start over.") from None
-    missing = ([k for k in _POINTER_KEYS if k not in meta]
-               if isinstance(meta, dict) else list(_POINTER_KEYS))
+        raise BackupError(
+            f"{path}: cannot read the backup pointer ({error}). "
+            "Remove the backup directory to start over."
+        ) from None
+    missing = (
+        [k for k in _POINTER_KEYS if k not in meta]
+        if isinstance(meta, dict)
+        else list(_POINTER_KEYS)
+    )
     if missing:
         raise BackupError(f"{path}: the backup pointer lacks {missing}.")
     return meta
@@ -108,12 +112,15 @@ def check_backup_dir(value: Any) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError("backup_dir", value, "a non-empty directory path",
-                          source="BackupAndRestore")
+        raise ConfigError(
+            "backup_dir", value, "a non-empty directory path", source="BackupAndRestore"
+        )
     if "://" in value:
-        raise ConfigError("backup_dir", value, "a local or mounted directory "
-                          "(the backup relies on an atomic rename)",
-                          source="BackupAndRestore",
-                          hint="Mount the bucket (e.g. gcsfuse) or back up to "
-                          "a shared POSIX filesystem.")
+        raise ConfigError(
+            "backup_dir",
+            value,
+            "a local or mounted directory (the backup relies on an atomic rename)",
+            source="BackupAndRestore",
+            hint="Mount the bucket (e.g. gcsfuse) or back up to a shared POSIX filesystem.",
+        )
     return value

@@ -19,25 +19,35 @@ from tfdist.training.callbacks.workers import model_strategy
 def _replicas(strategy: Any, field: str = "strategy", source: str = "") -> int:
     count = getattr(strategy, "num_replicas_in_sync", None)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ConfigError(field, strategy, "a tf.distribute strategy "
-                          "(something with num_replicas_in_sync >= 1)",
-                          source=source or None)
+        raise ConfigError(
+            field,
+            strategy,
+            "a tf.distribute strategy (something with num_replicas_in_sync >= 1)",
+            source=source or None,
+        )
     return count
 
 
-def _positive_number(field: str, value: Any, source: str, *,
-                     allow_zero: bool = False) -> float:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and (value >= 0 if allow_zero else value > 0))
+def _positive_number(field: str, value: Any, source: str, *, allow_zero: bool = False) -> float:
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
     if not ok:
-        raise ConfigError(field, value, "a number >= 0" if allow_zero
-                          else "a number > 0", source=source)
+        raise ConfigError(
+            field, value, "a number >= 0" if allow_zero else "a number > 0", source=source
+        )
     return float(value)
 
 
-
-def scale_learning_rate(base_lr: float, strategy: Any, base_batch: int | None = None,
-                        per_replica_batch: int | None = None) -> float:
+def scale_learning_rate(
+    base_lr: float,
+    strategy: Any,
+    base_batch: int | None = None,
+    per_replica_batch: int | None = None,
+) -> float:
     """The linear scaling rule (Goyal et al. 2017): lr grows with the batch.
 
     Without batch sizes, each replica is taken to keep the batch of the
@@ -65,9 +75,14 @@ def scale_learning_rate(base_lr: float, strategy: Any, base_batch: int | None = 
     if base_batch is None or per_replica_batch is None:
         missing = "base_batch" if base_batch is None else "per_replica_batch"
         given = per_replica_batch if base_batch is None else base_batch
-        raise ConfigError(missing, None, "an integer >= 1 when "
-                          f"{'per_replica_batch' if base_batch is None else 'base_batch'}"
-                          f"={given!r} is given (or neither)", source=source)
+        raise ConfigError(
+            missing,
+            None,
+            "an integer >= 1 when "
+            f"{'per_replica_batch' if base_batch is None else 'base_batch'}"
+            f"={given!r} is given (or neither)",
+            source=source,
+        )
     base_batch = require_int("base_batch", base_batch, 1, source)
     per_replica_batch = require_int("per_replica_batch", per_replica_batch, 1, source)
     return base_lr * per_replica_batch * replicas / base_batch
@@ -107,19 +122,30 @@ class LearningRateWarmup(keras.callbacks.Callback):
             an unknown number of steps per epoch.
     """
 
-    def __init__(self, warmup_epochs: float = 5, initial_lr: float | None = None,
-                 target_lr: float | None = None, steps_per_epoch: int | None = None,
-                 verbose: int = 0) -> None:
+    def __init__(
+        self,
+        warmup_epochs: float = 5,
+        initial_lr: float | None = None,
+        target_lr: float | None = None,
+        steps_per_epoch: int | None = None,
+        verbose: int = 0,
+    ) -> None:
         super().__init__()
         source = "LearningRateWarmup"
         self.warmup_epochs = _positive_number("warmup_epochs", warmup_epochs, source)
-        self.initial_lr = (None if initial_lr is None else
-                           _positive_number("initial_lr", initial_lr, source,
-                                            allow_zero=True))
-        self.target_lr = (None if target_lr is None else
-                          _positive_number("target_lr", target_lr, source))
-        self.steps_per_epoch = (None if steps_per_epoch is None else
-                                require_int("steps_per_epoch", steps_per_epoch, 1, source))
+        self.initial_lr = (
+            None
+            if initial_lr is None
+            else _positive_number("initial_lr", initial_lr, source, allow_zero=True)
+        )
+        self.target_lr = (
+            None if target_lr is None else _positive_number("target_lr", target_lr, source)
+        )
+        self.steps_per_epoch = (
+            None
+            if steps_per_epoch is None
+            else require_int("steps_per_epoch", steps_per_epoch, 1, source)
+        )
         self.verbose = verbose
         self._seen_target: float | None = None
         self._epoch = 0
@@ -130,13 +156,19 @@ class LearningRateWarmup(keras.callbacks.Callback):
     def _optimizer_lr(self, model: Any) -> float:
         optimizer = getattr(model, "optimizer", None)
         schedule = getattr(optimizer, "_learning_rate", None)
-        if optimizer is None or isinstance(
-                schedule, keras.optimizers.schedules.LearningRateSchedule) or callable(schedule):
-            raise ConfigError("optimizer.learning_rate", schedule,
-                              "a float rate that can be set per batch",
-                              source="LearningRateWarmup",
-                              hint="Put the warm-up into the schedule itself, or "
-                              "compile with a float learning rate.")
+        if (
+            optimizer is None
+            or isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule)
+            or callable(schedule)
+        ):
+            raise ConfigError(
+                "optimizer.learning_rate",
+                schedule,
+                "a float rate that can be set per batch",
+                source="LearningRateWarmup",
+                hint="Put the warm-up into the schedule itself, or "
+                "compile with a float learning rate.",
+            )
         return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
     def set_model(self, model: Any) -> None:
@@ -151,14 +183,16 @@ class LearningRateWarmup(keras.callbacks.Callback):
         current = self._optimizer_lr(self.model)  # Also checks it is settable.
         self._target = self.target_lr or self._seen_target or current
         replicas = model_strategy(self.model).num_replicas_in_sync
-        self._initial = (self._target / replicas if self.initial_lr is None
-                         else self.initial_lr)
+        self._initial = self._target / replicas if self.initial_lr is None else self.initial_lr
         steps = self.steps_per_epoch or (self.params or {}).get("steps")
         if not steps:
-            raise ConfigError("steps_per_epoch", steps, "an integer >= 1 (fit does "
-                              "not know the number of batches per epoch)",
-                              source="LearningRateWarmup",
-                              hint="Pass steps_per_epoch= to LearningRateWarmup.")
+            raise ConfigError(
+                "steps_per_epoch",
+                steps,
+                "an integer >= 1 (fit does not know the number of batches per epoch)",
+                source="LearningRateWarmup",
+                hint="Pass steps_per_epoch= to LearningRateWarmup.",
+            )
         self._steps = int(steps)
         self._done = False
 
@@ -180,10 +214,13 @@ class LearningRateWarmup(keras.callbacks.Callback):
         if lr == self._target:
             self._done = True
             if self.verbose:
-                print(f"\nEpoch {self._epoch + 1}: finished gradual learning "
-                      f"rate warm-up to {lr:g}.", flush=True)
+                print(
+                    f"\nEpoch {self._epoch + 1}: finished gradual learning rate warm-up to {lr:g}.",
+                    flush=True,
+                )
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None:
             logs["learning_rate"] = float(
-                keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+                keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)
+            )

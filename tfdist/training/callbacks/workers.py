@@ -22,9 +22,11 @@ from tfdist.compat.tf_python import multi_worker_util
 
 def _resolver(strategy: Any):
     # ParameterServerStrategy keeps its resolver private.
-    return (getattr(strategy, "cluster_resolver", None)
-            or getattr(strategy, "_cluster_resolver", None)
-            or getattr(getattr(strategy, "extended", None), "_cluster_resolver", None))
+    return (
+        getattr(strategy, "cluster_resolver", None)
+        or getattr(strategy, "_cluster_resolver", None)
+        or getattr(getattr(strategy, "extended", None), "_cluster_resolver", None)
+    )
 
 
 def cluster(strategy: Any) -> tuple[dict, str | None, int | None]:
@@ -32,8 +34,7 @@ def cluster(strategy: Any) -> tuple[dict, str | None, int | None]:
     resolver = _resolver(strategy)
     if resolver is None or not getattr(resolver, "task_type", None):
         return {}, None, None
-    return (resolver.cluster_spec().as_dict(), resolver.task_type,
-            resolver.task_id)
+    return (resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id)
 
 
 def is_chief(strategy: Any = None) -> bool:

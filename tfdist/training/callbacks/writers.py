@@ -11,8 +11,7 @@ from typing import Any
 import keras
 
 from tfdist.errors import TfdistError
-from tfdist.training.callbacks.workers import (drop_scratch, make_scratch, model_strategy,
-                                               is_chief)
+from tfdist.training.callbacks.workers import drop_scratch, is_chief, make_scratch, model_strategy
 
 # --------------------------------------------------------------------------
 # ModelCheckpoint and TensorBoard: chief writes, others write to scratch.
@@ -44,8 +43,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self.filepath = self.chief_filepath
         if not is_chief(model_strategy(self.model)):
             self.scratch_dir = make_scratch("tfdist-ckpt-")
-            self.filepath = os.path.join(self.scratch_dir,
-                                         os.path.basename(self.chief_filepath))
+            self.filepath = os.path.join(self.scratch_dir, os.path.basename(self.chief_filepath))
         super().on_train_begin(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -90,7 +88,9 @@ class TensorBoard(keras.callbacks.TensorBoard):
                 "its logs with tf.summary, whose scalar, histogram and image "
                 "summaries TensorFlow takes from tensorboard, and would fail "
                 "after the first training step. Install it with: "
-                f"{self.INSTALL_HINT}", name="tensorboard") from error
+                f"{self.INSTALL_HINT}",
+                name="tensorboard",
+            ) from error
         super().__init__(log_dir, **kwargs)
         self.chief_log_dir = self.log_dir
         self.scratch_dir: str | None = None
