@@ -6,6 +6,11 @@
   ``benchmarks/results/xla.md``), so mkdocs-jupyter renders the notebooks and
   the result tables are pages that links can point at. Nothing is copied into
   the repository.
+* The repository's notebooks are committed without outputs. With
+  ``TFDIST_DOCS_NOTEBOOKS=DIR`` the site shows the executed copies in
+  ``DIR/notebooks/`` instead (``tests/test_notebooks.py`` writes them there
+  when it runs them; ``tests/test_docs.py`` builds the site from them), and
+  each notebook without an executed copy as committed.
 * ``<!-- tfdist:patches -->``, ``<!-- tfdist:supported -->`` and
   ``<!-- tfdist:minimums -->`` in a page are replaced by tables read from
   ``tfdist/compat/registry.py`` and ``tfdist/compat/versions.py``, so the
@@ -19,6 +24,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
@@ -62,13 +68,22 @@ def on_files(files: Files, config) -> Files:
                 files.append(
                     File(
                         uri,
-                        src_dir=str(repo),
+                        src_dir=str(_source_dir(repo, uri)),
                         dest_dir=config.site_dir,
                         use_directory_urls=config.use_directory_urls,
                         inclusion=InclusionLevel.INCLUDED,
                     )
                 )
     return files
+
+
+def _source_dir(repo: Path, uri: str) -> Path:
+    """Where ``uri`` is read from: an executed notebook's folder when
+    ``TFDIST_DOCS_NOTEBOOKS`` holds a copy of it, else the repository."""
+    executed = os.environ.get("TFDIST_DOCS_NOTEBOOKS")
+    if executed and uri.endswith(".ipynb") and (Path(executed) / uri).is_file():
+        return Path(executed)
+    return repo
 
 
 def on_serve(server, config, builder):

@@ -111,6 +111,18 @@ def result_line(stdout: str) -> dict:
     raise AssertionError(f"no 'tfdist result:' line in output:\n{stdout[-3000:]}")
 
 
+def executed_notebooks(tmp_path_factory) -> Path:
+    """Where tests/test_notebooks.py leaves the notebooks it ran
+    (``DIR/notebooks/NAME.ipynb``), for tests/test_docs.py's site."""
+    return tmp_path_factory.getbasetemp() / "executed"
+
+
+def pytest_collection_modifyitems(items):
+    """The documentation site's tests run last: the site shows the notebooks
+    the session executed (tests/test_notebooks.py), with their outputs."""
+    items.sort(key=lambda item: item.nodeid.split("::")[0].endswith("tests/test_docs.py"))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Prints the model corpus's losses (tests/models) when it trained any."""
     report = sys.modules.get("corpus_report")

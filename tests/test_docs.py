@@ -4,7 +4,9 @@ One build of the site (about 6 s, no TensorFlow: mkdocstrings reads the
 source) is shared by the tests. They check what the build alone would not
 show: every public name of tfdist and of its public subpackages has an entry
 in the API reference with its docstring, every notebook and benchmark table
-is a page, and a broken link fails the build rather than being published.
+is a page (the notebooks with the outputs of this session's run of them:
+these tests run last), and a broken link fails the build rather than being
+published.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+
+from conftest import executed_notebooks
 
 REPO = Path(__file__).resolve().parent.parent
 #: The packages whose ``__all__`` is the public API the reference must cover.
@@ -53,8 +57,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def build(config_dir: Path, site: Path) -> subprocess.CompletedProcess:
+def build(
+    config_dir: Path, site: Path, notebooks: Path | None = None
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", NO_MKDOCS_2_WARNING="1")
+    if notebooks is not None:
+        env["TFDIST_DOCS_NOTEBOOKS"] = str(notebooks)
     return subprocess.run(
         [
             sys.executable,
@@ -79,7 +87,9 @@ def build(config_dir: Path, site: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    done = build(REPO, out)
+    # The notebooks this session executed (these tests run after them,
+    # tests/conftest.py), shown with their outputs.
+    done = build(REPO, out, notebooks=executed_notebooks(tmp_path_factory))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return out
 
@@ -164,6 +174,30 @@ def test_notebooks_and_benchmark_tables_are_pages(site):
         assert "jp-Cell" in text or "jupyter-wrapper" in text, page
     for table in sorted((REPO / "benchmarks" / "results").glob("*.md")):
         assert (site / "benchmarks" / "results" / table.stem / "index.html").is_file(), table
+
+
+def test_the_notebooks_this_session_ran_show_their_outputs(site, tmp_path_factory):
+    import nbformat
+
+    executed = sorted((executed_notebooks(tmp_path_factory) / "notebooks").glob("*.ipynb"))
+    if not executed:
+        pytest.skip("no notebook ran in this session (tests/test_notebooks.py runs them)")
+    for path in executed:
+        page = (site / "notebooks" / path.stem / "index.html").read_text(encoding="utf-8")
+        # A line the notebook printed is on its page (the committed copy
+        # has no outputs).
+        printed = [
+            line.strip()
+            for cell in nbformat.read(path, as_version=4).cells
+            if cell.cell_type == "code"
+            for out in cell.outputs
+            if out.output_type == "stream"
+            for line in out.text.splitlines()
+            if len(line.strip()) > 20 and not set(line.strip()) & set("<>&\"'")
+        ]
+        assert printed and printed[0] in page, (path.name, printed[:1])
+    clean = (REPO / "notebooks" / "01_tour.ipynb").read_text(encoding="utf-8")
+    assert '"outputs": []' in clean  # What is committed stays without outputs.
 
 
 def test_the_patch_table_is_read_from_the_registry(site):
