@@ -36,6 +36,7 @@ PACKAGES = (
     "tfdist.strategies",
     "tfdist.training",
     "tfdist.compression",
+    "tfdist.transport",
     "tfdist.parallel",
     "tfdist.distribution",
     "tfdist.horovod",

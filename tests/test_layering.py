@@ -4,8 +4,8 @@ import no TensorFlow.
 The layers, lowest first (docs/reference/layout.md); a module may import its own layer
 and the ones below, at module level or inside a function:
 
-    base (errors, plugins, compat, ...) < spec < compression < strategies < parallel
-    < distribution < training < profiling < engines < horovod < cli
+    base (errors, plugins, compat, ...) < spec < compression < transport
+    < strategies < parallel < distribution < training < profiling < engines < horovod < cli
 
 The facade (``tfdist/__init__.py``, which names the plugins) sits above
 every layer. The import graph is read
@@ -30,6 +30,7 @@ LAYERS = (
     ("base", ("tfdist.errors", "tfdist._lazy", "tfdist.plugins", "tfdist.compat")),
     ("spec", ("tfdist.spec",)),
     ("compression", ("tfdist.compression",)),
+    ("transport", ("tfdist.transport",)),
     ("strategies", ("tfdist.strategies",)),
     ("parallel", ("tfdist.parallel",)),
     ("distribution", ("tfdist.distribution",)),

@@ -119,6 +119,14 @@ def add_launch(sub) -> None:
     )
     launch.add_argument("--log-dir", default=None, help="keep each task's full log here")
     launch.add_argument(
+        "--transport",
+        default="tf",
+        choices=("tf", "mpi"),
+        help="what carries the gradients: 'tf' (TensorFlow's collectives, default) or "
+        "'mpi': the workers are MPI ranks that mpiexec starts, and the gradients' "
+        "all-reduce goes through MPI (pip install 'tfdist[mpi]')",
+    )
+    launch.add_argument(
         "--netns",
         action="store_true",
         help="run the job in a private network namespace (unshare -n)",
@@ -181,6 +189,8 @@ def _launch(args: argparse.Namespace) -> int:
         inner = [sys.executable, "-m", "tfdist", "launch", *given]
         return launch_lib.run_in_netns(inner, grace=args.grace)
     workers = "2" if args.workers is None else args.workers
+    if args.transport == "mpi":
+        return _launch_mpi(args, workers, script, rest, python)
     if args.hosts is not None or args.hostfile is not None:
         low, high = launch_elastic.parse_workers(workers)
         if low != high or args.host_discovery_script is not None:
@@ -265,6 +275,49 @@ def _launch(args: argparse.Namespace) -> int:
         discovery_interval=args.discovery_interval,
     )
     return result.exit_code
+
+
+def _launch_mpi(
+    args: argparse.Namespace, workers: str, script: list, rest: list, python: str | None
+) -> int:
+    """``--transport mpi``: mpiexec starts the workers (tfdist.engines.mpi_launch)."""
+    from tfdist.engines import mpi_launch
+
+    for field, value, given in (
+        ("chief", args.chief, args.chief),
+        ("ps", args.ps, args.ps),
+        ("evaluator", args.evaluator, args.evaluator),
+        ("spec", args.spec, args.spec is not None),
+        ("hosts", args.hosts, args.hosts is not None or args.hostfile is not None),
+        ("host_discovery_script", args.host_discovery_script, args.host_discovery_script),
+        ("timeline", args.timeline, args.timeline is not None),
+        ("log_dir", args.log_dir, args.log_dir is not None),
+    ):
+        if given:
+            raise ConfigError(
+                field,
+                value,
+                "not set with --transport mpi",
+                source="tfdist launch",
+                hint="mpiexec starts N worker ranks on this machine; for other hosts give "
+                "mpiexec its host file and run the script with TFDIST_TRANSPORT=mpi.",
+            )
+    if not workers.strip().isdigit() or int(workers) < 2:
+        raise ConfigError(
+            "workers",
+            workers,
+            "a fixed number of workers >= 2 with --transport mpi",
+            source="tfdist launch",
+            hint="MPI jobs are not elastic: MIN:MAX needs --transport tf.",
+        )
+    return mpi_launch.launch_mpi(
+        script,
+        rest,
+        workers=int(workers),
+        max_restarts=args.max_restarts,
+        grace=args.grace,
+        python=python or sys.executable,
+    )
 
 
 def _print_rank_commands(

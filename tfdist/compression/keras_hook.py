@@ -55,6 +55,10 @@ from tfdist.compression.sparse import TracedSlices, record_traced, traced_slices
 #: gradients are ready (``after_reduce(grads)``). Compression knows nothing
 #: else of it.
 OBSERVER = "_tfdist_profiler"
+#: A strategy attribute: what carries the aggregator's collectives between
+#: processes when not TensorFlow's own (:class:`tfdist.transport.MpiTransport`;
+#: ``make_comm()`` gives the collectives of one aggregation).
+TRANSPORT = "_tfdist_transport"
 _PREFIX = "tfdist_"
 log = logging.getLogger("tfdist.compression")
 
@@ -223,7 +227,13 @@ def wrap_reduce(original):
             for (g, v), key in zip(pairs, keys)
         ]
         step = tf.convert_to_tensor(getattr(self.iterations, "value", self.iterations))
-        comm = observer.make_comm() if observer is not None else ReplicaComm()
+        transport = getattr(strategy, TRANSPORT, None)
+        if transport is not None:
+            comm = transport.make_comm()
+        elif observer is not None:
+            comm = observer.make_comm()
+        else:
+            comm = ReplicaComm()
         reduced = aggregator.aggregate(items, step, comm)
         if observer is not None:
             observer.after_reduce(reduced)

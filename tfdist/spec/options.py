@@ -38,6 +38,10 @@ _STRATEGY_ALIASES = {
 
 COMMUNICATIONS = ("AUTO", "RING", "NCCL")
 
+#: What carries the gradient all-reduce between processes: TensorFlow's own
+#: collectives, or MPI (:mod:`tfdist.transport.mpi`, the ``mpi`` extra).
+TRANSPORTS = ("tf", "mpi")
+
 #: Environment variables read when the option is not given.
 ENV_VARS = {
     "cpu_replicas": "TFDIST_CPU_REPLICAS",
@@ -47,6 +51,7 @@ ENV_VARS = {
     "tpu": "TPU_NAME",
     "slurm_port_base": "TFDIST_SLURM_PORT_BASE",
     "model_parallel": "TFDIST_MODEL_PARALLEL",
+    "transport": "TFDIST_TRANSPORT",
 }
 
 _SOURCE = "strategy_from_config"
@@ -99,6 +104,12 @@ class StrategyOptions:
             replicas; T > 1 works under ``mirrored`` and
             ``multi_worker_mirrored`` only. The layers of
             :mod:`tfdist.parallel` split their weights over each group.
+        transport: What carries the gradients between the processes of a
+            ``multi_worker_mirrored`` job: ``"tf"`` (TensorFlow's collectives
+            over gRPC) or ``"mpi"`` (MPI through mpi4py, for jobs an MPI
+            launcher starts: ``mpiexec``, ``mpirun``, ``srun --mpi``; see
+            :mod:`tfdist.transport.mpi`). Everything else (metrics, variable
+            creation) stays on TensorFlow's collectives.
     """
 
     devices: tuple[str, ...] | None = None
@@ -111,6 +122,7 @@ class StrategyOptions:
     tpu: str | None = None
     slurm_port_base: int | None = None
     model_parallel: int = 1
+    transport: str = "tf"
 
 
 def canonical_strategy_name(name: Any) -> str:
@@ -255,6 +267,13 @@ def make_options(env: Mapping[str, str] | None = None, **options: Any) -> Strate
         out["slurm_port_base"] = port
     if options.get("model_parallel") is not None:
         out["model_parallel"] = _int("model_parallel", options["model_parallel"], minimum=1)
+    if options.get("transport") is not None:
+        transport = options["transport"]
+        if not isinstance(transport, str) or transport.strip().lower() not in TRANSPORTS:
+            raise ConfigError(
+                "transport", transport, "one of " + ", ".join(map(repr, TRANSPORTS)), source=_SOURCE
+            )
+        out["transport"] = transport.strip().lower()
     return StrategyOptions(**out)
 
 

@@ -97,6 +97,10 @@ class TfdistStrategy:
                 # Built now so that a bad setting fails here, not while fit
                 # traces its first step.
                 self._tfdist_aggregator = make_aggregator(setting, setting.error_feedback)
+            elif getattr(self, keras_hook.TRANSPORT, None) is not None:
+                # Another transport carries even uncompressed gradients: Keras's
+                # own all-reduce would use TensorFlow's collectives.
+                self._tfdist_aggregator = make_aggregator("none")
         self._tfdist_compression = setting
         self._tfdist_choice = choice
         plugins.run("created", self)
@@ -171,7 +175,12 @@ class TfdistStrategy:
             note = " (no effect: one replica)"
         elif aggregator is not None:
             note = f" ({aggregator.describe()})"
+        if aggregator is not None and not self.compression.enabled:
+            note = ""
         lines.append(f"  compression: {self.compression}{note}")
+        transport = getattr(self, "_tfdist_transport", None)
+        if transport is not None:
+            lines.append(f"  transport: {transport.describe()}")
         if self.choice is not None:
             lines.append(f"  why: {self.choice.reason}")
         return "\n".join(lines)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import tensorflow as tf
@@ -17,7 +18,12 @@ from tfdist.compat import versions
 from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.errors import ConfigError
 from tfdist.spec.detect import Choice, choose
-from tfdist.spec.options import StrategyOptions, check_model_parallel, make_options
+from tfdist.spec.options import (
+    StrategyOptions,
+    canonical_strategy_name,
+    check_model_parallel,
+    make_options,
+)
 from tfdist.strategies import provided
 from tfdist.strategies.base import (
     ClusterJoinError,
@@ -130,6 +136,13 @@ def strategy_from_config(
     if task_strategy is not None:
         return task_strategy
     config, resolver = _config_source(config)
+    if opts.transport == "mpi":
+        _check_mpi_setting(strategy, comp)
+        if config is None and not os.environ.get("TF_CONFIG", "").strip():
+            from tfdist.transport import tf_config_from_mpi
+
+            # Started by an MPI launcher: the ranks agree on a TF_CONFIG.
+            config = tf_config_from_mpi()
     choice = choose(config, strategy=strategy, options=opts)
     # A setting whose feature needs a newer Keras/TF than installed fails
     # here, naming it (tfdist.compat.versions.FEATURE_MINIMUMS), never later
@@ -141,6 +154,33 @@ def strategy_from_config(
         versions.require("model_parallel")
     logging.info("tfdist: %s, because %s", choice.name, choice.reason)
     return _build(choice, opts, comp, resolver)
+
+
+def _check_mpi_setting(strategy: str, comp: CompressionSetting) -> None:
+    """Refuses what the MPI transport cannot carry, before MPI starts.
+
+    Raises:
+        ConfigError: ``strategy`` names another kind than
+            multi_worker_mirrored, or ``compression="auto"`` (it measures
+            TensorFlow's collectives, not MPI).
+    """
+    if canonical_strategy_name(strategy) not in ("auto", "multi_worker_mirrored"):
+        raise ConfigError(
+            "transport",
+            "mpi",
+            "strategy='auto' or 'multi_worker_mirrored' (MPI joins processes)",
+            received=f"strategy={strategy!r}",
+            source="strategy_from_config",
+        )
+    if comp.name == "auto":
+        raise ConfigError(
+            "compression",
+            "auto",
+            "a fixed setting (or none) with transport='mpi'",
+            source="strategy_from_config",
+            hint="'auto' times TensorFlow's collectives to choose; with MPI name the setting, "
+            "e.g. compression='bf16' or 'powersgd:4'.",
+        )
 
 
 def _config_source(config: Any) -> tuple[Any, Any]:
@@ -172,6 +212,16 @@ def _build(
     cfg = choice.tf_config
     # Refuse bad pairings before building anything.
     compression_for(choice.name, comp)
+    if opts.transport != "tf" and choice.name != "multi_worker_mirrored":
+        raise ConfigError(
+            "transport",
+            opts.transport,
+            "'tf' for a strategy other than multi_worker_mirrored",
+            received=f"transport={opts.transport!r} where {choice.name} was chosen "
+            f"({choice.reason})",
+            source="strategy_from_config",
+            hint="MPI carries gradients between processes: start the script with mpiexec -n N.",
+        )
     model_parallel = check_model_parallel(choice.name, opts.model_parallel, role=choice.role)
     if choice.name != "default" and choice.role != "server":
         plugins.run("refuse", choice.name)
@@ -223,6 +273,7 @@ def _build(
             register_timeout=opts.register_timeout,
             collective_timeout=opts.collective_timeout,
             model_parallel=model_parallel,
+            transport=opts.transport,
             choice=choice,
         )
     if choice.name == "parameter_server":

@@ -23,7 +23,7 @@ from typing import Any
 from absl import flags
 
 from tfdist.compression import COMPRESSOR_NAMES
-from tfdist.spec.options import COMMUNICATIONS, STRATEGY_NAMES
+from tfdist.spec.options import COMMUNICATIONS, STRATEGY_NAMES, TRANSPORTS
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -104,6 +104,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string(
         "tpu", None, "TPU name, grpc:// address or 'local'.", flag_values=flag_values
     )
+    flags.DEFINE_enum(
+        "transport",
+        None,
+        TRANSPORTS,
+        "What carries the gradients between processes: tf (TensorFlow's collectives) or "
+        "mpi (for scripts an MPI launcher starts).",
+        flag_values=flag_values,
+    )
 
 
 def options_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
@@ -118,6 +126,7 @@ def options_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str,
         "register_timeout",
         "variable_partitioner",
         "tpu",
+        "transport",
     )
     kwargs: dict[str, Any] = {
         n: flag_values[n].value for n in names if flag_values[n].value is not None

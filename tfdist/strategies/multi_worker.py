@@ -67,6 +67,10 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             sleeping thread per collective for the whole timeout.
         model_parallel: The tensor-parallel group size T, dividing the
             replicas of the whole job (see :mod:`tfdist.parallel.mesh`).
+        transport: ``"tf"``, or ``"mpi"``: the gradients' all-reduce goes
+            through MPI (:mod:`tfdist.transport.mpi`; the job's processes are
+            the MPI ranks, one replica each). Needs a fixed compression
+            setting or none, not ``"auto"``.
         choice: Why it was chosen (set by strategy_from_config).
     """
 
@@ -81,6 +85,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         register_timeout: float | None = None,
         collective_timeout: float | None = None,
         model_parallel: int = 1,
+        transport: str = "tf",
         choice: Choice | None = None,
     ):
         self._collective_key_base = next_key_base()
@@ -125,6 +130,8 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             if late_start.TF_MESSAGE not in str(error):
                 raise
             raise late_start.order_error(call, "any other TensorFlow work") from None
+        if transport == "mpi":
+            self._tfdist_transport = _mpi_transport(self, collective_timeout, model_parallel)
         self._tfdist_init(compression, choice)
         self._tfdist_attach(model_parallel)
         # Keras's own saves and checkpoint callbacks: the chief writes; see
@@ -174,6 +181,33 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             return base.reduce(reduce_op, v, one_axis)
 
         return tf.nest.map_structure(reduce_one, value)
+
+
+def _mpi_transport(strategy, timeout: float | None, model_parallel: int):
+    """The MPI transport of ``strategy``: one replica per rank, as many as ranks.
+
+    Raises:
+        ConfigError: Field ``'transport'``: mpi4py or MPI is missing, the MPI
+            world is not this job (another number of processes), a process
+            holds several replicas, or ``model_parallel`` > 1.
+    """
+    from tfdist.transport import MpiTransport
+
+    transport = MpiTransport(timeout)
+    replicas = strategy.num_replicas_in_sync
+    local = len(strategy.extended.worker_devices)
+    if transport.size != replicas or local != 1 or model_parallel != 1:
+        raise ConfigError(
+            "transport",
+            "mpi",
+            "one replica per process, one process per MPI rank, and model_parallel=1",
+            received=f"{replicas} replicas, {local} in this process, {transport.size} MPI "
+            f"ranks, model_parallel={model_parallel}",
+            source="MultiWorkerMirroredStrategy",
+            hint="Start one process per device with the MPI launcher (mpiexec -n N), without "
+            "cpu_replicas or several GPUs per process.",
+        )
+    return transport
 
 
 def _refuse_beside_horovod() -> None:
