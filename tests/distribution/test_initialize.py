@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import fsdp_mlp
 import tfdist
 from conftest import finish, result_line, start
 from test_data_parallel import _fit
@@ -158,37 +159,11 @@ def test_compression_given_to_initialize_reaches_model_parallel(tf_cpus):
 
     local = {}
     for compression in (None, "bf16"):
-        mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map["dense_a/kernel"] = ("batch", None)
-        layout_map["dense_b/kernel"] = (None, "batch")
         keras.distribution.set_distribution(
-            tfdist.distribution.ModelParallel(
-                layout_map=layout_map, batch_dim_name="batch", compression=compression
-            )
+            fsdp_mlp.model_parallel(keras, ["cpu:0", "cpu:1"], compression=compression)
         )
         try:
-            rng = np.random.default_rng(0)
-            x = rng.normal(size=(32, 6)).astype("float32")
-            y = rng.normal(size=(32, 4)).astype("float32")
-            model = keras.Sequential(
-                [
-                    keras.Input((6,)),
-                    keras.layers.Dense(8, name="dense_a"),
-                    keras.layers.Dense(4, name="dense_b"),
-                ]
-            )
-            model.set_weights(
-                [rng.normal(size=w.shape).astype("float32") * 0.3 for w in model.get_weights()]
-            )
-            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-            tfdist.parallel.reset_traffic(model.distribute_strategy)
-            history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-            local[compression] = (
-                history.history["loss"],
-                model.get_weights(),
-                tfdist.parallel.traffic(model.distribute_strategy),
-            )
+            local[compression] = fsdp_mlp.fit(keras)[1:]
         finally:
             keras.distribution.set_distribution(None)
     (_, plain, plain_sent), (bf16_loss, bf16, bf16_sent) = local.values()
