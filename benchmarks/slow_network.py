@@ -71,6 +71,7 @@ import slow_network_configs
 from benchlib import netns
 from benchlib.mlp import param_count
 from benchlib.netns import NO_LIMIT, parse_rate, tc_command
+from fast_links_report import fast_links_markdown
 from slow_network_configs import ACC_WARMUP, FLAGS, REPO, SPEED_WARMUP, define_flags
 from slow_network_report import load_snapshot, markdown, plot, speed_skip, summarize, timed_steps
 from slow_network_workers import tf_worker, torch_worker
@@ -119,6 +120,8 @@ def run_job(
     base = _worker_flags(config, steps, warmup, evals, world)
     tag = f"{config.replace('/', '_').replace(':', '')}_{world}w_{int(time.time() * 1e3)}"
     outs, procs, logs = [], [], []
+    if config.endswith("+mpi"):
+        return _run_mpi_job(config, world, base, env, work, tag, timeout)
     if config.startswith("tf/"):
         tasks = [c for _, _, c in spec.all_task_configs(local_spec(world))]
     else:
@@ -166,6 +169,44 @@ def run_job(
         raise RuntimeError(
             f"{config} with {world} workers failed: exit codes {codes}; "
             f"worker {bad}'s log ends:\n{tail}"
+        )
+    result = json.loads(outs[0].read_text())
+    result["wall_s"] = time.time() - started
+    return result
+
+
+def _run_mpi_job(
+    config: str, world: int, base: list[str], env: dict, work: Path, tag: str, timeout: float
+) -> dict:
+    """A ``+mpi`` job: ``mpiexec -n world`` starts the TensorFlow workers.
+
+    MPICH would use shared memory between ranks of one machine, which no
+    link limits: ``MPIR_CVAR_NOLOCAL`` and the OFI TCP provider keep its
+    traffic on the namespace's loopback, as between hosts.
+    """
+    from tfdist.engines.mpi_launch import find_mpiexec
+
+    outs = [work / f"{tag}_{rank}.json" for rank in range(world)]
+    mpi_env = dict(env, MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+    args = [find_mpiexec(), "-n", str(world), sys.executable, __file__, *base]
+    args += [f"--out={work / f'{tag}_{{rank}}.json'}", "--mode=tf_worker"]
+    started = time.time()
+    with open(work / f"{tag}.log", "w") as log:
+        proc = subprocess.Popen(
+            args, env=mpi_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if proc.poll() is None:  # mpiexec's own process group: it, its proxies, the ranks.
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    if code != 0 or not all(o.exists() for o in outs):
+        tail = (work / f"{tag}.log").read_text()[-3000:]
+        raise RuntimeError(
+            f"{config} with {world} workers failed: exit code {code}; log ends:\n{tail}"
         )
     result = json.loads(outs[0].read_text())
     result["wall_s"] = time.time() - started
@@ -275,7 +316,12 @@ def inside() -> None:
             load.append(load_snapshot())
         netns.loopback_up(mtu=1500)  # like Ethernet when throttled
         for rate in FLAGS.bandwidths:
-            _sh(tc_command(rate))
+            if rate == NO_LIMIT:  # The unthrottled loopback, at its usual MTU.
+                netns.unthrottle()
+                netns.loopback_up(mtu=65536)
+            else:
+                netns.loopback_up(mtu=1500)
+                _sh(tc_command(rate))
             for world in [int(w) for w in FLAGS.workers]:
                 many = FLAGS.configs4 if parse_rate(rate) < 5e8 else FLAGS.configs4_fast
                 configs = FLAGS.configs if world == 2 else many
@@ -311,7 +357,10 @@ def _meta() -> dict:
             versions[mod] = None
     layers = [int(w) for w in FLAGS.layers]
     return {
-        "command": "python benchmarks/slow_network.py" + (" --quick" if FLAGS.quick else ""),
+        "command": "python benchmarks/slow_network.py"
+        + (" --quick" if FLAGS.quick else "")
+        + (" --fast_links" if FLAGS.fast_links else ""),
+        "fast_links": FLAGS.fast_links,
         "when": time.strftime("%Y-%m-%d %H:%M"),
         "cpus": os.cpu_count(),
         "bandwidths": list(FLAGS.bandwidths),
@@ -347,12 +396,33 @@ def report() -> None:
     raw["summary"] = {k: summary[k] for k in ("rows", "accuracy", "goals")}
     _raw_path().write_text(json.dumps(raw, indent=1))
     base = Path(FLAGS.results_dir) / FLAGS.name
-    base.with_suffix(".md").write_text(markdown(summary))
-    try:
-        plot(summary, base.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    if raw["meta"].get("fast_links"):
+        base.with_suffix(".md").write_text(fast_links_markdown(summary))
+    else:
+        base.with_suffix(".md").write_text(markdown(summary))
+        try:
+            plot(summary, base.with_suffix(".png"))
+        except ImportError:
+            print("matplotlib is not installed: no plot", file=sys.stderr)
     print(base.with_suffix(".md").read_text())
+
+
+def _apply_fast_links() -> list[str]:
+    """Flags --fast_links sets (unless given explicitly)."""
+    configs = ",".join(slow_network_configs.FAST_LINK_CONFIGS)
+    fast = {
+        "name": "fast_links",
+        "accuracy": "false",
+        "bandwidths": f"{NO_LIMIT},1gbit",
+        "workers": "2,4",
+        "configs": configs,
+        "configs4_fast": configs,
+        "repeat_configs": configs,
+        "repeats": "3",
+        "fast_steps": "20",
+    }
+    given = {a.split("=", 1)[0].lstrip("-") for a in sys.argv[1:]}
+    return [f"--{k}={v}" for k, v in fast.items() if k not in given]
 
 
 def _apply_quick() -> list[str]:
@@ -386,6 +456,7 @@ def main(argv) -> None:
     else:
         netns.require("benchmarks/slow_network.py")
         extra = _apply_quick() if FLAGS.quick else []
+        extra += _apply_fast_links() if FLAGS.fast_links else []
         netns.rerun_inside(__file__, sys.argv[1:] + extra)
         subprocess.run(
             [sys.executable, __file__] + sys.argv[1:] + extra + ["--mode=report"], check=True

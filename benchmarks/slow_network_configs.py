@@ -54,6 +54,8 @@ LABELS = {
     "tf/topk:0.01": "tfdist top-k 1%",
     "tf/powersgd:4+bf16warm": "tfdist PowerSGD r4, bf16 warm-up",
     "tf/auto": "tfdist auto",
+    "tf/fp32+mpi": "tfdist fp32, MPI transport",
+    "tf/bf16+mpi": "tfdist bf16, MPI transport",
     "ddp/dense": "DDP dense",
     "ddp/fp16": "DDP fp16 hook",
     "ddp/powersgd:4": "DDP PowerSGD r4",
@@ -68,6 +70,13 @@ REPEAT_CONFIGS = [
     "ddp/powersgd:4",
     "tf/auto",
 ]
+#: The fast-link comparison (issue 32): fp32 over TensorFlow's collective and
+#: over MPI (``+mpi``: the workers are ranks of ``mpiexec``, MPICH forced onto
+#: the namespace's loopback over TCP) beside DDP dense, on the unthrottled
+#: link and at 1 Gbit/s. ``--name=fast_links --accuracy=false
+#: --bandwidths=none,1gbit --configs=FAST_LINK_CONFIGS
+#: --configs4_fast=FAST_LINK_CONFIGS``.
+FAST_LINK_CONFIGS = ["tf/fp32", "tf/fp32+mpi", "ddp/dense"]
 #: PowerSGD's dense warm-up steps in the accuracy runs (tfdist's default).
 ACC_WARMUP = 10
 #: Warm-up steps in the speed runs (PyTorch needs at least 2 with error feedback).
@@ -85,6 +94,13 @@ def define_flags() -> None:
         "(inside the namespace; one worker) or redo the report.",
     )
     flags.DEFINE_bool("quick", False, "A small model and few steps (about 4 minutes).")
+    flags.DEFINE_bool(
+        "fast_links",
+        False,
+        "Only the fast-link comparison: fp32 over TensorFlow's collective and over MPI "
+        "beside DDP dense, unthrottled and at 1 Gbit/s, 2 and 4 workers (about 8 minutes); "
+        "results in fast_links.{json,md}.",
+    )
     flags.DEFINE_list("bandwidths", ["100mbit", "1gbit"], "tc tbf rates to run at.")
     flags.DEFINE_list("workers", ["2", "4"], "Worker counts of the speed runs.")
     flags.DEFINE_list("configs", CONFIGS, "Configurations of the 2-worker speed runs.")

@@ -122,7 +122,7 @@ def summarize(raw: dict) -> dict:
     meta, runs = raw["meta"], raw["runs"]
     target = meta["target"]
     index = _run_index(runs)
-    links = [NO_LIMIT] + list(meta["bandwidths"])
+    links = [NO_LIMIT] + [b for b in meta["bandwidths"] if b != NO_LIMIT]
     workers = sorted({r["workers"] for r in runs})
     acc = {r["config"]: r for r in runs if r["phase"] == "accuracy"}
 
@@ -146,6 +146,7 @@ def summarize(raw: dict) -> dict:
                 "workers": n,
                 "link": link,
                 "step_s": run["step_s"],
+                "run_medians": run.get("run_medians"),
                 "auto": _auto_choice(run),
                 "bf16_warmup": bf16_warmup(config, run),
             }

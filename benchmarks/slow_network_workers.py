@@ -27,7 +27,7 @@ def pack_bytes(layers: Sequence[int], packs: int = 8) -> int:
 def _tf_compression(config: str, warmup: int):
     from tfdist.compression import AutoCompression, PowerSGD
 
-    name = config.split("/", 1)[1].removesuffix("+packs")
+    name = config.split("/", 1)[1].removesuffix("+packs").removesuffix("+mpi")
     if name == "fp32":
         return None
     if name.startswith("powersgd"):
@@ -77,6 +77,8 @@ def tf_worker() -> None:
     packs = FLAGS.config.endswith("+packs")
     strategy = tfdist.strategy_from_config(
         compression=_tf_compression(FLAGS.config, FLAGS.warmup),
+        # "+mpi": the gradients' all-reduce over MPI (the workers are mpiexec's ranks).
+        transport="mpi" if FLAGS.config.endswith("+mpi") else "tf",
         register_timeout=300,
         bytes_per_pack=pack_bytes([int(w) for w in FLAGS.layers]) if packs else 0,
     )
@@ -137,4 +139,7 @@ def torch_worker() -> None:
 
 
 def _write(result: dict) -> None:
-    Path(FLAGS.out).write_text(json.dumps(result))
+    # mpiexec's ranks share one command line: "{rank}" in --out is theirs.
+    Path(FLAGS.out.replace("{rank}", str(result.get("rank", FLAGS.rank)))).write_text(
+        json.dumps(result)
+    )

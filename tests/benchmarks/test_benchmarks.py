@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -620,3 +621,69 @@ def test_keras_distribution_benchmark_measures_both_jobs(tmp_path):
     # TensorFlow's allocator tracks large allocations only (a tiny model may read 0).
     tensors = results["ratio"]["tensor_peak_kb"]
     assert f"tensors {'n/a' if tensors is None else format(tensors, '.2f')}×" in text
+
+
+@pytest.mark.slow
+def test_allreduce_benchmark_checks_every_sum_and_compares_with_mpi(tmp_path):
+    import shutil
+
+    if shutil.which("mpiexec") is None or os.geteuid() != 0:
+        pytest.skip("needs mpiexec (the mpi extra) and root (a network namespace)")
+    done = subprocess.run(
+        [sys.executable, "benchmarks/allreduce.py", "--quick", f"--results_dir={tmp_path}"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    raw = json.loads((tmp_path / "allreduce_quick.json").read_text())
+    configs = {r["config"] for r in raw["runs"]}
+    assert {"tf/default", "tf/flat", "mpi/flat", "mpi/tensors"} <= configs
+    # Every collective's result was compared with the expected sum (a socket sums nothing).
+    assert all(r["verified"] for r in raw["runs"] if not r["config"].startswith("socket/"))
+    # The alpha/beta sweeps time several sizes; the others one median each.
+    assert all(r["median_s"] > 0 for r in raw["runs"] if not r["config"].endswith("/sweep"))
+    text = (tmp_path / "allreduce_quick.md").read_text()
+    assert "| `mpi/flat`" in text and "| `tf/default`" in text
+
+
+def test_fast_links_report_gives_the_ratios_and_marks_the_goals():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from fast_links_report import GOALS, fast_links_markdown
+
+    steps = {"tf/fp32": 0.08, "tf/fp32+mpi": 0.045, "ddp/dense": 0.04}
+    slow = {"tf/fp32": 0.45, "tf/fp32+mpi": 0.44, "ddp/dense": 0.40}
+    rows = [
+        {"config": c, "workers": 2, "link": link, "step_s": s, "run_medians": [s]}
+        for link, table in (("none", steps), ("1gbit", slow))
+        for c, s in table.items()
+    ]
+    meta = {
+        "params": 5776906,
+        "command": "python benchmarks/slow_network.py --fast_links",
+        "when": "now",
+        "wall_s": 60.0,
+        "cpus": 2,
+        "load": [],
+        "layers": [256, 2048, 2048, 512, 10],
+        "batch": 32,
+        "threads": 1,
+        "fast_steps": 20,
+        "repeats": 3,
+    }
+    text = fast_links_markdown(
+        {"meta": meta, "rows": rows, "workers": [2], "links": ["none", "1gbit"]}
+    )
+    fast = steps["tf/fp32+mpi"] / steps["ddp/dense"]
+    limited = slow["tf/fp32+mpi"] / slow["ddp/dense"]
+    assert f"| MPI transport / DDP dense | {fast:.2f} | {limited:.2f} |" in text
+    assert (
+        f"| MPI transport / DDP dense <= {GOALS['none']} (2 workers, no limit) | {fast:.2f} | "
+        + ("yes" if fast <= GOALS["none"] else "**no**")
+    ) in text
+    assert (
+        f"(2 workers, 1 Gbit/s) | {limited:.2f} | "
+        + ("yes" if limited <= GOALS["1gbit"] else "**no**")
+    ) in text

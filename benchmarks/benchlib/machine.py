@@ -1,0 +1,28 @@
+"""What else the machine was doing while a benchmark ran."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+
+def load_snapshot() -> dict:
+    """The load averages and the busiest processes, as ``uptime``/``ps`` show them."""
+    snap: dict[str, Any] = {"time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        snap["loadavg"] = [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        snap["loadavg"] = None
+    try:
+        ps = subprocess.run(
+            ["ps", "-eo", "pcpu,pid,comm", "--sort=-pcpu"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.splitlines()[1:6]
+        snap["top"] = [" ".join(line.split()) for line in ps]
+    except (OSError, subprocess.SubprocessError):
+        snap["top"] = []
+    return snap
