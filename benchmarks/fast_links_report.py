@@ -85,8 +85,10 @@ def fast_links_markdown(summary: dict) -> str:
         f"{meta['batch']} per worker, SGD with momentum, the same initial weights and data "
         f"in both frameworks, {meta['threads']} intra-op thread per worker (and 1 inter-op "
         "thread in TensorFlow); fp32 gradients, no compression. Each job trains "
-        f"{meta['fast_steps']} timed steps after the first (tracing); each configuration "
-        f"ran {meta['repeats']} times per cell, interleaved, and the timed steps are pooled.",
+        f"{meta['fast_steps']} timed steps after the first (tracing). With 2 workers each "
+        f"configuration ran {meta['repeats']} times per link, interleaved, and the timed "
+        "steps are pooled; with 4 workers once (4 TensorFlow processes take most of a "
+        "minute to start on 2 cores).",
         "",
         "- **TF collective**: tfdist's MultiWorkerMirroredStrategy, Keras's own all-reduce "
         "(RING over gRPC, one pack).",

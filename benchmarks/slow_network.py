@@ -69,11 +69,12 @@ from absl import app, flags
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import slow_network_configs
 from benchlib import netns
+from benchlib.machine import load_snapshot
 from benchlib.mlp import param_count
 from benchlib.netns import NO_LIMIT, parse_rate, tc_command
 from fast_links_report import fast_links_markdown
 from slow_network_configs import ACC_WARMUP, FLAGS, REPO, SPEED_WARMUP, define_flags
-from slow_network_report import load_snapshot, markdown, plot, speed_skip, summarize, timed_steps
+from slow_network_report import markdown, plot, speed_skip, summarize, timed_steps
 from slow_network_workers import tf_worker, torch_worker
 
 # ---------------------------------------------------------------- orchestration

@@ -6,11 +6,8 @@ for the plot), so the tests check it on made-up runs.
 from __future__ import annotations
 
 import statistics
-import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from benchlib.netns import NO_LIMIT, parse_rate
 from slow_network_configs import ACC_WARMUP, CONFIGS, LABELS, SPEED_WARMUP, TF_CONFIGS
@@ -88,29 +85,6 @@ def link_name(rate: str) -> str:
         return "no limit"
     bits = parse_rate(rate)
     return f"{bits / 1e9:g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:g} Mbit/s"
-
-
-def load_snapshot() -> dict:
-    """The load averages and the busiest processes, as ``uptime``/``ps`` show them."""
-    snap: dict[str, Any] = {"time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        snap["loadavg"] = [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        snap["loadavg"] = None
-    try:
-        ps = subprocess.run(
-            ["ps", "-eo", "pcpu,pid,comm", "--sort=-pcpu"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.splitlines()[1:6]
-        snap["top"] = [" ".join(line.split()) for line in ps]
-    except (OSError, subprocess.SubprocessError):
-        snap["top"] = []
-    return snap
-
-
-# ---------------------------------------------------------------- summary
 
 
 def _run_index(runs: list[dict]) -> dict:

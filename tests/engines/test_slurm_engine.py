@@ -291,3 +291,35 @@ def test_a_failing_task_ends_the_step_without_waiting_for_it(slurm_cluster, tmp_
     while slurm_cluster.job_ids() and time.monotonic() < deadline:
         time.sleep(0.5)  # The job may list as COMPLETING for a moment.
     assert slurm_cluster.job_ids() == [], "expected no job left running\n" + context
+
+
+def test_srun_mpi_pmi2_trains_over_the_mpi_transport(slurm_cluster):  # noqa: F811 - the fixture imported above
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs the mpi extra (mpi4py and MPICH)")
+    result = slurm_cluster.run(
+        [
+            "srun",
+            "-n2",
+            "--mpi=pmi2",
+            "--time=3",
+            sys.executable,
+            str(REPO / "tests" / "workers" / "mpi_job.py"),
+            "plain",
+        ],
+        timeout=240,
+        TFDIST_TRANSPORT="mpi",
+    )
+    ranks = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("rank ") and " result: " in line:
+            found = json.loads(line.split(" result: ", 1)[1])
+            ranks[found["rank"]] = found
+    assert sorted(ranks) == [0, 1], slurm_cluster.failure(
+        "no result from both ranks", code=0, out=result.stdout, err=result.stderr
+    )
+    for found in ranks.values():
+        assert found["replicas"] == 2
+        assert found["allreduce_calls"] == 2 * 6 * 4  # Every step's 4 dense gradients, over MPI.
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
