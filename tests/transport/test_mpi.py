@@ -142,6 +142,20 @@ def test_fit_over_mpi_equals_the_fit_over_tf_collectives(ranks, settings):
 
 
 @pytest.mark.slow
+def test_a_dead_rank_ends_the_job():
+    start = time.monotonic()
+    out = _run_job(2, "die", timeout=180)
+    elapsed = time.monotonic() - start
+    text = out.stdout + out.stderr
+    assert "rank 1 dies" in text, text[-3000:]
+    # mpiexec saw rank 1 exit with 3 and ended the job, rank 0 included,
+    # with that exit code.
+    assert out.returncode == 3, text[-3000:]
+    assert "rank 0 finished" not in text
+    assert elapsed < 120, elapsed
+
+
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_job_within_the_collective_timeout():
     start = time.monotonic()
     out = _run_job(2, "hang", timeout=180)

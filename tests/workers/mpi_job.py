@@ -10,8 +10,9 @@ largest difference, the losses and what MPI carried.
 or ``mpiexec`` with ``TFDIST_TRANSPORT=mpi``: ``strategy_from_config()``
 and a fit; each rank prints its weights' checksum and what MPI carried.
 
-``hang``: a fit over MPI with ``collective_timeout=5``; rank 1 stops itself
-(SIGSTOP) before its third step, so rank 0's all-reduce never finishes.
+``hang`` / ``die``: a fit over MPI with ``collective_timeout=5``; rank 1
+stops itself (SIGSTOP) or exits (``os._exit(3)``) before its third step, so
+rank 0's collectives never finish.
 """
 
 from __future__ import annotations
@@ -98,17 +99,26 @@ def fit_start(rank: int) -> list:
     return keras.Model([ids_in, x_in], keras.layers.Dense(2)(hidden)).get_weights()
 
 
-class StopBeforeThirdStep(keras.callbacks.Callback):
+class FailBeforeThirdStep(keras.callbacks.Callback):
+    """Rank 1 stops itself (SIGSTOP: hung) or exits (os._exit: dead) before step 3."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 2:
-            print("rank 1 stops itself", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            if self.how == "hang":
+                print("rank 1 stops itself", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            print("rank 1 dies", flush=True)
+            os._exit(3)
 
 
-def hang() -> None:
+def fail(how: str) -> None:
     strategy = tfdist.strategy_from_config(transport="mpi", collective_timeout=5)
     rank = strategy.cluster_resolver.task_id
-    fit(strategy, rank, callbacks=[StopBeforeThirdStep()] if rank == 1 else [])
+    fit(strategy, rank, callbacks=[FailBeforeThirdStep(how)] if rank == 1 else [])
     print(f"rank {rank} finished", flush=True)
 
 
@@ -133,7 +143,7 @@ if __name__ == "__main__":
         compare(sys.argv[2:])
     elif sys.argv[1] == "plain":
         plain()
-    elif sys.argv[1] == "hang":
-        hang()
+    elif sys.argv[1] in ("hang", "die"):
+        fail(sys.argv[1])
     else:
         raise SystemExit(f"unknown mode {sys.argv[1]!r}")

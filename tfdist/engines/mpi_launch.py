@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -111,10 +112,11 @@ def launch_mpi(
 def _run_once(command: list[str], env: dict, grace: float) -> int:
     # Its own session: one killpg reaches mpiexec, its proxies and the ranks.
     proc = subprocess.Popen(command, env=env, start_new_session=True)
-    stopping = threading.Event()
+    deadline: list[float] = []  # Set by the first passed-on signal.
 
     def forward(signum, frame):
-        stopping.set()
+        if not deadline:
+            deadline.append(time.monotonic() + grace)
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -127,10 +129,11 @@ def _run_once(command: list[str], env: dict, grace: float) -> int:
     try:
         while True:
             try:
-                return proc.wait(timeout=grace if stopping.is_set() else None)
+                return proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
-                # The grace period after a passed-on signal is over.
-                os.killpg(proc.pid, signal.SIGKILL)
+                if deadline and time.monotonic() > deadline[0]:
+                    # The grace period after a passed-on signal is over.
+                    os.killpg(proc.pid, signal.SIGKILL)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
