@@ -133,13 +133,36 @@ def _run_once(command: list[str], env: dict, grace: float) -> int:
             except subprocess.TimeoutExpired:
                 if deadline and time.monotonic() > deadline[0]:
                     # The grace period after a passed-on signal is over.
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    _kill_tree(proc.pid)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_tree(proc.pid)
             proc.wait()
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILLs ``pid`` and every process below it.
+
+    Hydra's proxies and the ranks run in process groups of their own, so a
+    killpg of mpiexec's group would leave them running; they are found
+    through their parents in /proc.
+    """
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue  # Gone meanwhile.
+    tree, frontier = [pid], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        tree += children
+        frontier = children
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
