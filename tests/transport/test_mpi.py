@@ -222,3 +222,65 @@ def test_tfdist_launch_refuses_what_mpi_jobs_do_not_have(flags, field, capsys):
     error = capsys.readouterr().err
     assert f"field '{field}'" in error
     assert "--transport mpi" in error
+
+
+@pytest.mark.slow
+def test_tfdist_launch_passes_sigterm_on_and_leaves_no_rank_behind(tmp_path):
+    _mpiexec()
+    # Ranks that ignore SIGTERM, so only the kill after --grace ends them;
+    # each writes its PID once the signal is ignored.
+    script = tmp_path / "stubborn.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open(os.path.join({str(tmp_path)!r}, f'rank.{{os.getpid()}}'), 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "--transport",
+            "mpi",
+            "--workers",
+            "2",
+            "--grace",
+            "2",
+            str(script),
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def pids() -> list[int]:
+        return [int(f.name.split(".")[1]) for f in tmp_path.glob("rank.*")]
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(pids()) == 2, "the ranks did not start"
+        start = time.monotonic()
+        launcher.send_signal(15)
+        launcher.wait(timeout=60)
+        assert time.monotonic() - start < 30
+        time.sleep(1)
+        assert [pid for pid in pids() if alive(pid)] == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in pids():  # Only this test's ranks, which wrote their PIDs.
+            if alive(pid):
+                os.kill(pid, 9)
