@@ -311,11 +311,9 @@ def test_srun_mpi_pmi2_trains_over_the_mpi_transport(slurm_cluster):  # noqa: F8
         timeout=240,
         TFDIST_TRANSPORT="mpi",
     )
-    ranks = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("rank ") and " result: " in line:
-            found = json.loads(line.split(" result: ", 1)[1])
-            ranks[found["rank"]] = found
+    from test_mpi import rank_results
+
+    ranks = rank_results(result.stdout)
     assert sorted(ranks) == [0, 1], slurm_cluster.failure(
         "no result from both ranks", code=0, out=result.stdout, err=result.stderr
     )

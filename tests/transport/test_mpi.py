@@ -170,7 +170,8 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout():
     assert elapsed < 120, elapsed
 
 
-def _rank_results(stdout: str) -> dict[int, dict]:
+def rank_results(stdout: str) -> dict[int, dict]:
+    """Each rank's ``rank R result: {...}`` line of mpi_job.py's ``plain`` mode, by rank."""
     found = {}
     for line in stdout.splitlines():
         if line.startswith("rank ") and " result: " in line:
@@ -179,22 +180,16 @@ def _rank_results(stdout: str) -> dict[int, dict]:
     return found
 
 
+def _launch_command(*args: str) -> list[str]:
+    """``tfdist launch --transport mpi --workers 2 ARGS``."""
+    return [sys.executable, "-m", "tfdist", "launch", "--transport", "mpi", "--workers", "2", *args]
+
+
 @pytest.mark.slow
 def test_tfdist_launch_starts_the_ranks_with_mpiexec():
     _mpiexec()
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfdist",
-            "launch",
-            "--transport",
-            "mpi",
-            "--workers",
-            "2",
-            str(JOB),
-            "plain",
-        ],
+        _launch_command(str(JOB), "plain"),
         cwd=REPO,
         env=subprocess_env(),
         capture_output=True,
@@ -202,7 +197,7 @@ def test_tfdist_launch_starts_the_ranks_with_mpiexec():
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    ranks = _rank_results(out.stdout)
+    ranks = rank_results(out.stdout)
     assert sorted(ranks) == [0, 1], out.stdout[-3000:]
     for r in ranks.values():
         assert r["replicas"] == 2
@@ -237,19 +232,7 @@ def test_tfdist_launch_passes_sigterm_on_and_leaves_no_rank_behind(tmp_path):
         "time.sleep(120)\n"
     )
     launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tfdist",
-            "launch",
-            "--transport",
-            "mpi",
-            "--workers",
-            "2",
-            "--grace",
-            "2",
-            str(script),
-        ],
+        _launch_command("--grace", "2", str(script)),
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
