@@ -10,6 +10,7 @@ process brings its devices and ``keras.distribution.initialize()`` joins them:
     python strategies/keras_distribution.py                       # (2, 2) on 4 CPUs
     python strategies/keras_distribution.py --family=gemma --mesh=1,2
     python strategies/keras_distribution.py --layout=data_parallel
+    python strategies/keras_distribution.py --lora_rank=4 --generate=8 --compare
     tfdist launch --workers 4 python strategies/keras_distribution.py
 
 The model is keras-hub's Llama, Gemma or Qwen CausalLM built from its
@@ -19,6 +20,10 @@ synthetic next-token task. It prints what each weight got
 {...}``. ``--compare`` first trains the same model unsharded on one device
 from the same weights and reports the largest differences. ``--model_dir``
 gets ``model.keras`` with full weights (it loads with no distribution).
+``--lora_rank`` follows keras-hub's distributed tuning recipe
+(``backbone.enable_lora``), and ``--generate`` ends with ``generate()``.
+
+Needs keras-hub beside the base install: ``pip install -e '.[keras-hub]'``.
 """
 
 from __future__ import annotations
@@ -58,6 +63,17 @@ flags.DEFINE_integer("layers", 2, "Decoder layers.")
 flags.DEFINE_bool(
     "compare", False, "Also train unsharded on one device and report the differences."
 )
+flags.DEFINE_integer(
+    "lora_rank",
+    0,
+    "keras-hub's distributed tuning recipe: backbone.enable_lora(rank) before compiling "
+    "(the base weights frozen and still split, the adapters trained). 0: off.",
+)
+flags.DEFINE_integer(
+    "generate",
+    0,
+    "After fit, generate() this many tokens (greedy) after 4-token prompts. 0: off.",
+)
 
 
 def causal_lm(keras, keras_hub):
@@ -79,6 +95,8 @@ def causal_lm(keras, keras_hub):
         lm = models.LlamaCausalLM(models.LlamaBackbone(**common), preprocessor=None)
     else:
         lm = models.QwenCausalLM(models.QwenBackbone(**common), preprocessor=None)
+    if FLAGS.lora_rank:
+        lm.backbone.enable_lora(rank=FLAGS.lora_rank)
     lm.compile(
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -94,6 +112,20 @@ def next_token_data(rows: int, seq_len: int, vocab: int, seed: int = 0):
     return {"token_ids": ids[:, :-1], "padding_mask": np.ones_like(ids[:, :-1])}, ids[:, 1:]
 
 
+def generated(lm, x) -> list[list[int]]:
+    """Greedy ``generate()`` of --generate tokens after each of 2 prompts (the
+    first 4 tokens of the first 2 rows); keras-hub's KV cache runs it."""
+    prompt_length = 4
+    width = prompt_length + FLAGS.generate
+    ids = np.zeros((2, width), "int32")
+    ids[:, :prompt_length] = x["token_ids"][:2, :prompt_length]
+    mask = np.zeros((2, width), bool)
+    mask[:, :prompt_length] = True
+    lm.compile(sampler="greedy")
+    out = lm.generate({"token_ids": ids, "padding_mask": mask}, stop_token_ids=None)
+    return np.asarray(out["token_ids"]).tolist()
+
+
 def mesh_shape() -> tuple[int, int]:
     try:
         batch, model = (int(p) for p in FLAGS.mesh.split(","))
@@ -106,6 +138,21 @@ def mesh_shape() -> tuple[int, int]:
 
 def main(_argv: list[str]) -> None:
     batch, model = mesh_shape()
+    in_cluster = bool(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster"))
+    if FLAGS.generate and in_cluster:
+        _common.exit_with(
+            ValueError(
+                "--generate: expected 0 in a job of several processes (generate() under "
+                f"ModelParallel runs in one process so far). Received: {FLAGS.generate}"
+            )
+        )
+    if FLAGS.generate < 0 or FLAGS.lora_rank < 0:
+        _common.exit_with(
+            ValueError(
+                "--generate and --lora_rank: expected 0 or more. Received: "
+                f"--generate={FLAGS.generate}, --lora_rank={FLAGS.lora_rank}"
+            )
+        )
     if FLAGS.strategy != "auto":
         _common.exit_with(
             ValueError(
@@ -114,7 +161,6 @@ def main(_argv: list[str]) -> None:
             )
         )
     rows = FLAGS.per_replica_batch_size * batch * model  # The global batch.
-    in_cluster = bool(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster"))
     import tensorflow as tf
 
     if not in_cluster:  # Before TensorFlow runs anything: one logical CPU per position.
@@ -123,7 +169,16 @@ def main(_argv: list[str]) -> None:
             [tf.config.LogicalDeviceConfiguration()] * (batch * model),
         )
     import keras
-    import keras_hub
+
+    try:
+        import keras_hub
+    except ModuleNotFoundError as e:
+        _common.exit_with(
+            ModuleNotFoundError(
+                f"{e}: this script builds keras-hub's models; "
+                "install them with pip install -e '.[keras-hub]'"
+            )
+        )
 
     import tfdist
 
@@ -195,6 +250,12 @@ def main(_argv: list[str]) -> None:
                 float(np.max(np.abs(a - b))) for a, b in zip(weights, twin.get_weights())
             ),
         }
+    if FLAGS.lora_rank:
+        result["trainable_weights"] = len(lm.trainable_weights)
+    if FLAGS.generate:
+        result["generated"] = generated(lm, x)
+        if FLAGS.compare:
+            result["compare"]["generated_equal"] = result["generated"] == generated(twin, x)
     if FLAGS.model_dir:  # Every worker saves (full values are a collective); the chief keeps it.
         result["saved_model"] = _common.save_model(lm, strategy, FLAGS.model_dir)
     print("tfdist result: " + json.dumps(result), flush=True)

@@ -39,6 +39,34 @@ def test_script_shards_llama_like_the_unsharded_model(tmp_path):
     assert f"loaded {result['weights_sha256']}" in out
 
 
+def test_script_runs_keras_hubs_lora_recipe_like_one_device():
+    """--lora_rank and --generate: keras-hub's distributed tuning recipe
+    (Gemma, enable_lora, fit, generate) on a (2, 2) mesh, against the same
+    recipe on one device."""
+    [(code, out, err)] = finish(
+        [
+            start(
+                [
+                    SCRIPT,
+                    "--family=gemma",
+                    "--lora_rank=2",
+                    "--generate=4",
+                    "--compare",
+                    *TINY,
+                    "--epochs=1",
+                ]
+            )
+        ],
+        timeout=300,
+    )
+    assert code == 0, (out + err)[-4000:]
+    result = result_line(out)
+    assert result["trainable_weights"] == 2 * 2 * 2  # (query, value) x (a, b) per layer.
+    assert result["compare"]["max_weight_diff"] < 1e-5, result["compare"]
+    assert result["compare"]["generated_equal"] is True, result
+    assert [len(row) for row in result["generated"]] == [8, 8]
+
+
 def test_script_refuses_a_bad_mesh_in_one_line():
     [(code, out, err)] = finish([start([SCRIPT, "--mesh=2x2", *TINY])], timeout=120)
     assert code == 2, (out + err)[-3000:]
@@ -47,3 +75,11 @@ def test_script_refuses_a_bad_mesh_in_one_line():
     assert "--mesh" in message and "Received: '2x2'" in message, message
     [(code, out, err)] = finish([start([SCRIPT, "--strategy=mirrored", *TINY])], timeout=120)
     assert code == 2 and "--strategy: expected auto" in err, (out + err)[-3000:]
+    cluster = {
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+        "task": {"type": "worker", "index": 0},
+    }
+    [(code, out, err)] = finish(
+        [start([SCRIPT, "--generate=4", *TINY], tf_config=cluster)], timeout=120
+    )
+    assert code == 2 and "--generate: expected 0 in a job of several" in err, (out + err)[-3000:]

@@ -11,7 +11,8 @@ import keras_hub
 import numpy as np
 
 
-def causal_lm(keras, family: str):
+def causal_lm(keras, family: str, **sizes):
+    """``sizes`` override the common ones (e.g. ``num_key_value_heads=4``)."""
     common = dict(
         vocabulary_size=256,
         num_layers=2,
@@ -20,6 +21,7 @@ def causal_lm(keras, family: str):
         num_key_value_heads=2,
         intermediate_dim=64,
     )
+    common.update(sizes)
     models = keras_hub.models
     if family == "gemma":
         lm = models.GemmaCausalLM(models.GemmaBackbone(**common, head_dim=8), preprocessor=None)
@@ -34,11 +36,16 @@ def causal_lm(keras, family: str):
     return lm
 
 
-def batches():
+def batches(skewed: bool = False):
+    """16 rows of 8 ids, uniform over the vocabulary; ``skewed``: the first
+    batch of 8 rows from its first 96 ids only, as text at a large
+    vocabulary gives (a block of the vocabulary that no id hits)."""
     ids = np.random.default_rng(0).integers(0, 256, (16, 8)).astype("int32")
+    if skewed:
+        ids[:8] %= 96
     return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
 
 
-def fit(lm):
-    x, y = batches()
+def fit(lm, skewed: bool = False):
+    x, y = batches(skewed)
     return lm.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]

@@ -545,6 +545,18 @@ PATCHES: tuple[Patch, ...] = (
         canary="tests/distribution/test_guard.py::test_keras_before_3_15_lacks_the_process_count",
     ),
     Patch(
+        "distribution_guard.distribute_tensor",
+        f"{_K}tf_distribution_lib.distribute_tensor",
+        "tfdist.distribution.guard:new_distribute_tensor",
+        "distribution_guard",
+        "keras.distribution.distribute_tensor calls its TensorFlow backend's "
+        "distribute_tensor, which does not exist: keras-hub's CausalLM.generate "
+        "fails with AttributeError under any distribution. tfdist's strategy places "
+        "the data, so a tensor is returned as it is",
+        kind="new",
+        canary="tests/distribution/test_lora_recipe.py::test_stock_tensorflow_backend_lacks_distribute_tensor",
+    ),
+    Patch(
         "distribution_guard.compile",
         f"{_K}Trainer.compile",
         "tfdist.distribution.guard:wrap_entry",

@@ -59,6 +59,7 @@ __all__ = [
     "wrap_entry",
     "new_num_processes",
     "new_process_id",
+    "new_distribute_tensor",
 ]
 
 #: The tfdist strategies of this process that are alive, with the order they
@@ -206,6 +207,24 @@ def new_process_id(missing):
     return process_id
 
 
+def new_distribute_tensor(missing):
+    """``distribute_tensor`` for Keras's TensorFlow backend, which lacks it.
+
+    Keras calls it for ``keras.distribution.distribute_tensor`` (keras-hub's
+    ``CausalLM.generate`` does, for its prompts). Under tfdist the
+    distribution's strategy places the data and each weight keeps its own
+    layout, so the tensor is returned as it is, as JAX's returns a value
+    whose layout is already the one asked for.
+    """
+    del missing
+
+    def distribute_tensor(tensor, layout):
+        del layout
+        return tensor
+
+    return distribute_tensor
+
+
 def _refusal() -> str:
     """Why a distribution tfdist cannot honour is refused, naming a live
     tfdist strategy of the user's if there is one."""
@@ -257,8 +276,8 @@ def wrap_entry(original):
 def install() -> None:
     """Wraps Keras's ``set_distribution``, ``initialize``, ``list_devices``,
     ``compile`` and ``fit`` once, and on Keras < 3.15 supplies the TensorFlow
-    backend's ``num_processes`` and ``process_id`` (the registry's
-    ``distribution_guard``).
+    backend's ``num_processes`` and ``process_id``, and its missing
+    ``distribute_tensor`` (the registry's ``distribution_guard``).
 
     The three public functions are replaced where Keras defines them (which
     ``Distribution.scope()`` calls) and in every module that re-exports them,

@@ -184,6 +184,14 @@ class _LaidOut:
         return collectives.gather_blocks(local, spec.splits, p)
 
     @property
+    def shape(self):
+        from tfdist.distribution import lora
+
+        if lora.full_shapes():  # Inside enable_lora: size the adapters whole.
+            return sharding.spec_of(self).full_shape
+        return super().shape
+
+    @property
     def handle(self):
         return self._value.handle
 
@@ -280,11 +288,12 @@ def wrap_initialize(original):
         laid_out(self, spec, full)
         layer = _creating_layer()
         if layer is not None:
-            from tfdist.distribution import regather
+            from tfdist.distribution import lora, regather
             from tfdist.parallel import saving
 
             saving.cover(type(layer))  # Its own save/load write and read full values.
             regather.wrap(layer)
+            lora.wrap(layer)
 
     return _initialize
 

@@ -217,7 +217,7 @@ def _vocabulary_call(
             logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
         return logits
     ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
-    ids = collectives.gather_rows(ids)
+    ids = collectives.gather_rows(_checked(layer, ids))
     width = tf.cast(tf.shape(table)[0], ids.dtype)
     local = ids - tf.cast(p.t, ids.dtype) * width
     mine = tf.logical_and(local >= 0, local < width)
@@ -234,3 +234,16 @@ def _vocabulary_call(
     if mask is not None:
         set_keras_mask(out, mask)
     return out
+
+
+def _checked(layer: Any, ids: tf.Tensor) -> tf.Tensor:
+    """``ids``, failing as one device's lookup does on an id outside the
+    vocabulary ("indices[i,j] = 64 is not in [0, 64)"): with the vocabulary
+    split, such an id falls in no member's block and would read zeros.
+
+    The ids are looked up in ``range(vocabulary)``, which gives them back:
+    an assertion (stateful) would be ordered after the other replicas'
+    collectives by TensorFlow's automatic control dependencies (the
+    replicas then wait on each other forever), and a check whose value is
+    unused is pruned by Grappler."""
+    return tf.gather(tf.range(int(layer.input_dim), dtype=ids.dtype), ids)

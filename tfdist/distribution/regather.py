@@ -112,6 +112,7 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
     tensors = [tf.convert_to_tensor(leaves[i]) for i in where]
     blocks = [v._maybe_autocast(tf.convert_to_tensor(v._value)) for v in split]  # noqa: SLF001 - the local block as Keras reads it: its tf.Variable, autocast
     specs = [sharding.spec_of(v) for v in split]
+    trainable = [bool(v.trainable) for v in split]
     shapes = [tuple(b.shape) for b in blocks]
     n = len(tensors)
     from tfdist.distribution import megatron
@@ -175,7 +176,10 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
                 )
                 with scope:
                     again = tf.nest.flatten(run(values, fulls))
-            sources = floats + fulls + variables
+            # A frozen weight (LoRA's base kernel) takes no gradient: none
+            # is computed, and none is summed over the replicas.
+            learnt = [f for f, t in zip(fulls, trainable) if t]
+            sources = floats + learnt + variables
             grads = tape.gradient(
                 again,
                 sources,
@@ -184,17 +188,18 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
             )
             by_float = dict(zip([id(v) for v in floats], grads[: len(floats)]))
             inputs = [by_float.get(id(v)) for v in values]
-            weights = [
-                None
-                if g is None
-                else collectives.block_gradient(
-                    g, gather, p, shape, summed_over_tensor=gather != s.splits
+            of_learnt = iter(grads[len(floats) : len(floats) + len(learnt)])
+            weights = []
+            for t, gather, s, shape in zip(trainable, gathers, specs, shapes):
+                g = next(of_learnt) if t else None
+                weights.append(
+                    None
+                    if g is None
+                    else collectives.block_gradient(
+                        g, gather, p, shape, summed_over_tensor=gather != s.splits
+                    )
                 )
-                for g, gather, s, shape in zip(
-                    grads[len(floats) : len(floats) + len(fulls)], gathers, specs, shapes
-                )
-            ]
-            return inputs + weights, grads[len(floats) + len(fulls) :]
+            return inputs + weights, grads[len(floats) + len(learnt) :]
 
         return flat_out, grad
 

@@ -455,7 +455,15 @@ def _block_of_slices(
     block: every replica's slices, gathered as Keras's all-replica sum does
     for a whole table, then the rows and columns of the block. Kept sparse
     because Adam squares the slices before their duplicates are summed:
-    a dense sum would train differently from the same model unsharded."""
+    a dense sum would train differently from the same model unsharded.
+
+    Each member first adds one zero slice at index -1, dropped after the
+    gathers: a member whose batch hit no row of its block has no slices, and
+    TensorFlow's all-gather of a group whose tensors are all empty crashes
+    the process (a segmentation fault, TF 2.19-2.21), as a vocabulary block
+    that no id of the batch falls in gives."""
+    if live:
+        dy = _with_sentinel(dy)
     for _, kind in live:
         launcher, n, _, counter = _group(p, kind)
         p.runtime.sent[counter].assign_add(
@@ -468,6 +476,9 @@ def _block_of_slices(
         )
         dy = launcher.all_reduce_indexed_slices(dy)
     values, indices = dy.values, dy.indices
+    if live:
+        kept = indices >= 0
+        values, indices = tf.boolean_mask(values, kept), tf.boolean_mask(indices, kept)
     for dim, kind in live:
         if dim is None:  # Gathered whole: no block of this group's.
             continue
@@ -480,6 +491,16 @@ def _block_of_slices(
         else:
             values = _slice_along(values, dim, index, width)
     return tf.IndexedSlices(values, indices, tf.constant(block_shape, tf.int64))
+
+
+def _with_sentinel(dy: tf.IndexedSlices) -> tf.IndexedSlices:
+    """``dy`` with one more slice: zeros at index -1 (never a real row)."""
+    zeros = tf.zeros(tf.concat([[1], tf.shape(dy.values)[1:]], 0), dy.values.dtype)
+    return tf.IndexedSlices(
+        tf.concat([dy.values, zeros], 0),
+        tf.concat([dy.indices, tf.constant([-1], dy.indices.dtype)], 0),
+        dy.dense_shape,
+    )
 
 
 def dp_all_reduce(x: tf.Tensor, p: Placement | None = None) -> tf.Tensor:
