@@ -583,6 +583,19 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "value"),
         canary="tests/distribution/test_guard.py::test_a_fresh_process_in_the_order_users_write_it",
     ),
+    Patch(
+        "layouts.preset_loader",
+        "keras-hub's KerasPresetLoader.load_backbone (keras_hub.src.utils.preset_utils)",
+        "tfdist.distribution.layouts:wrap_load_backbone",
+        "layouts",
+        "keras-hub's from_preset builds every weight whole with its initializer, then "
+        "loads the preset over it (keras-team/keras#21634: out of memory for models that "
+        "need sharding); under a layout tfdist builds only each device's blocks when the "
+        "weights are loaded next",
+        params=("self", "cls", "load_weights"),
+        dynamic=True,
+        canary="no upstream bug on TensorFlow: follows tfdist's layouts",
+    ),
     # --- tensor parallelism ---------------------------------------------------
     Patch(
         "tensor_parallel.check_finite",

@@ -30,7 +30,9 @@ created.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -276,9 +278,21 @@ def wrap_initialize(original):
         distribution, strategy = found
         if self._shape is None:  # Created from a value, not an initializer.
             self._shape = tuple(int(s) for s in tf.convert_to_tensor(value).shape)
+        _cover_keras_hub()
         spec = plan(self, distribution, strategy)
         if spec is None:
             return original(self, value)
+        if loading_next():
+            # The weights file overwrites the value: only the block is made
+            # (Keras's initializer closure reads self._shape).
+            self._shape = spec.shard_shape
+            with tf.init_scope(), tf.device("/cpu:0"):
+                block = value() if callable(value) else spec.block(value, spec.runtime.first)
+            original(self, block)
+            sharding.mark(self, spec)
+            self.__class__ = _class_for(type(self))
+            _wrap_layer()
+            return None
         with tf.init_scope(), tf.device("/cpu:0"):
             full = value() if callable(value) else value
             full = tf.convert_to_tensor(full, dtype=self._dtype)
@@ -286,16 +300,78 @@ def wrap_initialize(original):
         original(self, spec.block(full, spec.runtime.first))
         self._shape = spec.shard_shape
         laid_out(self, spec, full)
-        layer = _creating_layer()
-        if layer is not None:
-            from tfdist.distribution import lora, regather
-            from tfdist.parallel import saving
-
-            saving.cover(type(layer))  # Its own save/load write and read full values.
-            regather.wrap(layer)
-            lora.wrap(layer)
+        _wrap_layer()
 
     return _initialize
+
+
+def _wrap_layer() -> None:
+    """The creating layer's save/load, call and enable_lora, for its laid-out weight."""
+    layer = _creating_layer()
+    if layer is None:
+        return
+    from tfdist.distribution import lora, regather
+    from tfdist.parallel import saving
+
+    saving.cover(type(layer))  # Its own save/load write and read full values.
+    regather.wrap(layer)
+    lora.wrap(layer)
+
+
+# --- weights loaded next: blocks only ----------------------------------------------
+
+_loading = threading.local()
+
+
+@contextlib.contextmanager
+def blocks_only():
+    """While it is open, laid-out weights are created as their blocks only,
+    with no full initial value: a weights file is loaded into them next."""
+    _loading.depth = getattr(_loading, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _loading.depth -= 1
+
+
+def loading_next() -> bool:
+    return getattr(_loading, "depth", 0) > 0
+
+
+def wrap_load_backbone(original):
+    """keras-hub's preset loader: a backbone whose weights it loads next is
+    built as blocks (keras-hub builds every weight whole first,
+    keras-team/keras#21634)."""
+
+    @functools.wraps(original)
+    def load_backbone(self, cls, load_weights, **kwargs):
+        if not load_weights:
+            return original(self, cls, load_weights, **kwargs)
+        with blocks_only():
+            return original(self, cls, load_weights, **kwargs)
+
+    return load_backbone
+
+
+_KERAS_HUB_LOADER = "keras_hub.src.utils.preset_utils"
+
+
+def _cover_keras_hub() -> None:
+    """Wraps keras-hub's preset loader once keras-hub is imported (the
+    registry's dynamic ``layouts.preset_loader``)."""
+    import sys
+
+    module = sys.modules.get(_KERAS_HUB_LOADER)
+    loader = getattr(module, "KerasPresetLoader", None)
+    if loader is None or loader in _covered:
+        return
+    from tfdist import compat
+
+    if compat.apply_to("layouts.preset_loader", loader, "load_backbone"):
+        _covered.append(loader)
+
+
+_covered: list[type] = []
 
 
 def _creating_layer() -> Any:
@@ -327,3 +403,5 @@ def install() -> None:
     saving.install()
     compat.install("layouts")
     compat.require("layouts", "keras.distribution.ModelParallel")
+    # Before from_preset is called (a weight's creation is too late for it).
+    _cover_keras_hub()

@@ -178,7 +178,8 @@ def _assign_loaded(variable: Any, value: Any) -> None:
             f"weights; this variable is a shard of shape {spec.shard_shape}: "
             f"{spec.describe_weight()})"
         )
-    sharding.assign_full(variable, np.asarray(value))
+    # A _Sliced value is read block by block: never whole in this process.
+    sharding.assign_full(variable, value if isinstance(value, _Sliced) else np.asarray(value))
 
 
 @contextlib.contextmanager
@@ -227,6 +228,52 @@ def wrap_save(original):
     return save_own_variables
 
 
+class _Sliced:
+    """A dataset of the weights file, read only where indexed: a split
+    weight's blocks (:func:`tfdist.parallel.sharding.assign_full` indexes
+    its value once per local block). Read whole (``np.asarray``) by
+    anything else."""
+
+    def __init__(self, dataset: Any) -> None:
+        self._dataset = dataset
+        self.shape = tuple(dataset.shape)
+        self.dtype = dataset.dtype
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self._dataset[index]
+
+    def __array__(self, dtype=None, copy=None):
+        value = self._dataset[()]
+        return value if dtype is None else value.astype(dtype)
+
+
+class _BlockStore:
+    """Keras's weights store, whose datasets are read by block (:class:`_Sliced`)
+    where the file allows it, so that a process loads only the blocks its
+    devices hold."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getitem__(self, key: str) -> Any:
+        from tfdist.compat.h5_store import lazy_dataset
+
+        dataset = lazy_dataset(self._store, key)
+        return _Sliced(dataset) if dataset is not None else self._store[key]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._store
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __iter__(self):
+        return iter(self._store)
+
+
 def wrap_load(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
@@ -234,7 +281,7 @@ def wrap_load(original):
         if not any(sharding.is_sharded(v) for v in variables):
             return original(self, store)
         with _full_io(variables):
-            return original(self, store)
+            return original(self, _BlockStore(store))
 
     return load_own_variables
 

@@ -329,12 +329,14 @@ def assign_full(variable: Any, value: Any) -> None:
     if spec is None:
         variable.assign(value)
         return
-    value = np.asarray(value)
+    if not (hasattr(value, "shape") and hasattr(value, "__getitem__")):
+        value = np.asarray(value)
     check_full_shape(variable, value)
+    # Indexed block by block: a lazy value (a dataset of the weights file) is
+    # read only where this process's devices hold blocks.
     for i, component in enumerate(_components(variable, spec)):
-        component.assign(
-            spec.block(value, spec.runtime.first + i).astype(component.dtype.as_numpy_dtype)
-        )
+        block = np.asarray(spec.block(value, spec.runtime.first + i))
+        component.assign(block.astype(component.dtype.as_numpy_dtype))
 
 
 def _seeded(initializer: Any, seed: int | None) -> Any:

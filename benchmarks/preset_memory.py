@@ -1,0 +1,227 @@
+"""Loading a keras-hub preset under ModelParallel: peak memory per process.
+
+A keras-hub ``LlamaBackbone`` (untied embeddings) is saved once with
+``save_to_preset``. Four MultiWorkerMirrored worker processes on 127.0.0.1
+(one CPU device each) then load it with ``LlamaBackbone.from_preset`` under
+``ModelParallel`` on a (1, 4) mesh with ``LlamaBackbone.get_layout_map``,
+written as keras-hub's docs write it (``keras.distribution.initialize()``,
+``set_distribution``).
+
+Each worker first warms up TensorFlow's runtime and the job's collectives
+with a tiny sharded model, then reads its resident set (``VmRSS``), resets
+its peak (``/proc/self/clear_refs``), loads the preset, and reads its peak
+(``VmHWM``): the difference is what loading cost that process. It checks
+the loaded backbone's output on a fixed batch against the saved model's.
+The goal (issue 38): at most 1/4 of the full weights plus a fixed overhead.
+
+``--tfdist_tree=DIR`` runs the workers with another checkout of tfdist first
+on their path (the measure before a change, from ``git worktree add``).
+
+Usage::
+
+    flock /tmp/tfdist-mp.lock python benchmarks/preset_memory.py
+
+Results: ``benchmarks/results/preset_memory.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+WORKERS = 4
+SIZES = ("vocabulary", "hidden", "layers", "heads", "kv_heads", "intermediate")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("worker", None, "Run one worker, loading this preset (internal).")
+    flags.DEFINE_string("make_preset", None, "Save the preset here and exit (internal).")
+    flags.DEFINE_integer("vocabulary", 131072, "Vocabulary size.")
+    flags.DEFINE_integer("hidden", 256, "Hidden width.")
+    flags.DEFINE_integer("layers", 2, "Transformer layers.")
+    flags.DEFINE_integer("heads", 4, "Query heads.")
+    flags.DEFINE_integer("kv_heads", 2, "Key/value heads.")
+    flags.DEFINE_integer("intermediate", 512, "Feed-forward width.")
+    flags.DEFINE_string("tfdist_tree", None, "Another tfdist checkout for the workers.")
+    flags.DEFINE_string("label", "this commit", "What the run measures, for the table.")
+    flags.DEFINE_integer("timeout", 900, "Seconds a job may take.")
+    flags.DEFINE_string("results_dir", str(RESULTS), "Where the JSON and Markdown go.")
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _batch():
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, FLAGS.vocabulary, (4, 8)).astype("int32")
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+
+
+def _backbone(keras_hub, **sizes):
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=sizes.get("vocabulary", FLAGS.vocabulary),
+        num_layers=sizes.get("layers", FLAGS.layers),
+        hidden_dim=sizes.get("hidden", FLAGS.hidden),
+        num_query_heads=FLAGS.heads,
+        num_key_value_heads=FLAGS.kv_heads,
+        intermediate_dim=sizes.get("intermediate", FLAGS.intermediate),
+        tie_word_embeddings=False,
+    )
+
+
+def make_preset(path: str) -> None:
+    """Saves the backbone's preset and its output on the fixed batch."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    backbone = _backbone(keras_hub)
+    backbone.save_to_preset(path)
+    np.save(Path(path) / "expected_output.npy", np.asarray(backbone(_batch())))
+    weights = sum(int(np.prod(v.shape)) * 4 for v in backbone.weights)
+    (Path(path) / "full_weights.json").write_text(json.dumps({"bytes": weights}))
+
+
+def worker(preset: str) -> None:
+    import keras
+    import keras_hub
+    import numpy as np
+
+    import tfdist  # noqa: F401 - keras.distribution on TensorFlow
+
+    keras.distribution.initialize()
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
+            batch_dim_name="batch",
+        )
+    )
+    # Warm-up: TensorFlow's runtime, the job's collectives, Keras's layers.
+    tiny = _backbone(keras_hub, vocabulary=64 * len(devices), hidden=32, intermediate=64)
+    tiny(_batch() | {"token_ids": _batch()["token_ids"] % (64 * len(devices))})
+    del tiny
+    before = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # The peak starts again here.
+    started = time.perf_counter()
+    backbone = keras_hub.models.LlamaBackbone.from_preset(preset)
+    seconds = time.perf_counter() - started
+    peak = _status_kb("VmHWM")
+    after = _status_kb("VmRSS")
+    got = np.asarray(backbone(_batch()))
+    want = np.load(Path(preset) / "expected_output.npy")
+    print(
+        "tfdist result: "
+        + json.dumps(
+            {
+                "task": backbone.distribute_strategy.task,
+                "rss_before_kb": before,
+                "peak_kb": peak,
+                "rss_after_kb": after,
+                "load_kb": peak - before,
+                "load_seconds": seconds,
+                "output_difference": float(np.max(np.abs(got - want))),
+            }
+        ),
+        flush=True,
+    )
+
+
+def job(preset: str) -> list[dict]:
+    from tfdist import spec as spec_lib
+    from tfdist.engines.net import local_spec
+
+    path = [FLAGS.tfdist_tree] if FLAGS.tfdist_tree else []
+    args = [f"--{name}={getattr(FLAGS, name)}" for name in SIZES]
+    procs = []
+    try:
+        for _, _, config in spec_lib.all_task_configs(local_spec(WORKERS)):
+            env = dict(
+                os.environ,
+                TF_CONFIG=json.dumps(config),
+                TF_CPP_MIN_LOG_LEVEL="2",
+                PYTHONPATH=os.pathsep.join([*path, str(REPO), os.environ.get("PYTHONPATH", "")]),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), f"--worker={preset}", *args],
+                    cwd=FLAGS.tfdist_tree or REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=FLAGS.timeout)
+            lines = [text for text in out.splitlines() if text.startswith("tfdist result: ")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"worker failed ({proc.returncode}):\n{err[-3000:]}")
+            results.append(json.loads(lines[-1][len("tfdist result: ") :]))
+        return sorted(results, key=lambda r: r["task"])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def main(argv) -> None:
+    del argv
+    if FLAGS.make_preset:
+        return make_preset(FLAGS.make_preset)
+    if FLAGS.worker:
+        return worker(FLAGS.worker)
+    with tempfile.TemporaryDirectory() as tmp:
+        preset = str(Path(tmp) / "preset")
+        args = [f"--{name}={getattr(FLAGS, name)}" for name in SIZES]
+        subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), f"--make_preset={preset}", *args],
+            check=True,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        )
+        full = json.loads((Path(preset) / "full_weights.json").read_text())["bytes"]
+        load = os.getloadavg()[0]
+        runs = job(preset)
+    record = {
+        "label": FLAGS.label,
+        "sizes": {name: getattr(FLAGS, name) for name in SIZES},
+        "full_weights_bytes": full,
+        "load_average": [load, os.getloadavg()[0]],
+        "workers": runs,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    out = Path(FLAGS.results_dir) / "preset_memory.json"
+    previous = json.loads(out.read_text()) if out.exists() else []
+    previous = [r for r in previous if r["label"] != FLAGS.label] + [record]
+    out.write_text(json.dumps(previous, indent=1) + "\n")
+    for r in runs:
+        print(
+            f"{FLAGS.label}: {r['task']}: load {r['load_kb'] / 1024:,.0f} MiB "
+            f"({r['load_kb'] * 1024 / full:.2f}x the full weights, {full / 2**20:,.0f} MiB), "
+            f"{r['load_seconds']:.1f} s, output difference {r['output_difference']:.1e}"
+        )
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,124 @@
+"""keras-hub's from_preset under ModelParallel reads blocks, not whole
+weights (issue 38, part 3), on 4 logical CPUs.
+
+keras-hub builds a backbone with its initializers, then loads the preset's
+``model.weights.h5`` over it; Keras's store reads each weight whole. Under a
+layout, tfdist builds only each device's blocks when the weights are loaded
+next, and reads each split weight from the file block by block (h5py reads
+slices), so a process holds no whole split weight while it loads. Memory
+across 4 processes: ``benchmarks/preset_memory.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tfdist
+
+keras_hub = pytest.importorskip("keras_hub")
+
+
+@pytest.fixture
+def keras_mod(tf_cpus):
+    import keras
+
+    yield keras
+    keras.distribution.set_distribution(None)
+
+
+def _backbone():
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=1024,
+        num_layers=2,
+        hidden_dim=32,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        intermediate_dim=64,
+        tie_word_embeddings=False,
+    )
+
+
+def test_from_preset_reads_each_devices_blocks_only(keras_mod, tmp_path, monkeypatch):
+    from tfdist.distribution import layouts
+    from tfdist.parallel import saving
+
+    keras = keras_mod
+    keras.utils.set_random_seed(0)
+    saved = _backbone()
+    saved.save_to_preset(str(tmp_path / "preset"))
+    ids = np.random.default_rng(0).integers(0, 1024, (4, 8)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    want = np.asarray(saved(x))
+
+    # What the file gives: each read's shape, and whole reads (np.asarray).
+    blocks, wholes, initialized = [], [], []
+    read, whole = saving._Sliced.__getitem__, saving._Sliced.__array__
+    monkeypatch.setattr(
+        saving._Sliced, "__getitem__", lambda s, i: blocks.append(read(s, i).shape) or read(s, i)
+    )
+    monkeypatch.setattr(
+        saving._Sliced,
+        "__array__",
+        lambda s, dtype=None, copy=None: wholes.append(s.shape) or whole(s, dtype),
+    )
+    # Every laid-out weight is made while keras-hub's loader says weights come next.
+    plan = layouts.plan
+    monkeypatch.setattr(
+        layouts,
+        "plan",
+        lambda *a: initialized.append(layouts.loading_next()) or plan(*a),
+    )
+
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], keras.distribution.list_devices("cpu")
+    )
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
+            batch_dim_name="batch",
+        )
+    )
+    loaded = keras_hub.models.LlamaBackbone.from_preset(str(tmp_path / "preset"))
+    table = tfdist.distribution.report(loaded)
+    split = [row for row in table.rows if row.how != "replicated"]
+
+    assert initialized and all(initialized)
+    assert len(split) == 1 + 2 * 7
+    # 4 devices, one block each, of every split weight: read as blocks.
+    assert sorted(blocks) == sorted(row.block for row in split for _ in range(4))
+    # Whole reads only for weights the map leaves whole (the untied logits
+    # table; norms are small enough that Keras's store hands them over read).
+    replicated = {row.shape for row in table.rows if row.how == "replicated"}
+    assert wholes and set(wholes) <= replicated
+    assert not {row.shape for row in split} & set(wholes)
+    for a, b in zip(saved.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(np.asarray(loaded(x)), want, rtol=0, atol=1e-5)
+
+
+def test_a_preset_whose_weight_shape_the_layout_cannot_split_is_refused(keras_mod, tmp_path):
+    """A mesh that does not divide a weight: a ConfigError naming the
+    weight, its shape and the layout, raised while the backbone is built,
+    before its weights are read."""
+    from tfdist.errors import ConfigError
+
+    keras = keras_mod
+    _backbone().save_to_preset(str(tmp_path / "preset"))
+    mesh = keras.distribution.DeviceMesh(
+        (1, 4), ["batch", "model"], keras.distribution.list_devices("cpu")
+    )
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+    # A vocabulary the model axis (4) does not divide.
+    config = tmp_path / "preset" / "config.json"
+    config.write_text(
+        config.read_text().replace('"vocabulary_size": 1024', '"vocabulary_size": 1022')
+    )
+    with pytest.raises(ConfigError) as info:
+        keras_hub.models.LlamaBackbone.from_preset(str(tmp_path / "preset"))
+    text = str(info.value)
+    assert "token_embedding/embeddings" in text and "(1022, 32)" in text, text
+    assert "('model', 'batch')" in text and "1022" in text, text
