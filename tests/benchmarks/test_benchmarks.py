@@ -624,6 +624,35 @@ def test_keras_distribution_benchmark_measures_both_jobs(tmp_path):
 
 
 @pytest.mark.slow
+def test_preset_memory_benchmark_loads_the_preset_on_4_workers(tmp_path):
+    # The smallest run: a tiny Llama preset, 4 workers, the logits table split.
+    pytest.importorskip("keras_hub")
+    args = [
+        sys.executable,
+        "benchmarks/preset_memory.py",
+        "--vocabulary=4096",
+        "--hidden=32",
+        "--intermediate=64",
+        "--split_logits",
+        "--label=smoke",
+        f"--results_dir={tmp_path}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [record] = json.loads((tmp_path / "preset_memory.json").read_text())
+    assert [w["task"] for w in record["workers"]] == [f"worker:{i}" for i in range(4)]
+    for worker in record["workers"]:
+        assert worker["output_difference"] < 1e-5, worker
+        assert worker["peak_kb"] >= worker["rss_before_kb"]
+        assert worker["layout_warnings"] == []  # Nothing large is left whole.
+    text = (tmp_path / "preset_memory.md").read_text()
+    loads = [w["load_kb"] * 1024 for w in record["workers"]]
+    assert f"{max(loads) / record['full_weights_bytes']:.2f}x" in text
+
+
+@pytest.mark.slow
 def test_allreduce_benchmark_checks_every_sum_and_compares_with_mpi(tmp_path):
     import shutil
 

@@ -122,3 +122,33 @@ def test_a_preset_whose_weight_shape_the_layout_cannot_split_is_refused(keras_mo
     text = str(info.value)
     assert "token_embedding/embeddings" in text and "(1022, 32)" in text, text
     assert "('model', 'batch')" in text and "1022" in text, text
+
+
+def test_a_large_weight_no_rule_splits_is_named_before_it_is_made(keras_mod, monkeypatch):
+    """keras-hub#2806: a renamed weight matched no rule and loaded replicated,
+    out of memory with no word. A weight the map leaves whole is named in a
+    LayoutWarning, with its size, before it is allocated (the threshold
+    lowered here for a small model)."""
+    from tfdist.distribution import layouts
+
+    keras = keras_mod
+    monkeypatch.setattr(layouts, "LARGE_REPLICATED_BYTES", 100_000)
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], keras.distribution.list_devices("cpu")
+    )
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    # The rule a rename leaves behind: it names a path the model no longer has.
+    layout_map["token_embeddings/embeddings"] = layout_map.pop("token_embedding/embeddings")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+    with pytest.warns(layouts.LayoutWarning) as caught:
+        backbone = _backbone()
+    named = [str(w.message) for w in caught]
+    # The table (1024 x 32 float32) and the untied logits table, whole; the
+    # kernels the map splits are not named.
+    assert any("token_embedding/embeddings (shape (1024, 32), 0.1 MiB)" in m for m in named), named
+    assert any("token_embedding/reverse_embeddings" in m for m in named), named
+    assert not any("kernel" in m for m in named), named
+    row = tfdist.distribution.report(backbone).row("token_embedding/embeddings")
+    assert row.how == "replicated"

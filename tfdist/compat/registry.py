@@ -594,7 +594,7 @@ PATCHES: tuple[Patch, ...] = (
         "weights are loaded next",
         params=("self", "cls", "load_weights"),
         dynamic=True,
-        canary="no upstream bug on TensorFlow: follows tfdist's layouts",
+        canary="no upstream bug: Keras's TensorFlow backend has no layouts; follows tfdist's",
     ),
     # --- tensor parallelism ---------------------------------------------------
     Patch(

@@ -281,13 +281,22 @@ def wrap_initialize(original):
         _cover_keras_hub()
         spec = plan(self, distribution, strategy)
         if spec is None:
+            _warn_if_large(self.path, self._shape, self._dtype)
+            if loading_next() and callable(value):
+                # Overwritten next: zeros cost no initializer's temporaries.
+                shape, dtype = tuple(self._shape), self._dtype
+                return original(self, lambda: tf.zeros(shape, dtype))
             return original(self, value)
         if loading_next():
-            # The weights file overwrites the value: only the block is made
-            # (Keras's initializer closure reads self._shape).
+            # The weights file overwrites the value: only the block is made,
+            # zeros (an initializer's temporaries would cost more).
             self._shape = spec.shard_shape
             with tf.init_scope(), tf.device("/cpu:0"):
-                block = value() if callable(value) else spec.block(value, spec.runtime.first)
+                block = (
+                    tf.zeros(spec.shard_shape, self._dtype)
+                    if callable(value)
+                    else spec.block(value, spec.runtime.first)
+                )
             original(self, block)
             sharding.mark(self, spec)
             self.__class__ = _class_for(type(self))
@@ -303,6 +312,34 @@ def wrap_initialize(original):
         _wrap_layer()
 
     return _initialize
+
+
+#: A weight the layout map leaves whole is named in a warning from this size on.
+LARGE_REPLICATED_BYTES = 32 * 2**20
+
+
+class LayoutWarning(UserWarning):
+    """A large weight that no rule of the layout map splits."""
+
+
+def _warn_if_large(path: str, shape: Any, dtype: Any) -> None:
+    """Warns, before it is allocated, of a large weight every device holds
+    whole: a renamed weight (keras-hub#2806) or a map without a rule for it
+    would otherwise load replicated and run out of memory with no word."""
+    import warnings
+
+    shape = tuple(int(s) for s in shape)
+    size = int(np.prod(shape)) * tf.as_dtype(dtype).size
+    if size < LARGE_REPLICATED_BYTES:
+        return
+    warnings.warn(
+        f"keras.distribution: {path} (shape {shape}, {size / 2**20:,.1f} MiB) "
+        "matches no rule of the layout map that splits it, so every device holds it whole. "
+        f"If it should be split, add a rule for it, e.g. layout_map[{path!r}] = "
+        f"{(None,) * (len(shape) - 1) + ('model',)}.",
+        LayoutWarning,
+        stacklevel=2,
+    )
 
 
 def _wrap_layer() -> None:

@@ -221,14 +221,13 @@ def _vocabulary_call(
     width = tf.cast(tf.shape(table)[0], ids.dtype)
     local = ids - tf.cast(p.t, ids.dtype) * width
     mine = tf.logical_and(local >= 0, local < width)
-    # Only this member's ids are looked up, so the table's gradient (sparse,
-    # as a lookup's is) holds only their slices; the rest of the rows are 0.
-    where = tf.where(mine)
-    found = tf.scatter_nd(
-        where,
-        tf.gather(table, tf.gather_nd(local, where)),
-        tf.concat([tf.shape(ids, out_type=tf.int64), tf.shape(table, out_type=tf.int64)[1:]], 0),
-    )
+    # Every id is looked up, another member's as row 0 with its value zeroed:
+    # the table's gradient (sparse, as a lookup's is) then has one slice per
+    # id on every member, the same count across the group, and never none
+    # (its zero slices add nothing, to Adam's squares either). A select, not
+    # a product: row 0 may hold inf or NaN, which a product would spread.
+    rows = tf.gather(table, tf.where(mine, local, tf.zeros_like(local)))
+    found = tf.where(mine[..., None], rows, tf.zeros_like(rows))
     out = ops.cast(collectives.scatter_rows(found), layer.compute_dtype)
     mask = layer.compute_mask(inputs)
     if mask is not None:

@@ -460,8 +460,10 @@ def _block_of_slices(
     Each member first adds one zero slice at index -1, dropped after the
     gathers: a member whose batch hit no row of its block has no slices, and
     TensorFlow's all-gather of a group whose tensors are all empty crashes
-    the process (a segmentation fault, TF 2.19-2.21), as a vocabulary block
-    that no id of the batch falls in gives."""
+    the process (a segmentation fault on TF 2.21), as a vocabulary block
+    that no id of the batch falls in gave before the vocabulary-parallel
+    lookup read every id (tfdist.distribution.megatron); an uneven last batch
+    can still leave a replica no rows."""
     if live:
         dy = _with_sentinel(dy)
     for _, kind in live:

@@ -243,7 +243,7 @@ class _Sliced:
         return self._dataset[index]
 
     def __array__(self, dtype=None, copy=None):
-        value = self._dataset[()]
+        value = np.asarray(self._dataset[()])
         return value if dtype is None else value.astype(dtype)
 
 
@@ -259,7 +259,10 @@ class _BlockStore:
         from tfdist.compat.h5_store import lazy_dataset
 
         dataset = lazy_dataset(self._store, key)
-        return _Sliced(dataset) if dataset is not None else self._store[key]
+        # A scalar (the optimizer's step count) is read as Keras reads it.
+        if dataset is None or dataset.ndim == 0:
+            return self._store[key]
+        return _Sliced(dataset)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
