@@ -5,8 +5,9 @@ whole dataset into memory when a layer's ``load_own_variables`` asks for a
 key (``__getitem__`` calls ``np.array``). A weight split over a mesh needs
 only its blocks: the h5py dataset reads slices from the file. Keras 3.10 to
 3.15 keep the current entry's h5py group as ``store._h5_entry_group``
-(checked by tests/compat/test_h5_store.py); on a Keras without it, or a key
-in another shard file of a sharded store, :func:`lazy_dataset` returns None
+(tests/distribution/test_preset_loading.py counts the blocks read, and fails
+without it). On a Keras without it, or for a key in another shard file of a
+sharded store, :func:`lazy_dataset` returns None
 and the caller reads the value whole, as Keras does.
 """
 
