@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,10 @@ from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
+from benchlib import jobs  # noqa: E402
+from benchlib.machine import status_kb  # noqa: E402
+
 RESULTS = HERE / "results"
 LAYOUTS = ("model_parallel", "data_parallel")
 #: The flags a worker takes from the job, and the JSON records.
@@ -96,13 +99,6 @@ def define_flags() -> None:
     )
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def worker(layout: str) -> None:
     """One process of a job: set up, measure, build, fit, measure."""
     import keras
@@ -129,8 +125,8 @@ def worker(layout: str) -> None:
 
     tf.config.experimental.reset_memory_stats("CPU:0")
     tensors_before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    before = _status_kb("VmRSS")
-    split_before = {f: _status_kb(f) for f in ("RssAnon", "RssFile")}
+    before = status_kb("VmRSS")
+    split_before = {f: status_kb(f) for f in ("RssAnon", "RssFile")}
     keras.utils.set_random_seed(1)
     backbone = keras_hub.models.QwenBackbone(
         vocabulary_size=FLAGS.vocabulary,
@@ -145,12 +141,12 @@ def worker(layout: str) -> None:
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    built = _status_kb("VmRSS")
+    built = status_kb("VmRSS")
     started = time.perf_counter()
     history = lm.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)
     seconds = time.perf_counter() - started
-    peak = _status_kb("VmHWM")
-    split_after = {f: _status_kb(f) for f in ("RssAnon", "RssFile")}
+    peak = status_kb("VmHWM")
+    split_after = {f: status_kb(f) for f in ("RssAnon", "RssFile")}
     tensors_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     table = tfdist.distribution.report(lm, distribution)
     print(
@@ -180,46 +176,19 @@ def worker(layout: str) -> None:
 
 def job(layout: str) -> list[dict]:
     """Runs the 4 workers of one job; each worker's result, by task."""
-    from tfdist import spec as spec_lib
-    from tfdist.engines.net import local_spec
-
     args = [f"--{name}={getattr(FLAGS, name)}" for name in SETTINGS]
-    procs = []
-    try:
-        for _, _, config in spec_lib.all_task_configs(local_spec(4)):
-            env = dict(
-                os.environ,
-                TF_CONFIG=json.dumps(config),
-                TF_CPP_MIN_LOG_LEVEL="2",
-                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            )
-            if FLAGS.mmap_threshold:
-                env["MALLOC_MMAP_THRESHOLD_"] = str(FLAGS.mmap_threshold)
-            if FLAGS.arena_max:
-                env["MALLOC_ARENA_MAX"] = str(FLAGS.arena_max)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), f"--worker={layout}", *args],
-                    cwd=REPO,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=FLAGS.timeout)
-            lines = [text for text in out.splitlines() if text.startswith("tfdist result: ")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"{layout} worker failed ({proc.returncode}):\n{err[-3000:]}")
-            results.append(json.loads(lines[-1][len("tfdist result: ") :]))
-        return sorted(results, key=lambda r: r["task"])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    env = {}
+    if FLAGS.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(FLAGS.mmap_threshold)
+    if FLAGS.arena_max:
+        env["MALLOC_ARENA_MAX"] = str(FLAGS.arena_max)
+    return jobs.result_job(
+        [str(Path(__file__).resolve()), f"--worker={layout}", *args],
+        4,
+        env=env,
+        timeout=FLAGS.timeout,
+        what=f"{layout} worker",
+    )
 
 
 def _mib(kb: float) -> str:

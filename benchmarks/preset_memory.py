@@ -40,6 +40,10 @@ from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
+from benchlib import jobs  # noqa: E402
+from benchlib.machine import status_kb  # noqa: E402
+
 RESULTS = HERE / "results"
 WORKERS = 4
 SIZES = ("vocabulary", "hidden", "layers", "heads", "kv_heads", "intermediate", "split_logits")
@@ -65,13 +69,6 @@ def define_flags() -> None:
     flags.DEFINE_string("label", "this commit", "What the run measures, for the table.")
     flags.DEFINE_integer("timeout", 900, "Seconds a job may take.")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where the JSON and Markdown go.")
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _batch():
@@ -131,15 +128,15 @@ def worker(preset: str) -> None:
         verbose=0,
     )
     del tiny
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # The peak starts again here.
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         backbone = keras_hub.models.LlamaBackbone.from_preset(preset)
     seconds = time.perf_counter() - started
-    peak = _status_kb("VmHWM")
-    after = _status_kb("VmRSS")
+    peak = status_kb("VmHWM")
+    after = status_kb("VmRSS")
     # Across processes a split weight is read in the replicas: predict.
     got = backbone.predict(_batch(), batch_size=4, verbose=0)
     want = np.load(Path(preset) / "expected_output.npy")
@@ -166,43 +163,15 @@ def worker(preset: str) -> None:
 
 
 def job(preset: str) -> list[dict]:
-    from tfdist import spec as spec_lib
-    from tfdist.engines.net import local_spec
-
-    path = [FLAGS.tfdist_tree] if FLAGS.tfdist_tree else []
+    """Runs the 4 workers loading ``preset``; each worker's result, by task."""
     args = [f"--{name}={getattr(FLAGS, name)}" for name in SIZES]
-    procs = []
-    try:
-        for _, _, config in spec_lib.all_task_configs(local_spec(WORKERS)):
-            env = dict(
-                os.environ,
-                TF_CONFIG=json.dumps(config),
-                TF_CPP_MIN_LOG_LEVEL="2",
-                PYTHONPATH=os.pathsep.join([*path, str(REPO), os.environ.get("PYTHONPATH", "")]),
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), f"--worker={preset}", *args],
-                    cwd=FLAGS.tfdist_tree or REPO,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=FLAGS.timeout)
-            lines = [text for text in out.splitlines() if text.startswith("tfdist result: ")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"worker failed ({proc.returncode}):\n{err[-3000:]}")
-            results.append(json.loads(lines[-1][len("tfdist result: ") :]))
-        return sorted(results, key=lambda r: r["task"])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    return jobs.result_job(
+        [str(Path(__file__).resolve()), f"--worker={preset}", *args],
+        WORKERS,
+        path=[FLAGS.tfdist_tree] if FLAGS.tfdist_tree else [],
+        cwd=Path(FLAGS.tfdist_tree) if FLAGS.tfdist_tree else REPO,
+        timeout=FLAGS.timeout,
+    )
 
 
 def report(records: list[dict]) -> str:

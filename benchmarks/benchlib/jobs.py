@@ -1,8 +1,9 @@
-"""Interleaved arms, 2-process worker jobs and the Mirrored subprocess.
+"""Interleaved arms, worker jobs and the Mirrored subprocess.
 
 Shared by the benchmarks that compare two arms (``overhead.py``: tfdist
 against TensorFlow; ``xla.py``: XLA against none) on 2 logical CPUs and on
-2 worker processes on 127.0.0.1.
+2 worker processes on 127.0.0.1, and by those whose workers each print one
+``tfdist result:`` line (``keras_distribution.py``, ``preset_memory.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,3 +96,77 @@ def mirrored_rows(script: str, args: Sequence[str], results_dir: Path, name: str
     for suffix in (".json", ".md"):
         (results_dir / f"{hidden}{suffix}").unlink()
     return rows
+
+
+RESULT = "tfdist result: "
+
+
+def result_job(
+    command: Sequence[str],
+    workers: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    path: Sequence[str] = (),
+    cwd: Path = REPO,
+    timeout: float = 900,
+    what: str = "worker",
+) -> list[dict]:
+    """Runs ``python COMMAND`` as every worker of a job on 127.0.0.1.
+
+    Each worker gets its own TF_CONFIG, ``env`` and ``path`` (before the
+    repository) on its PYTHONPATH; its output goes to a file, so that a
+    worker that prints much cannot block on a full pipe while another is
+    waited for. Only the processes started here are stopped.
+
+    Returns:
+        Each worker's last ``tfdist result:`` line, parsed, by task.
+
+    Raises:
+        RuntimeError: A worker failed or printed no result; its stderr's end.
+    """
+    from tfdist import spec as spec_lib
+    from tfdist.engines.net import local_spec
+
+    procs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(workers))):
+                full_env = dict(
+                    os.environ,
+                    TF_CONFIG=json.dumps(config),
+                    TF_CPP_MIN_LOG_LEVEL="2",
+                    PYTHONPATH=os.pathsep.join(
+                        [*path, str(REPO), os.environ.get("PYTHONPATH", "")]
+                    ),
+                    **(env or {}),
+                )
+                out, err = (Path(scratch) / f"{rank}.{kind}" for kind in ("out", "err"))
+                with open(out, "w") as stdout, open(err, "w") as stderr:
+                    procs.append(
+                        (
+                            subprocess.Popen(
+                                [sys.executable, *command],
+                                cwd=cwd,
+                                env=full_env,
+                                stdout=stdout,
+                                stderr=stderr,
+                                text=True,
+                            ),
+                            out,
+                            err,
+                        )
+                    )
+            results = []
+            for proc, out, err in procs:
+                code = proc.wait(timeout=timeout)
+                lines = [t for t in out.read_text().splitlines() if t.startswith(RESULT)]
+                if code != 0 or not lines:
+                    tail = err.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{what} failed ({code}):\n{tail}")
+                results.append(json.loads(lines[-1][len(RESULT) :]))
+            return sorted(results, key=lambda r: r["task"])
+        finally:
+            for proc, _, _ in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()

@@ -1,4 +1,4 @@
-"""What else the machine was doing while a benchmark ran."""
+"""What else the machine was doing while a benchmark ran, and this process's memory."""
 
 from __future__ import annotations
 
@@ -26,3 +26,11 @@ def load_snapshot() -> dict:
     except (OSError, subprocess.SubprocessError):
         snap["top"] = []
     return snap
+
+
+def status_kb(field: str) -> int:
+    """A field of this process's ``/proc/self/status`` in kB (``VmRSS``, ``VmHWM``...)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")

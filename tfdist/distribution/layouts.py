@@ -246,12 +246,14 @@ def _class_for(base: type) -> type:
     return type(f"LaidOut{base.__name__}", (_LaidOut, base), {"__module__": __name__})
 
 
-def laid_out(variable: Any, spec: sharding.ShardSpec, full: np.ndarray) -> None:
+def laid_out(variable: Any, spec: sharding.ShardSpec, full: np.ndarray | None) -> None:
     """Makes ``variable`` (created with a block's shape) a laid-out weight:
-    marked with ``spec``, its components given their blocks of ``full``."""
+    marked with ``spec``, its components given their blocks of ``full``
+    (None: they keep their values, which a weights file overwrites next)."""
     sharding.mark(variable, spec)
     variable.__class__ = _class_for(type(variable))
-    sharding.assign_full(variable, full)
+    if full is not None:
+        sharding.assign_full(variable, full)
 
 
 def _same_on_every_worker(full: tf.Tensor, strategy: Any) -> tf.Tensor:
@@ -298,8 +300,7 @@ def wrap_initialize(original):
                     else spec.block(value, spec.runtime.first)
                 )
             original(self, block)
-            sharding.mark(self, spec)
-            self.__class__ = _class_for(type(self))
+            laid_out(self, spec, None)
             _wrap_layer()
             return None
         with tf.init_scope(), tf.device("/cpu:0"):
