@@ -343,9 +343,12 @@ def test_a_sharded_model_saves_whole_and_loads_under_any_mesh(keras_mod, tmp_pat
 
 
 @pytest.mark.slow
-def test_four_processes_under_tfdist_launch(tmp_path):
+def test_four_processes_under_tfdist_launch(keras_mod, tmp_path):
     """keras-hub's recipe across 4 worker processes (one device each) on a
-    (2, 2) mesh: every worker ends where the unsharded twin ends."""
+    (2, 2) mesh: every worker ends where the unsharded twin ends. Its saves
+    gather no whole weight, and restore here, in one process, on a (1, 4)
+    mesh and with no distribution, optimizer state included."""
+    import hashlib
     import io
 
     from conftest import REPO, result_line
@@ -360,7 +363,12 @@ def test_four_processes_under_tfdist_launch(tmp_path):
         output=out,
         handle_signals=False,
         stop_timeout=5,
-        env={"PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"},
+        env={
+            "PYTHONPATH": str(REPO),
+            "TMPDIR": str(tmp_path),
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TFDIST_CHECKPOINT_DIR": str(tmp_path),
+        },
     )
     lines = out.getvalue().splitlines()
     assert result.ok, "\n".join(lines[-60:])
@@ -379,6 +387,26 @@ def test_four_processes_under_tfdist_launch(tmp_path):
         assert run["block"] == [128, 16] and run["local_block"] == [[128, 16]]
         assert run["traffic"]["tensor_parallel"] > 0 and run["traffic"]["data_parallel"] > 0
         assert run["sha256"] == runs[0]["sha256"]
+        assert run["gathers_while_saving"] == [], run["gathers_while_saving"]
+
+    def digest(arrays):
+        return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()
+
+    keras = keras_mod
+    for shape in ((1, 4), None):
+        keras.distribution.set_distribution(shape and _model_parallel(keras, "llama", shape))
+        restored = _causal_lm(keras, "llama")
+        restored.optimizer.build(restored.trainable_variables)
+        restored.load_weights(tmp_path / "lm.weights.h5")
+        assert digest(restored.get_weights()) == runs[0]["sha256"], shape
+        slots = tfdist.parallel.saving.full_weights(restored.optimizer.variables)
+        assert digest(slots) == runs[0]["optimizer_sha256"], shape
+        backbone = keras_hub.models.LlamaBackbone.from_preset(str(tmp_path / "preset"))
+        want = dict(zip([v.path for v in restored.weights], restored.get_weights()))
+        for v, value in zip(backbone.weights, backbone.get_weights()):
+            np.testing.assert_array_equal(value, want[v.path], err_msg=f"{shape}: {v.path}")
+    keras.distribution.set_distribution(None)
+    assert digest(keras.models.load_model(tmp_path / "lm.keras").get_weights()) == runs[0]["sha256"]
     print(
         f"\nmeasured: 4 workers on a (2, 2) mesh, losses {runs[0]['losses']} (twin "
         f"{runs[0]['twin_losses']}), largest weight difference "

@@ -9,11 +9,16 @@ the sharded model starts from the twin's initial weights. Each device holds
 one block of each split weight, so the tensor groups and the data-parallel
 groups both cross processes. The first batch's ids fall in the first 96 of
 the vocabulary's 256: the second vocabulary block of each tensor group sees
-no id (issue 38). Prints one "tfdist result:" line.
+no id (issue 38). Then it saves (``save_weights``, ``model.save``,
+``save_to_preset``) into ``TFDIST_CHECKPOINT_DIR``, counting the whole-weight
+gathers the saves make (none: each block comes to the chief on its own), for
+the test to restore on other meshes in one process. Prints one "tfdist
+result:" line.
 """
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +53,21 @@ table = tfdist.distribution.report(lm)
 embeddings = lm.backbone.token_embedding.embeddings
 x, _ = batches(skewed=True)
 logits = lm.predict(x, batch_size=8, verbose=0)
+
+checkpoints = Path(os.environ["TFDIST_CHECKPOINT_DIR"])
+gathers = []
+for name in ("full_value", "full_tensor"):
+
+    def counted(variable, real=getattr(tfdist.parallel.sharding, name)):
+        gathers.append(variable.path)
+        return real(variable)
+
+    setattr(tfdist.parallel.sharding, name, counted)
+lm.save_weights(checkpoints / "lm.weights.h5")
+lm.save(checkpoints / "lm.keras")
+lm.backbone.save_to_preset(str(checkpoints / "preset"))
+gathers_while_saving = list(gathers)
+slots = tfdist.parallel.saving.full_weights(lm.optimizer.variables)  # A collective.
 print(
     "tfdist result: "
     + json.dumps(
@@ -72,6 +92,8 @@ print(
             "full_bytes": table.full_bytes,
             "traffic": tfdist.parallel.traffic(strategy),
             "sha256": hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
+            "optimizer_sha256": hashlib.sha256(b"".join(w.tobytes() for w in slots)).hexdigest(),
+            "gathers_while_saving": gathers_while_saving,
         }
     ),
     flush=True,

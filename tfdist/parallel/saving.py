@@ -12,8 +12,9 @@ values:
   full shapes; ``set_weights`` checks a value against the full shape.
 * ``model.save`` / ``save_weights`` / ``keras.models.load_model``: while a
   layer or an optimizer saves its own variables (``save_own_variables``), its
-  sharded variables are written whole (the store sees ``full_value``);
-  while it loads them (``load_own_variables``), a full value assigned to a
+  sharded variables are written whole: into an HDF5 store block by block,
+  never gathered whole in one process (the blocks other processes hold
+  come one at a time); while it loads them (``load_own_variables``), a full value assigned to a
   sharded variable goes to each component as that replica's shard
   (``assign_full``). A layer class is covered when it first creates a
   sharded weight (:func:`cover`, from ``add_sharded_weight``).
@@ -138,17 +139,31 @@ def wrap_set_weights(original):
 
 
 class _FullStore:
-    """A weights store that writes sharded variables whole.
+    """A weights store that writes sharded variables whole, block by block.
 
     Layers store the variable itself (``store["0"] = v``); the store would
-    read it with ``np.array(v)``, which is shard 0.
+    read it with ``np.array(v)``, which is shard 0. Where the store is an
+    HDF5 file (``.weights.h5``, ``.keras``, keras-hub presets), the full-shape
+    dataset is created empty and each block written into its slice as it
+    comes (:func:`tfdist.parallel.sharding.write_blocks`), so no process
+    holds a whole split weight; elsewhere the full value is gathered.
     """
 
     def __init__(self, store: Any) -> None:
         self._store = store
 
     def __setitem__(self, key, value):
+        if isinstance(value, _Blocks):  # The optimizer stores ``v.numpy()``.
+            value = value.variable
         if sharding.is_sharded(value):
+            from tfdist.compat.h5_store import new_dataset
+
+            spec = sharding.spec_of(value)
+            dtype = sharding.inner_variable(value).dtype.as_numpy_dtype
+            dataset = new_dataset(self._store, key, spec.full_shape, dtype)
+            if dataset is not None:
+                sharding.write_blocks(value, dataset.__setitem__)
+                return
             value = sharding.full_value(value)
         self._store[key] = value
 
@@ -166,6 +181,22 @@ class _FullStore:
 
     def __getattr__(self, name):
         return getattr(self._store, name)
+
+
+class _Blocks:
+    """What a sharded variable's ``numpy()`` gives while its owner saves: the
+    variable, which :class:`_FullStore` writes block by block; read whole
+    (``np.asarray``) by anything else."""
+
+    def __init__(self, variable: Any) -> None:
+        self.variable = variable
+        spec = sharding.spec_of(variable)
+        self.shape = spec.full_shape
+        self.dtype = np.dtype(sharding.inner_variable(variable).dtype.as_numpy_dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        value = sharding.full_value(self.variable)
+        return value if dtype is None else value.astype(dtype)
 
 
 def _assign_loaded(variable: Any, value: Any) -> None:
@@ -194,7 +225,7 @@ def _full_io(variables: Iterable[Any]):
     for v in variables:
         if sharding.is_sharded(v) and _PATCHED not in vars(v):
             vars(v)[_PATCHED] = True
-            vars(v)["numpy"] = functools.partial(sharding.full_value, v)
+            vars(v)["numpy"] = functools.partial(_Blocks, v)
             vars(v)["assign"] = functools.partial(_assign_loaded, v)
             patched.append(v)
     try:

@@ -36,6 +36,7 @@ __all__ = [
     "spec_of",
     "full_value",
     "full_tensor",
+    "write_blocks",
     "assign_full",
     "check_full_shape",
     "shard_of",
@@ -128,13 +129,21 @@ class ShardSpec:
         """Every block's index."""
         return list(itertools.product(*(range(self.parts(k)) for _, k in self.splits)))
 
+    def slices(self, index: tuple[int, ...]) -> tuple[slice, ...]:
+        """Where the block of index ``index`` lies in the full value."""
+        where = [slice(None)] * len(self.full_shape)
+        for (dim, kind), i in zip(self.splits, index):
+            width = self.full_shape[dim] // self.parts(kind)
+            where[dim] = slice(i * width, (i + 1) * width)
+        return tuple(where)
+
+    def owner(self, index: tuple[int, ...]) -> int:
+        """The first global replica holding the block of index ``index``."""
+        return next(r for r in range(self.mesh.num_replicas) if self.index(r) == index)
+
     def block(self, value: Any, replica: int) -> Any:
         """The block of a full value (numpy array or tensor) ``replica`` holds."""
-        index = [slice(None)] * len(self.full_shape)
-        for (dim, kind), i in zip(self.splits, self.index(replica)):
-            width = self.full_shape[dim] // self.parts(kind)
-            index[dim] = slice(i * width, (i + 1) * width)
-        return value[tuple(index)]
+        return value[self.slices(self.index(replica))]
 
     def assemble(self, parts: dict, concat: Any) -> Any:
         """The full value from one block per index (``concat(list, axis)``)."""
@@ -246,6 +255,44 @@ def _gathered_blocks(variable: Any, spec: ShardSpec) -> dict:
     for r in range(spec.mesh.num_replicas):
         blocks.setdefault(spec.index(r), everything[r])
     return blocks
+
+
+def write_blocks(variable: Any, write: Any) -> None:
+    """Hands the full weight to ``write(slices, block)`` one block at a time
+    (``slices`` index the full value), so no process ever holds it whole.
+
+    When other processes hold some blocks, each block is summed over the
+    replicas with only its owner's value non-zero (exact: x + 0 = x), and every
+    process receives it: a collective, every worker must call this at the
+    same point, as for :func:`full_value`.
+    """
+    spec = spec_of(variable)
+    if spec is None:
+        write((), np.asarray(variable.numpy()))
+        return
+    blocks = _local_blocks(variable, spec)
+    if blocks is not None:
+        for index, component in blocks.items():
+            write(spec.slices(index), np.asarray(component.numpy()))
+        return
+    strategy, runtime = spec.strategy, spec.runtime
+    components = _components(variable, spec)
+    for index in spec.blocks():
+        owner = spec.owner(index)
+
+        def mine(ctx, owner=owner):
+            component = components[ctx.replica_id_in_sync_group - runtime.first]
+            if ctx.replica_id_in_sync_group == owner:
+                return tf.identity(component)
+            return tf.zeros(component.shape, component.dtype)
+
+        summed = strategy.reduce(
+            tf.distribute.ReduceOp.SUM,
+            strategy.experimental_distribute_values_from_function(mine),
+            axis=None,
+        )
+        write(spec.slices(index), np.asarray(summed.numpy()))
+        del summed
 
 
 def full_value(variable: Any) -> np.ndarray:

@@ -276,10 +276,22 @@ def _worker_save(path: str, save: Callable[[str], Any]) -> Any:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def holds_split_weights(model: Any) -> bool:
+    """Whether ``model`` has weights split over devices (tensor parallelism,
+    keras.distribution layouts): its saves take long enough to be killed
+    midway, so one process alone writes them atomically too."""
+    if model is None or not hasattr(model, "weights"):
+        return False
+    from tfdist.parallel import sharding
+
+    return any(sharding.is_sharded(v) for v in model.weights)
+
+
 def coordinated(path: Any, model: Any, save: Callable[[str], Any]) -> Any:
-    """Runs ``save(path)``, on the chief and workers coordinated when active."""
+    """Runs ``save(path)``, on the chief and workers coordinated when active;
+    one process alone writes atomically when the model has split weights."""
     on, chief = active(model)
-    if not on or not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike)) or not (on or holds_split_weights(model)):
         return save(path)  # File objects are private to the caller.
     path = os.fspath(path)
     return (_chief_save if chief else _worker_save)(path, save)

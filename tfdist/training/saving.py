@@ -48,7 +48,11 @@ multi-worker strategy of two or more workers:
   whose manager has the chief's directory (one script, one path) saves into
   a private directory that is removed: only the chief writes there.
 
-Single-worker training, and every other strategy, are unchanged.
+One process alone saving a model with split weights (tensor parallelism,
+``keras.distribution.ModelParallel``) writes atomically as the chief does, its
+``BackupAndRestore`` too: such saves are large, and a save killed midway
+must leave the previous file whole. Other single-worker training, and every
+other strategy, are unchanged.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from tfdist.training.chief_save import (
     active,
     coordinated,
     fsync,
+    holds_split_weights,
     local,
     multi_worker,
     next_key,
@@ -182,7 +187,7 @@ def wrap_backup_save(original):
     @functools.wraps(original)
     def _save_model(self):
         on, chief = active(self.model)
-        if not on or not local(str(self.backup_dir)):
+        if not (on or holds_split_weights(self.model)) or not local(str(self.backup_dir)):
             return original(self)
         if not chief:
             # The weight save may read on_read variables: a collective. Run
