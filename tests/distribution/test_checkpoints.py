@@ -21,9 +21,8 @@ import pytest
 
 keras_hub = pytest.importorskip("keras_hub")
 from conftest import finish, result_line, start  # noqa: E402
-from tiny_lms import batches, causal_lm, fit  # noqa: E402
-
 from tfdist.parallel import saving, sharding  # noqa: E402
+from tiny_lms import batches, causal_lm  # noqa: E402
 
 
 @pytest.fixture

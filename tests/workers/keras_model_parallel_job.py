@@ -56,13 +56,19 @@ logits = lm.predict(x, batch_size=8, verbose=0)
 
 checkpoints = Path(os.environ["TFDIST_CHECKPOINT_DIR"])
 gathers = []
-for name in ("full_value", "full_tensor"):
 
-    def counted(variable, real=getattr(tfdist.parallel.sharding, name)):
+
+def counting(real):
+    def counted(variable):
         gathers.append(variable.path)
         return real(variable)
 
-    setattr(tfdist.parallel.sharding, name, counted)
+    return counted
+
+
+sharding = tfdist.parallel.sharding
+sharding.full_value = counting(sharding.full_value)
+sharding.full_tensor = counting(sharding.full_tensor)
 lm.save_weights(checkpoints / "lm.weights.h5")
 lm.save(checkpoints / "lm.keras")
 lm.backbone.save_to_preset(str(checkpoints / "preset"))

@@ -55,8 +55,8 @@ def new_dataset(store: Any, key: str, shape: tuple, dtype: Any) -> Any:
         return None
     if not hasattr(store, "_h5_entry_initialized") or not hasattr(store, "_h5_entry_path"):
         return None
-    if not store._h5_entry_initialized:  # noqa: SLF001 - Keras's deferred group creation
-        store._create_h5_group(store._h5_entry_path)  # noqa: SLF001 - as Keras's __setitem__
+    if not store._h5_entry_initialized:  # Keras creates an entry's group on its first key.
+        store._create_h5_group(store._h5_entry_path)
     group = getattr(store, "_h5_entry_group", None)
     if not isinstance(group, h5py.Group):
         return None
