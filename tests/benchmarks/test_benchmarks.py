@@ -647,9 +647,14 @@ def test_preset_memory_benchmark_loads_the_preset_on_4_workers(tmp_path):
         assert worker["output_difference"] < 1e-5, worker
         assert worker["peak_kb"] >= worker["rss_before_kb"]
         assert worker["layout_warnings"] == []  # Nothing large is left whole.
+        assert worker["restored_output_difference"] < 1e-5, worker
+        assert worker["save_seconds"] > 0 and worker["restore_seconds"] > 0
     text = (tmp_path / "preset_memory.md").read_text()
+    full = record["full_weights_bytes"]
     loads = [w["load_kb"] * 1024 for w in record["workers"]]
-    assert f"{max(loads) / record['full_weights_bytes']:.2f}x" in text
+    assert f"{max(loads) / full:.2f}x" in text
+    saves = [w["save_kb"] * 1024 for w in record["workers"]]
+    assert f"{max(saves) / 2**20:,.0f} MiB | {max(saves) / full:.2f}x" in text
 
 
 @pytest.mark.slow
