@@ -101,7 +101,7 @@ def mirrored_rows(script: str, args: Sequence[str], results_dir: Path, name: str
 RESULT = "tfdist result: "
 
 
-def result_job(
+def outcome_job(
     command: Sequence[str],
     workers: int,
     *,
@@ -109,25 +109,32 @@ def result_job(
     path: Sequence[str] = (),
     cwd: Path = REPO,
     timeout: float = 900,
-    what: str = "worker",
+    limit_bytes: int | None = None,
+    tag: str = "job",
 ) -> list[dict]:
-    """Runs ``python COMMAND`` as every worker of a job on 127.0.0.1.
+    """Runs ``python COMMAND`` as every worker of a job on 127.0.0.1; a
+    failure is an outcome, not an error.
 
     Each worker gets its own TF_CONFIG, ``env`` and ``path`` (before the
     repository) on its PYTHONPATH; its output goes to a file, so that a
     worker that prints much cannot block on a full pipe while another is
-    waited for. Only the processes started here are stopped.
+    waited for. With ``limit_bytes``, each worker runs in a memory cgroup of
+    its own with that limit (:mod:`benchlib.cgroups`). A worker still running
+    ``timeout`` seconds after the start (one whose peer died, waiting in a
+    collective) is killed. Only the processes started here are stopped.
 
     Returns:
-        Each worker's last ``tfdist result:`` line, parsed, by task.
-
-    Raises:
-        RuntimeError: A worker failed or printed no result; its stderr's end.
+        Per worker, by rank: ``returncode``, ``result`` (its last ``tfdist
+        result:`` line, parsed, or None), ``stderr_tail``, ``timed_out``
+        and, under a limit, ``memory`` (:func:`benchlib.cgroups.usage`).
     """
+    import time
+
+    from benchlib import cgroups
     from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
 
-    procs = []
+    procs, groups = [], []
     with tempfile.TemporaryDirectory() as scratch:
         try:
             for rank, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(workers))):
@@ -140,12 +147,16 @@ def result_job(
                     ),
                     **(env or {}),
                 )
+                group = None
+                if limit_bytes is not None:
+                    group = cgroups.make(f"tfdist_{tag}_{os.getpid()}_{rank}", limit_bytes)
+                groups.append(group)
                 out, err = (Path(scratch) / f"{rank}.{kind}" for kind in ("out", "err"))
                 with open(out, "w") as stdout, open(err, "w") as stderr:
                     procs.append(
                         (
                             subprocess.Popen(
-                                [sys.executable, *command],
+                                cgroups.joined(group, [sys.executable, *command]),
                                 cwd=cwd,
                                 env=full_env,
                                 stdout=stdout,
@@ -156,17 +167,59 @@ def result_job(
                             err,
                         )
                     )
-            results = []
-            for proc, out, err in procs:
-                code = proc.wait(timeout=timeout)
+            deadline = time.monotonic() + timeout
+            outcomes = []
+            for (proc, out, err), group in zip(procs, groups):
+                timed_out = False
+                try:
+                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code, timed_out = proc.wait(), True
                 lines = [t for t in out.read_text().splitlines() if t.startswith(RESULT)]
-                if code != 0 or not lines:
-                    tail = err.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{what} failed ({code}):\n{tail}")
-                results.append(json.loads(lines[-1][len(RESULT) :]))
-            return sorted(results, key=lambda r: r["task"])
+                outcomes.append(
+                    {
+                        "returncode": code,
+                        "timed_out": timed_out,
+                        "result": json.loads(lines[-1][len(RESULT) :]) if lines else None,
+                        "stderr_tail": err.read_text(errors="replace")[-3000:],
+                        **({"memory": cgroups.usage(group)} if group is not None else {}),
+                    }
+                )
+            return outcomes
         finally:
             for proc, _, _ in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+            for group in groups:
+                if group is not None:
+                    cgroups.remove(group)
+
+
+def result_job(
+    command: Sequence[str],
+    workers: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    path: Sequence[str] = (),
+    cwd: Path = REPO,
+    timeout: float = 900,
+    what: str = "worker",
+) -> list[dict]:
+    """Runs ``python COMMAND`` as every worker of a job on 127.0.0.1
+    (:func:`outcome_job`), each of which must succeed.
+
+    Returns:
+        Each worker's last ``tfdist result:`` line, parsed, by task.
+
+    Raises:
+        RuntimeError: A worker failed or printed no result; its stderr's end.
+    """
+    outcomes = outcome_job(command, workers, env=env, path=path, cwd=cwd, timeout=timeout)
+    for outcome in outcomes:
+        if outcome["returncode"] != 0 or outcome["result"] is None:
+            raise RuntimeError(
+                f"{what} failed ({outcome['returncode']}):\n{outcome['stderr_tail']}"
+            )
+    return sorted((o["result"] for o in outcomes), key=lambda r: r["task"])

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO, subprocess_env
@@ -655,6 +656,51 @@ def test_preset_memory_benchmark_loads_the_preset_on_4_workers(tmp_path):
     assert f"{max(loads) / full:.2f}x" in text
     saves = [w["save_kb"] * 1024 for w in record["workers"]]
     assert f"{max(saves) / 2**20:,.0f} MiB | {max(saves) / full:.2f}x" in text
+
+
+@pytest.mark.slow
+def test_lora_capacity_benchmark_climbs_until_a_worker_is_oom_killed(tmp_path):
+    # The smallest run: a width both layouts train, then one whose whole
+    # weights (0.7 GB) cannot fit DataParallel's workers under 1.5 GiB.
+    pytest.importorskip("keras_hub")
+    if not os.access("/sys/fs/cgroup/memory", os.W_OK):
+        pytest.skip("needs a writable cgroup-v1 memory controller (root)")
+    args = [
+        sys.executable,
+        "benchmarks/lora_capacity.py",
+        "--widths=128,2048",
+        "--vocabulary=1024",
+        "--limit_mib=1536",
+        "--sequence=16",
+        "--steps=3",
+        "--peer_timeout=20",
+        f"--results_dir={tmp_path}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "lora_capacity.json").read_text())
+    runs = {(r["layout"], r["hidden"]): r for r in result["runs"]}
+    small, large = runs["data_parallel", 128], runs["data_parallel", 2048]
+    assert small["trained"] and not large["trained"] and large["oom_kills"] >= 1
+    for run in result["runs"]:
+        # Trained: every worker reported the same finite losses; else killed.
+        assert run["trained"] or run["oom_kills"] >= 1, run
+        if run["trained"]:
+            losses = [w["result"]["losses"] for w in run["workers"]]
+            assert all(np.isfinite(loss).all() and loss == losses[0] for loss in losses)
+            trainable = run["workers"][0]["result"]["trainable"]
+            assert 0 < trainable < run["parameters"] / 20  # LoRA trains the adapters only.
+    # ModelParallel starts at the largest width DataParallel trains.
+    assert min(h for layout, h in runs if layout == "model_parallel") == 128
+    text = (tmp_path / "lora_capacity.md").read_text()
+    assert "| data_parallel | 2,048 |" in text and "| no | " in text
+    mp = max(
+        (r for r in result["runs"] if r["layout"] == "model_parallel" and r["trained"]),
+        key=lambda r: r["parameters"],
+    )
+    assert f"ModelParallel {mp['parameters']:,} parameters" in text
 
 
 @pytest.mark.slow

@@ -388,6 +388,7 @@ def test_four_processes_under_tfdist_launch(keras_mod, tmp_path):
         assert run["traffic"]["tensor_parallel"] > 0 and run["traffic"]["data_parallel"] > 0
         assert run["sha256"] == runs[0]["sha256"]
         assert run["gathers_while_saving"] == [], run["gathers_while_saving"]
+        assert run["initial_difference_from_worker_0"] == 0.0
 
     def digest(arrays):
         return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()

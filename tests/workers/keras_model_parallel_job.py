@@ -12,8 +12,9 @@ the vocabulary's 256: the second vocabulary block of each tensor group sees
 no id (issue 38). Then it saves (``save_weights``, ``model.save``,
 ``save_to_preset``) into ``TFDIST_CHECKPOINT_DIR``, counting the whole-weight
 gathers the saves make (none: each block comes to the chief on its own), for
-the test to restore on other meshes in one process. Prints one "tfdist
-result:" line.
+the test to restore on other meshes in one process. Last, each worker seeds
+its initializers differently and builds the model again: every split weight
+must hold worker 0's draw. Prints one "tfdist result:" line.
 """
 
 import hashlib
@@ -74,6 +75,17 @@ lm.save(checkpoints / "lm.keras")
 lm.backbone.save_to_preset(str(checkpoints / "preset"))
 gathers_while_saving = list(gathers)
 slots = tfdist.parallel.saving.full_weights(lm.optimizer.variables)  # A collective.
+
+# Workers whose initializers draw differently: every split weight holds
+# worker 0's draw, which a one-device model seeded as worker 0 makes.
+distribution = keras.distribution.distribution()
+keras.distribution.set_distribution(None)
+keras.utils.set_random_seed(100)
+worker0 = causal_lm(keras, "llama").get_weights()
+keras.distribution.set_distribution(distribution)
+keras.utils.set_random_seed(100 + strategy.cluster_resolver.task_id)
+drawn = causal_lm(keras, "llama").get_weights()
+initial_difference = max(float(np.max(np.abs(a - b))) for a, b in zip(drawn, worker0))
 print(
     "tfdist result: "
     + json.dumps(
@@ -100,6 +112,7 @@ print(
             "sha256": hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
             "optimizer_sha256": hashlib.sha256(b"".join(w.tobytes() for w in slots)).hexdigest(),
             "gathers_while_saving": gathers_while_saving,
+            "initial_difference_from_worker_0": initial_difference,
         }
     ),
     flush=True,

@@ -256,16 +256,6 @@ def laid_out(variable: Any, spec: sharding.ShardSpec, full: np.ndarray | None) -
         sharding.assign_full(variable, full)
 
 
-def _same_on_every_worker(full: tf.Tensor, strategy: Any) -> tf.Tensor:
-    """Worker 0's value, under MultiWorkerMirrored: a variable created there
-    takes it (the workers' initializers may draw differently)."""
-    if getattr(strategy, "kind", "") != "multi_worker_mirrored":
-        return full
-    with strategy.scope():
-        shared = tf.Variable(full, trainable=False)
-    return tf.convert_to_tensor(strategy.experimental_local_results(shared)[0])
-
-
 def wrap_initialize(original):
     @functools.wraps(original)
     def _initialize(self, value):
@@ -305,11 +295,21 @@ def wrap_initialize(original):
             return None
         with tf.init_scope(), tf.device("/cpu:0"):
             full = value() if callable(value) else value
-            full = tf.convert_to_tensor(full, dtype=self._dtype)
-        full = _same_on_every_worker(full, strategy).numpy()
-        original(self, spec.block(full, spec.runtime.first))
-        self._shape = spec.shard_shape
-        laid_out(self, spec, full)
+            full = tf.convert_to_tensor(full, dtype=self._dtype).numpy()
+        if getattr(strategy, "kind", "") != "multi_worker_mirrored":
+            original(self, spec.block(full, spec.runtime.first))
+            self._shape = spec.shard_shape
+            laid_out(self, spec, full)
+        else:
+            # Worker 0's value (the workers' initializers may draw
+            # differently), each process receiving its blocks only.
+            with tf.init_scope():
+                blocks = sharding.first_workers_blocks(spec, full)
+            del full
+            original(self, blocks[spec.index(spec.runtime.first)])
+            self._shape = spec.shard_shape
+            laid_out(self, spec, None)
+            sharding.assign_blocks(self, blocks)
         _wrap_layer()
 
     return _initialize

@@ -37,6 +37,8 @@ __all__ = [
     "full_value",
     "full_tensor",
     "write_blocks",
+    "first_workers_blocks",
+    "assign_blocks",
     "assign_full",
     "check_full_shape",
     "shard_of",
@@ -293,6 +295,45 @@ def write_blocks(variable: Any, write: Any) -> None:
         )
         write(spec.slices(index), np.asarray(summed.numpy()))
         del summed
+
+
+def first_workers_blocks(spec: ShardSpec, full: np.ndarray) -> dict:
+    """This process's blocks of worker 0's ``full`` (every worker passes its
+    own; the initializers of the workers may draw differently), by index.
+
+    One collective per block, every worker at the same point: a sum over the
+    replicas where global replica 0 (worker 0's first device) gives the block
+    and every other gives zeros. No process receives more than one block at
+    a time, where a variable of the full shape would broadcast it whole.
+    """
+    strategy, runtime = spec.strategy, spec.runtime
+    mine = {spec.index(runtime.first + i) for i in range(len(runtime.devices))}
+    blocks = {}
+    for index in spec.blocks():
+        block = np.ascontiguousarray(full[spec.slices(index)])
+
+        def given(ctx, block=block):
+            if ctx.replica_id_in_sync_group == 0:
+                return tf.constant(block)
+            return tf.zeros(block.shape, block.dtype)
+
+        summed = strategy.reduce(
+            tf.distribute.ReduceOp.SUM,
+            strategy.experimental_distribute_values_from_function(given),
+            axis=None,
+        )
+        if index in mine:
+            blocks[index] = summed.numpy()
+        del summed
+    return blocks
+
+
+def assign_blocks(variable: Any, blocks: dict) -> None:
+    """Gives each local component its block, from ``blocks`` by index."""
+    spec = spec_of(variable)
+    for i, component in enumerate(_components(variable, spec)):
+        block = blocks[spec.index(spec.runtime.first + i)]
+        component.assign(block.astype(component.dtype.as_numpy_dtype, copy=False))
 
 
 def full_value(variable: Any) -> np.ndarray:
