@@ -130,19 +130,36 @@ def worker(layout: str) -> None:
     x = {"token_ids": ids[:, :-1].astype("int32"), "padding_mask": np.ones_like(ids[:, :-1])}
     y = ids[:, 1:].astype("int32")
     before = status_kb("VmRSS")
+    phases = {}
+
+    def phase(name, step):
+        """Runs ``step``; records its peak over the resident set before it."""
+        start = status_kb("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # The peak starts again here.
+        value = step()
+        phases[name] = {"rss_before_kb": start, "peak_kb": status_kb("VmHWM")}
+        return value
+
     keras.utils.set_random_seed(0)
-    lm = keras_hub.models.LlamaCausalLM(
-        keras_hub.models.LlamaBackbone(**sizes(FLAGS.hidden)), preprocessor=None
-    )
+    backbone = phase("build", lambda: keras_hub.models.LlamaBackbone(**sizes(FLAGS.hidden)))
+    lm = keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
     lm.backbone.enable_lora(FLAGS.rank)
     lm.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    built = status_kb("VmHWM")
     steps = _StepTimes(keras)
-    history = lm.fit(
-        x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0, callbacks=[steps.callback]
+    history = phase(
+        "fit",
+        lambda: lm.fit(
+            x,
+            y,
+            batch_size=FLAGS.batch,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[steps.callback],
+        ),
     )
 
     def full_size(v):
@@ -162,8 +179,7 @@ def worker(layout: str) -> None:
                     int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in lm.weights
                 ),
                 "rss_before_kb": before,
-                "built_peak_kb": built,
-                "peak_kb": status_kb("VmHWM"),
+                "phases": phases,
                 "step_seconds": steps.times,
                 "losses": history.history["loss"],
             }
