@@ -172,6 +172,7 @@ KILLED_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_killed_save_leaves_the_previous_file_whole(keras_mod, tmp_path):
     """One process on a (2, 2) mesh saves, trains, and is killed (SIGKILL)
     halfway through writing a split weight's blocks in its next save to the

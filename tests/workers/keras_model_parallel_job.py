@@ -34,6 +34,9 @@ from tiny_lms import batches, causal_lm, fit
 
 # First: MultiWorkerMirrored must be made before TensorFlow runs anything.
 keras.distribution.initialize()
+# Blocks cross processes in pieces of at most 4 KiB (4 MiB by default): the
+# tiny model's blocks then move in several, as a large model's do.
+tfdist.parallel.sharding.PIECE_BYTES = 4096
 keras.utils.set_random_seed(1)
 twin = causal_lm(keras, "llama")  # No distribution set: one device.
 initial = twin.get_weights()

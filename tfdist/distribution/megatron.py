@@ -23,7 +23,11 @@ split over the model axis along the vocabulary is vocabulary-parallel:
   summed over the group with this replica's rows kept;
 * reverse (tied logits): the group's rows are gathered, multiplied by the
   block's transpose (this member's range of the logits), and the logits'
-  columns gathered back with this replica's rows kept.
+  columns gathered back with this replica's rows kept;
+* reverse of an untied table (keras-hub's ``reverse_embeddings``, split over
+  the model axis along the vocabulary): the same, with that table's block.
+  A call of an untied layer never gathers the table it does not read
+  (:attr:`Plan.unused`): the logits table is as large as the embeddings.
 
 Each layer is complete on its own (its output is what Keras's layer gives),
 so any layer may follow it; a column layer followed by a row layer pays one
@@ -41,7 +45,7 @@ import tensorflow as tf
 
 from tfdist.parallel import collectives, sharding
 
-__all__ = ["Plan", "plan", "uses_block", "call"]
+__all__ = ["Plan", "plan", "call_plan", "uses_block", "call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,18 +53,22 @@ class Plan:
     """How a layer computes with its kernel's tensor block.
 
     Attributes:
-        kind: ``"column"``, ``"row"`` or ``"vocabulary"``.
+        kind: ``"column"``, ``"row"``, ``"vocabulary"`` or ``"logits"`` (an
+            untied table's reverse call).
         kernel: The kernel variable (an embedding's table).
         axis: column: the output's axis of the split letter; row: the
-            input's; vocabulary: 0.
+            input's; vocabulary: 0; logits: -1.
         equation: The einsum equation (Dense: ``"...a,ab->...b"``; an
             embedding: ``""``).
+        unused: The layer's other weights this call does not read (an
+            untied embedding's other table): not gathered.
     """
 
     kind: str
     kernel: Any
     axis: int
     equation: str
+    unused: tuple = ()
 
     @property
     def describe(self) -> str:
@@ -95,6 +103,25 @@ def _embedding_plan(layer: Any) -> Plan | None:
     if spec is None or (0, sharding.TENSOR) not in spec.splits:
         return None
     return Plan("vocabulary", table, 0, "")
+
+
+def call_plan(layer: Any, args: tuple, kwargs: dict) -> Plan | None:
+    """The plan of this call of ``layer`` (:func:`plan`, refined for an
+    untied ReversibleEmbedding: its reverse call computes with the logits
+    table's block, and each call leaves the other table alone)."""
+    found = plan(layer)
+    if found is None or found.kind != "vocabulary" or getattr(layer, "tie_weights", True):
+        return found
+    logits_table = getattr(layer, "reverse_embeddings", None)
+    if logits_table is None:
+        return found
+    reverse = dict(zip(("inputs", "reverse"), args), **kwargs).get("reverse", False)
+    if not reverse:
+        return dataclasses.replace(found, unused=(logits_table,))
+    spec = sharding.spec_of(logits_table)
+    if spec is None or (1, sharding.TENSOR) not in spec.splits:
+        return None  # Gathered whole, as any other layout.
+    return Plan("logits", logits_table, -1, "...a,ab->...b", unused=(found.kernel,))
 
 
 def _reversible_call() -> Any:
@@ -178,6 +205,8 @@ def call(
 
     if the_plan.kind == "vocabulary":
         return _vocabulary_call(layer, args, kwargs, kernel, p)
+    if the_plan.kind == "logits":
+        return _logits(layer, args[0] if args else kwargs["inputs"], kernel, p)
     inputs = args[0] if args else kwargs["inputs"]
     rows = tf.shape(inputs)[0]
     if the_plan.kind == "column":
@@ -206,16 +235,7 @@ def _vocabulary_call(
     named.update(kwargs)
     inputs, reverse = named["inputs"], named.get("reverse", False)
     if reverse:
-        x, kernel = collectives.gather_rows(inputs), ops.transpose(table)
-        if layer.reverse_dtype is not None:
-            x, kernel = ops.cast(x, layer.reverse_dtype), ops.cast(kernel, layer.reverse_dtype)
-        logits = collectives.tp_all_gather(ops.matmul(x, kernel), axis=-1)
-        rows = tf.shape(inputs)[0]
-        logits = logits[p.t * rows : (p.t + 1) * rows]
-        if layer.logit_soft_cap is not None:
-            cap = layer.logit_soft_cap
-            logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
-        return logits
+        return _logits(layer, inputs, ops.transpose(table), p)
     ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
     ids = collectives.gather_rows(_checked(layer, ids))
     width = tf.cast(tf.shape(table)[0], ids.dtype)
@@ -233,6 +253,24 @@ def _vocabulary_call(
     if mask is not None:
         set_keras_mask(out, mask)
     return out
+
+
+def _logits(layer: Any, inputs: Any, kernel: tf.Tensor, p: collectives.Placement) -> Any:
+    """A ReversibleEmbedding's reverse call with ``kernel`` (width x this
+    member's range of the vocabulary): the group's rows times the block, the
+    logits' columns gathered back, this replica's rows kept."""
+    from keras import ops
+
+    x = collectives.gather_rows(inputs)
+    if layer.reverse_dtype is not None:
+        x, kernel = ops.cast(x, layer.reverse_dtype), ops.cast(kernel, layer.reverse_dtype)
+    logits = collectives.tp_all_gather(ops.matmul(x, kernel), axis=-1)
+    rows = tf.shape(inputs)[0]
+    logits = logits[p.t * rows : (p.t + 1) * rows]
+    if layer.logit_soft_cap is not None:
+        cap = layer.logit_soft_cap
+        logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+    return logits
 
 
 def _checked(layer: Any, ids: tf.Tensor) -> tf.Tensor:

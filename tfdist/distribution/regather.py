@@ -117,15 +117,25 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
     n = len(tensors)
     from tfdist.distribution import megatron
 
-    the_plan = megatron.plan(layer) if p.tp > 1 else None
+    the_plan = megatron.call_plan(layer, args, kwargs) if p.tp > 1 else None
+    unused = {id(v) for v in the_plan.unused} if the_plan is not None else set()
     # What each weight is gathered over: a tensor-parallel kernel keeps its
-    # tensor block (gathered over the batch axis alone), the rest are whole.
+    # tensor block (gathered over the batch axis alone), the rest are whole;
+    # a weight this call does not read is not gathered (None).
     gathers = [
-        tuple((d, k) for d, k in s.splits if k == sharding.DATA)
+        None
+        if id(v) in unused
+        else tuple((d, k) for d, k in s.splits if k == sharding.DATA)
         if the_plan is not None and v is the_plan.kernel
         else s.splits
         for v, s in zip(split, specs)
     ]
+
+    def gathered(own):
+        return [
+            None if g is None else tf.stop_gradient(collectives.gather_blocks(b, g, p))
+            for b, g in zip(own, gathers)
+        ]
 
     def rebuild(values):
         out = list(leaves)
@@ -139,7 +149,7 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
             with overriding(split, fulls):
                 return original(*call_args, **call_kwargs)
         at = next(i for i, v in enumerate(split) if v is the_plan.kernel)
-        others = [(v, f) for i, (v, f) in enumerate(zip(split, fulls)) if i != at]
+        others = [(v, f) for i, (v, f) in enumerate(zip(split, fulls)) if i != at and f is not None]
         with overriding([v for v, _ in others], [f for _, f in others]):
             return megatron.call(layer, the_plan, call_args, call_kwargs, fulls[at], p)
 
@@ -151,9 +161,7 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
         # Gathered once the call's inputs exist, not as soon as the step
         # starts: otherwise every layer's full weights could be alive at once.
         with tf.control_dependencies(values):
-            fulls = [
-                tf.stop_gradient(collectives.gather_blocks(b, g, p)) for b, g in zip(own, gathers)
-            ]
+            fulls = gathered(own)
         out = run(values, fulls)
         structure.append(out)
         flat_out = tf.nest.flatten(out)
@@ -163,12 +171,9 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
             with tf.GradientTape() as tape:
                 # Likewise once the output's gradient exists.
                 with tf.control_dependencies([d for d in dys if d is not None]):
-                    fulls = [
-                        tf.stop_gradient(collectives.gather_blocks(b, g, p))
-                        for b, g in zip(own, gathers)
-                    ]
+                    fulls = gathered(own)
                 floats = [v for v in values if v.dtype.is_floating]
-                tape.watch(floats + fulls)
+                tape.watch(floats + [f for f in fulls if f is not None])
                 scope = (
                     type(autocast)(autocast.dtype)
                     if autocast is not None
@@ -178,7 +183,9 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
                     again = tf.nest.flatten(run(values, fulls))
             # A frozen weight (LoRA's base kernel) takes no gradient: none
             # is computed, and none is summed over the replicas.
-            learnt = [f for f, t in zip(fulls, trainable) if t]
+            # Nor does one this call does not read (unused: not gathered).
+            learns = [t and f is not None for f, t in zip(fulls, trainable)]
+            learnt = [f for f, t in zip(fulls, learns) if t]
             sources = floats + learnt + variables
             grads = tape.gradient(
                 again,
@@ -190,7 +197,7 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
             inputs = [by_float.get(id(v)) for v in values]
             of_learnt = iter(grads[len(floats) : len(floats) + len(learnt)])
             weights = []
-            for t, gather, s, shape in zip(trainable, gathers, specs, shapes):
+            for t, gather, s, shape in zip(learns, gathers, specs, shapes):
                 g = next(of_learnt) if t else None
                 weights.append(
                     None

@@ -147,9 +147,9 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
             # tfdist.parallel's own layers' shards (no layout) are theirs.
             kept.update(id(v) for v in split if sharding.spec_of(v).layout is not None)
         elif split and sharding.spec_of(split[0]).mesh.tp > 1:
-            found = megatron.plan(layer)
-            if found is not None:
-                tensor_parallel[id(found.kernel)] = found.describe
+            for found in (megatron.plan(layer), megatron.call_plan(layer, (), {"reverse": True})):
+                if found is not None:
+                    tensor_parallel.setdefault(id(found.kernel), found.describe)
     rows = []
     for v in model.weights:
         spec = sharding.spec_of(v)

@@ -259,14 +259,54 @@ def _gathered_blocks(variable: Any, spec: ShardSpec) -> dict:
     return blocks
 
 
-def write_blocks(variable: Any, write: Any) -> None:
-    """Hands the full weight to ``write(slices, block)`` one block at a time
-    (``slices`` index the full value), so no process ever holds it whole.
+#: The largest piece of a block moved by one collective, in bytes. TensorFlow's
+#: collectives over gRPC keep buffers of about 4x the largest message they
+#: moved for the life of the process (a 64 MiB all-reduce: +250 MB of
+#: resident set on each of 4 workers, 4 MiB: +20 MB), so blocks move in pieces.
+PIECE_BYTES = 4 * 2**20
 
-    When other processes hold some blocks, each block is summed over the
-    replicas with only its owner's value non-zero (exact: x + 0 = x), and every
-    process receives it: a collective, every worker must call this at the
-    same point, as for :func:`full_value`.
+
+def _pieces(shape: tuple[int, ...], itemsize: int) -> list[slice]:
+    """Row ranges of a block of ``shape`` (its first axis) of at most
+    :data:`PIECE_BYTES` each (one row may be larger)."""
+    rows = shape[0] if shape else 1
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * itemsize)
+    step = max(1, PIECE_BYTES // row_bytes)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _sent_by(strategy: Any, sender: int, piece: Any) -> np.ndarray:
+    """``piece()`` of global replica ``sender``, received by every process: a
+    sum over the replicas where every other gives zeros (exact: x + 0 = x).
+    A collective: every worker calls it at the same point."""
+
+    def given(ctx):
+        value = tf.convert_to_tensor(piece(ctx))
+        return value if ctx.replica_id_in_sync_group == sender else tf.zeros_like(value)
+
+    summed = strategy.reduce(
+        tf.distribute.ReduceOp.SUM,
+        strategy.experimental_distribute_values_from_function(given),
+        axis=None,
+    )
+    return summed.numpy()
+
+
+def _relative(where: tuple[slice, ...], rows: slice) -> tuple[slice, ...]:
+    """The slices of rows ``rows`` of the block at ``where`` in the full value."""
+    first = where[0] if where else slice(None)
+    start = (first.start or 0) + rows.start
+    return (slice(start, start + rows.stop - rows.start), *where[1:])
+
+
+def write_blocks(variable: Any, write: Any) -> None:
+    """Hands the full weight to ``write(slices, piece)`` a piece of a block at
+    a time (``slices`` index the full value), so no process ever holds it
+    whole.
+
+    When other processes hold some blocks, each piece comes from its block's
+    owner to every process (:func:`_sent_by`): a collective, every worker must
+    call this at the same point, as for :func:`full_value`.
     """
     spec = spec_of(variable)
     if spec is None:
@@ -279,52 +319,36 @@ def write_blocks(variable: Any, write: Any) -> None:
         return
     strategy, runtime = spec.strategy, spec.runtime
     components = _components(variable, spec)
+    itemsize = components[0].dtype.size
     for index in spec.blocks():
-        owner = spec.owner(index)
+        owner, where = spec.owner(index), spec.slices(index)
+        for rows in _pieces(spec.shard_shape, itemsize):
 
-        def mine(ctx, owner=owner):
-            component = components[ctx.replica_id_in_sync_group - runtime.first]
-            if ctx.replica_id_in_sync_group == owner:
-                return tf.identity(component)
-            return tf.zeros(component.shape, component.dtype)
+            def piece(ctx, rows=rows):
+                return components[ctx.replica_id_in_sync_group - runtime.first][rows]
 
-        summed = strategy.reduce(
-            tf.distribute.ReduceOp.SUM,
-            strategy.experimental_distribute_values_from_function(mine),
-            axis=None,
-        )
-        write(spec.slices(index), np.asarray(summed.numpy()))
-        del summed
+            write(_relative(where, rows), _sent_by(strategy, owner, piece))
 
 
 def first_workers_blocks(spec: ShardSpec, full: np.ndarray) -> dict:
     """This process's blocks of worker 0's ``full`` (every worker passes its
     own; the initializers of the workers may draw differently), by index.
 
-    One collective per block, every worker at the same point: a sum over the
-    replicas where global replica 0 (worker 0's first device) gives the block
-    and every other gives zeros. No process receives more than one block at
-    a time, where a variable of the full shape would broadcast it whole.
+    Each block comes from global replica 0 (worker 0's first device) to
+    every process a piece at a time (:func:`_sent_by`); each process keeps its
+    own blocks. A collective: every worker calls it at the same point.
     """
     strategy, runtime = spec.strategy, spec.runtime
     mine = {spec.index(runtime.first + i) for i in range(len(runtime.devices))}
     blocks = {}
     for index in spec.blocks():
-        block = np.ascontiguousarray(full[spec.slices(index)])
-
-        def given(ctx, block=block):
-            if ctx.replica_id_in_sync_group == 0:
-                return tf.constant(block)
-            return tf.zeros(block.shape, block.dtype)
-
-        summed = strategy.reduce(
-            tf.distribute.ReduceOp.SUM,
-            strategy.experimental_distribute_values_from_function(given),
-            axis=None,
-        )
+        block = full[spec.slices(index)]
+        pieces = []
+        for rows in _pieces(spec.shard_shape, full.dtype.itemsize):
+            piece = np.ascontiguousarray(block[rows])
+            pieces.append(_sent_by(strategy, 0, lambda ctx, piece=piece: piece))
         if index in mine:
-            blocks[index] = summed.numpy()
-        del summed
+            blocks[index] = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
     return blocks
 
 
