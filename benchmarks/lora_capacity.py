@@ -255,7 +255,8 @@ def report(result: dict) -> str:
     lines = [
         "# LoRA fine-tuning under a memory limit: ModelParallel against DataParallel",
         "",
-        f"`{result['command']}` on {result['time']} UTC; 2 cores shared by 4 worker "
+        f"`{result['command']}` on {result['time']} UTC (tfdist {result.get('commit', '?')}); "
+        "2 cores shared by 4 worker "
         f"processes on 127.0.0.1 (one CPU device each), each in a cgroup-v1 memory cgroup "
         f"limited to {result['limit_mib']:,} MiB; load average (1 min) "
         f"{result['load'][0]:.1f} before, {result['load'][1]:.1f} after. keras-hub "
@@ -271,16 +272,29 @@ def report(result: dict) -> str:
         "it). DataParallel: `DataParallel()` over the same 4 devices. Each layout climbs "
         "the widths until one is OOM-killed.",
         "",
+        "TensorFlow's oneDNN CPU ops "
+        + (
+            "on (its default on x86)."
+            if result.get("onednn", True)
+            else "off (TF_ENABLE_ONEDNN_OPTS=0)."
+        )
+        + " With them on, TensorFlow's CPU allocator keeps the largest footprint a process "
+        "ever had (a 250 MB random-normal initializer leaves 788 MB resident after it is "
+        "freed); with them off, freed tensors return their memory.",
+        "",
         "| layout | width | parameters | trained | OOM kills | largest cgroup peak | "
-        "median step (s), slowest worker | job (s) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "build, peak over before | fit, peak over before | median step (s), slowest "
+        "worker | job (s) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         params = f"{r['parameters']:,}" if r["parameters"] else f"({_count(r['sizes']):,})"
         step = f"{_median_step(r):.2f}" if r["trained"] else "-"
+        phases = [_phase(r, name) for name in ("build", "fit")]
         lines.append(
             f"| {r['layout']} | {r['hidden']:,} | {params} | {'yes' if r['trained'] else 'no'} "
-            f"| {r['oom_kills']} | {r['max_usage_mib']:,.0f} MiB | {step} | {r['seconds']:.0f} |"
+            f"| {r['oom_kills']} | {r['max_usage_mib']:,.0f} MiB | {phases[0]} | {phases[1]} "
+            f"| {step} | {r['seconds']:.0f} |"
         )
     lines.append("")
     if mp and dp:
@@ -297,12 +311,37 @@ def report(result: dict) -> str:
                 f"{steps['data_parallel']:.2f} s under DataParallel: "
                 f"{steps['model_parallel'] / steps['data_parallel']:.2f}x."
             )
+    if mp and mp["hidden"] == max(r["hidden"] for r in runs):
+        lines.append(
+            "ModelParallel trained the ladder's widest model: its largest is at least that."
+        )
     lines.append(
         "Parameters in parentheses are counted from the sizes (the job died before "
         "reporting). A step is timed from Keras's batch begin to its end; the first, "
-        "which traces, is left out."
+        "which traces, is left out. Build: the backbone's construction from its "
+        "initializers; fit: `fit` with its tracing."
     )
     return "\n".join(lines) + "\n"
+
+
+def _phase(record: dict, name: str) -> str:
+    """The largest worker's peak over its resident set before phase ``name``."""
+    peaks = [
+        w["result"]["phases"][name]["peak_kb"] - w["result"]["phases"][name]["rss_before_kb"]
+        for w in record["workers"]
+        if w["result"] and name in w["result"].get("phases", {})
+    ]
+    return f"{max(peaks) / 1024:,.0f} MiB" if peaks else "-"
+
+
+def _commit() -> str:
+    """The repository's commit (what tfdist the workers ran)."""
+    import subprocess
+
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    )
+    return done.stdout.strip() or "unknown"
 
 
 def _count(config: dict) -> int:
@@ -345,6 +384,7 @@ def main(argv) -> None:
         "command": "python benchmarks/lora_capacity.py "
         + " ".join(f"--{n}={getattr(FLAGS, n)}" for n in ("limit_mib", "onednn", *SETTINGS)),
         "time": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "commit": _commit(),
         "limit_mib": FLAGS.limit_mib,
         "onednn": FLAGS.onednn,
         "settings": {name: getattr(FLAGS, name) for name in SETTINGS},
