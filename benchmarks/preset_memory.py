@@ -266,8 +266,9 @@ def report(records: list[dict]) -> str:
         "Before, each split weight was gathered whole into every process (an all-gather of "
         "every replica's block) and written whole. Since issue 38's checkpoints, the chief "
         "creates each split weight's dataset empty and writes every block into its slice as "
-        "it comes: a block another process holds comes alone (a sum over the replicas with "
-        "only its owner's value non-zero), so no process holds more than one block of it. "
+        "it comes: a block another process holds comes alone, in pieces of at most 4 MiB (a "
+        "sum over the replicas with only its owner's value non-zero), so no process holds "
+        "more than one piece of it. "
         "Restoring reads each process's blocks only (since issue 38's preset loading). A "
         "peak is over the resident set just before: after 5c12507's 1.2 GB load its "
         "allocator reuses freed memory, so its save reads lower than faad418's.",
