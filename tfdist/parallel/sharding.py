@@ -259,10 +259,11 @@ def _gathered_blocks(variable: Any, spec: ShardSpec) -> dict:
     return blocks
 
 
-#: The largest piece of a block moved by one collective, in bytes. TensorFlow's
-#: collectives over gRPC keep buffers of about 4x the largest message they
-#: moved for the life of the process (a 64 MiB all-reduce: +250 MB of
-#: resident set on each of 4 workers, 4 MiB: +20 MB), so blocks move in pieces.
+#: The largest piece of a block moved by one collective, in bytes. A collective
+#: over gRPC takes several times its message in temporaries, and TensorFlow's
+#: oneDNN CPU allocator (its default on x86) keeps its peak for the life of the
+#: process (a 64 MiB all-reduce: +250 MB of resident set on each of 4 workers;
+#: 4 MiB: +20 MB), so blocks move in pieces.
 PIECE_BYTES = 4 * 2**20
 
 
@@ -276,7 +277,7 @@ def _pieces(shape: tuple[int, ...], itemsize: int) -> list[slice]:
 
 
 def _sent_by(strategy: Any, sender: int, piece: Any) -> np.ndarray:
-    """``piece()`` of global replica ``sender``, received by every process: a
+    """``piece(ctx)`` of global replica ``sender``, received by every process: a
     sum over the replicas where every other gives zeros (exact: x + 0 = x).
     A collective: every worker calls it at the same point."""
 
