@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
 from benchlib import cgroups, jobs  # noqa: E402
-from benchlib.machine import load_snapshot, status_kb  # noqa: E402
+from benchlib.machine import load_snapshot, peak_over, status_kb  # noqa: E402
 
 RESULTS = HERE / "results"
 WORKERS = 4
@@ -142,10 +142,8 @@ def worker(layout: str) -> None:
 
     def phase(name, step):
         """Runs ``step``; records its peak over the resident set before it."""
-        start = status_kb("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # The peak starts again here.
-        value = step()
-        phases[name] = {"rss_before_kb": start, "peak_kb": status_kb("VmHWM")}
+        value, start, peak, _ = peak_over(step)
+        phases[name] = {"rss_before_kb": start, "peak_kb": peak}
         return value
 
     keras.utils.set_random_seed(0)

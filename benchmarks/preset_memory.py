@@ -37,7 +37,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -47,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
 from benchlib import jobs  # noqa: E402
-from benchlib.machine import status_kb  # noqa: E402
+from benchlib.machine import peak_over, status_kb  # noqa: E402
 
 RESULTS = HERE / "results"
 WORKERS = 4
@@ -133,14 +132,11 @@ def worker(preset: str) -> None:
         verbose=0,
     )
     del tiny
-    before = status_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # The peak starts again here.
-    started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        backbone = keras_hub.models.LlamaBackbone.from_preset(preset)
-    seconds = time.perf_counter() - started
-    peak = status_kb("VmHWM")
+        backbone, before, peak, seconds = peak_over(
+            lambda: keras_hub.models.LlamaBackbone.from_preset(preset)
+        )
     after = status_kb("VmRSS")
     # Across processes a split weight is read in the replicas: predict.
     got = backbone.predict(_batch(), batch_size=4, verbose=0)
@@ -178,11 +174,8 @@ def worker(preset: str) -> None:
 
 def _measured(step) -> tuple[int, float]:
     """(peak over the resident set before, in KiB; seconds) of ``step()``."""
-    before = status_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
-    started = time.perf_counter()
-    step()
-    return status_kb("VmHWM") - before, time.perf_counter() - started
+    _, before, peak, seconds = peak_over(step)
+    return peak - before, seconds
 
 
 def job(preset: str) -> list[dict]:

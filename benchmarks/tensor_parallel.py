@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -52,8 +51,10 @@ from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
+from benchlib import cgroups as cgroup_lib  # noqa: E402
+
 RESULTS = HERE / "results"
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 F32 = 4
 #: Layout key: (model_parallel, compression), all on the same 4 logical CPUs.
 LAYOUTS = {"T1": (1, None), "T2": (2, None), "T4": (4, None), "T2_bf16": (2, "bf16")}
@@ -469,26 +470,6 @@ def _vmhwm_kb(pid: str = "self") -> int:
     return -1
 
 
-def _cgroup(name: str, limit: int | None) -> Path | None:
-    path = CGROUP_ROOT / name
-    path.mkdir()
-    if limit is not None:
-        (path / "memory.limit_in_bytes").write_text(str(limit))
-        memsw = path / "memory.memsw.limit_in_bytes"
-        if memsw.exists():
-            memsw.write_text(str(limit))
-    return path
-
-
-def _remove_cgroup(path: Path) -> None:
-    for _ in range(50):
-        try:
-            path.rmdir()
-            return
-        except OSError:
-            time.sleep(0.2)
-
-
 def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -506,29 +487,27 @@ def capacity_job(tp: int, limit: int | None, tag: str, cgroups: bool = True) -> 
     groups, procs = [], []
     try:
         for i, (_, _, config) in enumerate(spec_lib.all_task_configs(local_spec(2))):
-            group = _cgroup(f"tfdist_tpbench_{os.getpid()}_{tag}_{i}", limit) if cgroups else None
+            group = (
+                cgroup_lib.make(f"tfdist_tpbench_{os.getpid()}_{tag}_{i}", limit)
+                if cgroups
+                else None
+            )
             groups.append(group)
             env = _env()
             env["TF_CONFIG"] = json.dumps(config) if not isinstance(config, str) else config
-            command = " ".join(
-                shlex.quote(a)
-                for a in [
-                    sys.executable,
-                    str(Path(__file__).resolve()),
-                    "--cap_worker",
-                    f"--cap_tp={tp}",
-                    f"--cap_in={FLAGS.cap_in}",
-                    f"--cap_hidden={FLAGS.cap_hidden}",
-                    f"--cap_steps={FLAGS.cap_steps}",
-                ]
-            )
-            # The shell joins the cgroup before TensorFlow starts, then execs.
-            shell = (
-                f"echo $$ > {group}/cgroup.procs && exec {command}" if group else f"exec {command}"
-            )
+            command = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--cap_worker",
+                f"--cap_tp={tp}",
+                f"--cap_in={FLAGS.cap_in}",
+                f"--cap_hidden={FLAGS.cap_hidden}",
+                f"--cap_steps={FLAGS.cap_steps}",
+            ]
             procs.append(
                 subprocess.Popen(
-                    ["sh", "-c", shell],
+                    # A shell joins the cgroup before TensorFlow starts, then execs.
+                    cgroup_lib.joined(group, command),
                     cwd=REPO,
                     env=env,
                     stdout=subprocess.PIPE,
@@ -550,22 +529,14 @@ def capacity_job(tp: int, limit: int | None, tag: str, cgroups: bool = True) -> 
         for i, (code, out, err) in enumerate(outs):
             line = [text for text in out.splitlines() if text.startswith("tfdist result: ")]
             group = groups[i]
-            oom = (group / "memory.oom_control").read_text() if group else ""
+            usage = cgroup_lib.usage(group) if group else {}
             workers.append(
                 {
                     "returncode": code,
                     "result": json.loads(line[-1][len("tfdist result: ") :]) if line else None,
-                    "cgroup_max_usage_mb": (
-                        int((group / "memory.max_usage_in_bytes").read_text()) / 2**20
-                        if group
-                        else None
-                    ),
-                    "cgroup_failcnt": int((group / "memory.failcnt").read_text())
-                    if group
-                    else None,
-                    "oom_kills": int(
-                        dict(text.split() for text in oom.splitlines()).get("oom_kill", 0)
-                    ),
+                    "cgroup_max_usage_mb": usage.get("max_usage_mib"),
+                    "cgroup_failcnt": usage.get("failcnt"),
+                    "oom_kills": usage.get("oom_kills", 0),
                     "stderr_tail": "" if line else err[-600:],
                 }
             )
@@ -582,13 +553,13 @@ def capacity_job(tp: int, limit: int | None, tag: str, cgroups: bool = True) -> 
                 proc.wait()
         for group in groups:
             if group is not None:
-                _remove_cgroup(group)
+                cgroup_lib.remove(group)
 
 
 def capacity() -> dict:
     """Measures both layouts unlimited, then runs both under one limit."""
     params = 2 * FLAGS.cap_in * FLAGS.cap_hidden + FLAGS.cap_hidden + FLAGS.cap_in
-    cgroups = os.access(CGROUP_ROOT, os.W_OK)
+    cgroups = cgroup_lib.available()
     free = {}
     for tp in (2, 1):
         free[tp] = capacity_job(tp, None, f"free{tp}", cgroups)
@@ -614,7 +585,7 @@ def capacity() -> dict:
         budget = FLAGS.cap_limit_mb or int((rss[1] + rss[2]) / 2)
         return {
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "mode": f"no writable {CGROUP_ROOT}: peak RSS against a {budget} MiB budget",
+            "mode": f"no writable {cgroup_lib.ROOT}: peak RSS against a {budget} MiB budget",
             "mlp": f"{FLAGS.cap_in}-{FLAGS.cap_hidden}-{FLAGS.cap_in}",
             "params": params,
             "weight_mb": params * F32 / 2**20,

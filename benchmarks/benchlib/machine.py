@@ -34,3 +34,17 @@ def status_kb(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_over(step: Any) -> tuple[Any, int, int, float]:
+    """Runs ``step()`` with this process's peak reset (``/proc/self/clear_refs``).
+
+    Returns:
+        ``step()``'s value, the resident set before it and the peak during it
+        (``VmRSS``, ``VmHWM``, kB), and its seconds.
+    """
+    before = status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # The peak starts again here.
+    started = time.perf_counter()
+    value = step()
+    return value, before, status_kb("VmHWM"), time.perf_counter() - started
