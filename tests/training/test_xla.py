@@ -9,6 +9,7 @@ tests/strategies/test_multi_worker.py, GPT-2 in tests/models.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import numpy as np
@@ -55,10 +56,8 @@ def _model(keras):
 
 
 def _batches(x, y=None, batch=32):
-    # Datasets read to their end: once, in a full suite, destroying a
-    # MultiDeviceIterator that Keras had stopped short on numpy arrays
-    # deadlocked in TensorFlow (~LogicalThreadWrapper waiting on a blocked
-    # prefetch thread).
+    # Datasets read to their end: a fit stopped short leaves its iterator to
+    # the garbage collector (see collect_failed_fit).
     import tensorflow as tf
 
     return tf.data.Dataset.from_tensor_slices(x if y is None else (x, y)).batch(batch)
@@ -111,6 +110,23 @@ def _assert_equal(xla, plain, tolerance):
 
 
 @pytest.fixture
+def collect_failed_fit():
+    """Destroys, at teardown, the iterator of a fit the test made raise.
+
+    A fit stopped by an exception leaves Keras's epoch iterator in a
+    reference cycle with its generator (``EpochIterator._enumerate_iterator``,
+    suspended at its ``yield``), holding the distributed dataset's iterator
+    until some later full collection, in another test. Destroying a tf.data
+    iterator waits for its autotuning thread, which on TF 2.21 can miss the
+    wake-up and sleep out its period: up to 60 s for an iterator a minute
+    old, per pipeline (the host's and each replica's). In a full suite that
+    was 2 minutes idle in a later test. Collected here, it is seconds old.
+    """
+    yield
+    gc.collect()
+
+
+@pytest.fixture
 def policy(request):
     import keras
 
@@ -120,6 +136,7 @@ def policy(request):
     keras.mixed_precision.set_global_policy(before)
 
 
+@pytest.mark.usefixtures("collect_failed_fit")
 def test_stock_keras_fails_with_jit_compile_under_mirrored(tf_cpus):
     import keras
 
@@ -203,6 +220,7 @@ def test_xla_with_several_steps_per_execution_or_accumulation(
     _assert_equal(runs[True], runs[False], TOLERANCE["float32"])
 
 
+@pytest.mark.usefixtures("collect_failed_fit")
 def test_the_replica_step_runs_under_xla(tf_cpus):
     # An op XLA cannot compile inside the model fails the step only if the
     # step is compiled: it is, and the error names the op.
@@ -268,6 +286,7 @@ def test_synchronized_batch_norm_is_refused_at_compile(tf_cpus):
     assert model.compiled and model.jit_compile is False
 
 
+@pytest.mark.usefixtures("collect_failed_fit")
 def test_a_step_that_applies_twice_is_refused(tf_cpus):
     import keras
     import tensorflow as tf
