@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -117,15 +118,120 @@ def executed_notebooks(tmp_path_factory) -> Path:
     return tmp_path_factory.getbasetemp() / "executed"
 
 
-def pytest_collection_modifyitems(items):
+#: The xdist group of every test that starts TensorFlow processes, and of the
+#: tests that share a module-scoped fixture with one (a module's job, Slurm or
+#: Spark cluster): one worker runs them one at a time, at normal priority, as
+#: they ran before the suite ran in parallel. Their timeouts were set for a
+#: machine they have to themselves.
+PROCESS_GROUP = "processes"
+
+#: The niceness of a test that runs in its worker's process only: it gets the
+#: cycles the multi-process tests leave (they wait on sockets, joins and
+#: their workers' imports), and does not slow them down.
+IN_PROCESS_NICENESS = 10
+
+
+#: The fast tier, ``python -m pytest -m fast``: every test of a module whose
+#: tests took under FAST_MODULE_SECONDS, slow ones aside, in the run recorded
+#: in DURATIONS (tests/suite_times.py writes it), and of a module it has no
+#: record of; never a slow test. Whole modules, so that a module's shared
+#: fixtures, paid by its first test, are counted.
+FAST_MODULE_SECONDS = 12.0
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+
+
+def _module_fixtures(item) -> set[str]:
+    """The module- or class-scoped fixtures ``item`` uses (pytest keeps them
+    in ``_fixtureinfo``; session-scoped ones are each worker's own)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return set()
+    return {
+        name
+        for name, defs in info.name2fixturedefs.items()
+        if defs and defs[-1].scope in ("module", "class", "package")
+    }
+
+
+def _groups(items) -> dict[str, str]:
+    """Each test's xdist group: PROCESS_GROUP for the slow tests and those
+    that share a module-scoped fixture with one; else its module's path (a
+    module's tests share its module-scoped fixtures)."""
+    shared: dict[str, set[str]] = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            shared.setdefault(item.nodeid.split("::")[0], set()).update(_module_fixtures(item))
+    groups = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        together = (
+            item.get_closest_marker("slow")
+            or _module_fixtures(item) & shared.get(path, set())
+            # tests/test_docs.py builds the site from the notebooks that
+            # tests/test_notebooks.py executed in the same process's temp dir.
+            or path.endswith(("tests/test_docs.py", "tests/test_notebooks.py"))
+        )
+        groups[item.nodeid] = PROCESS_GROUP if together else path
+    return groups
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
     """The documentation site's tests run last: the site shows the notebooks
-    the session executed (tests/test_notebooks.py), with their outputs."""
+    the session executed (tests/test_notebooks.py), with their outputs.
+
+    Marks the fast tier (FAST_MODULE_SECONDS). Under pytest-xdist (``-n``),
+    each test gets an ``xdist_group`` (_groups).
+    ``tryfirst``: xdist reads the groups in its own hook, after this one.
+    """
     items.sort(key=lambda item: item.nodeid.split("::")[0].endswith("tests/test_docs.py"))
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.user_properties.append(("slow", "1"))  # For tests/suite_times.py.
+        elif recorded.get(item.nodeid.split("::")[0], 0.0) < FAST_MODULE_SECONDS:
+            item.add_marker(pytest.mark.fast)
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    groups = _groups(items)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+
+
+def _renice(niceness: int) -> None:
+    """Sets every thread of this process to ``niceness`` (Linux's niceness is
+    per thread; TensorFlow's pools keep the value they started with)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task), niceness)
+        except (PermissionError, ProcessLookupError):
+            pass  # Raising it back needs root; a thread may have ended.
+
+
+def pytest_runtest_setup(item):
+    """Under xdist, an in-process test runs niced (IN_PROCESS_NICENESS)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(os, "setpriority"):
+        marker = item.get_closest_marker("xdist_group")
+        group = marker.args[0] if marker and marker.args else None
+        _renice(0 if group == PROCESS_GROUP else IN_PROCESS_NICENESS)
+
+
+def pytest_configure(config):
+    """The controller names the file the model corpus's rows go to: under
+    xdist they are added in the workers and printed by the controller."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        fd, path = tempfile.mkstemp(prefix="tfdist-corpus-rows-", suffix=".jsonl")
+        os.close(fd)
+        os.environ["TFDIST_CORPUS_ROWS"] = path
+        config.add_cleanup(lambda: Path(path).unlink(missing_ok=True))
 
 
 def pytest_terminal_summary(terminalreporter):
     """Prints the model corpus's losses (tests/models) when it trained any."""
-    report = sys.modules.get("corpus_report")
-    if report is not None and report.ROWS:
+    import corpus_report
+
+    table = corpus_report.table()
+    if table is not None:
         terminalreporter.write_sep("=", "model corpus: first and last epoch's loss")
-        terminalreporter.write_line(report.table())
+        terminalreporter.write_line(table)

@@ -1,0 +1,82 @@
+"""tests/suite_times.py's table and durations, and the fast tier they choose."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import conftest
+import suite_times
+
+REPORT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="4" time="30.5">
+<testcase classname="tests.spec.test_cluster" name="test_a[x@y]" time="1.5"/>
+<testcase classname="tests.spec.test_cluster" name="test_b@tests/spec/test_cluster.py" time="2.0">
+ <skipped message="no"/></testcase>
+<testcase classname="tests.training.test_fit.TestFit" name="test_c@processes" time="20.0">
+ <properties><property name="slow" value="1"/></properties></testcase>
+<testcase classname="tests.test_lint" name="test_d" time="7.0"><failure message="x"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_the_report_gives_the_table_and_each_modules_time_without_slow_tests(tmp_path):
+    report = tmp_path / "suite.xml"
+    report.write_text(REPORT)
+    doc = tmp_path / "contributing.md"
+    doc.write_text(f"intro\n{suite_times.BEGIN}\nold\n{suite_times.END}\noutro\n")
+    durations = tmp_path / "durations.json"
+    assert suite_times.main([str(report), f"--doc={doc}", f"--durations={durations}"]) == 0
+    cases = suite_times.read_report(report)
+    # xdist's group suffix goes, a parameter's "@" stays; a class's module is its file.
+    assert [c["id"] for c in cases] == [
+        "tests/spec/test_cluster.py::test_a[x@y]",
+        "tests/spec/test_cluster.py::test_b",
+        "tests/training/test_fit.py::test_c",
+        "tests/test_lint.py::test_d",
+    ]
+    assert [c["outcome"] for c in cases] == ["passed", "skipped", "passed", "failure"]
+    assert json.loads(durations.read_text()) == {
+        "tests/spec/test_cluster.py": 3.5,
+        "tests/test_lint.py": 7.0,
+    }
+    page = doc.read_text()
+    assert page.startswith("intro\n") and page.endswith("\noutro\n") and "old" not in page
+    assert "4 tests; their times add up to 30 s, and the run took 30 s" in page
+    assert "| `tests/training/` | 1 | 20 | 1, 20 | 66% |" in page
+    rows = [line for line in page.splitlines() if line.startswith("| ") and "::" in line]
+    assert rows[0] == "| 20.0 | yes | `tests/training/test_fit.py::test_c` |"
+    assert len(rows) == 4
+
+
+def test_a_report_without_tests_or_a_page_without_markers_is_refused(tmp_path):
+    empty = tmp_path / "empty.xml"
+    empty.write_text('<testsuites><testsuite name="pytest" time="1"/></testsuites>')
+    with pytest.raises(SystemExit, match="no <testcase>"):
+        suite_times.read_report(empty)
+    page = tmp_path / "page.md"
+    page.write_text("no markers")
+    with pytest.raises(SystemExit, match="suite-times: begin"):
+        suite_times.write_doc("table", page)
+
+
+def test_the_fast_tier_touches_every_package(request):
+    tests = Path(conftest.__file__).parent
+    on_disk = {p.relative_to(tests.parent).as_posix() for p in tests.rglob("test_*.py")}
+    collected = {item.nodeid.split("::")[0] for item in request.session.items}
+    if not on_disk <= collected:
+        pytest.skip("needs the whole suite collected (python -m pytest)")
+    fast = {
+        item.nodeid.split("::")[0].split("/")[1]
+        for item in request.session.items
+        if item.get_closest_marker("fast")
+    }
+    packages = {p.name for p in (tests.parent / "tfdist").iterdir() if (p / "__init__.py").exists()}
+    assert packages and packages <= fast, sorted(packages - fast)
+    # The slow tests never are.
+    assert not any(
+        item.get_closest_marker("fast") and item.get_closest_marker("slow")
+        for item in request.session.items
+    )
