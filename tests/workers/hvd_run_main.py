@@ -41,9 +41,16 @@ def task_info(tag, *, scale):
 
 def fail_on_rank_1(pid_dir):
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    with open(os.path.join(pid_dir, f"rank-{rank}.pid"), "w") as f:
+    path = os.path.join(pid_dir, f"rank-{rank}.pid")
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # Whole or absent: rank 0 may be stopped any time.
     if rank == 1:
+        # The test reads both pids: fail once rank 0 has written its own, or
+        # the launcher may stop rank 0 before it starts (seen in a full run).
+        other, deadline = os.path.join(pid_dir, "rank-0.pid"), time.monotonic() + 300
+        while not os.path.exists(other) and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise ValueError(f"rank {rank} cannot go on")
     time.sleep(600)  # Stopped by the launcher once rank 1 fails.
 
