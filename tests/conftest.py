@@ -199,9 +199,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
 
 
+#: The niceness the run started with (.ci/run starts the version matrix's at
+#: 19): a test is never given less.
+_START_NICENESS = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+
+
 def _renice(niceness: int) -> None:
-    """Sets every thread of this process to ``niceness`` (Linux's niceness is
-    per thread; TensorFlow's pools keep the value they started with)."""
+    """Sets every thread of this process to ``niceness`` above the run's own
+    (Linux's niceness is per thread; TensorFlow's pools keep the value they
+    started with)."""
+    niceness = min(19, _START_NICENESS + niceness)
     for task in os.listdir("/proc/self/task"):
         try:
             os.setpriority(os.PRIO_PROCESS, int(task), niceness)
