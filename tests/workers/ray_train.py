@@ -6,8 +6,9 @@ A local Ray cluster (2 CPUs) runs 2 workers; Ray writes each one's
 TF_CONFIG, and ``train_loop_per_worker`` calls ``tfdist.strategy_from_config``
 with the compression passed through the train-loop config. Each epoch
 reports the loss and a checkpoint through ``ray.train.report``. Worker 1
-kills itself once, after epoch 1's report; ``FailureConfig(max_failures=1)``
-restarts the group, which resumes from ``ray.train.get_checkpoint()``.
+kills itself once, after epoch 1's checkpoint is committed;
+``FailureConfig(max_failures=1)`` restarts the group, which resumes from
+``ray.train.get_checkpoint()`` at epoch 2.
 Prints one "tfdist result:" line.
 """
 
@@ -79,6 +80,15 @@ def train_loop_per_worker(config):
                 )
             marker = os.path.join(config["log"], "killed")
             if epoch == 1 and rank == 1 and not os.path.exists(marker):
+                # report() returns once this worker's result has left its
+                # queue, not once the controller has it: the poll that took it
+                # may still be answering, and a round's checkpoint is committed
+                # only when every rank's result has arrived. Killed now, the
+                # group could restart from no checkpoint at all. Wait until the
+                # controller has committed every report of this worker.
+                ray.train.get_all_reported_checkpoints(
+                    consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED
+                )
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
 
