@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import types
 
@@ -133,6 +134,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_fit(
 ):
     backup_dir = str(tmp_path / "backup")
     first = new_model(strategy)
+    sigterm = signal.getsignal(signal.SIGTERM)
     # Two epochs complete, then a failure in the middle of the third.
     with pytest.raises(Interrupted):
         fit(
@@ -140,6 +142,8 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_fit(
             first,
             callbacks=[callbacks_mod.BackupAndRestore(backup_dir), interrupter(2, batch=3)],
         )
+    # The fit's preemption watcher ended with it: SIGTERM ends this process again.
+    assert signal.getsignal(signal.SIGTERM) == sigterm
     pointer = json.loads((tmp_path / "backup" / "checkpoint.json").read_text())
     assert (pointer["epoch"], pointer["step"]) == (2, 0)
     assert files_in(backup_dir) == ["checkpoint.json", pointer["file"]]

@@ -36,6 +36,7 @@ from typing import Any
 
 from absl import logging
 
+from tfdist.training import preemption
 from tfdist.training.preemption import PreemptionWatcher
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "wrap_epoch_end",
     "wrap_save",
     "wrap_end",
+    "wrap_fit",
 ]
 
 
@@ -277,6 +279,24 @@ def wrap_end(original):
         return result
 
     return on_train_end
+
+
+def wrap_fit(original):
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        before = preemption.running()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            # A fit that raised never reached on_train_end, where the
+            # callbacks stop the watchers they started: stop those now, or
+            # their handler, which only records the signal, outlives the fit
+            # and the process no longer ends on SIGTERM.
+            for watcher in reversed(preemption.running()):
+                if watcher not in before:
+                    watcher.stop()
+
+    return fit
 
 
 def install() -> None:

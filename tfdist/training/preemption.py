@@ -64,6 +64,14 @@ __all__ = [
 PREEMPTED_EXIT_CODE = 143
 _STOP_WATCHING = "tfdist-stop-watching"
 _RUNS = itertools.count()
+#: Watchers started and not stopped yet, oldest first (see :func:`running`).
+_RUNNING: list[PreemptionWatcher] = []
+
+
+def running() -> list[PreemptionWatcher]:
+    """The watchers of this process that were started and not stopped yet,
+    oldest first."""
+    return list(_RUNNING)
 
 
 def _grace() -> float | None:
@@ -232,6 +240,7 @@ class PreemptionWatcher:
         attempt = os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0")
         self._prefix = f"tfdist_preempt/{attempt}/{next(_RUNS)}-{self.name}"
         self._running = True
+        _RUNNING.append(self)
         self._install()
         if self.workers > 1:
             self._thread = threading.Thread(
@@ -245,6 +254,8 @@ class PreemptionWatcher:
         if not self._running:
             return
         self._running = False
+        if self in _RUNNING:
+            _RUNNING.remove(self)
         if threading.current_thread() is threading.main_thread():
             for signum, handler in self._previous.items():
                 signal.signal(signum, handler)
