@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -74,13 +75,65 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
-def start(args, *, tf_config: dict | None = None, **extra_env) -> subprocess.Popen:
-    """Starts ``python ARGS`` with its own TF_CONFIG; output is captured."""
+#: Set to 0 to start every TensorFlow subprocess fresh (coverage runs do:
+#: a fork would share the pool server's coverage data file).
+WARM_POOL_VAR = "TFDIST_TEST_WARM_POOL"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_pool():
+    """One warm pool per test process (tfdist.engines.warm): the TensorFlow
+    processes that ``start``, ``tfdist launch`` and ``local_cluster`` start
+    are forked from a server that imported TensorFlow and Keras once (most of
+    the 3.7 s of CPU a process spends on imports). Each job is a fresh fork: no test
+    sees another's TensorFlow state."""
+    if os.environ.get(WARM_POOL_VAR, "1") == "0" or "COVERAGE_PROCESS_START" in os.environ:
+        yield None
+        return
+    from tfdist.engines import warm
+
+    # The level subprocess_env gives, for the tasks that tests launch from
+    # this process too (tfdist.launch, local_cluster): TensorFlow reads it at
+    # import, so a job with another level cannot be forked from the pool.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    pool = warm.WarmPool(env=subprocess_env())
+    os.environ.update(pool.env)
+    try:
+        yield pool
+    finally:
+        os.environ.pop(warm.ENV, None)
+        record = os.environ.get("TFDIST_WARM_POOL_RECORD")
+        if record:  # For pytest_terminal_summary, in the controller.
+            with open(record, "a", encoding="utf-8") as f:
+                f.writelines(
+                    line + "\n" for line in pool.log().splitlines() if "warm pool: " in line
+                )
+        pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _warm_pool_alive(_warm_pool):
+    """A pool whose server died (a crash, a test that killed it) is started
+    again before the next test."""
+    if _warm_pool is not None:
+        _warm_pool.ensure()
+
+
+def start(
+    args, *, tf_config: dict | None = None, fresh: bool = False, **extra_env
+) -> subprocess.Popen:
+    """Starts ``python ARGS`` with its own TF_CONFIG; output is captured.
+
+    ``fresh``: a new interpreter, not a fork of the warm pool (where
+    TensorFlow and Keras are imported already): for what happens at import.
+    """
+    from tfdist.engines import warm
+
     env = subprocess_env(**extra_env)
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
     return subprocess.Popen(
-        [sys.executable, *map(str, args)],
+        [sys.executable if fresh else warm.interpreter(env), *map(str, args)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -225,13 +278,18 @@ def pytest_runtest_setup(item):
 
 
 def pytest_configure(config):
-    """The controller names the file the model corpus's rows go to: under
-    xdist they are added in the workers and printed by the controller."""
+    """The controller names the files the model corpus's rows and the warm
+    pools' records go to: under xdist they are written in the workers and
+    printed by the controller."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        fd, path = tempfile.mkstemp(prefix="tfdist-corpus-rows-", suffix=".jsonl")
-        os.close(fd)
-        os.environ["TFDIST_CORPUS_ROWS"] = path
-        config.add_cleanup(lambda: Path(path).unlink(missing_ok=True))
+        for variable, prefix in (
+            ("TFDIST_CORPUS_ROWS", "tfdist-corpus-rows-"),
+            ("TFDIST_WARM_POOL_RECORD", "tfdist-warm-record-"),
+        ):
+            fd, path = tempfile.mkstemp(prefix=prefix, suffix=".txt")
+            os.close(fd)
+            os.environ[variable] = path
+            config.add_cleanup(lambda path=path: Path(path).unlink(missing_ok=True))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -242,3 +300,14 @@ def pytest_terminal_summary(terminalreporter):
     if table is not None:
         terminalreporter.write_sep("=", "model corpus: first and last epoch's loss")
         terminalreporter.write_line(table)
+    record = Path(os.environ.get("TFDIST_WARM_POOL_RECORD", "/nonexistent"))
+    lines = record.read_text(encoding="utf-8").splitlines() if record.exists() else []
+    if lines:
+        forked = sum(" forked " in line for line in lines)
+        declined = collections.Counter(
+            line.split(": ", 2)[-1] for line in lines if " declined " in line
+        )
+        terminalreporter.write_line(
+            f"warm pool: {forked} TensorFlow processes forked, {sum(declined.values())} "
+            f"started fresh" + "".join(f"\n  {n} x {why}" for why, n in declined.most_common())
+        )

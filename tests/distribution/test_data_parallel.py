@@ -133,7 +133,7 @@ def test_tfdist_imported_before_keras_wraps_set_distribution():
         "import sys, tfdist; loaded = 'keras' in sys.modules; import keras; "
         "print(loaded, hasattr(keras.distribution.set_distribution, '__wrapped__'))"
     )
-    proc = start(["-c", code])
+    proc = start(["-c", code], fresh=True)  # The import order is the point.
     [(status, out, err)] = finish([proc], timeout=120)
     assert status == 0, err[-3000:]
     assert out.split()[-2:] == ["False", "True"], out

@@ -151,7 +151,7 @@ def test_install_is_idempotent(keras_mod):
 
 
 def test_a_fresh_process_in_the_order_users_write_it(keras_mod):
-    proc = start([REPO / "tests" / "workers" / "keras_distribution_fresh.py"])
+    proc = start([REPO / "tests" / "workers" / "keras_distribution_fresh.py"], fresh=True)
     [(code, out, err)] = finish([proc], timeout=120)
     assert code == 0, err[-3000:]
     result = result_line(out)

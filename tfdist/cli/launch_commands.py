@@ -267,7 +267,7 @@ def _launch(args: argparse.Namespace) -> int:
         spec=args.spec,
         log_dir=args.log_dir,
         verbose=args.verbose,
-        python=python or sys.executable,
+        python=python,
         grace=args.grace,
         preempt_signal=args.preempt_signal,
         worker_failed=args.worker_failed,
@@ -316,6 +316,7 @@ def _launch_mpi(
         workers=int(workers),
         max_restarts=args.max_restarts,
         grace=args.grace,
+        # Not the warm pool's: mpiexec's ranks must be its own children.
         python=python or sys.executable,
     )
 
@@ -490,7 +491,7 @@ def _horovodrun(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         show_all=True,
         env=env,
-        python=python or sys.executable,
+        python=python,
         verbose=args.verbose,
         log_dir=args.output_filename or args.log_dir,
     )

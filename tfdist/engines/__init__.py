@@ -5,7 +5,9 @@ elastic sizes in :mod:`~tfdist.engines.elastic`), per-host commands and
 Kubeflow TFJob manifests (:mod:`~tfdist.engines.hosts`), Horovod's launch
 spellings (:mod:`~tfdist.engines.horovodrun`, :mod:`~tfdist.engines.hvd_worker`),
 Spark barrier jobs (:mod:`~tfdist.engines.spark`), local parameter-server
-clusters (:mod:`~tfdist.engines.local_cluster`) and local ports. TensorFlow's
+clusters (:mod:`~tfdist.engines.local_cluster`), local ports, and warm pools
+that fork a job's processes with TensorFlow already imported
+(:mod:`~tfdist.engines.warm`). TensorFlow's
 own runtime is the distributed engine: nothing here schedules or transports.
 The launcher, the hosts and Horovod's spellings import no TensorFlow (a
 launched process imports it, not the launcher); the engines may import every

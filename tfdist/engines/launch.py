@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tfdist import spec as spec_lib
-from tfdist.engines import elastic as launch_elastic
+from tfdist.engines import elastic as launch_elastic, warm
 from tfdist.engines.launch_attempt import Attempt, AttemptEnd, Settings, read_status_records
 from tfdist.engines.launch_results import (
     DEFAULT_GRACE,
@@ -135,7 +135,7 @@ def launch(
     show_all: bool = False,
     spec: Any = None,
     env: dict | None = None,
-    python: str = sys.executable,
+    python: str | None = None,
     log_dir: str | os.PathLike | None = None,
     stop_timeout: float = 10.0,
     port_relaunches: int = 5,
@@ -177,7 +177,8 @@ def launch(
         env: Extra environment variables for every task (a
             ``TFDIST_JOB_DIR`` here replaces the launch's own scratch
             directory, which is then not removed).
-        python: The interpreter the tasks run.
+        python: The interpreter the tasks run (default: this one, or the warm
+            pool's that ``TFDIST_WARM_POOL`` names: :mod:`tfdist.engines.warm`).
         log_dir: If given, each task's full output goes to
             ``LOG_DIR/attempt-N/TASK.log``.
         stop_timeout: Seconds between SIGTERM and SIGKILL when stopping the
@@ -321,7 +322,7 @@ def launch(
         parameter_server=ps > 0,
         show_all=show_all,
         env=env,
-        python=python,
+        python=python or warm.interpreter({**os.environ, **env}),
         log_dir=log_dir,
         stop_timeout=stop_timeout,
         out=out,

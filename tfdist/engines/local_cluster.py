@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tfdist.engines import net
+from tfdist.engines import net, warm
 
 # What each server runs and how a taken port shows: as in ``tfdist launch``.
 from tfdist.engines.launch_results import PORT_TAKEN, SERVER_CODE
@@ -404,7 +404,7 @@ def local_cluster(
         ps,
         mode,
         start_timeout=float(start_timeout),
-        python=python or sys.executable,
+        python=python or warm.interpreter(None if env is None else dict(env)),
         env=env,
         log_dir=log_dir,
     )

@@ -277,7 +277,7 @@ def run(
             max_restarts=max_restarts,
             show_all=True,
             env=task_env,
-            python=executable or sys.executable,
+            python=executable,
             log_dir=output_filename,
             verbose=bool(verbose),
             stop_timeout=_STOP_TIMEOUT,
