@@ -79,9 +79,11 @@ def test_module_and_code_forms(pool, tmp_path):
     seen = json.loads(done.stdout)
     assert seen["argv"] == [str(tmp_path / "probe_module.py"), "x"]
     assert seen["preloaded"] and seen["path0"] == str(tmp_path)
-    done = run(pool, ["-u", "-c", "import sys; print(sys.argv, 'keras' in sys.modules)", "y"])
+    # The code runs as __main__ (pickle, multiprocessing and Ray look for it there).
+    code = "import sys; print(sys.argv, 'keras' in sys.modules, sys.modules['__main__'].sys is sys)"
+    done = run(pool, ["-u", "-c", code, "y"])
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "['-c', 'y'] True\n"
+    assert done.stdout == "['-c', 'y'] True True\n"
 
 
 def test_a_job_imports_tfdist_in_its_own_order(pool):

@@ -33,8 +33,10 @@ IMPORT_TIME_PREFIXES = (
     "TF_", "KERAS_", "XLA_", "CUDA_", "OMP_", "MKL_", "KMP_", "LD_", "PYTHON", "COVERAGE_",
     "TFDIST_SKIP_VERSION_CHECK",
 )  # fmt: skip
-#: Read when a job runs, not at import (PYTHONPATH becomes the job's sys.path).
+#: Read when a job runs, not at import (PYTHONPATH becomes the job's sys.path;
+#: keras.distribution.initialize() reads KERAS_DISTRIBUTION_*).
 RUN_TIME = frozenset({"TF_CONFIG", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
+RUN_TIME_PREFIXES = ("KERAS_DISTRIBUTION_",)
 
 
 def import_time_env(env: dict) -> dict:
@@ -42,7 +44,9 @@ def import_time_env(env: dict) -> dict:
     return {
         key: value
         for key, value in env.items()
-        if key.startswith(IMPORT_TIME_PREFIXES) and key not in RUN_TIME
+        if key.startswith(IMPORT_TIME_PREFIXES)
+        and key not in RUN_TIME
+        and not key.startswith(RUN_TIME_PREFIXES)
     }
 
 
@@ -184,12 +188,7 @@ class Server:
             if conn is not None:
                 if conn.fileno() in selector.get_map():
                     selector.unregister(conn)
-                try:
-                    conn.sendall(
-                        json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
-                    )
-                except OSError:
-                    pass  # The client is gone; the job already killed itself.
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
                 conn.close()
 
     def _start(self, conn, listener, selector, wake_r, wake_w) -> None:
@@ -205,7 +204,7 @@ class Server:
             print(f"tfdist warm pool: declined {request['argv'][:2]}: {why}", flush=True)
             for fd in fds:
                 os.close(fd)
-            conn.sendall(json.dumps({"declined": why}).encode() + b"\n")
+            _send(conn, {"declined": why})
             conn.close()
             return
         conn.settimeout(None)
@@ -225,8 +224,16 @@ class Server:
         print(f"tfdist warm pool: forked {pid} for {request['argv'][:2]}", flush=True)
         self.jobs[pid] = conn
         self.clients[pid] = request["client"]
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _send(conn, {"pid": pid})  # A client gone by now: _client_gone ends the job.
         selector.register(conn, selectors.EVENT_READ, pid)
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    """One JSON line to a client; nothing if it is gone (killed)."""
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -310,12 +317,15 @@ def _run_job(request: dict, fds: list[int], conn: socket.socket, base_path: list
 def _run(argv: list[str]) -> int:
     import runpy
     import traceback
+    import types
 
     try:
         if argv[0] == "-m":
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         elif argv[0] == "-c":
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 - python -c
+            main = types.ModuleType("__main__")  # As python -c: the code is __main__.
+            sys.modules["__main__"] = main
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)  # noqa: S102 - python -c
         else:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
