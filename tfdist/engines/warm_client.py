@@ -106,10 +106,11 @@ def main(real: str, argv: list) -> None:
             "context": context(),
         }
     ).encode()
-    sock.sendmsg(
-        [struct.pack("!I", len(request)), request],
-        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))],
+    message = struct.pack("!I", len(request)) + request
+    sent = sock.sendmsg(
+        [message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
     )
+    sock.sendall(message[sent:])  # A long environment may not go in one call.
     reply = _read_line(sock)
     if reply is None or "pid" not in reply:
         sock.close()
