@@ -293,7 +293,8 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Prints the model corpus's losses (tests/models) when it trained any."""
+    """Prints the model corpus's losses (tests/models) when it trained any,
+    and what the warm pools forked and declined (_warm_pool)."""
     import corpus_report
 
     table = corpus_report.table()

@@ -257,19 +257,19 @@ def test_no_job_sees_another_jobs_state(pool):
     assert draw_one != draw_two
 
 
+PRELOADED = "import sys; print('tensorflow' in sys.modules)"
+
+
 @pytest.mark.parametrize(
     ("args", "env", "why"),
     [
-        (["-X", "dev", "-c", "import sys; print('tensorflow' in sys.modules)"], {}, "option '-X'"),
-        (
-            ["-c", "import sys; print('tensorflow' in sys.modules)"],
-            {"TF_CPP_MIN_LOG_LEVEL": "0"},
-            "TF_CPP_MIN_LOG_LEVEL",
-        ),
+        (["-X", "dev", "-c", PRELOADED], {}, "option '-X'"),
+        (["-u", "-"], {}, "option '-'"),  # The script on stdin.
+        (["-c", PRELOADED], {"TF_CPP_MIN_LOG_LEVEL": "0"}, "TF_CPP_MIN_LOG_LEVEL"),
     ],
 )
 def test_a_job_the_pool_cannot_fork_runs_fresh(pool, args, env, why):
-    done = run(pool, args, env=env)
+    done = run(pool, args, env=env, input=PRELOADED)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "False\n"  # A fresh interpreter: nothing imported.
     assert why in pool.log().splitlines()[-1]

@@ -121,7 +121,7 @@ class WarmPool:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"tfdist warm pool: the server did not start (exit {self.proc.poll()}); "
-                    f"its log:\n{self._log.read_text(errors='replace')[-3000:]}"
+                    f"its log:\n{self.log()[-3000:]}"
                 )
             time.sleep(0.1)
 

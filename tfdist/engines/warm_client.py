@@ -110,7 +110,8 @@ def main(real: str, argv: list) -> None:
     sent = sock.sendmsg(
         [message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
     )
-    sock.sendall(message[sent:])  # A long environment may not go in one call.
+    if sent < len(message):  # A long environment may not go in one call.
+        sock.sendall(message[sent:])  # (Not b"": the pool may have answered and closed.)
     reply = _read_line(sock)
     if reply is None or "pid" not in reply:
         sock.close()

@@ -68,25 +68,30 @@ def _pythonpath(env: dict) -> list[str]:
     return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
+def _script_argv(argv: list[str]) -> list[str]:
+    """``argv`` without ``-u``: the server's output is unbuffered already."""
+    return argv[1:] if argv[:1] == ["-u"] else argv
+
+
+def _differing(theirs: dict, ours: dict) -> str:
+    return ", ".join(sorted(key for key in {*theirs, *ours} if theirs.get(key) != ours.get(key)))
+
+
 def _decline(request: dict, base_env: dict) -> str | None:
     """Why the server cannot run ``request`` in a fork, or None."""
-    argv = request["argv"]
+    argv = _script_argv(request["argv"])
     if not argv:
         return "no script (an interactive interpreter)"
-    if argv[0] == "-u":
-        argv = argv[1:]
-    if argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c"):
+    if argv[0].startswith("-") and argv[0] not in ("-m", "-c"):
         return f"interpreter option {argv[0]!r}"
-    if argv and argv[0] in ("-m", "-c") and len(argv) < 2:
+    if argv[0] in ("-m", "-c") and len(argv) < 2:
         return f"{argv[0]} without its argument"
-    theirs, ours = request["context"], warm_client.context()
-    differ = sorted(key for key in {*theirs, *ours} if theirs.get(key) != ours.get(key))
+    differ = _differing(request["context"], warm_client.context())
     if differ:
-        return f"another context: {', '.join(differ)}"
-    theirs, ours = import_time_env(request["env"]), import_time_env(base_env)
-    differ = sorted(key for key in {*theirs, *ours} if theirs.get(key) != ours.get(key))
+        return f"another context: {differ}"
+    differ = _differing(import_time_env(request["env"]), import_time_env(base_env))
     if differ:
-        return f"variables read at import differ: {', '.join(differ)}"
+        return f"variables read at import differ: {differ}"
     return None
 
 
@@ -297,9 +302,7 @@ def _run_job(request: dict, fds: list[int], conn: socket.socket, base_path: list
     os.environ.clear()
     os.environ.update(request["env"])
     _reseed()
-    argv = request["argv"]
-    if argv[0] == "-u":
-        argv = argv[1:]
+    argv = _script_argv(request["argv"])
     pythonpath = _pythonpath(request["env"])
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy sets sys.argv[0] to the file.
