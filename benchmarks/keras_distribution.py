@@ -123,8 +123,7 @@ def worker(layout: str) -> None:
     keras.distribution.set_distribution(distribution)
     import tensorflow as tf
 
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    tensors_before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tensors_before = _tensor_bytes(tf, "current", reset=True)
     before = status_kb("VmRSS")
     split_before = {f: status_kb(f) for f in ("RssAnon", "RssFile")}
     keras.utils.set_random_seed(1)
@@ -147,7 +146,7 @@ def worker(layout: str) -> None:
     seconds = time.perf_counter() - started
     peak = status_kb("VmHWM")
     split_after = {f: status_kb(f) for f in ("RssAnon", "RssFile")}
-    tensors_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    tensors_peak = _tensor_bytes(tf, "peak")
     table = tfdist.distribution.report(lm, distribution)
     print(
         "tfdist result: "
@@ -163,7 +162,9 @@ def worker(layout: str) -> None:
                 "rss_split_before_kb": split_before,
                 "rss_split_after_kb": split_after,
                 "model_kb": peak - before,
-                "tensor_peak_kb": (tensors_peak - tensors_before) // 1024,
+                "tensor_peak_kb": None
+                if tensors_before is None
+                else (tensors_peak - tensors_before) // 1024,
                 "weights_per_device": table.bytes_per_device,
                 "full_weights": table.full_bytes,
                 "fit_seconds": seconds,
@@ -172,6 +173,19 @@ def worker(layout: str) -> None:
         ),
         flush=True,
     )
+
+
+def _tensor_bytes(tf, key: str, *, reset: bool = False) -> int | None:
+    """``get_memory_info("CPU:0")[key]``, or None where TensorFlow's CPU
+    allocator keeps no statistics: its plain allocator, used where oneDNN is
+    off (by default on CPUs without AVX-512, such as an AVX2-only AMD EPYC),
+    raises "Cannot reset memory stats for device 'CPU:0'"."""
+    try:
+        if reset:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+        return tf.config.experimental.get_memory_info("CPU:0")[key]
+    except ValueError:
+        return None
 
 
 def job(layout: str) -> list[dict]:
@@ -191,18 +205,23 @@ def job(layout: str) -> list[dict]:
     )
 
 
-def _mib(kb: float) -> str:
-    return f"{kb / 1024:,.0f} MiB"
+def _mib(kb: float | None) -> str:
+    return "n/a" if kb is None else f"{kb / 1024:,.0f} MiB"
 
 
 def ratios(runs: dict) -> dict:
     """ModelParallel over DataParallel, the largest process of each, per
-    measure (None where DataParallel's reads 0: TensorFlow's allocator
-    reported nothing for a tiny model)."""
+    measure (None where DataParallel's reads 0, TensorFlow's allocator
+    having reported nothing for a tiny model, or where the allocator keeps
+    no statistics)."""
     out = {}
     for key in ("model_kb", "tensor_peak_kb"):
-        dp = max(r[key] for r in runs["data_parallel"])
-        out[key] = max(r[key] for r in runs["model_parallel"]) / dp if dp else None
+        values = {k: [r[key] for r in runs[k]] for k in ("model_parallel", "data_parallel")}
+        if None in values["model_parallel"] + values["data_parallel"]:
+            out[key] = None
+            continue
+        dp = max(values["data_parallel"])
+        out[key] = max(values["model_parallel"]) / dp if dp else None
     return out
 
 
