@@ -103,11 +103,20 @@ def compression(setting: str):
     return setting
 
 
+#: The CNNs' compressed fits take Adam: under SGD with momentum, MobileNetV2's
+#: per-replica BatchNorm and top-k's delayed coordinates left 3 epochs' losses
+#: at noise level (measured on an AVX2-only CPU, where TensorFlow runs without
+#: oneDNN: 1.516, 1.497, 1.527, and 1.024 only in epoch 4); under Adam(1e-3)
+#: 1.523, 1.013, 0.641 (PowerSGD 1.599, 0.957, 0.466).
+ADAM_WHEN_COMPRESSED = tuple(CNN_SETTINGS)
+
+
 @pytest.mark.parametrize(("name", "setting"), COMPRESSED)
 def test_mirrored_with_compression_learns(tf_cpus, name, setting):
     entry = case(name)
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression=compression(setting))
-    ours = corpus.train(entry, strategy, epochs=3)
+    optimizer = "adam" if name in ADAM_WHEN_COMPRESSED else "sgd"
+    ours = corpus.train(entry, strategy, epochs=3, optimizer=optimizer)
     corpus_report.add(name, "mirrored x2", setting, ours["epochs"])
     assert_learns(ours)
 

@@ -55,7 +55,10 @@ def test_workers_that_finish_apart_leave_together_and_log_no_crash():
         assert not CRASH_LINES.findall(out + err), err[-4000:]
     chief, other = (result_line(out) for _, out, _ in fixed)
     assert chief["loss"] == other["loss"]
-    # Worker 1 waited for worker 0 to finish, and not much longer.
-    waited = _exited(fixed[1][1]) - other["leaving"]
-    assert _exited(fixed[1][1]) >= chief["leaving"]
-    assert LINGER - 1.0 <= waited <= LINGER + 10.0, waited
+    # Worker 1 reached its exit first, waited there for worker 0 to leave,
+    # and not much longer. Ordered by the workers' own clocks: the two fits
+    # end seconds apart on a loaded machine (measured 1.9 s), so a wait
+    # measured from worker 1's leaving is not LINGER.
+    exited = _exited(fixed[1][1])
+    assert other["leaving"] < chief["leaving"] <= exited, (other, chief, exited)
+    assert exited - chief["leaving"] <= 10.0, exited - chief["leaving"]
