@@ -88,12 +88,12 @@ def gpt2():
     return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
 
 
-def bert():
+def bert(layers: int = 2):
     import keras_hub
 
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=VOCABULARY,
-        num_layers=2,
+        num_layers=layers,
         num_heads=2,
         hidden_dim=32,
         intermediate_dim=64,
