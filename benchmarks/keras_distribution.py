@@ -216,12 +216,8 @@ def ratios(runs: dict) -> dict:
     no statistics)."""
     out = {}
     for key in ("model_kb", "tensor_peak_kb"):
-        values = {k: [r[key] for r in runs[k]] for k in ("model_parallel", "data_parallel")}
-        if None in values["model_parallel"] + values["data_parallel"]:
-            out[key] = None
-            continue
-        dp = max(values["data_parallel"])
-        out[key] = max(values["model_parallel"]) / dp if dp else None
+        mp, dp = ([r[key] for r in runs[k]] for k in ("model_parallel", "data_parallel"))
+        out[key] = max(mp) / max(dp) if None not in mp + dp and max(dp) else None
     return out
 
 
