@@ -167,6 +167,20 @@ def test_ci_tests_every_pair():
     assert (REPO / ".ci" / "matrix").stat().st_mode & 0o111
 
 
+def test_the_matrix_lists_tests_that_exist():
+    """.ci/matrix-tests names files and test functions of the suite: a renamed
+    test would otherwise leave the older pairs running nothing in its place."""
+    lines = (REPO / ".ci" / "matrix-tests").read_text().splitlines()
+    listed = [line for line in lines if line.strip() and not line.startswith("#")]
+    assert len(listed) >= 10, listed
+    for node in listed:
+        path, _, function = node.partition("::")
+        source = (REPO / path).read_text()
+        if function:
+            name = function.split("[")[0]
+            assert re.search(rf"^def {re.escape(name)}\(", source, re.M), node
+
+
 @pytest.mark.parametrize(
     "feature,options",
     [
