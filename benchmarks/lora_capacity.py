@@ -2,10 +2,10 @@
 
 keras-hub's distributed tuning recipe (``LlamaBackbone.get_layout_map``,
 ``ModelParallel``, ``backbone.enable_lora``, Adam, ``fit``) runs on 4
-MultiWorkerMirrored worker processes on 127.0.0.1 (one CPU device each), every
-worker in a memory cgroup of its own with the same limit. Up a ladder of Llama
-widths (untied embeddings, 4 layers, vocabulary 32,000 by default), each
-layout trains until a size is OOM-killed:
+(``--workers``) MultiWorkerMirrored worker processes on 127.0.0.1 (one CPU
+device each), every worker in a memory cgroup of its own with the same limit.
+Up a ladder of Llama widths (untied embeddings, 4 layers, vocabulary 32,000 by
+default), each layout trains until a size is OOM-killed:
 
 * ``model_parallel``: a (1, 4) mesh, Llama's own layout map plus the one rule
   tfdist's ``LayoutWarning`` asks for (the untied logits table,
@@ -41,7 +41,6 @@ from benchlib import cgroups, jobs  # noqa: E402
 from benchlib.machine import load_snapshot, peak_over, status_kb  # noqa: E402
 
 RESULTS = HERE / "results"
-WORKERS = 4
 LAYOUTS = ("data_parallel", "model_parallel")
 #: The flags a worker takes from the job (besides its width and layout).
 SETTINGS = ("vocabulary", "layers", "sequence", "batch", "steps", "rank")
@@ -51,6 +50,9 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     flags.DEFINE_enum("worker", None, LAYOUTS, "Run one worker of this layout (internal).")
     flags.DEFINE_integer("hidden", 512, "The worker's hidden width (internal).")
+    flags.DEFINE_integer(
+        "workers", 4, "Worker processes of each job (fewer: a cheaper smoke test)."
+    )
     flags.DEFINE_list(
         "widths",
         ["512", "1024", "1536", "2048", "2560", "3072", "3584"],
@@ -200,7 +202,7 @@ def run(layout: str, hidden: int) -> dict:
     started = time.monotonic()
     outcomes = jobs.outcome_job(
         [str(Path(__file__).resolve()), f"--worker={layout}", f"--hidden={hidden}", *args],
-        WORKERS,
+        FLAGS.workers,
         # A peer killed by its limit makes the others fail, not hang.
         env={
             "MALLOC_MMAP_THRESHOLD_": "65536",
@@ -249,12 +251,13 @@ def report(result: dict) -> str:
         for layout in LAYOUTS
     }
     mp, dp = largest["model_parallel"], largest["data_parallel"]
+    workers = result.get("workers", 4)  # Records before the flag had 4.
     both = [r for r in runs if r["trained"] and dp is not None and r["hidden"] == dp["hidden"]]
     lines = [
         "# LoRA fine-tuning under a memory limit: ModelParallel against DataParallel",
         "",
         f"`{result['command']}` on {result['time']} UTC (tfdist {result.get('commit', '?')}); "
-        "2 cores shared by 4 worker "
+        f"2 cores shared by {workers} worker "
         f"processes on 127.0.0.1 (one CPU device each), each in a cgroup-v1 memory cgroup "
         f"limited to {result['limit_mib']:,} MiB; load average (1 min) "
         f"{result['load'][0]:.1f} before, {result['load'][1]:.1f} after. keras-hub "
@@ -264,11 +267,11 @@ def report(result: dict) -> str:
         f"{result['settings']['rank']})`, Adam, {result['settings']['steps']} steps of `fit` "
         f"on global batches of {result['settings']['batch']} rows x "
         f"{result['settings']['sequence']} Zipf-distributed token ids. ModelParallel: a "
-        "(1, 4) mesh, `LlamaBackbone.get_layout_map` plus "
+        f"(1, {workers}) mesh, `LlamaBackbone.get_layout_map` plus "
         "`layout_map['token_embedding/reverse_embeddings'] = (None, 'model')` (the untied "
         "logits table, which keras-hub's map leaves whole; tfdist's `LayoutWarning` names "
-        "it). DataParallel: `DataParallel()` over the same 4 devices. Each layout climbs "
-        "the widths until one is OOM-killed.",
+        f"it). DataParallel: `DataParallel()` over the same {workers} devices. Each layout "
+        "climbs the widths until one is OOM-killed.",
         "",
         "TensorFlow's oneDNN CPU ops "
         + (
@@ -380,9 +383,12 @@ def main(argv) -> None:
         start = widths.index(trained[-1]) if trained else 0
     result = {
         "command": "python benchmarks/lora_capacity.py "
-        + " ".join(f"--{n}={getattr(FLAGS, n)}" for n in ("limit_mib", "onednn", *SETTINGS)),
+        + " ".join(
+            f"--{n}={getattr(FLAGS, n)}" for n in ("workers", "limit_mib", "onednn", *SETTINGS)
+        ),
         "time": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "commit": _commit(),
+        "workers": FLAGS.workers,
         "limit_mib": FLAGS.limit_mib,
         "onednn": FLAGS.onednn,
         "settings": {name: getattr(FLAGS, name) for name in SETTINGS},

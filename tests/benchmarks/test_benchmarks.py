@@ -660,20 +660,30 @@ def test_preset_memory_benchmark_loads_the_preset_on_4_workers(tmp_path):
 
 @pytest.mark.slow
 def test_lora_capacity_benchmark_climbs_until_a_worker_is_oom_killed(tmp_path):
-    # The smallest run: a width both layouts train (about 0.5 GiB each), then
-    # one whose whole weights (0.7 GB) cannot fit DataParallel's workers
-    # under 1 GiB.
-    pytest.importorskip("keras_hub")
+    # The smallest run: 2 workers, 1 layer, 2 steps (one timed); a width both
+    # layouts train (about 0.4 GiB each), then one whose query kernel alone
+    # (268 MB) cannot be drawn under 1 GiB: every process draws a weight
+    # whole before keeping its block, so both layouts are killed as they
+    # build, not after minutes of training.
+    import importlib.util
+
+    # Looked up, not imported: importing it here would cost this process
+    # TensorFlow's import (seconds), and only the workers use it.
+    if importlib.util.find_spec("keras_hub") is None:
+        pytest.skip("needs keras_hub")
     if not os.access("/sys/fs/cgroup/memory", os.W_OK):
         pytest.skip("needs a writable cgroup-v1 memory controller (root)")
+    wide = 8192
     args = [
         sys.executable,
         "benchmarks/lora_capacity.py",
-        "--widths=128,2048",
+        "--workers=2",
+        f"--widths=128,{wide}",
         "--vocabulary=1024",
+        "--layers=1",
         "--limit_mib=1024",
         "--sequence=16",
-        "--steps=3",
+        "--steps=2",
         "--peer_timeout=20",
         f"--results_dir={tmp_path}",
     ]
@@ -683,11 +693,12 @@ def test_lora_capacity_benchmark_climbs_until_a_worker_is_oom_killed(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "lora_capacity.json").read_text())
     runs = {(r["layout"], r["hidden"]): r for r in result["runs"]}
-    small, large = runs["data_parallel", 128], runs["data_parallel", 2048]
+    small, large = runs["data_parallel", 128], runs["data_parallel", wide]
     assert small["trained"] and not large["trained"] and large["oom_kills"] >= 1
     for run in result["runs"]:
         # Trained: every worker reported the same finite losses; else killed.
         assert run["trained"] or run["oom_kills"] >= 1, run
+        assert len(run["workers"]) == 2
         if run["trained"]:
             losses = [w["result"]["losses"] for w in run["workers"]]
             assert all(np.isfinite(loss).all() and loss == losses[0] for loss in losses)
@@ -696,7 +707,8 @@ def test_lora_capacity_benchmark_climbs_until_a_worker_is_oom_killed(tmp_path):
     # ModelParallel starts at the largest width DataParallel trains.
     assert min(h for layout, h in runs if layout == "model_parallel") == 128
     text = (tmp_path / "lora_capacity.md").read_text()
-    assert "| data_parallel | 2,048 |" in text and "| no | " in text
+    assert f"| data_parallel | {wide:,} |" in text and "| no | " in text
+    assert "(1, 2) mesh" in text and "2 worker processes" in text
     mp = max(
         (r for r in result["runs"] if r["layout"] == "model_parallel" and r["trained"]),
         key=lambda r: r["parameters"],
