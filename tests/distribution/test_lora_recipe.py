@@ -7,6 +7,13 @@ logical CPUs, against the same recipe with no distribution: the losses and
 every weight within 1e-5, the frozen base weights still split and
 unchanged, and ``generate()`` (greedy, and top-k with a seed; the KV cache)
 returning the same tokens.
+
+Llama runs on a (2, 2) mesh (adapters over kernels split on both axes, the
+batch axis data-parallel too), Gemma and Qwen with a model axis of 4 (Gemma's
+4 key/value heads one per device). Gemma's (2, 2) case was merged away: the
+batch axis of a (2, 2) mesh acts alike whatever the family (Llama's case
+covers it) and Gemma's map is exercised on its (1, 4) mesh. Each family's
+one-device reference (``_one_device``) is computed once per session.
 """
 
 from __future__ import annotations
@@ -96,14 +103,13 @@ def _mesh_distribution(keras, family: str, shape):
 @pytest.mark.parametrize(
     "family, shape",
     [
-        ("gemma", (2, 2)),
         # A model axis of 4 over Gemma's 4 heads: a block-sized adapter
         # broadcast silently over the full kernel here.
         ("gemma", (1, 4)),
         ("llama", (2, 2)),
         ("qwen", (1, 4)),
     ],
-    ids=["gemma-2x2", "gemma-1x4", "llama-2x2", "qwen-1x4"],
+    ids=["gemma-1x4", "llama-2x2", "qwen-1x4"],
 )
 def test_lora_tunes_and_generates_as_one_device(keras_mod, family, shape):
     keras = keras_mod

@@ -1,14 +1,24 @@
 """keras.distribution.ModelParallel honours keras-hub's layout maps on
 TensorFlow (tfdist.distribution.model_parallel, layouts), on 4 logical CPUs.
 
-Each family's tiny CausalLM trains under its own ``get_layout_map`` on a
-(2, 2) and a (1, 2) mesh, from the weights of an unsharded twin, and must
-end where the twin ends: the same losses and every full weight within 1e-5.
+Each family's tiny CausalLM trains under its own ``get_layout_map`` from the
+weights of an unsharded twin, and must end where the twin ends: the same
+losses and every full weight within 1e-5. Llama trains on a (2, 2) mesh (the
+batch axis splits weights too), Gemma and Qwen on a (1, 2) mesh (their maps'
+model axis alone): the batch axis of a (2, 2) mesh acts alike whatever the
+family, so the other 2x2 and 1x2 pairs were merged into these three. Llama's
+map on a (1, 2) mesh is still exercised, by the save test's loads.
+
+One-device twins (``_unsharded``) and sharded fits (the ``sharded`` fixture)
+are computed once per module: Llama's (2, 2) fit serves the layout-map test,
+the save test and the compression test's uncompressed run, which each made
+that same fit.
 """
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -81,16 +91,56 @@ def _model_parallel(keras, family: str, shape: tuple[int, int]):
     return dist.ModelParallel(layout_map=backbone.get_layout_map(mesh), batch_dim_name="batch")
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (1, 2)], ids=["2x2", "1x2"])
-@pytest.mark.parametrize("family", ["llama", "gemma", "qwen"])
-def test_keras_hub_layout_map_trains_as_the_unsharded_model(keras_mod, family, shape):
-    keras = keras_mod
-    initial, losses, final, paths = _unsharded(family)
+def _sharded_fit(keras, family: str, shape: tuple[int, int]) -> SimpleNamespace:
+    """``family`` trained under its layout map on a ``shape`` mesh, from its
+    twin's initial weights: the model, its distribution, its losses, weights
+    and the bytes each replica sent during the fit."""
+    keras.distribution.set_distribution(None)
+    initial = _unsharded(family)[0]
     distribution = _model_parallel(keras, family, shape)
     keras.distribution.set_distribution(distribution)
     lm = _causal_lm(keras, family)
     lm.set_weights(initial)
-    sharded_losses = _fit(lm)
+    tfdist.parallel.reset_traffic(lm.distribute_strategy)
+    losses = _fit(lm)
+    return SimpleNamespace(
+        lm=lm,
+        distribution=distribution,
+        losses=losses,
+        weights=lm.get_weights(),
+        sent=tfdist.parallel.traffic(lm.distribute_strategy),
+    )
+
+
+@pytest.fixture(scope="module")
+def sharded(tf_cpus):
+    """``sharded(family, shape)``: ``_sharded_fit``, once per module for each
+    (family, shape); sets that fit's distribution for the calling test."""
+    import keras
+
+    runs = {}
+
+    def get(family: str, shape: tuple[int, int]) -> SimpleNamespace:
+        if (family, shape) not in runs:
+            runs[family, shape] = _sharded_fit(keras, family, shape)
+        keras.distribution.set_distribution(runs[family, shape].distribution)
+        return runs[family, shape]
+
+    yield get
+    keras.distribution.set_distribution(None)
+
+
+# One family on (2, 2) (Llama: its fit is shared with the save and compression
+# tests), the others on (1, 2): the (2, 2) batch axis is family-independent.
+@pytest.mark.parametrize(
+    "family, shape",
+    [("llama", (2, 2)), ("gemma", (1, 2)), ("qwen", (1, 2))],
+    ids=["llama-2x2", "gemma-1x2", "qwen-1x2"],
+)
+def test_keras_hub_layout_map_trains_as_the_unsharded_model(keras_mod, sharded, family, shape):
+    _, losses, final, paths = _unsharded(family)
+    run = sharded(family, shape)
+    lm, sharded_losses = run.lm, run.losses
     strategy = lm.distribute_strategy
     assert strategy.num_replicas_in_sync == shape[0] * shape[1]
     table = tfdist.distribution.report(lm)
@@ -292,19 +342,15 @@ def test_a_keras_embedding_split_along_its_vocabulary(keras_mod):
     assert not np.allclose(reference.layers[1](reference.layers[0](x)), unmasked, atol=1e-3)
 
 
-def test_a_sharded_model_saves_whole_and_loads_under_any_mesh(keras_mod, tmp_path):
+def test_a_sharded_model_saves_whole_and_loads_under_any_mesh(keras_mod, sharded, tmp_path):
     """model.save, save_weights, a tf.train.Checkpoint and keras-hub's preset
     written on a (2, 2) mesh hold full weights: they load with no
     distribution and on a (1, 2) mesh, and predict the same."""
     keras = keras_mod
     import tensorflow as tf
 
-    initial, _, _, _ = _unsharded("llama")
     x, _ = _batches()
-    keras.distribution.set_distribution(_model_parallel(keras, "llama", (2, 2)))
-    lm = _causal_lm(keras, "llama")
-    lm.set_weights(initial)
-    _fit(lm)
+    lm = sharded("llama", (2, 2)).lm  # Trained on the (2, 2) mesh.
     want = lm.predict(x, batch_size=8, verbose=0)
     trained = lm.get_weights()
     lm.save(tmp_path / "lm.keras")
@@ -417,36 +463,35 @@ def test_four_processes_under_tfdist_launch(keras_mod, tmp_path):
     )
 
 
-def test_compression_on_the_data_axis(keras_mod):
+def test_compression_on_the_data_axis(keras_mod, sharded):
     """tfdist.distribution.ModelParallel(compression="bf16"): the gradients of
     weights split over the batch axis are reduce-scattered in bfloat16 (half
     the data-parallel bytes of the same fit uncompressed); a compressor that
     needs the whole gradient is refused, naming the weight."""
     keras = keras_mod
+    # The same fit uncompressed: the module's (2, 2) Llama fit (Keras's
+    # ModelParallel, the strategy tfdist's makes with compression=None), its
+    # bytes counted from its first step as the bf16 fit's are here.
+    plain = sharded("llama", (2, 2))
+    keras.distribution.set_distribution(None)
     initial, _, _, _ = _unsharded("llama")
     mesh = keras.distribution.DeviceMesh(
         (2, 2), ["batch", "model"], keras.distribution.list_devices("cpu")
     )
     layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
-    runs = {}
-    for compression in (None, "bf16"):
-        keras.distribution.set_distribution(
-            tfdist.distribution.ModelParallel(
-                layout_map=layout_map, batch_dim_name="batch", compression=compression
-            )
+    keras.distribution.set_distribution(
+        tfdist.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch", compression="bf16"
         )
-        lm = _causal_lm(keras, "llama")
-        lm.set_weights(initial)
-        tfdist.parallel.reset_traffic(lm.distribute_strategy)
-        losses = _fit(lm)
-        runs[compression] = (
-            losses,
-            lm.get_weights(),
-            tfdist.parallel.traffic(lm.distribute_strategy),
-        )
-    (plain, plain_weights, plain_sent), (bf16, bf16_weights, bf16_sent) = runs.values()
-    np.testing.assert_allclose(bf16, plain, rtol=0, atol=1e-2)
-    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(bf16_weights, plain_weights))
+    )
+    lm = _causal_lm(keras, "llama")
+    lm.set_weights(initial)
+    tfdist.parallel.reset_traffic(lm.distribute_strategy)
+    bf16 = _fit(lm)
+    bf16_weights = lm.get_weights()
+    bf16_sent, plain_sent = tfdist.parallel.traffic(lm.distribute_strategy), plain.sent
+    np.testing.assert_allclose(bf16, plain.losses, rtol=0, atol=1e-2)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(bf16_weights, plain.weights))
     assert 0 < moved < 1e-2, moved
     # The weights' gathers are the same; the gradient sums over the batch
     # axis (and the replicated weights' all-reduce) go in 16 bits.
