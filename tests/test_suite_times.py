@@ -80,3 +80,23 @@ def test_the_fast_tier_touches_every_package(request):
         item.get_closest_marker("fast") and item.get_closest_marker("slow")
         for item in request.session.items
     )
+
+
+def test_a_package_with_no_quick_module_lends_its_quickest_unless_it_is_slow():
+    limit = conftest.FAST_MODULE_SECONDS
+    fast = conftest.fast_modules(
+        {
+            "tests/a/test_quick.py": limit / 2,
+            "tests/a/test_long.py": limit * 5,
+            "tests/b/test_long.py": limit * 5,
+            "tests/b/test_longer.py": limit * 1.5,
+            "tests/c/test_corpus.py": limit * 50,
+        }
+    )
+    assert fast == {
+        "tests/a/test_quick.py": True,
+        "tests/a/test_long.py": False,
+        "tests/b/test_long.py": False,
+        "tests/b/test_longer.py": True,
+        "tests/c/test_corpus.py": False,
+    }
