@@ -36,8 +36,17 @@ def weights(path) -> list:
         return [saved[f"arr_{i}"] for i in range(len(saved.files))]
 
 
+#: The models the cluster paths take: GPT-2 (a tied, dense token table), BERT
+#: (sparse tables all-gathered across processes) and the two CNNs (BatchNorm
+#: statistics per worker, and synchronized across processes). Gemma's
+#: gradients are GPT-2's kinds; it trains under every in-process path in
+#: test_model_corpus.py. The parameter-server fit takes the same but
+#: MobileNetV2.
+ACROSS_PROCESSES = [name for name in corpus.CASES if name != "gemma"]
+
+
 def test_two_workers_under_launch_equal_one_device(tf_cpus, tmp_path):
-    names = available(corpus.CASES)
+    names = available(ACROSS_PROCESSES)
     # GPT-2 again with bf16 compression, from a second strategy in each worker.
     wanted = names + (["gpt2:bf16"] if "gpt2" in names else [])
     [(code, out, err)] = finish(
@@ -111,7 +120,7 @@ def _epochs(out, key):
 
 def test_parameter_server_fit_learns(tmp_path):
     # model.fit under ParameterServerStrategy (tfdist.fit), 2 workers and a ps.
-    names = available(["gpt2", "bert", "gemma", "mobilenet_v3_sync"])
+    names = available(["gpt2", "bert", "mobilenet_v3_sync"])
     [(code, out, err)] = finish([start([WORKER, "ps", tmp_path, *names])], timeout=900)
     assert code == 0, (out[-3000:], err[-3000:])
     cases = result_line(out)["cases"]
