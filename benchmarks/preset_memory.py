@@ -214,8 +214,8 @@ def report(records: list[dict]) -> str:
         "allocated.",
         "",
         "| run | vocabulary | full weights | load, largest worker | load, smallest | "
-        "largest / full weights | load time (s) | LayoutWarning |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "largest / full weights | largest - full / 4 | load time (s) | LayoutWarning |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in records:
         full = r["full_weights_bytes"]
@@ -224,7 +224,7 @@ def report(records: list[dict]) -> str:
         lines.append(
             f"| {r['label']} | {r['sizes']['vocabulary']:,} | {full / 2**20:,.0f} MiB | "
             f"{max(loads) / 2**20:,.0f} MiB | {min(loads) / 2**20:,.0f} MiB | "
-            f"{max(loads) / full:.2f}x | "
+            f"{max(loads) / full:.2f}x | {(max(loads) - full / WORKERS) / 2**20:,.0f} MiB | "
             f"{max(w['load_seconds'] for w in r['workers']):.1f} | "
             f"{', '.join(n.split(': ', 1)[-1] for n in warned) or '-'} |"
         )
@@ -266,15 +266,19 @@ def report(records: list[dict]) -> str:
         "peak is over the resident set just before: after 5c12507's 1.2 GB load its "
         "allocator reuses freed memory, so its save reads lower than faad418's.",
         "",
-        "Where the rest goes (measured 2026-11-28, TF 2.21 + Keras 3.15.1): reading the "
-        "file adds nothing to the peak (each split weight is read block by block); the whole "
-        "cost is building the backbone. In one process with 4 logical devices, building a "
-        "131,072 x 256 table split over 4 as blocks costs 100 MiB of peak (its 4 blocks, "
-        "128 MiB) against 592 MiB built whole. Across processes each block is made as a "
+        "Where it went before (measured 2026-11-28): each block was made as a "
         "MultiWorkerMirrored variable, whose initial value TensorFlow broadcasts from worker 0 "
-        "over gRPC: about 4x a process's share of the weights in transient buffers, so the "
-        "load is still about 1x the full weights per process, not the goal of 1/4 plus a fixed "
-        "overhead. A weight the map leaves whole costs several times its size as well.",
+        "over gRPC, and read from the file whole, then copied by numpy and by TensorFlow: "
+        "about 0.9x the full weights per process. Since the rows 'blocks made locally, read "
+        "in pieces' (2026-11-29), a block the file overwrites next is made as each worker's "
+        "own zeros, without the broadcast (`tfdist.distribution.local_values`), and written "
+        "from the file in pieces of at most 4 MiB. The load is then a process's quarter of "
+        "the weights plus one block of the largest weight (TensorFlow copies a variable's "
+        "buffer at its first sliced write: the block made from zeros is still referenced "
+        "then) plus about 6 MiB: 14, 38 and 70 MiB over the quarter at vocabularies 32,768, "
+        "131,072 and 262,144, whose largest blocks are 8, 32 and 64 MiB. The save's peak over "
+        "the resident set before it is higher than in the earlier rows only because the load "
+        "left less freed memory for the save to reuse.",
     ]
     return "\n".join(lines) + "\n"
 

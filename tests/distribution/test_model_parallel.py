@@ -393,7 +393,8 @@ def test_four_processes_under_tfdist_launch(keras_mod, tmp_path):
     """keras-hub's recipe across 4 worker processes (one device each) on a
     (2, 2) mesh: every worker ends where the unsharded twin ends. Its saves
     gather no whole weight, and restore here, in one process, on a (1, 4)
-    mesh and with no distribution, optimizer state included."""
+    mesh and with no distribution, optimizer state included. The preset
+    loads back across the 4 processes, each block made locally."""
     import hashlib
     import io
 
@@ -435,6 +436,13 @@ def test_four_processes_under_tfdist_launch(keras_mod, tmp_path):
         assert run["sha256"] == runs[0]["sha256"]
         assert run["gathers_while_saving"] == [], run["gathers_while_saving"]
         assert run["initial_difference_from_worker_0"] == 0.0
+        # TF broadcasts worker 0's initial value; created_locally keeps each
+        # worker's own, and gives the strategy back as it was.
+        task = int(run["task"].split(":")[1])
+        assert run["initial_values"] == [0.0, float(task)], run["initial_values"]
+        assert run["extended_after"] == "CollectiveAllReduceExtended"
+        assert run["preset_block"] == [128, 16]
+        assert run["preset_difference"] == 0.0, run["preset_difference"]
 
     def digest(arrays):
         return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()

@@ -14,7 +14,9 @@ no id (issue 38). Then it saves (``save_weights``, ``model.save``,
 gathers the saves make (none: each block comes to the chief on its own), for
 the test to restore on other meshes in one process. Last, each worker seeds
 its initializers differently and builds the model again: every split weight
-must hold worker 0's draw. Prints one "tfdist result:" line.
+must hold worker 0's draw; and loads the saved preset with ``from_preset``,
+each worker making its blocks locally (no broadcast of initial values).
+Prints one "tfdist result:" line.
 """
 
 import hashlib
@@ -26,8 +28,10 @@ from pathlib import Path
 import keras
 import keras_hub
 import numpy as np
+import tensorflow as tf
 
 import tfdist  # keras.distribution on TensorFlow
+from tfdist.distribution import local_values
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distribution"))
 from tiny_lms import batches, causal_lm, fit
@@ -89,6 +93,20 @@ keras.distribution.set_distribution(distribution)
 keras.utils.set_random_seed(100 + strategy.cluster_resolver.task_id)
 drawn = causal_lm(keras, "llama").get_weights()
 initial_difference = max(float(np.max(np.abs(a - b))) for a, b in zip(drawn, worker0))
+
+# The preset loads across the processes, each block made as this worker's
+# own zeros (no broadcast from worker 0) and read from the file piece by piece.
+task_id = strategy.cluster_resolver.task_id
+with strategy.scope():
+    broadcast = strategy.experimental_local_results(tf.Variable(float(task_id)))[0]
+    with local_values.created_locally(strategy):
+        own = strategy.experimental_local_results(tf.Variable(float(task_id)))[0]
+extended_after = type(strategy.extended).__name__
+saved_backbone = lm.backbone.get_weights()  # A collective.
+loaded = keras_hub.models.LlamaBackbone.from_preset(str(checkpoints / "preset"))
+preset_difference = max(
+    float(np.max(np.abs(a - b))) for a, b in zip(loaded.get_weights(), saved_backbone)
+)
 print(
     "tfdist result: "
     + json.dumps(
@@ -116,6 +134,10 @@ print(
             "optimizer_sha256": hashlib.sha256(b"".join(w.tobytes() for w in slots)).hexdigest(),
             "gathers_while_saving": gathers_while_saving,
             "initial_difference_from_worker_0": initial_difference,
+            "initial_values": [float(broadcast.numpy()), float(own.numpy())],
+            "extended_after": extended_after,
+            "preset_difference": preset_difference,
+            "preset_block": list(loaded.token_embedding.embeddings.shape),
         }
     ),
     flush=True,

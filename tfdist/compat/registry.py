@@ -607,6 +607,21 @@ PATCHES: tuple[Patch, ...] = (
         dynamic=True,
         canary="no upstream bug: Keras's TensorFlow backend has no layouts; follows tfdist's",
     ),
+    Patch(
+        "layouts.local_initial_values",
+        "tfdist's subclass of tf_python's CollectiveAllReduceExtended (while "
+        "tfdist.distribution.local_values.created_locally is open)"
+        "._get_variable_creator_initial_value",
+        "tfdist.distribution.local_values:wrap_initial_value",
+        "layouts",
+        "MultiWorkerMirrored broadcasts every new variable's initial value from worker 0 "
+        "over gRPC; a weight block a preset overwrites next is zeros on every worker, and "
+        "the broadcast's buffers were most of a process's peak while loading (issue 38)",
+        params=("self", "replica_id", "device", "primary_var"),
+        dynamic=True,
+        canary="no upstream bug: TF's broadcast is right for values that differ; tfdist "
+        "skips it only for values a file overwrites next",
+    ),
     # --- tensor parallelism ---------------------------------------------------
     Patch(
         "tensor_parallel.check_finite",

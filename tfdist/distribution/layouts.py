@@ -259,7 +259,7 @@ def laid_out(variable: Any, spec: sharding.ShardSpec, full: np.ndarray | None) -
 def wrap_initialize(original):
     @functools.wraps(original)
     def _initialize(self, value):
-        from tfdist.distribution import model_parallel
+        from tfdist.distribution import local_values, model_parallel
         from tfdist.parallel import saving
 
         found = model_parallel.current()
@@ -275,13 +275,16 @@ def wrap_initialize(original):
         if spec is None:
             _warn_if_large(self.path, self._shape, self._dtype)
             if loading_next() and callable(value):
-                # Overwritten next: zeros cost no initializer's temporaries.
+                # Overwritten next: zeros cost no initializer's temporaries,
+                # and no worker needs worker 0's.
                 shape, dtype = tuple(self._shape), self._dtype
-                return original(self, lambda: tf.zeros(shape, dtype))
+                with local_values.created_locally(strategy):
+                    return original(self, lambda: tf.zeros(shape, dtype))
             return original(self, value)
         if loading_next():
             # The weights file overwrites the value: only the block is made,
-            # zeros (an initializer's temporaries would cost more).
+            # zeros (an initializer's temporaries would cost more), each
+            # worker its own (worker 0's broadcast would cost buffers).
             self._shape = spec.shard_shape
             with tf.init_scope(), tf.device("/cpu:0"):
                 block = (
@@ -289,7 +292,9 @@ def wrap_initialize(original):
                     if callable(value)
                     else spec.block(value, spec.runtime.first)
                 )
-            original(self, block)
+            with local_values.created_locally(strategy):
+                original(self, block)
+            del block
             laid_out(self, spec, None)
             _wrap_layer()
             return None

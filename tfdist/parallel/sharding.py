@@ -446,10 +446,19 @@ def assign_full(variable: Any, value: Any) -> None:
         value = np.asarray(value)
     check_full_shape(variable, value)
     # Indexed block by block: a lazy value (a dataset of the weights file) is
-    # read only where this process's devices hold blocks.
+    # read only where this process's devices hold blocks; and piece by piece
+    # (PIECE_BYTES), so a block read from the file never sits in memory
+    # beside its copies (numpy's, the tensor's) whole.
     for i, component in enumerate(_components(variable, spec)):
-        block = np.asarray(spec.block(value, spec.runtime.first + i))
-        component.assign(block.astype(component.dtype.as_numpy_dtype))
+        where = spec.slices(spec.index(spec.runtime.first + i))
+        dtype = component.dtype.as_numpy_dtype
+        pieces = _pieces(spec.shard_shape, np.dtype(dtype).itemsize)
+        if len(pieces) == 1:
+            component.assign(np.asarray(value[where]).astype(dtype, copy=False))
+            continue
+        for rows in pieces:
+            piece = np.asarray(value[_relative(where, rows)]).astype(dtype, copy=False)
+            component[rows].assign(piece)
 
 
 def _seeded(initializer: Any, seed: int | None) -> Any:
