@@ -19,6 +19,8 @@ one-device reference (``_one_device``) is computed once per session.
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -40,11 +42,15 @@ def keras_mod(tf_cpus):
     keras.distribution.set_distribution(None)
 
 
-def _recipe(keras, family: str):
-    """The recipe's model: built, LoRA enabled, compiled as its guide does."""
+def _model(keras, family: str):
     # Gemma's map splits the key/value heads over "model": 4 of them, as the
     # issue's recipe has, let a model axis of 4 divide them.
-    lm = causal_lm(keras, family, **({"num_key_value_heads": 4} if family == "gemma" else {}))
+    return causal_lm(keras, family, **({"num_key_value_heads": 4} if family == "gemma" else {}))
+
+
+def _recipe(keras, family: str):
+    """The recipe's model: built, LoRA enabled, compiled as its guide does."""
+    lm = _model(keras, family)
     lm.backbone.enable_lora(rank=RANK)
     lm.compile(
         optimizer=keras.optimizers.Adam(5e-3),
@@ -77,6 +83,21 @@ def _tune(keras, lm):
     return lm.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]
 
 
+def _merged(keras, family: str, lm, directory) -> list:
+    """The weights ``lm`` saves (Keras merges the adapters into the kernels),
+    read back by the model without LoRA, on one device."""
+    path = os.path.join(directory, f"{family}.weights.h5")
+    lm.save_weights(path)
+    distribution = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        plain = _model(keras, family)
+        plain.load_weights(path)
+        return plain.get_weights()
+    finally:
+        keras.distribution.set_distribution(distribution)
+
+
 @functools.cache
 def _one_device(family: str):
     import keras
@@ -86,7 +107,9 @@ def _one_device(family: str):
     initial = lm.get_weights()
     trainable = {v.path for v in lm.trainable_weights}
     losses = _tune(keras, lm)
-    return initial, trainable, losses, lm.get_weights(), _generate(keras, lm)
+    with tempfile.TemporaryDirectory() as directory:
+        merged = _merged(keras, family, lm, directory)
+    return initial, trainable, losses, lm.get_weights(), _generate(keras, lm), merged
 
 
 def _mesh_distribution(keras, family: str, shape):
@@ -111,9 +134,9 @@ def _mesh_distribution(keras, family: str, shape):
     ],
     ids=["gemma-1x4", "llama-2x2", "qwen-1x4"],
 )
-def test_lora_tunes_and_generates_as_one_device(keras_mod, family, shape):
+def test_lora_tunes_generates_and_saves_as_one_device(keras_mod, tmp_path, family, shape):
     keras = keras_mod
-    initial, trainable, want_losses, want_weights, want_tokens = _one_device(family)
+    initial, trainable, want_losses, want_weights, want_tokens, want_merged = _one_device(family)
     keras.distribution.set_distribution(_mesh_distribution(keras, family, shape))
     lm = _recipe(keras, family)
     lm.set_weights(initial)
@@ -163,6 +186,23 @@ def test_lora_tunes_and_generates_as_one_device(keras_mod, family, shape):
     for sampler, want in want_tokens.items():
         np.testing.assert_array_equal(tokens[sampler], want, err_msg=sampler)
     assert not np.array_equal(tokens["greedy"], tokens["top_k"])  # The samplers differ.
+
+    # Saved, the adapters are merged into the split kernels block by block,
+    # as one device merges them whole; the model keeps its split base
+    # weights and its adapters, unchanged by the save.
+    merged = _merged(keras, family, lm, tmp_path)
+    plain = {v.path for v in _model(keras, family).weights}
+    assert len(merged) == len(plain) == len(want_merged)
+    for got, want in zip(merged, want_merged):
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+    for path, got, was in zip(by_path, lm.get_weights(), after):
+        np.testing.assert_array_equal(got, was, err_msg=f"{path}: changed by the save")
+    adapted = [
+        layer
+        for layer in lm._flatten_layers()  # noqa: SLF001 - every sublayer
+        if getattr(layer, "lora_kernel_a", None) is not None
+    ]
+    assert len(adapted) == 2 * 2 and all(layer.lora_enabled for layer in adapted)
 
 
 def test_stock_tensorflow_backend_lacks_distribute_tensor(keras_mod):
