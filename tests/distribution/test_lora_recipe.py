@@ -199,7 +199,7 @@ def test_lora_tunes_generates_and_saves_as_one_device(keras_mod, tmp_path, famil
         np.testing.assert_array_equal(got, was, err_msg=f"{path}: changed by the save")
     adapted = [
         layer
-        for layer in lm._flatten_layers()  # noqa: SLF001 - every sublayer
+        for layer in lm._flatten_layers()  # Every sublayer.
         if getattr(layer, "lora_kernel_a", None) is not None
     ]
     assert len(adapted) == 2 * 2 and all(layer.lora_enabled for layer in adapted)
