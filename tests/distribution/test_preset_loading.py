@@ -152,3 +152,35 @@ def test_a_large_weight_no_rule_splits_is_named_before_it_is_made(keras_mod, mon
     assert not any("kernel" in m for m in named), named
     row = tfdist.distribution.report(backbone).row("token_embedding/embeddings")
     assert row.how == "replicated"
+
+
+def test_load_model_builds_each_devices_blocks_only(keras_mod, tmp_path, monkeypatch):
+    """keras.models.load_model builds the model from its config, then reads
+    the file over it: under a layout every split weight is made as its
+    blocks only (no initializer draws it whole), and the model equals the
+    saved one."""
+    from tfdist.distribution import layouts
+
+    keras = keras_mod
+    keras.utils.set_random_seed(0)
+    saved = _backbone()
+    saved.save(tmp_path / "backbone.keras")
+    made = []
+    plan = layouts.plan
+    monkeypatch.setattr(layouts, "plan", lambda *a: made.append(layouts.loading_next()) or plan(*a))
+    mesh = keras.distribution.DeviceMesh(
+        (1, 4), ["batch", "model"], keras.distribution.list_devices("cpu")
+    )
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
+            batch_dim_name="batch",
+        )
+    )
+    loaded = keras.models.load_model(tmp_path / "backbone.keras")
+    split = [r for r in tfdist.distribution.report(loaded).rows if r.how != "replicated"]
+    assert len(split) == 1 + 2 * 7
+    assert made and all(made), made
+    assert not layouts.loading_next()  # Only while load_model runs.
+    for a, b in zip(saved.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)

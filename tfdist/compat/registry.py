@@ -608,6 +608,17 @@ PATCHES: tuple[Patch, ...] = (
         canary="no upstream bug: Keras's TensorFlow backend has no layouts; follows tfdist's",
     ),
     Patch(
+        "layouts.load_model",
+        f"{_K}saving_lib.load_model",
+        "tfdist.distribution.layouts:wrap_load_model",
+        "layouts",
+        "keras.models.load_model builds the model from its config with every weight's "
+        "initializer, then reads the file over it (keras-team/keras#21634 for presets); "
+        "under a layout tfdist builds only each device's blocks, the file loaded next",
+        params=("filepath",),
+        canary="no upstream bug: Keras's TensorFlow backend has no layouts; follows tfdist's",
+    ),
+    Patch(
         "layouts.local_initial_values",
         "tfdist's subclass of tf_python's CollectiveAllReduceExtended (while "
         "tfdist.distribution.local_values.created_locally is open)"

@@ -396,6 +396,23 @@ def wrap_load_backbone(original):
     return load_backbone
 
 
+def wrap_load_model(original):
+    """Keras's ``load_model`` of a ``.keras`` file: under a ``ModelParallel``,
+    the model is built as blocks, the file's weights loaded next."""
+
+    @functools.wraps(original)
+    def load_model(filepath, *args, **kwargs):
+        from tfdist.compat.keras_src import distribution_lib
+        from tfdist.distribution import model_parallel
+
+        if not model_parallel.honours(distribution_lib.distribution()):
+            return original(filepath, *args, **kwargs)
+        with blocks_only():
+            return original(filepath, *args, **kwargs)
+
+    return load_model
+
+
 _KERAS_HUB_LOADER = "keras_hub.src.utils.preset_utils"
 
 
