@@ -37,7 +37,7 @@ from absl import app, flags
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
-from benchlib import cgroups, jobs  # noqa: E402
+from benchlib import cgroups, jobs, llama  # noqa: E402
 from benchlib.machine import load_snapshot, peak_over, status_kb  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -85,28 +85,8 @@ def define_flags() -> None:
 
 
 def sizes(hidden: int) -> dict:
-    """A Llama of width ``hidden``: 128-wide heads, half as many key/value
-    heads, a feed-forward of 2.75x the width (a multiple of 64)."""
-    heads = max(4, hidden // 128)
-    return {
-        "vocabulary_size": FLAGS.vocabulary,
-        "num_layers": FLAGS.layers,
-        "hidden_dim": hidden,
-        "num_query_heads": heads,
-        "num_key_value_heads": max(2, heads // 2),
-        "intermediate_dim": max(64, round(2.75 * hidden / 64) * 64),
-        "tie_word_embeddings": False,
-    }
-
-
-def _distribution(keras, keras_hub, layout: str):
-    devices = keras.distribution.list_devices()
-    if layout == "data_parallel":
-        return keras.distribution.DataParallel(devices=devices)
-    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
-    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
-    layout_map["token_embedding/reverse_embeddings"] = (None, "model")
-    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    """The Llama of width ``hidden`` (:func:`benchlib.llama.sizes`)."""
+    return llama.sizes(hidden, FLAGS.vocabulary, FLAGS.layers)
 
 
 class _StepTimes:
@@ -133,7 +113,7 @@ def worker(layout: str) -> None:
     from tfdist.parallel import sharding
 
     keras.distribution.initialize()
-    keras.distribution.set_distribution(_distribution(keras, keras_hub, layout))
+    keras.distribution.set_distribution(llama.distribution(keras, keras_hub, layout))
     rng = np.random.default_rng(0)
     rows = FLAGS.batch * FLAGS.steps
     ids = (rng.zipf(1.3, (rows, FLAGS.sequence + 1)) - 1) % FLAGS.vocabulary
@@ -335,16 +315,6 @@ def _phase(record: dict, name: str) -> str:
     return f"{max(peaks) / 1024:,.0f} MiB" if peaks else "-"
 
 
-def _commit() -> str:
-    """The repository's commit (what tfdist the workers ran)."""
-    import subprocess
-
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    )
-    return done.stdout.strip() or "unknown"
-
-
 def _count(config: dict) -> int:
     """Parameters of a Llama of ``config`` (the norms included)."""
     h, v = config["hidden_dim"], config["vocabulary_size"]
@@ -387,7 +357,7 @@ def main(argv) -> None:
             f"--{n}={getattr(FLAGS, n)}" for n in ("workers", "limit_mib", "onednn", *SETTINGS)
         ),
         "time": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "commit": _commit(),
+        "commit": llama.commit(),
         "workers": FLAGS.workers,
         "limit_mib": FLAGS.limit_mib,
         "onednn": FLAGS.onednn,

@@ -42,7 +42,7 @@ from absl import app, flags
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
-from benchlib import cgroups, jobs  # noqa: E402
+from benchlib import cgroups, jobs, llama  # noqa: E402
 from benchlib.machine import load_snapshot, peak_over, status_kb  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -91,18 +91,8 @@ def define_flags() -> None:
 
 
 def sizes() -> dict:
-    """The Llama: 128-wide heads, half as many key/value heads, a
-    feed-forward of 2.75x the width (a multiple of 64), untied embeddings."""
-    heads = max(4, FLAGS.hidden // 128)
-    return {
-        "vocabulary_size": FLAGS.vocabulary,
-        "num_layers": FLAGS.layers,
-        "hidden_dim": FLAGS.hidden,
-        "num_query_heads": heads,
-        "num_key_value_heads": max(2, heads // 2),
-        "intermediate_dim": max(64, round(2.75 * FLAGS.hidden / 64) * 64),
-        "tie_word_embeddings": False,
-    }
+    """The Llama of the flags (:func:`benchlib.llama.sizes`)."""
+    return llama.sizes(FLAGS.hidden, FLAGS.vocabulary, FLAGS.layers)
 
 
 def make_preset(path: str) -> None:
@@ -118,16 +108,6 @@ def make_preset(path: str) -> None:
     (Path(path) / "full_weights.json").write_text(json.dumps({"bytes": weights, "sizes": sizes()}))
 
 
-def _distribution(keras, keras_hub, layout: str):
-    devices = keras.distribution.list_devices()
-    if layout == "data_parallel":
-        return keras.distribution.DataParallel(devices=devices)
-    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
-    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
-    layout_map["token_embedding/reverse_embeddings"] = (None, "model")
-    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-
-
 def worker(layout: str) -> None:
     import keras
     import keras_hub
@@ -137,7 +117,7 @@ def worker(layout: str) -> None:
         import tfdist  # noqa: F401 - keras.distribution on TensorFlow
 
         keras.distribution.initialize()
-        keras.distribution.set_distribution(_distribution(keras, keras_hub, layout))
+        keras.distribution.set_distribution(llama.distribution(keras, keras_hub, layout))
     rng = np.random.default_rng(0)
     ids = (rng.zipf(1.3, (FLAGS.batch * FLAGS.steps, FLAGS.sequence + 1)) - 1) % FLAGS.vocabulary
     x = {"token_ids": ids[:, :-1].astype("int32"), "padding_mask": np.ones_like(ids[:, :-1])}
@@ -307,13 +287,6 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    )
-    return done.stdout.strip() or "unknown"
-
-
 def main(argv) -> None:
     del argv
     if FLAGS.make_preset:
@@ -364,7 +337,7 @@ def main(argv) -> None:
             f"--{n}={getattr(FLAGS, n)}" for n in ("workers", "limit_mib", "onednn", *SETTINGS)
         ),
         "time": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "commit": _commit(),
+        "commit": llama.commit(),
         "workers": FLAGS.workers,
         "limit_mib": FLAGS.limit_mib,
         "onednn": FLAGS.onednn,
