@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +118,47 @@ def test_a_job_ends_as_the_interpreter_would(pool, code, returncode, stderr):
     assert stderr in done.stderr and stderr in fresh.stderr
 
 
+def test_a_job_exits_with_what_the_interpreters_exit_does(pool, tmp_path):
+    # The pool skips the interpreter's teardown (warm_server._exit), not what
+    # comes before it: non-daemon threads finish, atexit functions run, and a
+    # file the job left open is flushed. The same code runs fresh beside it.
+    code = textwrap.dedent(
+        """
+        import atexit, sys, threading, time
+        out = sys.argv[1]
+        left_open = open(out + ".open", "w")
+        left_open.write("flushed at exit")
+        def late():
+            time.sleep(0.3)
+            open(out + ".thread", "w").write("the thread finished")
+        threading.Thread(target=late).start()
+        atexit.register(lambda: open(out + ".atexit", "w").write("atexit ran"))
+        print("unflushed", end="")
+        sys.stdout.write(" stdout")
+        """
+    )
+    results = {}
+    for name, python, env in (
+        ("pool", pool.python, pool.env),
+        ("fresh", sys.executable, {}),
+    ):
+        out = tmp_path / name
+        done = subprocess.run(
+            [python, "-c", code, str(out)],
+            env={**subprocess_env(), **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        results[name] = (
+            done.returncode,
+            done.stdout,
+            *(Path(f"{out}.{part}").read_text() for part in ("open", "thread", "atexit")),
+        )
+    assert results["pool"] == results["fresh"]
+    assert results["pool"][0] == 0 and results["pool"][1] == "unflushed stdout"
+
+
 def _wait_for(condition, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -131,6 +173,20 @@ def _state(pid: int) -> str:
             return f.read().split(")")[-1].split()[0]
     except FileNotFoundError:
         return ""
+
+
+def _where(*pids: int) -> str:
+    """Each process's state and where each of its threads waits (for a hang)."""
+    found = []
+    for pid in pids:
+        try:
+            threads = sorted(os.listdir(f"/proc/{pid}/task"))
+            waits = [Path(f"/proc/{pid}/task/{t}/wchan").read_text() for t in threads]
+        except OSError:
+            found.append(f"{pid}: gone")
+            continue
+        found.append(f"{pid}: state {_state(pid)}, threads waiting in {waits}")
+    return "; ".join(found)
 
 
 def _alive(pid: int) -> bool:
@@ -150,7 +206,7 @@ def test_signals_reach_the_job_and_its_children(pool, tmp_path):
             child.wait()
             sys.exit(7)
         signal.signal(signal.SIGTERM, stop)
-        print("ready", flush=True)
+        print("ready", os.getpid(), flush=True)
         time.sleep(600)
         """
     )
@@ -161,10 +217,15 @@ def test_signals_reach_the_job_and_its_children(pool, tmp_path):
         text=True,
         start_new_session=True,
     )
-    assert proc.stdout.readline() == "ready\n"
+    ready, job = proc.stdout.readline().split()
+    assert ready == "ready"
     child = int((tmp_path / "child").read_text())
     os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=60) == 7
+    try:
+        assert proc.wait(timeout=60) == 7
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the job did not end within 60 s of SIGTERM: {_where(int(job), child)}")
     assert proc.stdout.read() == f"got {signal.SIGTERM.value}\n"
     _wait_for(lambda: not _alive(child))
 
