@@ -329,12 +329,12 @@ def _exit(code: int) -> None:
     and thread pools, imported by Keras), whose threads the fork does not have.
     """
     try:
-        threading._shutdown()  # As Py_FinalizeEx: non-daemon threads first.
+        threading._shutdown()  # noqa: SLF001 - Py_FinalizeEx's first step, as at exit
     except Exception:  # noqa: BLE001 - the exit goes on, as the interpreter's
         pass
     import atexit
 
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit runs next
     _flush_open_files()
     os._exit(code & 0xFF)
 
