@@ -131,7 +131,10 @@ def plain() -> None:
         "allreduce_calls": None if transport is None else transport.calls["allreduce"],
         "attempt": os.environ.get("TFDIST_LAUNCH_ATTEMPT"),
     }
-    print(f"rank {rank} result: " + json.dumps(result), flush=True)
+    # One write: print() writes the text and its newline apart (unbuffered),
+    # and two ranks' lines interleaved on mpiexec's stdout ('Extra data').
+    sys.stdout.write(f"rank {rank} result: {json.dumps(result)}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
