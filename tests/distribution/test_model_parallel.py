@@ -394,7 +394,8 @@ def test_four_processes_under_tfdist_launch(keras_mod, tmp_path):
     (2, 2) mesh: every worker ends where the unsharded twin ends. Its saves
     gather no whole weight, and restore here, in one process, on a (1, 4)
     mesh and with no distribution, optimizer state included. The preset
-    loads back across the 4 processes, each block made locally."""
+    loads back across the 4 processes, each block made locally. Then
+    ``generate()`` gives the twin's tokens (greedy, top-k, stop tokens)."""
     import hashlib
     import io
 
@@ -443,6 +444,12 @@ def test_four_processes_under_tfdist_launch(keras_mod, tmp_path):
         assert run["extended_after"] == "CollectiveAllReduceExtended"
         assert run["preset_block"] == [128, 16]
         assert run["preset_difference"] == 0.0, run["preset_difference"]
+        # generate() across the processes gives the twin's tokens; the stop
+        # tokens ended every row early (the while loop ran alike everywhere).
+        assert run["tokens"] == run["twin_tokens"], (run["tokens"], run["twin_tokens"])
+        assert run["tokens"]["greedy"] != run["tokens"]["top_k"]
+        mask = np.asarray(run["tokens"]["stop_mask"])
+        assert mask.shape == (4, 10) and not mask[:, -1].any(), mask
 
     def digest(arrays):
         return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()

@@ -49,3 +49,37 @@ def batches(skewed: bool = False):
 def fit(lm, skewed: bool = False):
     x, y = batches(skewed)
     return lm.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]
+
+
+def prompts(rows: int = 4, width: int = 10):
+    """``rows`` prompts of 3, 5, 2 and 4 tokens (uneven, as users' are), with
+    room up to ``width``."""
+    x, _ = batches()
+    lengths = np.resize([3, 5, 2, 4], rows)
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    ids = np.zeros((rows, width), "int32")
+    ids[:, :8] = x["token_ids"][:rows]
+    return {"token_ids": np.where(mask, ids, 0), "padding_mask": mask}
+
+
+def generations(lm) -> dict:
+    """``generate()``'s tokens for :func:`prompts`: greedy; top-k with a seed;
+    greedy again with stop tokens that end each row by its second generated
+    token (so the loop ends before the width), with its padding mask.
+    Recompiles ``lm`` (a new optimizer)."""
+    out = {}
+    lengths = np.asarray(prompts()["padding_mask"]).sum(axis=1)
+    for name, sampler in (
+        ("greedy", keras_hub.samplers.GreedySampler()),
+        ("top_k", keras_hub.samplers.TopKSampler(k=5, seed=7)),
+        ("stop", keras_hub.samplers.GreedySampler()),
+    ):
+        stop = None
+        if name == "stop":
+            stop = sorted({int(row[n + 1]) for row, n in zip(out["greedy"], lengths)})
+            out["stop_token_ids"] = stop
+        lm.compile(sampler=sampler)
+        result = lm.generate(prompts(), stop_token_ids=stop)
+        out[name] = np.asarray(result["token_ids"]).tolist()
+    out["stop_mask"] = np.asarray(result["padding_mask"]).tolist()
+    return out

@@ -34,7 +34,7 @@ import tfdist  # keras.distribution on TensorFlow
 from tfdist.distribution import local_values
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distribution"))
-from tiny_lms import batches, causal_lm, fit
+from tiny_lms import batches, causal_lm, fit, generations
 
 # First: MultiWorkerMirrored must be made before TensorFlow runs anything.
 keras.distribution.initialize()
@@ -107,6 +107,11 @@ loaded = keras_hub.models.LlamaBackbone.from_preset(str(checkpoints / "preset"))
 preset_difference = max(
     float(np.max(np.abs(a - b))) for a, b in zip(loaded.get_weights(), saved_backbone)
 )
+# generate() runs on every replica (keras-hub calls it outside one): greedy,
+# top-k with a seed and greedy ending early at stop tokens, as the twin.
+# Last: generations() recompiles both models.
+want_tokens = generations(twin)
+tokens = generations(lm)
 print(
     "tfdist result: "
     + json.dumps(
@@ -138,6 +143,8 @@ print(
             "extended_after": extended_after,
             "preset_difference": preset_difference,
             "preset_block": list(loaded.token_embedding.embeddings.shape),
+            "tokens": tokens,
+            "twin_tokens": want_tokens,
         }
     ),
     flush=True,

@@ -608,6 +608,18 @@ PATCHES: tuple[Patch, ...] = (
         canary="no upstream bug: Keras's TensorFlow backend has no layouts; follows tfdist's",
     ),
     Patch(
+        "layouts.generate_function",
+        "keras-hub's CausalLM.make_generate_function (keras_hub.src.models.causal_lm)",
+        "tfdist.distribution.generation:wrap_make_generate_function",
+        "layouts",
+        "keras-hub compiles generate_step as a plain tf.function, called outside any "
+        "replica context; across processes a sharded weight's other blocks are reachable "
+        "only from a replica, so under tfdist the step runs on every replica",
+        params=("self",),
+        dynamic=True,
+        canary="no upstream bug: Keras's TensorFlow backend has no layouts; follows tfdist's",
+    ),
+    Patch(
         "layouts.load_model",
         f"{_K}saving_lib.load_model",
         "tfdist.distribution.layouts:wrap_load_model",

@@ -413,22 +413,37 @@ def wrap_load_model(original):
     return load_model
 
 
-_KERAS_HUB_LOADER = "keras_hub.src.utils.preset_utils"
+#: keras-hub's module, owner and method that each of the registry's dynamic
+#: ``layouts.*`` patches wraps once keras-hub is imported.
+_KERAS_HUB = (
+    (
+        "keras_hub.src.utils.preset_utils",
+        "KerasPresetLoader",
+        "load_backbone",
+        "layouts.preset_loader",
+    ),
+    (
+        "keras_hub.src.models.causal_lm",
+        "CausalLM",
+        "make_generate_function",
+        "layouts.generate_function",
+    ),
+)
 
 
 def _cover_keras_hub() -> None:
-    """Wraps keras-hub's preset loader once keras-hub is imported (the
-    registry's dynamic ``layouts.preset_loader``)."""
+    """Wraps keras-hub's preset loader and ``CausalLM.make_generate_function``
+    once keras-hub is imported."""
     import sys
 
-    module = sys.modules.get(_KERAS_HUB_LOADER)
-    loader = getattr(module, "KerasPresetLoader", None)
-    if loader is None or loader in _covered:
-        return
     from tfdist import compat
 
-    if compat.apply_to("layouts.preset_loader", loader, "load_backbone"):
-        _covered.append(loader)
+    for module, name, attribute, patch in _KERAS_HUB:
+        owner = getattr(sys.modules.get(module), name, None)
+        if owner is None or owner in _covered:
+            continue
+        if compat.apply_to(patch, owner, attribute):
+            _covered.append(owner)
 
 
 _covered: list[type] = []
