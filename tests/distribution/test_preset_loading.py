@@ -39,11 +39,16 @@ def _backbone():
     )
 
 
-def test_from_preset_reads_each_devices_blocks_only(keras_mod, tmp_path, monkeypatch):
+@pytest.mark.parametrize("piece_bytes", [None, 200], ids=["whole-blocks", "200-byte-pieces"])
+def test_from_preset_reads_each_devices_blocks_only(keras_mod, tmp_path, monkeypatch, piece_bytes):
+    """``piece_bytes``: each block is written in pieces of a few rows, the
+    last one shorter (a large model's blocks come in 4 MiB pieces)."""
     from tfdist.distribution import layouts
-    from tfdist.parallel import saving
+    from tfdist.parallel import saving, sharding
 
     keras = keras_mod
+    if piece_bytes:
+        monkeypatch.setattr(sharding, "PIECE_BYTES", piece_bytes)
     keras.utils.set_random_seed(0)
     saved = _backbone()
     saved.save_to_preset(str(tmp_path / "preset"))
@@ -85,8 +90,13 @@ def test_from_preset_reads_each_devices_blocks_only(keras_mod, tmp_path, monkeyp
 
     assert initialized and all(initialized)
     assert len(split) == 1 + 2 * 7
-    # 4 devices, one block each, of every split weight: read as blocks.
-    assert sorted(blocks) == sorted(row.block for row in split for _ in range(4))
+    # 4 devices, one block each, of every split weight: read as blocks, or
+    # in pieces of whole rows that make up the blocks.
+    if piece_bytes is None:
+        assert sorted(blocks) == sorted(row.block for row in split for _ in range(4))
+    else:
+        assert len(blocks) > 4 * len(split)
+        assert all(np.prod(b) * 4 <= piece_bytes or b[0] == 1 for b in blocks), blocks
     # Whole reads only for weights the map leaves whole (the untied logits
     # table; norms are small enough that Keras's store hands them over read).
     replicated = {row.shape for row in table.rows if row.how == "replicated"}

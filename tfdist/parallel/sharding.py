@@ -458,7 +458,22 @@ def assign_full(variable: Any, value: Any) -> None:
             continue
         for rows in pieces:
             piece = np.asarray(value[_relative(where, rows)]).astype(dtype, copy=False)
-            component[rows].assign(piece)
+            _write_rows(component, rows, piece)
+
+
+def _write_rows(component: Any, rows: slice, piece: np.ndarray) -> None:
+    """``component[rows] = piece``, in place. ``component[rows].assign`` reads
+    the whole variable first, and TensorFlow copies a variable's buffer on a
+    write while a read of it is alive: one more block in memory at the first
+    piece (a 64 MiB block peaked at 136 MiB that way, at 75 MiB this way)."""
+    shape = tuple(component.shape)
+    tf.raw_ops.ResourceStridedSliceAssign(
+        ref=component.handle,
+        begin=[rows.start] + [0] * (len(shape) - 1),
+        end=[rows.stop, *shape[1:]],
+        strides=[1] * len(shape),
+        value=piece,
+    )
 
 
 def _seeded(initializer: Any, seed: int | None) -> Any:
