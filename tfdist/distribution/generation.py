@@ -16,6 +16,12 @@ the step runs on every replica with :meth:`strategy.run`:
   shares.
 
 The step is not compiled with XLA there: XLA on CPU has no collectives.
+
+Each process must bring one device. The sampling loop runs the layers'
+collectives once per token; several replicas of one process running the
+loop side by side never finished (4 replicas in one process, measured), so
+a process with several is refused (:func:`check_devices`) rather than left
+to hang. MultiWorkerMirrored on CPUs gives each process one device.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["spanning_strategy", "wrap_make_generate_function"]
+from tfdist.errors import ConfigError
+
+__all__ = ["spanning_strategy", "check_devices", "wrap_make_generate_function"]
 
 
 def spanning_strategy(model: Any) -> Any:
@@ -39,6 +47,25 @@ def spanning_strategy(model: Any) -> Any:
     return strategy if strategy.num_replicas_in_sync > local else None
 
 
+def check_devices(local: int, replicas: int) -> None:
+    """Raises ConfigError unless each process holds one of the replicas.
+
+    Args:
+        local: This process's replicas.
+        replicas: The job's.
+    """
+    if local != 1:
+        raise ConfigError(
+            "devices per process",
+            local,
+            "1 for generate() under a ModelParallel across processes (keras-hub's "
+            "sampling loop runs the layers' collectives once per token, and several "
+            "replicas of one process did not finish it)",
+            source="tfdist.distribution.generation",
+            hint=f"Run the job's {replicas} replicas as {replicas} processes of one device each.",
+        )
+
+
 def wrap_make_generate_function(original):
     """keras-hub's ``CausalLM.make_generate_function``: across processes, a
     function that runs ``generate_step`` on every replica."""
@@ -48,6 +75,7 @@ def wrap_make_generate_function(original):
         strategy = spanning_strategy(self)
         if strategy is None or self.run_eagerly or self.generate_function is not None:
             return original(self)
+        check_devices(len(strategy.extended.worker_devices), strategy.num_replicas_in_sync)
         self.generate_function = _on_every_replica(self, strategy)
         return self.generate_function
 
