@@ -23,4 +23,3 @@ def test_a_process_of_several_devices_is_refused_before_generating(local, replic
     assert "devices per process" in text and f"Received: {local}" in text, text
     assert f"{replicas} processes of one device each" in text, text
     assert info.value.field == "devices per process" and info.value.value == local
-
