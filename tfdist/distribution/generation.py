@@ -17,23 +17,28 @@ the step runs on every replica with :meth:`strategy.run`:
 
 The step is not compiled with XLA there: XLA on CPU has no collectives.
 
-Each process must bring one device. The sampling loop runs the layers'
-collectives once per token; several replicas of one process running the
-loop side by side never finished (4 replicas in one process, measured), so
-a process with several is refused (:func:`check_devices`) rather than left
-to hang. MultiWorkerMirrored on CPUs gives each process one device.
+A process with several devices (a host's GPUs) runs each of its replicas'
+step as a function of its own, on a thread of its own
+(:func:`_threaded`). One function holding every local replica's sampling
+loop never finished: TensorFlow ran one replica's ``while`` op to its first
+collective while the other replicas' loops had not started (measured with 4
+logical CPUs, a loop of one all-reduce; the same all-reduce outside a loop
+finished). Each function is traced first, one after the other, so a tracing
+error surfaces before any replica waits on a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Any
 
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
+from tfdist.parallel import collectives
 
-__all__ = ["spanning_strategy", "check_devices", "wrap_make_generate_function"]
+__all__ = ["spanning_strategy", "on_every_replica", "wrap_make_generate_function"]
 
 
 def spanning_strategy(model: Any) -> Any:
@@ -47,25 +52,6 @@ def spanning_strategy(model: Any) -> Any:
     return strategy if strategy.num_replicas_in_sync > local else None
 
 
-def check_devices(local: int, replicas: int) -> None:
-    """Raises ConfigError unless each process holds one of the replicas.
-
-    Args:
-        local: This process's replicas.
-        replicas: The job's.
-    """
-    if local != 1:
-        raise ConfigError(
-            "devices per process",
-            local,
-            "1 for generate() under a ModelParallel across processes (keras-hub's "
-            "sampling loop runs the layers' collectives once per token, and several "
-            "replicas of one process did not finish it)",
-            source="tfdist.distribution.generation",
-            hint=f"Run the job's {replicas} replicas as {replicas} processes of one device each.",
-        )
-
-
 def wrap_make_generate_function(original):
     """keras-hub's ``CausalLM.make_generate_function``: across processes, a
     function that runs ``generate_step`` on every replica."""
@@ -75,19 +61,66 @@ def wrap_make_generate_function(original):
         strategy = spanning_strategy(self)
         if strategy is None or self.run_eagerly or self.generate_function is not None:
             return original(self)
-        check_devices(len(strategy.extended.worker_devices), strategy.num_replicas_in_sync)
-        self.generate_function = _on_every_replica(self, strategy)
+        self.generate_function = on_every_replica(self, strategy)
         return self.generate_function
 
     return make_generate_function
 
 
-def _on_every_replica(model: Any, strategy: Any):
+def on_every_replica(model: Any, strategy: Any):
+    """A function like keras-hub's ``generate_function`` that runs
+    ``model.generate_step`` on each of ``strategy``'s replicas and returns
+    this process's first replica's result."""
+    if len(strategy.extended.worker_devices) > 1:
+        return _threaded(model, strategy)
+
     @tf.function(jit_compile=False)
     def generate_function(inputs, stop_token_ids=None):
         outputs = strategy.run(
             model.generate_step, args=(inputs,), kwargs={"stop_token_ids": stop_token_ids}
         )
         return strategy.experimental_local_results(outputs)[0]
+
+    return generate_function
+
+
+def _threaded(model: Any, strategy: Any):
+    devices = tuple(strategy.extended.worker_devices)
+    first = collectives.first_local_replica(strategy)
+    steps = [tf.function(model.generate_step, jit_compile=False) for _ in devices]
+
+    def enter(stack: contextlib.ExitStack, i: int) -> None:
+        stack.enter_context(tf.distribute.ReplicaContext(strategy, first + i))
+        stack.enter_context(tf.device(devices[i]))
+
+    def generate_function(inputs, stop_token_ids=None):
+        concrete = []
+        for i, step in enumerate(steps):
+            with contextlib.ExitStack() as stack:
+                enter(stack, i)
+                concrete.append(step.get_concrete_function(inputs, stop_token_ids=stop_token_ids))
+        results: list[Any] = [None] * len(devices)
+        errors: list[BaseException | None] = [None] * len(devices)
+
+        def run(i: int) -> None:
+            try:
+                with contextlib.ExitStack() as stack:
+                    enter(stack, i)
+                    results[i] = concrete[i](inputs, stop_token_ids=stop_token_ids)
+            except BaseException as error:  # noqa: BLE001 - re-raised below, in the caller's thread
+                errors[i] = error
+
+        threads = [
+            threading.Thread(target=run, args=(i,), name=f"tfdist-generate-{i}", daemon=True)
+            for i in range(len(devices))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for error in errors:
+            if error is not None:
+                raise error
+        return results[0]
 
     return generate_function

@@ -36,6 +36,7 @@ from tfdist.parallel.mesh import Mesh
 
 __all__ = [
     "Placement",
+    "first_local_replica",
     "Runtime",
     "current",
     "gather_rows",
@@ -99,7 +100,7 @@ class _InstanceKeys:
             return key
 
 
-def _first_local_replica(strategy: Any) -> int:
+def first_local_replica(strategy: Any) -> int:
     """The global replica id of this process's first local replica."""
     if getattr(strategy, "kind", "") != "multi_worker_mirrored":
         return 0
@@ -133,7 +134,7 @@ class Runtime:
         check_tensorflow()
         self.mesh = mesh
         self.devices = tuple(strategy.extended.worker_devices)
-        self.first = _first_local_replica(strategy)
+        self.first = first_local_replica(strategy)
         base = int(getattr(strategy, "_collective_key_base", 0)) + _GROUP_KEY_OFFSET
         keys = _InstanceKeys()
         options = collective_util.Options()
