@@ -49,7 +49,16 @@ chief = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
 keras.utils.set_random_seed(1)
 twin = causal_lm(keras, "llama")  # No distribution set: one device.
 initial = twin.get_weights()
-twin_losses = fit(twin, skewed=True) if chief else None
+x, _ = batches(skewed=True)
+twin_losses = twin_weights = twin_logits = want_tokens = None
+if chief:
+    # Before the distribution is set: the samplers' seed variables (which
+    # generations() makes) would otherwise be made under MultiWorkerMirrored,
+    # whose initial-value broadcast this worker alone would wait on.
+    twin_losses = fit(twin, skewed=True)
+    twin_weights = twin.get_weights()
+    twin_logits = twin.predict(x, batch_size=8, verbose=0)
+    want_tokens = generations(twin)  # Recompiles the twin.
 
 devices = keras.distribution.list_devices()
 mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
@@ -64,7 +73,6 @@ strategy = lm.distribute_strategy
 weights = lm.get_weights()  # Full values: a collective, on every worker.
 table = tfdist.distribution.report(lm)
 embeddings = lm.backbone.token_embedding.embeddings
-x, _ = batches(skewed=True)
 logits = lm.predict(x, batch_size=8, verbose=0)
 
 checkpoints = Path(os.environ["TFDIST_CHECKPOINT_DIR"])
@@ -114,8 +122,7 @@ preset_difference = max(
 )
 # generate() runs on every replica (keras-hub calls it outside one): greedy,
 # top-k with a seed and greedy ending early at stop tokens, as the twin.
-# Last: generations() recompiles both models.
-want_tokens = generations(twin) if chief else None
+# Last: generations() recompiles the model.
 tokens = generations(lm)
 print(
     "tfdist result: "
@@ -128,9 +135,8 @@ print(
             "losses": losses,
             "twin_losses": twin_losses,
             "largest_difference": chief
-            and max(float(np.max(np.abs(a - b))) for a, b in zip(weights, twin.get_weights())),
-            "predict_difference": chief
-            and float(np.max(np.abs(logits - twin.predict(x, batch_size=8, verbose=0)))),
+            and max(float(np.max(np.abs(a - b))) for a, b in zip(weights, twin_weights)),
+            "predict_difference": chief and float(np.max(np.abs(logits - twin_logits))),
             "logits_sha256": hashlib.sha256(np.asarray(logits).tobytes()).hexdigest(),
             "block": list(embeddings.shape),
             "local_block": [
