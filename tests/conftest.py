@@ -63,6 +63,16 @@ def tf_cpus():
     return tf
 
 
+@pytest.fixture
+def keras_mod(tf_cpus):
+    """Keras on the logical CPUs, with ``keras.distribution`` reset after
+    the test (tests/distribution's modules set one)."""
+    import keras
+
+    yield keras
+    keras.distribution.set_distribution(None)
+
+
 def subprocess_env(**extra: str) -> dict:
     """Environment for a TensorFlow subprocess: quiet, repo importable."""
     env = {k: v for k, v in os.environ.items() if k not in _DETECTION_VARS}

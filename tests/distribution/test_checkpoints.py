@@ -25,14 +25,6 @@ from tfdist.parallel import saving, sharding  # noqa: E402
 from tiny_lms import batches, causal_lm  # noqa: E402
 
 
-@pytest.fixture
-def keras_mod(tf_cpus):
-    import keras
-
-    yield keras
-    keras.distribution.set_distribution(None)
-
-
 def _model_parallel(keras, shape):
     devices = keras.distribution.list_devices("cpu")[: int(np.prod(shape))]
     mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)

@@ -10,14 +10,6 @@ import tfdist
 from conftest import finish, start
 
 
-@pytest.fixture
-def keras_mod(tf_cpus):
-    import keras
-
-    yield keras
-    keras.distribution.set_distribution(None)
-
-
 def _data():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128, 8)).astype("float32")

@@ -23,14 +23,6 @@ keras_hub = pytest.importorskip("keras_hub")
 from tiny_lms import causal_lm, generations  # noqa: E402
 
 
-@pytest.fixture
-def keras_mod(tf_cpus):
-    import keras
-
-    yield keras
-    keras.distribution.set_distribution(None)
-
-
 def test_each_local_replica_samples_on_its_own_thread(keras_mod, monkeypatch):
     """A (2, 2) mesh: each replica is in a tensor group and a data group."""
     keras = keras_mod

@@ -10,15 +10,6 @@ from conftest import REPO, finish, result_line, start
 from tfdist.distribution import guard
 
 
-@pytest.fixture
-def keras_mod(tf_cpus):
-    """Keras, with the distribution reset after the test."""
-    import keras
-
-    yield keras
-    keras.distribution.set_distribution(None)
-
-
 def unguarded_set(keras_mod):
     """``set_distribution`` as taken before tfdist wrapped it (e.g. imported
     by name before ``import tfdist``): the guard cannot see its calls."""

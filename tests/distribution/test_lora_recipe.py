@@ -34,14 +34,6 @@ TOLERANCE = 1e-5
 RANK = 4
 
 
-@pytest.fixture
-def keras_mod(tf_cpus):
-    import keras
-
-    yield keras
-    keras.distribution.set_distribution(None)
-
-
 def _model(keras, family: str):
     # Gemma's map splits the key/value heads over "model": 4 of them, as the
     # issue's recipe has, let a model axis of 4 divide them.

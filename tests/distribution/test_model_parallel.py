@@ -33,14 +33,6 @@ TOLERANCE = 1e-5
 STEPS = 2  # Batches of 8 from 16 rows: Adam's second step sees the first's moments.
 
 
-@pytest.fixture
-def keras_mod(tf_cpus):
-    import keras
-
-    yield keras
-    keras.distribution.set_distribution(None)
-
-
 @functools.cache
 def _unsharded(family: str):
     """The twin: initial weights, losses and final weights, with no distribution."""

@@ -19,14 +19,6 @@ import tfdist
 keras_hub = pytest.importorskip("keras_hub")
 
 
-@pytest.fixture
-def keras_mod(tf_cpus):
-    import keras
-
-    yield keras
-    keras.distribution.set_distribution(None)
-
-
 def _backbone():
     return keras_hub.models.LlamaBackbone(
         vocabulary_size=1024,

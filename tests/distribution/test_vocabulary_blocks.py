@@ -29,14 +29,6 @@ LAYERS = ("embedding", "tied", "untied")
 PATTERNS = ("one_block", "prefix", "repeated", "lone", "zipf", "any")
 
 
-@pytest.fixture
-def keras_mod(tf_cpus):
-    import keras
-
-    yield keras
-    keras.distribution.set_distribution(None)
-
-
 def _ids(pattern: str, vocabulary: int, blocks: int, draw) -> np.ndarray:
     """ROWS x (SEQ + 1) token ids drawn as ``pattern`` says."""
     n = ROWS * (SEQ + 1)
