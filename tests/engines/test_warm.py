@@ -230,6 +230,58 @@ def test_signals_reach_the_job_and_its_children(pool, tmp_path):
     _wait_for(lambda: not _alive(child))
 
 
+def test_a_signal_before_the_pool_answers_reaches_the_job(tmp_path):
+    # tfdist launch may stop its tasks just after starting them: the client
+    # must not die of a SIGTERM that comes before it knows the job's pid (it
+    # did, and the job ran on unsignalled). A pool played here holds the
+    # answer back until the signal was sent.
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "socket"))
+    listener.listen(1)
+    job = subprocess.Popen(["sleep", "600"])  # Stands for the forked process.
+    client = subprocess.Popen(
+        [sys.executable, "-S", warm.__file__.replace("warm.py", "warm_client.py"), "-c", "pass"],
+        env={**subprocess_env(), warm.ENV: str(tmp_path)},
+    )
+    try:
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+        conn.settimeout(60)
+        assert json.loads(conn.recv(1 << 20)[4:])["client"] == client.pid
+        client.send_signal(signal.SIGTERM)
+        _wait_for(lambda: _signal_pending(client.pid, signal.SIGTERM) or client.poll() is not None)
+        conn.sendall(json.dumps({"pid": job.pid}).encode() + b"\n")
+        try:
+            assert job.wait(timeout=30) == -signal.SIGTERM
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                "the SIGTERM sent before the pool answered never reached the job "
+                f"(the client's exit: {client.poll()})"
+            )
+        conn.sendall(json.dumps({"exit": job.returncode}).encode() + b"\n")
+        assert client.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        for proc in (job, client):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        listener.close()
+
+
+def _signal_pending(pid: int, signum: int) -> bool:
+    """Whether ``signum`` waits, blocked, in the process's pending set."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    pending = [
+        line.split()[1] for line in status.splitlines() if line.startswith(("ShdPnd", "SigPnd"))
+    ]
+    return any(int(mask, 16) >> (signum - 1) & 1 for mask in pending)
+
+
 def test_a_killed_client_takes_even_a_stopped_job_along(pool, tmp_path):
     # A hung peer (tests/workers/watchdog_job.py stops itself): the job cannot
     # run its own watch, so the server kills its group.

@@ -30,7 +30,13 @@ import sys
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGCONT")
 
 
+def _signals() -> set:
+    return {getattr(signal, name) for name in FORWARDED}
+
+
 def _fallback(real: str, argv: list) -> None:
+    # An exec keeps the signal mask: the real interpreter gets what came in.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals())
     os.execv(real, [real, *argv])
 
 
@@ -87,6 +93,11 @@ def _read_line(sock: socket.socket) -> dict | None:
 
 
 def main(real: str, argv: list) -> None:
+    # A stop signal that comes before the forked process's pid is known waits
+    # (blocked) and is then passed on: with the default action it would end
+    # this process and leave the job running unsignalled (a launcher that
+    # signals its tasks just after they start).
+    signal.pthread_sigmask(signal.SIG_BLOCK, _signals())
     pool = os.environ.get("TFDIST_WARM_POOL", "")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -134,6 +145,7 @@ def main(real: str, argv: list) -> None:
 
     for name in FORWARDED:
         signal.signal(getattr(signal, name), forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals())
     status = _read_line(sock)
     code = 1 if status is None else status["exit"]
     if code < 0:
