@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# A deadline per test (tests/deadline.py): its hook, registered by this import.
+from deadline import pytest_runtest_protocol  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 
 # The tests sit in one directory per part of tfdist (tests/spec, tests/training,
