@@ -225,6 +225,25 @@ def fast_modules(recorded: dict[str, float]) -> dict[str, bool]:
     return fast
 
 
+#: The tests the older TensorFlow/Keras pairs run besides the fast tier
+#: (.ci/matrix): marked ``matrix``, so that one pytest run per pair takes them.
+MATRIX_TESTS = REPO / ".ci" / "matrix-tests"
+
+
+def matrix_tests() -> set[str]:
+    """The module paths and node ids .ci/matrix-tests lists."""
+    if not MATRIX_TESTS.exists():
+        return set()
+    lines = (line.strip() for line in MATRIX_TESTS.read_text().splitlines())
+    return {line for line in lines if line and not line.startswith("#")}
+
+
+def names(entry: str, nodeid: str) -> bool:
+    """Whether a module path or node id (``entry``) names the test ``nodeid``;
+    a node id without its ``[parameters]`` names every parameter."""
+    return nodeid == entry or nodeid.startswith((f"{entry}::", f"{entry}["))
+
+
 def _module_fixtures(item) -> set[str]:
     """The module- or class-scoped fixtures ``item`` uses (pytest keeps them
     in ``_fixtureinfo``; session-scoped ones are each worker's own)."""
@@ -271,8 +290,11 @@ def pytest_collection_modifyitems(config, items):
     """
     items.sort(key=lambda item: item.nodeid.split("::")[0].endswith("tests/test_docs.py"))
     fast = fast_modules(json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {})
+    listed = matrix_tests()
     for item in items:
         path = item.nodeid.split("::")[0]
+        if any(names(entry, item.nodeid) for entry in listed):
+            item.add_marker(pytest.mark.matrix)
         if item.get_closest_marker("slow"):
             item.user_properties.append(("slow", "1"))  # For tests/suite_times.py.
         elif fast.get(path, True):  # A module the record lacks is fast.

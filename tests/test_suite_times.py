@@ -100,3 +100,20 @@ def test_a_package_with_no_quick_module_lends_its_quickest_unless_it_is_slow():
         "tests/b/test_longer.py": True,
         "tests/c/test_corpus.py": False,
     }
+
+
+def test_every_line_of_the_matrix_list_marks_a_test(request):
+    # .ci/matrix runs -m "fast or matrix": a line that names no test (a test
+    # renamed, a parameter changed) would drop its fit path from the older
+    # pairs in silence.
+    tests = Path(conftest.__file__).parent
+    on_disk = {p.relative_to(tests.parent).as_posix() for p in tests.rglob("test_*.py")}
+    collected = {item.nodeid.split("::")[0] for item in request.session.items}
+    if not on_disk <= collected:
+        pytest.skip("needs the whole suite collected (python -m pytest)")
+    listed = conftest.matrix_tests()
+    marked = [item.nodeid for item in request.session.items if item.get_closest_marker("matrix")]
+    assert len(listed) >= 10
+    for entry in listed:
+        took = [n for n in marked if conftest.names(entry, n)]
+        assert took, f".ci/matrix-tests: {entry!r} names no collected test"
