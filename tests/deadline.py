@@ -11,7 +11,7 @@ the remaining tests. A test process's descendants are found from /proc
 before any is killed, so none is left behind to reparent and run on.
 
 ``TFDIST_TEST_DEADLINE`` sets the seconds (default :data:`SECONDS`; 0 turns
-the deadline off, for a debugger).
+the deadline off). ``--pdb`` and ``--trace`` turn it off too.
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ def expire(nodeid: str, limit: float, config=None) -> None:
 def pytest_runtest_protocol(item, nextitem):
     limit = seconds()
     timer = None
-    if limit:
+    # Not under a debugger (--pdb, --trace): a prompt may wait for hours.
+    debugging = item.config.getoption("usepdb", False) or item.config.getoption("trace", False)
+    if limit and not debugging:
         timer = threading.Timer(limit, expire, args=(item.nodeid, limit, item.config))
         timer.daemon = True
         timer.start()
