@@ -60,6 +60,14 @@ with strategy.scope():
     )
 
 
+def say(line: str) -> None:
+    """One protocol line in one write: under PYTHONUNBUFFERED, print() writes
+    the text and its newline apart, and a TensorFlow log line that the chief
+    or a server wrote to the same pipe in between was glued to the line (a
+    run read "tfdist batch: 0 3E0000 ...")."""
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 class Progress(keras.callbacks.Callback):
     """Prints each batch end; signals a server once, where asked."""
 
@@ -78,12 +86,12 @@ class Progress(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches.append((self.epoch, batch))
-        print(f"tfdist batch: {self.epoch} {batch}", flush=True)
+        say(f"tfdist batch: {self.epoch} {batch}")
         if self.at is not None and (self.epoch, batch) >= self.at and self.signalled is None:
             open(self.marker, "w").close()
             os.kill(cluster.pid(self.task), signal.SIGTERM)
             self.signalled = {"task": self.task, "at": [self.epoch, batch], "time": time.time()}
-            print(f"tfdist signalled: {self.task} at {self.epoch} {batch}", flush=True)
+            say(f"tfdist signalled: {self.task} at {self.epoch} {batch}")
         time.sleep(0.03)
 
 
@@ -92,7 +100,7 @@ backup = os.path.join(WORKDIR, "backup")
 from tfdist.training.callbacks import read_backup_pointer  # noqa: E402
 
 at_start = read_backup_pointer(backup)
-print(f"tfdist start: {json.dumps(at_start)}", flush=True)
+say(f"tfdist start: {json.dumps(at_start)}")
 progress = Progress()
 result = {}
 try:
@@ -116,8 +124,7 @@ try:
     }
 finally:
     codes = {t: cluster._server(t).proc.poll() for t in cluster.tasks}
-    print(f"tfdist servers: {json.dumps(codes)}", flush=True)
+    say(f"tfdist servers: {json.dumps(codes)}")
     cluster.stop()
-print("tfdist result: " + json.dumps(result), flush=True)
-sys.stdout.flush()
+say("tfdist result: " + json.dumps(result))
 os._exit(0)  # Skip TensorFlow's teardown of the stopped servers' functions.
