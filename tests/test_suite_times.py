@@ -51,6 +51,29 @@ def test_the_report_gives_the_table_and_each_modules_time_without_slow_tests(tmp
     assert len(rows) == 4
 
 
+def test_each_modules_time_is_its_least_over_the_reports_given(tmp_path):
+    report = tmp_path / "suite.xml"
+    report.write_text(REPORT)
+    earlier = tmp_path / "earlier.xml"
+    earlier.write_text(
+        REPORT.replace('name="test_a[x@y]" time="1.5"', 'name="test_a[x@y]" time="0.5"')
+        .replace('time="7.0"', 'time="9.0"')
+        .replace("tests.test_lint", "tests.test_other")
+    )
+    doc = tmp_path / "contributing.md"
+    doc.write_text(f"{suite_times.BEGIN}\n{suite_times.END}\n")
+    durations = tmp_path / "durations.json"
+    argv = [str(report), str(earlier), f"--doc={doc}", f"--durations={durations}"]
+    assert suite_times.main(argv) == 0
+    assert json.loads(durations.read_text()) == {
+        "tests/spec/test_cluster.py": 2.5,  # 0.5 + 2.0 in the earlier run, 3.5 in this one.
+        "tests/test_lint.py": 7.0,  # This run only.
+        "tests/test_other.py": 9.0,  # The earlier run only.
+    }
+    # The table is the first report's run.
+    assert "| 1.5 |  | `tests/spec/test_cluster.py::test_a[x@y]` |" in doc.read_text()
+
+
 def test_a_report_without_tests_or_a_page_without_markers_is_refused(tmp_path):
     empty = tmp_path / "empty.xml"
     empty.write_text('<testsuites><testsuite name="pytest" time="1"/></testsuites>')
