@@ -127,4 +127,5 @@ finally:
     say(f"tfdist servers: {json.dumps(codes)}")
     cluster.stop()
 say("tfdist result: " + json.dumps(result))
+sys.stdout.flush()  # Anything printed before, when run without -u.
 os._exit(0)  # Skip TensorFlow's teardown of the stopped servers' functions.
