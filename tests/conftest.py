@@ -240,8 +240,9 @@ def matrix_tests() -> set[str]:
 
 def names(entry: str, nodeid: str) -> bool:
     """Whether a module path or node id (``entry``) names the test ``nodeid``;
-    a node id without its ``[parameters]`` names every parameter."""
-    return nodeid == entry or nodeid.startswith((f"{entry}::", f"{entry}["))
+    a node id without its ``[parameters]`` names every parameter. Under
+    xdist's loadgroup, a collected test's node id ends with ``@GROUP``."""
+    return nodeid == entry or nodeid.startswith((f"{entry}::", f"{entry}[", f"{entry}@"))
 
 
 def _module_fixtures(item) -> set[str]:
