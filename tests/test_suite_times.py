@@ -85,12 +85,18 @@ def test_a_report_without_tests_or_a_page_without_markers_is_refused(tmp_path):
         suite_times.write_doc("table", page)
 
 
-def test_the_fast_tier_touches_every_package(request):
+def whole_suite(request) -> Path:
+    """tests/, or a skip when the run did not collect every test module."""
     tests = Path(conftest.__file__).parent
     on_disk = {p.relative_to(tests.parent).as_posix() for p in tests.rglob("test_*.py")}
     collected = {item.nodeid.split("::")[0] for item in request.session.items}
     if not on_disk <= collected:
         pytest.skip("needs the whole suite collected (python -m pytest)")
+    return tests
+
+
+def test_the_fast_tier_touches_every_package(request):
+    tests = whole_suite(request)
     fast = {
         item.nodeid.split("::")[0].split("/")[1]
         for item in request.session.items
@@ -129,11 +135,7 @@ def test_every_line_of_the_matrix_list_marks_a_test(request):
     # .ci/matrix runs -m "fast or matrix": a line that names no test (a test
     # renamed, a parameter changed) would drop its fit path from the older
     # pairs in silence.
-    tests = Path(conftest.__file__).parent
-    on_disk = {p.relative_to(tests.parent).as_posix() for p in tests.rglob("test_*.py")}
-    collected = {item.nodeid.split("::")[0] for item in request.session.items}
-    if not on_disk <= collected:
-        pytest.skip("needs the whole suite collected (python -m pytest)")
+    whole_suite(request)
     listed = conftest.matrix_tests()
     marked = [item.nodeid for item in request.session.items if item.get_closest_marker("matrix")]
     assert len(listed) >= 10
