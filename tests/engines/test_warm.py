@@ -270,6 +270,56 @@ def test_a_signal_before_the_pool_answers_reaches_the_job(tmp_path):
         listener.close()
 
 
+def test_a_signal_after_the_job_exited_leaves_its_exit_code(tmp_path):
+    # tfdist launch resends SIGTERM every 2 s to tasks that wrote no status
+    # record (tests/engines/test_preempt_launch.py's "ignore" tasks). One
+    # that came while the client's interpreter finalized, which puts back
+    # the default action, killed it after its job exited 0: the launcher
+    # reported "worker:1 was killed by SIGTERM". A pool played here reports
+    # the exit while the test sends SIGTERM without pause until the client
+    # is gone; without the fix the client died of it in 5 runs of 6.
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "socket"))
+    listener.listen(1)
+    job = subprocess.Popen(["true"])  # Stands for the forked process.
+    job.wait()
+    client = subprocess.Popen(
+        [sys.executable, "-S", warm.__file__.replace("warm.py", "warm_client.py"), "-c", "pass"],
+        env={**subprocess_env(), warm.ENV: str(tmp_path)},
+    )
+    try:
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+        conn.settimeout(60)
+        assert json.loads(conn.recv(1 << 20)[4:])["client"] == client.pid
+        conn.sendall(json.dumps({"pid": job.pid}).encode() + b"\n")
+        _wait_for(lambda: _handles(client.pid, signal.SIGTERM))
+        conn.sendall(json.dumps({"exit": 0}).encode() + b"\n")
+        sent = 0
+        while client.poll() is None and sent < 10**6:
+            # A zombie takes signals too (ESRCH only once reaped).
+            os.kill(client.pid, signal.SIGTERM)
+            sent += 1
+        assert client.wait(timeout=30) == 0, f"{sent} SIGTERMs sent"
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+        listener.close()
+
+
+def _handles(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (SigCgt)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    [caught] = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt")]
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
 def _signal_pending(pid: int, signum: int) -> bool:
     """Whether ``signum`` waits, blocked, in the process's pending set."""
     try:

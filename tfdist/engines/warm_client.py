@@ -147,10 +147,17 @@ def main(real: str, argv: list) -> None:
         signal.signal(getattr(signal, name), forward)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals())
     status = _read_line(sock)
+    # The job is gone: a stop signal has no one to go to. Blocked for the
+    # exit, as the interpreter's finalization puts the default action back
+    # on every signal with a Python handler, and a SIGTERM there would end
+    # this process as "killed by SIGTERM" after the job exited 0 (tfdist
+    # launch resends its SIGTERM to the tasks still running every 2 s).
+    signal.pthread_sigmask(signal.SIG_BLOCK, _signals())
     code = 1 if status is None else status["exit"]
     if code < 0:
         if -code not in (signal.SIGKILL, signal.SIGSTOP):  # Those have no handler.
             signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {-code})
         os.kill(os.getpid(), -code)
     sys.exit(code)
 
