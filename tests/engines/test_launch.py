@@ -70,6 +70,21 @@ def test_output_is_prefixed_and_filtered_by_task():
     assert "[chief:0] task chief:0 of 2 workers, attempt 0" in lines
 
 
+def test_a_tasks_lines_stay_whole_while_its_stderr_logs_between_their_parts(tmp_path):
+    # print() under PYTHONUNBUFFERED writes a line's text and its newline
+    # apart; on one pipe for both streams, a log line written to stderr in
+    # between was glued to it.
+    result, lines = run("chatty", show_all=True, log_dir=tmp_path)
+    assert result.ok, lines
+    for task in ("worker:0", "worker:1"):
+        shown = [line for line in lines if line.startswith(f"[{task}] line ")]
+        assert shown == [f"[{task}] line {n} of {task}" for n in range(300)], shown[:5]
+        logged = (tmp_path / "attempt-0" / f"{task.replace(':', '-')}.log").read_text()
+        mine = [line for line in logged.splitlines() if line.startswith("line ")]
+        assert mine == [f"line {n} of {task}" for n in range(300)]
+        assert "a log line" in logged
+
+
 def test_a_failing_task_stops_the_others_and_gives_its_code(tmp_path):
     result, lines = run("fail-1", tmp_path)
     assert result.exit_code == 3 and result.failure.task == "worker:1"

@@ -11,6 +11,8 @@ cluster's ports to DIR/ports-ATTEMPT and its TFDIST_JOB_DIR to DIR/jobdir-ATTEMP
 * kill-1: worker 1 kills itself with SIGKILL.
 * sleep: everyone sleeps until stopped.
 * interfaces: print the network interfaces this process sees.
+* chatty: print() 300 numbered lines while a thread writes a C++-like log
+  line to stderr in one write at a time, as TensorFlow's logger does; exit 0.
 """
 
 import json
@@ -19,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +52,20 @@ if out is not None:
 
 if mode == "interfaces":
     print("interfaces: " + ",".join(sorted(n for _, n in socket.if_nameindex())), flush=True)
+    sys.exit(0)
+if mode == "chatty":
+    done = threading.Event()
+
+    def log():
+        while not done.is_set():
+            os.write(2, b"E0000 00:00:1795433773.187567    4577 chatty.cc:1] a log line\n")
+
+    logger = threading.Thread(target=log)
+    logger.start()
+    for n in range(300):
+        print(f"line {n} of {task_type}:{index}")  # The text, then its newline.
+    done.set()
+    logger.join()
     sys.exit(0)
 failing = task_type == "worker" and index == 1
 if mode == "fail-1-once" and attempt > 0:

@@ -56,12 +56,18 @@ class Task:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL)
         self.port_taken = False
         self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115 - open for the task's lifetime
+        self._log_lock = threading.Lock()
+        self._pumping = 2  # The log is closed when both streams ended.
         # Own session: the launcher signals the whole group, grandchildren too.
+        # stdout and stderr on pipes of their own: on one pipe, a line that
+        # Python wrote in two parts (print() writes the text, then the
+        # newline, under PYTHONUNBUFFERED) took TensorFlow's C++ log line
+        # written to stderr in between ("tfdist batch: 0 3E0000 ...").
         self.proc = subprocess.Popen(
             argv,
             env=env,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             text=True,
@@ -69,16 +75,21 @@ class Task:
             errors="replace",
             bufsize=1,
         )
-        self._thread = threading.Thread(target=self._pump, args=(out, shown, verbose), daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._pump, args=(stream, out, shown, verbose), daemon=True)
+            for stream in (self.proc.stdout, self.proc.stderr)
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _pump(self, out: Output, shown: bool, verbose: bool) -> None:
+    def _pump(self, stream: IO[str], out: Output, shown: bool, verbose: bool) -> None:
         in_traceback = False
         noise = None if verbose else NoiseFilter()
-        for line in self.proc.stdout:
+        for line in stream:
             line = line.rstrip("\n")
             if self._log:
-                self._log.write(line + "\n")
+                with self._log_lock:
+                    self._log.write(line + "\n")
             if PORT_TAKEN.search(line):
                 self.port_taken = True
             if noise is not None and noise.is_noise(line):
@@ -87,8 +98,10 @@ class Task:
             in_traceback = in_traceback or line.startswith("Traceback")
             if shown or in_traceback or (IMPORTANT.search(line) and not TF_INFO.match(line)):
                 out.line(f"[{self.task}] {line}")
-        if self._log:
-            self._log.close()
+        with self._log_lock:
+            self._pumping -= 1
+            if self._log and not self._pumping:
+                self._log.close()
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -101,7 +114,9 @@ class Task:
 
     def finish(self, timeout: float = 5.0) -> None:
         """Waits for the output to drain after the process ended."""
-        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def exit(self) -> TaskExit:
         return TaskExit(self.task, self.proc.returncode, tuple(self.tail))
