@@ -6,13 +6,13 @@ dense step) it trains with ``gradient_accumulation_steps=4`` and with a 4x
 larger batch under MultiWorkerMirrored, and prints one 'tfdist result:' line.
 """
 
-import json
 import sys
 
 import numpy as np
 
 import accumulation_check
 import tfdist
+from protocol import result
 from tfdist.compression import PowerSGD
 
 K = 4
@@ -38,4 +38,4 @@ for setting in sys.argv[1].split(","):
         ),
         "bytes_ratio": sum(ours["sent"]) / sum(reference["sent"]),
     }
-print("tfdist result: " + json.dumps(results), flush=True)
+result(results)

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 
 out = Path(sys.argv[1])
 attempt = int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0"))
@@ -80,4 +81,4 @@ result = {
     "weights": np.concatenate([w.ravel() for w in model.get_weights()]).tolist(),
 }
 (out / f"result-{attempt}-{task}.json").write_text(json.dumps(result))
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import _common
 import tfdist
+from protocol import say
 from tfdist.training.callbacks import BackupAndRestore, ModelCheckpoint, TensorBoard
 from tfdist.training.data import distribute_dataset
 
@@ -102,5 +103,5 @@ result.update(
     ],
     weights=weights.tolist(),
 )
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))
 sys.exit(0)

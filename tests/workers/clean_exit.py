@@ -8,7 +8,6 @@ after tfdist's exit handler ran.
 """
 
 import atexit
-import json
 import os
 import sys
 import time
@@ -18,10 +17,11 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import result, say
 from tfdist.strategies.multi_worker import configure_coordination
 
 # Registered before the strategy's handler, so it runs after it.
-atexit.register(lambda: print(f"tfdist exited: {time.time()}", flush=True))
+atexit.register(lambda: say(f"tfdist exited: {time.time()}"))
 
 resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
 configure_coordination(
@@ -38,9 +38,5 @@ x = np.random.RandomState(0).rand(64, 4).astype("float32")
 history = model.fit(x, x.sum(1, keepdims=True), batch_size=32, epochs=1, verbose=0)
 if task == 0:
     time.sleep(float(os.environ["TFDIST_TEST_LINGER"]))
-print(
-    "tfdist result: "
-    + json.dumps({"task": task, "loss": history.history["loss"], "leaving": time.time()}),
-    flush=True,
-)
+result({"task": task, "loss": history.history["loss"], "leaving": time.time()})
 sys.exit(0)

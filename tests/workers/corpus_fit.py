@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from protocol import say
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
 
 import numpy as np
@@ -64,4 +66,4 @@ for wanted in WANTED:
         "epochs": run["epochs"],
         "trainable": run["trainable"],
     }
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))

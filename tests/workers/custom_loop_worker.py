@@ -7,11 +7,11 @@ optimizer.build) and compares the first update with the reference
 reduction of both workers' gradients. Prints one 'tfdist result:' line.
 """
 
-import json
 import sys
 
 import loop_check
 import tfdist
+from protocol import result
 
 results = {}
 for setting in sys.argv[1].split(","):
@@ -23,4 +23,4 @@ for setting in sys.argv[1].split(","):
     found = loop_check.check(strategy, loop_check.run(strategy, steps=steps))
     found["replicas"] = strategy.num_replicas_in_sync
     results[setting] = found
-print("tfdist result: " + json.dumps(results), flush=True)
+result(results)

@@ -4,7 +4,6 @@ middle of epoch 3 on the launcher's first attempt.
 
 Usage: ft_fit.py BACKUP_DIR MODE. Prints one 'tfdist result:' line."""
 
-import json
 import os
 import signal
 import sys
@@ -14,6 +13,7 @@ import tensorflow as tf
 
 import _common
 import tfdist
+from protocol import result
 
 backup_dir, mode = sys.argv[1], sys.argv[2]
 attempt = int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0"))
@@ -52,18 +52,14 @@ history = model.fit(
     shuffle=False,
     verbose=2 if strategy.is_chief else 0,
 )
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "task": strategy.task,
-            "attempt": attempt,
-            "epochs_run": history.epoch,
-            "loss": history.history["loss"],
-            "accuracy": history.history["accuracy"],
-            "resumed_epoch": (backup.resumed_from or {}).get("epoch"),
-            "weights": [float(w.sum()) for w in model.get_weights()],
-        }
-    ),
-    flush=True,
+result(
+    {
+        "task": strategy.task,
+        "attempt": attempt,
+        "epochs_run": history.epoch,
+        "loss": history.history["loss"],
+        "accuracy": history.history["accuracy"],
+        "resumed_epoch": (backup.resumed_from or {}).get("epoch"),
+        "weights": [float(w.sum()) for w in model.get_weights()],
+    }
 )

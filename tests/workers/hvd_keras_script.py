@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist.horovod as hvd
+from protocol import say
 
 EXAMPLES, BATCH, CLASSES = 512, 32, 10
 STEPS, EPOCHS, WARMUP_EPOCHS, BASE_LR = 16, 3, 2, 0.002
@@ -157,7 +158,7 @@ def main(out_dir):
             isinstance(c, tf.keras.callbacks.ModelCheckpoint) for c in callbacks
         ),
     }
-    print("tfdist result: " + json.dumps(result), flush=True)
+    say("tfdist result: " + json.dumps(result))
 
 
 if __name__ == "__main__":

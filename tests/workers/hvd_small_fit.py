@@ -2,9 +2,9 @@
 (Slurm, HOROVOD_* variables)."""
 
 import hashlib
-import json
 
 import tfdist.horovod as hvd
+from protocol import result
 
 hvd.init()
 
@@ -20,17 +20,13 @@ model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), "mse")
 hvd.broadcast_variables(model.variables, root_rank=0)
 model.fit(x, y, batch_size=8, epochs=2, verbose=0)
 weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "rank": hvd.rank(),
-            "size": hvd.size(),
-            "local_rank": hvd.local_rank(),
-            "local_size": hvd.local_size(),
-            "sum": float(hvd.allreduce(tf.constant(float(hvd.rank() + 1)), op=hvd.Sum).numpy()),
-            "weights_sha256": hashlib.sha256(weights.tobytes()).hexdigest(),
-        }
-    ),
-    flush=True,
+result(
+    {
+        "rank": hvd.rank(),
+        "size": hvd.size(),
+        "local_rank": hvd.local_rank(),
+        "local_size": hvd.local_size(),
+        "sum": float(hvd.allreduce(tf.constant(float(hvd.rank() + 1)), op=hvd.Sum).numpy()),
+        "weights_sha256": hashlib.sha256(weights.tobytes()).hexdigest(),
+    }
 )

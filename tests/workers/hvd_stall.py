@@ -4,11 +4,11 @@ Rank 0 calls a tf.function that all-reduces; rank 1 never does and stays
 alive past the timeout, so the failure must come from collective_timeout.
 """
 
-import json
 import os
 import time
 
 import tfdist.horovod as hvd
+from protocol import result
 
 hvd.init()
 
@@ -32,7 +32,7 @@ if hvd.rank() == 0:
     except tf.errors.OpError as error:
         out["error"] = error.message
     out["after"] = time.monotonic() - began
-print("tfdist result: " + json.dumps(out), flush=True)
+result(out)
 if hvd.rank() == 1:
     time.sleep(timeout + 6)
 os._exit(0)

@@ -5,12 +5,12 @@ Each check prints ``tfdist result: {...}`` once at the end; the timeout check
 runs last because it aborts this process's collectives.
 """
 
-import json
 import os
 import sys
 import time
 
 import tfdist.horovod as hvd
+from protocol import result
 
 cuda_before = os.environ.get("CUDA_VISIBLE_DEVICES")
 hvd.init()  # Before any device set-up, as Horovod's examples do.
@@ -166,7 +166,7 @@ if r == 0:
     except hvd.CollectiveTimeoutError as error:
         out["timeout"] = str(error)
     out["timeout_after"] = time.monotonic() - began
-print("tfdist result: " + json.dumps(out), flush=True)
+result(out)
 if r == 1:
     # Stay alive past rank 0's timeout: the failure must come from the
     # collective_timeout, not from this process exiting.

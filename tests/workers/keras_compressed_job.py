@@ -8,13 +8,13 @@ axis, in bfloat16. A second initialize() with other options is refused.
 Prints one "tfdist result:" line: losses, weights, bytes sent.
 """
 
-import json
 import sys
 from pathlib import Path
 
 import keras
 
 import tfdist
+from protocol import result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distribution"))
 import fsdp_mlp
@@ -30,16 +30,12 @@ keras.distribution.set_distribution(
     fsdp_mlp.model_parallel(keras, keras.distribution.list_devices())
 )
 model, loss, weights, sent = fsdp_mlp.fit(keras)
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "task": model.distribute_strategy.task,
-            "again": again,
-            "loss": loss,
-            "weights": [w.tolist() for w in weights],
-            "sent": sent,
-        }
-    ),
-    flush=True,
+result(
+    {
+        "task": model.distribute_strategy.task,
+        "again": again,
+        "loss": loss,
+        "weights": [w.tolist() for w in weights],
+        "sent": sent,
+    }
 )

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 
+from protocol import say
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
@@ -91,4 +93,4 @@ early_set(model_parallel())  # Not wrapped: taken before tfdist was imported.
 with strategy.scope():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
 result["compile_with_early_set"] = outcome(lambda: model.compile("sgd", "mse"))
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))

@@ -10,13 +10,13 @@ result:" line.
 """
 
 import hashlib
-import json
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import tfdist  # keras.distribution on TensorFlow
+from protocol import result
 
 keras.distribution.initialize()
 devices = keras.distribution.list_devices()
@@ -38,20 +38,14 @@ try:
     compressed = None
 except tfdist.ConfigError as error:
     compressed = {"field": error.field, "message": str(error)}
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "devices": devices,
-            "task": strategy.task,
-            "kind": strategy.kind,
-            "replicas": strategy.num_replicas_in_sync,
-            "loss": history.history["loss"],
-            "compressed": compressed,
-            "sha256": hashlib.sha256(
-                b"".join(w.tobytes() for w in model.get_weights())
-            ).hexdigest(),
-        }
-    ),
-    flush=True,
+result(
+    {
+        "devices": devices,
+        "task": strategy.task,
+        "kind": strategy.kind,
+        "replicas": strategy.num_replicas_in_sync,
+        "loss": history.history["loss"],
+        "compressed": compressed,
+        "sha256": hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest(),
+    }
 )

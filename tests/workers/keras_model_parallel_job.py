@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist  # keras.distribution on TensorFlow
+from protocol import result
 from tfdist.distribution import local_values
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distribution"))
@@ -124,38 +125,34 @@ preset_difference = max(
 # top-k with a seed and greedy ending early at stop tokens, as the twin.
 # Last: generations() recompiles the model.
 tokens = generations(lm)
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "task": strategy.task,
-            "replicas": strategy.num_replicas_in_sync,
-            "mesh": tfdist.parallel.mesh_of(strategy).describe(),
-            "devices": devices,
-            "losses": losses,
-            "twin_losses": twin_losses,
-            "largest_difference": chief
-            and max(float(np.max(np.abs(a - b))) for a, b in zip(weights, twin_weights)),
-            "predict_difference": chief and float(np.max(np.abs(logits - twin_logits))),
-            "logits_sha256": hashlib.sha256(np.asarray(logits).tobytes()).hexdigest(),
-            "block": list(embeddings.shape),
-            "local_block": [
-                list(b.shape) for b in strategy.experimental_local_results(embeddings.value)
-            ],
-            "bytes_per_device": table.bytes_per_device,
-            "full_bytes": table.full_bytes,
-            "traffic": tfdist.parallel.traffic(strategy),
-            "sha256": hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
-            "optimizer_sha256": hashlib.sha256(b"".join(w.tobytes() for w in slots)).hexdigest(),
-            "gathers_while_saving": gathers_while_saving,
-            "initial_difference_from_worker_0": initial_difference,
-            "initial_values": [float(broadcast.numpy()), float(own.numpy())],
-            "extended_after": extended_after,
-            "preset_difference": preset_difference,
-            "preset_block": list(loaded.token_embedding.embeddings.shape),
-            "tokens": tokens,
-            "twin_tokens": want_tokens,
-        }
-    ),
-    flush=True,
+result(
+    {
+        "task": strategy.task,
+        "replicas": strategy.num_replicas_in_sync,
+        "mesh": tfdist.parallel.mesh_of(strategy).describe(),
+        "devices": devices,
+        "losses": losses,
+        "twin_losses": twin_losses,
+        "largest_difference": chief
+        and max(float(np.max(np.abs(a - b))) for a, b in zip(weights, twin_weights)),
+        "predict_difference": chief and float(np.max(np.abs(logits - twin_logits))),
+        "logits_sha256": hashlib.sha256(np.asarray(logits).tobytes()).hexdigest(),
+        "block": list(embeddings.shape),
+        "local_block": [
+            list(b.shape) for b in strategy.experimental_local_results(embeddings.value)
+        ],
+        "bytes_per_device": table.bytes_per_device,
+        "full_bytes": table.full_bytes,
+        "traffic": tfdist.parallel.traffic(strategy),
+        "sha256": hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
+        "optimizer_sha256": hashlib.sha256(b"".join(w.tobytes() for w in slots)).hexdigest(),
+        "gathers_while_saving": gathers_while_saving,
+        "initial_difference_from_worker_0": initial_difference,
+        "initial_values": [float(broadcast.numpy()), float(own.numpy())],
+        "extended_after": extended_after,
+        "preset_difference": preset_difference,
+        "preset_block": list(loaded.token_embedding.embeddings.shape),
+        "tokens": tokens,
+        "twin_tokens": want_tokens,
+    }
 )

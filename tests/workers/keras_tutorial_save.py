@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 
 out_dir = sys.argv[1]
 attempt = int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0"))
@@ -123,7 +124,7 @@ class Record(tf.keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_epoch_end(self, epoch, logs=None):
-        print(
+        say(
             "tfdist epoch: "
             + json.dumps(
                 {
@@ -133,8 +134,7 @@ class Record(tf.keras.callbacks.Callback):
                     "digest": digest(self.model),
                     "loss": float(logs["loss"]),
                 }
-            ),
-            flush=True,
+            )
         )
 
 
@@ -162,7 +162,7 @@ history = step(
     ),
 )
 if history is None:
-    print("tfdist result: " + json.dumps(result), flush=True)
+    say("tfdist result: " + json.dumps(result))
     sys.exit(1)  # The job cannot go on; the launcher restarts it, if allowed.
 result["epochs_run"] = history.epoch
 result["iterations"] = int(multi_worker_model.optimizer.iterations.numpy())
@@ -226,4 +226,4 @@ if os.environ.get("TFDIST_TEST_COMPRESSION") is None and _is_chief(task_type, ta
         lambda: multi_worker_model.save(os.path.join(out_dir, "chief-only.keras")),
     )
 
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))

@@ -5,7 +5,6 @@ tutorial's notebook may: it builds its tf.data pipeline first (mode
 message saying what to move). Prints one 'tfdist result:' line.
 """
 
-import json
 import sys
 
 import keras
@@ -13,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import result
 
 mode = sys.argv[1]
 rng = np.random.default_rng(0)
@@ -46,21 +46,17 @@ with strategy.scope():
     )
 history = model.fit(train, epochs=4, steps_per_epoch=8, verbose=0)
 first_x, first_y = next(iter(base.batch(4)))
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "task": strategy.task,
-            "replicas": strategy.num_replicas_in_sync,
-            "loss": history.history["loss"],
-            "accuracy": history.history["accuracy"],
-            "kernel_sum": float(np.sum(model.get_weights()[0])),
-            "base_matches": bool(
-                np.array_equal(first_x.numpy(), x[:4]) and np.array_equal(first_y.numpy(), y[:4])
-            ),
-            "base_device": first_x.device,
-            "generated": [int(v) for v in counts],
-        }
-    ),
-    flush=True,
+result(
+    {
+        "task": strategy.task,
+        "replicas": strategy.num_replicas_in_sync,
+        "loss": history.history["loss"],
+        "accuracy": history.history["accuracy"],
+        "kernel_sum": float(np.sum(model.get_weights()[0])),
+        "base_matches": bool(
+            np.array_equal(first_x.numpy(), x[:4]) and np.array_equal(first_y.numpy(), y[:4])
+        ),
+        "base_device": first_x.device,
+        "generated": [int(v) for v in counts],
+    }
 )

@@ -2,11 +2,10 @@
 collective (multi-worker) or 10 remote steps (parameter server, on the chief).
 Prints one 'tfdist result:' line."""
 
-import json
-
 import tensorflow as tf
 
 import tfdist
+from protocol import result
 
 strategy = tfdist.strategy_from_config(register_timeout=60)
 if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
@@ -25,7 +24,4 @@ if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
     value = float(counter.numpy())
 else:
     value = float(strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None))
-print(
-    "tfdist result: " + json.dumps({"value": value, "task": strategy.task, "kind": strategy.kind}),
-    flush=True,
-)
+result({"value": value, "task": strategy.task, "kind": strategy.kind})

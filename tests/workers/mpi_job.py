@@ -25,6 +25,8 @@ import sys
 import numpy as np
 import tensorflow as tf
 
+from protocol import say
+
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
@@ -92,7 +94,7 @@ def compare(settings: list[str]) -> None:
             "describe": strategy.describe(),
         }
     if rank == 0:
-        print("tfdist result: " + json.dumps(out), flush=True)
+        say("tfdist result: " + json.dumps(out))
 
 
 class FailBeforeThirdStep(keras.callbacks.Callback):
@@ -131,10 +133,9 @@ def plain() -> None:
         "allreduce_calls": None if transport is None else transport.calls["allreduce"],
         "attempt": os.environ.get("TFDIST_LAUNCH_ATTEMPT"),
     }
-    # One write: print() writes the text and its newline apart (unbuffered),
+    # One write (say): print() writes the text and its newline apart (unbuffered),
     # and two ranks' lines interleaved on mpiexec's stdout ('Extra data').
-    sys.stdout.write(f"rank {rank} result: {json.dumps(result)}\n")
-    sys.stdout.flush()
+    say(f"rank {rank} result: {json.dumps(result)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import _common
 import tfdist
+from protocol import say
 from tfdist.compression import CommunicationStats
 from tfdist.compression.aggregate import ReplicaComm
 
@@ -39,7 +40,7 @@ result = _common.train(
 result["description"] = strategy.describe()
 result["comm"] = stats.last.as_logs()
 if compression:
-    print("tfdist result: " + json.dumps(result), flush=True)
+    say("tfdist result: " + json.dumps(result))
     sys.exit(0)
 
 per_replica = strategy.run(
@@ -91,5 +92,5 @@ for value, axis in ((per_replica, None), (per_replica[1], 0)):
         result["stock_errors"].append(None)
     except Exception as error:  # noqa: BLE001 - recorded for the test
         result["stock_errors"].append(f"{type(error).__name__}: {error}"[:300])
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))
 sys.exit(0)

@@ -8,13 +8,12 @@ and prints one 'tfdist result:' line with both runs' losses and the largest
 weight difference.
 """
 
-import json
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import result
 from tfdist import parallel as tp
 
 strategy = tfdist.strategy_from_config(register_timeout=90, model_parallel=2)
@@ -46,20 +45,14 @@ data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 expected = reference.fit(data, epochs=3, verbose=0).history["loss"]
 got = model.fit(data, epochs=3, verbose=0).history["loss"]
 full = model.get_weights()  # A gather every worker joins.
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "task": strategy.task,
-            "mesh": tp.mesh_of(strategy).describe(),
-            "shard": list(model.layers[0].kernel.shape),
-            "expected": expected,
-            "got": got,
-            "weights": max(
-                float(np.abs(a - b).max()) for a, b in zip(full, reference.get_weights())
-            ),
-            "traffic": tp.traffic(strategy),
-        }
-    ),
-    flush=True,
+result(
+    {
+        "task": strategy.task,
+        "mesh": tp.mesh_of(strategy).describe(),
+        "shard": list(model.layers[0].kernel.shape),
+        "expected": expected,
+        "got": got,
+        "weights": max(float(np.abs(a - b).max()) for a, b in zip(full, reference.get_weights())),
+        "traffic": tp.traffic(strategy),
+    }
 )

@@ -8,7 +8,6 @@ and loads both back: with no strategy, and at T=2 in the same job. Prints
 one 'tfdist result:' line with the shapes and the differences it saw.
 """
 
-import json
 import os
 import zipfile
 
@@ -18,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import result
 from tfdist import parallel as tp
 
 out = os.environ["TFDIST_TEST_DIR"]
@@ -63,24 +63,20 @@ def diff(a, b):
     return max(float(np.abs(np.asarray(p) - np.asarray(q)).max()) for p, q in zip(a, b))
 
 
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "index": index,
-            "local_shard": list(local[0].shape),
-            "full": [list(w.shape) for w in weights],
-            "saved_kernel": list(saved_kernel.shape),
-            "saved_vs_full": float(np.abs(saved_kernel - weights[0]).max()),
-            "weights_checksum": float(sum(np.abs(w).sum() for w in weights)),
-            "plain": diff(plain.get_weights(), weights),
-            "plain_slots": diff(tp.saving.full_weights(plain.optimizer.variables), slots),
-            "again": diff(again.get_weights(), weights),
-            "again_shard": list(again.layers[0].kernel.shape),
-            "again_slots": diff(tp.saving.full_weights(again.optimizer.variables), slots),
-            "restored": diff(restored.get_weights(), weights),
-            "restored_slots": diff(tp.saving.full_weights(restored.optimizer.variables), slots),
-        }
-    ),
-    flush=True,
+result(
+    {
+        "index": index,
+        "local_shard": list(local[0].shape),
+        "full": [list(w.shape) for w in weights],
+        "saved_kernel": list(saved_kernel.shape),
+        "saved_vs_full": float(np.abs(saved_kernel - weights[0]).max()),
+        "weights_checksum": float(sum(np.abs(w).sum() for w in weights)),
+        "plain": diff(plain.get_weights(), weights),
+        "plain_slots": diff(tp.saving.full_weights(plain.optimizer.variables), slots),
+        "again": diff(again.get_weights(), weights),
+        "again_shard": list(again.layers[0].kernel.shape),
+        "again_slots": diff(tp.saving.full_weights(again.optimizer.variables), slots),
+        "restored": diff(restored.get_weights(), weights),
+        "restored_slots": diff(tp.saving.full_weights(restored.optimizer.variables), slots),
+    }
 )

@@ -28,6 +28,8 @@ import os
 import sys
 import time
 
+from protocol import say
+
 MODE, WORKDIR = sys.argv[1], sys.argv[2]
 TOTAL_STEPS = int(os.environ.get("TFDIST_TEST_TOTAL_STEPS", "48"))
 STEPS_PER_EPOCH = int(os.environ.get("TFDIST_TEST_STEPS_PER_EPOCH", "16"))
@@ -112,12 +114,12 @@ def report(**extra):
         "sha": sha(),
         **extra,
     }
-    print("tfdist result: " + json.dumps(result), flush=True)
+    say("tfdist result: " + json.dumps(result))
 
 
 def after_step(loss):
     step_var.assign_add(1)
-    print(f"tfdist step: {int(step_var.numpy())} loss={float(loss):.6f}", flush=True)
+    say(f"tfdist step: {int(step_var.numpy())} loss={float(loss):.6f}")
     if SLEEP:
         time.sleep(SLEEP)
 
@@ -129,14 +131,14 @@ if MODE == "tf_handler":
     # tfdist strategy 143, with a status record: tfdist.training.tf_handler).
     handler = tf.distribute.experimental.PreemptionCheckpointHandler(resolver, manager)
     start = int(step_var.numpy())
-    print(f"tfdist start: {start} restored={manager.latest_checkpoint}", flush=True)
+    say(f"tfdist start: {start} restored={manager.latest_checkpoint}")
     while step_var.numpy() < TOTAL_STEPS:
         after_step(handler.run(train_step, iterator))
     report(start=start)
 elif MODE == "watcher":
     restored = manager.restore_or_initialize()
     start = int(step_var.numpy())
-    print(f"tfdist start: {start} restored={restored}", flush=True)
+    say(f"tfdist start: {start} restored={restored}")
     with tfdist.PreemptionWatcher(strategy, name="ctl") as watcher:
         for step in range(start, TOTAL_STEPS):
             after_step(train_step(iterator))

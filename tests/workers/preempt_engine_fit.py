@@ -30,6 +30,7 @@ import tensorflow as tf
 
 import _common
 import tfdist
+from protocol import say
 from tfdist.training.data import distribute_dataset
 
 EPOCHS = 3
@@ -120,4 +121,4 @@ result = {
     "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
     "weights_sha256": hashlib.sha256(weights.astype("<f4").tobytes()).hexdigest(),
 }
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))

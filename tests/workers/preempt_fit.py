@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 
 backup_dir = os.environ["TFDIST_TEST_BACKUP_DIR"]
 epochs = int(os.environ.get("TFDIST_TEST_EPOCHS", "3"))
@@ -123,5 +124,5 @@ result = {
     "resumed_from": getattr(backup, "resumed_from", None),
     "weights": weights.tolist(),
 }
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))
 sys.exit(0)

@@ -10,7 +10,6 @@ little, so that the test can SIGTERM a rank mid-run. At the end it prints a
 'tfdist result:' line with the weights and the batch this attempt started at.
 """
 
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import tfdist.horovod as hvd
+from protocol import result
 
 hvd.init()
 
@@ -74,16 +74,12 @@ def train(state):
 
 train(state)
 weights = np.concatenate([w.ravel() for w in model.get_weights()])
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "rank": rank,
-            "attempt": attempt,
-            "started": started["batch"],
-            "iterations": int(opt.iterations.numpy()),
-            "weights": weights.tolist(),
-        }
-    ),
-    flush=True,
+result(
+    {
+        "rank": rank,
+        "attempt": attempt,
+        "started": started["batch"],
+        "iterations": int(opt.iterations.numpy()),
+        "weights": weights.tolist(),
+    }
 )

@@ -24,6 +24,8 @@ import signal
 import sys
 import time
 
+from protocol import say
+
 SIGNAL, WORKDIR = sys.argv[1], sys.argv[2]
 STEPS, EPOCHS, BATCH = 24, 3, 32
 
@@ -58,14 +60,6 @@ with strategy.scope():
         optimizer=keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-
-
-def say(line: str) -> None:
-    """One protocol line in one write: under PYTHONUNBUFFERED, print() writes
-    the text and its newline apart, and a TensorFlow log line that the chief
-    or a server wrote to the same pipe in between was glued to the line (a
-    run read "tfdist batch: 0 3E0000 ...")."""
-    os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
 class Progress(keras.callbacks.Callback):

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import result
 from tfdist.compression import CommunicationStats
 from tfdist.profiling import StepProfile
 
@@ -78,21 +79,17 @@ profile = StepProfile(log_dir=os.path.join(args.out_dir, "logs"))
 history = model.fit(
     data, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, callbacks=[stats, profile]
 )
-print(
-    "tfdist result: "
-    + json.dumps(
-        {
-            "task": f"{task['type']}:{task['index']}",
-            "worker": profile.worker,
-            "chief": profile.chief,
-            "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-            "comm_bytes": stats.last.sent,
-            "records": len(profile.records),
-            "all_records": len(profile.all_records),
-            "stragglers": [[e, s.worker, s.factor] for e, s in profile.stragglers],
-            "warnings": warnings_seen,
-            "timeline": profile.timeline,
-        }
-    ),
-    flush=True,
+result(
+    {
+        "task": f"{task['type']}:{task['index']}",
+        "worker": profile.worker,
+        "chief": profile.chief,
+        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+        "comm_bytes": stats.last.sent,
+        "records": len(profile.records),
+        "all_records": len(profile.all_records),
+        "stragglers": [[e, s.worker, s.factor] for e, s in profile.stragglers],
+        "warnings": warnings_seen,
+        "timeline": profile.timeline,
+    }
 )

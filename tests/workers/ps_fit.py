@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from protocol import say
+
 SCENARIO, WORKDIR = sys.argv[1], sys.argv[2]
 STEPS, EPOCHS, BATCH = 24, 3, 32
 
@@ -262,7 +264,7 @@ finally:
         cluster.stop()
 if result.get("failed"):
     os._exit(1)
-print("tfdist result: " + json.dumps(result, default=str), flush=True)
+say("tfdist result: " + json.dumps(result, default=str))
 # Skip TensorFlow's teardown: its remote-function cleanup logs errors for
 # the servers that were just stopped.
 sys.stdout.flush()

@@ -28,6 +28,8 @@ import os
 import random
 import sys
 
+from protocol import say
+
 SCENARIO, WORKDIR = sys.argv[1], sys.argv[2]
 CLUSTER = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
 
@@ -50,7 +52,7 @@ def resolver():
 
 
 def report(**result):
-    print("tfdist result: " + json.dumps(result), flush=True)
+    say("tfdist result: " + json.dumps(result))
 
 
 def value_of(weight):

@@ -20,6 +20,8 @@ import signal
 import sys
 import tempfile
 
+from protocol import say
+
 STORAGE, COMPRESSION = sys.argv[1], sys.argv[2]
 # A one-machine Ray on the loopback. Ray's workers otherwise take the address
 # of the host's outgoing interface, for themselves and for the TF_CONFIG that
@@ -127,7 +129,7 @@ def main():
     with result.checkpoint.as_directory() as folder, open(os.path.join(folder, "epoch")) as f:
         checkpoint_epoch = int(f.read())
     history = result.metrics_dataframe
-    print(
+    say(
         "tfdist result: "
         + json.dumps(
             {
@@ -140,8 +142,7 @@ def main():
                 "hosts": sorted(addresses),
                 "killed": os.path.exists(os.path.join(log, "killed")),
             }
-        ),
-        flush=True,
+        )
     )
 
 

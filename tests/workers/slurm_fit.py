@@ -13,6 +13,7 @@ import sys
 
 import _common
 import tfdist
+from protocol import say
 
 strategy = tfdist.strategy_from_config(register_timeout=90)
 choice = strategy.choice
@@ -34,5 +35,5 @@ result.update(
         "tf_config": os.environ.get("TF_CONFIG"),
     }
 )
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))
 sys.exit(0)

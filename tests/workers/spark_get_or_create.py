@@ -16,6 +16,8 @@ import hashlib
 import json
 import sys
 
+from protocol import say
+
 
 def train(epochs: int, learning_rate: float = 0.01) -> dict:
     """Keras code with no strategy in it; run() supplies the scope."""
@@ -78,7 +80,7 @@ def main() -> None:
             )
         },
     }
-    print("result: " + json.dumps(result), flush=True)
+    say("result: " + json.dumps(result))
     session.stop()
 
 

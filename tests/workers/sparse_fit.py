@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 from tfdist.compression import CommunicationStats, make_aggregator, predict_traffic
 from tfdist.compression.aggregate import Item, ReplicaComm
 
@@ -95,5 +96,5 @@ result["predicted"] = [
 ]
 result["loss"] = history.history["loss"]
 result["weights"] = float(sum(np.abs(w).sum() for w in model.get_weights()))
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))
 sys.exit(0)

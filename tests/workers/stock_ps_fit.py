@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 
 with tfdist.local_cluster(workers=1, ps=1, mode="in_process") as cluster:
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -30,4 +31,4 @@ with tfdist.local_cluster(workers=1, ps=1, mode="in_process") as cluster:
         result = {"error": None, "message": ""}
     except Exception as error:  # noqa: BLE001 - the canary reports whatever it is.
         result = {"error": type(error).__name__, "message": str(error)[:600]}
-print("tfdist result: " + json.dumps(result))
+say("tfdist result: " + json.dumps(result))

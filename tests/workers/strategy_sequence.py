@@ -10,7 +10,6 @@ strategy that worker:1 never creates, with a 3 s register_timeout, and
 records the error. Prints one "tfdist result:" line.
 """
 
-import json
 import sys
 import time
 
@@ -19,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import result
 
 COUNT, LAG = int(sys.argv[1]), float(sys.argv[2])
 rng = np.random.default_rng(0)
@@ -56,6 +56,4 @@ if task == "worker:0":
         tfdist.strategy_from_config(register_timeout=3)
     except tfdist.ClusterJoinError as error:
         unmatched = {"error": str(error), "seconds": time.monotonic() - started}
-print(
-    "tfdist result: " + json.dumps({"task": task, "fits": fits, "unmatched": unmatched}), flush=True
-)
+result({"task": task, "fits": fits, "unmatched": unmatched})

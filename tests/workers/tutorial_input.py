@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 
 N_VIRTUAL_DEVICES = 2
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -181,7 +182,7 @@ def tutorial(make_strategy) -> dict:
     return result
 
 
-print(
+say(
     "tfdist result: "
     + json.dumps(
         {
@@ -190,6 +191,5 @@ print(
             # The same steps with TensorFlow's own strategy, for comparison.
             "tensorflow": tutorial(tf.distribute.MirroredStrategy),
         }
-    ),
-    flush=True,
+    )
 )

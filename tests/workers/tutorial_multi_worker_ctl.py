@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 from tutorial_data import mnist_like, scaled
 
 WORKDIR = sys.argv[1]
@@ -213,4 +214,4 @@ if result["error"] is None:
         "step_in_epoch": int(restarted_step.numpy()),
         "weights_equal": bool(np.array_equal(weights(restarted_model), trained)),
     }
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))

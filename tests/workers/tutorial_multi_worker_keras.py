@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 from tutorial_data import mnist_like, scaled
 
 WORKDIR = sys.argv[1]
@@ -252,4 +253,4 @@ def model_checkpoint_section():
     }
 
 
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))

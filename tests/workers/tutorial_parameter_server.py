@@ -40,6 +40,7 @@ import traceback
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 from tfdist.engines.net import free_ports
 
 WORKDIR = sys.argv[1]
@@ -306,4 +307,4 @@ def distributed_eval():
     }
 
 
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))

@@ -14,6 +14,7 @@ import time
 import tensorflow as tf
 
 import tfdist
+from protocol import say
 
 
 def threads() -> int:
@@ -50,7 +51,7 @@ result = {
     "timeout": strategy.watchdog.timeout if strategy.watchdog else None,
 }
 if rank == 1:
-    print("tfdist result: " + json.dumps(result), flush=True)
+    say("tfdist result: " + json.dumps(result))
     time.sleep(1.0)  # Let worker 0 enter its next all-reduce first.
     os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(600)  # Only reached if the test sends SIGCONT.
@@ -62,5 +63,5 @@ except Exception as error:  # noqa: BLE001 - the test checks the type and text
     result["error"] = f"{type(error).__name__}: {error}"
 result["seconds_to_error"] = time.monotonic() - start
 result["watchdog_failure"] = strategy.watchdog.failure if strategy.watchdog else None
-print("tfdist result: " + json.dumps(result), flush=True)
+say("tfdist result: " + json.dumps(result))
 os._exit(0)

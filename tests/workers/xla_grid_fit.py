@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import result
 
 GRID = json.loads(os.environ["TFDIST_TEST_GRID"])
 rng = np.random.default_rng(0)
@@ -92,4 +93,4 @@ for index, (policy, compression, steps, accumulation) in enumerate(GRID):
         row["predict_diff"] = float(np.max(np.abs(xla["predict"] - plain["predict"])))
     results.append(row)
 keras.mixed_precision.set_global_policy("float32")
-print("tfdist result: " + json.dumps({"grid": results}), flush=True)
+result({"grid": results})
