@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import cpu_time
+
 # A deadline per test (tests/deadline.py): its hook, registered by this import.
 from deadline import pytest_runtest_protocol  # noqa: F401
 
@@ -93,6 +95,16 @@ def subprocess_env(**extra: str) -> dict:
 WARM_POOL_VAR = "TFDIST_TEST_WARM_POOL"
 
 
+#: The session's warm pool while it runs, for the CPU each test costs (cpu_time).
+_POOLS: list = []
+
+
+def _pool_server() -> int | None:
+    """The pid of the session's warm pool server, if one runs."""
+    pool = _POOLS[0] if _POOLS else None
+    return pool.proc.pid if pool is not None and pool.proc is not None else None
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _warm_pool():
     """One warm pool per test process (tfdist.engines.warm): the TensorFlow
@@ -111,9 +123,11 @@ def _warm_pool():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     pool = warm.WarmPool(env=subprocess_env())
     os.environ.update(pool.env)
+    _POOLS.append(pool)
     try:
         yield pool
     finally:
+        _POOLS.remove(pool)
         os.environ.pop(warm.ENV, None)
         record = os.environ.get("TFDIST_WARM_POOL_RECORD")
         if record:  # For pytest_terminal_summary, in the controller.
@@ -326,11 +340,22 @@ def _renice(niceness: int) -> None:
 
 
 def pytest_runtest_setup(item):
-    """Under xdist, an in-process test runs niced (IN_PROCESS_NICENESS)."""
+    """Under xdist, an in-process test runs niced (IN_PROCESS_NICENESS).
+    Notes the CPU spent before its setup (cpu_time)."""
+    cpu_time.start(item, _pool_server())
     if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(os, "setpriority"):
         marker = item.get_closest_marker("xdist_group")
         group = marker.args[0] if marker and marker.args else None
         _renice(0 if group == PROCESS_GROUP else IN_PROCESS_NICENESS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Records the test's CPU seconds, setup to teardown, as its ``cpu``
+    property (in the report of its teardown, which the JUnit XML reads)."""
+    if call.when == "teardown":
+        item.user_properties.append(("cpu", f"{cpu_time.spent(item, _pool_server()):.2f}"))
+    yield
 
 
 def pytest_configure(config):

@@ -60,6 +60,9 @@ def read_report(path: Path) -> list[dict]:
                 "id": "/".join(parts) + ".py::" + name,
                 "seconds": float(case.get("time") or 0.0),
                 "slow": properties.get("slow") == "1",
+                # CPU seconds, setup to teardown (tests/cpu_time.py); None
+                # in a report from before it was recorded.
+                "cpu": float(properties["cpu"]) if "cpu" in properties else None,
                 "outcome": outcome,
             }
         )
@@ -80,9 +83,13 @@ def directory(module: str) -> str:
     return "/".join(parts[:2]) + "/" if len(parts) > 2 else module
 
 
+def _cpu(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds:,.0f}"
+
+
 def markdown(cases: list[dict], wall: float) -> str:
     """The time by directory and the slowest tests, as Markdown."""
-    by_dir: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, 0.0, 0])
+    by_dir: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, 0.0, 0, None])
     for case in cases:
         row = by_dir[directory(case["module"])]
         row[0] += case["seconds"]
@@ -90,24 +97,34 @@ def markdown(cases: list[dict], wall: float) -> str:
         if case["slow"]:
             row[2] += case["seconds"]
             row[3] += 1
+        if case["cpu"] is not None:
+            row[4] = (row[4] or 0.0) + case["cpu"]
     total = sum(c["seconds"] for c in cases)
+    measured = [c["cpu"] for c in cases if c["cpu"] is not None]
+    cpu = (
+        f" CPU time adds up to {sum(measured):,.0f} s (tests/cpu_time.py: the test's "
+        "processes, its children and the warm pool's jobs)."
+        if measured
+        else ""
+    )
     lines = [
         f"{len(cases):,} tests; their times add up to {total:,.0f} s, and the run took "
-        f"{wall:,.0f} s of wall time (its workers run tests side by side).",
+        f"{wall:,.0f} s of wall time (its workers run tests side by side).{cpu}",
         "",
-        "| directory | tests | seconds | of which slow (tests, seconds) | share |",
-        "|---|---:|---:|---:|---:|",
+        "| directory | tests | seconds | CPU seconds | of which slow (tests, seconds) | share |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, (seconds, count, slow_s, slow_n) in sorted(by_dir.items(), key=lambda kv: -kv[1][0]):
+    rows = sorted(by_dir.items(), key=lambda kv: -kv[1][0])
+    for name, (seconds, count, slow_s, slow_n, cpu_s) in rows:
         lines.append(
-            f"| `{name}` | {count} | {seconds:,.0f} | {slow_n}, {slow_s:,.0f} | "
+            f"| `{name}` | {count} | {seconds:,.0f} | {_cpu(cpu_s)} | {slow_n}, {slow_s:,.0f} | "
             f"{seconds / total:.0%} |"
         )
     lines += ["", f"The {SLOWEST} slowest tests:", ""]
-    lines += ["| seconds | slow | test |", "|---:|---|---|"]
+    lines += ["| seconds | CPU seconds | slow | test |", "|---:|---:|---|---|"]
     for case in sorted(cases, key=lambda c: -c["seconds"])[:SLOWEST]:
         slow = "yes" if case["slow"] else ""
-        lines.append(f"| {case['seconds']:,.1f} | {slow} | `{case['id']}` |")
+        lines.append(f"| {case['seconds']:,.1f} | {_cpu(case['cpu'])} | {slow} | `{case['id']}` |")
     return "\n".join(lines)
 
 

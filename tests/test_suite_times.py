@@ -12,11 +12,13 @@ import suite_times
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="4" time="30.5">
-<testcase classname="tests.spec.test_cluster" name="test_a[x@y]" time="1.5"/>
+<testcase classname="tests.spec.test_cluster" name="test_a[x@y]" time="1.5">
+ <properties><property name="cpu" value="1.25"/></properties></testcase>
 <testcase classname="tests.spec.test_cluster" name="test_b@tests/spec/test_cluster.py" time="2.0">
  <skipped message="no"/></testcase>
 <testcase classname="tests.training.test_fit.TestFit" name="test_c@processes" time="20.0">
- <properties><property name="slow" value="1"/></properties></testcase>
+ <properties><property name="slow" value="1"/><property name="cpu" value="31.5"/></properties>
+</testcase>
 <testcase classname="tests.test_lint" name="test_d" time="7.0"><failure message="x"/></testcase>
 </testsuite></testsuites>
 """
@@ -45,9 +47,12 @@ def test_the_report_gives_the_table_and_each_modules_time_without_slow_tests(tmp
     page = doc.read_text()
     assert page.startswith("intro\n") and page.endswith("\noutro\n") and "old" not in page
     assert "4 tests; their times add up to 30 s, and the run took 30 s" in page
-    assert "| `tests/training/` | 1 | 20 | 1, 20 | 66% |" in page
+    assert "CPU time adds up to 33 s" in page  # 1.25 + 31.5: two tests record it.
+    assert [c["cpu"] for c in cases] == [1.25, None, 31.5, None]
+    assert "| `tests/training/` | 1 | 20 | 32 | 1, 20 | 66% |" in page
+    assert "| `tests/test_lint.py` | 1 | 7 | – | 0, 0 | 23% |" in page
     rows = [line for line in page.splitlines() if line.startswith("| ") and "::" in line]
-    assert rows[0] == "| 20.0 | yes | `tests/training/test_fit.py::test_c` |"
+    assert rows[0] == "| 20.0 | 32 | yes | `tests/training/test_fit.py::test_c` |"
     assert len(rows) == 4
 
 
@@ -71,7 +76,7 @@ def test_each_modules_time_is_its_least_over_the_reports_given(tmp_path):
         "tests/test_other.py": 9.0,  # The earlier run only.
     }
     # The table is the first report's run.
-    assert "| 1.5 |  | `tests/spec/test_cluster.py::test_a[x@y]` |" in doc.read_text()
+    assert "| 1.5 | 1 |  | `tests/spec/test_cluster.py::test_a[x@y]` |" in doc.read_text()
 
 
 def test_a_report_without_tests_or_a_page_without_markers_is_refused(tmp_path):
