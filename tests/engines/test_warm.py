@@ -310,6 +310,45 @@ def test_a_signal_after_the_job_exited_leaves_its_exit_code(tmp_path):
         listener.close()
 
 
+@pytest.mark.parametrize("code", [0, 3, -signal.SIGKILL])
+def test_a_job_that_ends_at_once_leaves_its_exit_code(tmp_path, code):
+    # A job that exits before its client read the pid: the pool's two
+    # answers came in one read, and the client died of a JSONDecodeError
+    # ("Extra data"), exit 1 (tfdist launch's evaluator test saw it in a
+    # full run). A pool played here sends both in one write.
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "socket"))
+    listener.listen(1)
+    job = subprocess.Popen(["true"])  # Stands for the forked process.
+    job.wait()
+    client = subprocess.Popen(
+        [sys.executable, "-S", warm.__file__.replace("warm.py", "warm_client.py"), "-c", "pass"],
+        env={**subprocess_env(), warm.ENV: str(tmp_path)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+        conn.settimeout(60)
+        assert json.loads(conn.recv(1 << 20)[4:])["client"] == client.pid
+        conn.sendall(
+            json.dumps({"pid": job.pid}).encode()
+            + b"\n"
+            + json.dumps({"exit": code}).encode()
+            + b"\n"
+        )
+        _, err = client.communicate(timeout=30)
+        assert client.returncode == code, err
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+        listener.close()
+
+
 def _handles(pid: int, signum: int) -> bool:
     """Whether the process has a handler for ``signum`` (SigCgt)."""
     try:

@@ -79,17 +79,26 @@ def context() -> dict:
     return found
 
 
-def _read_line(sock: socket.socket) -> dict | None:
-    data = b""
-    while not data.endswith(b"\n"):
-        try:
-            chunk = sock.recv(4096)
-        except InterruptedError:
-            continue
-        if not chunk:
-            return None
-        data += chunk
-    return json.loads(data)
+class _Lines:
+    """The pool's answers, one JSON object per line. A job that ends at once
+    sends its exit right after its pid: both may come in one read."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = b""
+
+    def read(self) -> dict | None:
+        """The next answer, or None if the pool closed the connection first."""
+        while b"\n" not in self._buffer:
+            try:
+                chunk = self._sock.recv(4096)
+            except InterruptedError:
+                continue
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
 
 
 def main(real: str, argv: list) -> None:
@@ -123,7 +132,8 @@ def main(real: str, argv: list) -> None:
     )
     if sent < len(message):  # A long environment may not go in one call.
         sock.sendall(message[sent:])  # (Not b"": the pool may have answered and closed.)
-    reply = _read_line(sock)
+    answers = _Lines(sock)
+    reply = answers.read()
     if reply is None or "pid" not in reply:
         sock.close()
         _fallback(real, argv)
@@ -146,7 +156,7 @@ def main(real: str, argv: list) -> None:
     for name in FORWARDED:
         signal.signal(getattr(signal, name), forward)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals())
-    status = _read_line(sock)
+    status = answers.read()
     # The job is gone: a stop signal has no one to go to. Blocked for the
     # exit, as the interpreter's finalization puts the default action back
     # on every signal with a Python handler, and a SIGTERM there would end
