@@ -3,6 +3,7 @@ imported TensorFlow, run as ``python`` runs them, and fail alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -230,44 +231,64 @@ def test_signals_reach_the_job_and_its_children(pool, tmp_path):
     _wait_for(lambda: not _alive(child))
 
 
-def test_a_signal_before_the_pool_answers_reaches_the_job(tmp_path):
-    # tfdist launch may stop its tasks just after starting them: the client
-    # must not die of a SIGTERM that comes before it knows the job's pid (it
-    # did, and the job ran on unsignalled). A pool played here holds the
-    # answer back until the signal was sent.
+@contextlib.contextmanager
+def _played_pool(tmp_path, **popen):
+    """A pool played by the test: a client started on its socket (running
+    ``python -c pass``), and the connection it opened, its request read.
+    Yields ``(client, conn)``; kills the client if it still runs."""
     import socket
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(tmp_path / "socket"))
     listener.listen(1)
-    job = subprocess.Popen(["sleep", "600"])  # Stands for the forked process.
     client = subprocess.Popen(
         [sys.executable, "-S", warm.__file__.replace("warm.py", "warm_client.py"), "-c", "pass"],
         env={**subprocess_env(), warm.ENV: str(tmp_path)},
+        **popen,
     )
     try:
         listener.settimeout(60)
         conn, _ = listener.accept()
         conn.settimeout(60)
         assert json.loads(conn.recv(1 << 20)[4:])["client"] == client.pid
-        client.send_signal(signal.SIGTERM)
-        _wait_for(lambda: _signal_pending(client.pid, signal.SIGTERM) or client.poll() is not None)
-        conn.sendall(json.dumps({"pid": job.pid}).encode() + b"\n")
-        try:
-            assert job.wait(timeout=30) == -signal.SIGTERM
-        except subprocess.TimeoutExpired:
-            pytest.fail(
-                "the SIGTERM sent before the pool answered never reached the job "
-                f"(the client's exit: {client.poll()})"
-            )
-        conn.sendall(json.dumps({"exit": job.returncode}).encode() + b"\n")
-        assert client.wait(timeout=30) == -signal.SIGTERM
+        yield client, conn
     finally:
-        for proc in (job, client):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if client.poll() is None:
+            client.kill()
+            client.wait()
         listener.close()
+
+
+def _answer(**message) -> bytes:
+    return json.dumps(message).encode() + b"\n"
+
+
+def test_a_signal_before_the_pool_answers_reaches_the_job(tmp_path):
+    # tfdist launch may stop its tasks just after starting them: the client
+    # must not die of a SIGTERM that comes before it knows the job's pid (it
+    # did, and the job ran on unsignalled). A pool played here holds the
+    # answer back until the signal was sent.
+    job = subprocess.Popen(["sleep", "600"])  # Stands for the forked process.
+    try:
+        with _played_pool(tmp_path) as (client, conn):
+            client.send_signal(signal.SIGTERM)
+            _wait_for(
+                lambda: _signal_pending(client.pid, signal.SIGTERM) or client.poll() is not None
+            )
+            conn.sendall(_answer(pid=job.pid))
+            try:
+                assert job.wait(timeout=30) == -signal.SIGTERM
+            except subprocess.TimeoutExpired:
+                pytest.fail(
+                    "the SIGTERM sent before the pool answered never reached the job "
+                    f"(the client's exit: {client.poll()})"
+                )
+            conn.sendall(_answer(exit=job.returncode))
+            assert client.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
 
 
 def test_a_signal_after_the_job_exited_leaves_its_exit_code(tmp_path):
@@ -278,36 +299,18 @@ def test_a_signal_after_the_job_exited_leaves_its_exit_code(tmp_path):
     # reported "worker:1 was killed by SIGTERM". A pool played here reports
     # the exit while the test sends SIGTERM without pause until the client
     # is gone; without the fix the client died of it in 5 runs of 6.
-    import socket
-
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(tmp_path / "socket"))
-    listener.listen(1)
     job = subprocess.Popen(["true"])  # Stands for the forked process.
     job.wait()
-    client = subprocess.Popen(
-        [sys.executable, "-S", warm.__file__.replace("warm.py", "warm_client.py"), "-c", "pass"],
-        env={**subprocess_env(), warm.ENV: str(tmp_path)},
-    )
-    try:
-        listener.settimeout(60)
-        conn, _ = listener.accept()
-        conn.settimeout(60)
-        assert json.loads(conn.recv(1 << 20)[4:])["client"] == client.pid
-        conn.sendall(json.dumps({"pid": job.pid}).encode() + b"\n")
+    with _played_pool(tmp_path) as (client, conn):
+        conn.sendall(_answer(pid=job.pid))
         _wait_for(lambda: _handles(client.pid, signal.SIGTERM))
-        conn.sendall(json.dumps({"exit": 0}).encode() + b"\n")
+        conn.sendall(_answer(exit=0))
         sent = 0
         while client.poll() is None and sent < 10**6:
             # A zombie takes signals too (ESRCH only once reaped).
             os.kill(client.pid, signal.SIGTERM)
             sent += 1
         assert client.wait(timeout=30) == 0, f"{sent} SIGTERMs sent"
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait()
-        listener.close()
 
 
 @pytest.mark.parametrize("code", [0, 3, -signal.SIGKILL])
@@ -316,37 +319,12 @@ def test_a_job_that_ends_at_once_leaves_its_exit_code(tmp_path, code):
     # answers came in one read, and the client died of a JSONDecodeError
     # ("Extra data"), exit 1 (tfdist launch's evaluator test saw it in a
     # full run). A pool played here sends both in one write.
-    import socket
-
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(tmp_path / "socket"))
-    listener.listen(1)
     job = subprocess.Popen(["true"])  # Stands for the forked process.
     job.wait()
-    client = subprocess.Popen(
-        [sys.executable, "-S", warm.__file__.replace("warm.py", "warm_client.py"), "-c", "pass"],
-        env={**subprocess_env(), warm.ENV: str(tmp_path)},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        listener.settimeout(60)
-        conn, _ = listener.accept()
-        conn.settimeout(60)
-        assert json.loads(conn.recv(1 << 20)[4:])["client"] == client.pid
-        conn.sendall(
-            json.dumps({"pid": job.pid}).encode()
-            + b"\n"
-            + json.dumps({"exit": code}).encode()
-            + b"\n"
-        )
+    with _played_pool(tmp_path, stderr=subprocess.PIPE, text=True) as (client, conn):
+        conn.sendall(_answer(pid=job.pid) + _answer(exit=code))
         _, err = client.communicate(timeout=30)
         assert client.returncode == code, err
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait()
-        listener.close()
 
 
 def _handles(pid: int, signum: int) -> bool:
