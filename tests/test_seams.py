@@ -19,6 +19,10 @@ SOURCE = textwrap.dedent(
         return x._private  # noqa: SLF001 - a reach, counted
 
     def long():
+        '''A docstring,
+
+        not counted.
+        '''
     {body}
     """
 ).format(body="\n".join(f"    a{i} = {i}" for i in range(seams.LONG_FUNCTION)))

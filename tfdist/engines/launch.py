@@ -42,6 +42,7 @@ This module does not import TensorFlow; the children do.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -82,10 +83,13 @@ __all__ = [
 ]
 
 
+SOURCE = "tfdist launch"
+
+
 def _check_counts(workers: Any, ps: Any, max_restarts: Any) -> None:
-    require_int("workers", workers, 1, "tfdist launch")
-    require_int("ps", ps, 0, "tfdist launch")
-    require_int("max_restarts", max_restarts, 0, "tfdist launch")
+    require_int("workers", workers, 1, SOURCE)
+    require_int("ps", ps, 0, SOURCE)
+    require_int("max_restarts", max_restarts, 0, SOURCE)
 
 
 def _signal_number(value: Any) -> int:
@@ -105,13 +109,13 @@ def _signal_number(value: Any) -> int:
             raise KeyError(value)
         number = signal.Signals(number)
     except (KeyError, ValueError):
-        raise ConfigError("preempt_signal", value, expected, source="tfdist launch") from None
+        raise ConfigError("preempt_signal", value, expected, source=SOURCE) from None
     if number in (signal.SIGKILL, signal.SIGSTOP):
         raise ConfigError(
             "preempt_signal",
             value,
             expected,
-            source="tfdist launch",
+            source=SOURCE,
             hint=f"{number.name} cannot be caught, so nothing could be saved.",
         )
     return int(number)
@@ -217,222 +221,48 @@ def launch(
             script, or a spec naming other hosts (the message says to run
             ``tfdist hosts`` for the per-host commands).
     """
-    source = "tfdist launch"
-    min_workers, max_workers = launch_elastic.parse_workers(workers)
-    elastic = min_workers != max_workers or host_discovery_script is not None
-    if spec is not None:
-        if elastic:
-            raise ConfigError(
-                "spec",
-                spec,
-                "no spec with an elastic --workers MIN:MAX",
-                source=source,
-                hint="An elastic job picks its own ports.",
-            )
-        spec = spec_lib.parse(spec, require_task=False).to_dict()
-        jobs = spec["cluster"]
-        # Later attempts use new ports for a cluster of the same shape.
-        min_workers = max_workers = len(jobs.get("worker", []))
-        ps = len(jobs.get("ps", []))
-        chief = "chief" in jobs
-        others = non_local_hosts(spec)
-        if others:
-            raise ConfigError(
-                "spec",
-                others,
-                "a spec with only local hosts (127.0.0.1, localhost)",
-                source=source,
-                received=", ".join(others),
-                hint="tfdist launch starts processes on this machine only; "
-                "`tfdist hosts SPEC -- SCRIPT` prints each host's TF_CONFIG and command.",
-            )
-    _check_counts(max_workers, ps, max_restarts)
-    if ps and not chief:
-        raise ConfigError(
-            "chief",
-            chief,
-            "True with ps > 0",
-            source=source,
-            hint="A parameter-server job needs a chief to run the training.",
-        )
-    if elastic and (ps or chief):
-        field, value = ("ps", ps) if ps else ("chief", chief)
-        raise ConfigError(
-            field,
-            value,
-            "no chief or ps in an elastic (MIN:MAX) job",
-            source=source,
-            hint="Elastic jobs are MultiWorkerMirrored workers "
-            "only (worker 0 is the chief); a parameter-server job already "
-            "carries on without a lost worker.",
-        )
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
-        raise ConfigError("grace", grace, "a number of seconds > 0", source=source)
-    preempt_signum = _signal_number(preempt_signal)
-    if worker_failed not in launch_elastic.WORKER_FAILED:
-        raise ConfigError(
-            "worker_failed",
-            worker_failed,
-            f"one of {', '.join(launch_elastic.WORKER_FAILED)}",
-            source=source,
-        )
-    if (
-        isinstance(discovery_interval, bool)
-        or not isinstance(discovery_interval, (int, float))
-        or not discovery_interval > 0
-    ):
-        raise ConfigError(
-            "discovery_interval", discovery_interval, "a number of seconds > 0", source=source
-        )
-    discovery = None
-    size = max_workers
+    plan = _plan(
+        workers=workers,
+        chief=chief,
+        ps=ps,
+        max_restarts=max_restarts,
+        spec=spec,
+        grace=grace,
+        preempt_signal=preempt_signal,
+        worker_failed=worker_failed,
+        host_discovery_script=host_discovery_script,
+        discovery_interval=discovery_interval,
+    )
     out = Output(output or sys.stdout)
-    if host_discovery_script is not None:
-        discovery = launch_elastic.Discovery(host_discovery_script, source=source)
-        slots = discovery.slots()  # Bad output: a ConfigError before anything starts.
-        size = min(max_workers, max(min_workers, slots))
-        out.say(
-            f"elastic job: {min_workers} to {max_workers} workers; the discovery script "
-            f"reports {slots} slot(s): starting {size} worker(s)"
-        )
-    script_argv = [script] if isinstance(script, str) else list(script)
-    result = LaunchResult()
+    discovery, size = _discover(plan, host_discovery_script, out)
     if handle_signals is None:
         handle_signals = threading.current_thread() is threading.main_thread()
     stops = Signals()
     previous = {}
     if handle_signals:
-        for signum in {signal.SIGTERM, signal.SIGINT, preempt_signum}:
+        for signum in {signal.SIGTERM, signal.SIGINT, plan.preempt_signal}:
             previous[signum] = signal.signal(signum, stops)
-    attempt = 0
+    result = LaunchResult()
     # One scratch directory for the whole launch, kept across restarts.
     job_dir = tempfile.mkdtemp(prefix="tfdist-job-")
-    env = {
-        "TFDIST_JOB_DIR": job_dir,
-        **(env or {}),
-        "TFDIST_PREEMPT_SIGNAL": signal.Signals(preempt_signum).name,
-        "TFDIST_GRACE": f"{grace:g}",
-    }
-    if elastic:
-        env.update(TFDIST_MIN_WORKERS=str(min_workers), TFDIST_MAX_WORKERS=str(max_workers))
-    settings = Settings(
-        evaluator=evaluator,
-        script_argv=script_argv,
-        args=list(args),
-        parameter_server=ps > 0,
-        show_all=show_all,
-        env=env,
-        python=python or warm.interpreter({**os.environ, **env}),
-        log_dir=log_dir,
-        stop_timeout=stop_timeout,
-        out=out,
-        verbose=verbose,
-        grace=float(grace),
-        preempt_signal=preempt_signum,
-        stops=stops,
-        status_dir=Path(env["TFDIST_JOB_DIR"]) / STATUS_DIR,
-        discovery=discovery,
-        discovery_interval=float(discovery_interval),
-        min_workers=min_workers,
-        max_workers=max_workers,
-    )
-
     try:
-        while True:
-            if stops.count:  # A signal between two attempts: nothing runs.
-                result.outcome = "stopped"
-                result.exit_code = 128 + stops.signum
-                out.say(f"{signal.Signals(stops.signum).name}: stopped between two attempts")
-                return result
-            job_spec = (
-                spec if spec is not None and attempt == 0 else local_spec(size, chief=chief, ps=ps)
-            )
-            result.workers = size
-            end = Attempt(settings, job_spec, attempt, size).run()
-            attempt += 1
-            if end.how == "finished":
-                result.outcome = "finished"
-                out.say("all tasks finished")
-                return result
-            if end.how in ("stopped", "resize") or end.records:
-                result.stop_seconds = end.drain_seconds
-            if end.how == "stopped":
-                return _report_stop(end, stops.signum, result, out)
-            if end.how == "resize" and end.finished:
-                # The tasks were ending anyway: training is complete (and the
-                # backup deleted); a relaunch would start it over.
-                result.outcome = "finished"
-                out.say("all tasks finished (the resize came as training ended)")
-                return result
-            if end.how == "resize":
-                old, size = size, end.target
-                result.resizes.append((old, size, "discovery"))
-                verb = "grew" if size > old else "shrank"
-                how = (
-                    f"the workers saved at {position(end.record)}"
-                    if end.record
-                    else "nothing was saved; the job resumes from its last backup"
-                )
-                out.say(
-                    f"{verb} {old} -> {size} workers (MIN {min_workers}, MAX "
-                    f"{max_workers}): {how}; relaunching at the new size "
-                    "(not counted as a restart)"
-                )
-                continue
-            failure = end.failure
-            result.attempts.append(failure)
-            if end.how == "port" and result.port_relaunches < port_relaunches:
-                result.port_relaunches += 1
-                out.say(
-                    f"{failure.task} could not bind its port (taken by another process); "
-                    "relaunching every task on new ports (not counted as a restart)"
-                )
-                continue
-            if end.how == "preempted":
-                what = f"{failure.task} was preempted and the job saved at {position(end.record)}"
-            else:
-                what = f"{failure.task} {failure.how}"
-            can_shrink = elastic and size > min_workers
-            if result.restarts < max_restarts and not (can_shrink and worker_failed == "shrink"):
-                result.restarts += 1
-                resume = f", resuming at {position(end.record)}" if end.how == "preempted" else ""
-                out.say(f"{what}; restart {result.restarts} of {max_restarts} on new ports{resume}")
-                continue
-            if can_shrink:
-                old, size = size, size - 1
-                result.resizes.append((old, size, f"{failure.task} {failure.how}"))
-                why = "--worker-failed shrink" if worker_failed == "shrink" else "restarts spent"
-                origin = (
-                    f"at {position(end.record)}"
-                    if end.how == "preempted"
-                    else "from its last backup"
-                )
-                out.say(
-                    f"{what}; {why}: shrinking {old} -> {size} workers (MIN "
-                    f"{min_workers}); the job resumes {origin}; global batch kept "
-                    "by the script, see docs/guide/preemption.md, 'Elastic jobs'"
-                )
-                continue
-            result.failure = failure
-            if end.how == "preempted":
-                result.outcome = "preempted"
-                result.saved = end.record
-                result.exit_code = PREEMPTED_EXIT_CODE
-                out.say(
-                    f"giving up: {what}"
-                    + (f" after {result.restarts} restart(s)" if max_restarts else "")
-                    + "; run the same command to resume"
-                )
-                return result
-            result.outcome = "failed"
-            result.exit_code = failure.exit_code or 1
-            tail = "\n".join(f"    {line}" for line in failure.tail[-15:])
-            out.say(
-                f"giving up: {failure.task} {failure.how}"
-                + (f" after {result.restarts} restart(s)" if max_restarts else "")
-                + (f". Its last lines:\n{tail}" if tail else "")
-            )
-            return result
+        settings = _settings(
+            plan,
+            job_dir=job_dir,
+            env=env,
+            python=python,
+            script_argv=[script] if isinstance(script, str) else list(script),
+            args=list(args),
+            evaluator=evaluator,
+            show_all=show_all,
+            log_dir=log_dir,
+            stop_timeout=stop_timeout,
+            out=out,
+            verbose=verbose,
+            stops=stops,
+            discovery=discovery,
+        )
+        return _attempts(plan, settings, size, port_relaunches, result)
     except KeyboardInterrupt:  # Without our handlers (handle_signals=False).
         out.say("SIGINT: every task was stopped")
         result.outcome = "stopped"
@@ -442,6 +272,284 @@ def launch(
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         shutil.rmtree(job_dir, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """:func:`launch`'s arguments that shape the job and its policies, checked."""
+
+    spec: dict | None  # Given: the first attempt's cluster.
+    min_workers: int
+    max_workers: int
+    chief: bool
+    ps: int
+    elastic: bool
+    max_restarts: int
+    grace: float
+    preempt_signal: int
+    worker_failed: str
+    discovery_interval: float
+
+
+def _plan(
+    *,
+    workers: Any,
+    chief: Any,
+    ps: Any,
+    max_restarts: Any,
+    spec: Any,
+    grace: Any,
+    preempt_signal: Any,
+    worker_failed: Any,
+    host_discovery_script: Any,
+    discovery_interval: Any,
+) -> _Plan:
+    """Every check of :func:`launch`'s arguments, before anything starts.
+
+    Raises:
+        ConfigError: Naming the argument and the value received.
+    """
+    min_workers, max_workers = launch_elastic.parse_workers(workers)
+    elastic = min_workers != max_workers or host_discovery_script is not None
+    if spec is not None:
+        spec = _local_spec(spec, elastic)
+        jobs = spec["cluster"]
+        # Later attempts use new ports for a cluster of the same shape.
+        min_workers = max_workers = len(jobs.get("worker", []))
+        ps, chief = len(jobs.get("ps", [])), "chief" in jobs
+    _check_counts(max_workers, ps, max_restarts)
+    if ps and not chief:
+        raise ConfigError(
+            "chief",
+            chief,
+            "True with ps > 0",
+            source=SOURCE,
+            hint="A parameter-server job needs a chief to run the training.",
+        )
+    if elastic and (ps or chief):
+        field, value = ("ps", ps) if ps else ("chief", chief)
+        raise ConfigError(
+            field,
+            value,
+            "no chief or ps in an elastic (MIN:MAX) job",
+            source=SOURCE,
+            hint="Elastic jobs are MultiWorkerMirrored workers "
+            "only (worker 0 is the chief); a parameter-server job already "
+            "carries on without a lost worker.",
+        )
+    grace = _seconds("grace", grace)
+    preempt_signum = _signal_number(preempt_signal)
+    if worker_failed not in launch_elastic.WORKER_FAILED:
+        raise ConfigError(
+            "worker_failed",
+            worker_failed,
+            f"one of {', '.join(launch_elastic.WORKER_FAILED)}",
+            source=SOURCE,
+        )
+    return _Plan(
+        spec=spec,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        chief=bool(chief),
+        ps=ps,
+        elastic=elastic,
+        max_restarts=max_restarts,
+        grace=grace,
+        preempt_signal=preempt_signum,
+        worker_failed=worker_failed,
+        discovery_interval=_seconds("discovery_interval", discovery_interval),
+    )
+
+
+def _local_spec(spec: Any, elastic: bool) -> dict:
+    """The parsed ``spec``: only local hosts, and no elastic range beside it."""
+    if elastic:
+        raise ConfigError(
+            "spec",
+            spec,
+            "no spec with an elastic --workers MIN:MAX",
+            source=SOURCE,
+            hint="An elastic job picks its own ports.",
+        )
+    spec = spec_lib.parse(spec, require_task=False).to_dict()
+    others = non_local_hosts(spec)
+    if others:
+        raise ConfigError(
+            "spec",
+            others,
+            "a spec with only local hosts (127.0.0.1, localhost)",
+            source=SOURCE,
+            received=", ".join(others),
+            hint="tfdist launch starts processes on this machine only; "
+            "`tfdist hosts SPEC -- SCRIPT` prints each host's TF_CONFIG and command.",
+        )
+    return spec
+
+
+def _seconds(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(field, value, "a number of seconds > 0", source=SOURCE)
+    return float(value)
+
+
+def _discover(
+    plan: _Plan, script: str | os.PathLike | None, out: Output
+) -> tuple[launch_elastic.Discovery | None, int]:
+    """The discovery script, if any, and the size to start at."""
+    if script is None:
+        return None, plan.max_workers
+    discovery = launch_elastic.Discovery(script, source=SOURCE)
+    slots = discovery.slots()  # Bad output: a ConfigError before anything starts.
+    size = min(plan.max_workers, max(plan.min_workers, slots))
+    out.say(
+        f"elastic job: {plan.min_workers} to {plan.max_workers} workers; the discovery "
+        f"script reports {slots} slot(s): starting {size} worker(s)"
+    )
+    return discovery, size
+
+
+def _settings(
+    plan: _Plan, *, job_dir: str, env: dict | None, python: str | None, **rest
+) -> Settings:
+    """The attempts' settings: the tasks' environment (the job directory,
+    the grace and signal they are told, an elastic job's range) and the
+    interpreter, with :func:`launch`'s other arguments as given (``rest``)."""
+    env = {
+        "TFDIST_JOB_DIR": job_dir,
+        **(env or {}),
+        "TFDIST_PREEMPT_SIGNAL": signal.Signals(plan.preempt_signal).name,
+        "TFDIST_GRACE": f"{plan.grace:g}",
+    }
+    if plan.elastic:
+        env.update(
+            TFDIST_MIN_WORKERS=str(plan.min_workers), TFDIST_MAX_WORKERS=str(plan.max_workers)
+        )
+    return Settings(
+        parameter_server=plan.ps > 0,
+        env=env,
+        python=python or warm.interpreter({**os.environ, **env}),
+        grace=plan.grace,
+        preempt_signal=plan.preempt_signal,
+        status_dir=Path(env["TFDIST_JOB_DIR"]) / STATUS_DIR,
+        discovery_interval=plan.discovery_interval,
+        min_workers=plan.min_workers,
+        max_workers=plan.max_workers,
+        **rest,
+    )
+
+
+def _attempts(
+    plan: _Plan, settings: Settings, size: int, port_relaunches: int, result: LaunchResult
+) -> LaunchResult:
+    """Runs attempts until one ends the launch: finished, stopped, or failed
+    with no restart, relaunch or shrink left."""
+    out, stops = settings.out, settings.stops
+    attempt = 0
+    while True:
+        if stops.count:  # A signal between two attempts: nothing runs.
+            result.outcome = "stopped"
+            result.exit_code = 128 + stops.signum
+            out.say(f"{signal.Signals(stops.signum).name}: stopped between two attempts")
+            return result
+        given = plan.spec is not None and attempt == 0
+        job_spec = plan.spec if given else local_spec(size, chief=plan.chief, ps=plan.ps)
+        result.workers = size
+        end = Attempt(settings, job_spec, attempt, size).run()
+        attempt += 1
+        if end.how == "finished":
+            result.outcome = "finished"
+            out.say("all tasks finished")
+            return result
+        if end.how in ("stopped", "resize") or end.records:
+            result.stop_seconds = end.drain_seconds
+        if end.how == "stopped":
+            return _report_stop(end, stops.signum, result, out)
+        if end.how == "resize":
+            if end.finished:
+                # The tasks were ending anyway: training is complete (and the
+                # backup deleted); a relaunch would start it over.
+                result.outcome = "finished"
+                out.say("all tasks finished (the resize came as training ended)")
+                return result
+            size = _resize(plan, end, size, result, out)
+            continue
+        result.attempts.append(end.failure)
+        if end.how == "port" and result.port_relaunches < port_relaunches:
+            result.port_relaunches += 1
+            out.say(
+                f"{end.failure.task} could not bind its port (taken by another process); "
+                "relaunching every task on new ports (not counted as a restart)"
+            )
+            continue
+        after = _after_failure(plan, end, size, result, out)
+        if after is None:
+            return result
+        size = after
+
+
+def _resize(plan: _Plan, end: AttemptEnd, size: int, result: LaunchResult, out: Output) -> int:
+    """The size the discovery script asked for, said; the new size."""
+    old, size = size, end.target
+    result.resizes.append((old, size, "discovery"))
+    verb = "grew" if size > old else "shrank"
+    how = (
+        f"the workers saved at {position(end.record)}"
+        if end.record
+        else "nothing was saved; the job resumes from its last backup"
+    )
+    out.say(
+        f"{verb} {old} -> {size} workers (MIN {plan.min_workers}, MAX "
+        f"{plan.max_workers}): {how}; relaunching at the new size "
+        "(not counted as a restart)"
+    )
+    return size
+
+
+def _after_failure(
+    plan: _Plan, end: AttemptEnd, size: int, result: LaunchResult, out: Output
+) -> int | None:
+    """After a failed or preempted attempt: the size to restart at (a
+    restart, or an elastic job one worker smaller), or None when the launch
+    gives up (``result`` then says why)."""
+    failure = end.failure
+    if end.how == "preempted":
+        what = f"{failure.task} was preempted and the job saved at {position(end.record)}"
+    else:
+        what = f"{failure.task} {failure.how}"
+    can_shrink = plan.elastic and size > plan.min_workers
+    shrink_first = can_shrink and plan.worker_failed == "shrink"
+    if result.restarts < plan.max_restarts and not shrink_first:
+        result.restarts += 1
+        resume = f", resuming at {position(end.record)}" if end.how == "preempted" else ""
+        out.say(f"{what}; restart {result.restarts} of {plan.max_restarts} on new ports{resume}")
+        return size
+    if can_shrink:
+        old, size = size, size - 1
+        result.resizes.append((old, size, f"{failure.task} {failure.how}"))
+        why = "--worker-failed shrink" if plan.worker_failed == "shrink" else "restarts spent"
+        origin = f"at {position(end.record)}" if end.how == "preempted" else "from its last backup"
+        out.say(
+            f"{what}; {why}: shrinking {old} -> {size} workers (MIN "
+            f"{plan.min_workers}); the job resumes {origin}; global batch kept "
+            "by the script, see docs/guide/preemption.md, 'Elastic jobs'"
+        )
+        return size
+    result.failure = failure
+    after = f" after {result.restarts} restart(s)" if plan.max_restarts else ""
+    if end.how == "preempted":
+        result.outcome = "preempted"
+        result.saved = end.record
+        result.exit_code = PREEMPTED_EXIT_CODE
+        out.say(f"giving up: {what}{after}; run the same command to resume")
+        return None
+    result.outcome = "failed"
+    result.exit_code = failure.exit_code or 1
+    tail = "\n".join(f"    {line}" for line in failure.tail[-15:])
+    out.say(
+        f"giving up: {failure.task} {failure.how}{after}"
+        + (f". Its last lines:\n{tail}" if tail else "")
+    )
+    return None
 
 
 def _report_stop(end: AttemptEnd, signum: int, result: LaunchResult, out: Output) -> LaunchResult:
