@@ -160,29 +160,9 @@ def add_launch(sub) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from tfdist.engines import elastic as launch_elastic, launch as launch_lib
+    from tfdist.engines import launch as launch_lib
 
-    script, rest = [args.script], list(args.args)
-    for flag, words in (("-m", args.module), ("-c", args.code)):
-        if words is not None:
-            if not words:
-                what = "MODULE" if flag == "-m" else "CODE"
-                raise ConfigError("script", flag, f"'{flag} {what}'", source="tfdist launch")
-            script, rest = [flag, words[0]], words[1:]
-    if args.script in ("-m", "-c"):  # After '--'.
-        if not rest:
-            raise ConfigError(
-                "script", args.script, f"'{args.script} MODULE_OR_CODE'", source="tfdist launch"
-            )
-        script, rest = [args.script, rest[0]], rest[1:]
-    if script == [None]:
-        raise ConfigError(
-            "script", None, "a script path, -m MODULE or -c CODE", source="tfdist launch"
-        )
-    python = None
-    if len(script) == 1 and horovodrun.is_python_word(script[0]):
-        # horovodrun's spelling: `python train.py`; tfdist adds the interpreter itself.
-        python, script, rest = horovodrun.split_python([*script, *rest], source="tfdist launch")
+    script, rest, python = _script_of(args)
     if args.netns and not os.environ.get("TFDIST_IN_NETNS"):
         given = list(sys.argv[2:] if args.argv is None else args.argv)
         given.remove("--netns")  # The first one: the launcher's, not the script's.
@@ -192,75 +172,18 @@ def _launch(args: argparse.Namespace) -> int:
     if args.transport == "mpi":
         return _launch_mpi(args, workers, script, rest, python)
     if args.hosts is not None or args.hostfile is not None:
-        low, high = launch_elastic.parse_workers(workers)
-        if low != high or args.host_discovery_script is not None:
-            raise ConfigError(
-                "workers",
-                workers,
-                "a fixed worker count with -H/--hosts or --hostfile",
-                source="tfdist launch",
-                hint="An elastic job "
-                "(MIN:MAX) runs every worker here; its size comes from "
-                "--host-discovery-script.",
-            )
-        workers = high
-        for field, value, given in (
-            ("spec", args.spec, args.spec is not None),
-            ("chief", args.chief, args.chief),
-            ("ps", args.ps, args.ps),
-        ):
-            if given:
-                raise ConfigError(
-                    field,
-                    value,
-                    "not set with -H/--hosts or --hostfile",
-                    source="tfdist launch",
-                    hint="Horovod-style hosts give "
-                    "worker ranks only; use --spec for other cluster shapes.",
-                )
-        hosts = horovodrun.read_hosts(args.hosts, args.hostfile, source="tfdist launch")
-        if args.workers is None:
-            workers = sum(h.slots for h in hosts)
-        ranks = horovodrun.rank_hosts(workers, hosts, source="tfdist launch")
+        workers, ranks = _horovod_hosts(args, workers)
         if not horovodrun.is_local(ranks):
-            return _print_rank_commands("tfdist launch", ranks, script, rest, python)
-    if args.spec is not None:
-        spec = spec_lib.parse(args.spec, require_task=False).to_dict()
-        if launch_lib.non_local_hosts(spec):
-            # Not ours to start: say how to start each task on its host.
-            from tfdist.engines.hosts import format_host_commands, host_commands
-
-            print(
-                "tfdist launch: the spec names other hosts "
-                f"({', '.join(launch_lib.non_local_hosts(spec))}); tfdist launch starts "
-                "processes on this machine only. Run on each host:",
-                file=sys.stderr,
-            )
-            print(
-                format_host_commands(
-                    host_commands(
-                        spec, script[-1] if len(script) == 1 else script[0], script[1:] + rest
-                    )
-                )
-            )
-            return 2
-    env = None
-    if args.timeline is not None:
-        if not args.timeline.strip() or os.path.isdir(args.timeline):
-            raise ConfigError(
-                "timeline",
-                args.timeline,
-                "a file path for the merged Chrome-trace JSON, e.g. trace.json",
-                source="tfdist launch",
-            )
-        env = {"TFDIST_TIMELINE": os.path.abspath(args.timeline)}
+            return _print_rank_commands(SOURCE, ranks, script, rest, python)
+    if args.spec is not None and _print_spec_commands(args.spec, script, rest):
+        return 2
     result = launch_lib.launch(
         script,
         rest,
         workers=workers,
         chief=args.chief,
         ps=args.ps,
-        env=env,
+        env=_timeline_env(args.timeline),
         evaluator=args.evaluator,
         max_restarts=args.max_restarts,
         show_all=args.show_all,
@@ -275,6 +198,103 @@ def _launch(args: argparse.Namespace) -> int:
         discovery_interval=args.discovery_interval,
     )
     return result.exit_code
+
+
+SOURCE = "tfdist launch"
+
+
+def _script_of(args: argparse.Namespace) -> tuple[list, list, str | None]:
+    """(script, its arguments, the interpreter named before it or None):
+    ``SCRIPT``, ``-m MODULE``, ``-c CODE`` (also after ``--``), or
+    horovodrun's ``python train.py``."""
+    script, rest = [args.script], list(args.args)
+    for flag, words in (("-m", args.module), ("-c", args.code)):
+        if words is not None:
+            if not words:
+                what = "MODULE" if flag == "-m" else "CODE"
+                raise ConfigError("script", flag, f"'{flag} {what}'", source=SOURCE)
+            script, rest = [flag, words[0]], words[1:]
+    if args.script in ("-m", "-c"):  # After '--'.
+        if not rest:
+            raise ConfigError(
+                "script", args.script, f"'{args.script} MODULE_OR_CODE'", source=SOURCE
+            )
+        script, rest = [args.script, rest[0]], rest[1:]
+    if script == [None]:
+        raise ConfigError("script", None, "a script path, -m MODULE or -c CODE", source=SOURCE)
+    python = None
+    if len(script) == 1 and horovodrun.is_python_word(script[0]):
+        # horovodrun's spelling: `python train.py`; tfdist adds the interpreter itself.
+        python, script, rest = horovodrun.split_python([*script, *rest], source=SOURCE)
+    return script, rest, python
+
+
+def _horovod_hosts(args: argparse.Namespace, workers: str) -> tuple[int, list]:
+    """-H/--hosts or --hostfile: (the worker count, each rank's host)."""
+    from tfdist.engines import elastic as launch_elastic
+
+    low, high = launch_elastic.parse_workers(workers)
+    if low != high or args.host_discovery_script is not None:
+        raise ConfigError(
+            "workers",
+            workers,
+            "a fixed worker count with -H/--hosts or --hostfile",
+            source=SOURCE,
+            hint="An elastic job "
+            "(MIN:MAX) runs every worker here; its size comes from "
+            "--host-discovery-script.",
+        )
+    for field, value, given in (
+        ("spec", args.spec, args.spec is not None),
+        ("chief", args.chief, args.chief),
+        ("ps", args.ps, args.ps),
+    ):
+        if given:
+            raise ConfigError(
+                field,
+                value,
+                "not set with -H/--hosts or --hostfile",
+                source=SOURCE,
+                hint="Horovod-style hosts give "
+                "worker ranks only; use --spec for other cluster shapes.",
+            )
+    hosts = horovodrun.read_hosts(args.hosts, args.hostfile, source=SOURCE)
+    count = sum(h.slots for h in hosts) if args.workers is None else high
+    return count, horovodrun.rank_hosts(count, hosts, source=SOURCE)
+
+
+def _print_spec_commands(given: str, script: list, rest: list) -> bool:
+    """Whether the spec names other hosts; if so, prints each host's command
+    (not ours to start)."""
+    from tfdist.engines import launch as launch_lib
+    from tfdist.engines.hosts import format_host_commands, host_commands
+
+    spec = spec_lib.parse(given, require_task=False).to_dict()
+    others = launch_lib.non_local_hosts(spec)
+    if not others:
+        return False
+    print(
+        f"tfdist launch: the spec names other hosts ({', '.join(others)}); tfdist launch "
+        "starts processes on this machine only. Run on each host:",
+        file=sys.stderr,
+    )
+    entry = script[-1] if len(script) == 1 else script[0]
+    print(format_host_commands(host_commands(spec, entry, script[1:] + rest)))
+    return True
+
+
+def _timeline_env(timeline: str | None) -> dict | None:
+    """--timeline FILE: the tasks' TFDIST_TIMELINE."""
+    if timeline is None:
+        return None
+    if not timeline.strip() or os.path.isdir(timeline):
+        raise ConfigError(
+            "timeline",
+            timeline,
+            "a file path for the merged Chrome-trace JSON, e.g. trace.json",
+            source=SOURCE,
+        )
+    return {"TFDIST_TIMELINE": os.path.abspath(timeline)}
 
 
 def _launch_mpi(
