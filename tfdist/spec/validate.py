@@ -140,6 +140,12 @@ class Validator:
                 hint="With an empty cluster TensorFlow silently ignores 'task' and trains "
                 "locally; add the cluster's jobs.",
             )
+        self._check_job_names(raw)
+        cluster = self._check_addresses(raw)
+        self._check_chief_and_ps(cluster, raw)
+        return cluster
+
+    def _check_job_names(self, raw: Mapping) -> None:
         for name in raw:
             if name == "evaluator":
                 self.fail(
@@ -158,6 +164,9 @@ class Validator:
                     hint=did_you_mean(name, CLUSTER_JOBS),
                 )
 
+    def _check_addresses(self, raw: Mapping) -> dict[str, tuple[str, ...]]:
+        """Each job's addresses, in CLUSTER_JOBS order: lists of 'host:port',
+        no address used twice."""
         cluster: dict[str, tuple[str, ...]] = {}
         seen: dict[tuple[str, int], str] = {}  # (host, port) -> field using it
         jobs_expected = "a non-empty list of 'host:port' addresses"
@@ -204,8 +213,9 @@ class Validator:
                     )
                 seen[key] = item
             cluster[job] = tuple(addresses)
-        cluster = {job: cluster[job] for job in CLUSTER_JOBS if job in cluster}
+        return {job: cluster[job] for job in CLUSTER_JOBS if job in cluster}
 
+    def _check_chief_and_ps(self, cluster: Mapping, raw: Mapping) -> None:
         if len(cluster.get("chief", ())) > 1:
             self.fail(
                 "cluster.chief",
@@ -221,7 +231,6 @@ class Validator:
                 hint="Parameter servers only hold variables; add a 'chief' and at least "
                 "one 'worker' to train.",
             )
-        return cluster
 
     def _check_strategy(
         self, data: Mapping, cluster: dict[str, tuple[str, ...]], strategy: str | None
@@ -312,6 +321,10 @@ class Validator:
                     hint=did_you_mean(key, TASK_KEYS),
                 )
 
+        task_type = self._check_task_type(task, cluster)
+        return task_type, self._check_task_index(task, task_type, cluster)
+
+    def _check_task_type(self, task: Mapping, cluster: Mapping) -> str:
         if "type" not in task:
             self.fail(
                 "task.type",
@@ -343,6 +356,9 @@ class Validator:
                 hint=f"Add a '{task_type}' job to 'cluster' or fix 'task.type'.",
             )
 
+        return task_type
+
+    def _check_task_index(self, task: Mapping, task_type: str, cluster: Mapping) -> int:
         if "index" not in task:
             self.fail("task.index", dict(task), "an 'index' in 'task' (an integer from 0)")
         index = task["index"]
@@ -377,7 +393,7 @@ class Validator:
                     f"an integer in [0, {size - 1}] (the '{task_type}' job has {size} {plural})",
                     hint="Task indices start at 0." if index < 0 else None,
                 )
-        return task_type, index
+        return index
 
     def _check_extras(self, data: Mapping) -> tuple[str | None, str | None]:
         rpc_layer = data.get("rpc_layer")
