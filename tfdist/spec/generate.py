@@ -94,84 +94,9 @@ def spec_from_hosts(
         ClusterSpecError: Bad hosts or arguments (fields ``'hosts'``,
             ``'hosts[i]'``, ``'chief'``, ``'num_ps'``, ``'port'``).
     """
-    source = "spec_from_hosts()"
-
-    def fail(field: str, value: Any, expected: str, hint: str | None = None) -> NoReturn:
-        raise ClusterSpecError(field, value, expected, source=source, hint=hint)
-
-    hosts_expected = "a list of 'host' or 'host:port' strings"
-    if isinstance(hosts, (str, bytes, Mapping)):
-        fail("hosts", hosts, hosts_expected, hint='Wrap a single host in a list: ["host"].')
-    try:
-        entries = list(hosts)
-    except TypeError:
-        fail("hosts", hosts, hosts_expected)
-    if not isinstance(chief, bool):
-        fail("chief", chief, "True or False")
-    if isinstance(num_ps, bool) or not isinstance(num_ps, numbers.Integral) or num_ps < 0:
-        fail("num_ps", num_ps, "a non-negative integer")
-    if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 1 <= port <= 65535:
-        fail("port", port, "an integer port in 1..65535")
-    num_ps, port = int(num_ps), int(port)
-    if num_ps > 0 and not chief:
-        fail(
-            "chief",
-            chief,
-            "True when num_ps > 0 (parameter-server training needs a chief)",
-            hint="Pass chief=True; the first host becomes the chief.",
-        )
-    num_workers = len(entries) - int(chief) - num_ps
-    if num_ps > 0 and num_workers < 1:
-        fail(
-            "hosts",
-            entries,
-            f"at least {num_ps + 2} hosts (1 chief, {num_ps} ps and at least 1 worker)",
-        )
-    if not entries:
-        fail("hosts", entries, "at least one host")
-
-    parsed: list[tuple[str, int | None]] = []
-    explicit: dict[tuple[str, int], int] = {}  # (host, port) -> position in hosts
-    for position, entry in enumerate(entries):
-        field = f"hosts[{position}]"
-        if not isinstance(entry, str):
-            fail(field, entry, "a 'host' or 'host:port' string")
-        try:
-            host, host_port = _split_host(entry)
-        except BadAddress as bad:
-            fail(
-                field, entry, "a 'host' or 'host:port' string with a valid host and port", bad.hint
-            )
-        if host_port is not None:
-            key = (host.lower(), host_port)
-            if key in explicit:
-                fail(
-                    field,
-                    entry,
-                    f"an address used once (it is also hosts[{explicit[key]}])",
-                    hint="Each task needs its own host:port.",
-                )
-            explicit[key] = position
-        parsed.append((host, host_port))
-
-    # Hosts without a port: successive free ports per host name.
-    next_port: dict[str, int] = {}
-    addresses = []
-    for position, (host, host_port) in enumerate(parsed):
-        if host_port is None:
-            candidate = next_port.get(host.lower(), port)
-            while (host.lower(), candidate) in explicit:
-                candidate += 1
-            if candidate > 65535:
-                fail(
-                    f"hosts[{position}]",
-                    entries[position],
-                    "a free port <= 65535",
-                    hint="Pass a lower port= or give the ports explicitly.",
-                )
-            next_port[host.lower()] = candidate + 1
-            host_port = candidate
-        addresses.append(format_address(host, host_port))
+    entries, num_ps, port = _checked_arguments(hosts, chief, num_ps, port)
+    parsed, explicit = _parsed_entries(entries)
+    addresses = _addresses(entries, parsed, explicit, port)
 
     cluster: dict[str, list[str]] = {}
     start = 0
@@ -187,3 +112,104 @@ def spec_from_hosts(
     spec = {"cluster": cluster}
     parse(spec, require_task=False)  # Double-check with the full rules.
     return spec
+
+
+_SOURCE = "spec_from_hosts()"
+
+
+def _fail(field: str, value: Any, expected: str, hint: str | None = None) -> NoReturn:
+    raise ClusterSpecError(field, value, expected, source=_SOURCE, hint=hint)
+
+
+def _checked_arguments(hosts: Any, chief: Any, num_ps: Any, port: Any) -> tuple[list, int, int]:
+    """(the host entries, num_ps, port) once every argument is checked."""
+    hosts_expected = "a list of 'host' or 'host:port' strings"
+    if isinstance(hosts, (str, bytes, Mapping)):
+        _fail("hosts", hosts, hosts_expected, hint='Wrap a single host in a list: ["host"].')
+    try:
+        entries = list(hosts)
+    except TypeError:
+        _fail("hosts", hosts, hosts_expected)
+    if not isinstance(chief, bool):
+        _fail("chief", chief, "True or False")
+    if isinstance(num_ps, bool) or not isinstance(num_ps, numbers.Integral) or num_ps < 0:
+        _fail("num_ps", num_ps, "a non-negative integer")
+    if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 1 <= port <= 65535:
+        _fail("port", port, "an integer port in 1..65535")
+    num_ps, port = int(num_ps), int(port)
+    if num_ps > 0 and not chief:
+        _fail(
+            "chief",
+            chief,
+            "True when num_ps > 0 (parameter-server training needs a chief)",
+            hint="Pass chief=True; the first host becomes the chief.",
+        )
+    num_workers = len(entries) - int(chief) - num_ps
+    if num_ps > 0 and num_workers < 1:
+        _fail(
+            "hosts",
+            entries,
+            f"at least {num_ps + 2} hosts (1 chief, {num_ps} ps and at least 1 worker)",
+        )
+    if not entries:
+        _fail("hosts", entries, "at least one host")
+    return entries, num_ps, port
+
+
+def _parsed_entries(
+    entries: list,
+) -> tuple[list[tuple[str, int | None]], dict[tuple[str, int], int]]:
+    """Each entry's (host, port or None), and the position of each explicit
+    (host, port), none given twice."""
+    parsed: list[tuple[str, int | None]] = []
+    explicit: dict[tuple[str, int], int] = {}  # (host, port) -> position in hosts
+    for position, entry in enumerate(entries):
+        field = f"hosts[{position}]"
+        if not isinstance(entry, str):
+            _fail(field, entry, "a 'host' or 'host:port' string")
+        try:
+            host, host_port = _split_host(entry)
+        except BadAddress as bad:
+            _fail(
+                field, entry, "a 'host' or 'host:port' string with a valid host and port", bad.hint
+            )
+        if host_port is not None:
+            key = (host.lower(), host_port)
+            if key in explicit:
+                _fail(
+                    field,
+                    entry,
+                    f"an address used once (it is also hosts[{explicit[key]}])",
+                    hint="Each task needs its own host:port.",
+                )
+            explicit[key] = position
+        parsed.append((host, host_port))
+    return parsed, explicit
+
+
+def _addresses(
+    entries: list,
+    parsed: list[tuple[str, int | None]],
+    explicit: dict[tuple[str, int], int],
+    port: int,
+) -> list[str]:
+    """Every entry's 'host:port'; hosts without a port get successive free
+    ports per host name, from ``port``."""
+    next_port: dict[str, int] = {}
+    addresses = []
+    for position, (host, host_port) in enumerate(parsed):
+        if host_port is None:
+            candidate = next_port.get(host.lower(), port)
+            while (host.lower(), candidate) in explicit:
+                candidate += 1
+            if candidate > 65535:
+                _fail(
+                    f"hosts[{position}]",
+                    entries[position],
+                    "a free port <= 65535",
+                    hint="Pass a lower port= or give the ports explicitly.",
+                )
+            next_port[host.lower()] = candidate + 1
+            host_port = candidate
+        addresses.append(format_address(host, host_port))
+    return addresses
