@@ -131,61 +131,101 @@ def choose(
     in_cluster = bool(cfg.cluster)
     slurm_tasks = None if (in_cluster or config is not None) else (slurm_step_tasks(env))
 
-    def choice(kind: str, reason: str, **kw: Any) -> Choice:
-        role = "trainer"
-        if kind == "parameter_server" and cfg.task_type in ("ps", "worker"):
-            role = "server"
-        elif cfg.task_type == "evaluator":
-            role = "evaluator"
-        return Choice(kind, reason, cfg, role=role, **kw)
-
     if name != "auto":
-        reason = f"strategy={strategy!r} was asked for"
-        if name == "tpu":
-            return choice("tpu", reason, tpu=options.tpu or "local")
-        if name == "multi_worker_mirrored" and not in_cluster and slurm_tasks:
-            return choice(name, reason + f" in a Slurm step of {slurm_tasks} tasks", slurm=True)
-        return choice(name, reason)
+        return _asked(cfg, name, strategy, options, in_cluster, slurm_tasks)
+    return _from_cluster_or_options(cfg, options, in_cluster, slurm_tasks) or _from_devices(
+        cfg, options, count, slurm_tasks
+    )
 
+
+def _choice(cfg: spec_lib.TFConfig, kind: str, reason: str, **kw: Any) -> Choice:
+    """A :class:`Choice`, with this process's role in it."""
+    role = "trainer"
+    if kind == "parameter_server" and cfg.task_type in ("ps", "worker"):
+        role = "server"
+    elif cfg.task_type == "evaluator":
+        role = "evaluator"
+    return Choice(kind, reason, cfg, role=role, **kw)
+
+
+def _asked(
+    cfg: spec_lib.TFConfig,
+    name: str,
+    strategy: str,
+    options: StrategyOptions,
+    in_cluster: bool,
+    slurm_tasks: int | None,
+) -> Choice:
+    """The strategy asked for by name."""
+    reason = f"strategy={strategy!r} was asked for"
+    if name == "tpu":
+        return _choice(cfg, "tpu", reason, tpu=options.tpu or "local")
+    if name == "multi_worker_mirrored" and not in_cluster and slurm_tasks:
+        return _choice(cfg, name, reason + f" in a Slurm step of {slurm_tasks} tasks", slurm=True)
+    return _choice(cfg, name, reason)
+
+
+def _from_cluster_or_options(
+    cfg: spec_lib.TFConfig, options: StrategyOptions, in_cluster: bool, slurm_tasks: int | None
+) -> Choice | None:
+    """ "auto" from a TPU given, the cluster, a Slurm step or the devices
+    asked for; None when none of them decides."""
     if options.tpu:
-        return choice("tpu", f"a TPU was given (tpu={options.tpu!r})", tpu=options.tpu)
+        return _choice(cfg, "tpu", f"a TPU was given (tpu={options.tpu!r})", tpu=options.tpu)
     if cfg.kind == "parameter_server":
-        return choice(
+        return _choice(
+            cfg,
             "parameter_server",
             _describe_cluster(cfg) + ": a 'ps' job means parameter-server training",
         )
     if in_cluster:
-        return choice(
+        return _choice(
+            cfg,
             "multi_worker_mirrored",
             _describe_cluster(cfg) + ": synchronous training over "
             f"{cfg.num_workers} worker task(s)",
         )
     if slurm_tasks and slurm_tasks > 1:
-        return choice(
+        return _choice(
+            cfg,
             "multi_worker_mirrored",
             f"a Slurm job step of {slurm_tasks} tasks (SLURM_PROCID is set): one worker per task",
             slurm=True,
         )
     if options.devices and len(options.devices) > 1:
-        return choice(
-            "mirrored", f"{len(options.devices)} devices were given: {', '.join(options.devices)}"
+        return _choice(
+            cfg,
+            "mirrored",
+            f"{len(options.devices)} devices were given: {', '.join(options.devices)}",
         )
     if options.devices:
-        return choice("one_device", f"1 device was given: {options.devices[0]}")
+        return _choice(cfg, "one_device", f"1 device was given: {options.devices[0]}")
     if options.cpu_replicas and options.cpu_replicas > 1:
-        return choice(
+        return _choice(
+            cfg,
             "mirrored",
             f"cpu_replicas={options.cpu_replicas}: the CPU is split into that many logical devices",
         )
+    return None
+
+
+def _from_devices(
+    cfg: spec_lib.TFConfig,
+    options: StrategyOptions,
+    count: DeviceCounter,
+    slurm_tasks: int | None,
+) -> Choice:
+    """ "auto" from this machine's devices: TPUs, GPUs, a split CPU, or one device."""
     tpus = count("TPU")
     if tpus:
-        return choice("tpu", f"{tpus} local TPU device(s) found", tpu="local")
+        return _choice(cfg, "tpu", f"{tpus} local TPU device(s) found", tpu="local")
     gpus = count("GPU")
     logical_gpus = count("logical GPU") if gpus else 0
     if logical_gpus > 1:
         if logical_gpus == gpus:
-            return choice("mirrored", f"{gpus} local GPUs found")
-        return choice(
+            return _choice(cfg, "mirrored", f"{gpus} local GPUs found")
+        return _choice(
+            cfg,
             "mirrored",
             f"{logical_gpus} logical GPUs, as tf.config "
             f"set up the {gpus} local GPU(s) before this call",
@@ -193,7 +233,8 @@ def choose(
     # cpu_replicas=1 asks for one CPU replica, however the CPU was split.
     cpus = 1 if logical_gpus or options.cpu_replicas else count("logical CPU")
     if cpus > 1:
-        return choice(
+        return _choice(
+            cfg,
             "mirrored",
             f"{cpus} logical CPUs, as tf.config."
             "set_logical_device_configuration split the CPU before "
@@ -205,4 +246,4 @@ def choose(
         + (", a Slurm step of 1 task" if slurm_tasks == 1 else "")
         + (", cpu_replicas=1" if options.cpu_replicas == 1 and not gpus else "")
     )
-    return choice("one_device", f"{where} and one device ({device})")
+    return _choice(cfg, "one_device", f"{where} and one device ({device})")
