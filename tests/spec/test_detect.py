@@ -287,6 +287,39 @@ def test_bad_options_name_the_field(options, field):
     assert repr(options[field])[:20] in str(info.value)
 
 
+def test_every_option_is_checked_and_kept():
+    # make_options keeps what its table of checks returns: an option of
+    # StrategyOptions without a check would be dropped in silence.
+    import dataclasses
+
+    from tfdist.spec import options as options_lib
+
+    given = {
+        "devices": "/cpu:0, /cpu:1",
+        "communication": "ring",
+        "bytes_per_pack": 1024,
+        "collective_timeout": None,
+        "register_timeout": "7.5",
+        "variable_partitioner": "fixed:2",
+        "tpu": " local ",
+        "slurm_port_base": 20000,
+        "model_parallel": 2,
+        "transport": "MPI",
+    }
+    made = make_options(env={}, **given)
+    fields = {f.name for f in dataclasses.fields(options_lib.StrategyOptions)}
+    assert set(options_lib._CHECKS) == fields
+    assert (made.devices, made.communication, made.bytes_per_pack) == (
+        ("/cpu:0", "/cpu:1"),
+        "RING",
+        1024,
+    )
+    assert (made.collective_timeout, made.register_timeout, made.tpu) == (None, 7.5, "local")
+    assert (made.slurm_port_base, made.model_parallel, made.transport) == (20000, 2, "mpi")
+    assert made.variable_partitioner is not None
+    assert make_options(env={}, cpu_replicas="3").cpu_replicas == 3
+
+
 def test_options_fall_back_to_environment_and_arguments_win():
     env = {"TFDIST_CPU_REPLICAS": "3", "TFDIST_REGISTER_TIMEOUT": "7.5"}
     assert make_options(env=env).cpu_replicas == 3

@@ -200,81 +200,86 @@ def make_options(env: Mapping[str, str] | None = None, **options: Any) -> Strate
             options[name] = env[var].strip()
 
     out: dict[str, Any] = {}
-    devices = options.get("devices")
-    if devices is not None:
-        if isinstance(devices, str):
-            devices = [d for d in devices.split(",") if d.strip()]
-        if (
-            not isinstance(devices, Sequence)
-            or not devices
-            or not all(isinstance(d, str) and d.strip() for d in devices)
-        ):
-            raise ConfigError(
-                "devices",
-                options.get("devices"),
-                "a non-empty list of device names such as ['/gpu:0', '/gpu:1']",
-                source=_SOURCE,
-            )
-        if len(set(devices)) != len(devices):
-            raise ConfigError(
-                "devices", options.get("devices"), "each device at most once", source=_SOURCE
-            )
-        out["devices"] = tuple(d.strip() for d in devices)
-    if options.get("cpu_replicas") is not None:
-        out["cpu_replicas"] = _int("cpu_replicas", options["cpu_replicas"], minimum=1)
-        if "devices" in out:
+    for name, check in _CHECKS.items():
+        # collective_timeout=None is a choice (no timeout), not an absence.
+        given = name in options if name == "collective_timeout" else options.get(name) is not None
+        if not given:
+            continue
+        out[name] = check(options[name])
+        if name == "cpu_replicas" and "devices" in out:
             raise ConfigError(
                 "cpu_replicas",
                 options["cpu_replicas"],
                 "either devices or cpu_replicas, not both",
                 source=_SOURCE,
             )
-    if options.get("communication") is not None:
-        comm = options["communication"]
-        if not isinstance(comm, str) or comm.strip().upper() not in COMMUNICATIONS:
-            raise ConfigError(
-                "communication", comm, "one of " + ", ".join(COMMUNICATIONS), source=_SOURCE
-            )
-        out["communication"] = comm.strip().upper()
-    if options.get("bytes_per_pack") is not None:
-        out["bytes_per_pack"] = _int("bytes_per_pack", options["bytes_per_pack"], minimum=0)
-    if "collective_timeout" in options:
-        out["collective_timeout"] = _seconds(
-            "collective_timeout", options["collective_timeout"], allow_none=True
-        )
-    if options.get("register_timeout") is not None:
-        out["register_timeout"] = _seconds(
-            "register_timeout", options["register_timeout"], allow_none=False
-        )
-    if options.get("variable_partitioner") is not None:
-        out["variable_partitioner"] = _check_partitioner(options["variable_partitioner"])
-    if options.get("tpu") is not None:
-        tpu = options["tpu"]
-        if not isinstance(tpu, str) or not tpu.strip():
-            raise ConfigError(
-                "tpu", tpu, "a TPU name, a 'grpc://host:port' address or 'local'", source=_SOURCE
-            )
-        out["tpu"] = tpu.strip()
-    if options.get("slurm_port_base") is not None:
-        port = _int("slurm_port_base", options["slurm_port_base"], minimum=1024)
-        if port > 65000:
-            raise ConfigError(
-                "slurm_port_base",
-                options["slurm_port_base"],
-                "a port in [1024, 65000]",
-                source=_SOURCE,
-            )
-        out["slurm_port_base"] = port
-    if options.get("model_parallel") is not None:
-        out["model_parallel"] = _int("model_parallel", options["model_parallel"], minimum=1)
-    if options.get("transport") is not None:
-        transport = options["transport"]
-        if not isinstance(transport, str) or transport.strip().lower() not in TRANSPORTS:
-            raise ConfigError(
-                "transport", transport, "one of " + ", ".join(map(repr, TRANSPORTS)), source=_SOURCE
-            )
-        out["transport"] = transport.strip().lower()
     return StrategyOptions(**out)
+
+
+def _devices(given: Any) -> tuple[str, ...]:
+    devices = [d for d in given.split(",") if d.strip()] if isinstance(given, str) else given
+    if (
+        not isinstance(devices, Sequence)
+        or not devices
+        or not all(isinstance(d, str) and d.strip() for d in devices)
+    ):
+        raise ConfigError(
+            "devices",
+            given,
+            "a non-empty list of device names such as ['/gpu:0', '/gpu:1']",
+            source=_SOURCE,
+        )
+    if len(set(devices)) != len(devices):
+        raise ConfigError("devices", given, "each device at most once", source=_SOURCE)
+    return tuple(d.strip() for d in devices)
+
+
+def _communication(comm: Any) -> str:
+    if not isinstance(comm, str) or comm.strip().upper() not in COMMUNICATIONS:
+        raise ConfigError(
+            "communication", comm, "one of " + ", ".join(COMMUNICATIONS), source=_SOURCE
+        )
+    return comm.strip().upper()
+
+
+def _tpu(tpu: Any) -> str:
+    if not isinstance(tpu, str) or not tpu.strip():
+        raise ConfigError(
+            "tpu", tpu, "a TPU name, a 'grpc://host:port' address or 'local'", source=_SOURCE
+        )
+    return tpu.strip()
+
+
+def _slurm_port_base(given: Any) -> int:
+    port = _int("slurm_port_base", given, minimum=1024)
+    if port > 65000:
+        raise ConfigError("slurm_port_base", given, "a port in [1024, 65000]", source=_SOURCE)
+    return port
+
+
+def _transport(transport: Any) -> str:
+    if not isinstance(transport, str) or transport.strip().lower() not in TRANSPORTS:
+        raise ConfigError(
+            "transport", transport, "one of " + ", ".join(map(repr, TRANSPORTS)), source=_SOURCE
+        )
+    return transport.strip().lower()
+
+
+#: Each option's check, in the order make_options runs them: the value given
+#: -> the value kept. A check raises ConfigError naming the option.
+_CHECKS: dict[str, Any] = {
+    "devices": _devices,
+    "cpu_replicas": lambda v: _int("cpu_replicas", v, minimum=1),
+    "communication": _communication,
+    "bytes_per_pack": lambda v: _int("bytes_per_pack", v, minimum=0),
+    "collective_timeout": lambda v: _seconds("collective_timeout", v, allow_none=True),
+    "register_timeout": lambda v: _seconds("register_timeout", v, allow_none=False),
+    "variable_partitioner": lambda v: _check_partitioner(v),
+    "tpu": _tpu,
+    "slurm_port_base": _slurm_port_base,
+    "model_parallel": lambda v: _int("model_parallel", v, minimum=1),
+    "transport": _transport,
+}
 
 
 #: Strategies whose replicas can form a (data, tensor) mesh.
