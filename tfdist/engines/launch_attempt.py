@@ -120,39 +120,8 @@ class Attempt:
                 now = time.monotonic()
                 for task in self.tasks:
                     code = task.poll()
-                    if code is None or code == 0:
-                        continue
-                    task.finish(1.0)
-                    if (
-                        task in self.trainers
-                        and code == PREEMPTED_EXIT_CODE
-                        and self._records().get(task.task)
-                    ):
-                        record = self._records()[task.task]
-                        s.out.say(
-                            f"{task.task} exited {code} after saving at "
-                            f"{position(record)} (preempted); waiting up to "
-                            f"{s.grace:g} s for the other tasks to save and exit"
-                        )
-                        # The grace period runs from the task's signal when a
-                        # record says when it came.
-                        times = [
-                            r["signal_time"]
-                            for r in self._records().values()
-                            if isinstance(r.get("signal_time"), (int, float))
-                        ]
-                        started = now - max(0.0, time.time() - min(times)) if times else now
-                        end = self._drain("preempted", started)
-                        # Named after the task that got the signal: the first
-                        # to exit may be another one.
-                        first = _first_signalled(end.records) or task.task
-                        end.failure = next((e for e in end.exits if e.task == first), task.exit())
-                        return end
-                    failure = task.exit()
-                    stop_all(self.tasks, s.stop_timeout)
-                    return AttemptEnd(
-                        "port" if task.port_taken else "failed", failure, lead=self.lead
-                    )
+                    if code is not None and code != 0:
+                        return self._exited(task, code, now)
                 if all(t.poll() == 0 for t in self.trainers):
                     # Training is done; a side-car evaluator gets a grace period
                     # to evaluate the last checkpoint, then it is stopped.
@@ -169,24 +138,62 @@ class Attempt:
                 # After the exits: a lost worker is a failure, even if the
                 # discovery script already reports its slot gone.
                 if s.discovery is not None and now >= next_check:
-                    target = self._target()
+                    end = self._resize_if_asked()
                     next_check = time.monotonic() + s.discovery_interval
-                    if target is not None and not any(
-                        t.poll() not in (None, 0) for t in self.tasks
-                    ):
-                        s.out.say(
-                            f"the discovery script reports room for {target} worker(s) "
-                            f"(now {self.size}): passing "
-                            f"{signal.Signals(s.preempt_signal).name} on so that the "
-                            "workers save, then relaunching"
-                        )
-                        self._forward()
-                        end = self._drain("resize", time.monotonic())
-                        end.target = target
+                    if end is not None:
                         return end
                 time.sleep(0.05)
         finally:
             stop_all(self.tasks, s.stop_timeout)
+
+    def _exited(self, task: Task, code: int, now: float) -> AttemptEnd:
+        """The end of the attempt once ``task`` exited with ``code`` (not 0):
+        a preemption (it saved: the others get the grace period to save the
+        same step) or a failure (every task is stopped)."""
+        s = self.s
+        task.finish(1.0)
+        if task in self.trainers and code == PREEMPTED_EXIT_CODE and self._records().get(task.task):
+            record = self._records()[task.task]
+            s.out.say(
+                f"{task.task} exited {code} after saving at "
+                f"{position(record)} (preempted); waiting up to "
+                f"{s.grace:g} s for the other tasks to save and exit"
+            )
+            # The grace period runs from the task's signal when a
+            # record says when it came.
+            times = [
+                r["signal_time"]
+                for r in self._records().values()
+                if isinstance(r.get("signal_time"), (int, float))
+            ]
+            started = now - max(0.0, time.time() - min(times)) if times else now
+            end = self._drain("preempted", started)
+            # Named after the task that got the signal: the first
+            # to exit may be another one.
+            first = _first_signalled(end.records) or task.task
+            end.failure = next((e for e in end.exits if e.task == first), task.exit())
+            return end
+        failure = task.exit()
+        stop_all(self.tasks, s.stop_timeout)
+        return AttemptEnd("port" if task.port_taken else "failed", failure, lead=self.lead)
+
+    def _resize_if_asked(self) -> AttemptEnd | None:
+        """When the discovery script reports another size and no task
+        failed: the workers save (a preemption), then the attempt ends."""
+        s = self.s
+        target = self._target()
+        if target is None or any(t.poll() not in (None, 0) for t in self.tasks):
+            return None
+        s.out.say(
+            f"the discovery script reports room for {target} worker(s) "
+            f"(now {self.size}): passing "
+            f"{signal.Signals(s.preempt_signal).name} on so that the "
+            "workers save, then relaunching"
+        )
+        self._forward()
+        end = self._drain("resize", time.monotonic())
+        end.target = target
+        return end
 
     def _start(self) -> None:
         s = self.s
