@@ -8,6 +8,7 @@ No TensorFlow.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import numbers
@@ -364,6 +365,51 @@ def tfjob_manifest(
     source = "tfjob_manifest()"
     counts = replica_counts(spec_or_counts)
     name = _check_name(name, counts, source)
+    _check_image(image, source)
+    container: dict[str, Any] = {
+        "name": _TFJOB_CONTAINER,
+        "image": image,
+        "command": list(_check_command("command", command, source, allow_empty=False)),
+    }
+    arg_words = _check_command("args", args, source, allow_empty=True)
+    if arg_words:
+        container["args"] = list(arg_words)
+    _check_namespace(namespace, source)
+    _check_restart_policy(restart_policy, source)
+    grace = _check_grace(grace, source)
+    backup_mount = _check_backup_volume(backup_claim, backup_mount, source)
+    # Read by tfdist's preemption handling: it logs a save that overran.
+    container["env"] = [{"name": "TFDIST_GRACE", "value": str(grace)}]
+    resources = _resources(cpu, memory, source)
+    if resources:
+        container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
+    pod: dict[str, Any] = {"terminationGracePeriodSeconds": grace}
+    if backup_claim is not None:
+        container["volumeMounts"] = [{"name": _BACKUP_VOLUME, "mountPath": backup_mount}]
+        pod["volumes"] = [
+            {"name": _BACKUP_VOLUME, "persistentVolumeClaim": {"claimName": backup_claim}}
+        ]
+    pod["containers"] = [container]
+    metadata: dict[str, Any] = {"name": name}
+    if namespace is not None:
+        metadata["namespace"] = namespace
+    replica_specs = {
+        REPLICA_TYPES[task_type]: {
+            "replicas": count,
+            "restartPolicy": restart_policy,
+            "template": {"spec": copy.deepcopy(pod)},
+        }
+        for task_type, count in counts.items()
+    }
+    return {
+        "apiVersion": _TFJOB_API_VERSION,
+        "kind": "TFJob",
+        "metadata": metadata,
+        "spec": {"tfReplicaSpecs": replica_specs},
+    }
+
+
+def _check_image(image: Any, source: str) -> None:
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
         fail(
             "image",
@@ -372,8 +418,9 @@ def tfjob_manifest(
             "e.g. 'registry.example.com/train:1'",
             source,
         )
-    command_words = _check_command("command", command, source, allow_empty=False)
-    arg_words = _check_command("args", args, source, allow_empty=True)
+
+
+def _check_namespace(namespace: Any, source: str) -> None:
     if namespace is not None and (
         not isinstance(namespace, str)
         or len(namespace) > _MAX_NAME
@@ -387,6 +434,9 @@ def tfjob_manifest(
             source,
             hint=_dns_hint(namespace, letter_first=False) if isinstance(namespace, str) else None,
         )
+
+
+def _check_restart_policy(restart_policy: Any, source: str) -> None:
     if restart_policy not in RESTART_POLICIES:
         hint = None
         if isinstance(restart_policy, str):
@@ -400,8 +450,10 @@ def tfjob_manifest(
             source,
             hint=hint,
         )
-    grace = _check_grace(grace, source)
-    backup_mount = _check_backup_volume(backup_claim, backup_mount, source)
+
+
+def _resources(cpu: Any, memory: Any, source: str) -> dict[str, str]:
+    """Each pod's requests (and limits): the CPU and memory given."""
     resources: dict[str, str] = {}
     cpu_text = _check_quantity("cpu", cpu, source)
     memory_text = _check_quantity("memory", memory, source)
@@ -409,42 +461,4 @@ def tfjob_manifest(
         resources["cpu"] = cpu_text
     if memory_text is not None:
         resources["memory"] = memory_text
-
-    def replica_spec(count: int) -> dict[str, Any]:
-        container: dict[str, Any] = {
-            "name": _TFJOB_CONTAINER,
-            "image": image,
-            "command": list(command_words),
-        }
-        if arg_words:
-            container["args"] = list(arg_words)
-        # Read by tfdist's preemption handling: it logs a save that overran.
-        container["env"] = [{"name": "TFDIST_GRACE", "value": str(grace)}]
-        if resources:
-            container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
-        pod: dict[str, Any] = {"terminationGracePeriodSeconds": grace}
-        if backup_claim is not None:
-            container["volumeMounts"] = [{"name": _BACKUP_VOLUME, "mountPath": backup_mount}]
-            pod["volumes"] = [
-                {"name": _BACKUP_VOLUME, "persistentVolumeClaim": {"claimName": backup_claim}}
-            ]
-        pod["containers"] = [container]
-        return {
-            "replicas": count,
-            "restartPolicy": restart_policy,
-            "template": {"spec": pod},
-        }
-
-    metadata: dict[str, Any] = {"name": name}
-    if namespace is not None:
-        metadata["namespace"] = namespace
-    return {
-        "apiVersion": _TFJOB_API_VERSION,
-        "kind": "TFJob",
-        "metadata": metadata,
-        "spec": {
-            "tfReplicaSpecs": {
-                REPLICA_TYPES[task_type]: replica_spec(count) for task_type, count in counts.items()
-            },
-        },
-    }
+    return resources
