@@ -22,6 +22,16 @@ def add_launch(sub) -> None:
         "save and exit. Note: TensorFlow's servers listen on every interface; --netns keeps "
         "the job in a private network namespace.",
     )
+    _add_shape_flags(launch)
+    _add_restart_flags(launch)
+    _add_output_flags(launch)
+    _add_transport_flags(launch)
+    _add_script_flags(launch)
+    launch.set_defaults(func=_launch)
+
+
+def _add_shape_flags(launch: argparse.ArgumentParser) -> None:
+    """The job's shape: its tasks, or horovodrun's hosts."""
     launch.add_argument(
         "--workers",
         "-np",
@@ -55,6 +65,10 @@ def add_launch(sub) -> None:
         help="parameter-server tasks (ps and workers serve; the chief runs SCRIPT)",
     )
     launch.add_argument("--evaluator", action="store_true", help="add an evaluator task")
+
+
+def _add_restart_flags(launch: argparse.ArgumentParser) -> None:
+    """Restarts, preemption and elastic resizes."""
     launch.add_argument(
         "--max-restarts",
         type=int,
@@ -100,6 +114,10 @@ def add_launch(sub) -> None:
         metavar="SECONDS",
         help="seconds between two runs of --host-discovery-script",
     )
+
+
+def _add_output_flags(launch: argparse.ArgumentParser) -> None:
+    """What is shown and logged, and a spec's ports."""
     launch.add_argument(
         "--show-all",
         action="store_true",
@@ -118,6 +136,10 @@ def add_launch(sub) -> None:
         "--log-dir logs always have them",
     )
     launch.add_argument("--log-dir", default=None, help="keep each task's full log here")
+
+
+def _add_transport_flags(launch: argparse.ArgumentParser) -> None:
+    """The gradients' transport, the network namespace and the timeline."""
     launch.add_argument(
         "--transport",
         default="tf",
@@ -139,6 +161,10 @@ def add_launch(sub) -> None:
         "Chrome-trace timeline of every worker's steps to PATH, each "
         "worker its own beside it (exported as TFDIST_TIMELINE)",
     )
+
+
+def _add_script_flags(launch: argparse.ArgumentParser) -> None:
+    """The script, module or code, and its arguments."""
     # -m and -c as options: argparse refuses a positional that starts with '-'.
     launch.add_argument(
         "-m",
@@ -156,7 +182,6 @@ def add_launch(sub) -> None:
     )
     launch.add_argument("script", nargs="?", help="the training script (or -m MODULE, -c CODE)")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
-    launch.set_defaults(func=_launch)
 
 
 def _launch(args: argparse.Namespace) -> int:
