@@ -25,93 +25,106 @@ from absl import flags
 from tfdist.compression import COMPRESSOR_NAMES
 from tfdist.spec.options import COMMUNICATIONS, STRATEGY_NAMES, TRANSPORTS
 
-
-def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """Defines tfdist's strategy flags on ``flag_values`` (once)."""
-    if "strategy" in flag_values:
-        return
-    flags.DEFINE_enum(
+#: tfdist's strategy flags: (absl's DEFINE_*, name, default, enum values or
+#: None, help), in the order ``--help`` lists them.
+_FLAGS: tuple[tuple[Any, str, Any, Any, str], ...] = (
+    (
+        flags.DEFINE_enum,
         "strategy",
         "auto",
         STRATEGY_NAMES,
         "Distribution strategy; 'auto' picks from TF_CONFIG, Slurm, TPU and the local devices.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_string(
+    ),
+    (
+        flags.DEFINE_string,
         "tf_config",
         None,
+        None,
         "TF_CONFIG as JSON or a spec path; default: the TF_CONFIG environment variable.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_string(
+    ),
+    (
+        flags.DEFINE_string,
         "compression",
+        None,
         None,
         "Gradient compression: "
         + ", ".join(COMPRESSOR_NAMES)
         + ", optionally with a parameter ('topk:0.01').",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_bool(
+    ),
+    (
+        flags.DEFINE_bool,
         "error_feedback",
         None,
+        None,
         "Force error feedback on or off; default: on for topk, sign and powersgd.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_integer(
+    ),
+    (
+        flags.DEFINE_integer,
         "cpu_replicas",
         None,
+        None,
         "Split the CPU into this many logical devices and mirror over them.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_integer(
+    ),
+    (
+        flags.DEFINE_integer,
         "model_parallel",
+        None,
         None,
         "Tensor-parallel group size T: the replicas form "
         "a (data, tensor) mesh, DP = replicas / T, for the "
         "layers of tfdist.parallel.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_list(
-        "devices", None, "Devices to mirror over, e.g. /gpu:0,/gpu:1.", flag_values=flag_values
-    )
-    flags.DEFINE_enum(
-        "communication", None, COMMUNICATIONS, "Collective implementation.", flag_values=flag_values
-    )
-    flags.DEFINE_integer(
+    ),
+    (flags.DEFINE_list, "devices", None, None, "Devices to mirror over, e.g. /gpu:0,/gpu:1."),
+    (flags.DEFINE_enum, "communication", None, COMMUNICATIONS, "Collective implementation."),
+    (
+        flags.DEFINE_integer,
         "bytes_per_pack",
         None,
+        None,
         "Pack gradients into chunks of this many bytes.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_float(
+    ),
+    (
+        flags.DEFINE_float,
         "collective_timeout",
         None,
+        None,
         "Seconds before a collective that does not complete fails.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_float(
+    ),
+    (
+        flags.DEFINE_float,
         "register_timeout",
         None,
+        None,
         "Seconds every task has to join the cluster.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_string(
+    ),
+    (
+        flags.DEFINE_string,
         "variable_partitioner",
         None,
+        None,
         "Parameter-server partitioner: fixed:N, min_size:BYTES or max_size:BYTES.",
-        flag_values=flag_values,
-    )
-    flags.DEFINE_string(
-        "tpu", None, "TPU name, grpc:// address or 'local'.", flag_values=flag_values
-    )
-    flags.DEFINE_enum(
+    ),
+    (flags.DEFINE_string, "tpu", None, None, "TPU name, grpc:// address or 'local'."),
+    (
+        flags.DEFINE_enum,
         "transport",
         None,
         TRANSPORTS,
         "What carries the gradients between processes: tf (TensorFlow's collectives) or "
         "mpi (for scripts an MPI launcher starts).",
-        flag_values=flag_values,
-    )
+    ),
+)
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines tfdist's strategy flags on ``flag_values`` (once)."""
+    if "strategy" in flag_values:
+        return
+    for define, name, default, values, help_text in _FLAGS:
+        if values is None:
+            define(name, default, help_text, flag_values=flag_values)
+        else:
+            define(name, default, values, help_text, flag_values=flag_values)
 
 
 def options_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
