@@ -21,6 +21,7 @@ from typing import Any
 from absl import logging
 
 from tfdist.errors import TfdistError
+from tfdist.training.atomic import fsync
 
 #: Seconds a non-chief worker waits for the chief's matching save, on top of
 #: twice the time its own save took.
@@ -148,21 +149,6 @@ def wait(key: str, path: str, own_seconds: float) -> dict | None:
 
 # --------------------------------------------------------------------------
 # Files.
-
-
-def fsync(path: str) -> None:
-    """Flushes the file or directory at ``path`` to disk, if it can."""
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # Some filesystems refuse to fsync a directory.
-    finally:
-        os.close(fd)
 
 
 def _sweep(directory: str) -> None:

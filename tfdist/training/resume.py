@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from tfdist.training.atomic import replacing
+
 __all__ = ["state_file", "save_replica_state", "load_replica_state", "resize"]
 
 
@@ -85,15 +87,8 @@ def save_replica_state(
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, state_file(checkpoint, task))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with replacing(path, tmp, os.fdopen(fd, "wb")) as f:
+        np.savez(f, **arrays)
     return path
 
 

@@ -68,6 +68,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from tfdist.training.atomic import fsync, replacing
 from tfdist.training.chief_save import (
     STATE,
     TMP_PREFIX,
@@ -75,7 +76,6 @@ from tfdist.training.chief_save import (
     ChiefSaveError,
     active,
     coordinated,
-    fsync,
     holds_split_weights,
     local,
     multi_worker,
@@ -158,15 +158,8 @@ def write_json(path: str, data: dict) -> None:
     """Writes ``data`` to ``path`` as JSON through a temporary file and a rename."""
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.json")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(data))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with replacing(path, tmp, open(tmp, "w")) as f:
+        f.write(json.dumps(data))
     fsync(directory)
 
 

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from tfdist.errors import ConfigError, TfdistError
+from tfdist.training.atomic import fsync as fsync_dir, replacing
 
 
 class BackupError(TfdistError, RuntimeError):
@@ -25,20 +26,6 @@ def fsync_file(path: str) -> None:
         os.fsync(f.fileno())
 
 
-def fsync_dir(path: str) -> None:
-    """Makes a rename durable; some filesystems refuse directory fsync."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def sha256(path: str) -> str:
     """The SHA-256 hex digest of the file at ``path``."""
     digest = hashlib.sha256()
@@ -52,15 +39,8 @@ def write_json_atomically(path: str, data: dict) -> None:
     """Writes ``data`` to ``path`` as JSON through a temporary file and a rename."""
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.json")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with replacing(path, tmp, open(tmp, "w")) as f:
+        json.dump(data, f, indent=1, sort_keys=True)
     fsync_dir(directory)
 
 
