@@ -25,11 +25,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tfdist.engines import forwarding
 from tfdist.errors import ConfigError, require_int
 
 __all__ = ["find_mpiexec", "launch_mpi"]
@@ -114,29 +114,20 @@ def _run_once(command: list[str], env: dict, grace: float) -> int:
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     deadline: list[float] = []  # Set by the first passed-on signal.
 
-    def forward(signum, frame):
+    def start_grace(signum: int) -> None:
         if not deadline:
             deadline.append(time.monotonic() + grace)
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
 
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, forward)
     try:
-        while True:
-            try:
-                return proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                if deadline and time.monotonic() > deadline[0]:
-                    # The grace period after a passed-on signal is over.
-                    _kill_tree(proc.pid)
+        with forwarding.passing_on(proc.pid, (signal.SIGTERM, signal.SIGINT), start_grace):
+            while True:
+                try:
+                    return proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    if deadline and time.monotonic() > deadline[0]:
+                        # The grace period after a passed-on signal is over.
+                        _kill_tree(proc.pid)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         if proc.poll() is None:
             _kill_tree(proc.pid)
             proc.wait()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import threading
 from collections.abc import Sequence
 from typing import IO
 
+from tfdist.engines import forwarding
 from tfdist.engines.launch_results import DEFAULT_GRACE
 from tfdist.errors import ConfigError
 
@@ -61,24 +61,14 @@ def run_in_netns(
         text=True,
     )
 
-    def forward(signum, frame):
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-            previous[signum] = signal.signal(signum, forward)
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
     try:
-        if output is not None:
-            for line in proc.stdout:
-                output.write(line)
-        return proc.wait()
+        with forwarding.passing_on(proc.pid, forwarded):
+            if output is not None:
+                for line in proc.stdout:
+                    output.write(line)
+            return proc.wait()
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         if proc.poll() is None:
             # The inner launcher stops its tasks on SIGTERM, within its grace.
             os.killpg(proc.pid, signal.SIGTERM)
