@@ -293,16 +293,16 @@ class _Plan:
 
 def _plan(
     *,
-    workers: Any,
-    chief: Any,
-    ps: Any,
-    max_restarts: Any,
-    spec: Any,
-    grace: Any,
-    preempt_signal: Any,
-    worker_failed: Any,
-    host_discovery_script: Any,
-    discovery_interval: Any,
+    workers: object,
+    chief: object,
+    ps: object,
+    max_restarts: object,
+    spec: object,
+    grace: object,
+    preempt_signal: object,
+    worker_failed: object,
+    host_discovery_script: object,
+    discovery_interval: object,
 ) -> _Plan:
     """Every check of :func:`launch`'s arguments, before anything starts.
 
@@ -361,7 +361,7 @@ def _plan(
     )
 
 
-def _local_spec(spec: Any, elastic: bool) -> dict:
+def _local_spec(spec: object, elastic: bool) -> dict:
     """The parsed ``spec``: only local hosts, and no elastic range beside it."""
     if elastic:
         raise ConfigError(
@@ -386,7 +386,7 @@ def _local_spec(spec: Any, elastic: bool) -> dict:
     return spec
 
 
-def _seconds(field: str, value: Any) -> float:
+def _seconds(field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(field, value, "a number of seconds > 0", source=SOURCE)
     return float(value)

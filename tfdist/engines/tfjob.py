@@ -409,7 +409,7 @@ def tfjob_manifest(
     }
 
 
-def _check_image(image: Any, source: str) -> None:
+def _check_image(image: object, source: str) -> None:
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
         fail(
             "image",
@@ -420,7 +420,7 @@ def _check_image(image: Any, source: str) -> None:
         )
 
 
-def _check_namespace(namespace: Any, source: str) -> None:
+def _check_namespace(namespace: object, source: str) -> None:
     if namespace is not None and (
         not isinstance(namespace, str)
         or len(namespace) > _MAX_NAME
@@ -436,7 +436,7 @@ def _check_namespace(namespace: Any, source: str) -> None:
         )
 
 
-def _check_restart_policy(restart_policy: Any, source: str) -> None:
+def _check_restart_policy(restart_policy: object, source: str) -> None:
     if restart_policy not in RESTART_POLICIES:
         hint = None
         if isinstance(restart_policy, str):
@@ -452,7 +452,7 @@ def _check_restart_policy(restart_policy: Any, source: str) -> None:
         )
 
 
-def _resources(cpu: Any, memory: Any, source: str) -> dict[str, str]:
+def _resources(cpu: object, memory: object, source: str) -> dict[str, str]:
     """Each pod's requests (and limits): the CPU and memory given."""
     resources: dict[str, str] = {}
     cpu_text = _check_quantity("cpu", cpu, source)

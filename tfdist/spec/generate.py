@@ -117,11 +117,13 @@ def spec_from_hosts(
 _SOURCE = "spec_from_hosts()"
 
 
-def _fail(field: str, value: Any, expected: str, hint: str | None = None) -> NoReturn:
+def _fail(field: str, value: object, expected: str, hint: str | None = None) -> NoReturn:
     raise ClusterSpecError(field, value, expected, source=_SOURCE, hint=hint)
 
 
-def _checked_arguments(hosts: Any, chief: Any, num_ps: Any, port: Any) -> tuple[list, int, int]:
+def _checked_arguments(
+    hosts: object, chief: object, num_ps: object, port: object
+) -> tuple[list, int, int]:
     """(the host entries, num_ps, port) once every argument is checked."""
     hosts_expected = "a list of 'host' or 'host:port' strings"
     if isinstance(hosts, (str, bytes, Mapping)):

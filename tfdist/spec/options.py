@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tfdist.errors import ConfigError
@@ -216,7 +216,7 @@ def make_options(env: Mapping[str, str] | None = None, **options: Any) -> Strate
     return StrategyOptions(**out)
 
 
-def _devices(given: Any) -> tuple[str, ...]:
+def _devices(given: object) -> tuple[str, ...]:
     devices = [d for d in given.split(",") if d.strip()] if isinstance(given, str) else given
     if (
         not isinstance(devices, Sequence)
@@ -234,7 +234,7 @@ def _devices(given: Any) -> tuple[str, ...]:
     return tuple(d.strip() for d in devices)
 
 
-def _communication(comm: Any) -> str:
+def _communication(comm: object) -> str:
     if not isinstance(comm, str) or comm.strip().upper() not in COMMUNICATIONS:
         raise ConfigError(
             "communication", comm, "one of " + ", ".join(COMMUNICATIONS), source=_SOURCE
@@ -242,7 +242,7 @@ def _communication(comm: Any) -> str:
     return comm.strip().upper()
 
 
-def _tpu(tpu: Any) -> str:
+def _tpu(tpu: object) -> str:
     if not isinstance(tpu, str) or not tpu.strip():
         raise ConfigError(
             "tpu", tpu, "a TPU name, a 'grpc://host:port' address or 'local'", source=_SOURCE
@@ -250,14 +250,14 @@ def _tpu(tpu: Any) -> str:
     return tpu.strip()
 
 
-def _slurm_port_base(given: Any) -> int:
+def _slurm_port_base(given: object) -> int:
     port = _int("slurm_port_base", given, minimum=1024)
     if port > 65000:
         raise ConfigError("slurm_port_base", given, "a port in [1024, 65000]", source=_SOURCE)
     return port
 
 
-def _transport(transport: Any) -> str:
+def _transport(transport: object) -> str:
     if not isinstance(transport, str) or transport.strip().lower() not in TRANSPORTS:
         raise ConfigError(
             "transport", transport, "one of " + ", ".join(map(repr, TRANSPORTS)), source=_SOURCE
@@ -267,7 +267,7 @@ def _transport(transport: Any) -> str:
 
 #: Each option's check, in the order make_options runs them: the value given
 #: -> the value kept. A check raises ConfigError naming the option.
-_CHECKS: dict[str, Any] = {
+_CHECKS: dict[str, Callable[[object], object]] = {
     "devices": _devices,
     "cpu_replicas": lambda v: _int("cpu_replicas", v, minimum=1),
     "communication": _communication,
