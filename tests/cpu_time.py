@@ -10,7 +10,9 @@ from the start of the test's setup to the end of its teardown.
 
 Not counted: daemons that are no one's child here (Slurm's, Ray's), and
 children still running when the test ends (counted by the test that reaps
-them).
+them). A pool server that this process reaps (at the end of the session, or
+after it died) brings all its CPU into this process's children's time: the
+share counted before the test began is taken off (:func:`spent`).
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ def start(item: pytest.Item, server: int | None) -> None:
 
 
 def spent(item: pytest.Item, server: int | None) -> float:
-    """CPU seconds since :func:`start`. A server started since (the pool
-    died and was replaced) counts from 0; the one that died was reaped here."""
-    own, before, base = item.stash.get(_START, (_own_seconds(), server, 0.0))
-    base = base if server == before else 0.0
+    """CPU seconds since :func:`start`.
+
+    The server's CPU at the start is subtracted even when another server
+    runs now (or none): the one that ran then was reaped by this process,
+    so all its CPU, the start's share included, is in this process's
+    children's time (the last test of a worker stops the session's pool in
+    its teardown; a test after a dead server's start replaces it).
+    """
+    own, _, base = item.stash.get(_START, (_own_seconds(), server, 0.0))
     return _own_seconds() - own + _server_seconds(server) - base
