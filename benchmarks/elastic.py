@@ -53,6 +53,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from benchlib import results as results_lib
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -606,18 +608,6 @@ def run_once(kind: str, work: Path) -> dict:
     return run
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(REPO), "log", "-1", "--format=%h %s"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()[:60]
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv) -> None:
     del argv
     sys.path.insert(0, str(REPO))
@@ -628,12 +618,7 @@ def main(argv) -> None:
     results.mkdir(parents=True, exist_ok=True)
     path = results / f"{FLAGS.name}.json"
     if FLAGS.mode == "report":
-        raw = json.loads(path.read_text())
-        if FLAGS.note:  # Notes added after the run replace the recorded ones.
-            raw["meta"]["notes"] = list(FLAGS.note)
-            path.write_text(json.dumps(raw, indent=1))
-        (results / f"{FLAGS.name}.md").write_text(markdown(raw))
-        print(markdown(raw))
+        print(results_lib.rewrite_report(path, FLAGS.note, markdown))
         return
     if not 0 < FLAGS.kill_at < FLAGS.grow_at < 1:
         raise ValueError(
@@ -652,7 +637,7 @@ def main(argv) -> None:
         "cpus": os.cpu_count(),
         "tf": tf.__version__,
         "keras": keras.__version__,
-        "commit": _commit(),
+        "commit": results_lib.commit(),
         "epochs": FLAGS.epochs,
         "planned": planned,
         "save_freq": FLAGS.save_freq,

@@ -63,6 +63,7 @@ REPO = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 import overhead  # noqa: E402 - benchmarks/ is not a package; reuse its pure pieces.
+from benchlib import results as results_lib  # noqa: E402
 from benchlib.timing import step_timer  # noqa: E402
 
 ARMS = ("hvd", "hvd_logs", "mwms")
@@ -959,10 +960,7 @@ def bench_overhead(work: Path) -> dict:
 
 def _code() -> str:
     """The commit measured, and whether hvd.callbacks was there."""
-    done = subprocess.run(
-        ["git", "log", "-1", "--format=%h %s"], cwd=REPO, capture_output=True, text=True
-    )
-    head = done.stdout.strip() or "unknown"
+    head = results_lib.commit()
     callbacks = (REPO / "tfdist" / "horovod" / "callbacks.py").exists()
     return f"{head}; tfdist.horovod.callbacks {'present' if callbacks else 'absent'}"
 

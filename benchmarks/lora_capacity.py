@@ -37,7 +37,7 @@ from absl import app, flags
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
-from benchlib import cgroups, jobs, llama  # noqa: E402
+from benchlib import cgroups, jobs, llama, results as results_lib  # noqa: E402
 from benchlib.machine import load_snapshot, peak_over, status_kb  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -357,7 +357,7 @@ def main(argv) -> None:
             f"--{n}={getattr(FLAGS, n)}" for n in ("workers", "limit_mib", "onednn", *SETTINGS)
         ),
         "time": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "commit": llama.commit(),
+        "commit": results_lib.commit(),
         "workers": FLAGS.workers,
         "limit_mib": FLAGS.limit_mib,
         "onednn": FLAGS.onednn,

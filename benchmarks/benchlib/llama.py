@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +36,3 @@ def distribution(keras: Any, keras_hub: Any, layout: str) -> Any:
     layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
     layout_map["token_embedding/reverse_embeddings"] = (None, "model")
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-
-
-def commit() -> str:
-    """The repository's commit (what tfdist the workers ran)."""
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    )
-    return done.stdout.strip() or "unknown"
