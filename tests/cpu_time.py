@@ -45,7 +45,7 @@ def _own_seconds() -> float:
 
 def start(item: pytest.Item, server: int | None) -> None:
     """Notes the CPU spent so far, before ``item``'s setup."""
-    item.stash[_START] = (_own_seconds(), server, _server_seconds(server))
+    item.stash[_START] = (_own_seconds(), _server_seconds(server))
 
 
 def spent(item: pytest.Item, server: int | None) -> float:
@@ -57,5 +57,5 @@ def spent(item: pytest.Item, server: int | None) -> float:
     children's time (the last test of a worker stops the session's pool in
     its teardown; a test after a dead server's start replaces it).
     """
-    own, _, base = item.stash.get(_START, (_own_seconds(), server, 0.0))
+    own, base = item.stash.get(_START, (_own_seconds(), 0.0))
     return _own_seconds() - own + _server_seconds(server) - base

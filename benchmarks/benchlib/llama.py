@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def sizes(hidden: int, vocabulary: int, layers: int) -> dict:

@@ -7,7 +7,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchlib.jobs import REPO
 
 
 def commit() -> str:

@@ -32,7 +32,17 @@ def test_a_block_that_raises_leaves_the_old_file_and_no_temporary(tmp_path):
     assert opened.closed
 
 
-def test_fsync_takes_a_file_a_directory_or_nothing(tmp_path):
+def test_fsync_flushes_a_file_or_a_directory_and_skips_what_it_cannot(tmp_path, monkeypatch):
     (tmp_path / "f").write_text("x")
+    real, flushed = os.fsync, []
+
+    def recording(fd):
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        if len(flushed) == 2:
+            raise OSError("this filesystem refuses to fsync a directory")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
     for path in (tmp_path / "f", tmp_path, tmp_path / "missing"):
-        assert atomic.fsync(str(path)) is None
+        atomic.fsync(str(path))  # The refusal and the missing file raise nothing.
+    assert flushed == [str(tmp_path / "f"), str(tmp_path)]
