@@ -2,7 +2,7 @@
 
 Times each candidate aggregator's own work (compress, decompress, error
 feedback, PowerSGD's matrix products and QR) on one replica
-(:class:`~tfdist.compression.aggregate.LocalComm`: the collectives are
+(:class:`~tfdist.transport.comm.LocalComm`: the collectives are
 identities), for the gradients of an MLP, and prints the extra seconds per
 float32 gradient entry over the uncompressed aggregation. The constants in
 :data:`tfdist.compression.auto.COMPUTE_S_PER_ENTRY` came from this script
@@ -48,7 +48,8 @@ def time_aggregate(setting: str, shapes, repeats: int) -> float:
     import tensorflow as tf
 
     from tfdist.compression import PowerSGD, make_aggregator
-    from tfdist.compression.aggregate import Item, LocalComm
+    from tfdist.compression.aggregate import Item
+    from tfdist.transport.comm import LocalComm
 
     if setting.startswith("powersgd"):
         rank = int(setting.partition(":")[2] or 4)

@@ -377,6 +377,7 @@ def numbers_worker() -> None:
 
     import tfdist
     from tfdist.compression import PowerSGD, step_traffic
+    from tfdist.compression.keras_hook import state_by_key
     from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
 
     if FLAGS.side == "hvd":
@@ -485,8 +486,8 @@ def numbers_worker() -> None:
             wire = collectives_in(
                 tf.function(model.train_step).get_concrete_function((xb, yb)).graph
             )
-            comm = model.optimizer.__dict__.get("_tfdist_comm")
-            state = getattr(model.optimizer, "_tfdist_state", None) or {}
+            comm = hvd.optimizer.last_comm(model.optimizer)
+            state = state_by_key(model.optimizer)
             residuals = [np.array(s["residual"]) for s in state.values() if "residual" in s]
             row = {
                 "sent": traffic.sent,
@@ -527,7 +528,7 @@ def numbers_worker() -> None:
                     value = loss(yb, model(xb, training=True))  # noqa: B023 - traced at once, in this iteration
                 tape = hvd.DistributedGradientTape(tape, compression=settings[name])  # noqa: B023 - traced at once, in this iteration
                 grads = tape.gradient(value, model.trainable_variables)  # noqa: B023 - traced at once, in this iteration
-                kept["comm"] = tape._tfdist_comm  # noqa: B023 - traced at once; keeps what the trace sent.
+                kept["comm"] = hvd.tape.last_comm(tape)  # noqa: B023 - traced at once; keeps what the trace sent.
                 opt.apply_gradients(zip(grads, model.trainable_variables))  # noqa: B023 - traced at once, in this iteration
                 return value
 
@@ -771,7 +772,7 @@ def numbers(work: Path) -> dict:
     if none["comm"] is None:
         notes.append(
             "`hvd.DistributedOptimizer` keeps no record of its Comm (the tape keeps "
-            "`_tfdist_comm`); what its step sent is read from the collectives of its "
+            "one); what its step sent is read from the collectives of its "
             "traced `train_step` instead, and the Comm record from the tape below."
         )
     tape = {

@@ -4,7 +4,7 @@ import no TensorFlow.
 The layers, lowest first (docs/reference/layout.md); a module may import its own layer
 and the ones below, at module level or inside a function:
 
-    base (errors, plugins, compat, ...) < spec < compression < transport
+    base (errors, plugins, compat, ...) < spec < record < transport < compression
     < strategies < parallel < distribution < training < profiling < engines < horovod < cli
 
 The facade (``tfdist/__init__.py``, which names the plugins) sits above
@@ -29,8 +29,9 @@ PACKAGE = ROOT / "tfdist"
 LAYERS = (
     ("base", ("tfdist.errors", "tfdist._lazy", "tfdist.plugins", "tfdist.compat")),
     ("spec", ("tfdist.spec",)),
-    ("compression", ("tfdist.compression",)),
+    ("record", ("tfdist.record",)),
     ("transport", ("tfdist.transport",)),
+    ("compression", ("tfdist.compression",)),
     ("strategies", ("tfdist.strategies",)),
     ("parallel", ("tfdist.parallel",)),
     ("distribution", ("tfdist.distribution",)),

@@ -20,7 +20,8 @@ from tfdist.compression import (
     make_aggregator,
     predict_traffic,
 )
-from tfdist.compression.aggregate import CompressorAggregator, Item, LocalComm
+from tfdist.compression.aggregate import CompressorAggregator, Item
+from tfdist.transport.comm import LocalComm
 
 # Configures the logical CPUs before this module's eager ops start TF.
 pytestmark = pytest.mark.usefixtures("tf_cpus")

@@ -10,6 +10,7 @@ import pytest
 import tfdist
 from tfdist.compression import parse_compression
 from tfdist.compression.traffic import all_reduce_bytes
+from tfdist.record import record_of
 
 #: The slow-network benchmark's MLP, 256-2048-2048-512-10 (5.8M parameters).
 MLP = [
@@ -247,7 +248,7 @@ def test_fit_with_auto_measures_and_shows_its_choice(tf_cpus):
     strategy = tfdist.strategy_from_config(cpu_replicas=2, compression="auto")
     assert str(strategy.compression) == "auto"
     model, losses = _fit(strategy, keras)
-    aggregator = strategy._tfdist_aggregator
+    aggregator = record_of(strategy).aggregator
     decision = aggregator.decision
     assert decision is not None and decision.link is not None
     assert decision.link.num_replicas == 2 and decision.link.bandwidth > 0
@@ -301,4 +302,4 @@ def test_one_replica_auto_picks_none(tf_cpus):
     assert strategy.num_replicas_in_sync == 1
     _fit(strategy, keras, steps=2)
     assert str(strategy.compression) == "auto -> none"
-    assert strategy._tfdist_aggregator.decision.link is None
+    assert record_of(strategy).aggregator.decision.link is None

@@ -8,7 +8,8 @@ import pytest
 import tfdist
 from test_strategies import fit_losses
 from tfdist.compression import TopKCompressor, make_compressor, reduce_compressed
-from tfdist.compression.aggregate import CompressorAggregator, Item, ReplicaComm
+from tfdist.compression.aggregate import CompressorAggregator, Item
+from tfdist.transport.comm import ReplicaComm
 
 COMPRESSORS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.25", "sign", "qsgd:16"]
 

@@ -23,6 +23,7 @@ import tfdist
 from tfdist.compression import CommunicationStats, PowerSGD, predict_traffic
 from tfdist.compression.auto import AutoCompression, LinkEstimate
 from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes
+from tfdist.record import record_of
 
 keras_hub = pytest.importorskip(
     "keras_hub",
@@ -273,7 +274,7 @@ def test_accounted_bytes_equal_the_traced_collectives(runs, name, setting):
     else:
         assert traced_reduce + traced_gather - slices(4) < dense * 4
     # The prediction says the same (BERT's ids per example: from the trace).
-    agg = getattr(run["strategy"], "_tfdist_aggregator", None) or "none"
+    agg = record_of(run["strategy"]).aggregator or "none"
     assert predict_traffic(run["model"], agg, num_replicas=2, batch_size=BATCH) == accounted
 
 
@@ -331,7 +332,7 @@ def test_gpt2_under_mixed_bfloat16(tf_cpus, setting):
 def test_a_mixed_dtype_all_reduce_sums_each_tensor(tf_cpus):
     # The pattern behind the GPT-2 failure, in our own code: one all_reduce
     # of a 16-bit payload beside a float32 and an int32 tensor, traced.
-    from tfdist.compression.aggregate import ReplicaComm
+    from tfdist.transport.comm import ReplicaComm
 
     tf = tf_cpus
     strategy = tfdist.strategy_from_config(cpu_replicas=2)

@@ -15,8 +15,10 @@ import pytest
 
 import tfdist
 from tfdist.compression import PowerSGD, make_aggregator, predict_traffic
-from tfdist.compression.aggregate import Item, LocalComm, ReplicaComm
+from tfdist.compression.aggregate import Item
 from tfdist.compression.auto import AutoCompression, LinkEstimate
+from tfdist.record import record_of
+from tfdist.transport.comm import LocalComm, ReplicaComm
 
 pytestmark = pytest.mark.usefixtures("tf_cpus")
 
@@ -267,7 +269,7 @@ def test_fit_reports_the_bytes_predicted_for_each_batch(tf_cpus, setting):
 
     history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[stats, Record()])
     assert np.isfinite(history.history["loss"]).all()
-    agg = getattr(strategy, "_tfdist_aggregator", None) or "none"
+    agg = record_of(strategy).aggregator or "none"
     # 64, 64, then the last 32 examples: 16 per replica ("auto" chose a
     # PowerSGD whose warm-up steps are dense).
     expected = [

@@ -157,10 +157,10 @@ def test_the_chief_writes_records_summary_and_tensorboard_scalars(fp32_run):
 
 
 def test_after_fit_the_profiler_is_gone_and_a_plain_fit_records_nothing(fp32_run):
-    from tfdist.profiling.instrument import MODEL_ATTR, profiler_of
+    from tfdist.profiling.instrument import model_profiler, profiler_of
 
     strategy, model, profile, _, _, _ = fp32_run
-    assert profiler_of(strategy) is None and not hasattr(model, MODEL_ATTR)
+    assert profiler_of(strategy) is None and model_profiler(model) is None
     before = profile.profiler.marks.numpy().copy()
     assert before.any()
     x, y = _data()

@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfdist.compression import CommunicationStats, step_traffic  # noqa: E402
+from tfdist.compression.keras_hook import state_variables  # noqa: E402
 
 r, n = hvd.rank(), hvd.size()
 out: dict = {"rank": r}
@@ -95,7 +96,7 @@ for setting in ["none", "fp16", "bf16", "topk", "powersgd:2", "auto"]:
         "sent": t.sent,
         "dense": t.dense_sent,
         "stats_sent": stats.last.sent,
-        "state": len(getattr(opt, "_tfdist_variables", [])),
+        "state": len(state_variables(opt)),
     }
     if setting == "none":
         model.save(sys.argv[1] + f"/model_{r}.keras")
@@ -104,7 +105,7 @@ out["auto_choice"] = f"auto -> {auto.decision.choice}"
 
 # hvd.load_model: the optimizer comes back distributed, with its state.
 loaded = hvd.load_model(sys.argv[1] + f"/model_{r}.keras")
-out["loaded_distributed"] = hasattr(loaded.optimizer, "_tfdist_hvd")
+out["loaded_distributed"] = hvd.optimizer.is_distributed(loaded.optimizer)
 out["loaded_iterations"] = int(loaded.optimizer.iterations.numpy())
 loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
 w = np.concatenate([v.numpy().ravel() for v in loaded.trainable_variables])

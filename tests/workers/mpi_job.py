@@ -33,6 +33,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 import keras  # noqa: E402 - after the thread settings, which must precede any TF op
 
 import tfdist  # noqa: E402
+from tfdist.record import record_of  # noqa: E402
 from tfdist.transport import tf_config_from_mpi  # noqa: E402
 
 
@@ -81,7 +82,7 @@ def compare(settings: list[str]) -> None:
         w_tf, loss_tf = fit(tfdist.strategy_from_config(config, compression=compression), rank)
         strategy = tfdist.strategy_from_config(config, transport="mpi", compression=compression)
         w_mpi, loss_mpi = fit(strategy, rank)
-        transport = strategy._tfdist_transport
+        transport = record_of(strategy).transport
         out[setting] = {
             "max_diff": max(float(np.abs(a - b).max()) for a, b in zip(w_tf, w_mpi)),
             "changed": max(
@@ -124,7 +125,7 @@ def plain() -> None:
     strategy = tfdist.strategy_from_config()
     rank = strategy.cluster_resolver.task_id
     weights, loss = fit(strategy, rank)
-    transport = getattr(strategy, "_tfdist_transport", None)
+    transport = record_of(strategy).transport
     result = {
         "rank": rank,
         "replicas": strategy.num_replicas_in_sync,

@@ -18,7 +18,7 @@ import _common
 import tfdist
 from protocol import say
 from tfdist.compression import CommunicationStats
-from tfdist.compression.aggregate import ReplicaComm
+from tfdist.transport.comm import ReplicaComm
 
 compression = os.environ.get("TFDIST_TEST_COMPRESSION")
 strategy = tfdist.strategy_from_config(

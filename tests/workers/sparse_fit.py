@@ -23,7 +23,8 @@ import tensorflow as tf
 import tfdist
 from protocol import say
 from tfdist.compression import CommunicationStats, make_aggregator, predict_traffic
-from tfdist.compression.aggregate import Item, ReplicaComm
+from tfdist.compression.aggregate import Item
+from tfdist.transport.comm import ReplicaComm
 
 strategy = tfdist.strategy_from_config(register_timeout=90, compression="bf16")
 task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]

@@ -1,7 +1,8 @@
 """Gradient compression: the ``compression=`` setting and the compressors.
 
 :func:`parse_compression` parses and validates the ``compression=`` setting
-that :func:`tfdist.strategy_from_config` accepts. The compressors
+that :func:`tfdist.strategy_from_config` accepts (it lives in the spec layer,
+:mod:`tfdist.spec.compression`, with the other options). The compressors
 (:func:`make_compressor`, :class:`TopKCompressor`, :class:`ErrorFeedback`...)
 are stateless objects turning one gradient into a payload and back. Importing
 this package does not import TensorFlow; the compressor names are loaded on
@@ -14,7 +15,7 @@ tensor-parallel mesh) it reads from attributes the strategy carries.
 """
 
 from tfdist._lazy import lazy_attributes
-from tfdist.compression.setting import (
+from tfdist.spec.compression import (
     COMPRESSOR_NAMES,
     CompressionSetting,
     parse_compression,

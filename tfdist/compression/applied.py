@@ -7,7 +7,29 @@ those steps only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
+
+from tfdist.record import slot
+
+
+class OwnReduction(Protocol):
+    """An optimizer that reduces its gradients itself, outside the strategy
+    (``tfdist.horovod.DistributedOptimizer``, a layer above, keeps its
+    settings on the optimizer under this kind with :func:`tfdist.record.attach`).
+    The traffic counts read it through this protocol."""
+
+    @property
+    def num_replicas(self) -> int:
+        """The ranks a step's gradients are reduced over."""
+
+    def sent_last_step(self, optimizer: object) -> bool:
+        """Whether the optimizer's last step sent (not only accumulated)."""
+
+
+def own_reduction(optimizer: object) -> OwnReduction | None:
+    """The reduction ``optimizer`` (or the one a LossScaleOptimizer wraps)
+    does itself; None for one the strategy reduces for."""
+    return slot(getattr(optimizer, "inner_optimizer", optimizer), OwnReduction)
 
 
 def applies_this_step(optimizer: Any) -> bool:

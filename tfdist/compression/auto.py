@@ -154,7 +154,7 @@ def measure_link(
         The slowest replica's :class:`LinkEstimate`, with the compute scale
         of the slowest replica (:func:`reference_pass`, run by all at once).
     """
-    from tfdist.compression.traffic import all_reduce_bytes
+    from tfdist.transport.traffic import all_reduce_bytes
 
     if not tf.executing_eagerly() or not tf.distribute.in_cross_replica_context():
         raise RuntimeError(

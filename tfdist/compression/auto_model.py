@@ -165,7 +165,7 @@ def label(candidate: Any) -> str:
 
 def kind_of(candidate: Any) -> str:
     """The compression kind of ``candidate`` (e.g. ``"powersgd"``)."""
-    from tfdist.compression.setting import parse_compression
+    from tfdist.spec.compression import parse_compression
 
     return parse_compression(candidate).name
 

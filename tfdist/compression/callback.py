@@ -7,20 +7,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfdist.compression.applied import applies_this_step
+from tfdist.compression.applied import applies_this_step, own_reduction
 from tfdist.compression.keras_hook import strategy_aggregator
-from tfdist.compression.traffic import Traffic
-
-
-def _horovod_settings(optimizer: Any) -> Any:
-    """A ``tfdist.horovod.DistributedOptimizer``'s settings, else None."""
-    return getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd", None)
+from tfdist.record import record_of
+from tfdist.transport.traffic import Traffic
 
 
 def _mesh_runtime(strategy: Any) -> Any:
     """The tensor-parallel mesh runtime a strategy carries (set by
     :func:`tfdist.parallel.mesh.attach`), or None."""
-    return getattr(strategy, "_tfdist_parallel", None)
+    return record_of(strategy).mesh
 
 
 class CommunicationStats(keras.callbacks.Callback):
@@ -77,7 +73,7 @@ class CommunicationStats(keras.callbacks.Callback):
             self._shapes = StepGradients(self.model, strategy, self.batch_size)
         n = strategy.num_replicas_in_sync
         aggregator = strategy_aggregator(strategy)
-        hvd = _horovod_settings(self.model.optimizer)
+        hvd = own_reduction(self.model.optimizer)
         if hvd is not None:  # hvd.DistributedOptimizer: its own aggregator and ranks.
             n, aggregator = hvd.num_replicas, hvd.aggregator
         if aggregator is None:
@@ -131,7 +127,7 @@ class CommunicationStats(keras.callbacks.Callback):
                 logs.update(self.mesh_logs)
             return
         optimizer = self.model.optimizer
-        hvd = _horovod_settings(optimizer)
+        hvd = own_reduction(optimizer)
         if not (
             hvd.sent_last_step(getattr(optimizer, "inner_optimizer", optimizer))
             if hvd is not None

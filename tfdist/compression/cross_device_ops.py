@@ -38,8 +38,8 @@ from tfdist.compression.aggregate import Aggregator, CompressorAggregator
 from tfdist.compression.base import Compressor, reduce_compressed
 from tfdist.compression.memory import ErrorFeedback
 from tfdist.compression.registry import make_compressor
-from tfdist.compression.setting import parse_compression
 from tfdist.errors import ConfigError
+from tfdist.spec.compression import parse_compression
 
 __all__ = ["CompressedCrossDeviceOps"]
 

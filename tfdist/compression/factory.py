@@ -18,10 +18,10 @@ from tfdist.compression.memory import ErrorFeedback
 from tfdist.compression.powersgd import PowerSGD
 from tfdist.compression.qsgd import QSGDCompressor
 from tfdist.compression.randomk import RandomKCompressor
-from tfdist.compression.setting import parse_compression
 from tfdist.compression.sign import SignCompressor
 from tfdist.compression.topk import TopKCompressor
 from tfdist.errors import ConfigError
+from tfdist.spec.compression import parse_compression
 
 __all__ = ["make_compressor", "fixed_aggregator"]
 

@@ -44,21 +44,11 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.compat.keras_src import backend, standardize_dtype
-from tfdist.compression.aggregate import Aggregator, Item, ReplicaComm
+from tfdist.compression.aggregate import Aggregator, Item
 from tfdist.compression.sparse import TracedSlices, record_traced, traced_slices
+from tfdist.record import attach, record_of, slot
+from tfdist.transport.comm import ReplicaComm
 
-#: A strategy attribute: an object watching the gradient reduction
-#: (:class:`tfdist.profiling.instrument.Profiler`). It is told when the
-#: gradients are ready (``before_reduce(pairs, step) -> pairs``), supplies
-#: the aggregator's collectives (``make_comm()``), wraps Keras's own
-#: all-reduce (``keras_reduce(pairs, run)``) and is told when the reduced
-#: gradients are ready (``after_reduce(grads)``). Compression knows nothing
-#: else of it.
-OBSERVER = "_tfdist_profiler"
-#: A strategy attribute: what carries the aggregator's collectives between
-#: processes when not TensorFlow's own (:class:`tfdist.transport.MpiTransport`;
-#: ``make_comm()`` gives the collectives of one aggregation).
-TRANSPORT = "_tfdist_transport"
 _PREFIX = "tfdist_"
 log = logging.getLogger("tfdist.compression")
 
@@ -69,7 +59,7 @@ def strategy_aggregator(strategy: Any) -> Aggregator | None:
     tfdist's Mirrored and MultiWorkerMirrored strategies build it when the
     setting is enabled; one replica has nothing to send.
     """
-    aggregator = getattr(strategy, "_tfdist_aggregator", None)
+    aggregator = record_of(strategy).aggregator
     if aggregator is None or strategy.num_replicas_in_sync < 2:
         return None
     if getattr(aggregator, "passthrough", False):  # "auto" chose none.
@@ -80,18 +70,49 @@ def strategy_aggregator(strategy: Any) -> Aggregator | None:
 def _resolve_auto(strategy: Any, variables: list) -> None:
     """Lets ``compression="auto"`` choose (once per strategy) and shows the choice
     as ``strategy.compression`` (``auto -> powersgd:4``)."""
-    aggregator = getattr(strategy, "_tfdist_aggregator", None)
+    record = record_of(strategy)
+    aggregator = record.aggregator
     if aggregator is None or not hasattr(aggregator, "resolve") or aggregator.resolved:
         return
     decision = aggregator.resolve(strategy, variables)
-    setting = getattr(strategy, "_tfdist_compression", None)
-    if setting is not None:
-        strategy._tfdist_compression = dataclasses.replace(setting, resolved=decision.choice)  # noqa: SLF001 - tfdist's own setting on its strategy, updated with the auto choice
+    record.compression = dataclasses.replace(record.compression, resolved=decision.choice)
+
+
+@dataclasses.dataclass
+class OptimizerState:
+    """The compression state an optimizer owns (kept with :func:`tfdist.record.attach`).
+
+    Attributes:
+        aggregator: The aggregator the state was made for.
+        variables: Every state variable, in the order ``model.save`` stores them.
+        by_key: Per gradient (Keras's variable index): the state's variables by name.
+    """
+
+    aggregator: Aggregator
+    variables: list
+    by_key: dict[int, dict[str, Any]]
+
+
+class _Logged:
+    """Marks an optimizer whose compression traffic was logged once."""
+
+
+def optimizer_state(optimizer: object) -> OptimizerState | None:
+    """The compression state ``optimizer`` owns; None before it built under
+    a strategy that compresses."""
+    return slot(optimizer, OptimizerState)
+
+
+def state_by_key(optimizer: object) -> dict[int, dict[str, Any]]:
+    """The optimizer's state variables by gradient index; {} without state."""
+    state = optimizer_state(optimizer)
+    return state.by_key if state is not None else {}
 
 
 def state_variables(optimizer: Any) -> list:
     """The compression state variables an optimizer owns (may be empty)."""
-    return list(getattr(optimizer, "_tfdist_variables", []))
+    state = optimizer_state(optimizer)
+    return list(state.variables) if state is not None else []
 
 
 def create_state(optimizer, aggregator: Aggregator, strategy, variables) -> None:
@@ -121,9 +142,7 @@ def create_state(optimizer, aggregator: Aggregator, strategy, variables) -> None
     # tf.train.Checkpoint through named dependencies.
     for i, v in enumerate(flat):
         optimizer._track_trackable(v, name=f"{_PREFIX}{i}", overwrite=True)  # noqa: SLF001 - TF's tracking API: checkpoint dependencies outside Keras's variable list
-    optimizer.__dict__["_tfdist_variables"] = flat
-    optimizer.__dict__["_tfdist_state"] = state
-    optimizer.__dict__["_tfdist_aggregator"] = aggregator
+    attach(optimizer, OptimizerState(aggregator, flat, state))
 
 
 def wrap_build(original):
@@ -132,7 +151,7 @@ def wrap_build(original):
         original(self, variables)
         # A LossScaleOptimizer's inner optimizer does the aggregation and
         # gets its own state when it builds.
-        if hasattr(self, "inner_optimizer") or getattr(self, "_tfdist_state", None) is not None:
+        if hasattr(self, "inner_optimizer") or optimizer_state(self) is not None:
             return
         strategy = getattr(self, "_distribution_strategy", None) or tf.distribute.get_strategy()
         _resolve_auto(strategy, list(variables))
@@ -196,7 +215,8 @@ def wrap_reduce(original):
         # length open (BERT's token ids), the traced batches do not.
         record_traced(self, [_traced(g) for g, _ in pairs if isinstance(g, tf.IndexedSlices)])
         strategy = tf.distribute.get_strategy()
-        observer = getattr(strategy, OBSERVER, None)
+        record = record_of(strategy)
+        observer = record.observer
         if observer is not None and tf.distribute.get_replica_context():
             pairs = observer.before_reduce(pairs, self.iterations)
         aggregator = strategy_aggregator(strategy)
@@ -206,8 +226,9 @@ def wrap_reduce(original):
             out = observer.keras_reduce(pairs, lambda: original(self, pairs))
             observer.after_reduce([g for g, _ in out])
             return out
-        state = getattr(self, "_tfdist_state", None)
-        if state is None or getattr(self, "_tfdist_aggregator", None) is not aggregator:
+        own = optimizer_state(self)
+        state = own.by_key if own is not None else None
+        if own is None or own.aggregator is not aggregator:
             needs = any(
                 aggregator.state_specs(tuple(v.shape), v.dtype.name, i)
                 for i, (_, v) in enumerate(pairs)
@@ -227,9 +248,8 @@ def wrap_reduce(original):
             for (g, v), key in zip(pairs, keys)
         ]
         step = tf.convert_to_tensor(getattr(self.iterations, "value", self.iterations))
-        transport = getattr(strategy, TRANSPORT, None)
-        if transport is not None:
-            comm = transport.make_comm()
+        if record.transport is not None:
+            comm = record.transport.make_comm()
         elif observer is not None:
             comm = observer.make_comm()
         else:
@@ -239,8 +259,8 @@ def wrap_reduce(original):
             observer.after_reduce(reduced)
         # The gradients sent as IndexedSlices, for CommunicationStats to check.
         aggregator.traced_slices = traced_slices(self)
-        if not getattr(self, "_tfdist_logged", False):
-            self._tfdist_logged = True
+        if slot(self, _Logged) is None:
+            attach(self, _Logged())
             # Sparse gradients' rows follow the batch: CommunicationStats counts them.
             shapes = [
                 (tuple(v.shape), v.dtype.name)

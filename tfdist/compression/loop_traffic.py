@@ -22,11 +22,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfdist.compression.applied import applies_this_step
+from tfdist.compression.applied import applies_this_step, own_reduction
 from tfdist.compression.keras_hook import strategy_aggregator, traced_slices
 from tfdist.compression.sparse import check_traced, model_gradients, rows_per_replica
-from tfdist.compression.traffic import Traffic
 from tfdist.errors import ConfigError
+from tfdist.transport.traffic import Traffic
 
 __all__ = ["step_traffic"]
 
@@ -77,7 +77,7 @@ def step_traffic(
             do not match what was sent.
     """
 
-    hvd = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_tfdist_hvd", None)
+    hvd = own_reduction(optimizer)
     strategy = (
         strategy
         or getattr(optimizer, "_distribution_strategy", None)

@@ -40,8 +40,8 @@ import tensorflow as tf
 from tfdist.compression.aggregate import Aggregator, StateSpec, is_compressible, is_float
 from tfdist.compression.base import check_int
 from tfdist.compression.sparse import add_sparse, split_sparse
-from tfdist.compression.traffic import Traffic, nbytes
 from tfdist.errors import ConfigError
+from tfdist.transport.traffic import Traffic, nbytes
 
 __all__ = ["PowerSGD", "orthonormalize", "matrix_view", "WARMUP_DTYPES"]
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from tfdist.compression.registry import make_aggregator
 from tfdist.compression.sparse import SparseGradient, model_gradients, rows_per_replica
-from tfdist.compression.traffic import Traffic, dtype_name
 from tfdist.errors import ConfigError
+from tfdist.transport.traffic import Traffic, dtype_name
 
 __all__ = ["predict_traffic"]
 

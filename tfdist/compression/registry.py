@@ -13,8 +13,8 @@ from typing import Any
 from tfdist.compression.aggregate import Aggregator
 from tfdist.compression.auto import AutoCompression
 from tfdist.compression.factory import fixed_aggregator, make_compressor
-from tfdist.compression.setting import default_error_feedback, parse_compression
 from tfdist.errors import ConfigError
+from tfdist.spec.compression import default_error_feedback, parse_compression
 
 __all__ = ["make_compressor", "make_aggregator", "default_error_feedback"]
 

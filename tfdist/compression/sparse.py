@@ -45,6 +45,7 @@ import weakref
 from typing import Any, NamedTuple
 
 from tfdist.errors import ConfigError
+from tfdist.transport.traffic import LENGTH_BYTES, slices_nbytes
 
 __all__ = [
     "SparseGradient",
@@ -62,8 +63,6 @@ __all__ = [
     "traced_slices",
 ]
 
-#: Bytes of the row count each replica all-gathers before its slices.
-LENGTH_BYTES = 4
 
 _INDEX_DTYPES = ("int32", "int64")
 
@@ -106,19 +105,6 @@ class SparseGradient:
     def row_size(self) -> int:
         """Entries per slice: the product of the shape without its first axis."""
         return math.prod(self.shape[1:])
-
-
-def _itemsize(dtype: str) -> int:
-    from tfdist.compression.traffic import itemsize
-
-    return itemsize(dtype)
-
-
-def slices_nbytes(rows: int, row_size: int, value_dtype: str, index_dtype: str) -> int:
-    """Bytes one replica contributes to the all-gathers of one IndexedSlices:
-    its row count, then ``rows`` slices of ``row_size`` values in
-    ``value_dtype`` and their indices."""
-    return LENGTH_BYTES + rows * (row_size * _itemsize(value_dtype) + _itemsize(index_dtype))
 
 
 def split_sparse(shapes) -> tuple[list, list[SparseGradient]]:

@@ -26,6 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.distribution.kept import keep_options, kept, options_of, strategy_of
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -73,7 +74,7 @@ class DataParallel(keras.distribution.DataParallel):
         super().__init__(
             device_mesh=device_mesh, devices=devices, auto_shard_dataset=auto_shard_dataset
         )
-        self._tfdist_options = {"compression": compression, "error_feedback": error_feedback}
+        keep_options(self, compression, error_feedback)
 
 
 def honours(distribution: Any) -> bool:
@@ -112,11 +113,6 @@ def _device(name: Any) -> str:
     return text if text.startswith("/") else "/" + text
 
 
-def strategy_of(distribution: Any) -> Any:
-    """The strategy made for ``distribution``, or None."""
-    return getattr(distribution, "_tfdist_strategy", None)
-
-
 def strategy_for(distribution: Any) -> Any:
     """The tfdist strategy that trains as ``distribution`` says (made once).
 
@@ -134,17 +130,17 @@ def strategy_for(distribution: Any) -> Any:
     if model_parallel.honours(distribution):
         strategy = model_parallel.strategy_for(distribution, _local_devices)
         mark(strategy)
-        distribution._tfdist_strategy = strategy  # noqa: SLF001 - tfdist's own tag on the Keras distribution (read by strategy_of)
+        kept(distribution).strategy = strategy
         return strategy
     devices = [_device(d) for d in np.asarray(distribution.device_mesh.devices).ravel()]
     if any("/job:" in d or "/task:" in d for d in devices):
         return _cluster_strategy_for(distribution, devices)
     devices = _local_devices(devices)
-    options = dict(getattr(distribution, "_tfdist_options", {}))
+    options = options_of(distribution)
     with making():
         strategy = strategy_from_config(strategy="mirrored", devices=devices, **options)
     mark(strategy)
-    distribution._tfdist_strategy = strategy  # noqa: SLF001 - tfdist's own tag on the Keras distribution (read by strategy_of)
+    kept(distribution).strategy = strategy
     return strategy
 
 
@@ -198,10 +194,8 @@ def _cluster_strategy_for(distribution: Any, devices: list[str]) -> Any:
             hint="Data parallelism across processes runs on all of them; "
             "keras.distribution.list_devices() names them",
         )
-    cluster.check_options(
-        getattr(distribution, "_tfdist_options", {}), "tfdist.distribution.DataParallel"
-    )
-    distribution._tfdist_strategy = strategy  # noqa: SLF001 - tfdist's own tag on the Keras distribution (read by strategy_of)
+    cluster.check_options(options_of(distribution), "tfdist.distribution.DataParallel")
+    kept(distribution).strategy = strategy
     return strategy
 
 

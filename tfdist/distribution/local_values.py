@@ -60,11 +60,9 @@ def _local_class(base: type) -> type | None:
     """``base`` with the patch applied, or None where it does not fit."""
     from tfdist import compat
 
-    if getattr(base, "_tfdist_local_values", False):
+    if base.__module__ == __name__:  # Made here already.
         return base
-    local = type(
-        f"Local{base.__name__}", (base,), {"__module__": __name__, "_tfdist_local_values": True}
-    )
+    local = type(f"Local{base.__name__}", (base,), {"__module__": __name__})
     return local if compat.apply_to(_PATCH, local, _METHOD) else None
 
 

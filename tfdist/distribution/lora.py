@@ -32,13 +32,19 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from tfdist.record import attach, slot
+
 __all__ = ["full_shapes", "reporting_full_shapes", "wrap", "merged_into_blocks"]
 
 #: Keras's adapters of each LoRA layer: (a, b), the update is ``a @ b``.
 _ADAPTERS = (("lora_kernel_a", "lora_kernel_b"), ("lora_embeddings_a", "lora_embeddings_b"))
 
 _local = threading.local()
-_ATTR = "_tfdist_lora_shapes"
+
+
+class _FullShapes:
+    """Marks a layer whose ``enable_lora`` sizes from full shapes (a
+    :mod:`tfdist.record` slot)."""
 
 
 def full_shapes() -> bool:
@@ -60,7 +66,7 @@ def wrap(layer: Any) -> None:
     """Makes ``layer.enable_lora`` size its adapters from full shapes (once
     per layer; a layer without LoRA is left as it is)."""
     original = getattr(layer, "enable_lora", None)
-    if original is None or getattr(layer, _ATTR, False):
+    if original is None or slot(layer, _FullShapes) is not None:
         return
 
     @functools.wraps(original)
@@ -81,7 +87,7 @@ def wrap(layer: Any) -> None:
     # Keras's saving calls layer.save_own_variables.
     object.__setattr__(layer, "enable_lora", enable_lora)
     object.__setattr__(layer, "save_own_variables", save_own_variables)
-    object.__setattr__(layer, _ATTR, True)
+    attach(layer, _FullShapes())
 
 
 @contextlib.contextmanager

@@ -24,7 +24,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.distribution.kept import keep_options, options_of
 from tfdist.errors import ConfigError
+from tfdist.record import record_of
 
 __all__ = ["ModelParallel", "honours", "strategy_for", "current", "ordered_devices"]
 
@@ -59,7 +61,7 @@ class ModelParallel(keras.distribution.ModelParallel):
         **kwargs: Any,
     ) -> None:
         super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name, **kwargs)
-        self._tfdist_options = {"compression": compression, "error_feedback": error_feedback}
+        keep_options(self, compression, error_feedback)
 
 
 def honours(distribution: Any) -> bool:
@@ -109,7 +111,7 @@ def strategy_for(distribution: Any, check_devices: Any) -> Any:
     from tfdist.strategies import strategy_from_config
 
     names, tp = ordered_devices(distribution)
-    options = dict(getattr(distribution, "_tfdist_options", {}))
+    options = options_of(distribution)
     if any("/job:" in d or "/task:" in d for d in names):
         strategy = _cluster_strategy_for(names, tp, options)
         layouts.install()
@@ -159,7 +161,7 @@ def _cluster_strategy_for(names: list[str], tp: int, options: dict) -> Any:
             hint="Build the mesh from keras.distribution.list_devices() as it lists them: "
             "replica r of the job is device r, at (batch, model) = divmod(r, model size)",
         )
-    attached = getattr(strategy, "_tfdist_parallel", None)
+    attached = record_of(strategy).mesh
     if attached is None:
         mesh_lib.attach(strategy, tp, always=True)
     elif attached.mesh.tp != tp:

@@ -38,11 +38,16 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist.parallel import collectives, sharding
+from tfdist.record import attach, slot
 
 __all__ = ["override", "overriding", "regathers", "wrap", "own_split", "is_leaf"]
 
 _local = threading.local()
-_ATTR = "_tfdist_regather"
+
+
+class _Regathers:
+    """Marks a layer whose ``call`` regathers its laid-out weights (a
+    :mod:`tfdist.record` slot)."""
 
 
 def override(variable: Any) -> Any:
@@ -63,7 +68,7 @@ def overriding(variables: list, values: list):
 
 def regathers(layer: Any) -> bool:
     """Whether ``layer``'s call gathers its split weights again for backward."""
-    return getattr(layer, _ATTR, False)
+    return slot(layer, _Regathers) is not None
 
 
 def own_split(layer: Any) -> list:
@@ -96,7 +101,7 @@ def wrap(layer: Any) -> None:
 
     # An instance attribute: Keras's Layer.__call__ calls self.call.
     object.__setattr__(layer, "call", call)
-    object.__setattr__(layer, _ATTR, True)
+    attach(layer, _Regathers())
 
 
 def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:

@@ -43,6 +43,7 @@ from tfdist.engines import net, warm
 # What each server runs and how a taken port shows: as in ``tfdist launch``.
 from tfdist.engines.launch_results import PORT_TAKEN, SERVER_CODE
 from tfdist.errors import ConfigError, TfdistError, require_int
+from tfdist.spec.tf_config import ClusterSource
 from tfdist.strategies.coordinator import disconnect_coordinator as _disconnect_coordinator
 
 __all__ = ["LocalCluster", "LocalClusterError", "local_cluster"]
@@ -113,7 +114,7 @@ class _Server:
         self.log.close()
 
 
-class LocalCluster:
+class LocalCluster(ClusterSource):
     """Worker and ps servers on 127.0.0.1; this process is the chief.
 
     Use :func:`local_cluster` to make one.
@@ -125,10 +126,6 @@ class LocalCluster:
         mode: ``"process"`` or ``"in_process"``.
         log_dir: Where the server subprocesses write their output.
     """
-
-    # strategy_from_config reads tf_config from objects of a class so marked
-    # (tfdist.strategies does not import the engines).
-    _tfdist_cluster_source = True
 
     def __init__(
         self,

@@ -179,8 +179,8 @@ def measure_link(repeats: int = 3):
     import time
 
     from tfdist.compression import auto
-    from tfdist.compression.traffic import all_reduce_bytes
     from tfdist.horovod import collectives, runtime
+    from tfdist.transport.traffic import all_reduce_bytes
 
     def seconds(entries: int) -> float:
         x = tf.ones([entries], tf.float32)

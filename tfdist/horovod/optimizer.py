@@ -35,10 +35,14 @@ import keras
 import tensorflow as tf
 
 from tfdist.compat.keras_src import backend, standardize_dtype
-from tfdist.compression.aggregate import Item, ReplicaComm
+from tfdist.compression.aggregate import Item
+from tfdist.compression.applied import OwnReduction, own_reduction
+from tfdist.compression.keras_hook import create_state, state_by_key
 from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, runtime
 from tfdist.horovod.collectives import ReduceOp
+from tfdist.record import attach
+from tfdist.transport.comm import ReplicaComm
 
 __all__ = [
     "DistributedOptimizer",
@@ -57,10 +61,9 @@ class HorovodComm(ReplicaComm):
     """tfdist's aggregator collectives over the Horovod ranks (no strategy)."""
 
     def __init__(self) -> None:
-        super(ReplicaComm, self).__init__()  # Comm.__init__: no replica context here.
-        self.num_replicas = runtime.size()
+        super().__init__(runtime.size())  # No replica context here.
 
-    def _sum(self, tensors):
+    def reduce_sum(self, tensors):
         dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
         out = list(tensors)
         for i, r in zip(dense, collectives.sum_dense([tensors[i] for i in dense])):
@@ -74,7 +77,7 @@ class HorovodComm(ReplicaComm):
                 )
         return out
 
-    def _gather_rows(self, rows):
+    def gather_rows(self, rows):
         return collectives.gather_rows(rows)
 
     def cond(self, pred, true_fn, false_fn, args):
@@ -146,11 +149,25 @@ def _scale(g, factor: float):
 def is_distributed(optimizer: Any) -> bool:
     """Whether ``optimizer`` (or the one a LossScaleOptimizer wraps) is a
     ``hvd.DistributedOptimizer``."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return getattr(inner, "_tfdist_hvd", None) is not None
+    return own_reduction(optimizer) is not None
+
+
+def last_comm(optimizer: object) -> HorovodComm | None:
+    """What the last traced step of a ``hvd.DistributedOptimizer`` sent through
+    (None with one rank, or before its first step)."""
+    settings = own_reduction(optimizer)
+    return getattr(settings, "comm", None)
+
+
+def _settings(optimizer: object) -> _Settings:
+    return own_reduction(optimizer)  # Attached by DistributedOptimizer.
 
 
 class _Settings:
+    """What ``DistributedOptimizer`` keeps on the optimizer (an
+    :class:`~tfdist.compression.applied.OwnReduction`, so that the traffic
+    counts of tfdist.compression find it)."""
+
     def __init__(
         self,
         aggregator,
@@ -166,9 +183,14 @@ class _Settings:
         self.sparse_as_dense = sparse_as_dense
         self.backward_passes_per_step = backward_passes_per_step
         self.average_aggregated_gradients = average_aggregated_gradients
+        # What the last traced step sent, as the tape keeps it (tests, benchmarks).
+        self.comm: HorovodComm | None = None
+        # backward_passes_per_step > 1: the gradients summed so far, by
+        # variable index (optimizer variables; Keras saves them).
+        self.accumulators: list = []
 
-    # Read by tfdist.compression (step_traffic, CommunicationStats), which
-    # does not import tfdist.horovod.
+    # Read by tfdist.compression (step_traffic, CommunicationStats) through
+    # the OwnReduction protocol.
     @property
     def num_replicas(self) -> int:
         """The ranks a step's gradients are reduced over."""
@@ -185,8 +207,7 @@ class _DistributedMixin:
 
     def build(self, variables):
         super().build(variables)
-        settings = self._tfdist_hvd
-        from tfdist.compression.keras_hook import create_state
+        settings = _settings(self)
         from tfdist.horovod.compression import resolved
 
         settings.aggregator = resolved(settings.aggregator, list(variables))
@@ -197,7 +218,7 @@ class _DistributedMixin:
             create_state(self, settings.aggregator, tf.distribute.get_strategy(), list(variables))
         if settings.backward_passes_per_step > 1:
             with backend.name_scope(self.name, caller=self):
-                self._tfdist_hvd_acc = [
+                settings.accumulators = [
                     self.add_variable_from_reference(v, name="hvd_accumulated") for v in variables
                 ]
                 self._tfdist_hvd_count = self.add_variable(
@@ -215,25 +236,24 @@ class _DistributedMixin:
             if trainable_variables is not None
             else list(self._trainable_variables)
         )
-        settings = self._tfdist_hvd
+        settings = _settings(self)
         if settings.backward_passes_per_step > 1:
-            return self._tfdist_accumulate(grads, variables, trainable_variables)
-        reduced = self._tfdist_reduce(grads, variables)
+            return self._hvd_accumulate(grads, variables, trainable_variables)
+        reduced = self._hvd_reduce(grads, variables)
         return super().apply(reduced, trainable_variables)
 
-    def _tfdist_reduce(self, grads, variables):
-        settings = self._tfdist_hvd
+    def _hvd_reduce(self, grads, variables):
+        settings = _settings(self)
         keys = [self._get_variable_index(v) for v in variables]
         # The step the update is about to apply (PowerSGD's warm-up counts it).
         step = tf.convert_to_tensor(getattr(self.iterations, "value", self.iterations))
-        # What the last traced step sent, as the tape keeps it (tests, benchmarks).
         comm = HorovodComm() if runtime.size() > 1 else None
-        self.__dict__["_tfdist_comm"] = comm
+        settings.comm = comm
         return reduce_gradients(
             grads,
             keys,
             aggregator=settings.aggregator,
-            state=getattr(self, "_tfdist_state", None) or {},
+            state=state_by_key(self),
             step=step,
             op=settings.op,
             predivide=settings.predivide,
@@ -241,10 +261,10 @@ class _DistributedMixin:
             comm=comm,
         )
 
-    def _tfdist_accumulate(self, grads, variables, trainable_variables):
-        settings = self._tfdist_hvd
+    def _hvd_accumulate(self, grads, variables, trainable_variables):
+        settings = _settings(self)
         passes = settings.backward_passes_per_step
-        accumulators = [self._tfdist_hvd_acc[self._get_variable_index(v)] for v in variables]
+        accumulators = [settings.accumulators[self._get_variable_index(v)] for v in variables]
         for acc, g in zip(accumulators, grads):
             if g is not None:
                 acc.assign_add(tf.convert_to_tensor(g))
@@ -257,7 +277,7 @@ class _DistributedMixin:
                 None if g is None else acc.value * tf.cast(scale, acc.dtype)
                 for acc, g in zip(accumulators, grads)
             ]
-            reduced = self._tfdist_reduce(local, variables)
+            reduced = self._hvd_reduce(local, variables)
             base.apply(reduced, trainable_variables)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
@@ -415,7 +435,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if name is not None:
         config["name"] = name
     new = cls.from_config(config)
-    new.__dict__["_tfdist_hvd"] = settings
+    attach(new, settings, kind=OwnReduction)
     return new
 
 

@@ -17,6 +17,7 @@ kept for the process: the wrapper itself is rebuilt at every trace.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import tensorflow as tf
@@ -25,6 +26,34 @@ from tfdist.errors import ConfigError
 from tfdist.horovod import collectives
 from tfdist.horovod.collectives import ReduceOp
 from tfdist.horovod.optimizer import HorovodComm, check_reduction, reduce_gradients
+from tfdist.record import Aggregator, attach, slot
+
+
+@dataclasses.dataclass
+class TapeSettings:
+    """What ``DistributedGradientTape`` keeps on the tape (a :mod:`tfdist.record` slot).
+
+    Attributes:
+        aggregator: The compression's aggregator.
+        op: The reduction.
+        predivide: Horovod's ``gradient_predivide_factor``.
+        sparse_as_dense: Send IndexedSlices as dense tensors.
+        comm: What the last traced ``gradient`` sent through (tests, benchmarks).
+    """
+
+    aggregator: Aggregator
+    op: ReduceOp
+    predivide: float
+    sparse_as_dense: bool
+    comm: HorovodComm | None = None
+
+
+def last_comm(tape: object) -> HorovodComm | None:
+    """What the last traced ``gradient`` of a ``DistributedGradientTape`` sent
+    through (None with one rank, or before its first call)."""
+    settings = slot(tape, TapeSettings)
+    return settings.comm if settings is not None else None
+
 
 __all__ = ["DistributedGradientTape", "tape_state", "tape_traffic"]
 
@@ -90,8 +119,8 @@ class _DistributedTape:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        settings = self._tfdist_hvd
-        store, step = _state_for(settings["aggregator"], flat_sources)
+        settings = slot(self, TapeSettings)
+        store, step = _state_for(settings.aggregator, flat_sources)
         keys = [store["vars"][id(v)][2] for v in flat_sources]
         state = {store["vars"][id(v)][2]: store["vars"][id(v)][1] for v in flat_sources}
         comm = HorovodComm() if collectives.runtime.size() > 1 else None
@@ -101,12 +130,12 @@ class _DistributedTape:
             aggregator=store["aggregator"],
             state=state,
             step=step,
-            op=settings["op"],
-            predivide=settings["predivide"],
-            sparse_as_dense=settings["sparse_as_dense"],
+            op=settings.op,
+            predivide=settings.predivide,
+            sparse_as_dense=settings.sparse_as_dense,
             comm=comm,
         )
-        self.__dict__["_tfdist_comm"] = comm
+        settings.comm = comm
         step.assign_add(1)
         return tf.nest.pack_sequence_as(grads, reduced)
 
@@ -163,12 +192,10 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     cls = type(base.__name__, (_DistributedTape, base), {"__module__": base.__module__})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
-    tape.__dict__["_tfdist_hvd"] = {
-        "aggregator": aggregator,
-        "op": resolved,
-        "predivide": float(gradient_predivide_factor),
-        "sparse_as_dense": bool(sparse_as_dense),
-    }
+    attach(
+        tape,
+        TapeSettings(aggregator, resolved, float(gradient_predivide_factor), bool(sparse_as_dense)),
+    )
     return tape
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist.parallel.mesh import Mesh
+from tfdist.record import record_of
 
 __all__ = [
     "Placement",
@@ -170,10 +171,9 @@ class Runtime:
         gradients all-reduced over ``replicas``. For
         :class:`~tfdist.compression.CommunicationStats`, which reaches the mesh
         through this runtime (compression does not import tfdist.parallel)."""
-        from tfdist.compression.traffic import all_reduce_bytes, nbytes
-
         # Here, not at the top: sharding imports this module.
         from tfdist.parallel import sharding
+        from tfdist.transport.traffic import all_reduce_bytes, nbytes
 
         full = 0.0
         for v in model.trainable_variables:
@@ -205,7 +205,7 @@ def runtime_of(strategy: Any = None) -> Runtime | None:
     None without a mesh."""
     if strategy is None:
         strategy = tf.distribute.get_strategy()
-    return getattr(strategy, "_tfdist_parallel", None)
+    return record_of(strategy).mesh
 
 
 def current() -> Placement | None:

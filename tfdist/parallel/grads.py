@@ -27,22 +27,22 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist.compression import keras_hook
-from tfdist.compression.aggregate import Item, ReplicaComm
-from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
+from tfdist.compression.aggregate import Item
 from tfdist.parallel import collectives, sharding
+from tfdist.transport.comm import ReplicaComm
+from tfdist.transport.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
 
 
 class GroupComm(ReplicaComm):
     """An aggregator's collectives over this replica's data-parallel group."""
 
     def __init__(self, placement: collectives.Placement) -> None:
-        super(ReplicaComm, self).__init__()
-        self.num_replicas = placement.mesh.dp
+        super().__init__(placement.mesh.dp)
 
     # The placement is looked up per call, as ReplicaComm looks up its
     # context: under MirroredStrategy on CPU, cond() runs both branches for
     # every replica from one replica's closure.
-    def _sum(self, tensors):
+    def reduce_sum(self, tensors):
         p = collectives.current()
         launcher = p.runtime.dp[p.replica]
         # IndexedSlices (a vocabulary shard's) are gathered, as the replica
@@ -54,7 +54,7 @@ class GroupComm(ReplicaComm):
             for t in tensors
         ]
 
-    def _gather_rows(self, rows):
+    def gather_rows(self, rows):
         p = collectives.current()
         return p.runtime.dp[p.replica]._all_gather(rows, None)  # noqa: SLF001 - TF's collective launcher has no public all-gather
 
@@ -119,7 +119,7 @@ def _reduce_sharded(optimizer, pairs, p: collectives.Placement) -> list:
             if out[i] is None:
                 out[i] = collectives.dp_all_reduce(g, p)
         return out
-    state = getattr(optimizer, "_tfdist_state", None) or {}
+    state = keras_hook.state_by_key(optimizer)
     keys = [optimizer._get_variable_index(v) for _, _, v in present]  # noqa: SLF001 - Keras keys optimizer state by this index; no public lookup
     items = [Item(g, key, state.get(key, {})) for (_, g, _), key in zip(present, keys)]
     step = tf.convert_to_tensor(getattr(optimizer.iterations, "value", optimizer.iterations))

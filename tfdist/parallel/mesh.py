@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from tfdist.errors import ConfigError
+from tfdist.record import record_of
 
 __all__ = ["Mesh", "attach", "mesh_of", "describe_line"]
 
@@ -71,7 +72,7 @@ class Mesh:
 
 def mesh_of(strategy: Any) -> Mesh | None:
     """The mesh attached to ``strategy``; None without one (or with T = 1)."""
-    runtime = getattr(strategy, "_tfdist_parallel", None)
+    runtime = record_of(strategy).mesh
     return runtime.mesh if runtime is not None else None
 
 
@@ -113,7 +114,7 @@ def attach(strategy: Any, model_parallel: Any, always: bool = False) -> Mesh | N
     tp = _model_parallel(model_parallel)
     kind = getattr(strategy, "kind", type(strategy).__name__)
     if tp == 1 and not always:
-        strategy._tfdist_parallel = None  # noqa: SLF001 - tfdist's own attribute on its strategy (read by mesh_of)
+        record_of(strategy).mesh = None
         return None
     if kind not in ("mirrored", "multi_worker_mirrored"):
         raise ConfigError(
@@ -128,5 +129,5 @@ def attach(strategy: Any, model_parallel: Any, always: bool = False) -> Mesh | N
 
     grads.install()
     saving.install()
-    strategy._tfdist_parallel = collectives.Runtime(strategy, mesh)  # noqa: SLF001 - tfdist's own attribute on its strategy (read by mesh_of)
+    record_of(strategy).mesh = collectives.Runtime(strategy, mesh)
     return mesh

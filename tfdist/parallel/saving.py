@@ -43,6 +43,7 @@ same point, as Keras's and tfdist's multi-worker saving already require.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import warnings
@@ -52,6 +53,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist import record as kept
 from tfdist.parallel import sharding
 
 __all__ = [
@@ -72,10 +74,18 @@ __all__ = [
     "wrap_restore",
 ]
 
-#: Marks this module's wrappers (functools.wraps copies an inner wrapper's
-#: marks outward, so tfdist's other wrappers see theirs too).
-_PATCHED = "_tfdist_full_io"
-_PENDING = "_tfdist_pending_restore"
+
+class _FullIO:
+    """Marks a sharded variable that reads and takes full values for now."""
+
+
+@dataclasses.dataclass
+class _PendingRestore:
+    """A restored full value waiting for its slot variable to be registered."""
+
+    value: Any
+
+
 _VALUE_KEY = "VARIABLE_VALUE"
 
 #: The spec of the sharded weight whose slot is being created (per thread).
@@ -223,8 +233,8 @@ def _full_io(variables: Iterable[Any]):
     """
     patched = []
     for v in variables:
-        if sharding.is_sharded(v) and _PATCHED not in vars(v):
-            vars(v)[_PATCHED] = True
+        if sharding.is_sharded(v) and kept.slot(v, _FullIO) is None:
+            kept.attach(v, _FullIO())
             vars(v)["numpy"] = functools.partial(_Blocks, v)
             vars(v)["assign"] = functools.partial(_assign_loaded, v)
             patched.append(v)
@@ -232,7 +242,8 @@ def _full_io(variables: Iterable[Any]):
         yield
     finally:
         for v in patched:
-            for name in (_PATCHED, "numpy", "assign"):
+            kept.detach(v, _FullIO)
+            for name in ("numpy", "assign"):
                 vars(v).pop(name, None)
 
 
@@ -475,9 +486,10 @@ def wrap_slot(original):
             _creating.spec = outer
         if not sharding.is_sharded(slot):
             sharding.register_like(slot, reference_variable)
-            pending = vars(slot).pop(_PENDING, None)
+            pending = kept.slot(slot, _PendingRestore)
             if pending is not None:
-                _assign_full_tensor(slot, pending)
+                kept.detach(slot, _PendingRestore)
+                _assign_full_tensor(slot, pending.value)
         return slot
 
     return add_variable_from_reference
@@ -534,7 +546,7 @@ def wrap_restore(original):
         ):
             # A deferred restore of a slot being created from a sharded
             # weight, before it is registered: the slot wrapper applies it.
-            vars(self)[_PENDING] = value
+            kept.attach(self, _PendingRestore(value))
             return None
         return original(self, restored_tensors)
 

@@ -27,6 +27,7 @@ import tensorflow as tf
 from tfdist.errors import ConfigError
 from tfdist.parallel import collectives
 from tfdist.parallel.mesh import Mesh
+from tfdist.record import attach, slot
 
 __all__ = [
     "ShardSpec",
@@ -48,8 +49,6 @@ __all__ = [
     "inner_variable",
     "mark",
 ]
-
-_ATTR = "_tfdist_shard"
 
 
 #: The mesh axis a weight dimension is split over.
@@ -193,9 +192,10 @@ def inner_variable(variable: Any) -> Any:
 
 def spec_of(variable: Any) -> ShardSpec | None:
     """The ShardSpec of a Keras variable (or of its tf value), or None."""
-    spec = getattr(variable, _ATTR, None)
-    if spec is None and hasattr(variable, "_value"):
-        spec = getattr(variable._value, _ATTR, None)  # noqa: SLF001 - a Keras variable's backing tf.Variable may hold the mark
+    spec = slot(variable, ShardSpec)
+    if spec is None:
+        # A Keras variable's backing tf.Variable may hold the mark.
+        spec = slot(getattr(variable, "_value", None), ShardSpec)
     return spec
 
 
@@ -204,13 +204,10 @@ def is_sharded(variable: Any) -> bool:
 
 
 def mark(variable: Any, spec: ShardSpec) -> None:
-    setattr(variable, _ATTR, spec)
+    attach(variable, spec)
     inner = getattr(variable, "_value", None)
-    if inner is not None:
-        try:
-            setattr(inner, _ATTR, spec)
-        except AttributeError:
-            pass
+    if inner is not None and hasattr(inner, "__dict__"):
+        attach(inner, spec)
 
 
 def register_like(slot: Any, reference: Any) -> None:

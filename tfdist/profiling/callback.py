@@ -43,6 +43,7 @@ from tfdist.profiling.records import (
     to_row,
 )
 from tfdist.profiling.stragglers import Straggler, check_factor, find_stragglers
+from tfdist.record import attach, detach
 
 __all__ = [
     "StepProfile",
@@ -171,8 +172,8 @@ class StepProfile(keras.callbacks.Callback):
         super().set_model(model)
         strategy = model.distribute_strategy
         self._attach(strategy)
-        if getattr(model, instrument.MODEL_ATTR, None) is not self.profiler:
-            setattr(model, instrument.MODEL_ATTR, self.profiler)
+        if instrument.model_profiler(model) is not self.profiler:
+            attach(model, self.profiler)
             model.train_function = None  # Rebuilt by fit with the marks.
 
     def _attach(self, strategy: Any) -> None:
@@ -321,7 +322,7 @@ class StepProfile(keras.callbacks.Callback):
         """Does the compressor save more wire time than it costs? Judged on
         this worker's own measurements and the link measured."""
         from tfdist.compression.keras_hook import strategy_aggregator
-        from tfdist.compression.traffic import all_reduce_bytes, nbytes
+        from tfdist.transport.traffic import all_reduce_bytes, nbytes
 
         aggregator = strategy_aggregator(self._strategy())
         mine = summary.get(self.worker)
@@ -408,8 +409,8 @@ class StepProfile(keras.callbacks.Callback):
             for writer in self.__dict__.pop("_writers", {}).values():
                 writer.close()
             self.profiler.detach()
-            if getattr(self.model, instrument.MODEL_ATTR, None) is self.profiler:
-                delattr(self.model, instrument.MODEL_ATTR)
+            if instrument.model_profiler(self.model) is self.profiler:
+                detach(self.model, instrument.Profiler)
                 self.model.train_function = None  # The next fit runs without marks.
 
     def _write_timeline(self) -> None:

@@ -42,12 +42,18 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist import record as kept
 from tfdist.compat.tf_python import resource_variable_ops
 from tfdist.compression import keras_hook
-from tfdist.compression.aggregate import ReplicaComm
-from tfdist.compression.sparse import slices_nbytes
-from tfdist.compression.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
 from tfdist.profiling.records import Span, StepRecord
+from tfdist.transport.comm import ReplicaComm
+from tfdist.transport.traffic import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    nbytes,
+    slices_nbytes,
+    wire_nbytes,
+)
 
 __all__ = [
     "Profiler",
@@ -56,6 +62,7 @@ __all__ = [
     "MAX_SPANS",
     "wrap_step",
     "profiler_of",
+    "model_profiler",
     "wrap_make_function",
 ]
 
@@ -67,9 +74,6 @@ _INPUT, _GRADS, _PEERS, _REDUCED, _END, _STEP = range(6)
 MAX_SPANS = 32
 _KINDS = {1.0: "all_reduce", 2.0: "all_gather"}
 _KIND_CODES = {v: k for k, v in _KINDS.items()}
-_ATTR = keras_hook.OBSERVER
-#: A model attribute: the profiler its train function is built with.
-MODEL_ATTR = "_tfdist_step_profiler"
 
 
 def worker_devices(strategy: Any) -> list[str]:
@@ -83,7 +87,12 @@ def worker_devices(strategy: Any) -> list[str]:
 def profiler_of(strategy: Any = None) -> Profiler | None:
     """The profiler active on ``strategy`` (default: the current one)."""
     strategy = strategy or tf.distribute.get_strategy()
-    return getattr(strategy, _ATTR, None)
+    return kept.record_of(strategy).observer
+
+
+def model_profiler(model: object) -> Profiler | None:
+    """The profiler ``model``'s train function is built with, if any."""
+    return kept.slot(model, Profiler)
 
 
 def _flat_tensors(structure: Any) -> list[tf.Tensor]:
@@ -152,12 +161,12 @@ class Profiler:
     def attach(self) -> Profiler:
         """Makes the strategy's steps record into this profiler (replacing
         one a failed ``fit`` left attached)."""
-        setattr(self.strategy, _ATTR, self)
+        kept.record_of(self.strategy).observer = self
         return self
 
     def detach(self) -> None:
         if profiler_of(self.strategy) is self:
-            delattr(self.strategy, _ATTR)
+            kept.record_of(self.strategy).observer = None
 
     # -- trace time --------------------------------------------------------
     def _records_here(self) -> bool:
@@ -356,20 +365,20 @@ class ProfiledComm(ReplicaComm):
         super().__init__()
         self._profiler = profiler
 
-    def _all_reduce(self, tensors):
+    def send_all_reduce(self, tensors):
         return self._profiler.span(
             "all_reduce",
             tensors,
-            lambda: super(ProfiledComm, self)._all_reduce(tensors),
+            lambda: super(ProfiledComm, self).send_all_reduce(tensors),
             sent_by_all_reduce(tensors, self.num_replicas),
         )
 
-    def _all_gather(self, tensors):
+    def send_all_gather(self, tensors):
         payload = sum(wire_nbytes(t.shape.as_list(), t.dtype.name) for t in tensors)
         return self._profiler.span(
             "all_gather",
             tensors,
-            lambda: super(ProfiledComm, self)._all_gather(tensors),
+            lambda: super(ProfiledComm, self).send_all_gather(tensors),
             all_gather_bytes(payload, self.num_replicas),
         )
 
@@ -395,7 +404,7 @@ def wrap_step(step_function: Callable, profiler: Profiler) -> Callable:
 def wrap_make_function(original):
     @functools.wraps(original)
     def _make_function(self, step_function):
-        profiler = getattr(self, MODEL_ATTR, None)
+        profiler = model_profiler(self)
         if profiler is not None and getattr(step_function, "__name__", "") == "train_step":
             step_function = wrap_step(step_function, profiler)
         return original(self, step_function)
@@ -405,7 +414,7 @@ def wrap_make_function(original):
 
 def install() -> None:
     """Lets ``fit`` build its train function with the marks of the profiler
-    set on the model (:data:`MODEL_ATTR`): the registry's ``profiling``;
+    set on the model (:func:`model_profiler`): the registry's ``profiling``;
     idempotent.
 
     Raises:

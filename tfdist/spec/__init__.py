@@ -5,7 +5,8 @@
 
 It owns the TF_CONFIG (:class:`TFConfig`: parsed, validated, generated for each
 task), the cluster specs in ``cluster_specs/``, the options of
-``strategy_from_config`` (:mod:`~tfdist.spec.options`) and the detection of
+``strategy_from_config`` (:mod:`~tfdist.spec.options`, and the ``compression=``
+setting in :mod:`~tfdist.spec.compression`) and the detection of
 which strategy to build (:mod:`~tfdist.spec.detect`). It is the bottom layer:
 it imports nothing of tfdist but :mod:`tfdist.errors`, and never TensorFlow or
 Keras, so that launchers and the CLI's spec commands stay fast and run where

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -12,6 +13,18 @@ from tfdist.spec.names import CLUSTER_JOBS
 # --------------------------------------------------------------------------
 # The parsed configuration.
 # --------------------------------------------------------------------------
+
+
+class ClusterSource(abc.ABC):
+    """A running cluster that stands for its chief's TF_CONFIG, such as
+    :class:`tfdist.engines.LocalCluster`: ``strategy_from_config(config=source)``
+    reads :attr:`tf_config` from it. Defined here, below the strategies, so
+    that they need not import the engines."""
+
+    @property
+    @abc.abstractmethod
+    def tf_config(self) -> dict:
+        """The chief's TF_CONFIG."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from tfdist import plugins
 from tfdist.compat.tf_python import multi_worker_util
 from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.errors import ConfigError, TfdistError
+from tfdist.record import record_of
 from tfdist.spec.detect import Choice
 from tfdist.spec.options import StrategyOptions
 
@@ -75,13 +76,31 @@ def compression_for(kind: str, compression: Any) -> CompressionSetting:
 
 
 class TfdistStrategy:
-    """What every tfdist strategy adds to its tf.distribute base class."""
+    """What every tfdist strategy adds to its tf.distribute base class.
+
+    What it carries beyond TensorFlow's strategy is its
+    :class:`~tfdist.record.StrategyRecord` (:func:`tfdist.record.record_of`).
+    """
 
     #: Canonical strategy name, as accepted by ``strategy=``.
     kind: str = ""
 
-    def _tfdist_init(self, compression: Any = None, choice: Choice | None = None) -> None:
-        setting = compression_for(self.kind, compression)
+    def _set_up(
+        self, compression: Any = None, choice: Choice | None = None, transport: Any = None
+    ) -> None:
+        """Fills the strategy's record; the subclasses call it once built.
+
+        Args:
+            compression: The ``compression=`` setting (parsed here unless
+                :func:`tfdist.strategy_from_config` already did).
+            choice: Why :func:`tfdist.strategy_from_config` chose it.
+            transport: What carries the gradients between processes when not
+                TensorFlow's collectives (a :class:`tfdist.record.Transport`).
+        """
+        record = record_of(self)
+        record.compression = compression_for(self.kind, compression)
+        record.choice = choice
+        record.transport = transport
         # The layers above install here, in order (tfdist.plugins):
         # the guard against keras.distribution (tfdist.parallel), the Keras
         # fit fixes (tfdist.training.plugin), the timeline (tfdist.profiling).
@@ -93,47 +112,44 @@ class TfdistStrategy:
             # are IndexedSlices, for step_traffic, and otherwise hands over
             # to Keras.
             keras_hook.install()
+            setting = record.compression
             if setting.enabled:
                 # Built now so that a bad setting fails here, not while fit
                 # traces its first step.
-                self._tfdist_aggregator = make_aggregator(setting, setting.error_feedback)
-            elif getattr(self, keras_hook.TRANSPORT, None) is not None:
+                record.aggregator = make_aggregator(setting, setting.error_feedback)
+            elif transport is not None:
                 # Another transport carries even uncompressed gradients: Keras's
                 # own all-reduce would use TensorFlow's collectives.
-                self._tfdist_aggregator = make_aggregator("none")
-        self._tfdist_compression = setting
-        self._tfdist_choice = choice
+                record.aggregator = make_aggregator("none")
         plugins.run("created", self)
 
-    def _tfdist_attach(self, model_parallel: Any) -> None:
+    def _attach_mesh(self, model_parallel: Any) -> None:
         """Arranges the replicas as a (data, tensor) mesh for T > 1."""
         plugins.run("attach", self, model_parallel)
 
     @property
     def model_parallel(self) -> int:
         """The tensor-parallel group size T (1: no mesh)."""
-        # Set by tfdist.parallel.mesh.attach.
-        runtime = getattr(self, "_tfdist_parallel", None)
-        return runtime.mesh.tp if runtime is not None else 1
+        return record_of(self).model_parallel
 
     @property
     def compression(self) -> CompressionSetting:
         """The gradient-compression setting kept on this strategy."""
-        return getattr(self, "_tfdist_compression", parse_compression(None))
+        return record_of(self).compression
 
     @property
     def choice(self) -> Choice | None:
         """Why strategy_from_config chose this strategy (None if built directly)."""
-        return getattr(self, "_tfdist_choice", None)
+        return record_of(self).choice
 
-    def _tfdist_resolver(self):
+    def _resolver(self):
         # ParameterServerStrategy keeps its resolver private.
         return getattr(self, "cluster_resolver", None) or getattr(self, "_cluster_resolver", None)
 
     @property
     def task(self) -> str | None:
         """This task, e.g. ``"worker:1"``; None outside a cluster."""
-        resolver = self._tfdist_resolver()
+        resolver = self._resolver()
         if resolver is None or resolver.task_type is None:
             return None
         return f"{resolver.task_type}:{resolver.task_id}"
@@ -141,7 +157,7 @@ class TfdistStrategy:
     @property
     def is_chief(self) -> bool:
         """Whether this task writes checkpoints and logs for the job."""
-        resolver = self._tfdist_resolver()
+        resolver = self._resolver()
         if resolver is None or resolver.task_type is None:
             return True
         spec = resolver.cluster_spec()
@@ -150,7 +166,7 @@ class TfdistStrategy:
         return multi_worker_util.is_chief(spec, resolver.task_type, resolver.task_id)
 
     def _cluster_dict(self) -> dict:
-        resolver = self._tfdist_resolver()
+        resolver = self._resolver()
         return resolver.cluster_spec().as_dict() if resolver else {}
 
     def describe(self) -> str:
@@ -170,7 +186,8 @@ class TfdistStrategy:
             lines.append("  cluster: none (this process only)")
         lines.extend(plugins.run("describe", self))
         note = ""
-        aggregator = getattr(self, "_tfdist_aggregator", None)
+        record = record_of(self)
+        aggregator = record.aggregator
         if self.compression.enabled and self.num_replicas_in_sync < 2:
             note = " (no effect: one replica)"
         elif aggregator is not None:
@@ -178,9 +195,8 @@ class TfdistStrategy:
         if aggregator is not None and not self.compression.enabled:
             note = ""
         lines.append(f"  compression: {self.compression}{note}")
-        transport = getattr(self, "_tfdist_transport", None)
-        if transport is not None:
-            lines.append(f"  transport: {transport.describe()}")
+        if record.transport is not None:
+            lines.append(f"  transport: {record.transport.describe()}")
         if self.choice is not None:
             lines.append(f"  why: {self.choice.reason}")
         return "\n".join(lines)

@@ -24,6 +24,7 @@ from tfdist.spec.options import (
     check_model_parallel,
     make_options,
 )
+from tfdist.spec.tf_config import ClusterSource
 from tfdist.strategies import provided
 from tfdist.strategies.base import (
     ClusterJoinError,
@@ -190,8 +191,8 @@ def _config_source(config: Any) -> tuple[Any, Any]:
     also handed to TensorFlow's strategy as is, as TensorFlow's own
     constructors take it.
     """
-    # A LocalCluster (tfdist.engines, a layer above) says so by this mark.
-    if getattr(type(config), "_tfdist_cluster_source", False):
+    # A LocalCluster (tfdist.engines, a layer above).
+    if isinstance(config, ClusterSource):
         return config.tf_config, None
     if isinstance(config, tf.distribute.cluster_resolver.TPUClusterResolver):
         raise ConfigError(

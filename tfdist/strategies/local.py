@@ -20,7 +20,7 @@ class OneDeviceStrategy(TfdistStrategy, tf.distribute.OneDeviceStrategy):
         self, device: str = "/cpu:0", *, compression: Any = None, choice: Choice | None = None
     ):
         super().__init__(device)
-        self._tfdist_init(compression, choice)
+        self._set_up(compression, choice)
 
 
 class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
@@ -43,8 +43,8 @@ class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
     ):
         self._collective_key_base = next_key_base()
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
-        self._tfdist_init(compression, choice)
-        self._tfdist_attach(model_parallel)
+        self._set_up(compression, choice)
+        self._attach_mesh(model_parallel)
 
 
 def logical_cpus(count: int) -> list[str]:

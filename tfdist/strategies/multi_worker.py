@@ -130,10 +130,14 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             if late_start.TF_MESSAGE not in str(error):
                 raise
             raise late_start.order_error(call, "any other TensorFlow work") from None
-        if transport == "mpi":
-            self._tfdist_transport = _mpi_transport(self, collective_timeout, model_parallel)
-        self._tfdist_init(compression, choice)
-        self._tfdist_attach(model_parallel)
+        self._set_up(
+            compression,
+            choice,
+            _mpi_transport(self, collective_timeout, model_parallel)
+            if transport == "mpi"
+            else None,
+        )
+        self._attach_mesh(model_parallel)
         # Keras's own saves and checkpoint callbacks: the chief writes; see
         # tfdist.training.saving.
         plugins.run("multi_worker", self)

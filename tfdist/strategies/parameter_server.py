@@ -49,7 +49,7 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
         super().__init__(
             cluster_resolver, variable_partitioner=_partitioner(variable_partitioner, num_ps)
         )
-        self._tfdist_init(compression, choice)
+        self._set_up(compression, choice)
         # Keras 3's fixes for this strategy (tfdist.training.ps_patches).
         plugins.run("parameter_server", self)
 

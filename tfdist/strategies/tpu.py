@@ -23,7 +23,7 @@ class TPUStrategy(TfdistStrategy, tf.distribute.TPUStrategy):
         self, tpu_cluster_resolver, *, compression: Any = None, choice: Choice | None = None
     ):
         super().__init__(tpu_cluster_resolver)
-        self._tfdist_init(compression, choice)
+        self._set_up(compression, choice)
 
 
 def _no_tpu(tpu: str, why: str) -> TPUNotFoundError:

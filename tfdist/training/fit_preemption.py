@@ -28,6 +28,7 @@ Under TensorFlow's own strategies nothing changes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -36,6 +37,7 @@ from typing import Any
 
 from absl import logging
 
+from tfdist.record import attach, slot
 from tfdist.training import preemption
 from tfdist.training.preemption import PreemptionWatcher
 
@@ -72,6 +74,34 @@ def _read_metadata(callback: Any) -> dict | None:
         return None
 
 
+@dataclasses.dataclass
+class FitProgress:
+    """What tfdist keeps on a Keras BackupAndRestore during a ``fit``
+    (a :mod:`tfdist.record` slot).
+
+    Attributes:
+        done: Batches of this epoch done: what a mid-epoch save records.
+        calls: Batch ends seen, which the watcher's agreement counts.
+        resume: ``(epoch, batches)`` a resumed fit skips, until that epoch begins.
+        preempting: A stop was agreed on; the save it makes says so.
+        watcher: The preemption watcher, from ``on_train_begin`` to ``on_train_end``.
+        own_copy: This non-chief task writes its own backup (decided at train begin).
+    """
+
+    done: int = 0
+    calls: int = 0
+    resume: tuple[int, int] | None = None
+    preempting: bool = False
+    watcher: PreemptionWatcher | None = None
+    own_copy: bool = False
+
+
+def progress(callback: object) -> FitProgress:
+    """``callback``'s progress in this fit (kept from its ``on_train_begin``)."""
+    found = slot(callback, FitProgress)
+    return found if found is not None else attach(callback, FitProgress())
+
+
 def metadata(callback: Any, digest: bool | None = None) -> dict:
     """The fields tfdist adds to a save's ``training_metadata.json``.
 
@@ -85,8 +115,8 @@ def metadata(callback: Any, digest: bool | None = None) -> dict:
 
     strategy = _strategy(callback.model)
     fields = {
-        "tfdist_batches_done": int(callback.__dict__.get("_tfdist_done", 0)),
-        "tfdist_preempted": bool(callback.__dict__.get("_tfdist_preempting", False)),
+        "tfdist_batches_done": progress(callback).done,
+        "tfdist_preempted": progress(callback).preempting,
         "replicas": strategy.num_replicas_in_sync,
         "steps_per_epoch": (callback.params or {}).get("steps"),
     }
@@ -108,7 +138,7 @@ def _agreed_load(callback: Any, original: Any, logs: Any) -> dict | None:
 
     decision = backup_dirs.decide(callback, _strategy(callback.model))
     chief = keras_saving.active(callback.model)[1]
-    callback.__dict__["_tfdist_own_copy"] = decision.writes and not chief
+    progress(callback).own_copy = decision.writes and not chief
     if decision.slot is None:
         return None
     with backup_dirs.loading(callback, decision.slot):
@@ -138,15 +168,7 @@ def _agrees(callback: Any) -> bool:
 def wrap_begin(original):
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
-        state = self.__dict__
-        state.update(
-            _tfdist_done=0,
-            _tfdist_calls=0,
-            _tfdist_resume=None,
-            _tfdist_preempting=False,
-            _tfdist_watcher=None,
-            _tfdist_own_copy=False,
-        )
+        state = attach(self, FitProgress())
         if not _under_tfdist(self.model):
             return original(self, logs)
         from tfdist.training import resume
@@ -175,13 +197,13 @@ def wrap_begin(original):
             )
             if done:
                 self.model.train_function = SkipSteps(self.model, self.model.train_function, done)
-                state["_tfdist_resume"] = (int(saved["epoch"]), done)
+                state.resume = (int(saved["epoch"]), done)
                 logging.info(
                     "tfdist: Keras BackupAndRestore resumes at epoch %d, batch %d",
                     saved["epoch"],
                     done,
                 )
-        state["_tfdist_watcher"] = PreemptionWatcher(_strategy(self.model), name="fit").start()
+        state.watcher = PreemptionWatcher(_strategy(self.model), name="fit").start()
 
     return on_train_begin
 
@@ -192,9 +214,10 @@ def wrap_epoch_begin(original):
         # Keras only counts epochs at their end: a mid-epoch save in the
         # first epoch after a resume would record epoch 0.
         self._current_epoch = epoch
-        resumed = self.__dict__.get("_tfdist_resume")
-        self.__dict__["_tfdist_done"] = resumed[1] if resumed and resumed[0] == epoch else 0
-        self.__dict__["_tfdist_resume"] = None
+        state = progress(self)
+        resumed = state.resume
+        state.done = resumed[1] if resumed and resumed[0] == epoch else 0
+        state.resume = None
         return original(self, epoch, logs)
 
     return on_epoch_begin
@@ -203,21 +226,21 @@ def wrap_epoch_begin(original):
 def wrap_batch_end(original):
     @functools.wraps(original)
     def on_train_batch_end(self, batch, logs=None):
-        state = self.__dict__
-        state["_tfdist_done"] = max(batch + 1, state.get("_tfdist_done", 0))
+        state = progress(self)
+        state.done = max(batch + 1, state.done)
         original(self, batch, logs)
-        watcher = state.get("_tfdist_watcher")
+        watcher = state.watcher
         if watcher is None:
             return
-        state["_tfdist_calls"] = state.get("_tfdist_calls", 0) + 1
-        if watcher.should_stop(state["_tfdist_calls"]):
-            state["_tfdist_preempting"] = True
+        state.calls += 1
+        if watcher.should_stop(state.calls):
+            state.preempting = True
             self._last_batch_seen = batch
             self._save_model()
             watcher.exit(
                 {
                     "epoch": self._current_epoch,
-                    "batch": state["_tfdist_done"],
+                    "batch": state.done,
                     "backup": str(self.backup_dir),
                 }
             )
@@ -228,7 +251,7 @@ def wrap_batch_end(original):
 def wrap_epoch_end(original):
     @functools.wraps(original)
     def on_epoch_end(self, epoch, logs=None):
-        self.__dict__["_tfdist_done"] = 0  # An epoch-end save starts the next epoch.
+        progress(self).done = 0  # An epoch-end save starts the next epoch.
         return original(self, epoch, logs)
 
     return on_epoch_end
@@ -237,7 +260,7 @@ def wrap_epoch_end(original):
 def wrap_save(original):
     @functools.wraps(original)
     def _save_model(self):
-        if self.__dict__.get("_tfdist_own_copy"):
+        if progress(self).own_copy:
             # A non-chief task that writes its own backup_dir (decided at
             # train begin), instead of saving into scratch.
             from tfdist.training import backup_dirs
@@ -265,7 +288,8 @@ def wrap_save(original):
 def wrap_end(original):
     @functools.wraps(original)
     def on_train_end(self, logs=None):
-        watcher = self.__dict__.pop("_tfdist_watcher", None)
+        state = progress(self)
+        watcher, state.watcher = state.watcher, None
         if watcher is not None:
             watcher.stop()
         if _under_tfdist(self.model):
@@ -273,7 +297,8 @@ def wrap_end(original):
 
             unwrap_train_function(self.model)
         result = original(self, logs)
-        if self.__dict__.pop("_tfdist_own_copy", False) and self.delete_checkpoint:
+        own_copy, state.own_copy = state.own_copy, False
+        if own_copy and self.delete_checkpoint:
             # The chief deletes its own; this task wrote this one.
             shutil.rmtree(str(self.backup_dir), ignore_errors=True)
         return result

@@ -40,6 +40,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist.compat.keras_src import backend
+from tfdist.record import record_of
 
 __all__ = [
     "install",
@@ -75,7 +76,7 @@ def needs_cross_replica_build(optimizer: Any) -> bool:
     strategy = tf.distribute.get_strategy()
     return (
         getattr(optimizer, "_distribution_strategy", None) is strategy
-        and getattr(strategy, "_tfdist_aggregator", None) is not None
+        and record_of(strategy).aggregator is not None
     )
 
 

@@ -68,7 +68,7 @@ from tfdist.training.ps_data import (
 )
 from tfdist.training.ps_loop import ParameterServerFit
 from tfdist.training.ps_patches import shards
-from tfdist.training.ps_steps import evaluate_on_coordinator
+from tfdist.training.ps_steps import evaluate_on_coordinator, traced_steps
 
 __all__ = ["fit", "evaluate", "predict", "shards", "ParameterServerError", "StepTimeoutError"]
 
@@ -252,10 +252,10 @@ def predict(
         )
     check_positive_int("steps", steps)
     data = local_dataset(x, None, None, batch_size, "x")
-    step = getattr(model, "_tfdist_predict_step", None)
-    if step is None:
-        step = tf.function(model.predict_step, reduce_retracing=True)
-        model._tfdist_predict_step = step  # noqa: SLF001 - tfdist's own cache of the traced step, on the model
+    traced = traced_steps(model)
+    if traced.predict is None:
+        traced.predict = tf.function(model.predict_step, reduce_retracing=True)
+    step = traced.predict
     callback_list = keras.callbacks.CallbackList(
         callbacks,
         add_progbar=verbose != 0,

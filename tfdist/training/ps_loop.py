@@ -17,7 +17,9 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import ConfigError, require_int
+from tfdist.record import slot
 from tfdist.training import ps_patches as keras_ps
+from tfdist.training.fit_preemption import FitProgress
 from tfdist.training.preemption import Preempted
 from tfdist.training.ps_data import (
     IN_FLIGHT_PER_WORKER,
@@ -250,7 +252,8 @@ def _watchers(callbacks: Any) -> list:
     (:mod:`tfdist.training.fit_preemption`). They exist from ``on_train_begin``."""
     found = []
     for callback in getattr(callbacks, "callbacks", callbacks or ()):
-        watcher = getattr(callback, "watcher", None) or vars(callback).get("_tfdist_watcher")
+        kept = slot(callback, FitProgress)
+        watcher = getattr(callback, "watcher", None) or (kept.watcher if kept else None)
         if watcher is not None and hasattr(watcher, "should_stop"):
             found.append(watcher)
     return found

@@ -5,6 +5,7 @@ turned into a :class:`~tfdist.training.ps_data.ParameterServerError` naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 from collections.abc import Callable
@@ -13,11 +14,27 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist.record import attach, slot
 from tfdist.training import ps_patches as keras_ps
 from tfdist.training.ps_data import ParameterServerError, StepTimeoutError, check_positive_int
 
 # --------------------------------------------------------------------------
 # The steps.
+
+
+@dataclasses.dataclass
+class TracedSteps:
+    """A model's steps traced for the coordinator, kept between calls (a
+    :mod:`tfdist.record` slot)."""
+
+    test: Callable | None = None
+    predict: Callable | None = None
+
+
+def traced_steps(model: object) -> TracedSteps:
+    """``model``'s traced coordinator steps (none yet on first use)."""
+    found = slot(model, TracedSteps)
+    return found if found is not None else attach(model, TracedSteps())
 
 
 def _keras_train_step(model: Any, data: Any) -> dict:
@@ -129,10 +146,10 @@ def evaluate_on_coordinator(
 ) -> dict:
     """Evaluates on the coordinator: every batch once, variables read from the ps."""
     check_positive_int("validation_steps", steps)
-    test_step = getattr(model, "_tfdist_test_step", None)
-    if test_step is None:
-        test_step = tf.function(model.test_step, reduce_retracing=True)
-        model._tfdist_test_step = test_step  # noqa: SLF001 - tfdist's own cache of the traced step, on the model
+    traced = traced_steps(model)
+    if traced.test is None:
+        traced.test = tf.function(model.test_step, reduce_retracing=True)
+    test_step = traced.test
     model.reset_metrics()
     callbacks.on_test_begin()
     logs: dict = {}

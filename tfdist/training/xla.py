@@ -59,6 +59,7 @@ from absl import logging
 
 from tfdist import compat
 from tfdist.errors import ConfigError
+from tfdist.record import attach, slot
 
 __all__ = [
     "XLA_KINDS",
@@ -90,7 +91,7 @@ def _strategy(model: Any) -> Any:
     return getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
 
 
-def _tfdist_kind(strategy: Any) -> str | None:
+def _kind_of(strategy: Any) -> str | None:
     from tfdist.strategies import TfdistStrategy
 
     return strategy.kind if isinstance(strategy, TfdistStrategy) else None
@@ -99,7 +100,7 @@ def _tfdist_kind(strategy: Any) -> str | None:
 def uses_replica_xla(model: Any) -> bool:
     """Whether tfdist compiles ``model``'s replica steps with XLA."""
     return (
-        _tfdist_kind(_strategy(model)) in XLA_KINDS
+        _kind_of(_strategy(model)) in XLA_KINDS
         and bool(getattr(model, "_jit_compile", False))
         and not getattr(model, "run_eagerly", False)
     )
@@ -136,7 +137,7 @@ def check_compile(model: Any, strategy: Any) -> None:
         ConfigError: The strategy, a layer or the devices rule XLA out; the
             message names which and what to do instead.
     """
-    kind = _tfdist_kind(strategy)
+    kind = _kind_of(strategy)
     if kind == "parameter_server":
         raise ConfigError(
             "jit_compile",
@@ -187,14 +188,32 @@ def check_compile(model: Any, strategy: Any) -> None:
         )
 
 
+@dataclasses.dataclass
+class XlaNote:
+    """What ``compile`` asked of XLA, for ``fit``'s log line (a :mod:`tfdist.record` slot).
+
+    Attributes:
+        requested: ``compile``'s ``jit_compile``.
+        logged: The line was logged since that ``compile``.
+    """
+
+    requested: bool | str = "auto"
+    logged: bool = False
+
+
+def xla_note(model: object) -> XlaNote:
+    """``model``'s note (``"auto"``, not logged, before its first ``compile``)."""
+    found = slot(model, XlaNote)
+    return found if found is not None else attach(model, XlaNote())
+
+
 def wrap_compile(original):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):  # noqa: A001 - wraps Keras's Model.compile
         jit = kwargs.get("jit_compile", "auto")
         if jit is True and not kwargs.get("run_eagerly", False):
             check_compile(self, _strategy(self))
-        self._tfdist_jit_requested = jit  # For the fit's log line.
-        self._tfdist_xla_logged = False
+        attach(self, XlaNote(requested=jit))  # For the fit's log line.
         return original(self, *args, **kwargs)
 
     return compile
@@ -204,7 +223,7 @@ def wrap_resolve_auto(original):
     @functools.wraps(original)
     def _resolve_auto_jit_compile(self):
         strategy = getattr(self, "_distribute_strategy", None)
-        if _tfdist_kind(strategy) not in XLA_KINDS:
+        if _kind_of(strategy) not in XLA_KINDS:
             return original(self)
         # As without a strategy: Keras turns XLA on where a GPU is visible.
         self._distribute_strategy = None
@@ -221,7 +240,7 @@ def wrap_resolve_auto(original):
 
 def describe_line(strategy: Any) -> str | None:
     """``describe()``'s line: what ``jit_compile="auto"`` resolves to here."""
-    kind = _tfdist_kind(strategy)
+    kind = _kind_of(strategy)
     if kind in XLA_KINDS:
         if _devices_are_cpus(strategy):
             return (
@@ -379,16 +398,17 @@ def wrap_make_function(original):
         name = getattr(step_function, "__name__", "")
         kind = "train" if name == "train_step" else "test"
         if not uses_replica_xla(self):
-            if kind == "train" and _tfdist_kind(_strategy(self)) in XLA_KINDS:
+            if kind == "train" and _kind_of(_strategy(self)) in XLA_KINDS:
                 _log_without_xla(self)
             return original(self, step_function)
-        if not getattr(self, "_tfdist_xla_logged", False) and kind == "train":
+        note = xla_note(self)
+        if not note.logged and kind == "train":
             logging.info(
                 "tfdist: %s fits with XLA: each replica's forward and backward "
                 "pass is compiled; the all-reduce and the optimizer run outside XLA",
                 self.name,
             )
-            self._tfdist_xla_logged = True
+            note.logged = True
         # Keras must not compile the function around strategy.run.
         self._jit_compile = False
         try:
@@ -401,10 +421,11 @@ def wrap_make_function(original):
 
 def _log_without_xla(model: Any) -> None:
     """The fit's line when its step is not compiled: why, once per compile."""
-    if getattr(model, "_tfdist_xla_logged", False):
+    note = xla_note(model)
+    if note.logged:
         return
-    model._tfdist_xla_logged = True  # noqa: SLF001 - tfdist's own log-once flag on the model
-    requested = getattr(model, "_tfdist_jit_requested", "auto")
+    note.logged = True
+    requested = note.requested
     if getattr(model, "run_eagerly", False):
         why = "run_eagerly=True"
     elif requested == "auto":

@@ -54,8 +54,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist.compression.aggregate import ReplicaComm
 from tfdist.errors import ConfigError, TfdistError
+from tfdist.transport.comm import ReplicaComm
 
 __all__ = ["MpiComm", "MpiTransport", "TransportError", "import_mpi", "tf_config_from_mpi"]
 
@@ -273,7 +273,7 @@ class MpiTransport:
         self.mpi.COMM_WORLD.Abort(1)
 
     def make_comm(self) -> MpiComm:
-        """The :class:`~tfdist.compression.aggregate.Comm` of one aggregation."""
+        """The :class:`~tfdist.transport.comm.Comm` of one aggregation."""
         return MpiComm(self)
 
     def describe(self) -> str:
@@ -348,9 +348,10 @@ class MpiTransport:
 class MpiComm(ReplicaComm):
     """Collectives of one gradient aggregation over MPI.
 
-    A :class:`~tfdist.compression.aggregate.ReplicaComm` whose primitives
-    (sum, gather) are ``tf.numpy_function`` calls into :class:`MpiTransport`,
-    chained by control dependencies in the order they are made.
+    A :class:`~tfdist.transport.comm.ReplicaComm` whose primitives
+    (:meth:`reduce_sum`, :meth:`gather_rows`) are ``tf.numpy_function`` calls
+    into :class:`MpiTransport`, chained by control dependencies in the order
+    they are made.
     """
 
     def __init__(self, transport: MpiTransport) -> None:
@@ -377,7 +378,7 @@ class MpiComm(ReplicaComm):
         self._last = outs[0]
         return outs
 
-    def _sum(self, tensors: list) -> list:
+    def reduce_sum(self, tensors: list) -> list:
         if not tensors:
             return []
         if isinstance(tensors[0], tf.IndexedSlices):
@@ -410,7 +411,7 @@ class MpiComm(ReplicaComm):
         indices.set_shape([None])
         return tf.IndexedSlices(values, indices, t.dense_shape)
 
-    def _gather_rows(self, rows: tf.Tensor) -> tf.Tensor:
+    def gather_rows(self, rows: tf.Tensor) -> tf.Tensor:
         (out,) = self._host_call(lambda r: self.transport.allgather(r[0]), [rows], [rows.dtype])
         out.set_shape([self.num_replicas, rows.shape[1]])
         return out

@@ -1,4 +1,7 @@
-"""The ``compression=`` setting: a name, a short string form, or an object."""
+"""The ``compression=`` setting: a name, a short string form, or an object.
+
+It is part of what the user asks for, like the other options, so it is read
+here, below the layers that act on it (the strategies, the compressors)."""
 
 from __future__ import annotations
 
