@@ -19,7 +19,7 @@ A strategy carries a :class:`StrategyRecord`, reached through
 - ``observer``: written by :class:`tfdist.profiling.Profiler` while it records
   a ``fit``. Read by the Keras hook: told before and after the reduction, it
   makes the collectives.
-- ``mesh``: written by :func:`tfdist.parallel.mesh.attach`
+- ``mesh``: written by :func:`tfdist.parallel.attach.attach`
   (``model_parallel=T``, or a ``keras.distribution`` layout). Read by
   :mod:`tfdist.parallel`, the traffic callback and :mod:`tfdist.distribution`.
 

@@ -36,6 +36,7 @@ import warnings
 from typing import Any
 
 from tfdist.compat import versions as versions_lib
+from tfdist.compat.patch import Patch
 from tfdist.errors import ConfigError, TfdistError
 
 __all__ = [
@@ -55,68 +56,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("tfdist.compat")
-
-
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    """One change tfdist makes to Keras or TensorFlow.
-
-    Attributes:
-        name: Unique, ``feature.what`` (e.g. ``"steps.inline_step"``).
-        target: ``"module.path:Owner.attribute"`` or ``"module.path:function"``
-            (an attribute of the module). For a dynamic patch, a description
-            of the owners (``"subclasses of ...:BaseOptimizer.variables"``).
-        wrapper: ``"tfdist.module:function"``: takes the original value and
-            returns the replacement. Imported when the patch is installed.
-        feature: The feature the patch belongs to (a key of ``FEATURES``).
-        why: The upstream issue or behaviour worked around, with its link.
-        needed: Version clauses where the patch applies, e.g.
-            ``"keras<3.9"`` or ``"keras>=3.10,tensorflow<2.20"``; empty:
-            every supported version.
-        params: The leading parameter names the wrapper relies on, checked
-            against the original's signature (``"*"``: a positional
-            parameter whose name may differ); None when the target is not
-            called through (a property, a module, a constant).
-        kind: ``"function"``, ``"property"``, ``"module"`` or ``"value"``:
-            what the target must be.
-        dynamic: Applied per owner at run time with :func:`apply_to`.
-        canary: The test showing that stock Keras/TF still needs the patch
-            (``tests/...::test_name``), or why there is none.
-    """
-
-    name: str
-    target: str
-    wrapper: str
-    feature: str
-    why: str
-    needed: str = ""
-    params: tuple[str, ...] | None = None
-    kind: str = "function"
-    dynamic: bool = False
-    canary: str = ""
-
-    @property
-    def module(self) -> str:
-        return self.target.partition(":")[0]
-
-    @property
-    def path(self) -> tuple[str, ...]:
-        return tuple(self.target.partition(":")[2].split("."))
-
-    def applies(self, versions: dict[str, str | None]) -> bool:
-        """Whether the installed versions need this patch."""
-        if not self.needed:
-            return True
-        by_package: dict[str, list[str]] = {}
-        for clause in self.needed.split(","):
-            clause = clause.strip()
-            package = next(p for p in ("tensorflow", "keras") if clause.startswith(p))
-            by_package.setdefault(package, []).append(clause[len(package) :])
-        for package, clauses in by_package.items():
-            have = versions.get(package)
-            if have is not None and not versions_lib.satisfies(have, ",".join(clauses)):
-                return False
-        return True
 
 
 class PatchError(TfdistError, RuntimeError):

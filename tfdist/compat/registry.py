@@ -1,6 +1,6 @@
 """Every change tfdist makes to Keras and TensorFlow, in one table.
 
-Each :class:`~tfdist.compat.patching.Patch` names its target, the wrapper
+Each :class:`~tfdist.compat.patch.Patch` names its target, the wrapper
 that builds the replacement (in the feature's own module, imported only when
 the feature is installed), the feature, the upstream issue, the versions
 that need it and the test that shows stock Keras/TF still does. Patches of
@@ -15,7 +15,7 @@ others switch off with a warning, and using them raises ConfigError.
 
 from __future__ import annotations
 
-from tfdist.compat.patching import Patch
+from tfdist.compat.patch import Patch
 
 #: Feature -> what it is, and whether tfdist can run without it.
 FEATURES: dict[str, dict] = {
@@ -328,7 +328,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "saving.backup_save",
         f"{_BACKUP}._save_model",
-        "tfdist.training.saving:wrap_backup_save",
+        "tfdist.training.backup_writes:wrap_backup_save",
         "saving",
         _SAVING_WHY,
         params=("self",),
@@ -337,7 +337,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "saving.backup_begin",
         f"{_BACKUP}.on_train_begin",
-        "tfdist.training.saving:wrap_backup_begin",
+        "tfdist.training.backup_writes:wrap_backup_begin",
         "saving",
         _SAVING_WHY,
         params=("self", "logs"),
@@ -345,7 +345,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "saving.backup_end",
         f"{_BACKUP}.on_train_end",
-        "tfdist.training.saving:wrap_backup_end",
+        "tfdist.training.backup_writes:wrap_backup_end",
         "saving",
         _SAVING_WHY,
         params=("self", "logs"),
@@ -466,7 +466,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.fit",
         f"{_TFT}.fit",
-        "tfdist.training.ps_patches:wrap_fit",
+        "tfdist.training.parameter_server:wrap_fit",
         "parameter_server",
         _PS_WHY,
         params=("self",),
@@ -476,7 +476,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.evaluate",
         f"{_TFT}.evaluate",
-        "tfdist.training.ps_patches:wrap_evaluate",
+        "tfdist.training.parameter_server:wrap_evaluate",
         "parameter_server",
         _PS_WHY,
         params=("self",),
@@ -484,7 +484,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.predict",
         f"{_TFT}.predict",
-        "tfdist.training.ps_patches:wrap_predict",
+        "tfdist.training.parameter_server:wrap_predict",
         "parameter_server",
         _PS_WHY,
         params=("self",),

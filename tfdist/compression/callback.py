@@ -15,7 +15,7 @@ from tfdist.transport.traffic import Traffic
 
 def _mesh_runtime(strategy: Any) -> Any:
     """The tensor-parallel mesh runtime a strategy carries (set by
-    :func:`tfdist.parallel.mesh.attach`), or None."""
+    :func:`tfdist.parallel.attach.attach`), or None."""
     return record_of(strategy).mesh
 
 

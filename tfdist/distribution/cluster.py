@@ -28,6 +28,7 @@ from typing import Any
 
 from absl import logging
 
+from tfdist.distribution.kept import making, mark
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -121,7 +122,6 @@ def initialize(
     Raises:
         ConfigError: Bad arguments, or a second initialize() for another job.
     """
-    from tfdist.distribution import data_parallel
     from tfdist.spec.detect import choose
     from tfdist.strategies import strategy_from_config
 
@@ -153,9 +153,9 @@ def initialize(
             "cluster: this process trains alone"
         )
         return None
-    with data_parallel.making():
+    with making():
         strategy = strategy_from_config(config, strategy="multi_worker_mirrored", **options)
-    data_parallel.mark(strategy)
+    mark(strategy)
     _joined[:] = [strategy]
     _options.clear()
     _options.update(wanted)

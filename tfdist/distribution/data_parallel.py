@@ -17,16 +17,22 @@ job's MultiWorkerMirrored strategy (:mod:`~tfdist.distribution.cluster`).
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.distribution.kept import keep_options, kept, options_of, strategy_of
+from tfdist.distribution import layouts, model_parallel
+from tfdist.distribution.kept import (
+    is_mapped,
+    keep_options,
+    kept,
+    making,
+    mark,
+    options_of,
+    strategy_of,
+)
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -41,9 +47,6 @@ __all__ = [
     "use",
 ]
 
-#: Strategies made for a distribution: not the user's (the guard lets them be).
-_mapped: weakref.WeakSet[Any] = weakref.WeakSet()
-_local = threading.local()
 #: The strategy made current by :func:`use`, if it still is.
 _current: list[Any] = []
 
@@ -79,32 +82,9 @@ class DataParallel(keras.distribution.DataParallel):
 
 def honours(distribution: Any) -> bool:
     """Whether tfdist can train as ``distribution`` says on TensorFlow."""
-    from tfdist.distribution import model_parallel
-
     return isinstance(distribution, keras.distribution.DataParallel) or model_parallel.honours(
         distribution
     )
-
-
-def is_mapped(strategy: Any) -> bool:
-    """Whether ``strategy`` was made for a distribution, or one is being made
-    now (then any ``strategy``, None too, is)."""
-    return getattr(_local, "making", False) or strategy in _mapped
-
-
-@contextlib.contextmanager
-def making():
-    """While a strategy for a distribution is made (the guard lets it be)."""
-    _local.making = True
-    try:
-        yield
-    finally:
-        _local.making = False
-
-
-def mark(strategy: Any) -> None:
-    """Records ``strategy`` as made for a distribution, not by the user."""
-    _mapped.add(strategy)
 
 
 def _device(name: Any) -> str:
@@ -124,11 +104,11 @@ def strategy_for(distribution: Any) -> Any:
     strategy = strategy_of(distribution)
     if strategy is not None:
         return strategy
-    from tfdist.distribution import model_parallel
     from tfdist.strategies import strategy_from_config
 
     if model_parallel.honours(distribution):
         strategy = model_parallel.strategy_for(distribution, _local_devices)
+        layouts.install()
         mark(strategy)
         kept(distribution).strategy = strategy
         return strategy

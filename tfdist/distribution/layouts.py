@@ -38,21 +38,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist.distribution import model_parallel
 from tfdist.errors import ConfigError
 from tfdist.parallel import collectives, sharding
 
-__all__ = ["plan", "laid_out", "wrap_initialize", "mesh_axes", "install"]
+__all__ = ["plan", "laid_out", "wrap_initialize", "install"]
 
 _SOURCE = "keras.distribution"
-
-
-def mesh_axes(distribution: Any) -> tuple[str, str | None]:
-    """The (batch, model) axis names of a ModelParallel's 1-D or 2-D mesh."""
-    mesh = distribution.device_mesh
-    names = list(mesh.axis_names)
-    batch = distribution.batch_dim_name
-    others = [n for n in names if n != batch]
-    return batch, (others[0] if others else None)
 
 
 def _layout_axes(distribution: Any, variable: Any) -> tuple | None:
@@ -77,7 +69,7 @@ def plan(variable: Any, distribution: Any, strategy: Any) -> sharding.ShardSpec 
     shape = tuple(int(s) for s in variable.shape)
     mesh = distribution.device_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape))
-    batch, model = mesh_axes(distribution)
+    batch, model = model_parallel.mesh_axes(distribution)
     path = variable.path
 
     def refuse(expected: str) -> ConfigError:
@@ -125,17 +117,16 @@ def _check_compression(strategy: Any, path: str, shape: tuple, axes: tuple) -> N
     Raises:
         ConfigError: Any other compression, naming the weight.
     """
-    from tfdist.parallel import grads
 
     setting = getattr(strategy, "compression", None)
-    if setting is None or not setting.enabled or grads.cast_aggregator(strategy) is not None:
+    if setting is None or not setting.enabled or collectives.cast_aggregator(strategy) is not None:
         return
     if strategy.num_replicas_in_sync < 2:
         return
     raise ConfigError(
         "compression",
         str(setting),
-        f"one of {', '.join(grads.CAST_COMPRESSORS)} (without "
+        f"one of {', '.join(collectives.CAST_COMPRESSORS)} (without "
         f"error feedback) with a layout that splits a weight over the batch axis",
         source=_SOURCE,
         hint=f"The layout {axes} splits {path} (shape {shape}) over the batch axis, so its "
@@ -259,7 +250,7 @@ def laid_out(variable: Any, spec: sharding.ShardSpec, full: np.ndarray | None) -
 def wrap_initialize(original):
     @functools.wraps(original)
     def _initialize(self, value):
-        from tfdist.distribution import local_values, model_parallel
+        from tfdist.distribution import local_values
         from tfdist.parallel import saving
 
         found = model_parallel.current()
@@ -354,9 +345,8 @@ def _wrap_layer() -> None:
     if layer is None:
         return
     from tfdist.distribution import lora, regather
-    from tfdist.parallel import saving
 
-    saving.cover(type(layer))  # Its own save/load write and read full values.
+    sharding.cover(type(layer))  # Its own save/load write and read full values.
     regather.wrap(layer)
     lora.wrap(layer)
 
@@ -403,7 +393,6 @@ def wrap_load_model(original):
     @functools.wraps(original)
     def load_model(filepath, *args, **kwargs):
         from tfdist.compat.keras_src import distribution_lib
-        from tfdist.distribution import model_parallel
 
         if not model_parallel.honours(distribution_lib.distribution()):
             return original(filepath, *args, **kwargs)

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.distribution.kept import keep_options, options_of
+from tfdist.distribution.kept import keep_options, making, options_of, strategy_of
 from tfdist.errors import ConfigError
 from tfdist.record import record_of
 
@@ -68,6 +68,15 @@ def honours(distribution: Any) -> bool:
     return isinstance(distribution, keras.distribution.ModelParallel)
 
 
+def mesh_axes(distribution: Any) -> tuple[str, str | None]:
+    """The (batch, model) axis names of a ModelParallel's 1-D or 2-D mesh."""
+    mesh = distribution.device_mesh
+    names = list(mesh.axis_names)
+    batch = distribution.batch_dim_name
+    others = [n for n in names if n != batch]
+    return batch, (others[0] if others else None)
+
+
 def ordered_devices(distribution: Any) -> tuple[list[str], int]:
     """The mesh's devices batch-major, and T (the model axis's size).
 
@@ -75,8 +84,6 @@ def ordered_devices(distribution: Any) -> tuple[list[str], int]:
         ConfigError: The mesh has more than two axes, or its batch axis is
             not one of them.
     """
-    from tfdist.distribution.layouts import mesh_axes
-
     mesh = distribution.device_mesh
     names = list(mesh.axis_names)
     devices = np.asarray(mesh.devices)
@@ -106,24 +113,20 @@ def strategy_for(distribution: Any, check_devices: Any) -> Any:
         check_devices: Checks device names against this process's and
             returns TensorFlow's names (raises ConfigError).
     """
-    from tfdist.distribution import data_parallel, layouts
-    from tfdist.parallel import mesh as mesh_lib
+    from tfdist.parallel.attach import attach as attach_mesh
     from tfdist.strategies import strategy_from_config
 
     names, tp = ordered_devices(distribution)
     options = options_of(distribution)
     if any("/job:" in d or "/task:" in d for d in names):
-        strategy = _cluster_strategy_for(names, tp, options)
-        layouts.install()
-        return strategy
+        return _cluster_strategy_for(names, tp, options)
     devices = check_devices(names)
-    with data_parallel.making():
+    with making():
         strategy = strategy_from_config(
             strategy="mirrored", devices=devices, model_parallel=tp, **options
         )
         if tp == 1:
-            mesh_lib.attach(strategy, 1, always=True)
-    layouts.install()
+            attach_mesh(strategy, 1, always=True)
     return strategy
 
 
@@ -138,7 +141,7 @@ def _cluster_strategy_for(names: list[str], tp: int, options: dict) -> Any:
             ModelParallel attached a different model axis to the job.
     """
     from tfdist.distribution import cluster
-    from tfdist.parallel import mesh as mesh_lib
+    from tfdist.parallel.attach import attach as attach_mesh
 
     strategy = cluster.cluster_strategy()
     if strategy is None:
@@ -163,7 +166,7 @@ def _cluster_strategy_for(names: list[str], tp: int, options: dict) -> Any:
         )
     attached = record_of(strategy).mesh
     if attached is None:
-        mesh_lib.attach(strategy, tp, always=True)
+        attach_mesh(strategy, tp, always=True)
     elif attached.mesh.tp != tp:
         raise ConfigError(
             "device_mesh",
@@ -179,12 +182,11 @@ def current() -> tuple[Any, Any] | None:
     """The ModelParallel set now and its strategy, when that strategy is the
     current one; else None."""
     from tfdist.compat.keras_src import distribution_lib
-    from tfdist.distribution import data_parallel
 
     distribution = distribution_lib.distribution()
     if not honours(distribution):
         return None
-    strategy = data_parallel.strategy_of(distribution)
+    strategy = strategy_of(distribution)
     if (
         strategy is None
         or not tf.distribute.has_strategy()

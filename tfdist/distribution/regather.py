@@ -31,6 +31,7 @@ backward pass (the report says which).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from typing import Any
@@ -123,18 +124,7 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
     from tfdist.distribution import megatron
 
     the_plan = megatron.call_plan(layer, args, kwargs) if p.tp > 1 else None
-    unused = {id(v) for v in the_plan.unused} if the_plan is not None else set()
-    # What each weight is gathered over: a tensor-parallel kernel keeps its
-    # tensor block (gathered over the batch axis alone), the rest are whole;
-    # a weight this call does not read is not gathered (None).
-    gathers = [
-        None
-        if id(v) in unused
-        else tuple((d, k) for d, k in s.splits if k == sharding.DATA)
-        if the_plan is not None and v is the_plan.kernel
-        else s.splits
-        for v, s in zip(split, specs)
-    ]
+    gathers = _gathers(split, specs, the_plan)
 
     def gathered(own):
         return [
@@ -172,48 +162,86 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
         flat_out = tf.nest.flatten(out)
 
         def grad(*dys, variables=None):
-            variables = list(variables or [])
-            with tf.GradientTape() as tape:
-                # Likewise once the output's gradient exists.
-                with tf.control_dependencies([d for d in dys if d is not None]):
-                    fulls = gathered(own)
-                floats = [v for v in values if v.dtype.is_floating]
-                tape.watch(floats + [f for f in fulls if f is not None])
-                scope = (
-                    type(autocast)(autocast.dtype)
-                    if autocast is not None
-                    else contextlib.nullcontext()
-                )
-                with scope:
-                    again = tf.nest.flatten(run(values, fulls))
-            # A frozen weight (LoRA's base kernel) takes no gradient: none
-            # is computed, and none is summed over the replicas.
-            # Nor does one this call does not read (unused: not gathered).
-            learns = [t and f is not None for f, t in zip(fulls, trainable)]
-            learnt = [f for f, t in zip(fulls, learns) if t]
-            sources = floats + learnt + variables
-            grads = tape.gradient(
-                again,
-                sources,
-                output_gradients=list(dys),
-                unconnected_gradients=tf.UnconnectedGradients.NONE,
+            return _backward(
+                _Backward(values, own, gathered, run, autocast, trainable, gathers, specs, shapes),
+                p,
+                dys,
+                variables,
             )
-            by_float = dict(zip([id(v) for v in floats], grads[: len(floats)]))
-            inputs = [by_float.get(id(v)) for v in values]
-            of_learnt = iter(grads[len(floats) : len(floats) + len(learnt)])
-            weights = []
-            for t, gather, s, shape in zip(learns, gathers, specs, shapes):
-                g = next(of_learnt) if t else None
-                weights.append(
-                    None
-                    if g is None
-                    else collectives.block_gradient(
-                        g, gather, p, shape, summed_over_tensor=gather != s.splits
-                    )
-                )
-            return inputs + weights, grads[len(floats) + len(learnt) :]
 
         return flat_out, grad
 
     flat_out = regathered(*tensors, *blocks)
     return tf.nest.pack_sequence_as(structure[-1], flat_out)
+
+
+@dataclasses.dataclass
+class _Backward:
+    """What the gradient of one regathered call needs of its forward pass."""
+
+    values: list
+    own: list
+    gathered: Any
+    run: Any
+    autocast: Any
+    trainable: list
+    gathers: list
+    specs: list
+    shapes: list
+
+
+def _gathers(split: list, specs: list, the_plan: Any) -> list:
+    """What each weight is gathered over: a tensor-parallel kernel keeps its
+    tensor block (gathered over the batch axis alone), the rest are whole;
+    a weight this call does not read is not gathered (None)."""
+    unused = {id(v) for v in the_plan.unused} if the_plan is not None else set()
+    return [
+        None
+        if id(v) in unused
+        else tuple((d, k) for d, k in s.splits if k == sharding.DATA)
+        if the_plan is not None and v is the_plan.kernel
+        else s.splits
+        for v, s in zip(split, specs)
+    ]
+
+
+def _backward(call: _Backward, p: Any, dys: tuple, variables: Any) -> tuple:
+    """The gradients of a regathered call: the call runs again on the weights
+    gathered anew, and each weight's gradient goes back to its block."""
+    variables = list(variables or [])
+    values, autocast = call.values, call.autocast
+    with tf.GradientTape() as tape:
+        # Likewise once the output's gradient exists.
+        with tf.control_dependencies([d for d in dys if d is not None]):
+            fulls = call.gathered(call.own)
+        floats = [v for v in values if v.dtype.is_floating]
+        tape.watch(floats + [f for f in fulls if f is not None])
+        scope = type(autocast)(autocast.dtype) if autocast is not None else contextlib.nullcontext()
+        with scope:
+            again = tf.nest.flatten(call.run(values, fulls))
+    # A frozen weight (LoRA's base kernel) takes no gradient: none
+    # is computed, and none is summed over the replicas.
+    # Nor does one this call does not read (unused: not gathered).
+    learns = [t and f is not None for f, t in zip(fulls, call.trainable)]
+    learnt = [f for f, t in zip(fulls, learns) if t]
+    sources = floats + learnt + variables
+    grads = tape.gradient(
+        again,
+        sources,
+        output_gradients=list(dys),
+        unconnected_gradients=tf.UnconnectedGradients.NONE,
+    )
+    by_float = dict(zip([id(v) for v in floats], grads[: len(floats)]))
+    inputs = [by_float.get(id(v)) for v in values]
+    of_learnt = iter(grads[len(floats) : len(floats) + len(learnt)])
+    weights = []
+    for t, gather, s, shape in zip(learns, call.gathers, call.specs, call.shapes):
+        g = next(of_learnt) if t else None
+        weights.append(
+            None
+            if g is None
+            else collectives.block_gradient(
+                g, gather, p, shape, summed_over_tensor=gather != s.splits
+            )
+        )
+    return inputs + weights, grads[len(floats) + len(learnt) :]

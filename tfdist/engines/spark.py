@@ -345,33 +345,10 @@ def run(
     )
     backup_dir = _check_backup_dir(backup_dir)
     env = _check_env(env)
-    if host is not None and (not isinstance(host, str) or not host.strip()):
-        raise ConfigError("host", host, "None or a host name or IP address", source=SOURCE)
-    if error_feedback is not None and not isinstance(error_feedback, bool):
-        raise ConfigError("error_feedback", error_feedback, "None, True or False", source=SOURCE)
-    pass_context, train_kwargs, options = _plan_call(train_fn, kwargs)
-    # Fail here, not in every task: the options and compression, checked
-    # without TensorFlow (the tasks read their own environment).
-    from tfdist.compression import parse_compression
-    from tfdist.spec.options import make_options
-
-    parse_compression(compression)
-    make_options(env={}, **options)
-
-    sc, created_local = context_of(spark)
-    if created_local and host is None:
-        host = "127.0.0.1"  # Every task runs on this machine.
-    check_worker_reuse(sc)
-    slots = wait_for_task_slots(sc, num_workers, wait_for_slots)
-    if slots is not None and slots < num_workers:
-        raise ConfigError(
-            "num_workers",
-            num_workers,
-            f"at most {slots}, the task slots this Spark cluster has",
-            source=SOURCE,
-            hint="Barrier tasks run all at once, one slot "
-            "each: add executors or cores, or lower num_workers.",
-        )
+    pass_context, train_kwargs, options = _check_call(
+        train_fn, host, compression, error_feedback, kwargs
+    )
+    sc, host = _cluster(spark, host, num_workers, wait_for_slots)
     if max_retries and backup_dir is None:
         from absl import logging
 
@@ -408,23 +385,74 @@ def run(
             failures.append(error)
             if attempt + 1 == attempts:
                 raise
-            from absl import logging
-
-            if error.preempted is not None:
-                logging.warning(
-                    "tfdist.spark.run: attempt %d of %d was preempted and saved at "
-                    "step %s; submitting the job again (it resumes at that step "
-                    "from backup_dir).",
-                    attempt + 1,
-                    attempts,
-                    error.preempted.get("step"),
-                )
-                continue
-            logging.warning(
-                "tfdist.spark.run: attempt %d of %d failed; submitting the job again%s.\n%s",
-                attempt + 1,
-                attempts,
-                " (train_fn resumes from backup_dir)" if backup_dir else "",
-                error,
-            )
+            _log_retry(error, attempt, attempts, backup_dir)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _check_call(
+    train_fn: Any,
+    host: Any,
+    compression: Any,
+    error_feedback: Any,
+    kwargs: dict,
+) -> tuple[bool, dict, dict]:
+    """Checks ``run``'s arguments here, not in every task (the options and the
+    compression without TensorFlow: the tasks read their own environment).
+
+    Returns:
+        Whether ``train_fn`` takes the context, its keyword arguments, and the
+        options of ``strategy_from_config`` among ``kwargs``.
+    """
+    if host is not None and (not isinstance(host, str) or not host.strip()):
+        raise ConfigError("host", host, "None or a host name or IP address", source=SOURCE)
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise ConfigError("error_feedback", error_feedback, "None, True or False", source=SOURCE)
+    pass_context, train_kwargs, options = _plan_call(train_fn, kwargs)
+    from tfdist.compression import parse_compression
+    from tfdist.spec.options import make_options
+
+    parse_compression(compression)
+    make_options(env={}, **options)
+    return pass_context, train_kwargs, options
+
+
+def _cluster(spark: Any, host: str | None, num_workers: int, wait_for_slots: float):
+    """The SparkContext, and the host the tasks advertise, once the cluster
+    has a task slot for every worker."""
+    sc, created_local = context_of(spark)
+    if created_local and host is None:
+        host = "127.0.0.1"  # Every task runs on this machine.
+    check_worker_reuse(sc)
+    slots = wait_for_task_slots(sc, num_workers, wait_for_slots)
+    if slots is not None and slots < num_workers:
+        raise ConfigError(
+            "num_workers",
+            num_workers,
+            f"at most {slots}, the task slots this Spark cluster has",
+            source=SOURCE,
+            hint="Barrier tasks run all at once, one slot "
+            "each: add executors or cores, or lower num_workers.",
+        )
+    return sc, host
+
+
+def _log_retry(error: Any, attempt: int, attempts: int, backup_dir: Any) -> None:
+    from absl import logging
+
+    if error.preempted is not None:
+        logging.warning(
+            "tfdist.spark.run: attempt %d of %d was preempted and saved at "
+            "step %s; submitting the job again (it resumes at that step "
+            "from backup_dir).",
+            attempt + 1,
+            attempts,
+            error.preempted.get("step"),
+        )
+        return
+    logging.warning(
+        "tfdist.spark.run: attempt %d of %d failed; submitting the job again%s.\n%s",
+        attempt + 1,
+        attempts,
+        " (train_fn resumes from backup_dir)" if backup_dir else "",
+        error,
+    )

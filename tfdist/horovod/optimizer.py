@@ -208,7 +208,7 @@ class _DistributedMixin:
     def build(self, variables):
         super().build(variables)
         settings = _settings(self)
-        from tfdist.horovod.compression import resolved
+        from tfdist.horovod.auto import resolved
 
         settings.aggregator = resolved(settings.aggregator, list(variables))
         if any(
@@ -399,6 +399,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """
     from tfdist.horovod.compression import aggregator_for
 
+    install()  # The fixes a DistributedOptimizer needs, before any is used.
     _check_optimizer(optimizer)
     source = "hvd.DistributedOptimizer"
     resolved = check_reduction(op, process_set, gradient_predivide_factor, source)
@@ -447,6 +448,7 @@ def load_model(
 ):
     """``keras.models.load_model`` whose optimizer comes back distributed
     (``hvd.load_model``): its state is restored, then it all-reduces."""
+    install()
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects[cls.__name__] = cls

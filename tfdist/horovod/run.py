@@ -239,35 +239,8 @@ def run(
         "max_np": max_np,
     }
     count = _check_options(np, num_proc, use_gloo, use_mpi, elastic, kwargs)
-    ranks = horovodrun.rank_hosts(
-        count,
-        horovodrun.read_hosts(hosts, hostfile, source=_SOURCE),
-        source=_SOURCE,
-        field="np" if num_proc is None else "num_proc",
-    )
-    if not horovodrun.is_local(ranks):
-        others = sorted({h for h in ranks if h.lower() not in horovodrun.LOCAL_HOSTS})
-        raise ConfigError(
-            "hosts" if hostfile is None else "hostfile",
-            hosts if hostfile is None else hostfile,
-            "only this machine's hosts (localhost, 127.0.0.1): run() launches locally",
-            source=_SOURCE,
-            received=f"ranks on {', '.join(others)}",
-            hint="For several hosts put the training in a script and run `tfdist horovodrun "
-            "-np N -H host1:slots,host2:slots python script.py`: it prints each host's "
-            "TF_CONFIG and command.",
-        )
-    if start_timeout is not None and (
-        isinstance(start_timeout, bool)
-        or not isinstance(start_timeout, (int, float))
-        or start_timeout <= 0
-    ):
-        raise ConfigError(
-            "start_timeout", start_timeout, "None or a number of seconds > 0", source=_SOURCE
-        )
-    task_env = dict(env or {})
-    if start_timeout is not None:
-        task_env["TFDIST_REGISTER_TIMEOUT"] = str(start_timeout)
+    _check_local(count, hosts, hostfile, "np" if num_proc is None else "num_proc")
+    task_env = _task_env(env, start_timeout)
     with tempfile.TemporaryDirectory(prefix="tfdist-hvd-run-") as directory:
         _write_call(Path(directory), func, tuple(args), dict(kwargs or {}))
         result = launch_lib.launch(
@@ -282,19 +255,58 @@ def run(
             verbose=bool(verbose),
             stop_timeout=_STOP_TIMEOUT,
         )
-        # Attempts are numbered from 0; every failure (a restart or a port
-        # relaunch) started the next one.
-        if result.ok:
-            return _read_results(Path(directory) / f"attempt-{len(result.attempts)}", count)
-        if result.failure is None:  # Stopped by a signal.
-            if result.exit_code == 130:
-                raise KeyboardInterrupt
-            raise TfdistError(
-                f"{_SOURCE}: stopped (exit code {result.exit_code}); every rank was stopped"
-            )
-        raise _rank_error(
-            Path(directory) / f"attempt-{len(result.attempts) - 1}", result.failure, count
+        return _results(result, Path(directory), count)
+
+
+def _check_local(count: int, hosts: Any, hostfile: Any, field: str) -> None:
+    """Refuses ranks on another machine: run() starts local processes only."""
+    ranks = horovodrun.rank_hosts(
+        count, horovodrun.read_hosts(hosts, hostfile, source=_SOURCE), source=_SOURCE, field=field
+    )
+    if not horovodrun.is_local(ranks):
+        others = sorted({h for h in ranks if h.lower() not in horovodrun.LOCAL_HOSTS})
+        raise ConfigError(
+            "hosts" if hostfile is None else "hostfile",
+            hosts if hostfile is None else hostfile,
+            "only this machine's hosts (localhost, 127.0.0.1): run() launches locally",
+            source=_SOURCE,
+            received=f"ranks on {', '.join(others)}",
+            hint="For several hosts put the training in a script and run `tfdist horovodrun "
+            "-np N -H host1:slots,host2:slots python script.py`: it prints each host's "
+            "TF_CONFIG and command.",
         )
+
+
+def _task_env(env: Mapping[str, str] | None, start_timeout: Any) -> dict[str, str]:
+    """The ranks' extra environment, with ``start_timeout`` as their
+    registration timeout."""
+    if start_timeout is not None and (
+        isinstance(start_timeout, bool)
+        or not isinstance(start_timeout, (int, float))
+        or start_timeout <= 0
+    ):
+        raise ConfigError(
+            "start_timeout", start_timeout, "None or a number of seconds > 0", source=_SOURCE
+        )
+    task_env = dict(env or {})
+    if start_timeout is not None:
+        task_env["TFDIST_REGISTER_TIMEOUT"] = str(start_timeout)
+    return task_env
+
+
+def _results(result: Any, directory: Path, count: int) -> list[Any]:
+    """The ranks' return values, or the error of the run that failed."""
+    # Attempts are numbered from 0; every failure (a restart or a port
+    # relaunch) started the next one.
+    if result.ok:
+        return _read_results(directory / f"attempt-{len(result.attempts)}", count)
+    if result.failure is None:  # Stopped by a signal.
+        if result.exit_code == 130:
+            raise KeyboardInterrupt
+        raise TfdistError(
+            f"{_SOURCE}: stopped (exit code {result.exit_code}); every rank was stopped"
+        )
+    raise _rank_error(directory / f"attempt-{len(result.attempts) - 1}", result.failure, count)
 
 
 def _write_call(directory: Path, func: Any, args: tuple, kwargs: dict) -> None:

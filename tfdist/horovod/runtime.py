@@ -152,10 +152,6 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if topo.size > 1:
         _configure(topo)
     _state = state
-    from tfdist.horovod import compat, optimizer
-
-    compat.install()
-    optimizer.install()
     log.info("tfdist.horovod: %s", ranks_lib.describe(topo))
 
 

@@ -78,7 +78,7 @@ def _state_for(aggregator, sources: list) -> tuple[dict, tf.Variable]:
     import keras
 
     from tfdist.compat.keras_src import standardize_dtype
-    from tfdist.horovod.compression import resolved
+    from tfdist.horovod.auto import resolved
 
     store = tape_state(aggregator)
     store["aggregator"] = resolved(aggregator, sources)

@@ -12,12 +12,13 @@ the engines or the CLI. A strategy reaches it through :mod:`tfdist.plugins`
 (:mod:`~tfdist.parallel.plugin`).
 """
 
+from tfdist.parallel.attach import attach
 from tfdist.parallel.attention import ParallelMultiHeadAttention
 from tfdist.parallel.block import TransformerBlock
 from tfdist.parallel.collectives import reset_traffic, traffic
 from tfdist.parallel.dense import ColumnParallelDense, RowParallelDense
 from tfdist.parallel.embedding import VocabParallelEmbedding
-from tfdist.parallel.mesh import Mesh, attach, mesh_of
+from tfdist.parallel.mesh import Mesh, mesh_of
 from tfdist.parallel.sharding import assign_full, full_value, spec_of
 
 __all__ = [

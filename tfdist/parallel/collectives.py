@@ -32,8 +32,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfdist.compression import keras_hook
+from tfdist.compression.aggregate import Item
 from tfdist.parallel.mesh import Mesh
+from tfdist.parallel.spec import spec_of
 from tfdist.record import record_of
+from tfdist.transport.comm import ReplicaComm
+from tfdist.transport.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
 
 __all__ = [
     "Placement",
@@ -47,6 +52,9 @@ __all__ = [
     "gather_blocks",
     "block_gradient",
     "dp_all_reduce",
+    "GroupComm",
+    "cast_aggregator",
+    "compressed_group_sum",
     "traffic",
     "reset_traffic",
 ]
@@ -171,13 +179,9 @@ class Runtime:
         gradients all-reduced over ``replicas``. For
         :class:`~tfdist.compression.CommunicationStats`, which reaches the mesh
         through this runtime (compression does not import tfdist.parallel)."""
-        # Here, not at the top: sharding imports this module.
-        from tfdist.parallel import sharding
-        from tfdist.transport.traffic import all_reduce_bytes, nbytes
-
         full = 0.0
         for v in model.trainable_variables:
-            spec = sharding.spec_of(v)
+            spec = spec_of(v)
             full += nbytes(spec.full_shape if spec else v.shape, v.dtype)
         return all_reduce_bytes(full, replicas)
 
@@ -370,7 +374,7 @@ def gather_blocks(
 ) -> tf.Tensor:
     """The full weight from this replica's block: all-gathered along each
     split dimension over its group (``(dimension, "tensor" | "data")``
-    pairs, as :class:`tfdist.parallel.sharding.ShardSpec` has them).
+    pairs, as :class:`tfdist.parallel.spec.ShardSpec` has them).
 
     The gradient is :func:`block_gradient`'s. Identity without a mesh.
     """
@@ -434,11 +438,9 @@ def block_gradient(
         launcher, n, index, counter = _group(p, kind)
         aggregator = None
         if kind == "data":  # The data-axis sum takes the strategy's cast compression.
-            from tfdist.parallel import grads
-
-            aggregator = grads.cast_aggregator(tf.distribute.get_strategy())
+            aggregator = cast_aggregator(tf.distribute.get_strategy())
         if aggregator is not None:
-            summed = grads.compressed_group_sum(dy, p, aggregator)
+            summed = compressed_group_sum(dy, p, aggregator)
         else:
             wire = _wire(dy)
             _count(p, counter, wire, False, n)
@@ -504,6 +506,69 @@ def _with_sentinel(dy: tf.IndexedSlices) -> tf.IndexedSlices:
         tf.concat([dy.indices, tf.constant([-1], dy.indices.dtype)], 0),
         dy.dense_shape,
     )
+
+
+# --- An aggregator's collectives over the data-parallel group ---------------
+
+
+class GroupComm(ReplicaComm):
+    """An aggregator's collectives over this replica's data-parallel group."""
+
+    def __init__(self, placement: Placement) -> None:
+        super().__init__(placement.mesh.dp)
+
+    # The placement is looked up per call, as ReplicaComm looks up its
+    # context: under MirroredStrategy on CPU, cond() runs both branches for
+    # every replica from one replica's closure.
+    def reduce_sum(self, tensors):
+        p = current()
+        launcher = p.runtime.dp[p.replica]
+        # IndexedSlices (a vocabulary shard's) are gathered, as the replica
+        # context's all_reduce does.
+        return [
+            launcher.all_reduce_indexed_slices(t)
+            if isinstance(t, tf.IndexedSlices)
+            else launcher.all_reduce(tf.convert_to_tensor(t))
+            for t in tensors
+        ]
+
+    def gather_rows(self, rows):
+        p = current()
+        return p.runtime.dp[p.replica]._all_gather(rows, None)  # noqa: SLF001 - TF's collective launcher has no public all-gather
+
+    def sent(self) -> float:
+        """Bytes this replica sent in the collectives recorded so far."""
+        reduced = sum(nbytes(s, d) for s, d in self.reduced)
+        gathered = sum(wire_nbytes(s, d) for s, d in self.gathered)
+        return all_reduce_bytes(reduced, self.num_replicas) + all_gather_bytes(
+            gathered, self.num_replicas
+        )
+
+
+#: Compressors a reduce-scatter can use: elementwise casts, no state.
+CAST_COMPRESSORS = ("fp16", "bf16")
+
+
+def cast_aggregator(strategy: Any) -> Any:
+    """The strategy's aggregator when it is a cast without error feedback
+    (what a weight split over the data-parallel group can use), else None."""
+    aggregator = keras_hook.strategy_aggregator(strategy)
+    if (
+        aggregator is None
+        or getattr(aggregator, "memory", True) is not None
+        or getattr(aggregator, "name", None) not in CAST_COMPRESSORS
+    ):
+        return None
+    return aggregator
+
+
+def compressed_group_sum(dy: tf.Tensor, p: Placement, aggregator: Any) -> tf.Tensor:
+    """``dy`` summed over this replica's data-parallel group through a cast
+    aggregator (its bytes counted as data-parallel traffic)."""
+    comm = GroupComm(p)
+    [summed] = aggregator.aggregate([Item(dy, 0, {})], tf.constant(0, tf.int64), comm)
+    p.runtime.sent["data_parallel"].assign_add(tf.constant(comm.sent(), tf.float64))
+    return summed
 
 
 def dp_all_reduce(x: tf.Tensor, p: Placement | None = None) -> tf.Tensor:

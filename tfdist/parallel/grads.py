@@ -29,68 +29,7 @@ import tensorflow as tf
 from tfdist.compression import keras_hook
 from tfdist.compression.aggregate import Item
 from tfdist.parallel import collectives, sharding
-from tfdist.transport.comm import ReplicaComm
-from tfdist.transport.traffic import all_gather_bytes, all_reduce_bytes, nbytes, wire_nbytes
-
-
-class GroupComm(ReplicaComm):
-    """An aggregator's collectives over this replica's data-parallel group."""
-
-    def __init__(self, placement: collectives.Placement) -> None:
-        super().__init__(placement.mesh.dp)
-
-    # The placement is looked up per call, as ReplicaComm looks up its
-    # context: under MirroredStrategy on CPU, cond() runs both branches for
-    # every replica from one replica's closure.
-    def reduce_sum(self, tensors):
-        p = collectives.current()
-        launcher = p.runtime.dp[p.replica]
-        # IndexedSlices (a vocabulary shard's) are gathered, as the replica
-        # context's all_reduce does.
-        return [
-            launcher.all_reduce_indexed_slices(t)
-            if isinstance(t, tf.IndexedSlices)
-            else launcher.all_reduce(tf.convert_to_tensor(t))
-            for t in tensors
-        ]
-
-    def gather_rows(self, rows):
-        p = collectives.current()
-        return p.runtime.dp[p.replica]._all_gather(rows, None)  # noqa: SLF001 - TF's collective launcher has no public all-gather
-
-    def sent(self) -> float:
-        """Bytes this replica sent in the collectives recorded so far."""
-        reduced = sum(nbytes(s, d) for s, d in self.reduced)
-        gathered = sum(wire_nbytes(s, d) for s, d in self.gathered)
-        return all_reduce_bytes(reduced, self.num_replicas) + all_gather_bytes(
-            gathered, self.num_replicas
-        )
-
-
-#: Compressors a reduce-scatter can use: elementwise casts, no state.
-CAST_COMPRESSORS = ("fp16", "bf16")
-
-
-def cast_aggregator(strategy: Any) -> Any:
-    """The strategy's aggregator when it is a cast without error feedback
-    (what a weight split over the data-parallel group can use), else None."""
-    aggregator = keras_hook.strategy_aggregator(strategy)
-    if (
-        aggregator is None
-        or getattr(aggregator, "memory", True) is not None
-        or getattr(aggregator, "name", None) not in CAST_COMPRESSORS
-    ):
-        return None
-    return aggregator
-
-
-def compressed_group_sum(dy: tf.Tensor, p: collectives.Placement, aggregator: Any) -> tf.Tensor:
-    """``dy`` summed over this replica's data-parallel group through a cast
-    aggregator (its bytes counted as data-parallel traffic)."""
-    comm = GroupComm(p)
-    [summed] = aggregator.aggregate([Item(dy, 0, {})], tf.constant(0, tf.int64), comm)
-    p.runtime.sent["data_parallel"].assign_add(tf.constant(comm.sent(), tf.float64))
-    return summed
+from tfdist.transport.traffic import all_reduce_bytes, nbytes
 
 
 def _dense(g: Any, v: Any) -> tf.Tensor:
@@ -123,7 +62,7 @@ def _reduce_sharded(optimizer, pairs, p: collectives.Placement) -> list:
     keys = [optimizer._get_variable_index(v) for _, _, v in present]  # noqa: SLF001 - Keras keys optimizer state by this index; no public lookup
     items = [Item(g, key, state.get(key, {})) for (_, g, _), key in zip(present, keys)]
     step = tf.convert_to_tensor(getattr(optimizer.iterations, "value", optimizer.iterations))
-    comm = GroupComm(p)
+    comm = collectives.GroupComm(p)
     reduced = aggregator.aggregate(items, step, comm)
     p.runtime.sent["data_parallel"].assign_add(tf.constant(comm.sent(), tf.float64))
     for (i, _, _), g in zip(present, reduced):

@@ -8,10 +8,8 @@ sits on one host's devices whenever T divides a host's replica count, and the
 activations' collectives stay off the network; only the data-parallel
 gradient sums cross it.
 
-:func:`attach` also builds the collectives of each local replica (one
-TensorFlow ``CollectiveReplicaLauncher`` per group and device, see
-:mod:`tfdist.parallel.collectives`), before any ``tf.function`` traces them.
-This module imports no TensorFlow at import time.
+:func:`tfdist.parallel.attach.attach` puts a mesh on a strategy. This module
+imports no TensorFlow.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from typing import Any
 from tfdist.errors import ConfigError
 from tfdist.record import record_of
 
-__all__ = ["Mesh", "attach", "mesh_of", "describe_line"]
+__all__ = ["Mesh", "mesh_of", "describe_line"]
 
 _SOURCE = "strategy_from_config"
 
@@ -80,54 +78,3 @@ def describe_line(strategy: Any) -> str | None:
     """The ``describe()`` line of a strategy's mesh, or None."""
     mesh = mesh_of(strategy)
     return f"  mesh: {mesh.describe()}" if mesh is not None else None
-
-
-def _model_parallel(value: Any) -> int:
-    if isinstance(value, bool) or value is None:
-        raise ConfigError("model_parallel", value, "an integer >= 1", source=_SOURCE)
-    try:
-        number = int(str(value).strip()) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
-        raise ConfigError("model_parallel", value, "an integer >= 1", source=_SOURCE) from None
-    if (number != value and not isinstance(value, str)) or number < 1:
-        raise ConfigError("model_parallel", value, "an integer >= 1", source=_SOURCE)
-    return number
-
-
-def attach(strategy: Any, model_parallel: Any, always: bool = False) -> Mesh | None:
-    """Arranges ``strategy``'s replicas as a (data, tensor) mesh.
-
-    Args:
-        strategy: A tfdist Mirrored or MultiWorkerMirrored strategy, just
-            built (outside its scope).
-        model_parallel: T, the tensor-parallel group size.
-        always: Attach a mesh for T = 1 too (a keras.distribution layout may
-            split weights over the data-parallel group alone).
-
-    Returns:
-        The mesh, or None for T = 1 without ``always`` (nothing is attached).
-
-    Raises:
-        ConfigError: T is not a positive integer dividing the replicas, or
-            the strategy is not Mirrored or MultiWorkerMirrored.
-    """
-    tp = _model_parallel(model_parallel)
-    kind = getattr(strategy, "kind", type(strategy).__name__)
-    if tp == 1 and not always:
-        record_of(strategy).mesh = None
-        return None
-    if kind not in ("mirrored", "multi_worker_mirrored"):
-        raise ConfigError(
-            "model_parallel",
-            tp if tp > 1 else "a layout",
-            f"1 under the {kind} strategy",
-            source=_SOURCE,
-            hint="Tensor parallelism runs under 'mirrored' and 'multi_worker_mirrored'.",
-        )
-    mesh = Mesh(strategy.num_replicas_in_sync, tp)
-    from tfdist.parallel import collectives, grads, saving
-
-    grads.install()
-    saving.install()
-    record_of(strategy).mesh = collectives.Runtime(strategy, mesh)
-    return mesh

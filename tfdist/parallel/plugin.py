@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from tfdist.parallel import mesh as mesh_lib
+from tfdist.parallel.attach import attach as attach_mesh
 
 
 def attach(strategy: Any, model_parallel: Any) -> None:
-    mesh_lib.attach(strategy, model_parallel)
+    attach_mesh(strategy, model_parallel)
 
 
 def describe(strategy: Any) -> str | None:

@@ -5,7 +5,7 @@ whose components hold different shards. Keras and TensorFlow read a
 MirroredVariable from its first component, so without this module
 ``get_weights()``, ``model.save`` and ``tf.train.Checkpoint`` keep shard 0
 alone, silently. :func:`install` (called by
-:func:`tfdist.parallel.mesh.attach` for T > 1) makes each of them use full
+:func:`tfdist.parallel.attach.attach` for T > 1) makes each of them use full
 values:
 
 * ``Layer.get_weights()`` / ``set_weights()`` (``Model``'s too) give and take
@@ -17,7 +17,8 @@ values:
   come one at a time); while it loads them (``load_own_variables``), a full value assigned to a
   sharded variable goes to each component as that replica's shard
   (``assign_full``). A layer class is covered when it first creates a
-  sharded weight (:func:`cover`, from ``add_sharded_weight``).
+  sharded weight (:func:`tfdist.parallel.sharding.cover`, from
+  ``add_sharded_weight``).
 * The legacy HDF5 format (``model.save("m.h5")``, ``load_model``,
   ``load_weights``) writes full values of weights and optimizer variables
   and checks loaded ones against the full shape; so does
@@ -58,7 +59,6 @@ from tfdist.parallel import sharding
 
 __all__ = [
     "install",
-    "cover",
     "creating_slot",
     "full_weights",
     "wrap_get_weights",
@@ -329,33 +329,6 @@ def wrap_load(original):
             return original(self, _BlockStore(store))
 
     return load_own_variables
-
-
-def cover(cls: type) -> None:
-    """Makes ``cls.save_own_variables`` / ``load_own_variables`` write and read
-    full values of its sharded variables; idempotent (also for subclasses of
-    a covered class).
-
-    ``Layer`` and ``BaseOptimizer`` are covered by :func:`install`; a
-    subclass that defines its own method (Keras's ``Dense`` does) gets the
-    registry's dynamic ``tensor_parallel.save_subclass`` / ``load_subclass``
-    on the class that defines it.
-    """
-    from tfdist import compat
-
-    for method, patch in (
-        ("save_own_variables", "tensor_parallel.save_subclass"),
-        ("load_own_variables", "tensor_parallel.load_subclass"),
-    ):
-        definer = next((klass for klass in cls.__mro__ if method in vars(klass)), None)
-        if definer is None or definer.__module__.startswith("tfdist."):
-            continue
-        if getattr(definer, "__name__", "") in (
-            "Layer",
-            "BaseOptimizer",
-        ) and definer.__module__.startswith("keras."):
-            continue  # The static patches of install().
-        compat.apply_to(patch, definer, method)
 
 
 # --- legacy HDF5 (model.save("m.h5")) ------------------------------------------

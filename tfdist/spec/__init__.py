@@ -36,8 +36,7 @@ from tfdist.spec.names import (
     TASK_TYPES,
 )
 from tfdist.spec.parse import is_cluster_resolver, parse
-from tfdist.spec.tf_config import TFConfig
-from tfdist.spec.validate import validate
+from tfdist.spec.tf_config import TFConfig, validate
 
 __all__ = [
     "TASK_TYPES",

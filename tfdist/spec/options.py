@@ -291,7 +291,7 @@ def check_model_parallel(kind: str, model_parallel: int, *, role: str = "trainer
 
     Called before a strategy is built, as for compression. Whether T divides
     the replicas of a Mirrored or MultiWorkerMirrored strategy is checked by
-    :func:`tfdist.parallel.mesh.attach` once the replicas are known.
+    :func:`tfdist.parallel.attach.attach` once the replicas are known.
 
     Args:
         kind: The canonical strategy name that will be built.

@@ -2,7 +2,7 @@
 file, a name in ``cluster_specs/``, standard input or a ClusterResolver.
 
 :func:`parse` reads the source, rejects duplicated JSON keys with the line, and
-hands the data to :func:`~tfdist.spec.validate.validate`. No TensorFlow: a
+hands the data to :func:`~tfdist.spec.tf_config.from_data`. No TensorFlow: a
 ClusterResolver is recognised by its class names.
 """
 
@@ -17,8 +17,7 @@ from typing import Any
 
 from tfdist.errors import ClusterSpecError
 from tfdist.spec.names import DEFAULT_SPEC_DIR, RESOLVER_SOURCE, SPEC_DIR_ENV
-from tfdist.spec.tf_config import TFConfig
-from tfdist.spec.validate import Validator, validate
+from tfdist.spec.tf_config import TFConfig, from_data, validate
 
 # Reading sources.
 # --------------------------------------------------------------------------
@@ -193,28 +192,26 @@ def parse(
         # A parameter-server resolver is read by the coordinator, which need
         # not be one of the cluster's tasks.
         ps_job = "ps" in data.get("cluster", {})
-        return Validator(RESOLVER_SOURCE).run(
-            data, require_task=require_task and not ps_job, strategy=strategy
+        return from_data(
+            data, RESOLVER_SOURCE, require_task=require_task and not ps_job, strategy=strategy
         )
     if source is None:
         text = environ.get("TF_CONFIG")
         data = {} if text is None or not str(text).strip() else _loads(str(text), "TF_CONFIG")
-        return Validator("TF_CONFIG").run(data, require_task=require_task, strategy=strategy)
+        return from_data(data, "TF_CONFIG", require_task=require_task, strategy=strategy)
     if isinstance(source, TFConfig):
         return validate(source, require_task=require_task, strategy=strategy)
     if isinstance(source, Mapping):
-        return Validator("<dict>").run(source, require_task=require_task, strategy=strategy)
+        return from_data(source, "<dict>", require_task=require_task, strategy=strategy)
     if isinstance(source, str):
         stripped = source.strip()
         if not stripped or stripped[0] in "{[" or stripped == "null":
             data = _loads(source, "<string>") if stripped else {}
-            return Validator("<string>").run(data, require_task=require_task, strategy=strategy)
+            return from_data(data, "<string>", require_task=require_task, strategy=strategy)
     if isinstance(source, (str, os.PathLike)):
         path = _find_spec(source, environ)
         data = _loads(_read_spec(path), _display_path(path))
-        return Validator(_display_path(path)).run(
-            data, require_task=require_task, strategy=strategy
-        )
+        return from_data(data, _display_path(path), require_task=require_task, strategy=strategy)
     raise ClusterSpecError(
         "<root>",
         source,

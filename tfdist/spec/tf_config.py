@@ -8,7 +8,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from tfdist.errors import ClusterSpecError
 from tfdist.spec.names import CLUSTER_JOBS
+from tfdist.spec.validate import Validator
 
 # --------------------------------------------------------------------------
 # The parsed configuration.
@@ -162,11 +164,68 @@ class TFConfig:
         Raises:
             ClusterSpecError: The task is not in the cluster.
         """
-        # Here, not at the top: validate.py builds TFConfigs.
-        from tfdist.spec.validate import validate
-
         config = dataclasses.replace(self, task_type=task_type, task_index=task_index)
         return validate(config, require_task=task_type is not None)
 
 
 # --------------------------------------------------------------------------
+
+
+def from_data(
+    data: Any, source: str, *, require_task: bool, strategy: str | None = None
+) -> TFConfig:
+    """The TFConfig of raw TF_CONFIG data (parsed JSON), once it keeps every
+    rule (:class:`~tfdist.spec.validate.Validator`).
+
+    Raises:
+        ClusterSpecError: The data breaks a rule; ``source`` says where it came from.
+    """
+    return TFConfig(**Validator(source).check(data, require_task=require_task, strategy=strategy))
+
+
+def validate(
+    config: TFConfig, *, require_task: bool = True, strategy: str | None = None
+) -> TFConfig:
+    """Checks a :class:`TFConfig` (e.g. one built by hand).
+
+    Args:
+        config: The config to check.
+        require_task: Whether a cluster of more than one task needs a task
+            (True for a process's TF_CONFIG, False for a spec file).
+        strategy: None (or ``'auto'``) to infer from the cluster, or one of
+            :data:`STRATEGIES` to add that strategy's rules.
+
+    Returns:
+        A normalized copy (jobs ordered chief, worker, ps; tuples).
+
+    Raises:
+        ClusterSpecError: The config breaks a rule (see :func:`parse`).
+    """
+    if not isinstance(config, TFConfig):
+        raise ClusterSpecError(
+            "<root>",
+            config,
+            "a TFConfig",
+            source="validate()",
+            hint="Use tfdist.spec.parse() for dicts, JSON strings and files.",
+        )
+    data: dict[str, Any] = {}
+    cluster = config.cluster
+    if isinstance(cluster, Mapping):
+        cluster = {
+            job: list(addresses) if isinstance(addresses, (list, tuple)) else addresses
+            for job, addresses in cluster.items()
+        }
+    data["cluster"] = cluster
+    if config.task_type is not None or config.task_index is not None:
+        task: dict[str, Any] = {}
+        if config.task_type is not None:
+            task["type"] = config.task_type
+        if config.task_index is not None:
+            task["index"] = config.task_index
+        data["task"] = task
+    if config.rpc_layer is not None:
+        data["rpc_layer"] = config.rpc_layer
+    if config.environment is not None:
+        data["environment"] = config.environment
+    return from_data(data, config.source, require_task=require_task, strategy=strategy)

@@ -30,7 +30,6 @@ from tfdist.spec.names import (
     quoted,
     short,
 )
-from tfdist.spec.tf_config import TFConfig
 
 # --------------------------------------------------------------------------
 
@@ -60,7 +59,8 @@ def _normalize_strategy(strategy: Any, source: str) -> str | None:
 
 
 class Validator:
-    """Checks raw TF_CONFIG data (parsed JSON) and builds a TFConfig."""
+    """Checks raw TF_CONFIG data (parsed JSON); :mod:`tfdist.spec.tf_config`
+    builds the TFConfig from what it returns."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -78,7 +78,9 @@ class Validator:
             field, value, expected, source=self.source, hint=hint, received=received
         )
 
-    def run(self, data: Any, *, require_task: bool, strategy: Any) -> TFConfig:
+    def check(self, data: Any, *, require_task: bool, strategy: Any) -> dict[str, Any]:
+        """The normalized fields of a :class:`~tfdist.spec.tf_config.TFConfig`
+        (jobs ordered chief, worker, ps), once ``data`` keeps every rule."""
         strategy = _normalize_strategy(strategy, self.source)
         if not isinstance(data, Mapping):
             self.fail(
@@ -92,14 +94,14 @@ class Validator:
         self._check_strategy(data, cluster, strategy)
         task_type, task_index = self._check_task(data, cluster, require_task)
         rpc_layer, environment = self._check_extras(data)
-        return TFConfig(
-            cluster=cluster,
-            task_type=task_type,
-            task_index=task_index,
-            rpc_layer=rpc_layer,
-            environment=environment,
-            source=self.source,
-        )
+        return {
+            "cluster": cluster,
+            "task_type": task_type,
+            "task_index": task_index,
+            "rpc_layer": rpc_layer,
+            "environment": environment,
+            "source": self.source,
+        }
 
     def _check_top_level_keys(self, data: Mapping) -> None:
         for key in data:
@@ -410,54 +412,6 @@ class Validator:
         if environment is not None and not isinstance(environment, str):
             self.fail("environment", environment, "a string, e.g. 'cloud'")
         return rpc_layer, environment
-
-
-def validate(
-    config: TFConfig, *, require_task: bool = True, strategy: str | None = None
-) -> TFConfig:
-    """Checks a :class:`TFConfig` (e.g. one built by hand).
-
-    Args:
-        config: The config to check.
-        require_task: Whether a cluster of more than one task needs a task
-            (True for a process's TF_CONFIG, False for a spec file).
-        strategy: None (or ``'auto'``) to infer from the cluster, or one of
-            :data:`STRATEGIES` to add that strategy's rules.
-
-    Returns:
-        A normalized copy (jobs ordered chief, worker, ps; tuples).
-
-    Raises:
-        ClusterSpecError: The config breaks a rule (see :func:`parse`).
-    """
-    if not isinstance(config, TFConfig):
-        raise ClusterSpecError(
-            "<root>",
-            config,
-            "a TFConfig",
-            source="validate()",
-            hint="Use tfdist.spec.parse() for dicts, JSON strings and files.",
-        )
-    data: dict[str, Any] = {}
-    cluster = config.cluster
-    if isinstance(cluster, Mapping):
-        cluster = {
-            job: list(addresses) if isinstance(addresses, (list, tuple)) else addresses
-            for job, addresses in cluster.items()
-        }
-    data["cluster"] = cluster
-    if config.task_type is not None or config.task_index is not None:
-        task: dict[str, Any] = {}
-        if config.task_type is not None:
-            task["type"] = config.task_type
-        if config.task_index is not None:
-            task["index"] = config.task_index
-        data["task"] = task
-    if config.rpc_layer is not None:
-        data["rpc_layer"] = config.rpc_layer
-    if config.environment is not None:
-        data["environment"] = config.environment
-    return Validator(config.source).run(data, require_task=require_task, strategy=strategy)
 
 
 # --------------------------------------------------------------------------

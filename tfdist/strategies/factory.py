@@ -232,65 +232,87 @@ def _build(
     if choice.name == "default":
         return tf.distribute.get_strategy()
     if choice.name == "one_device" or choice.role == "evaluator":
-        if opts.devices:
-            device = opts.devices[0]
-        else:
-            # Visible, as detection counted them: a GPU hidden with
-            # tf.config.set_visible_devices cannot hold the replica.
-            device = "/gpu:0" if tf.config.get_visible_devices("GPU") else "/cpu:0"
-        return OneDeviceStrategy(device, compression=comp, choice=choice)
+        return _one_device(choice, opts, comp)
     if choice.name == "mirrored":
-        devices = list(opts.devices) if opts.devices else None
-        if opts.cpu_replicas and opts.cpu_replicas > 1:
-            devices = logical_cpus(opts.cpu_replicas)
-        cross_device_ops = None
-        if opts.communication == "NCCL":
-            if not tf.config.list_physical_devices("GPU"):
-                raise ConfigError(
-                    "communication",
-                    "NCCL",
-                    "RING or AUTO on a machine without GPUs",
-                    source="strategy_from_config",
-                )
-            cross_device_ops = tf.distribute.NcclAllReduce()
-        return MirroredStrategy(
-            devices,
-            cross_device_ops,
-            compression=comp,
-            model_parallel=model_parallel,
-            choice=choice,
-        )
+        return _mirrored(choice, opts, comp, model_parallel)
     if choice.name == "multi_worker_mirrored":
-        if choice.slurm:
-            from tfdist.strategies.slurm import SlurmClusterResolver
-
-            resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
-        elif resolver is None:
-            resolver = resolver_of(cfg)
-        return MultiWorkerMirroredStrategy(
-            resolver,
-            communication_options(opts),
-            compression=comp,
-            register_timeout=opts.register_timeout,
-            collective_timeout=opts.collective_timeout,
-            model_parallel=model_parallel,
-            transport=opts.transport,
-            choice=choice,
-        )
+        return _multi_worker(choice, opts, comp, model_parallel, resolver)
     if choice.name == "parameter_server":
         return ParameterServerStrategy(
             resolver or resolver_of(cfg), opts.variable_partitioner, compression=comp, choice=choice
         )
     if choice.name == "tpu":
-        check_tpu(choice.tpu)
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
-            tpu="" if choice.tpu == "local" else choice.tpu
-        )
-        if choice.tpu != "local":
-            tf.config.experimental_connect_to_cluster(resolver)
-        tf.tpu.experimental.initialize_tpu_system(resolver)
-        return TPUStrategy(resolver, compression=comp, choice=choice)
+        return _tpu(choice, comp)
     raise AssertionError(f"unhandled strategy {choice.name!r}")
+
+
+def _one_device(choice: Choice, opts: StrategyOptions, comp: CompressionSetting):
+    if opts.devices:
+        device = opts.devices[0]
+    else:
+        # Visible, as detection counted them: a GPU hidden with
+        # tf.config.set_visible_devices cannot hold the replica.
+        device = "/gpu:0" if tf.config.get_visible_devices("GPU") else "/cpu:0"
+    return OneDeviceStrategy(device, compression=comp, choice=choice)
+
+
+def _mirrored(choice: Choice, opts: StrategyOptions, comp: CompressionSetting, model_parallel: int):
+    devices = list(opts.devices) if opts.devices else None
+    if opts.cpu_replicas and opts.cpu_replicas > 1:
+        devices = logical_cpus(opts.cpu_replicas)
+    cross_device_ops = None
+    if opts.communication == "NCCL":
+        if not tf.config.list_physical_devices("GPU"):
+            raise ConfigError(
+                "communication",
+                "NCCL",
+                "RING or AUTO on a machine without GPUs",
+                source="strategy_from_config",
+            )
+        cross_device_ops = tf.distribute.NcclAllReduce()
+    return MirroredStrategy(
+        devices,
+        cross_device_ops,
+        compression=comp,
+        model_parallel=model_parallel,
+        choice=choice,
+    )
+
+
+def _multi_worker(
+    choice: Choice,
+    opts: StrategyOptions,
+    comp: CompressionSetting,
+    model_parallel: int,
+    resolver: Any,
+):
+    if choice.slurm:
+        from tfdist.strategies.slurm import SlurmClusterResolver
+
+        resolver = SlurmClusterResolver(port_base=opts.slurm_port_base)
+    elif resolver is None:
+        resolver = resolver_of(choice.tf_config)
+    return MultiWorkerMirroredStrategy(
+        resolver,
+        communication_options(opts),
+        compression=comp,
+        register_timeout=opts.register_timeout,
+        collective_timeout=opts.collective_timeout,
+        model_parallel=model_parallel,
+        transport=opts.transport,
+        choice=choice,
+    )
+
+
+def _tpu(choice: Choice, comp: CompressionSetting):
+    check_tpu(choice.tpu)
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
+        tpu="" if choice.tpu == "local" else choice.tpu
+    )
+    if choice.tpu != "local":
+        tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    return TPUStrategy(resolver, compression=comp, choice=choice)
 
 
 def describe(strategy: tf.distribute.Strategy) -> str:

@@ -95,23 +95,53 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             register_timeout = make_options().register_timeout
         spec = cluster_resolver.cluster_spec()
         multi = sum(len(spec.as_dict().get(job, ())) for job in ("chief", "worker")) > 1
-        if multi and cluster_resolver.task_type in ("chief", "worker"):
+        member = cluster_resolver.task_type in ("chief", "worker")
+        if multi and member:
             _refuse_beside_horovod()
             configure_coordination(spec, register_timeout)
+        self._join(cluster_resolver, communication_options, register_timeout, multi, choice)
+        self._set_up(
+            compression,
+            choice,
+            _mpi_transport(self, collective_timeout, model_parallel)
+            if transport == "mpi"
+            else None,
+        )
+        self._attach_mesh(model_parallel)
+        # Keras's own saves and checkpoint callbacks: the chief writes; see
+        # tfdist.training.saving.
+        plugins.run("multi_worker", self)
+        _warn_of_timeout_seconds(communication_options)
+        self.watchdog: PeerWatchdog | None = None
+        if multi and member:
+            self._watch_peers(cluster_resolver, collective_timeout)
+
+    def _join(
+        self,
+        cluster_resolver: Any,
+        communication_options: Any,
+        register_timeout: float,
+        multi: bool,
+        choice: Choice | None,
+    ) -> None:
+        """TensorFlow's own constructor, which joins the cluster, with
+        tfdist's errors for a late start and a peer that does not come."""
+        spec = cluster_resolver.cluster_spec()
+        member = cluster_resolver.task_type in ("chief", "worker")
         call = (
             "tfdist.strategy_from_config()"
             if choice is not None
             else "tfdist.MultiWorkerMirroredStrategy()"
         )
         late = contextlib.nullcontext()
-        if spec.as_dict() and cluster_resolver.task_type in ("chief", "worker"):
+        if spec.as_dict() and member:
             # TensorFlow refuses once its runtime started (a dataset built
             # first); late_start carries datasets over or says what to move.
             late = late_start.after_start(
                 spec, cluster_resolver.task_type, cluster_resolver.task_id, call
             )
         in_step = contextlib.nullcontext()
-        if multi and cluster_resolver.task_type in ("chief", "worker"):
+        if multi and member:
             # A later strategy replaces the collective server's state: all
             # tasks together, or a peer's first collective is lost.
             in_step = rejoin.in_step(
@@ -130,27 +160,12 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             if late_start.TF_MESSAGE not in str(error):
                 raise
             raise late_start.order_error(call, "any other TensorFlow work") from None
-        self._set_up(
-            compression,
-            choice,
-            _mpi_transport(self, collective_timeout, model_parallel)
-            if transport == "mpi"
-            else None,
-        )
-        self._attach_mesh(model_parallel)
-        # Keras's own saves and checkpoint callbacks: the chief writes; see
-        # tfdist.training.saving.
-        plugins.run("multi_worker", self)
-        timeout = getattr(communication_options, "timeout_seconds", None)
-        if timeout:
-            logging.warning(
-                "tfdist: CommunicationOptions(timeout_seconds=%s) makes TensorFlow start "
-                "one thread per collective that sleeps for the whole timeout (thousands "
-                "in a long job); pass collective_timeout= to tfdist instead",
-                timeout,
-            )
-        self.watchdog: PeerWatchdog | None = None
-        if multi and collective_timeout and cluster_resolver.task_type in ("chief", "worker"):
+
+    def _watch_peers(self, cluster_resolver: Any, collective_timeout: float | None) -> None:
+        """The peer watchdog (with ``collective_timeout``), and leaving the
+        coordination service together at exit."""
+        spec = cluster_resolver.cluster_spec()
+        if collective_timeout:
             this = (cluster_resolver.task_type, cluster_resolver.task_id)
             peers = [
                 f"/job:{job}/replica:0/task:{i}"
@@ -159,13 +174,10 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
                 if (job, i) != this
             ]
             self.watchdog = PeerWatchdog(peers, collective_timeout).start()
-        if multi and cluster_resolver.task_type in ("chief", "worker"):
-            # A task that just exits looks crashed to the peers still alive
-            # 10 s later: leave the coordination service together.
-            watchdog = self.watchdog
-            exit_barrier.leave_together(
-                lambda: watchdog is not None and watchdog.failure is not None
-            )
+        # A task that just exits looks crashed to the peers still alive
+        # 10 s later: leave the coordination service together.
+        watchdog = self.watchdog
+        exit_barrier.leave_together(lambda: watchdog is not None and watchdog.failure is not None)
 
     def reduce(self, reduce_op, value, axis):
         """Reduces ``value`` across replicas, as Keras 3 ``fit`` calls it.
@@ -185,6 +197,17 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             return base.reduce(reduce_op, v, one_axis)
 
         return tf.nest.map_structure(reduce_one, value)
+
+
+def _warn_of_timeout_seconds(communication_options: Any) -> None:
+    timeout = getattr(communication_options, "timeout_seconds", None)
+    if timeout:
+        logging.warning(
+            "tfdist: CommunicationOptions(timeout_seconds=%s) makes TensorFlow start "
+            "one thread per collective that sleeps for the whole timeout (thousands "
+            "in a long job); pass collective_timeout= to tfdist instead",
+            timeout,
+        )
 
 
 def _mpi_transport(strategy, timeout: float | None, model_parallel: int):

@@ -48,6 +48,8 @@ parameter-server training:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -55,6 +57,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
+from tfdist.strategies import ParameterServerStrategy as TfdistPS
 from tfdist.training.ps_data import (
     PS,
     SOURCE,
@@ -274,3 +277,27 @@ def predict(
     if not outputs:
         raise ConfigError("x", "no batch", "data with at least one batch", source=SOURCE)
     return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
+
+
+# The wrappers of Keras's Model.fit/evaluate/predict (tfdist.compat.registry):
+# tfdist's above, under tfdist's parameter-server strategy; Keras's otherwise.
+def _route(keras_method: Any, tfdist_function: Callable) -> Any:
+    @functools.wraps(keras_method)
+    def method(self, *args, **kwargs):
+        if not isinstance(getattr(self, "_distribute_strategy", None), TfdistPS):
+            return keras_method(self, *args, **kwargs)
+        return tfdist_function(self, *args, **kwargs)
+
+    return method
+
+
+def wrap_fit(original: Any) -> Any:
+    return _route(original, fit)
+
+
+def wrap_evaluate(original: Any) -> Any:
+    return _route(original, evaluate)
+
+
+def wrap_predict(original: Any) -> Any:
+    return _route(original, predict)

@@ -119,81 +119,102 @@ class TrainData:
         self.dataset: tf.data.Dataset | None = None
         self.make: Callable | None = None
         if isinstance(x, tf.data.Dataset):
-            if y is not None:
-                raise ConfigError(
-                    "y",
-                    type(y).__name__,
-                    "None when x is a dataset (the dataset yields (x, y))",
-                    source=SOURCE,
-                )
-            cardinality = int(x.cardinality())
-            if steps_per_epoch is None:
-                if cardinality < 0:
-                    raise ConfigError(
-                        "steps_per_epoch",
-                        None,
-                        "a number of steps: this dataset's length is unknown or infinite",
-                        source=SOURCE,
-                        hint="Under ParameterServerStrategy an epoch is "
-                        "steps_per_epoch steps over all workers.",
-                    )
-                steps_per_epoch = cardinality
-            # Serialized by the coordinator and rebuilt on each worker.
-            self.dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
-            self.sample = next(iter(x.take(1)))
+            steps_per_epoch = self._from_dataset(x, y, steps_per_epoch)
         elif is_dataset_fn(x):
-            if steps_per_epoch is None:
+            steps_per_epoch = self._from_function(x, steps_per_epoch)
+        else:
+            steps_per_epoch = self._from_arrays(
+                x, y, sample_weight, batch_size, shuffle, steps_per_epoch
+            )
+        check_positive_int("steps_per_epoch", steps_per_epoch, allow_none=False)
+        self.steps_per_epoch = int(steps_per_epoch)
+
+    def _from_dataset(self, x: tf.data.Dataset, y: Any, steps_per_epoch: int | None) -> int:
+        if y is not None:
+            raise ConfigError(
+                "y",
+                type(y).__name__,
+                "None when x is a dataset (the dataset yields (x, y))",
+                source=SOURCE,
+            )
+        cardinality = int(x.cardinality())
+        if steps_per_epoch is None:
+            if cardinality < 0:
                 raise ConfigError(
                     "steps_per_epoch",
                     None,
-                    "a number of steps when x is a dataset function",
+                    "a number of steps: this dataset's length is unknown or infinite",
+                    source=SOURCE,
+                    hint="Under ParameterServerStrategy an epoch is "
+                    "steps_per_epoch steps over all workers.",
+                )
+            steps_per_epoch = cardinality
+        # Serialized by the coordinator and rebuilt on each worker.
+        self.dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
+        self.sample = next(iter(x.take(1)))
+        return steps_per_epoch
+
+    def _from_function(self, fn: Callable, steps_per_epoch: int | None) -> int:
+        if steps_per_epoch is None:
+            raise ConfigError(
+                "steps_per_epoch",
+                None,
+                "a number of steps when x is a dataset function",
+                source=SOURCE,
+            )
+
+        def make(context):
+            dataset = fn(context)
+            if not isinstance(dataset, tf.data.Dataset):
+                raise ConfigError(
+                    "x",
+                    f"a function returning {type(dataset).__name__}",
+                    "a function returning a tf.data.Dataset",
                     source=SOURCE,
                 )
-            fn = x
+            # (Traced: the length may only be known when it runs.)
+            if tf.get_static_value(dataset.cardinality()) != tf.data.INFINITE_CARDINALITY:
+                dataset = dataset.repeat()
+            return dataset
 
-            def make(context):
-                dataset = fn(context)
-                if not isinstance(dataset, tf.data.Dataset):
-                    raise ConfigError(
-                        "x",
-                        f"a function returning {type(dataset).__name__}",
-                        "a function returning a tf.data.Dataset",
-                        source=SOURCE,
-                    )
-                # (Traced: the length may only be known when it runs.)
-                if tf.get_static_value(dataset.cardinality()) != tf.data.INFINITE_CARDINALITY:
-                    dataset = dataset.repeat()
-                return dataset
+        self.sample = next(iter(make(tf.distribute.InputContext()).take(1)))
+        self.make = make
+        return steps_per_epoch
 
-            self.sample = next(iter(make(tf.distribute.InputContext()).take(1)))
-            self.make = make
-        else:
-            if x is None:
-                raise ConfigError(
-                    "x", None, "a tf.data.Dataset, a dataset function or arrays", source=SOURCE
+    def _from_arrays(
+        self,
+        x: Any,
+        y: Any,
+        sample_weight: Any,
+        batch_size: int | None,
+        shuffle: bool,
+        steps_per_epoch: int | None,
+    ) -> int:
+        if x is None:
+            raise ConfigError(
+                "x", None, "a tf.data.Dataset, a dataset function or arrays", source=SOURCE
+            )
+        batch = batch_size or 32
+        check_positive_int("batch_size", batch)
+        tensors = _as_tuple(x, y, sample_weight)
+        rows = _num_rows(x)
+        if steps_per_epoch is None:
+            steps_per_epoch = max(1, math.ceil(rows / batch))
+
+        def make(context):
+            data = tf.data.Dataset.from_tensor_slices(tensors)
+            data = data.shard(context.num_input_pipelines, context.input_pipeline_id)
+            if shuffle:
+                data = data.shuffle(
+                    max(1, rows // context.num_input_pipelines),
+                    seed=context.input_pipeline_id,
+                    reshuffle_each_iteration=True,
                 )
-            batch = batch_size or 32
-            check_positive_int("batch_size", batch)
-            tensors = _as_tuple(x, y, sample_weight)
-            rows = _num_rows(x)
-            if steps_per_epoch is None:
-                steps_per_epoch = max(1, math.ceil(rows / batch))
+            return data.repeat().batch(batch).prefetch(2)
 
-            def make(context):
-                data = tf.data.Dataset.from_tensor_slices(tensors)
-                data = data.shard(context.num_input_pipelines, context.input_pipeline_id)
-                if shuffle:
-                    data = data.shuffle(
-                        max(1, rows // context.num_input_pipelines),
-                        seed=context.input_pipeline_id,
-                        reshuffle_each_iteration=True,
-                    )
-                return data.repeat().batch(batch).prefetch(2)
-
-            self.sample = tf.nest.map_structure(lambda t: t[:batch], tensors)
-            self.make = make
-        check_positive_int("steps_per_epoch", steps_per_epoch, allow_none=False)
-        self.steps_per_epoch = int(steps_per_epoch)
+        self.sample = tf.nest.map_structure(lambda t: t[:batch], tensors)
+        self.make = make
+        return steps_per_epoch
 
 
 def build(model: Any, strategy: Any, data: Any) -> None:

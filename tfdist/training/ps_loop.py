@@ -96,30 +96,9 @@ class ParameterServerFit:
         validation_freq,
     ) -> keras.callbacks.History:
         model = self.model
-        if class_weight is not None:
-            raise ConfigError(
-                "class_weight",
-                class_weight,
-                "None under ParameterServerStrategy",
-                source=SOURCE,
-                hint="Put per-sample weights in the data instead.",
-            )
-        require_int("epochs", epochs, minimum=0, source=SOURCE)
-        check_positive_int("validation_freq", validation_freq, allow_none=False)
-        check_positive_int("steps_per_epoch", steps_per_epoch)
+        _check_fit(class_weight, epochs, validation_freq, steps_per_epoch)
         if validation_split:
-            if isinstance(x, tf.data.Dataset) or is_dataset_fn(x):
-                raise ConfigError(
-                    "validation_split",
-                    validation_split,
-                    "0 unless x is arrays; pass validation_data",
-                    source=SOURCE,
-                )
-            from tfdist.compat.keras_src import array_slicing
-
-            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-                (x, y, sample_weight), validation_split=validation_split
-            )
+            (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
         data = TrainData(x, y, sample_weight, batch_size, shuffle, steps_per_epoch)
         steps = data.steps_per_epoch
         val_data = None
@@ -129,29 +108,11 @@ class ParameterServerFit:
             )
         build(model, self.strategy, data.sample)
 
-        strategy, make = self.strategy, data.make
-        if data.dataset is not None:
-            per_worker = self.coordinator.create_per_worker_dataset(
-                strategy.experimental_distribute_dataset(data.dataset)
-            )
-        else:
-            per_worker = self.coordinator.create_per_worker_dataset(
-                lambda: strategy.distribute_datasets_from_function(make)
-            )
-        iterator = iter(per_worker)
+        iterator = self._per_worker_iterator(data)
         per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         window = IN_FLIGHT_PER_WORKER * max(1, self.num_workers)
 
-        if not isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks = keras.callbacks.CallbackList(
-                callbacks,
-                add_history=True,
-                add_progbar=verbose != 0,
-                verbose=verbosity(verbose),
-                epochs=epochs,
-                steps=steps,
-                model=model,
-            )
+        callbacks = _callback_list(callbacks, verbose, epochs, steps, model)
         model.stop_training = False
         callbacks.on_train_begin()
         start_step = _resume_step(model)
@@ -190,6 +151,19 @@ class ParameterServerFit:
             raise
         callbacks.on_train_end(logs=training_logs)
         return model.history
+
+    def _per_worker_iterator(self, data: TrainData) -> Any:
+        """An iterator over each worker's copy of the training data."""
+        strategy, make = self.strategy, data.make
+        if data.dataset is not None:
+            per_worker = self.coordinator.create_per_worker_dataset(
+                strategy.experimental_distribute_dataset(data.dataset)
+            )
+        else:
+            per_worker = self.coordinator.create_per_worker_dataset(
+                lambda: strategy.distribute_datasets_from_function(make)
+            )
+        return iter(per_worker)
 
     def _run_epoch(
         self, iterator, callbacks, first_step: int, steps: int, per_call: int, window: int
@@ -240,6 +214,51 @@ class ParameterServerFit:
             # (they live on the worker). A failed ps or cluster is raised by
             # the next schedule() or by join().
             return previous
+
+
+def _callback_list(callbacks: Any, verbose: Any, epochs: int, steps: int, model: Any) -> Any:
+    """``callbacks`` as Keras's fit wraps them (History, the progress bar)."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    return keras.callbacks.CallbackList(
+        callbacks,
+        add_history=True,
+        add_progbar=verbose != 0,
+        verbose=verbosity(verbose),
+        epochs=epochs,
+        steps=steps,
+        model=model,
+    )
+
+
+def _check_fit(class_weight: Any, epochs: Any, validation_freq: Any, steps_per_epoch: Any) -> None:
+    if class_weight is not None:
+        raise ConfigError(
+            "class_weight",
+            class_weight,
+            "None under ParameterServerStrategy",
+            source=SOURCE,
+            hint="Put per-sample weights in the data instead.",
+        )
+    require_int("epochs", epochs, minimum=0, source=SOURCE)
+    check_positive_int("validation_freq", validation_freq, allow_none=False)
+    check_positive_int("steps_per_epoch", steps_per_epoch)
+
+
+def _split(x: Any, y: Any, sample_weight: Any, validation_split: float) -> tuple:
+    """``((x, y, sample_weight), validation_data)``, as Keras's fit splits arrays."""
+    if isinstance(x, tf.data.Dataset) or is_dataset_fn(x):
+        raise ConfigError(
+            "validation_split",
+            validation_split,
+            "0 unless x is arrays; pass validation_data",
+            source=SOURCE,
+        )
+    from tfdist.compat.keras_src import array_slicing
+
+    return array_slicing.train_validation_split(
+        (x, y, sample_weight), validation_split=validation_split
+    )
 
 
 # --------------------------------------------------------------------------

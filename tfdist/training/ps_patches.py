@@ -61,9 +61,6 @@ __all__ = [
     "wrap_array",
     "wrap_update_step",
     "wrap_slot_from_reference",
-    "wrap_fit",
-    "wrap_evaluate",
-    "wrap_predict",
     "wrap_tape_gradient",
 ]
 
@@ -168,26 +165,6 @@ def _shards(source: Any) -> list | None:
     return list(raw.variables) if isinstance(raw, ShardedVariable) else None
 
 
-def _under_tfdist_ps(model: Any) -> bool:
-    from tfdist.strategies import ParameterServerStrategy
-
-    return isinstance(getattr(model, "_distribute_strategy", None), ParameterServerStrategy)
-
-
-def _route(keras_method: Any, tfdist_function: str) -> Any:
-    """``model.fit``/``evaluate``/``predict``: tfdist's under tfdist's PS strategy."""
-
-    @functools.wraps(keras_method)
-    def method(self, *args, **kwargs):
-        if not _under_tfdist_ps(self):
-            return keras_method(self, *args, **kwargs)
-        from tfdist.training import parameter_server as training
-
-        return getattr(training, tfdist_function)(self, *args, **kwargs)
-
-    return method
-
-
 def install() -> None:
     """Installs the fixes (the registry's ``parameter_server``); idempotent."""
     from tfdist import compat
@@ -220,18 +197,6 @@ def wrap_update_step(original: Any) -> Any:
 
 def wrap_slot_from_reference(original: Any) -> Any:
     return _slot_from_reference(original)
-
-
-def wrap_fit(original: Any) -> Any:
-    return _route(original, "fit")
-
-
-def wrap_evaluate(original: Any) -> Any:
-    return _route(original, "evaluate")
-
-
-def wrap_predict(original: Any) -> Any:
-    return _route(original, "predict")
 
 
 def wrap_tape_gradient(original: Any) -> Any:

@@ -76,7 +76,6 @@ from tfdist.training.chief_save import (
     ChiefSaveError,
     active,
     coordinated,
-    holds_split_weights,
     local,
     multi_worker,
     next_key,
@@ -95,11 +94,10 @@ __all__ = [
     "wrap_save_weights",
     "wrap_save_h5",
     "wrap_checkpoint_save",
-    "wrap_backup_save",
-    "wrap_backup_begin",
-    "wrap_backup_end",
     "wrap_manager_save",
     "write_json",
+    "copy_atomically",
+    "scratch_root",
 ]
 
 
@@ -131,7 +129,8 @@ def wrap_save_h5(original):
     return save_model_to_hdf5
 
 
-def _scratch_root(path: str, scratch: str) -> str:
+def scratch_root(path: str, scratch: str) -> str:
+    """``path`` re-rooted under the directory ``scratch``."""
     return os.path.join(scratch, os.path.abspath(path).lstrip(os.sep))
 
 
@@ -144,7 +143,7 @@ def wrap_checkpoint_save(original):
         # The same save under a private root: the directories Keras creates
         # are this worker's own, and the file name (the sync key) is kept.
         filepath, scratch = self.filepath, tempfile.mkdtemp(prefix="tfdist-ckpt-")
-        self.filepath = _scratch_root(os.fspath(filepath), scratch)
+        self.filepath = scratch_root(os.fspath(filepath), scratch)
         try:
             return original(self, epoch, batch, logs)
         finally:
@@ -163,7 +162,8 @@ def write_json(path: str, data: dict) -> None:
     fsync(directory)
 
 
-def _copy_atomically(source: str, target: str) -> None:
+def copy_atomically(source: str, target: str) -> None:
+    """Copies ``source`` over ``target`` through a temporary file and a rename."""
     tmp = os.path.join(
         os.path.dirname(target) or ".", f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     )
@@ -174,77 +174,6 @@ def _copy_atomically(source: str, target: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def wrap_backup_save(original):
-    @functools.wraps(original)
-    def _save_model(self):
-        on, chief = active(self.model)
-        if not (on or holds_split_weights(self.model)) or not local(str(self.backup_dir)):
-            return original(self)
-        if not chief:
-            # The weight save may read on_read variables: a collective. Run
-            # it under a private root: backup_dir may not exist yet (the
-            # chief creates it), and the file name (the sync key) is kept.
-            scratch = tempfile.mkdtemp(prefix="tfdist-backup-")
-            path = _scratch_root(self._weights_path, scratch)
-            os.makedirs(os.path.dirname(path))
-            try:
-                return self.model.save_weights(filepath=path, overwrite=True)
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-        os.makedirs(self.backup_dir, exist_ok=True)
-        if self.double_checkpoint:
-            for path, previous in (
-                (self._weights_path, self._prev_weights_path),
-                (self._training_metadata_path, self._prev_training_metadata_path),
-            ):
-                if os.path.exists(path):
-                    _copy_atomically(path, previous)
-        self.model.save_weights(filepath=self._weights_path, overwrite=True)
-        from tfdist.training.fit_preemption import metadata
-
-        write_json(
-            self._training_metadata_path,
-            {"epoch": self._current_epoch, "batch": self._last_batch_seen, **metadata(self)},
-        )
-
-    return _save_model
-
-
-def wrap_backup_begin(original):
-    @functools.wraps(original)
-    def on_train_begin(self, logs=None):
-        on, chief = active(self.model)
-        if not on or chief:
-            return original(self, logs)
-        # Keras repairs a damaged backup by copying the previous one over
-        # it; that is the chief's to do. This worker reads what it reads.
-        try:
-            return self._load_model()
-        except OSError:
-            if not os.path.exists(self._prev_weights_path):
-                raise
-            paths = self._weights_path, self._training_metadata_path
-            self._weights_path = self._prev_weights_path
-            self._training_metadata_path = self._prev_training_metadata_path
-            try:
-                return self._load_model()
-            finally:
-                self._weights_path, self._training_metadata_path = paths
-
-    return on_train_begin
-
-
-def wrap_backup_end(original):
-    @functools.wraps(original)
-    def on_train_end(self, logs=None):
-        on, chief = active(self.model)
-        if on and not chief:
-            return None  # The backup is the chief's; it deletes it.
-        return original(self, logs)
-
-    return on_train_end
 
 
 #: The newest tfdist multi-worker strategy of this process, for saves made
