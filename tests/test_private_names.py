@@ -149,7 +149,7 @@ def test_the_scan_finds_what_it_must(tmp_path):
         "from tfdist.spec.names import short as _local\n"  # 8
         "\n"  # 9
         "def f(x):\n"  # 10
-        "    from tfdist.training.ps_data import _lazy\n"  # 11
+        "    from tfdist.training.ps.data import _lazy\n"  # 11
         "    names._hidden(x)\n"  # 12
         "    tfdist.spec.address._split(x)\n"  # 13
         "    getattr(errors, '_secret')\n"  # 14
@@ -161,14 +161,14 @@ def test_the_scan_finds_what_it_must(tmp_path):
     assert found == [
         f"{source}:5: from tfdist.spec.names import _short",
         f"{source}:6: from tfdist.spec.names import _quoted",
-        f"{source}:11: from tfdist.training.ps_data import _lazy",
+        f"{source}:11: from tfdist.training.ps.data import _lazy",
         f"{source}:12: tfdist.spec.names._hidden",
         f"{source}:13: tfdist.spec.address._split",
         f"{source}:14: getattr(tfdist.errors, '_secret')",
     ]
     # A module's own private names are its own.
     assert private_uses(source, "tfdist.spec.names", modules) == [
-        f"{source}:11: from tfdist.training.ps_data import _lazy",
+        f"{source}:11: from tfdist.training.ps.data import _lazy",
         f"{source}:13: tfdist.spec.address._split",
         f"{source}:14: getattr(tfdist.errors, '_secret')",
     ]

@@ -148,7 +148,7 @@ def test_the_default_policy_restarts_a_preemption_and_fails_a_crash():
     crash = subprocess.run(
         [sys.executable, "-c", "raise RuntimeError('bug')"], capture_output=True, timeout=60
     ).returncode
-    from tfdist.training import preemption
+    from tfdist.training.fault_tolerance import preemption
 
     preempted = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.exit({preemption.PREEMPTED_EXIT_CODE})"],

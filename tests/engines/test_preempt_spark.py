@@ -29,8 +29,9 @@ import pytest
 
 from conftest import REPO
 from test_spark import spark, spark_cluster  # noqa: F401 - the fixtures
-from tfdist.engines import spark_session, spark_task
-from tfdist.training.preemption import PREEMPTED_EXIT_CODE, Preempted
+from tfdist.engines import spark_session
+from tfdist.engines.worker import spark_task
+from tfdist.training.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 WORKERS = REPO / "tests" / "workers"
 

@@ -3,8 +3,8 @@
 With one ``backup_dir`` per task (hosts without a shared filesystem), a job
 restarted after a SIGKILL used to resume worker 0 at its backup and worker 1
 from scratch, which then failed with "Socket closed" in its next collective.
-The rule (tfdist.training.backup_agreement) is tested as a pure function;
-the per-task files (tfdist.training.backup_dirs) on disk; and two real
+The rule (tfdist.training.fault_tolerance.backup_agreement) is tested as a pure function;
+the per-task files (tfdist.training.fault_tolerance.backup_dirs) on disk; and two real
 2-worker jobs (tests/workers/backup_dirs_fit.py): one under ``tfdist launch``
 with a SIGKILL, one of plain TF_CONFIG processes whose backups disagree.
 """
@@ -23,8 +23,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, finish, result_line, start, subprocess_env
-from tfdist.training.backup_agreement import BackupDisagreementError, agree, describe
 from tfdist.training.callbacks import BackupError
+from tfdist.training.fault_tolerance.backup_agreement import (
+    BackupDisagreementError,
+    agree,
+    describe,
+)
 
 WORKER = str(REPO / "tests" / "workers" / "backup_dirs_fit.py")
 BATCHES = 8  # Per epoch, in the worker.
@@ -75,7 +79,7 @@ def test_no_common_point_fails_naming_every_task_and_what_it_holds():
 def test_a_backup_counts_only_if_its_weights_match_its_metadata(tmp_path):
     import keras
 
-    from tfdist.training import backup_dirs
+    from tfdist.training.fault_tolerance import backup_dirs
 
     callback = keras.callbacks.BackupAndRestore(str(tmp_path), double_checkpoint=True)
 
@@ -215,7 +219,7 @@ def test_plain_processes_fail_at_once_or_agree_on_the_common_backup(launched):
         [line] = [
             text
             for text in err.splitlines()
-            if text.startswith("tfdist.training.backup_agreement.")
+            if text.startswith("tfdist.training.fault_tolerance.backup_agreement.")
         ]
         assert "BackupDisagreementError: The workers cannot resume at the same point" in line
         assert f"worker:0 holds epoch 4 and epoch 3 in {directory / 'task0'} on " in line

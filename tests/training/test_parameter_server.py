@@ -197,7 +197,7 @@ def test_gradients_of_sharded_variables_equal_those_of_the_whole():
     import tensorflow as tf
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-    from tfdist.training import ps_patches as keras_ps
+    from tfdist.training.ps import patches as keras_ps
 
     rs = np.random.RandomState(0)
     table, dense = rs.randn(10, 3).astype("float32"), rs.randn(6, 2).astype("float32")
@@ -231,7 +231,7 @@ def test_gradients_of_sharded_variables_equal_those_of_the_whole():
 def test_training_data_needs_a_length_it_can_know():
     import tensorflow as tf
 
-    from tfdist.training.ps_data import TrainData
+    from tfdist.training.ps.data import TrainData
 
     infinite = tf.data.Dataset.from_tensor_slices(np.zeros((8, 2), "float32")).repeat()
     with pytest.raises(ConfigError) as caught:

@@ -245,7 +245,7 @@ def test_checkpointable_iterator_resumes_with_the_next_batch(tf_cpus, tmp_path):
     assert [_values(take(restored), strategy) for _ in range(3)] == expected[5:8]
 
     # A step traced over the old iterator would keep reading it: refused.
-    from tfdist.training.resumable import IteratorRestoreError
+    from tfdist.training.fault_tolerance.resumable import IteratorRestoreError
 
     take(iterator)
     with pytest.raises(IteratorRestoreError, match="before the first training step"):

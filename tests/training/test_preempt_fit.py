@@ -20,7 +20,7 @@ import pytest
 
 from conftest import finish, result_line, start
 from tfdist.engines.net import local_spec
-from tfdist.training.preemption import PREEMPTED_EXIT_CODE
+from tfdist.training.fault_tolerance.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, subprocess_env
 from tfdist.training.callbacks import read_backup_pointer
-from tfdist.training.preemption import PREEMPTED_EXIT_CODE
+from tfdist.training.fault_tolerance.preemption import PREEMPTED_EXIT_CODE
 
 EPOCHS = 3
 EXAMPLES = 64_000  # 1,000 steps of 64 (32 per replica x 2) per epoch.

@@ -1,5 +1,5 @@
-"""tfdist.training.preemption and tfdist.training.resume in one process: signals, the watcher
-without peers, status records, the size-change policy, bad input.
+"""tfdist.training.fault_tolerance.preemption and .resume in one process:
+signals, the watcher without peers, status records, the size-change policy, bad input.
 
 The multi-worker agreement is tested with real processes in
 tests/training/test_preempt_fit.py and tests/horovod/test_preempt_hvd.py.
@@ -17,8 +17,8 @@ import pytest
 
 import tfdist
 from tfdist.errors import ConfigError
-from tfdist.training import resume
-from tfdist.training.preemption import (
+from tfdist.training.fault_tolerance import resume
+from tfdist.training.fault_tolerance.preemption import (
     PREEMPTED_EXIT_CODE,
     Preempted,
     PreemptionWatcher,

@@ -168,7 +168,7 @@ def test_a_multi_worker_resolver_is_read_like_its_tf_config():
 
 
 def test_a_local_cluster_stands_for_its_chief_tf_config():
-    from tfdist.engines.local_cluster import LocalCluster
+    from tfdist.engines.worker.local_cluster import LocalCluster
 
     # A cluster that was never started: only its addresses matter here.
     cluster = LocalCluster(
@@ -196,7 +196,7 @@ def test_tape_gradient_of_keras_variables_holding_shards_equals_the_whole():
     import tensorflow as tf
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-    from tfdist.training import ps_patches as keras_ps
+    from tfdist.training.ps import patches as keras_ps
 
     keras_ps.install()  # What tfdist's ParameterServerStrategy installs.
     rs = np.random.RandomState(0)

@@ -66,7 +66,7 @@ def flaky():
 if __name__ == "__main__":
     import importlib
 
-    from tfdist.engines import hvd_worker as _hvd_worker
+    from tfdist.engines.worker import hvd_worker as _hvd_worker
     from tfdist.horovod.run import RunError, run
 
     # The module, not the function tfdist.horovod re-exports as `run`.

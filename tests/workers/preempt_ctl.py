@@ -128,7 +128,7 @@ if MODE == "tf_handler":
     # TensorFlow's documented use: the handler restores the latest checkpoint
     # of the manager when it is created, and saves and exits when any worker
     # got SIGTERM (its own exit is sys.exit(42) off Google Cloud; under a
-    # tfdist strategy 143, with a status record: tfdist.training.tf_handler).
+    # tfdist strategy 143, with a status record: tfdist.training.fault_tolerance.tf_handler).
     handler = tf.distribute.experimental.PreemptionCheckpointHandler(resolver, manager)
     start = int(step_var.numpy())
     say(f"tfdist start: {start} restored={manager.latest_checkpoint}")

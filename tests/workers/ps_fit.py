@@ -131,7 +131,7 @@ try:
         history = tfdist.fit(model, dataset, epochs=EPOCHS, verbose=2)
         result["history"] = history.history
         emb = model.layers[0].embeddings
-        from tfdist.training import ps_patches as keras_ps
+        from tfdist.training.ps import patches as keras_ps
 
         raw = keras_ps.raw_variable(emb)
         result["sharded"] = keras_ps.is_sharded(emb)

@@ -266,7 +266,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "preemption_handler.init",
         "tensorflow:distribute.experimental.PreemptionCheckpointHandler.__init__",
-        "tfdist.training.tf_handler:wrap_init",
+        "tfdist.training.fault_tolerance.tf_handler:wrap_init",
         "preemption_handler",
         "off Google Cloud the handler's default exit is sys.exit(42), an ordinary "
         "failure to launchers",
@@ -328,7 +328,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "saving.backup_save",
         f"{_BACKUP}._save_model",
-        "tfdist.training.backup_writes:wrap_backup_save",
+        "tfdist.training.fault_tolerance.backup_writes:wrap_backup_save",
         "saving",
         _SAVING_WHY,
         params=("self",),
@@ -337,7 +337,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "saving.backup_begin",
         f"{_BACKUP}.on_train_begin",
-        "tfdist.training.backup_writes:wrap_backup_begin",
+        "tfdist.training.fault_tolerance.backup_writes:wrap_backup_begin",
         "saving",
         _SAVING_WHY,
         params=("self", "logs"),
@@ -345,7 +345,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "saving.backup_end",
         f"{_BACKUP}.on_train_end",
-        "tfdist.training.backup_writes:wrap_backup_end",
+        "tfdist.training.fault_tolerance.backup_writes:wrap_backup_end",
         "saving",
         _SAVING_WHY,
         params=("self", "logs"),
@@ -353,7 +353,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fit_preemption.train_begin",
         f"{_BACKUP}.on_train_begin",
-        "tfdist.training.fit_preemption:wrap_begin",
+        "tfdist.training.fault_tolerance.fit_preemption:wrap_begin",
         "fit_preemption",
         _BACKUP_WHY,
         params=("self", "logs"),
@@ -363,7 +363,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fit_preemption.epoch_begin",
         f"{_BACKUP}.on_epoch_begin",
-        "tfdist.training.fit_preemption:wrap_epoch_begin",
+        "tfdist.training.fault_tolerance.fit_preemption:wrap_epoch_begin",
         "fit_preemption",
         _BACKUP_WHY,
         params=("self", "epoch", "logs"),
@@ -371,7 +371,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fit_preemption.batch_end",
         f"{_BACKUP}.on_train_batch_end",
-        "tfdist.training.fit_preemption:wrap_batch_end",
+        "tfdist.training.fault_tolerance.fit_preemption:wrap_batch_end",
         "fit_preemption",
         _BACKUP_WHY,
         params=("self", "batch", "logs"),
@@ -379,7 +379,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fit_preemption.epoch_end",
         f"{_BACKUP}.on_epoch_end",
-        "tfdist.training.fit_preemption:wrap_epoch_end",
+        "tfdist.training.fault_tolerance.fit_preemption:wrap_epoch_end",
         "fit_preemption",
         _BACKUP_WHY,
         params=("self", "epoch", "logs"),
@@ -387,7 +387,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fit_preemption.save",
         f"{_BACKUP}._save_model",
-        "tfdist.training.fit_preemption:wrap_save",
+        "tfdist.training.fault_tolerance.fit_preemption:wrap_save",
         "fit_preemption",
         _BACKUP_WHY,
         params=("self",),
@@ -395,7 +395,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fit_preemption.train_end",
         f"{_BACKUP}.on_train_end",
-        "tfdist.training.fit_preemption:wrap_end",
+        "tfdist.training.fault_tolerance.fit_preemption:wrap_end",
         "fit_preemption",
         _BACKUP_WHY,
         params=("self", "logs"),
@@ -403,7 +403,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fit_preemption.fit",
         f"{_TFT}.fit",
-        "tfdist.training.fit_preemption:wrap_fit",
+        "tfdist.training.fault_tolerance.fit_preemption:wrap_fit",
         "fit_preemption",
         "a fit that raises never calls on_train_end, where BackupAndRestore stops its "
         "preemption watcher: the watcher's SIGTERM handler, which only records the "
@@ -415,7 +415,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.assign_add",
         f"{_VARIABLE}.assign_add",
-        "tfdist.training.ps_patches:wrap_assign_add",
+        "tfdist.training.ps.patches:wrap_assign_add",
         "parameter_server",
         _PS_WHY,
         params=("self", "value"),
@@ -426,7 +426,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.assign_sub",
         f"{_VARIABLE}.assign_sub",
-        "tfdist.training.ps_patches:wrap_assign_sub",
+        "tfdist.training.ps.patches:wrap_assign_sub",
         "parameter_server",
         _PS_WHY,
         params=("self", "value"),
@@ -434,7 +434,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.numpy",
         f"{_VARIABLE}.numpy",
-        "tfdist.training.ps_patches:wrap_numpy",
+        "tfdist.training.ps.patches:wrap_numpy",
         "parameter_server",
         _PS_WHY,
         params=("self",),
@@ -442,7 +442,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.array",
         f"{_VARIABLE}.__array__",
-        "tfdist.training.ps_patches:wrap_array",
+        "tfdist.training.ps.patches:wrap_array",
         "parameter_server",
         _PS_WHY,
         params=("self",),
@@ -450,7 +450,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.update_step",
         f"{_TFO}._distributed_tf_update_step",
-        "tfdist.training.ps_patches:wrap_update_step",
+        "tfdist.training.ps.patches:wrap_update_step",
         "parameter_server",
         _PS_WHY,
         params=("self", "distribution", "grads_and_vars", "learning_rate"),
@@ -458,7 +458,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.slot",
         f"{_TFO}.add_variable_from_reference",
-        "tfdist.training.ps_patches:wrap_slot_from_reference",
+        "tfdist.training.ps.patches:wrap_slot_from_reference",
         "parameter_server",
         _PS_WHY,
         params=("self", "reference_variable"),
@@ -466,7 +466,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.fit",
         f"{_TFT}.fit",
-        "tfdist.training.parameter_server:wrap_fit",
+        "tfdist.training.ps.fit:wrap_fit",
         "parameter_server",
         _PS_WHY,
         params=("self",),
@@ -476,7 +476,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.evaluate",
         f"{_TFT}.evaluate",
-        "tfdist.training.parameter_server:wrap_evaluate",
+        "tfdist.training.ps.fit:wrap_evaluate",
         "parameter_server",
         _PS_WHY,
         params=("self",),
@@ -484,7 +484,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.predict",
         f"{_TFT}.predict",
-        "tfdist.training.parameter_server:wrap_predict",
+        "tfdist.training.ps.fit:wrap_predict",
         "parameter_server",
         _PS_WHY,
         params=("self",),
@@ -492,7 +492,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "parameter_server.tape",
         "tensorflow:GradientTape.gradient",
-        "tfdist.training.ps_patches:wrap_tape_gradient",
+        "tfdist.training.ps.patches:wrap_tape_gradient",
         "parameter_server",
         _PS_WHY,
         params=("self", "target", "sources", "output_gradients"),

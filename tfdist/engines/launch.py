@@ -20,7 +20,7 @@ per-task log files keep every line.
   seconds to save and exit, then are SIGKILLed (a parameter-server job's
   servers only after the chief exited: it saves through them). The launcher
   reports what happened from the status records the tasks write
-  (``$TFDIST_JOB_DIR/preempted/TASK.json``, :mod:`tfdist.training.preemption`):
+  (``$TFDIST_JOB_DIR/preempted/TASK.json``, :mod:`tfdist.training.fault_tolerance.preemption`):
   saved at step N, finished, or killed. A task that exits with
   PREEMPTED_EXIT_CODE after writing its record was preempted by itself: the
   others get the grace period to finish the same save, then the job restarts

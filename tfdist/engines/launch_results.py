@@ -26,7 +26,7 @@ TAIL = 30
 EVALUATOR_GRACE = 60.0
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 #: A task's exit code after it saved on preemption (128 + SIGTERM), as in
-#: tfdist.training.preemption, which imports TensorFlow; the launcher does not.
+#: tfdist.training.fault_tolerance.preemption, which imports TensorFlow; the launcher does not.
 PREEMPTED_EXIT_CODE = 143
 #: Seconds the tasks get to save after a preemption signal (Slurm's
 #: KillWait, a spot VM's notice: about 30 s).

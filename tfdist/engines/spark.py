@@ -89,7 +89,7 @@ from tfdist.engines.spark_session import (  # noqa: F401
     submit,
     wait_for_task_slots,
 )
-from tfdist.engines.spark_task import TaskSpec, TrainContext, context
+from tfdist.engines.worker.spark_task import TaskSpec, TrainContext, context
 from tfdist.errors import ConfigError, require_int
 
 __all__ = [
@@ -408,7 +408,7 @@ def _check_call(
     if error_feedback is not None and not isinstance(error_feedback, bool):
         raise ConfigError("error_feedback", error_feedback, "None, True or False", source=SOURCE)
     pass_context, train_kwargs, options = _plan_call(train_fn, kwargs)
-    from tfdist.compression import parse_compression
+    from tfdist.spec.compression import parse_compression
     from tfdist.spec.options import make_options
 
     parse_compression(compression)

@@ -16,7 +16,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from tfdist.engines.spark_task import MARK_RE, RESULT_TASK_RE, TB_RE, TaskSpec, run_task
+from tfdist.engines.launch_results import PREEMPTED_EXIT_CODE
+from tfdist.engines.worker.spark_task import MARK_RE, RESULT_TASK_RE, TB_RE, TaskSpec, run_task
 from tfdist.errors import ConfigError, TfdistError, require_int
 
 #: How to install what this module needs.
@@ -249,7 +250,7 @@ def _job_error(
                 f"stopped after step {preempted.get('step')} (epoch "
                 f"{preempted.get('epoch')}, batch {preempted.get('batch')}), the "
                 "chief saved a backup there, and the tasks exited with code "
-                f"{_preempted_exit_code()}. A new attempt resumes at that step "
+                f"{PREEMPTED_EXIT_CODE}. A new attempt resumes at that step "
                 "from backup_dir."
             )
         else:
@@ -277,12 +278,6 @@ def _job_error(
         f"a killed Python worker). Spark said:\n{spark_message}"
     )
     return SparkJobError(message, partition=partition, attempt=attempt, spark_message=spark_message)
-
-
-def _preempted_exit_code() -> int:
-    from tfdist.training.preemption import PREEMPTED_EXIT_CODE  # No TensorFlow.
-
-    return PREEMPTED_EXIT_CODE
 
 
 def submit(

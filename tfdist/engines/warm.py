@@ -2,7 +2,7 @@
 
 Importing TensorFlow, Keras and tfdist costs about 3.7 s of CPU in every
 process, and a job of 2-4 local workers pays it in each. A warm pool pays it
-once: its server process (:mod:`tfdist.engines.warm_server`) imports
+once: its server process (:mod:`tfdist.engines.worker.warm_server`) imports
 TensorFlow and Keras (no TensorFlow runtime starts: no device, no eager
 context) and then forks one process per job, which runs
 the job's script as ``python`` would, from a copy of that clean state::
@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tfdist.engines import warm_server
-from tfdist.engines.warm_server import IMPORT_TIME_PREFIXES, import_time_env
+from tfdist.engines.worker import warm_server
+from tfdist.engines.worker.warm_server import IMPORT_TIME_PREFIXES, import_time_env
 
 __all__ = ["ENV", "IMPORT_TIME_PREFIXES", "PRELOAD", "WarmPool", "import_time_env", "interpreter"]
 

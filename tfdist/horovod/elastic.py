@@ -84,7 +84,7 @@ from tfdist.horovod.elastic_state import (
     TensorFlowKerasState,
     TensorFlowState,
 )
-from tfdist.training.preemption import PreemptionWatcher
+from tfdist.training.fault_tolerance.preemption import PreemptionWatcher
 
 __all__ = [
     "State",

@@ -99,7 +99,7 @@ class State:
         Inside :func:`run`, a preemption signal to any rank makes every rank
         stop at the same commit, the one after the signal: that commit is
         written, and every process exits with code 143
-        (:mod:`tfdist.training.preemption`). The restarted job resumes from it, with
+        (:mod:`tfdist.training.fault_tolerance.preemption`). The restarted job resumes from it, with
         no step lost. Host changes themselves come from the launcher:
         ``tfdist launch --workers MIN:MAX`` restarts the job at a new size.
         """

@@ -23,7 +23,7 @@ cloudpickle a ``__main__`` function goes by name: each worker loads the
 script as ``__mp_main__`` first, as :mod:`multiprocessing` does, so the call
 to ``run`` must sit under ``if __name__ == "__main__":``.
 
-Each rank runs :mod:`tfdist.engines.hvd_worker`, which imports TensorFlow only
+Each rank runs :mod:`tfdist.engines.worker.hvd_worker`, which imports TensorFlow only
 when ``func`` does (``hvd.init()`` inside it).
 """
 
@@ -39,7 +39,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tfdist.engines import horovodrun, hvd_worker as _hvd_worker
+from tfdist.engines import horovodrun
+from tfdist.engines.worker import hvd_worker as _hvd_worker
 from tfdist.errors import ConfigError, TfdistError
 
 __all__ = ["run", "RunError"]

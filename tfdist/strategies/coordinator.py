@@ -1,6 +1,6 @@
 """Detaching a parameter-server coordinator from its servers before they stop.
 
-Used by the local clusters of :mod:`tfdist.engines.local_cluster` and by
+Used by the local clusters of :mod:`tfdist.engines.worker.local_cluster` and by
 :func:`tfdist.fit` on preemption. Imports TensorFlow only when this process
 already has.
 """

@@ -31,7 +31,7 @@ def _partitioner(value: Any, num_ps: int):
 class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.ParameterServerStrategy):
     """``ParameterServerStrategy`` that Keras 3 can train under.
 
-    Creating one installs :mod:`tfdist.training.ps_patches` (atomic increments on the
+    Creating one installs :mod:`tfdist.training.ps.patches` (atomic increments on the
     ps, gradients of sharded variables). Train with :func:`tfdist.fit`.
     """
 
@@ -50,7 +50,7 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
             cluster_resolver, variable_partitioner=_partitioner(variable_partitioner, num_ps)
         )
         self._set_up(compression, choice)
-        # Keras 3's fixes for this strategy (tfdist.training.ps_patches).
+        # Keras 3's fixes for this strategy (tfdist.training.ps.patches).
         plugins.run("parameter_server", self)
 
 
@@ -70,7 +70,7 @@ def serve(cfg: spec_lib.TFConfig) -> None:
     The chief drives training; ps and worker tasks only serve it. This never
     returns: the chief's side ends the job. On the preemption signal the
     server serves on until the coordinator has saved, then exits with code
-    143 (:mod:`tfdist.training.ps_preemption`).
+    143 (:mod:`tfdist.training.ps.preemption`).
     """
     logging.info(
         "tfdist: %s serves the parameter-server cluster; the chief runs the training.", cfg.task_id

@@ -5,9 +5,10 @@ It owns the fit fixes a strategy installs (:mod:`~tfdist.training.plugin`:
 ``steps_per_execution``, custom loops, gradient accumulation, chief-only
 saves, save-on-preemption), the multi-worker-safe callbacks
 (:mod:`~tfdist.training.callbacks`), input pipelines (:mod:`~tfdist.training.data`,
-:mod:`~tfdist.training.resumable`), preemption (:mod:`~tfdist.training.preemption`)
-and parameter-server training (:func:`fit` in
-:mod:`~tfdist.training.parameter_server`). It imports the strategies,
+:mod:`~tfdist.training.fault_tolerance.resumable`), fault tolerance
+(:mod:`~tfdist.training.fault_tolerance`: preemption, backups every task agrees
+on) and parameter-server training (:mod:`~tfdist.training.ps`; :func:`fit` in
+:mod:`~tfdist.training.ps.fit`). It imports the strategies,
 compression, parallel and the spec layer; never profiling, horovod, the
 engines or the CLI. Importing the package imports no TensorFlow; its names load
 on first use.
@@ -18,11 +19,11 @@ from __future__ import annotations
 from tfdist._lazy import lazy_attributes
 
 _LAZY = {
-    "fit": "parameter_server",
-    "evaluate": "parameter_server",
-    "predict": "parameter_server",
-    "ParameterServerError": "parameter_server",
-    "StepTimeoutError": "parameter_server",
+    "fit": "ps.fit",
+    "evaluate": "ps.fit",
+    "predict": "ps.fit",
+    "ParameterServerError": "ps.fit",
+    "StepTimeoutError": "ps.fit",
 }
 
 __all__ = list(_LAZY)

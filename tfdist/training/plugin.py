@@ -5,9 +5,9 @@ Every strategy installs the ``steps_per_execution`` and custom-loop fixes
 (:mod:`~tfdist.training.steps`, :mod:`~tfdist.training.loops`,
 :mod:`~tfdist.training.accumulation`), the ``*_on_batch`` methods' split of the
 batch (:mod:`~tfdist.training.on_batch`), TensorFlow's preempted exit
-(:mod:`~tfdist.training.tf_handler`), and Keras's saves: chief-only
+(:mod:`~tfdist.training.fault_tolerance.tf_handler`), and Keras's saves: chief-only
 (:mod:`~tfdist.training.saving`, wrapped first) under BackupAndRestore's
-save-on-preemption (:mod:`~tfdist.training.fit_preemption`), and
+save-on-preemption (:mod:`~tfdist.training.fault_tolerance.fit_preemption`), and
 ``jit_compile`` per replica (:mod:`~tfdist.training.xla`).
 """
 
@@ -15,16 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist.training import (
-    accumulation,
-    fit_preemption,
-    loops,
-    on_batch,
-    saving,
-    steps,
-    tf_handler,
-    xla,
-)
+from tfdist.training import accumulation, loops, on_batch, saving, steps, xla
+from tfdist.training.fault_tolerance import fit_preemption, tf_handler
 
 
 def install(strategy: Any) -> None:
@@ -50,14 +42,14 @@ def multi_worker(strategy: Any) -> None:
 
 def parameter_server(strategy: Any) -> None:
     # Keras 3 loses concurrent increments and cannot differentiate sharded
-    # variables under this strategy; see tfdist.training.ps_patches.
-    from tfdist.training import ps_patches
+    # variables under this strategy; see tfdist.training.ps.patches.
+    from tfdist.training.ps import patches as ps_patches
 
     ps_patches.install()
 
 
 def serve(task_type: str, task_index: int, server: Any) -> bool:
-    from tfdist.training import ps_preemption
+    from tfdist.training.ps import preemption as ps_preemption
 
     # Not server.join(): it never returns, so no Python signal handler runs.
     ps_preemption.serve_until_preempted(task_type, task_index, server)

@@ -18,7 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist.errors import ConfigError
-from tfdist.training import resume, saving as keras_saving, task_exchange
+from tfdist.training import saving as keras_saving
 from tfdist.training.callbacks.files import (
     CKPT_PREFIX,
     CKPT_SUFFIX,
@@ -40,7 +40,8 @@ from tfdist.training.callbacks.workers import (
     num_workers,
     task_name,
 )
-from tfdist.training.preemption import PreemptionWatcher
+from tfdist.training.fault_tolerance import resume, task_exchange
+from tfdist.training.fault_tolerance.preemption import PreemptionWatcher
 
 
 class SkipSteps:
@@ -122,11 +123,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             marked, without another save, as the start of the next epoch).
         delete_checkpoint: Delete the backups when ``fit`` ends normally.
         save_on_preemption: Watch for the preemption signal during ``fit``
-            (SIGTERM, or ``$TFDIST_PREEMPT_SIGNAL``; :mod:`tfdist.training.preemption`):
+            (SIGTERM, or ``$TFDIST_PREEMPT_SIGNAL``;
+            :mod:`tfdist.training.fault_tolerance.preemption`):
             on a signal to any worker, every worker stops after the same
             step, the chief backs up there (pointer marked ``preempted``),
             and the process exits with code 143
-            (:data:`tfdist.training.preemption.PREEMPTED_EXIT_CODE`). The next run
+            (:data:`tfdist.training.fault_tolerance.preemption.PREEMPTED_EXIT_CODE`). The next run
             resumes at that batch.
 
     Attributes:

@@ -11,7 +11,7 @@ epoch 0, then "Socket closed" in worker 1's next collective). At the start
 of ``fit`` :func:`decide` settles, on every task, before anything is loaded:
 
 * **Who writes where.** Every task puts a probe file in its ``backup_dir``
-  and the tasks exchange the probes' names (:mod:`tfdist.training.task_exchange`).
+  and the tasks exchange the probes' names (:mod:`tfdist.training.fault_tolerance.task_exchange`).
   The tasks whose probes a directory shows share it; the first of them
   writes there (the chief in its own), the others save into scratch. So
   a shared directory has one writer, and a directory of its own is written
@@ -20,7 +20,7 @@ of ``fit`` :func:`decide` settles, on every task, before anything is loaded:
 * **Where to resume.** Every task reports the points (epoch, batch) of the
   backups it can restore: its latest, and the previous one with
   ``double_checkpoint``; a weights file that does not match the sha256 its
-  metadata recorded does not count. :func:`tfdist.training.backup_agreement.agree`
+  metadata recorded does not count. :func:`tfdist.training.fault_tolerance.backup_agreement.agree`
   picks the newest point every task holds, or every task fails at once,
   naming what each holds. A task that resumes from its previous backup
   makes it its latest again, as Keras does after a damaged save.
@@ -39,8 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tfdist.training import backup_agreement, task_exchange
 from tfdist.training.callbacks.files import sha256
+from tfdist.training.fault_tolerance import backup_agreement, task_exchange
 
 __all__ = [
     "PROBE_PREFIX",
@@ -120,9 +120,9 @@ def decide(callback: Any, strategy: Any) -> Decision:
     and where the job resumes. Call it on every task at the start of ``fit``.
 
     Raises:
-        tfdist.training.backup_agreement.BackupDisagreementError: No point
+        tfdist.training.fault_tolerance.backup_agreement.BackupDisagreementError: No point
             is held by every task (the same error on every task).
-        tfdist.training.task_exchange.ExchangeError: A task did not report.
+        tfdist.training.fault_tolerance.task_exchange.ExchangeError: A task did not report.
     """
     names, index = task_exchange.trainers(strategy)
     directory = os.path.abspath(str(callback.backup_dir))

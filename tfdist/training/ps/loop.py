@@ -18,10 +18,10 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError, require_int
 from tfdist.record import slot
-from tfdist.training import ps_patches as keras_ps
-from tfdist.training.fit_preemption import FitProgress
-from tfdist.training.preemption import Preempted
-from tfdist.training.ps_data import (
+from tfdist.training.fault_tolerance.fit_preemption import FitProgress
+from tfdist.training.fault_tolerance.preemption import Preempted
+from tfdist.training.ps import patches as keras_ps
+from tfdist.training.ps.data import (
     IN_FLIGHT_PER_WORKER,
     SOURCE,
     TrainData,
@@ -32,7 +32,7 @@ from tfdist.training.ps_data import (
     local_dataset,
     verbosity,
 )
-from tfdist.training.ps_steps import (
+from tfdist.training.ps.steps import (
     cluster_spec,
     evaluate_on_coordinator,
     numpy_logs,
@@ -268,7 +268,7 @@ def _split(x: Any, y: Any, sample_weight: Any, validation_split: float) -> tuple
 def _watchers(callbacks: Any) -> list:
     """The preemption watchers of the callbacks: ``tfdist.BackupAndRestore``'s,
     and Keras's BackupAndRestore's under a tfdist strategy
-    (:mod:`tfdist.training.fit_preemption`). They exist from ``on_train_begin``."""
+    (:mod:`tfdist.training.fault_tolerance.fit_preemption`). They exist from ``on_train_begin``."""
     found = []
     for callback in getattr(callbacks, "callbacks", callbacks or ()):
         kept = slot(callback, FitProgress)
@@ -292,9 +292,9 @@ def _no_stop(watchers: list):
 def _training_marker(watchers: list):
     """While this coordinator trains with a preemption watcher, a marker in
     the notice directory tells a signalled server to wait for the backup
-    (:mod:`tfdist.training.ps_preemption`); without it, a server stops at once (the
+    (:mod:`tfdist.training.ps.preemption`); without it, a server stops at once (the
     job is ending anyway)."""
-    from tfdist.training.ps_preemption import TRAINING_MARKER, notice_dir
+    from tfdist.training.ps.preemption import TRAINING_MARKER, notice_dir
 
     directory = notice_dir() if watchers else None
     path = None
@@ -326,7 +326,7 @@ class _PsNotices:
     INTERVAL = 0.2
 
     def __init__(self, watchers: list) -> None:
-        from tfdist.training.ps_preemption import notice_dir
+        from tfdist.training.ps.preemption import notice_dir
 
         self.watchers = watchers
         self.directory = notice_dir() if watchers else None

@@ -8,7 +8,7 @@ again; its mid-epoch saves also record epoch 0 during the first epoch after a
 resume (it counts epochs only in ``on_epoch_end``). Under a tfdist strategy
 :func:`install` wraps the class so that, with no change to the script:
 
-* a :class:`tfdist.training.preemption.PreemptionWatcher` runs during ``fit``; on a
+* a :class:`tfdist.training.fault_tolerance.preemption.PreemptionWatcher` runs during ``fit``; on a
   signal to any worker every worker stops after the same batch, the callback
   saves there (the chief writes, :mod:`tfdist.training.saving`), and the
   process exits with code 143;
@@ -19,9 +19,9 @@ resume (it counts epochs only in ``on_epoch_end``). Under a tfdist strategy
 * in a multi-worker job, before anything is loaded, the tasks agree on the
   backup they all resume from, and each task whose ``backup_dir`` is its own
   (no shared filesystem) writes its backup there
-  (:mod:`tfdist.training.backup_dirs`): workers never resume at different
+  (:mod:`tfdist.training.fault_tolerance.backup_dirs`): workers never resume at different
   points; if their backups hold no point in common every task fails at once,
-  naming what each holds (:mod:`tfdist.training.backup_agreement`).
+  naming what each holds (:mod:`tfdist.training.fault_tolerance.backup_agreement`).
 
 Under TensorFlow's own strategies nothing changes.
 """
@@ -38,8 +38,8 @@ from typing import Any
 from absl import logging
 
 from tfdist.record import attach, slot
-from tfdist.training import preemption
-from tfdist.training.preemption import PreemptionWatcher
+from tfdist.training.fault_tolerance import preemption
+from tfdist.training.fault_tolerance.preemption import PreemptionWatcher
 
 __all__ = [
     "install",
@@ -111,7 +111,8 @@ def metadata(callback: Any, digest: bool | None = None) -> dict:
             metadata to it); default: in a multi-worker job, where the
             workers check their backups against each other's at resume.
     """
-    from tfdist.training import backup_dirs, saving as keras_saving
+    from tfdist.training import saving as keras_saving
+    from tfdist.training.fault_tolerance import backup_dirs
 
     strategy = _strategy(callback.model)
     fields = {
@@ -134,7 +135,8 @@ def _agreed_load(callback: Any, original: Any, logs: Any) -> dict | None:
     Returns:
         The loaded backup's metadata, or None (a fresh start on every task).
     """
-    from tfdist.training import backup_agreement, backup_dirs, saving as keras_saving
+    from tfdist.training import saving as keras_saving
+    from tfdist.training.fault_tolerance import backup_agreement, backup_dirs
 
     decision = backup_dirs.decide(callback, _strategy(callback.model))
     chief = keras_saving.active(callback.model)[1]
@@ -171,8 +173,8 @@ def wrap_begin(original):
         state = attach(self, FitProgress())
         if not _under_tfdist(self.model):
             return original(self, logs)
-        from tfdist.training import resume
         from tfdist.training.callbacks.backup import SkipSteps, unwrap_train_function
+        from tfdist.training.fault_tolerance import resume
 
         unwrap_train_function(self.model)
         if _agrees(self):
@@ -263,7 +265,7 @@ def wrap_save(original):
         if progress(self).own_copy:
             # A non-chief task that writes its own backup_dir (decided at
             # train begin), instead of saving into scratch.
-            from tfdist.training import backup_dirs
+            from tfdist.training.fault_tolerance import backup_dirs
 
             return backup_dirs.save_own(self, metadata(self, digest=False))
         result = original(self)

@@ -13,7 +13,7 @@ to one worker, both exit 42, the launcher restarts the job as after a crash
 :func:`install` (called when a tfdist strategy is created) gives a handler
 created without a ``termination_config`` tfdist's exit instead: the status
 record ``$TFDIST_JOB_DIR/preempted/TASK.json`` (step = the handler's run
-count at the save), then exit code 143, as :mod:`tfdist.training.preemption` does. A
+count at the save), then exit code 143, as :mod:`tfdist.training.fault_tolerance.preemption` does. A
 handler given its own ``termination_config`` is left as it is.
 """
 
@@ -46,7 +46,7 @@ def _record(handler: Any) -> dict:
 
 
 def _exit(handler: Any) -> None:
-    from tfdist.training.preemption import PREEMPTED_EXIT_CODE, write_status
+    from tfdist.training.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, write_status
 
     record = _record(handler)
     record["exit_time"] = time.time()

@@ -43,7 +43,7 @@ parameter-server training:
   and handled the same way while the ps still serves its variables. A
   worker server serves on until the coordinator saved or its grace period
   ends, then leaves (exit 143); the job goes on without it
-  (:mod:`tfdist.training.ps_preemption`).
+  (:mod:`tfdist.training.ps.preemption`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.strategies import ParameterServerStrategy as TfdistPS
-from tfdist.training.ps_data import (
+from tfdist.training.ps.data import (
     PS,
     SOURCE,
     ParameterServerError,
@@ -69,9 +69,9 @@ from tfdist.training.ps_data import (
     local_dataset,
     verbosity,
 )
-from tfdist.training.ps_loop import ParameterServerFit
-from tfdist.training.ps_patches import shards
-from tfdist.training.ps_steps import evaluate_on_coordinator, traced_steps
+from tfdist.training.ps.loop import ParameterServerFit
+from tfdist.training.ps.patches import shards
+from tfdist.training.ps.steps import evaluate_on_coordinator, traced_steps
 
 __all__ = ["fit", "evaluate", "predict", "shards", "ParameterServerError", "StepTimeoutError"]
 

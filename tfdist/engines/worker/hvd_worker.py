@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 #: What each rank runs (``python -c``); argv[1] is the call directory.
-WORKER_CODE = "import sys; from tfdist.engines.hvd_worker import main; sys.exit(main(sys.argv[1]))"
+WORKER_CODE = (
+    "import sys; from tfdist.engines.worker.hvd_worker import main; sys.exit(main(sys.argv[1]))"
+)
 #: True while a rank loads the caller's ``__main__`` (the pickle path): a
 #: ``run()`` call at the script's top level would start ranks from ranks.
 LOADING_MAIN = False

@@ -3,7 +3,7 @@
 The wrappers of its ``_save_model``, ``on_train_begin`` and ``on_train_end``
 (:mod:`tfdist.compat.registry`), as :mod:`tfdist.training.saving` does for
 ``model.save`` and ModelCheckpoint: the chief writes atomically, with tfdist's
-fields in the metadata (:func:`tfdist.training.fit_preemption.metadata`); the
+fields in the metadata (:func:`tfdist.training.fault_tolerance.fit_preemption.metadata`); the
 other workers join the save's collectives under a private root, read what
 the chief wrote, and leave its deletion to the chief.
 """
@@ -16,7 +16,7 @@ import shutil
 import tempfile
 
 from tfdist.training.chief_save import active, holds_split_weights, local
-from tfdist.training.fit_preemption import metadata
+from tfdist.training.fault_tolerance.fit_preemption import metadata
 from tfdist.training.saving import copy_atomically, scratch_root, write_json
 
 __all__ = ["wrap_backup_save", "wrap_backup_begin", "wrap_backup_end"]

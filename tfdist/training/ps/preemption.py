@@ -42,7 +42,11 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from tfdist.training.preemption import PREEMPTED_EXIT_CODE, preemption_signal, status_dir
+from tfdist.training.fault_tolerance.preemption import (
+    PREEMPTED_EXIT_CODE,
+    preemption_signal,
+    status_dir,
+)
 
 __all__ = ["serve_until_preempted", "NOTICE_DIR", "TRAINING_MARKER", "notice_dir", "grace_seconds"]
 
@@ -105,7 +109,7 @@ def _coordinator_done() -> bool:
 def serve_until_preempted(task_type: str, task_index: int, server: Any = None) -> NoReturn:
     """Blocks this server's main thread until the preemption signal, then
     lets the coordinator save (see the module docstring) and exits with
-    :data:`tfdist.training.preemption.PREEMPTED_EXIT_CODE`.
+    :data:`tfdist.training.fault_tolerance.preemption.PREEMPTED_EXIT_CODE`.
 
     Call it in the main thread after the ``tf.distribute.Server`` started,
     instead of ``server.join()`` (which never returns, so no Python signal

@@ -1,6 +1,6 @@
 """One step of parameter-server training, scheduled on a worker by the coordinator:
 Keras's train step, waiting for its result with a timeout, and a failed ps
-turned into a :class:`~tfdist.training.ps_data.ParameterServerError` naming it.
+turned into a :class:`~tfdist.training.ps.data.ParameterServerError` naming it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.record import attach, slot
-from tfdist.training import ps_patches as keras_ps
-from tfdist.training.ps_data import ParameterServerError, StepTimeoutError, check_positive_int
+from tfdist.training.ps import patches as keras_ps
+from tfdist.training.ps.data import ParameterServerError, StepTimeoutError, check_positive_int
 
 # --------------------------------------------------------------------------
 # The steps.
@@ -39,7 +39,7 @@ def traced_steps(model: object) -> TracedSteps:
 
 def _keras_train_step(model: Any, data: Any) -> dict:
     """Keras 3's TF ``train_step``, with gradients that work on sharded
-    variables (see :func:`tfdist.training.ps_patches.gradients`)."""
+    variables (see :func:`tfdist.training.ps.patches.gradients`)."""
     from tfdist.compat.keras_src import data_adapters, loss_module, tree
 
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)

@@ -112,8 +112,8 @@ def _executor_host(barrier_context: Any, partition: int) -> str:
 
 def _preemption_record(error: BaseException) -> dict | None:
     """The status record of a task that saved on preemption and exits
-    (tfdist.training.preemption.Preempted, a SystemExit), else None."""
-    from tfdist.training.preemption import Preempted  # No TensorFlow.
+    (tfdist.training.fault_tolerance.preemption.Preempted, a SystemExit), else None."""
+    from tfdist.training.fault_tolerance.preemption import Preempted  # No TensorFlow.
 
     return dict(error.record) if isinstance(error, Preempted) else None
 
@@ -207,7 +207,7 @@ def run_task(spec: TaskSpec, _rows: Iterable[Any]) -> Iterator[bytes]:
     partition = barrier_context.partitionId()
     try:
         os.environ.update(spec.env)
-        # Read by tfdist.training.preemption (its keys and status record).
+        # Read by tfdist.training.fault_tolerance.preemption (its keys and status record).
         os.environ["TFDIST_LAUNCH_ATTEMPT"] = str(spec.attempt)
         host = spec.host or _executor_host(barrier_context, partition)
         from tfdist.engines.net import free_ports
