@@ -133,6 +133,14 @@ def parse_compression(setting: Any) -> CompressionSetting:
     return CompressionSetting(name, number)
 
 
+def with_error_feedback(
+    setting: CompressionSetting, error_feedback: bool | None
+) -> CompressionSetting:
+    """``setting`` with ``error_feedback`` (``strategy_from_config``'s
+    ``error_feedback=``; None: the compressor's default)."""
+    return dataclasses.replace(setting, error_feedback=error_feedback)
+
+
 #: Whether error feedback is on by default: the biased compressors need it
 #: to converge; the unbiased or near-lossless ones do not. Random-k is
 #: unbiased (scaled) by default; ``RandomKCompressor(unbiased=False)`` gets

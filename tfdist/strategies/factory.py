@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -15,8 +14,8 @@ from absl import logging
 
 from tfdist import plugins
 from tfdist.compat import versions
-from tfdist.compression import CompressionSetting, parse_compression
 from tfdist.errors import ConfigError
+from tfdist.spec.compression import CompressionSetting, parse_compression, with_error_feedback
 from tfdist.spec.detect import Choice, choose
 from tfdist.spec.options import (
     StrategyOptions,
@@ -131,7 +130,8 @@ def strategy_from_config(
         ClusterJoinError: A peer did not join within ``register_timeout``.
     """
     opts = make_options(**options)
-    comp = dataclasses.replace(parse_compression(compression), error_feedback=error_feedback)
+    setting = parse_compression(compression)
+    comp = with_error_feedback(setting, error_feedback)
     # Inside a tfdist.spark task: the task's strategy, not a second one.
     task_strategy = provided.lookup(config, strategy, compression, error_feedback, options)
     if task_strategy is not None:

@@ -20,8 +20,8 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from tfdist.compression import parse_compression
 from tfdist.errors import ConfigError
+from tfdist.spec.compression import parse_compression, with_error_feedback
 from tfdist.spec.options import make_options
 
 
@@ -110,12 +110,12 @@ def lookup(
         f"process): pass the setting to {provided.source} instead."
     )
     if compression is not None or error_feedback is not None:
-        given = dataclasses.replace(
-            parse_compression(provided.compression), error_feedback=provided.error_feedback
+        given = with_error_feedback(
+            parse_compression(provided.compression), provided.error_feedback
         )
-        asked = dataclasses.replace(
+        asked = with_error_feedback(
             parse_compression(provided.compression if compression is None else compression),
-            error_feedback=(provided.error_feedback if error_feedback is None else error_feedback),
+            provided.error_feedback if error_feedback is None else error_feedback,
         )
         if str(asked) != str(given):
             field, value = (

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from absl import logging
@@ -111,6 +111,21 @@ def publish(key: str, record: dict) -> None:
     ctx = _coordination()
     if ctx is not None:
         ctx.set_config_key_value(key, json.dumps(record))
+
+
+@contextlib.contextmanager
+def publishing(key: str, record: dict) -> Iterator[None]:
+    """Publishes ``record`` under ``key`` once the block ends: ``"ok": True``,
+    or the error that ended it (which still propagates)."""
+    record = {**record, "ok": False}
+    try:
+        yield
+        record["ok"] = True
+    except BaseException as error:
+        record["error"] = f"{type(error).__name__}: {error}"
+        raise
+    finally:
+        publish(key, record)
 
 
 def wait(key: str, path: str, own_seconds: float) -> dict | None:
@@ -216,20 +231,12 @@ def _staged(path: str, save: Callable[[str], Any], directory: str) -> Any:
 def _chief_save(path: str, save: Callable[[str], Any]) -> Any:
     key = next_key(path)
     directory = os.path.dirname(os.path.abspath(path))
-    record = {"path": os.path.abspath(path) if local(path) else path, "ok": False}
-    try:
+    with publishing(key, {"path": os.path.abspath(path) if local(path) else path}):
         if local(path) and os.path.isdir(directory):
             _sweep(directory)
-            value = _staged(os.path.abspath(path), save, directory)
-        else:  # Remote (object stores replace whole objects), or Keras's own error.
-            value = save(path)
-        record["ok"] = True
-        return value
-    except BaseException as error:
-        record["error"] = f"{type(error).__name__}: {error}"
-        raise
-    finally:
-        publish(key, record)
+            return _staged(os.path.abspath(path), save, directory)
+        # Remote (object stores replace whole objects), or Keras's own error.
+        return save(path)
 
 
 def _worker_save(path: str, save: Callable[[str], Any]) -> Any:

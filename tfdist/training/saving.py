@@ -80,6 +80,7 @@ from tfdist.training.chief_save import (
     multi_worker,
     next_key,
     publish,
+    publishing,
     unsynchronized,
     wait,
 )
@@ -252,16 +253,8 @@ def wrap_manager_save(original):
         key = next_key("tf.train.CheckpointManager.save")
         if chief:
             publish(f"{key}/directory", {"path": str(self.directory)})
-            record = {"path": str(self.directory), "ok": False}
-            try:
-                value = original(self, *args, **kwargs)
-                record["ok"] = True
-                return value
-            except BaseException as error:
-                record["error"] = f"{type(error).__name__}: {error}"
-                raise
-            finally:
-                publish(key, record)
+            with publishing(key, {"path": str(self.directory)}):
+                return original(self, *args, **kwargs)
         started = time.monotonic()
         chief_dir = wait(f"{key}/directory", str(self.directory), 0.0)
         if chief_dir is not None and _same_directory(chief_dir["path"], str(self.directory)):

@@ -147,29 +147,11 @@ def fit(
         ParameterServerError: A ps died or the cluster failed.
         StepTimeoutError: No step finished within ``step_timeout``.
     """
-    strategy = _strategy_of(model)
-    if not isinstance(strategy, PS):
-        return model.fit(
-            x,
-            y,
-            batch_size=batch_size,
-            epochs=epochs,
-            verbose=verbose,
-            callbacks=callbacks,
-            validation_split=validation_split,
-            validation_data=validation_data,
-            shuffle=shuffle,
-            class_weight=class_weight,
-            sample_weight=sample_weight,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq,
-        )
-    return ParameterServerFit(model, strategy, step_timeout).run(
-        x,
-        y,
+    # Every argument of Keras's fit, as given: to Keras's own fit off a
+    # parameter-server strategy, to the coordinator's loop on one.
+    arguments = dict(
+        x=x,
+        y=y,
         batch_size=batch_size,
         epochs=epochs,
         verbose=verbose,
@@ -185,6 +167,10 @@ def fit(
         validation_batch_size=validation_batch_size,
         validation_freq=validation_freq,
     )
+    strategy = _strategy_of(model)
+    if not isinstance(strategy, PS):
+        return model.fit(**arguments)
+    return ParameterServerFit(model, strategy, step_timeout).run(**arguments)
 
 
 def evaluate(
