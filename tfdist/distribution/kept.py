@@ -57,7 +57,7 @@ def strategy_of(distribution: object) -> Any:
     return kept(distribution).strategy
 
 
-def is_mapped(strategy: Any) -> bool:
+def is_mapped(strategy: object) -> bool:
     """Whether ``strategy`` was made for a distribution, or one is being made
     now (then any ``strategy``, None too, is)."""
     return getattr(_local, "making", False) or strategy in _mapped
@@ -73,6 +73,6 @@ def making() -> Iterator[None]:
         _local.making = False
 
 
-def mark(strategy: Any) -> None:
+def mark(strategy: object) -> None:
     """Records ``strategy`` as made for a distribution, not by the user."""
     _mapped.add(strategy)

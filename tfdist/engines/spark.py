@@ -390,10 +390,10 @@ def run(
 
 
 def _check_call(
-    train_fn: Any,
-    host: Any,
-    compression: Any,
-    error_feedback: Any,
+    train_fn: object,
+    host: object,
+    compression: object,
+    error_feedback: object,
     kwargs: dict,
 ) -> tuple[bool, dict, dict]:
     """Checks ``run``'s arguments here, not in every task (the options and the

@@ -259,7 +259,7 @@ def run(
         return _results(result, Path(directory), count)
 
 
-def _check_local(count: int, hosts: Any, hostfile: Any, field: str) -> None:
+def _check_local(count: int, hosts: object, hostfile: object, field: str) -> None:
     """Refuses ranks on another machine: run() starts local processes only."""
     ranks = horovodrun.rank_hosts(
         count, horovodrun.read_hosts(hosts, hostfile, source=_SOURCE), source=_SOURCE, field=field
@@ -278,7 +278,7 @@ def _check_local(count: int, hosts: Any, hostfile: Any, field: str) -> None:
         )
 
 
-def _task_env(env: Mapping[str, str] | None, start_timeout: Any) -> dict[str, str]:
+def _task_env(env: Mapping[str, str] | None, start_timeout: object) -> dict[str, str]:
     """The ranks' extra environment, with ``start_timeout`` as their
     registration timeout."""
     if start_timeout is not None and (

@@ -21,7 +21,7 @@ __all__ = ["attach"]
 _SOURCE = "strategy_from_config"
 
 
-def _model_parallel(value: Any) -> int:
+def _model_parallel(value: object) -> int:
     if isinstance(value, bool) or value is None:
         raise ConfigError("model_parallel", value, "an integer >= 1", source=_SOURCE)
     try:
@@ -33,7 +33,7 @@ def _model_parallel(value: Any) -> int:
     return number
 
 
-def attach(strategy: Any, model_parallel: Any, always: bool = False) -> Mesh | None:
+def attach(strategy: Any, model_parallel: object, always: bool = False) -> Mesh | None:
     """Arranges ``strategy``'s replicas as a (data, tensor) mesh.
 
     Args:

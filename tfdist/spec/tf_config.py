@@ -172,7 +172,7 @@ class TFConfig:
 
 
 def from_data(
-    data: Any, source: str, *, require_task: bool, strategy: str | None = None
+    data: object, source: str, *, require_task: bool, strategy: str | None = None
 ) -> TFConfig:
     """The TFConfig of raw TF_CONFIG data (parsed JSON), once it keeps every
     rule (:class:`~tfdist.spec.validate.Validator`).

@@ -78,7 +78,7 @@ class Validator:
             field, value, expected, source=self.source, hint=hint, received=received
         )
 
-    def check(self, data: Any, *, require_task: bool, strategy: Any) -> dict[str, Any]:
+    def check(self, data: object, *, require_task: bool, strategy: object) -> dict[str, Any]:
         """The normalized fields of a :class:`~tfdist.spec.tf_config.TFConfig`
         (jobs ordered chief, worker, ps), once ``data`` keeps every rule."""
         strategy = _normalize_strategy(strategy, self.source)

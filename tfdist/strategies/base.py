@@ -123,7 +123,7 @@ class TfdistStrategy:
                 record.aggregator = make_aggregator("none")
         plugins.run("created", self)
 
-    def _attach_mesh(self, model_parallel: Any) -> None:
+    def _attach_mesh(self, model_parallel: object) -> None:
         """Arranges the replicas as a (data, tensor) mesh for T > 1."""
         plugins.run("attach", self, model_parallel)
 

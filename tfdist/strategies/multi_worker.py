@@ -199,7 +199,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         return tf.nest.map_structure(reduce_one, value)
 
 
-def _warn_of_timeout_seconds(communication_options: Any) -> None:
+def _warn_of_timeout_seconds(communication_options: object) -> None:
     timeout = getattr(communication_options, "timeout_seconds", None)
     if timeout:
         logging.warning(

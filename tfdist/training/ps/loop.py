@@ -231,7 +231,9 @@ def _callback_list(callbacks: Any, verbose: Any, epochs: int, steps: int, model:
     )
 
 
-def _check_fit(class_weight: Any, epochs: Any, validation_freq: Any, steps_per_epoch: Any) -> None:
+def _check_fit(
+    class_weight: object, epochs: object, validation_freq: object, steps_per_epoch: object
+) -> None:
     if class_weight is not None:
         raise ConfigError(
             "class_weight",
