@@ -19,11 +19,11 @@ from __future__ import annotations
 from tfdist._lazy import lazy_attributes
 
 _LAZY = {
-    "fit": "ps.fit",
-    "evaluate": "ps.fit",
-    "predict": "ps.fit",
-    "ParameterServerError": "ps.fit",
-    "StepTimeoutError": "ps.fit",
+    "fit": "tfdist.training.ps.fit",
+    "evaluate": "tfdist.training.ps.fit",
+    "predict": "tfdist.training.ps.fit",
+    "ParameterServerError": "tfdist.training.ps.fit",
+    "StepTimeoutError": "tfdist.training.ps.fit",
 }
 
 __all__ = list(_LAZY)
