@@ -11,10 +11,16 @@ The lowest layer of tfdist. It owns:
   applied, composed in a declared order and removable;
 * :mod:`~tfdist.compat.keras_src` and :mod:`~tfdist.compat.tf_python`: every
   name tfdist takes from ``keras.src`` and ``tensorflow.python``, with the
-  location it has in each supported version.
+  location it has in each supported version;
+* :mod:`~tfdist.compat.keras_private`, :mod:`~tfdist.compat.tf_private` and
+  :mod:`~tfdist.compat.spark_private`: every private attribute of a Keras,
+  TensorFlow or PySpark object that tfdist reads or sets, behind a named
+  function.
 
-Nothing else in tfdist imports ``keras.src`` or ``tensorflow.python`` or
-assigns to a Keras/TF attribute (tests/compat checks it). This package
+Nothing else in tfdist imports ``keras.src`` or ``tensorflow.python``, or
+assigns to a Keras/TF attribute, and a private attribute access outside this
+package is an exception tests/compat lists with its reason (tests/compat
+checks it). This package
 imports no other part of tfdist but :mod:`tfdist.errors`; the wrappers the
 registry names live in their features' modules and are imported when a
 feature is installed. Importing it imports no TensorFlow.

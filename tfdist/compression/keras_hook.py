@@ -43,6 +43,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.compat import tf_private
 from tfdist.compat.keras_src import backend, standardize_dtype
 from tfdist.compression.aggregate import Aggregator, Item
 from tfdist.compression.sparse import TracedSlices, record_traced, traced_slices
@@ -141,7 +142,7 @@ def create_state(optimizer, aggregator: Aggregator, strategy, variables) -> None
     # it; model.save stores them through the save/load wrappers below, and
     # tf.train.Checkpoint through named dependencies.
     for i, v in enumerate(flat):
-        optimizer._track_trackable(v, name=f"{_PREFIX}{i}", overwrite=True)  # noqa: SLF001 - TF's tracking API: checkpoint dependencies outside Keras's variable list
+        tf_private.track_trackable(optimizer, v, name=f"{_PREFIX}{i}", overwrite=True)
     attach(optimizer, OptimizerState(aggregator, flat, state))
 
 

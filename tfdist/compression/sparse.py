@@ -44,6 +44,7 @@ import math
 import weakref
 from typing import Any, NamedTuple
 
+from tfdist.compat import keras_private
 from tfdist.errors import ConfigError
 from tfdist.transport.traffic import LENGTH_BYTES, slices_nbytes
 
@@ -185,7 +186,7 @@ def embedding_tables(model: Any) -> dict[int, tuple[Any, int, str]]:
 
     tables = {}
     layers = (
-        model._flatten_layers(include_self=False)  # noqa: SLF001 - Keras has no public walk over nested layers
+        keras_private.flatten_layers(model, include_self=False)
         if hasattr(model, "_flatten_layers")
         else getattr(model, "layers", [])
     )

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist.compat import tf_private
 from tfdist.distribution import model_parallel
 from tfdist.errors import ConfigError
 from tfdist.parallel import collectives, sharding
@@ -190,7 +191,7 @@ class _LaidOut:
 
     @property
     def _shared_name(self):
-        return self._value._shared_name  # noqa: SLF001 - TF's checkpointing reads _shared_name; the wrapped variable's, forwarded
+        return tf_private.shared_name(self._value)  # TF's checkpointing reads it: forwarded.
 
     # A regularizer or constraint would see one block, not the weight.
     @property

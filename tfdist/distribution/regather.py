@@ -38,6 +38,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfdist.compat import keras_private
 from tfdist.parallel import collectives, sharding
 from tfdist.record import attach, slot
 
@@ -82,7 +83,7 @@ def own_split(layer: Any) -> list:
 
 def is_leaf(layer: Any) -> bool:
     """No sublayer of ``layer`` has weights of its own."""
-    for sub in layer._flatten_layers(include_self=False):  # noqa: SLF001 - Keras has no public walk over nested layers
+    for sub in keras_private.flatten_layers(layer, include_self=False):
         if list(getattr(sub, "_trainable_variables", [])) or list(
             getattr(sub, "_non_trainable_variables", [])
         ):
@@ -116,7 +117,7 @@ def _call(layer: Any, original: Any, args: tuple, kwargs: dict) -> Any:
     leaves = tf.nest.flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
     tensors = [tf.convert_to_tensor(leaves[i]) for i in where]
-    blocks = [v._maybe_autocast(tf.convert_to_tensor(v._value)) for v in split]  # noqa: SLF001 - the local block as Keras reads it: its tf.Variable, autocast
+    blocks = [keras_private.autocast_value(v) for v in split]
     specs = [sharding.spec_of(v) for v in split]
     trainable = [bool(v.trainable) for v in split]
     shapes = [tuple(b.shape) for b in blocks]

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tfdist.compat import keras_private
 from tfdist.parallel import sharding
 
 __all__ = ["WeightRow", "LayoutReport", "report"]
@@ -141,7 +142,7 @@ def report(model: Any, distribution: Any = None) -> LayoutReport:
     from tfdist.distribution import megatron, regather
 
     kept, tensor_parallel = set(), {}
-    for layer in model._flatten_layers(include_self=True):  # noqa: SLF001 - Keras has no public walk over nested layers
+    for layer in keras_private.flatten_layers(model, include_self=True):
         split = regather.own_split(layer)
         if not regather.regathers(layer) or not regather.is_leaf(layer):
             # tfdist.parallel's own layers' shards (no layout) are theirs.

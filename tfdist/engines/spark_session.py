@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from tfdist.compat import spark_private
 from tfdist.engines.launch_results import PREEMPTED_EXIT_CODE
 from tfdist.engines.worker.spark_task import MARK_RE, RESULT_TASK_RE, TB_RE, TaskSpec, run_task
 from tfdist.errors import ConfigError, TfdistError, require_int
@@ -117,8 +118,7 @@ def _new_session_settings() -> tuple[dict[str, str], str | None]:
     pyspark = _pyspark()
     settings = dict(SESSION_SETTINGS)
     try:
-        pyspark.SparkContext._ensure_initialized()  # noqa: SLF001 - starts PySpark's JVM gateway to read spark.master before any session
-        conf = pyspark.SparkConf(_jvm=pyspark.SparkContext._jvm)  # noqa: SLF001 - the gateway started above; SparkConf takes it only so
+        conf = spark_private.launch_conf(pyspark)
         master = conf.get("spark.master", None)
     except Exception:  # noqa: BLE001 - a private API: then only the settings of any master.
         return settings, None
@@ -162,7 +162,7 @@ def context_of(spark: Any) -> tuple[Any, bool]:
     if spark is None:
         from pyspark.sql import SparkSession
 
-        spark = SparkSession.getActiveSession() or pyspark.SparkContext._active_spark_context  # noqa: SLF001 - PySpark's only handle on a running SparkContext
+        spark = SparkSession.getActiveSession() or spark_private.active_spark_context(pyspark)
         if spark is None:
             session, master = _get_or_create_session()
             return context_of(session)[0], _is_local_master(master)
@@ -202,7 +202,7 @@ def check_worker_reuse(sc: Any) -> None:
 def _task_slots(sc: Any) -> int | None:
     """Tasks Spark can run at once now, or None if it cannot be told."""
     try:
-        jsc = sc._jsc.sc()  # noqa: SLF001 - the JVM SparkContext: free task slots have no Python API
+        jsc = spark_private.jvm_spark_context(sc)
         profile = jsc.resourceProfileManager().defaultResourceProfile()
         return int(jsc.maxNumConcurrentTasks(profile))
     except Exception:  # noqa: BLE001 - a private API: leave the check to Spark.
@@ -400,8 +400,8 @@ def local_session(
     if conf is not None and not isinstance(conf, Mapping):
         raise ConfigError("conf", conf, "a mapping of Spark settings", source=source)
     pyspark = _pyspark()
-    if pyspark.SparkContext._active_spark_context is not None:  # noqa: SLF001 - PySpark's only handle on a running SparkContext
-        running = pyspark.SparkContext._active_spark_context  # noqa: SLF001 - PySpark's only handle on a running SparkContext
+    if spark_private.active_spark_context(pyspark) is not None:
+        running = spark_private.active_spark_context(pyspark)
         raise ConfigError(
             "master",
             master,

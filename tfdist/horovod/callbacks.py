@@ -46,6 +46,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.compat import keras_private
 from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, runtime
 
@@ -301,7 +302,7 @@ def _velocity_slots(optimizer: Any) -> list | None:
     if isinstance(optimizer, keras.optimizers.SGD):
         return list(optimizer.momentums)
     if isinstance(optimizer, keras.optimizers.RMSprop):
-        return list(optimizer._momentums)  # noqa: SLF001 - Keras's RMSprop keeps its momentum buffers only here
+        return list(keras_private.rmsprop_momentums(optimizer))
     _warn_once(
         f"tfdist.horovod: no momentum correction for {type(optimizer).__name__} "
         "(only SGD's and RMSprop's momentum buffers are known)"

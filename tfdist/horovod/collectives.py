@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist.compat import tf_private
 from tfdist.errors import ConfigError
 from tfdist.horovod import runtime
 from tfdist.horovod.runtime import CollectiveMismatchError
@@ -206,17 +207,7 @@ def sum_dense(tensors: Sequence[tf.Tensor], merge: str = "Add") -> list[tf.Tenso
 def _reduce_other(launcher, packed: tf.Tensor, merge: str) -> tf.Tensor:
     """Min/Max/Product: TensorFlow's all_reduce_v2 with another merge op, keyed
     and ordered like the launcher's own all-reduces."""
-    from tfdist.compat.tf_python import collective_ops
-
-    with tf.device(launcher._device):  # noqa: SLF001 - TF's launcher has no Min/Max/Product
-        return collective_ops.all_reduce_v2(
-            packed,
-            launcher._group_size,  # noqa: SLF001 - its group size
-            launcher._group_key,  # noqa: SLF001 - its group key
-            launcher._next_instance_key(),  # noqa: SLF001 - its next instance key
-            merge_op=merge,
-            ordering_token=launcher._get_ordering_token(),  # noqa: SLF001 - keeps the collectives in order
-        )
+    return tf_private.launcher_all_reduce(launcher, packed, merge)
 
 
 def gather_rows(rows: tf.Tensor) -> tf.Tensor:
@@ -224,7 +215,7 @@ def gather_rows(rows: tf.Tensor) -> tf.Tensor:
     if runtime.size() == 1:
         return tf.identity(rows)
     launcher = runtime.launcher()
-    return runtime.watched(lambda: launcher._all_gather(rows, None))  # noqa: SLF001 - TF's launcher has no public all-gather
+    return runtime.watched(lambda: tf_private.launcher_all_gather(launcher, rows))
 
 
 def gather_varying(tensor: tf.Tensor) -> tf.Tensor:

@@ -30,8 +30,8 @@ is still a ``list`` (``len``, iteration, indexing, ``+``, ``keras.tree`` and
 from __future__ import annotations
 
 import functools
+import inspect
 import os
-import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -98,7 +98,8 @@ def _warn_once(spelling: str) -> None:
         if spelling in _warned:
             return
         _warned.add(spelling)
-    level, frame = 2, sys._getframe(1)  # noqa: SLF001 - CPython's frame access; inspect.stack() would read every frame's source
+    # Our caller's frame: inspect.stack() would read every frame's source.
+    level, frame = 2, inspect.currentframe().f_back
     while frame is not None and _is_wrapper(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(_ADVICE[spelling], HorovodSpellingWarning, stacklevel=level)

@@ -34,6 +34,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfdist.compat import keras_private
 from tfdist.compat.keras_src import backend, standardize_dtype
 from tfdist.compression.aggregate import Item
 from tfdist.compression.applied import OwnReduction, own_reduction
@@ -459,7 +460,7 @@ def load_model(
     inner = getattr(opt, "inner_optimizer", opt)
     dist = DistributedOptimizer(inner, compression=compression)
     if inner.built:
-        dist.build(inner._trainable_variables)  # noqa: SLF001 - what Keras built it for; no public accessor
+        dist.build(keras_private.optimizer_trainable_variables(inner))
         for mine, theirs in zip(dist.variables, inner.variables):
             mine.assign(theirs)
     if inner is opt:

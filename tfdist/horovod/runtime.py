@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from tfdist.compat import tf_private
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.horovod import ranks as ranks_lib
 from tfdist.horovod.ranks import Topology
@@ -163,7 +164,7 @@ def _configure(topo: Topology) -> None:
 
     ctx = context.context()
     spec = ClusterSpec(topo.cluster)
-    if ctx._context_handle is not None:  # noqa: SLF001 - TF exposes no other test.
+    if tf_private.context_started(ctx):
         # TensorFlow would re-point every existing tensor at a new device
         # name ("unknown device" later); say what to move.
         raise ConfigError(

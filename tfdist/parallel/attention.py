@@ -21,6 +21,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from tfdist.compat import keras_private
 from tfdist.compat.keras_src import (
     analyze_einsum_string as _analyze_einsum_string,
     mha_build_proj_equation as _build_proj_equation,
@@ -254,7 +255,8 @@ class ParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def _sharded(self) -> bool:
         dense = getattr(self, "_query_dense", None)
-        return dense is not None and sharding.is_sharded(dense._kernel)  # noqa: SLF001 - the variable itself: EinsumDense.kernel may be a LoRA sum
+        # The variable itself: EinsumDense.kernel may be a LoRA sum.
+        return dense is not None and sharding.is_sharded(keras_private.own_kernel(dense))
 
     def call(
         self,

@@ -32,6 +32,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfdist.compat import tf_private
 from tfdist.compression import keras_hook
 from tfdist.compression.aggregate import Item
 from tfdist.parallel.mesh import Mesh
@@ -255,7 +256,7 @@ def _tp_reduce(p: Placement, x: tf.Tensor) -> tf.Tensor:
 def _tp_gather(p: Placement, x: tf.Tensor) -> tf.Tensor:
     y = _wire(x)
     _count(p, "tensor_parallel", y, True, p.tp)
-    return tf.cast(p.runtime.tp[p.replica]._all_gather(y, None), x.dtype)  # noqa: SLF001 - TF's collective launcher has no public all-gather
+    return tf.cast(tf_private.launcher_all_gather(p.runtime.tp[p.replica], y), x.dtype)
 
 
 def _rows(x: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
@@ -390,7 +391,8 @@ def gather_blocks(
             launcher, n, _, counter = _group(p, kind)
             wire = _wire(y)
             _count(p, counter, wire, True, n)
-            y = tf.cast(_concat_gathered(launcher._all_gather(wire, None), wire, n, dim), x.dtype)  # noqa: SLF001 - TF's collective launcher has no public all-gather
+            gathered = tf_private.launcher_all_gather(launcher, wire)
+            y = tf.cast(_concat_gathered(gathered, wire, n, dim), x.dtype)
         return y, lambda dy: block_gradient(dy, splits, p, tuple(x.shape))
 
     return op(x)
@@ -534,7 +536,7 @@ class GroupComm(ReplicaComm):
 
     def gather_rows(self, rows):
         p = current()
-        return p.runtime.dp[p.replica]._all_gather(rows, None)  # noqa: SLF001 - TF's collective launcher has no public all-gather
+        return tf_private.launcher_all_gather(p.runtime.dp[p.replica], rows)
 
     def sent(self) -> float:
         """Bytes this replica sent in the collectives recorded so far."""

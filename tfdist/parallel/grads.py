@@ -26,6 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfdist.compat import keras_private
 from tfdist.compression import keras_hook
 from tfdist.compression.aggregate import Item
 from tfdist.parallel import collectives, sharding
@@ -59,7 +60,7 @@ def _reduce_sharded(optimizer, pairs, p: collectives.Placement) -> list:
                 out[i] = collectives.dp_all_reduce(g, p)
         return out
     state = keras_hook.state_by_key(optimizer)
-    keys = [optimizer._get_variable_index(v) for _, _, v in present]  # noqa: SLF001 - Keras keys optimizer state by this index; no public lookup
+    keys = [keras_private.optimizer_variable_index(optimizer, v) for _, _, v in present]
     items = [Item(g, key, state.get(key, {})) for (_, g, _), key in zip(present, keys)]
     step = tf.convert_to_tensor(getattr(optimizer.iterations, "value", optimizer.iterations))
     comm = collectives.GroupComm(p)

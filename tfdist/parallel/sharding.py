@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.compat import keras_private
 from tfdist.errors import ConfigError
 from tfdist.parallel import collectives
 from tfdist.parallel.spec import (
@@ -431,14 +432,14 @@ def add_sharded_weight(
         # Created in a symbolic trace (a layer without build() holding this
         # one): Keras creates the tf variable when the trace ends. Mark and
         # fill it then.
-        deferred = variable._deferred_initialize  # noqa: SLF001 - Keras creates a variable made in a symbolic trace only through this hook
+        deferred = keras_private.deferred_initializer(variable)
 
         def _deferred_initialize():
             deferred()
             mark(variable, spec)
             assign_full(variable, full)
 
-        variable._deferred_initialize = _deferred_initialize  # noqa: SLF001 - wraps that hook to mark and fill the variable once created
+        keras_private.set_deferred_initializer(variable, _deferred_initialize)
     else:
         assign_full(variable, full)
     if regularizer is not None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from absl import logging
 
+from tfdist.compat import tf_private
 from tfdist.compat.tf_python import (
     data_options,
     dataset_ops,
@@ -124,15 +125,15 @@ def _serialize(dataset, call: str) -> bytes:
     """The dataset's graph, read while its device still exists."""
     policies = data_options.ExternalStatePolicy
     try:
-        graph = dataset._as_serialized_graph(  # noqa: SLF001 - TF's only way to carry a dataset over a runtime restart
-            external_state_policy=policies.FAIL, strip_device_assignment=True
+        graph = tf_private.serialized_graph(
+            dataset, external_state_policy=policies.FAIL, strip_device_assignment=True
         )
     except Exception:  # noqa: BLE001 - external state: retried below
         # A Python generator (from_generator) is external state that stays
         # valid in this process: its function is registered by a token.
         try:
-            graph = dataset._as_serialized_graph(  # noqa: SLF001 - TF's only way to carry a dataset over a runtime restart
-                external_state_policy=policies.WARN, strip_device_assignment=True
+            graph = tf_private.serialized_graph(
+                dataset, external_state_policy=policies.WARN, strip_device_assignment=True
             )
         except Exception as error:  # Reported with the cause.
             raise order_error(
@@ -174,15 +175,10 @@ def after_start(cluster_spec, task_type: str, task_id: int, call: str) -> Iterat
             serialized, or this TensorFlow has none of the settings used.
     """
     ctx = context.context()
-    if ctx._context_handle is None or getattr(ctx, "_collective_leader", None) is not None:  # noqa: SLF001 - TF exposes no other test of a started runtime
+    if not tf_private.context_started(ctx) or tf_private.collectives_configured(ctx):
         yield
         return
-    fields = (
-        "_collective_scoped_allocator_enabled_ops",
-        "_collective_use_nccl_communication",
-        "_collective_device_filters",
-    )
-    if not all(hasattr(ctx, f) for f in ("_collective_leader", *fields)):
+    if not tf_private.can_preset_collectives(ctx):
         raise order_error(call, "any other TensorFlow work")
     gc.collect()  # An iterator in a dead cycle must not count as live.
     datasets, variables, iterators, tensors = _live_state()
@@ -199,13 +195,16 @@ def after_start(cluster_spec, task_type: str, task_id: int, call: str) -> Iterat
     del tensors
     # The values MultiWorkerMirroredStrategy passes to configure_collective_ops,
     # which then returns at once instead of refusing a started runtime.
-    ctx._collective_leader = multi_worker_util.collective_leader(cluster_spec, task_type, task_id)  # noqa: SLF001 - what MultiWorkerMirrored gives configure_collective_ops; no setter
-    ctx._collective_scoped_allocator_enabled_ops = ("CollectiveReduce",)  # noqa: SLF001 - as above: the scoped-allocator ops
-    ctx._collective_use_nccl_communication = False  # noqa: SLF001 - as above: NCCL off
-    ctx._collective_device_filters = (f"/job:{task_type}/task:{task_id}",)  # noqa: SLF001 - as above: the device filters
+    tf_private.preset_collectives(
+        ctx,
+        leader=multi_worker_util.collective_leader(cluster_spec, task_type, task_id),
+        device_filters=(f"/job:{task_type}/task:{task_id}",),
+    )
     yield
     for dataset, graph in zip(datasets, graphs):
-        dataset._variant_tensor_attr = gen_experimental_dataset_ops.dataset_from_graph(graph)  # noqa: SLF001 - points the dataset at its rebuilt graph; no public API
+        tf_private.set_dataset_variant(
+            dataset, gen_experimental_dataset_ops.dataset_from_graph(graph)
+        )
     logging.warning(
         "tfdist: %s ran after TensorFlow's runtime had started; collective ops "
         "were enabled late and %d tf.data dataset(s) built before were rebuilt "

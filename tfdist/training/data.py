@@ -44,6 +44,7 @@ from typing import Any
 import tensorflow as tf
 from absl import logging
 
+from tfdist.compat import tf_private
 from tfdist.compat.tf_python import graph_pb2
 from tfdist.errors import ConfigError, require_int
 from tfdist.training.callbacks import num_workers as _num_workers
@@ -123,8 +124,8 @@ _SLICES = re.compile(r"^TensorSliceDataset(?:V\d+)?$")
 
 
 def _graph(dataset: tf.data.Dataset) -> graph_pb2.GraphDef:
-    serialized = dataset._as_serialized_graph(  # noqa: SLF001 - TF's only serialized form of a dataset
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE
+    serialized = tf_private.serialized_graph(
+        dataset, external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE
     )
     return graph_pb2.GraphDef.FromString(serialized.numpy())
 

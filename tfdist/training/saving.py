@@ -68,6 +68,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from tfdist.compat import tf_private
 from tfdist.training.atomic import fsync, replacing
 from tfdist.training.chief_save import (
     STATE,
@@ -203,32 +204,15 @@ def _manager_save_to_scratch(
     ... not found" in MergeV2Checkpoints). The manager's bookkeeping is kept
     as it was, except that its latest checkpoint is the chief's of that name.
     """
-    import collections
-
-    saved = (
-        manager._directory,  # noqa: SLF001 - CheckpointManager has no public way to save elsewhere: its directory
-        manager._checkpoint_prefix,  # noqa: SLF001 - its file prefix
-        manager._maybe_delete,  # noqa: SLF001 - its deletion queue
-        manager._latest_checkpoint,  # noqa: SLF001 - its latest path
-    )
     scratch = tempfile.mkdtemp(prefix="tfdist-ckpt-")
-    manager._directory = scratch  # noqa: SLF001 - CheckpointManager has no public way to save elsewhere: its directory, redirected
-    manager._checkpoint_prefix = os.path.join(scratch, os.path.basename(saved[1]))  # noqa: SLF001 - its file prefix, redirected
-    # Its sweep must not delete the chief's older checkpoints.
-    manager._maybe_delete = collections.OrderedDict()  # noqa: SLF001 - its deletion queue, emptied
     try:
-        path = original(manager, *args, **kwargs)
+        with tf_private.manager_saving_to(manager, scratch):
+            path = original(manager, *args, **kwargs)
     finally:
-        (
-            manager._directory,  # noqa: SLF001 - CheckpointManager has no public way to save elsewhere: its directory
-            manager._checkpoint_prefix,  # noqa: SLF001 - its file prefix
-            manager._maybe_delete,  # noqa: SLF001 - its deletion queue
-            manager._latest_checkpoint,  # noqa: SLF001 - its latest path
-        ) = saved
         shutil.rmtree(scratch, ignore_errors=True)
     if path:
         path = os.path.join(chief_dir, os.path.basename(path))
-        manager._latest_checkpoint = path  # noqa: SLF001 - its latest path: the chief's file
+        tf_private.set_latest_checkpoint(manager, path)  # The chief's file.
     return path
 
 

@@ -58,6 +58,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist import compat
+from tfdist.compat import keras_private
 from tfdist.errors import ConfigError
 from tfdist.record import attach, slot
 
@@ -120,7 +121,7 @@ def _collective_layers(model: Any, strategy: Any) -> list[str]:
 
     sharded = (getattr(strategy, "model_parallel", 1) or 1) > 1  # Else they are dense.
     found = []
-    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 - Keras has no public walk over nested layers
+    for layer in keras_private.flatten_layers(model, include_self=False):
         if isinstance(layer, keras.layers.BatchNormalization) and getattr(
             layer, "synchronized", False
         ):
@@ -161,7 +162,7 @@ def check_compile(model: Any, strategy: Any) -> None:
         return
     unsupported = [
         f"{layer.name} ({type(layer).__name__})"
-        for layer in model._flatten_layers(include_self=False)  # noqa: SLF001 - Keras has no public walk over nested layers
+        for layer in keras_private.flatten_layers(model, include_self=False)
         if not getattr(layer, "supports_jit", True)
     ]
     if unsupported:

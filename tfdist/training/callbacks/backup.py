@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfdist.compat import keras_private
 from tfdist.errors import ConfigError
 from tfdist.training import saving as keras_saving
 from tfdist.training.callbacks.files import (
@@ -238,13 +239,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.save_on_preemption:
             self.watcher = PreemptionWatcher(strategy, name="fit").start()
         if meta is None:
-            model._initial_epoch = None  # noqa: SLF001 - Keras's fit starts from _initial_epoch, as its BackupAndRestore sets it
+            keras_private.set_initial_epoch(model, None)
             self._resume_epoch, self._resume_step = None, 0
             return
         epoch = int(meta["epoch"])
         steps_per_epoch = (self.params or {}).get("steps")
         step = resume.resize(meta, strategy.num_replicas_in_sync, steps_per_epoch, model.optimizer)
-        model._initial_epoch = epoch  # noqa: SLF001 - Keras's fit starts from _initial_epoch, as its BackupAndRestore sets it
+        keras_private.set_initial_epoch(model, epoch)
         self._resume_epoch, self._resume_step = epoch, step
         if step > 0:
             model.train_function = SkipSteps(model, model.train_function, step)
@@ -486,7 +487,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.watcher.stop()
             self.watcher = None
         unwrap_train_function(self.model)
-        self.model._initial_epoch = None  # noqa: SLF001 - Keras 3 leaves it set for the next fit.
+        keras_private.set_initial_epoch(self.model, None)  # Keras 3 leaves it set for the next fit.
         if not (self.delete_checkpoint and self._chief):
             return
         # The pointer goes first: a kill during the cleanup leaves no pointer

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tfdist.compat import keras_private
 from tfdist.training.callbacks.files import sha256
 from tfdist.training.fault_tolerance import backup_agreement, task_exchange
 
@@ -76,8 +77,8 @@ class Decision:
 
 def _slots(callback: Any) -> dict[str, tuple[str, str]]:
     return {
-        "latest": (callback._weights_path, callback._training_metadata_path),  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
-        "previous": (callback._prev_weights_path, callback._prev_training_metadata_path),  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+        "latest": keras_private.backup_paths(callback),
+        "previous": keras_private.previous_backup_paths(callback),
     }
 
 
@@ -175,18 +176,18 @@ def loading(callback: Any, slot: str) -> Iterator[None]:
     """Keras's load reads ``slot``'s files meanwhile. (Keras loads weights
     only from a ``.weights.h5`` name: the previous backup's are copied to
     one in a private directory, leaving ``backup_dir`` to its writer.)"""
-    saved = callback._weights_path, callback._training_metadata_path  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+    saved = keras_private.backup_paths(callback)
     weights, metadata = _slots(callback)[slot]
     scratch = None
     if slot == "previous":
         scratch = tempfile.mkdtemp(prefix="tfdist-backup-load-")
         shutil.copyfile(weights, os.path.join(scratch, os.path.basename(saved[0])))
         weights = os.path.join(scratch, os.path.basename(saved[0]))
-    callback._weights_path, callback._training_metadata_path = weights, metadata  # noqa: SLF001 - BackupAndRestore loads from these paths: pointed at the slot
+    keras_private.set_backup_paths(callback, weights, metadata)  # Keras loads from the slot.
     try:
         yield
     finally:
-        callback._weights_path, callback._training_metadata_path = saved  # noqa: SLF001 - BackupAndRestore's own paths, put back
+        keras_private.set_backup_paths(callback, *saved)  # Its own paths, put back.
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -240,11 +241,10 @@ def save_own(callback: Any, metadata: dict) -> None:
 
     directory = str(callback.backup_dir)
     os.makedirs(directory, exist_ok=True)
-    weights, meta_path = callback._weights_path, callback._training_metadata_path  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+    weights, meta_path = keras_private.backup_paths(callback)
     if getattr(callback, "double_checkpoint", False):
-        for path, previous in (
-            (weights, callback._prev_weights_path),  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
-            (meta_path, callback._prev_training_metadata_path),  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+        for path, previous in zip(
+            (weights, meta_path), keras_private.previous_backup_paths(callback)
         ):
             if os.path.exists(path):
                 _replace_with_copy(path, previous)
@@ -253,11 +253,12 @@ def save_own(callback: Any, metadata: dict) -> None:
             callback.model.save_weights(filepath=tmp, overwrite=True)
         # The chief's coordinated save of this name counted one more.
         next_key(weights)
+    epoch, batch = keras_private.backup_position(callback)
     keras_saving.write_json(
         meta_path,
         {
-            "epoch": callback._current_epoch,  # noqa: SLF001 - BackupAndRestore's position in the fit, as it records it
-            "batch": callback._last_batch_seen,  # noqa: SLF001 - BackupAndRestore's position in the fit, as it records it
+            "epoch": epoch,
+            "batch": batch,
             **metadata,
             **weights_digest(weights),
         },

@@ -37,6 +37,7 @@ from typing import Any
 
 from absl import logging
 
+from tfdist.compat import keras_private
 from tfdist.record import attach, slot
 from tfdist.training.fault_tolerance import preemption
 from tfdist.training.fault_tolerance.preemption import PreemptionWatcher
@@ -68,7 +69,7 @@ def _strategy(model: Any):
 
 def _read_metadata(callback: Any) -> dict | None:
     try:
-        with open(callback._training_metadata_path) as f:  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+        with open(keras_private.backup_paths(callback)[1]) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None
@@ -123,8 +124,10 @@ def metadata(callback: Any, digest: bool | None = None) -> dict:
     }
     if digest is None:
         digest = keras_saving.active(callback.model)[0]
-    if digest and os.path.exists(callback._weights_path):  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
-        fields.update(backup_dirs.weights_digest(callback._weights_path))  # noqa: SLF001 - Keras's BackupAndRestore keeps its file paths only here
+    if digest:
+        weights = keras_private.backup_paths(callback)[0]
+        if os.path.exists(weights):
+            fields.update(backup_dirs.weights_digest(weights))
     return fields
 
 

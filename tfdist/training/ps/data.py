@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist.compat import keras_private
 from tfdist.errors import ConfigError, TfdistError
 
 PS = tf.distribute.experimental.ParameterServerStrategy
@@ -226,4 +227,4 @@ def build(model: Any, strategy: Any, data: Any) -> None:
     if isinstance(data, tf.data.Dataset):
         data = next(iter(data.take(1)))
     with strategy.scope():
-        model._symbolic_build(data_batch=data)  # noqa: SLF001 - how Keras's fit builds a model from a batch; no public form
+        keras_private.symbolic_build(model, data_batch=data)

@@ -16,6 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfdist.compat import keras_private
 from tfdist.errors import ConfigError, require_int
 from tfdist.record import slot
 from tfdist.training.fault_tolerance.fit_preemption import FitProgress
@@ -116,7 +117,7 @@ class ParameterServerFit:
         model.stop_training = False
         callbacks.on_train_begin()
         start_step = _resume_step(model)
-        first_epoch = model._initial_epoch or initial_epoch  # noqa: SLF001 - Keras's fit starts from _initial_epoch, as its BackupAndRestore sets it
+        first_epoch = keras_private.initial_epoch(model) or initial_epoch
         training_logs = None
         try:
             with _training_marker(_watchers(callbacks)):
@@ -125,8 +126,10 @@ class ParameterServerFit:
                     callbacks.on_epoch_begin(epoch)
                     logs = self._run_epoch(iterator, callbacks, start_step, steps, per_call, window)
                     start_step = 0
-                    epoch_logs = numpy_logs(model._get_metrics_result_or_logs(logs))  # noqa: SLF001 - the epoch logs exactly as Keras's fit makes them
-                    if val_data is not None and model._should_eval(epoch, validation_freq):  # noqa: SLF001 - Keras's own validation_freq rule
+                    epoch_logs = numpy_logs(keras_private.result_logs(model, logs))
+                    if val_data is not None and keras_private.should_eval(
+                        model, epoch, validation_freq
+                    ):
                         val_logs = evaluate_on_coordinator(
                             model, val_data, validation_steps, callbacks
                         )

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist.compat import keras_private
 from tfdist.record import attach, slot
 from tfdist.training.ps import patches as keras_ps
 from tfdist.training.ps.data import ParameterServerError, StepTimeoutError, check_positive_int
@@ -44,14 +45,14 @@ def _keras_train_step(model: Any, data: Any) -> dict:
 
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
-        if model._call_has_training_arg:  # noqa: SLF001 - calls the model as Keras's train_step does
+        if keras_private.call_has_training_arg(model):
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
-        loss = model._compute_loss(  # noqa: SLF001 - Keras's train_step loss, with its scaling
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        loss = keras_private.compute_loss(
+            model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )
-        model._loss_tracker.update_state(  # noqa: SLF001 - the loss metric Keras's train_step updates
+        keras_private.loss_tracker(model).update_state(
             loss_module.unscale_loss_for_distribution(loss),
             sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
         )
@@ -158,6 +159,6 @@ def evaluate_on_coordinator(
         callbacks.on_test_batch_begin(step)
         logs = numpy_logs(test_step(batch))
         callbacks.on_test_batch_end(step, logs)
-    logs = numpy_logs(model._get_metrics_result_or_logs(logs))  # noqa: SLF001 - the logs exactly as Keras's evaluate makes them
+    logs = numpy_logs(keras_private.result_logs(model, logs))
     callbacks.on_test_end(logs)
     return logs
