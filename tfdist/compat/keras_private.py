@@ -9,7 +9,10 @@ taken as arguments: importing this module imports no Keras.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # For the annotations only: this module imports no Keras.
+    import keras
 
 __all__ = [
     "autocast_value",
@@ -38,31 +41,31 @@ __all__ = [
 # Layers.
 
 
-def flatten_layers(layer: Any, include_self: bool = False) -> list:
+def flatten_layers(layer: keras.layers.Layer, include_self: bool = False) -> list:
     """Every layer nested in ``layer`` (and ``layer`` itself if asked), once each."""
     # Keras has no public walk over nested layers.
     return layer._flatten_layers(include_self=include_self)
 
 
-def own_kernel(layer: Any) -> Any:
+def own_kernel(layer: keras.layers.Layer) -> Any:
     """An ``EinsumDense``'s kernel variable itself."""
     # The variable itself: EinsumDense.kernel may be a LoRA sum.
     return layer._kernel
 
 
-def deferred_initializer(variable: Any) -> Callable[[], None]:
+def deferred_initializer(variable: keras.Variable) -> Callable[[], None]:
     """The hook Keras calls to create a variable made in a symbolic trace."""
     # Keras creates a variable made in a symbolic trace only through this hook.
     return variable._deferred_initialize
 
 
-def set_deferred_initializer(variable: Any, hook: Callable[[], None]) -> None:
+def set_deferred_initializer(variable: keras.Variable, hook: Callable[[], None]) -> None:
     """Replaces that hook (to mark and fill the variable once created)."""
     # Wraps that hook to mark and fill the variable once created.
     variable._deferred_initialize = hook
 
 
-def autocast_value(variable: Any) -> Any:
+def autocast_value(variable: keras.Variable) -> Any:
     """The variable's local value as Keras reads it: its tf.Variable, autocast."""
     import tensorflow as tf
 
@@ -73,45 +76,45 @@ def autocast_value(variable: Any) -> Any:
 # Models: what Keras's fit, train_step and evaluate do.
 
 
-def initial_epoch(model: Any) -> int | None:
+def initial_epoch(model: keras.Model) -> int | None:
     """The epoch Keras's fit starts from, as its BackupAndRestore sets it."""
     # Keras's fit starts from _initial_epoch, as its BackupAndRestore sets it.
     return model._initial_epoch
 
 
-def set_initial_epoch(model: Any, epoch: int | None) -> None:
+def set_initial_epoch(model: keras.Model, epoch: int | None) -> None:
     """Sets the epoch Keras's next fit starts from (None: its own argument)."""
     # Keras's fit starts from _initial_epoch, as its BackupAndRestore sets it;
     # Keras 3 leaves it set for the next fit.
     model._initial_epoch = epoch
 
 
-def result_logs(model: Any, logs: Any) -> dict:
+def result_logs(model: keras.Model, logs: Any) -> dict:
     """The logs exactly as Keras's fit and evaluate make them."""
     # The epoch logs exactly as Keras's fit makes them.
     return model._get_metrics_result_or_logs(logs)
 
 
-def should_eval(model: Any, epoch: int, validation_freq: Any) -> bool:
+def should_eval(model: keras.Model, epoch: int, validation_freq: Any) -> bool:
     """Whether Keras's fit validates after ``epoch``."""
     # Keras's own validation_freq rule.
     return model._should_eval(epoch, validation_freq)
 
 
-def symbolic_build(model: Any, data_batch: Any) -> None:
+def symbolic_build(model: keras.Model, data_batch: Any) -> None:
     """Builds ``model`` (and its optimizer and metrics) from one batch."""
     # How Keras's fit builds a model from a batch; no public form.
     model._symbolic_build(data_batch=data_batch)
 
 
-def call_has_training_arg(model: Any) -> bool:
+def call_has_training_arg(model: keras.Model) -> bool:
     """Whether the model's ``call`` takes ``training``."""
     # Calls the model as Keras's train_step does.
     return model._call_has_training_arg
 
 
 def compute_loss(
-    model: Any, *, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool
+    model: keras.Model, *, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool
 ) -> Any:
     """Keras's train_step loss, with its scaling."""
     # Keras's train_step loss, with its scaling.
@@ -120,7 +123,7 @@ def compute_loss(
     )
 
 
-def loss_tracker(model: Any) -> Any:
+def loss_tracker(model: keras.Model) -> Any:
     """The loss metric Keras's train_step updates."""
     # The loss metric Keras's train_step updates.
     return model._loss_tracker
@@ -129,19 +132,21 @@ def loss_tracker(model: Any) -> Any:
 # Optimizers.
 
 
-def optimizer_variable_index(optimizer: Any, variable: Any) -> Any:
+def optimizer_variable_index(
+    optimizer: keras.optimizers.Optimizer, variable: keras.Variable
+) -> Any:
     """The key Keras gives ``variable``'s state in ``optimizer``."""
     # Keras keys optimizer state by this index; no public lookup.
     return optimizer._get_variable_index(variable)
 
 
-def optimizer_trainable_variables(optimizer: Any) -> list:
+def optimizer_trainable_variables(optimizer: keras.optimizers.Optimizer) -> list:
     """The variables a built optimizer was built for."""
     # What Keras built it for; no public accessor.
     return optimizer._trainable_variables
 
 
-def rmsprop_momentums(optimizer: Any) -> list:
+def rmsprop_momentums(optimizer: keras.optimizers.Optimizer) -> list:
     """A Keras RMSprop's momentum buffers."""
     # Keras's RMSprop keeps its momentum buffers only here.
     return optimizer._momentums
@@ -150,25 +155,27 @@ def rmsprop_momentums(optimizer: Any) -> list:
 # BackupAndRestore.
 
 
-def backup_paths(callback: Any) -> tuple[str, str]:
+def backup_paths(callback: keras.callbacks.BackupAndRestore) -> tuple[str, str]:
     """A BackupAndRestore's latest backup: (weights file, metadata file)."""
     # Keras's BackupAndRestore keeps its file paths only here.
     return callback._weights_path, callback._training_metadata_path
 
 
-def previous_backup_paths(callback: Any) -> tuple[str, str]:
+def previous_backup_paths(callback: keras.callbacks.BackupAndRestore) -> tuple[str, str]:
     """Its previous backup (``double_checkpoint``): (weights file, metadata file)."""
     # Keras's BackupAndRestore keeps its file paths only here.
     return callback._prev_weights_path, callback._prev_training_metadata_path
 
 
-def set_backup_paths(callback: Any, weights: str, metadata: str) -> None:
+def set_backup_paths(
+    callback: keras.callbacks.BackupAndRestore, weights: str, metadata: str
+) -> None:
     """Points its latest backup (what it saves and loads) at these files."""
     # BackupAndRestore loads from these paths: pointed at a slot, or put back.
     callback._weights_path, callback._training_metadata_path = weights, metadata
 
 
-def backup_position(callback: Any) -> tuple[int, int]:
+def backup_position(callback: keras.callbacks.BackupAndRestore) -> tuple[int, int]:
     """Its position in the fit, as it records it: (epoch, batch)."""
     # BackupAndRestore's position in the fit, as it records it.
     return callback._current_epoch, callback._last_batch_seen
