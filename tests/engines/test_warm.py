@@ -242,7 +242,13 @@ def _played_pool(tmp_path, **popen):
     listener.bind(str(tmp_path / "socket"))
     listener.listen(1)
     client = subprocess.Popen(
-        [sys.executable, "-S", warm.__file__.replace("warm.py", "warm_client.py"), "-c", "pass"],
+        [
+            sys.executable,
+            "-S",
+            str(Path(warm.__file__).parent / "worker" / "warm_client.py"),
+            "-c",
+            "pass",
+        ],
         env={**subprocess_env(), warm.ENV: str(tmp_path)},
         **popen,
     )

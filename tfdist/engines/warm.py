@@ -10,7 +10,7 @@ the job's script as ``python`` would, from a copy of that clean state::
     with warm.WarmPool() as pool:
         subprocess.run([pool.python, "train.py"], env={**os.environ, **pool.env})
 
-``pool.python`` is an executable (:mod:`tfdist.engines.warm_client`) that any
+``pool.python`` is an executable (:mod:`tfdist.engines.worker.warm_client`) that any
 launcher can run in place of the interpreter; ``tfdist launch`` and
 :func:`tfdist.local_cluster` use it by themselves when ``TFDIST_WARM_POOL``
 names a pool (:func:`interpreter`). Every job is a fresh fork, so no job
@@ -77,7 +77,7 @@ class WarmPool:
         self._env = dict(os.environ if env is None else env)
         self._preload = tuple(preload)
         self._log = self.directory / "server.log"
-        client = Path(__file__).with_name("warm_client.py").read_text()
+        client = (Path(__file__).parent / "worker" / "warm_client.py").read_text()
         self.python = str(self.directory / "python")
         Path(self.python).write_text(f"#!{sys.executable} -S\n{client}")
         os.chmod(self.python, 0o755)

@@ -1,6 +1,6 @@
 """The server of a warm pool (:mod:`tfdist.engines.warm`): it imports the
 preloaded modules, then forks one process per request from a client
-(:mod:`tfdist.engines.warm_client`) and runs the client's ``python ARGV`` in it.
+(:mod:`tfdist.engines.worker.warm_client`) and runs the client's ``python ARGV`` in it.
 
 Run as a script (``python -u warm_server.py DIRECTORY MODULE...``), so that
 it imports nothing of tfdist: ``import tfdist`` installs its Keras import hook,
@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 if __package__:
-    from tfdist.engines import warm_client
+    from tfdist.engines.worker import warm_client
 else:  # Run as a script: its directory is sys.path[0].
     import warm_client
 
