@@ -7,6 +7,7 @@ that stands in for ``python`` in each task
 (:mod:`~tfdist.engines.worker.warm_client`; both run as scripts, side by
 side), and a chief's local ps/worker servers
 (:mod:`~tfdist.engines.worker.local_cluster`). They may reach the strategies
-and the Keras integration, inside functions, when they run. The rest of :mod:`tfdist.engines` is the launcher side: it loads no
-TensorFlow and imports no layer that does (``tests/test_layering.py``).
+and the Keras integration, inside functions, when they run. The rest of
+:mod:`tfdist.engines` is the launcher side: it loads no TensorFlow and imports
+no layer that does (``tests/test_layering.py``).
 """
