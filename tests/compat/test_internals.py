@@ -221,32 +221,28 @@ def test_a_marked_private_access_outside_compat_fails(tmp_path):
         )
 
 
-@pytest.mark.parametrize("module", ["keras_private", "tf_private", "spark_private"])
-def test_importing_an_accessor_module_loads_no_library(module):
+def _libraries_loaded_by(modules: list[str], libraries: tuple[str, ...]) -> list[str]:
+    """The modules of ``libraries`` a fresh interpreter holds after importing ``modules``."""
     code = (
-        f"import sys, json, tfdist.compat.{module}\n"
+        f"import sys, json, {', '.join(modules)}\n"
         "print(json.dumps(sorted(m for m in sys.modules "
-        "if m.split('.')[0] in ('tensorflow', 'keras', 'pyspark'))))"
+        f"if m.split('.')[0] in {libraries!r})))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_accessor_modules_loads_no_library():
+    accessors = [f"tfdist.compat.{m}" for m in ("keras_private", "tf_private", "spark_private")]
+    assert _libraries_loaded_by(accessors, ("tensorflow", "keras", "pyspark")) == []
 
 
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.__name__.rsplit(".", 1)[-1])
 def test_importing_a_table_loads_no_tensorflow(table):
-    code = (
-        f"import sys, json, {table.__name__}\n"
-        "print(json.dumps(sorted(m for m in sys.modules "
-        "if m.split('.')[0] in ('tensorflow', 'keras'))))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    assert _libraries_loaded_by([table.__name__], ("tensorflow", "keras")) == []
 
 
 @pytest.mark.parametrize(
