@@ -80,6 +80,16 @@ tmp = out / f".cluster-{attempt}-{task_type}-{index}.json"
 tmp.write_text(json.dumps(config["cluster"]))
 os.replace(tmp, out / f"cluster-{attempt}.json")
 print(f"{task} of {size} starts at step {start}", flush=True)
+if task_type == "worker" and index == 0:
+    # As a collective's first step does: the chief steps (and moves the
+    # "backup") only once every worker of the attempt has read its start.
+    # Without this, a worker that started late under load read the chief's
+    # next step (CI: worker:1 resumed at 21 after a save at 20).
+    joined = time.monotonic() + 60
+    while time.monotonic() < joined and not all(
+        (out / f"worker-{i}-{attempt}.pid").exists() for i in range(size)
+    ):
+        time.sleep(0.02)
 step = start
 while step < steps:
     time.sleep(step_seconds)

@@ -40,7 +40,12 @@ class Signals:
 
 
 class Task:
-    """One child process and the thread that copies its output."""
+    """One child process and the threads that copy its output.
+
+    stdout and stderr are read by a thread each, so ``tail`` keeps each
+    stream's order but interleaves the two in the order the threads read
+    them, not the order the task wrote them.
+    """
 
     def __init__(
         self,
