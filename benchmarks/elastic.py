@@ -38,7 +38,6 @@ Results: ``benchmarks/results/elastic.{json,md}``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -53,7 +52,8 @@ from pathlib import Path
 
 from absl import app, flags
 
-from benchlib import results as results_lib
+from benchlib import jobs, results as results_lib
+from benchlib.results import fmt, spread
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -216,23 +216,6 @@ def timeline(run: dict) -> list[tuple[float, str]]:
                 )
             )
     return sorted(rows, key=lambda row: row[0])
-
-
-def spread(values: Sequence[float | None]) -> dict:
-    got = [v for v in values if v is not None]
-    if not got:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got)}
-
-
-def fmt(cell: dict, spec: str = ".2f") -> str:
-    if cell["median"] is None:
-        return "—"
-    if cell["min"] == cell["max"]:
-        return format(cell["median"], spec)
-    return (
-        f"{format(cell['median'], spec)} ({format(cell['min'], spec)}–{format(cell['max'], spec)})"
-    )
 
 
 def markdown(raw: dict) -> str:
@@ -439,19 +422,6 @@ def train() -> None:
 # ---------------------------------------------------------------- measuring
 
 
-class _Lock:
-    def __enter__(self):
-        self.f = open(FLAGS.lock, "a") if FLAGS.lock else None
-        if self.f:
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.f:
-            fcntl.flock(self.f, fcntl.LOCK_UN)
-            self.f.close()
-
-
 def _launch(args: Sequence[str], work: Path) -> tuple[subprocess.Popen, list, threading.Thread]:
     env = dict(
         os.environ,
@@ -625,19 +595,12 @@ def main(argv) -> None:
             f"kill_at, grow_at: expected 0 < kill_at < grow_at < 1. Received: "
             f"{FLAGS.kill_at}, {FLAGS.grow_at}"
         )
-    import keras
     import numpy as np
-    import tensorflow as tf
 
     base = Path(FLAGS.work_dir or tempfile.mkdtemp(prefix="tfdist-bench-elastic-"))
     planned = FLAGS.epochs * (TRAIN // GLOBAL_BATCH)
     meta = {
-        "command": "python benchmarks/elastic.py " + " ".join(sys.argv[1:]),
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpus": os.cpu_count(),
-        "tf": tf.__version__,
-        "keras": keras.__version__,
-        "commit": results_lib.commit(),
+        **results_lib.header("elastic.py"),
         "epochs": FLAGS.epochs,
         "planned": planned,
         "save_freq": FLAGS.save_freq,
@@ -645,7 +608,6 @@ def main(argv) -> None:
         "threads": FLAGS.threads,
         "kill_step": round(FLAGS.kill_at * planned),
         "grow_step": round(FLAGS.grow_at * planned),
-        "load_before": os.getloadavg()[0],
         "notes": list(FLAGS.note),
     }
     raw = {"meta": meta, "runs": []}
@@ -664,7 +626,7 @@ def main(argv) -> None:
         for kind in kinds:
             work = base / f"{kind}-{pair}"
             work.mkdir(parents=True, exist_ok=True)
-            with _Lock():
+            with jobs.flocked(FLAGS.lock):
                 run = run_once(kind, work)
             weights = run.pop("weights")
             if kind == "uninterrupted":

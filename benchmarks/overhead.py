@@ -40,7 +40,7 @@ from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
-from benchlib import jobs  # noqa: E402
+from benchlib import jobs, results as results_lib  # noqa: E402
 from benchlib.timing import step_timer  # noqa: E402
 
 REPO = HERE.parent
@@ -313,7 +313,7 @@ def main(argv) -> None:
         return
     results = Path(FLAGS.results_dir)
     results.mkdir(parents=True, exist_ok=True)
-    load_before = _load()
+    head = results_lib.header("overhead.py")
     rows = []
     if FLAGS.mode in ("all", "mirrored"):
         if FLAGS.mode == "all":
@@ -335,21 +335,16 @@ def main(argv) -> None:
         rows.append(bench_workers())
     hidden = FLAGS.hidden
     meta = {
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "cpus": os.cpu_count(),
+        **head,
         "pairs": FLAGS.pairs,
         "steps": FLAGS.steps,
         "warmup_steps": FLAGS.warmup_steps,
         "global_batch": FLAGS.global_batch,
         "hidden": hidden,
         "params": 64 * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10,
-        "load_before": load_before,
         "load_after": _load(),
     }
-    result = {"meta": meta, "rows": rows}
-    (results / f"{FLAGS.name}.json").write_text(json.dumps(result, indent=1))
-    (results / f"{FLAGS.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    results_lib.write(results, FLAGS.name, {"meta": meta, "rows": rows}, markdown)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ Results: ``benchmarks/results/preemption.{json,md}``.
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import json
 import os
@@ -61,7 +60,8 @@ from pathlib import Path
 
 from absl import app, flags
 
-from benchlib import results as results_lib
+from benchlib import jobs, results as results_lib
+from benchlib.results import fmt, spread
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -197,14 +197,6 @@ def read_progress(path: str | os.PathLike) -> list[tuple[int, float]]:
     return rows
 
 
-def spread(values: Sequence[float | None]) -> dict:
-    """Median, min, max and count of the values that are not None."""
-    got = [v for v in values if v is not None]
-    if not got:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got)}
-
-
 def summarize(raw: dict) -> list[dict]:
     """One row per (model, arm) with median and range of each figure."""
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -242,16 +234,6 @@ def summarize(raw: dict) -> list[dict]:
             }
         )
     return rows
-
-
-def fmt(cell: dict, spec: str = ".2f") -> str:
-    """'median (min–max)' of a spread, or a dash."""
-    if cell["median"] is None:
-        return "—"
-    if cell["min"] == cell["max"]:
-        return format(cell["median"], spec)
-    low, high = format(cell["min"], spec), format(cell["max"], spec)
-    return f"{format(cell['median'], spec)} ({low}–{high})"
 
 
 def markdown(raw: dict) -> str:
@@ -449,21 +431,6 @@ def worker() -> None:
 # ---------------------------------------------------------------- measuring
 
 
-class _Lock:
-    """flock on FLAGS.lock for one measurement (the same lock as flock(1))."""
-
-    def __enter__(self):
-        self.f = open(FLAGS.lock, "a") if FLAGS.lock else None
-        if self.f:
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.f:
-            fcntl.flock(self.f, fcntl.LOCK_UN)
-            self.f.close()
-
-
 def _start_job(model: str, arm: str, work: Path, extra: Sequence[str], tag: str) -> list:
     from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
@@ -643,25 +610,17 @@ def main(argv) -> None:
     for arm in FLAGS.arms:
         if arm not in ARMS:
             raise ValueError(f"arms: expected some of {ARMS}. Received: {arm!r}")
-    import keras
-    import tensorflow as tf
 
     base = Path(FLAGS.work_dir or tempfile.mkdtemp(prefix="tfdist-bench-preempt-"))
     base.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": "python benchmarks/preemption.py " + " ".join(sys.argv[1:]),
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpus": os.cpu_count(),
-        "tf": tf.__version__,
-        "keras": keras.__version__,
-        "commit": results_lib.commit(),
+        **results_lib.header("preemption.py"),
         "threads": FLAGS.threads,
         "batch": FLAGS.batch,
         "epochs": FLAGS.epochs,
         "kill_after": FLAGS.kill_after,
         "survivor_timeout": FLAGS.survivor_timeout,
         "disk": _disk(str(base)),
-        "load_before": os.getloadavg()[0],
         "notes": list(FLAGS.note),
     }
     raw = {"meta": meta, "runs": []}
@@ -680,7 +639,7 @@ def main(argv) -> None:
                 work = base / f"{model.replace(':', '_')}-{arm}-{repeat}"
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
-                with _Lock():
+                with jobs.flocked(FLAGS.lock):
                     run = measure(model, arm, repeat, work)
                 raw["runs"].append(run)
                 print(

@@ -29,14 +29,13 @@ import os
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
-from benchlib import jobs  # noqa: E402
+from benchlib import jobs, results as results_lib  # noqa: E402
 from benchlib.timing import step_timer  # noqa: E402
 
 REPO = HERE.parent
@@ -351,7 +350,7 @@ def main(argv) -> None:
         raise SystemExit(f"--models: expected names of {MODELS}. Received: {sorted(unknown)}")
     results = Path(FLAGS.results_dir)
     results.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()[0]
+    head = results_lib.header("xla.py")
     rows = []
     if FLAGS.mode in ("all", "mirrored"):
         if FLAGS.mode == "all":
@@ -370,24 +369,15 @@ def main(argv) -> None:
             rows += bench_mirrored()
     if FLAGS.mode in ("all", "workers"):
         rows += bench_workers()
-    import importlib.metadata as metadata
-
     meta = {
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "cpus": os.cpu_count(),
-        "tf": metadata.version("tensorflow"),
-        "keras": metadata.version("keras"),
+        **head,
         "models": FLAGS.models,
         "pairs": FLAGS.pairs,
         "steps": FLAGS.steps,
         "warmup_steps": FLAGS.warmup_steps,
-        "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
-    result = {"meta": meta, "rows": rows}
-    (results / f"{FLAGS.name}.json").write_text(json.dumps(result, indent=1))
-    (results / f"{FLAGS.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    results_lib.write(results, FLAGS.name, {"meta": meta, "rows": rows}, markdown)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ against TensorFlow; ``xla.py``: XLA against none) on 2 logical CPUs and on
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,3 +225,18 @@ def result_job(
                 f"{what} failed ({outcome['returncode']}):\n{outcome['stderr_tail']}"
             )
     return sorted((o["result"] for o in outcomes), key=lambda r: r["task"])
+
+
+@contextlib.contextmanager
+def flocked(path: str) -> Iterator[None]:
+    """Holds an exclusive flock on ``path`` (the lock flock(1) takes), so one
+    measurement never shares the machine with another; ``""``: no lock."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
