@@ -37,6 +37,7 @@ PACKAGES = (
     "tfdist.compression",
     "tfdist.transport",
     "tfdist.parallel",
+    "tfdist.pipeline",
     "tfdist.distribution",
     "tfdist.horovod",
     "tfdist.profiling",

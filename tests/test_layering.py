@@ -5,7 +5,8 @@ The layers, lowest first (docs/reference/layout.md); a module may import its own
 and the ones below, at module level or inside a function:
 
     base (errors, plugins, compat, ...) < spec < record < transport < compression
-    < strategies < parallel < distribution < training < profiling < engines < horovod < cli
+    < strategies < parallel < distribution < pipeline < training < profiling
+    < engines < horovod < cli
 
 The facade (``tfdist/__init__.py``, which names the plugins) sits above
 every layer. The import graph is read
@@ -35,6 +36,7 @@ LAYERS = (
     ("strategies", ("tfdist.strategies",)),
     ("parallel", ("tfdist.parallel",)),
     ("distribution", ("tfdist.distribution",)),
+    ("pipeline", ("tfdist.pipeline",)),
     ("training", ("tfdist.training",)),
     ("profiling", ("tfdist.profiling",)),
     ("engines", ("tfdist.engines",)),

@@ -22,6 +22,7 @@ __all__ = [
     "compute_loss",
     "deferred_initializer",
     "flatten_layers",
+    "functional_nodes",
     "initial_epoch",
     "loss_tracker",
     "optimizer_trainable_variables",
@@ -39,6 +40,13 @@ __all__ = [
 
 
 # Layers.
+
+
+def functional_nodes(model: keras.Model) -> list:
+    """A functional model's own call nodes, in an order that computes each
+    tensor before it is used (Keras keeps them by depth, deepest first)."""
+    by_depth = model._nodes_by_depth
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]]
 
 
 def flatten_layers(layer: keras.layers.Layer, include_self: bool = False) -> list:

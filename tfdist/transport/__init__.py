@@ -11,20 +11,28 @@ wire encoding in :mod:`tfdist.transport.wire` and the byte counts in
 :mod:`tfdist.transport.traffic`). Every compression setting, and none, runs
 over it, in Keras ``fit`` and in custom loops that call the optimizer: the
 compressors are the maths on top (:mod:`tfdist.compression`, the layer above).
-It writes no networking of its own.
+
+Between pipeline stages, :mod:`tfdist.transport.p2p` sends activations and
+their gradients point to point over TCP (numpy only, no TensorFlow).
+
+Importing this package imports no TensorFlow; its names load on first use.
 """
 
 from __future__ import annotations
 
-from tfdist.transport.comm import Comm, LocalComm, ReplicaComm
-from tfdist.transport.mpi import MpiComm, MpiTransport, TransportError, tf_config_from_mpi
+from tfdist._lazy import lazy_attributes
 
-__all__ = [
-    "Comm",
-    "LocalComm",
-    "ReplicaComm",
-    "MpiComm",
-    "MpiTransport",
-    "TransportError",
-    "tf_config_from_mpi",
-]
+_LAZY = {
+    "Comm": "comm",
+    "LocalComm": "comm",
+    "ReplicaComm": "comm",
+    "MpiComm": "mpi",
+    "MpiTransport": "mpi",
+    "TransportError": "mpi",
+    "tf_config_from_mpi": "mpi",
+    "Link": "p2p",
+    "PeerError": "p2p",
+    "connect_stages": "p2p",
+}
+__all__ = sorted(_LAZY)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

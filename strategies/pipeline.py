@@ -1,0 +1,181 @@
+"""A Keras model trained in pipeline stages, one stage per worker process.
+
+Run it with ``tfdist launch``, one worker per stage:
+
+    tfdist launch --workers 2 strategies/pipeline.py
+    tfdist launch --workers 4 strategies/pipeline.py --model=mlp --schedule=gpipe
+    tfdist launch --workers 2 strategies/pipeline.py --model=llama --microbatches=2
+
+``--model=llama`` is a small keras-hub Llama (built from a config: nothing is
+downloaded) split at its transformer blocks; ``--model=mlp`` a 6-layer MLP
+split at its Dense layers. The data are synthetic and shaped like real data
+(skewed classes or Zipf-distributed token ids, sequences of uneven length).
+Every worker builds the same model from the same seed and gets the same
+data; worker ``k`` runs stage ``k``. Keras's ``fit``, ``evaluate`` and
+``predict`` run as usual and log the same numbers on every worker; stage 0
+saves the whole trained model to ``--model_dir`` as an ordinary Keras model.
+``--per_replica_batch_size`` is the batch of the one pipeline; ``--strategy``
+and ``--compression`` are refused (one pipeline has no data-parallel
+all-reduce).
+
+With ``--compare``, worker 0 also trains the same model unpipelined on one
+device and reports the largest weight difference. Each worker prints
+``tfdist result: {...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+from absl import app, flags
+
+import _common
+from tfdist.errors import ConfigError, TfdistError
+
+_common.define_flags()
+FLAGS = flags.FLAGS
+FLAGS.set_default("epochs", 2)
+FLAGS.set_default("examples", 512)
+FLAGS.set_default("learning_rate", 1e-3)
+flags.DEFINE_enum("model", "llama", ["llama", "mlp"], "The model to pipeline.")
+flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe"], "The pipeline schedule.")
+flags.DEFINE_integer("microbatches", 4, "Micro-batches per batch (they must divide it).")
+flags.DEFINE_bool("compare", False, "Also train unpipelined on worker 0 and compare.")
+
+
+def check_flags() -> None:
+    """The common flags this script cannot honour yet are refused, not ignored."""
+    if FLAGS.compression not in (None, "", "none"):
+        raise ConfigError(
+            "compression",
+            FLAGS.compression,
+            "none: one pipeline has no data-parallel all-reduce to compress",
+            source="strategies/pipeline.py",
+        )
+    if FLAGS.strategy != "auto":
+        raise ConfigError(
+            "strategy",
+            FLAGS.strategy,
+            "'auto': each worker runs one pipeline stage, with no tf.distribute strategy",
+            source="strategies/pipeline.py",
+        )
+
+
+def make_model(name: str, stages: int) -> tuple[Any, list[str]]:
+    """The model and its split points for ``stages`` stages."""
+    import keras
+
+    if name == "mlp":
+        widths = [64, 64, 64, 64, 64]
+        inp = keras.Input((32,), name="features")
+        h = inp
+        for i, width in enumerate(widths):
+            h = keras.layers.Dense(width, activation="relu", name=f"dense_{i}")(h)
+        out = keras.layers.Dense(10, name="logits")(h)
+        layers = [f"dense_{i}" for i in range(1, len(widths))] + ["logits"]
+        return keras.Model(inp, out), _evenly(layers, stages)
+    import keras_hub
+
+    blocks = max(4, stages)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=1024,
+        num_layers=blocks,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=64,
+        intermediate_dim=128,
+    )
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    layers = [f"transformer_layer_{i}" for i in range(1, blocks)]
+    return model, _evenly(layers, stages)
+
+
+def _evenly(candidates: list[str], stages: int) -> list[str]:
+    """``stages - 1`` split points spread over ``candidates``."""
+    if stages - 1 > len(candidates):
+        raise SystemExit(f"--workers: at most {len(candidates) + 1} stages for this model")
+    step = (len(candidates) + 1) / stages
+    return [candidates[round(step * k) - 1] for k in range(1, stages)]
+
+
+def make_data(name: str, examples: int, seed: int = 0) -> tuple[Any, np.ndarray]:
+    """Skewed classes over features on several scales, or Zipf token ids."""
+    rng = np.random.default_rng(seed)
+    if name == "mlp":
+        x = rng.standard_normal((examples, 32)).astype("float32") * np.geomspace(0.1, 10, 32)
+        y = np.minimum(rng.zipf(1.6, examples) - 1, 9).astype("int32")
+        return x.astype("float32"), y
+    length = 16
+    ids = np.minimum(rng.zipf(1.3, (examples, length + 1)), 1023).astype("int32")
+    mask = np.arange(length)[None, :] < rng.integers(4, length + 1, examples)[:, None]
+    x = {"token_ids": np.where(mask, ids[:, :-1], 0), "padding_mask": mask}
+    return x, np.where(mask, ids[:, 1:], 0).astype("int32")
+
+
+def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
+    import keras
+
+    from tfdist.pipeline import PipelineModel
+
+    keras.utils.set_random_seed(FLAGS.seed)
+    model, split_points = make_model(FLAGS.model, stages)
+    if pipelined:
+        model = PipelineModel(
+            model, split_points, microbatches=FLAGS.microbatches, schedule=FLAGS.schedule
+        )
+    model.compile(
+        optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = make_data(FLAGS.model, FLAGS.examples, FLAGS.seed)
+    started = time.perf_counter()
+    history = model.fit(
+        x, y, batch_size=FLAGS.per_replica_batch_size, epochs=FLAGS.epochs, shuffle=False, verbose=0
+    )
+    seconds = time.perf_counter() - started
+    report = {
+        "loss": [round(v, 6) for v in history.history["loss"]],
+        "evaluate": round(float(np.ravel(model.evaluate(x, y, verbose=0))[0]), 6),
+        "fit_seconds": round(seconds, 2),
+        "split_points": split_points,
+    }
+    return model, report
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    try:
+        check_flags()
+    except TfdistError as error:
+        _common.exit_with(error)
+    config = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    stages = len(config.get("cluster", {}).get("worker", []))
+    if stages < 2:
+        raise SystemExit(
+            "Run it with `tfdist launch --workers P strategies/pipeline.py`: one worker per stage."
+        )
+    model, report = train(True, stages)
+    stage = model.stage_index
+    for epoch, loss in enumerate(report["loss"], 1):
+        print(f"stage {stage}: epoch {epoch} loss {loss:.4f}")
+    if FLAGS.model_dir:
+        os.makedirs(FLAGS.model_dir, exist_ok=True)
+        model.save(os.path.join(FLAGS.model_dir, "model.keras"))
+    if FLAGS.compare:
+        model.gather_weights()  # Every stage takes part; stage 0 gets all weights.
+    if FLAGS.compare and stage == 0:
+        plain, report["plain"] = train(False, stages)
+        report["max_weight_diff"] = max(
+            float(np.abs(a.numpy() - b.numpy()).max())
+            for a, b in zip(model.whole.weights, plain.weights)
+        )
+    model.close()
+    print("tfdist result: " + json.dumps({"stage": stage, "stages": stages, **report}))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,105 @@
+"""PipelineModel's settings: stage and addresses from TF_CONFIG, and a
+ConfigError naming the field for each bad one (before any connection)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.models.pipeline_models import make_model
+
+
+def test_the_stage_and_addresses_come_from_tf_config():
+    from tfdist.pipeline import stage_from_tf_config
+
+    cluster = {"chief": ["h0:1"], "worker": ["h1:2", "h2:3"]}
+    for task, stage in ((("chief", 0), 0), (("worker", 0), 1), (("worker", 1), 2)):
+        env = {
+            "TF_CONFIG": json.dumps(
+                {"cluster": cluster, "task": dict(zip(("type", "index"), task))}
+            )
+        }
+        assert stage_from_tf_config(env) == (stage, ["h0:1", "h1:2", "h2:3"])
+    only = {"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}
+    assert stage_from_tf_config({"TF_CONFIG": json.dumps(only)}) == (1, ["a:1", "b:2"])
+
+
+def test_tf_config_without_a_stage_is_refused():
+    from tfdist.errors import ConfigError
+    from tfdist.pipeline import stage_from_tf_config
+
+    with pytest.raises(ConfigError, match="tfdist launch --workers P") as caught:
+        stage_from_tf_config({})
+    assert caught.value.field == "stage"
+    ps = {"cluster": {"worker": ["a:1"], "ps": ["b:2"]}, "task": {"type": "ps", "index": 0}}
+    with pytest.raises(ConfigError) as caught:
+        stage_from_tf_config({"TF_CONFIG": json.dumps(ps)})
+    assert (caught.value.field, caught.value.value) == ("task.type", "ps")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, value",
+    [
+        ({"schedule": "zero-bubble"}, "schedule", "zero-bubble"),
+        ({"microbatches": 0}, "microbatches", 0),
+        ({"microbatches": True}, "microbatches", True),
+        ({"addresses": ["127.0.0.1:1"]}, "addresses", ["127.0.0.1:1"]),
+        ({"addresses": ["127.0.0.1:1"] * 3}, "addresses", ["127.0.0.1:1"] * 3),
+    ],
+)
+def test_bad_settings_name_the_field(kwargs, field, value):
+    from tfdist.errors import ConfigError
+    from tfdist.pipeline import PipelineModel
+
+    settings = {"microbatches": 2, "stage": 0, "addresses": ["127.0.0.1:1", "127.0.0.1:2"]}
+    settings.update(kwargs)
+    with pytest.raises(ConfigError) as caught:
+        PipelineModel(make_model("mlp"), ["d3"], **settings)
+    assert caught.value.field == field and caught.value.value == value
+
+
+def test_a_batch_the_micro_batches_do_not_divide_names_both():
+    import numpy as np
+
+    from tfdist.errors import ConfigError
+    from tfdist.pipeline.runtime import microbatches
+
+    with pytest.raises(ConfigError) as caught:
+        microbatches([np.zeros((10, 3)), np.zeros((10,))], 4)
+    assert caught.value.value == 10
+    assert "the 4 micro-batches divide evenly" in str(caught.value)
+    parts = microbatches([np.arange(12).reshape(6, 2), None], 3)
+    assert [p[0].numpy().tolist() for p in parts] == [
+        [[0, 1], [2, 3]],
+        [[4, 5], [6, 7]],
+        [[8, 9], [10, 11]],
+    ]
+    assert all(p[1] is None for p in parts)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_batch_normalization_takes_each_micro_batch_s_statistics(count):
+    # As docs/guide/pipeline.md says: in training, a BatchNormalization
+    # layer updates its moving mean once per micro-batch, with that
+    # micro-batch's mean (one stage here: the micro-batches as in a pipeline).
+    import keras
+    import numpy as np
+
+    from tfdist.pipeline import Stage
+    from tfdist.pipeline.runtime import StageRunner
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((3,))
+    bn = keras.layers.BatchNormalization(momentum=0.9)
+    model = keras.Model(inp, keras.layers.Dense(2)(bn(inp)))
+    stage = Stage(0, model, ("bn", "dense"), (0,), 0, tuple(model.weights))
+    loss = keras.losses.MeanSquaredError()
+    runner = StageRunner(stage, 1, {}, "gpipe", count, loss, keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((8, 3)) * [1, 5, 20] + [0, 3, -7]).astype("float32")
+    runner.train_step(0, [x], np.zeros((8, 2), "float32"))
+    expected = np.zeros(3)
+    for part in np.split(x, count):
+        expected = 0.9 * expected + 0.1 * part.mean(axis=0)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), expected, rtol=1e-5, atol=1e-6)

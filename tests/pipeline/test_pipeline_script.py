@@ -1,0 +1,54 @@
+"""strategies/pipeline.py under `tfdist launch`, as a user runs it, with tiny
+settings: 2 stages train like the model on one device, and save it whole."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from conftest import finish, start
+
+#: TensorFlow processes: with the suite's other multi-process tests, one at a time.
+pytestmark = pytest.mark.slow
+
+SCRIPT = "strategies/pipeline.py"
+TINY = ["--examples=64", "--per_replica_batch_size=16", "--microbatches=2", "--epochs=2"]
+
+
+def _results(stdout: str) -> dict[str, dict]:
+    found = {}
+    for line in stdout.splitlines():
+        match = re.match(r"\[(\w+:\d+)\] tfdist result: (.*)$", line)
+        if match:
+            found[match[1]] = json.loads(match[2])
+    return found
+
+
+def test_the_script_trains_two_stages_like_one_device(tmp_path):
+    import keras
+
+    model_dir = tmp_path / "model"
+    args = ["-m", "tfdist", "launch", "--workers", "2", "--show-all", SCRIPT, "--model=mlp", *TINY]
+    [(code, out, err)] = finish(
+        [start([*args, "--compare", f"--model_dir={model_dir}"])], timeout=300
+    )
+    assert code == 0, (out + err)[-4000:]
+    results = _results(out)
+    assert sorted(results) == ["worker:0", "worker:1"], out[-3000:]
+    first, second = results["worker:0"], results["worker:1"]
+    assert (first["stage"], second["stage"], first["stages"]) == (0, 1, 2)
+    assert first["loss"] == second["loss"] and first["evaluate"] == second["evaluate"]
+    np.testing.assert_allclose(first["loss"], first["plain"]["loss"], rtol=0, atol=1e-5)
+    assert first["max_weight_diff"] < 1e-5, first
+    saved = keras.models.load_model(model_dir / "model.keras")
+    assert type(saved).__name__ == "Functional"
+    assert len(saved.layers) == 7  # The input, 5 Dense layers and the logits.
+
+
+def test_the_script_refuses_compression_naming_it():
+    [(code, out, err)] = finish([start([SCRIPT, "--compression=fp16"])], timeout=120)
+    assert code == 2, (out + err)[-2000:]
+    assert "field 'compression'" in err and "'fp16'" in err, err[-2000:]

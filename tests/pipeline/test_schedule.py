@@ -1,0 +1,72 @@
+"""Pipeline schedules: each stage runs every micro-batch's forward and
+backward once, the schedule never deadlocks, the bubble is GPipe's theory,
+and 1F1B keeps fewer micro-batches in flight."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tfdist.errors import ConfigError
+from tfdist.pipeline.schedule import SCHEDULES, actions, bubble, simulate
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    schedule=st.sampled_from(SCHEDULES),
+    stages=st.integers(1, 8),
+    microbatches=st.integers(1, 16),
+    forward=st.floats(0.1, 3.0),
+    backward=st.floats(0.1, 3.0),
+)
+def test_every_pass_runs_once_in_an_order_that_finishes(
+    schedule, stages, microbatches, forward, backward
+):
+    for s in range(stages):
+        order = actions(schedule, s, stages, microbatches)
+        assert sorted((a.kind, a.microbatch) for a in order) == sorted(
+            [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+        )
+        # A stage's own backward of a micro-batch comes after its forward.
+        for i in range(microbatches):
+            kinds = [a.kind for a in order if a.microbatch == i]
+            assert kinds == ["F", "B"]
+    timeline = simulate(schedule, stages, microbatches, forward, backward)
+    # Each stage computes m forwards and m backwards: its busy time.
+    for idle in timeline.idle:
+        busy = microbatches * (forward + backward)
+        assert idle == pytest.approx(1 - busy / timeline.step, abs=1e-9)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 4), (3, 1), (1, 5)])
+def test_the_bubble_is_the_theory_when_passes_take_equal_times(schedule, stages, microbatches):
+    timeline = simulate(schedule, stages, microbatches, 1.0, 2.0)
+    for idle in timeline.idle:
+        assert idle == pytest.approx(bubble(stages, microbatches), abs=1e-9)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 2)])
+def test_1f1b_keeps_at_most_p_minus_s_micro_batches_in_flight_and_gpipe_all(stages, microbatches):
+    gpipe = simulate("gpipe", stages, microbatches).peak_in_flight
+    one = simulate("1f1b", stages, microbatches).peak_in_flight
+    assert gpipe == (microbatches,) * stages
+    assert one == tuple(min(stages - s, microbatches) for s in range(stages))
+
+
+@pytest.mark.parametrize(
+    "args, field, value",
+    [
+        (("zero", 0, 2, 4), "schedule", "zero"),
+        (("gpipe", 2, 2, 4), "stage", 2),
+        (("gpipe", -1, 2, 4), "stage", -1),
+        (("1f1b", 0, 0, 4), "stages", 0),
+        (("1f1b", 0, 2, 0), "microbatches", 0),
+        (("1f1b", 0, 2, 2.5), "microbatches", 2.5),
+        (("1f1b", 0, True, 2), "stages", True),
+    ],
+)
+def test_bad_schedule_arguments_name_the_field(args, field, value):
+    with pytest.raises(ConfigError) as caught:
+        actions(*args)
+    assert caught.value.field == field and caught.value.value == value

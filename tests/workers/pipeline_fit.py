@@ -1,0 +1,72 @@
+"""A process of a pipelined Keras ``fit`` (tests/pipeline/test_pipeline_processes.py).
+
+Usage: pipeline_fit.py MODEL SCHEDULE MICROBATCHES STEPS OUT STAGE [ADDRESSES]
+
+STAGE ``ref`` runs the plain model on one device instead. Every process
+calls fit (2 epochs), evaluate, predict and save, as a user's script does,
+and writes OUT/fit-<STAGE>.npz: the fit and evaluate losses and the
+predictions; the model is saved to OUT/<STAGE>.keras (stage 0's file is the
+pipelined model's). With $PIPELINE_BACKUP, fit has a BackupAndRestore there
+(one folder for the plain model, one the stages share); with $PIPELINE_CRASH,
+every process fails in the second epoch.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+
+from tests.models.pipeline_models import SPLITS, batches, make_model
+
+model_name, schedule, m, steps, out, stage = sys.argv[1:7]
+
+
+class Crash(keras.callbacks.Callback):
+    """A failure in the second epoch, after its first batch, on every process."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 1:
+            raise RuntimeError("crash on purpose")
+
+
+m, steps, out = int(m), int(steps), Path(out)
+keras.utils.set_random_seed(7)
+model = make_model(model_name)
+x, y = batches(model_name, steps)
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+if stage != "ref":
+    from tfdist.pipeline import PipelineModel
+
+    addresses = sys.argv[7].split(",")
+    model = PipelineModel(
+        model,
+        SPLITS[model_name][: len(addresses) - 1],
+        microbatches=m,
+        schedule=schedule,
+        stage=int(stage),
+        addresses=addresses,
+        recv_timeout=120,
+    )
+model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+batch = len(y) // steps
+callbacks = []
+if os.environ.get("PIPELINE_BACKUP"):
+    backup = os.path.join(os.environ["PIPELINE_BACKUP"], stage if stage == "ref" else "pipe")
+    callbacks.append(keras.callbacks.BackupAndRestore(backup, save_freq="epoch"))
+if os.environ.get("PIPELINE_CRASH"):
+    callbacks.append(Crash())
+history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+evaluated = model.evaluate(x, y, batch_size=batch, verbose=0)
+predicted = model.predict(x, batch_size=batch, verbose=0)
+model.save(out / f"{stage}.keras")
+np.savez(
+    out / f"fit-{stage}.npz",
+    fit=np.array(history.history["loss"]),
+    evaluate=np.array(evaluated),
+    predict=predicted,
+)

@@ -1,0 +1,27 @@
+"""Pipeline parallelism: a Keras model cut into stages, each on its own worker.
+
+- :func:`split_model` cuts a functional or Sequential model at named layers.
+- :mod:`~tfdist.pipeline.schedule`: GPipe and 1F1B, and their bubble.
+- :class:`PipelineModel` wraps a Keras model so that ``fit``, ``evaluate``,
+  ``predict`` and ``save`` run it in stages, one per process.
+- :class:`~tfdist.pipeline.runtime.StageRunner` runs one stage's passes in a
+  training step, sending activations and gradients to its neighbours.
+
+Importing this package imports no TensorFlow; its names load on first use.
+"""
+
+from __future__ import annotations
+
+from tfdist._lazy import lazy_attributes
+
+_LAZY = {
+    "Stage": "split",
+    "split_model": "split",
+    "StageRunner": "runtime",
+    "PipelineModel": "model",
+    "stage_from_tf_config": "model",
+    "SCHEDULES": "schedule",
+    "bubble": "schedule",
+}
+__all__ = sorted(_LAZY)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -1,0 +1,290 @@
+"""A Keras model trained in pipeline stages, with ``fit`` kept.
+
+Every process of the job builds the same model and wraps it::
+
+    model = make_model()  # The same seed, or the same weights, everywhere.
+    pipe = tfdist.pipeline.PipelineModel(
+        model, split_points=["dense_2"], microbatches=4, schedule="1f1b"
+    )
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    pipe.fit(x, y, batch_size=32, epochs=2)  # The same data on every process.
+    pipe.save("model.keras")  # Stage 0 writes the whole model, unpipelined.
+
+Process ``k`` runs stage ``k``: ``stage`` and the stages' ``addresses``
+(``host:port`` each) come from TF_CONFIG (``tfdist launch --workers P``, a
+chief first if the cluster has one) unless given. Each process trains only
+its stage's weights; ``save`` and ``save_weights`` first gather every
+stage's weights into stage 0's model, so the file holds the trained model,
+which loads as an ordinary Keras model. ``fit``, ``evaluate`` and
+``predict`` log and return the same numbers on every process (the loss and
+outputs travel back from the last stage).
+
+Keras runs the steps eagerly (``run_eagerly``): the stage's passes and its
+messages interleave in Python, as PyTorch's pipelining does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from tfdist.compat.keras_private import loss_tracker
+from tfdist.errors import ConfigError
+from tfdist.pipeline.backup import stage_callbacks
+from tfdist.pipeline.runtime import StageRunner
+from tfdist.pipeline.schedule import SCHEDULES
+from tfdist.pipeline.split import split_model
+from tfdist.transport.p2p import connect_stages
+
+__all__ = ["PipelineModel", "stage_from_tf_config"]
+
+SOURCE = "tfdist.pipeline.PipelineModel"
+
+
+def stage_from_tf_config(environ: Any = None) -> tuple[int, list[str]]:
+    """``(stage, addresses)`` from TF_CONFIG: the chief (if any) then the
+    workers, in order; this task's place among them.
+
+    Raises:
+        ConfigError: No TF_CONFIG, or a task that is neither chief nor worker.
+    """
+    text = (os.environ if environ is None else environ).get("TF_CONFIG")
+    if not text:
+        raise ConfigError(
+            "stage",
+            None,
+            "a stage and addresses, or a TF_CONFIG naming the stages' tasks "
+            "(run under `tfdist launch --workers P`)",
+            source=SOURCE,
+        )
+    config = json.loads(text)
+    cluster, task = config.get("cluster", {}), config.get("task", {})
+    addresses = list(cluster.get("chief", [])) + list(cluster.get("worker", []))
+    kind, index = task.get("type"), task.get("index", 0)
+    if kind not in ("chief", "worker"):
+        raise ConfigError(
+            "task.type", kind, "'chief' or 'worker' (each runs one stage)", source="TF_CONFIG"
+        )
+    offset = len(cluster.get("chief", [])) if kind == "worker" else 0
+    return offset + int(index), addresses
+
+
+class PipelineModel(keras.Model):
+    """``model`` cut into stages at ``split_points``; this process runs one.
+
+    Args:
+        model: A functional or Sequential Keras model (nested functional
+            models, such as a keras-hub backbone, are opened up).
+        split_points: Names of the layers each stage after the first begins
+            with (see :func:`~tfdist.pipeline.split_model`).
+        microbatches: Micro-batches per batch; it must divide the batch size.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        stage: This process's stage (default: from TF_CONFIG).
+        addresses: Each stage's ``host:port`` (default: from TF_CONFIG).
+        timeout: Seconds the stages have to connect.
+        recv_timeout: Seconds a stage waits for a neighbour's message before
+            failing, naming it (a dead neighbour fails it at once).
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        split_points: Sequence[str],
+        *,
+        microbatches: int,
+        schedule: str = "1f1b",
+        stage: int | None = None,
+        addresses: Sequence[str] | None = None,
+        timeout: float = 120.0,
+        recv_timeout: float | None = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if schedule not in SCHEDULES:
+            raise ConfigError("schedule", schedule, f"one of {SCHEDULES}", source=SOURCE)
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ConfigError("microbatches", microbatches, "an integer >= 1", source=SOURCE)
+        self.whole = model
+        self.stages = split_model(model, split_points)
+        if stage is None or addresses is None:
+            found_stage, found = stage_from_tf_config()
+            stage = found_stage if stage is None else stage
+            addresses = found if addresses is None else addresses
+        if len(addresses) != len(self.stages):
+            raise ConfigError(
+                "addresses",
+                list(addresses),
+                f"one address per stage: {len(self.stages)} (split_points={list(split_points)} "
+                f"makes {len(self.stages)} stages; run as many workers)",
+                source=SOURCE,
+            )
+        self.stage_index = stage
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self._links = connect_stages(
+            stage, list(addresses), timeout=timeout, recv_timeout=recv_timeout
+        )
+        self._runner: StageRunner | None = None
+        self._steps = {"T": 0, "E": 0, "P": 0, "W": 0}
+        self.built = model.built  # Its weights are the model's (BackupAndRestore asks).
+
+    def call(self, inputs: Any, training: bool = False) -> Any:
+        return self.whole(inputs, training=training)
+
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, **kwargs: Any) -> None:
+        """Keras's compile, run eagerly (the stages' passes are Python).
+
+        Raises:
+            ConfigError: ``metrics`` (not supported yet), or no loss.
+        """
+        for name in ("metrics", "weighted_metrics"):
+            if kwargs.get(name):
+                raise ConfigError(
+                    name,
+                    kwargs[name],
+                    "None: a pipelined model logs its loss only, for now",
+                    source=SOURCE,
+                )
+        if loss is None:
+            raise ConfigError(
+                "loss", loss, "a Keras loss (the last stage computes it)", source=SOURCE
+            )
+        kwargs["run_eagerly"] = True
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        self._runner = StageRunner(
+            self.stages[self.stage_index],
+            len(self.stages),
+            self._links,
+            self.schedule,
+            self.microbatches,
+            keras.losses.get(loss),
+            self.optimizer,
+        )
+        # Built for this stage's weights only: it keeps no state for the rest.
+        self.optimizer.build(self._runner.variables)
+
+    def _next(self, kind: str) -> int:
+        step = self._steps[kind]
+        self._steps[kind] += 1
+        return step
+
+    def fit(self, *args: Any, callbacks: Any = None, **kwargs: Any) -> Any:
+        """Keras's fit. A ``keras.callbacks.BackupAndRestore`` works as on one
+        device: stage 0 writes the backup, and every stage resumes from it
+        (the workers share a file system)."""
+        callbacks = stage_callbacks(callbacks, self.stage_index)
+        return super().fit(*args, callbacks=callbacks, **kwargs)
+
+    def train_step(self, data: Any) -> dict:
+        x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
+        flat = keras.tree.flatten(x)
+        loss = self._runner.train_step(self._next("T"), flat, y, weight)
+        return self._log(loss, flat)
+
+    def test_step(self, data: Any) -> dict:
+        x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
+        flat = keras.tree.flatten(x)
+        loss, _ = self._runner.forward_step("E", self._next("E"), flat, y, weight)
+        return self._log(loss, flat)
+
+    def _log(self, loss: float, flat: list) -> dict:
+        """Keras's loss metric takes the batch's loss, weighted by its size as
+        Keras's own train_step does: the logs are its running mean."""
+        tracker = loss_tracker(self)
+        tracker.update_state(loss, sample_weight=int(flat[0].shape[0]))
+        return self.get_metrics_result()
+
+    def predict_step(self, data: Any) -> Any:
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        _, outputs = self._runner.forward_step("P", self._next("P"), keras.tree.flatten(x))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # Saving: stage 0 writes the whole model, after gathering every stage's weights.
+
+    def gather_weights(self, before_sending: Any = None) -> None:
+        """Copies every stage's weights into stage 0's model (a collective:
+        every stage calls it). ``before_sending()`` runs on each stage once
+        the later stages are done, before its weights go on: when stage 0 has
+        them all, every stage has run it."""
+        tag = ("W", self._next("W"))
+        later = [v for s in self.stages[self.stage_index + 1 :] for v in s.variables]
+        arrays: list[np.ndarray] = []
+        if self.stage_index < len(self.stages) - 1:
+            arrays = self._links[self.stage_index + 1].recv(tag)
+        for variable, value in zip(later, arrays):
+            variable.assign(value)
+        if before_sending is not None:
+            before_sending()
+        if self.stage_index > 0:
+            own = [np.asarray(v.numpy()) for v in self.stages[self.stage_index].variables]
+            self._links[self.stage_index - 1].send(tag, own + list(arrays))
+
+    def save(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        """Writes the whole trained model as an ordinary Keras model (stage 0
+        writes; every stage must call it)."""
+        self.gather_weights()
+        if self.stage_index == 0:
+            self.whole.save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        """The whole model's weights to ``filepath`` (stage 0 writes them),
+        and each stage's optimizer state beside it (``FILEPATH.stageK.npz``):
+        what Keras's own file holds for one device. Every stage calls it."""
+        # Each stage's optimizer state is on disk before stage 0 has the
+        # weights: a BackupAndRestore on stage 0 may delete the folder next.
+        self.gather_weights(before_sending=lambda: self._save_optimizer(filepath))
+        if self.stage_index == 0:
+            self.whole.save_weights(filepath, *args, **kwargs)
+
+    def _save_optimizer(self, filepath: Any) -> None:
+        if self.optimizer is None or not self.optimizer.built:
+            return
+        state = self.optimizer.variables
+        values = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(state)}
+        side = _optimizer_file(filepath, self.stage_index)
+        os.makedirs(os.path.dirname(side) or ".", exist_ok=True)  # Stage 0 may not have yet.
+        partial = side + ".partial.npz"
+        np.savez(partial, **values)
+        os.replace(partial, side)  # A crash never leaves half a file.
+
+    def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        """The whole model's weights (every stage reads the file: a shared
+        file system), and this stage's optimizer state if saved beside it.
+
+        Raises:
+            ConfigError: The saved optimizer state does not fit this
+                optimizer (another optimizer, or another model).
+        """
+        self.whole.load_weights(filepath, *args, **kwargs)
+        side = _optimizer_file(filepath, self.stage_index)
+        if self.optimizer is None or not self.optimizer.built or not os.path.exists(side):
+            return
+        with np.load(side) as saved:
+            values = [saved[f"v{i}"] for i in range(len(saved.files))]
+        mine = self.optimizer.variables
+        shapes = [tuple(v.shape) for v in mine]
+        if [tuple(v.shape) for v in values] != shapes:
+            raise ConfigError(
+                "filepath",
+                side,
+                f"an optimizer state of {len(shapes)} variables shaped as this optimizer's",
+                source=SOURCE,
+                received=f"{len(values)} variables shaped {[v.shape for v in values][:4]}...",
+            )
+        for variable, value in zip(mine, values):
+            variable.assign(value)
+
+    def close(self) -> None:
+        """Closes the links to the neighbouring stages."""
+        for link in self._links.values():
+            link.close()
+
+
+def _optimizer_file(filepath: Any, stage: int) -> str:
+    """Where stage ``stage`` keeps its optimizer state beside ``filepath``."""
+    return f"{os.fspath(filepath)}.stage{stage}.npz"

@@ -1,0 +1,262 @@
+"""One stage's work in a training step: its micro-batches' forward and
+backward passes in the schedule's order, the activations and their gradients
+sent to the neighbouring stages, and the optimizer applied to the stage's
+own variables.
+
+The loss is the model's: the last stage computes it on each micro-batch and
+scales it by ``1 / m``, so that the gradients summed over the micro-batches
+are those of the whole batch's mean loss (Keras's default reduction). The
+step's loss travels back from the last stage to every stage, so that each
+process's ``fit`` logs the same number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+from tfdist.pipeline.schedule import actions
+from tfdist.pipeline.split import Stage
+
+__all__ = ["Link", "StageRunner", "microbatches"]
+
+
+class Link(Protocol):
+    """A connection to a neighbouring stage (tfdist.transport.p2p.Link)."""
+
+    def send(self, tag: tuple, arrays: Sequence[np.ndarray]) -> None: ...
+
+    def recv(self, tag: tuple, timeout: float | None = None) -> list[np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+def microbatches(values: Sequence[Any], count: int, field: str = "batch") -> list[list[Any]]:
+    """Cuts each tensor of ``values`` into ``count`` equal parts along its
+    first axis: ``result[i]`` is micro-batch ``i``'s list.
+
+    Raises:
+        ConfigError: A batch size that ``count`` does not divide, naming both.
+    """
+    sizes = {int(v.shape[0]) for v in values if v is not None}
+    for size in sizes:
+        if size % count:
+            raise ConfigError(
+                field,
+                size,
+                f"a batch size that the {count} micro-batches divide evenly (a multiple of "
+                f"{count}; drop or pad the last batch, e.g. dataset.batch(..., "
+                "drop_remainder=True))",
+                source="tfdist.pipeline",
+            )
+    cut = [None if v is None else tf.split(v, count, axis=0) for v in values]
+    return [[None if c is None else c[i] for c in cut] for i in range(count)]
+
+
+class StageRunner:
+    """Runs stage ``stage.index`` of a pipeline, one training step at a time.
+
+    Args:
+        stage: The stage (from :func:`~tfdist.pipeline.split_model`).
+        stages: How many stages the pipeline has.
+        links: The links to the previous and next stages, by stage index.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        microbatches: Micro-batches per step.
+        loss: The loss (a Keras loss object), called on the last stage as
+            ``loss(y, y_pred, sample_weight)``.
+        optimizer: A Keras optimizer for the stage's variables.
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        stages: int,
+        links: Mapping[int, Link],
+        schedule: str,
+        microbatches: int,
+        loss: Callable[..., Any] | None,
+        optimizer: Any,
+    ) -> None:
+        self.stage = stage
+        self.stages = stages
+        self.links = links
+        self.schedule = schedule
+        self.count = microbatches
+        self.loss = loss
+        self.optimizer = optimizer
+        self.variables = [v for v in stage.variables if v.trainable]
+        # What a tape watches: the tf.Variables under the Keras variables.
+        self._watched = [v.value for v in self.variables]
+        self.first = stage.index == 0
+        self.last = stage.index == stages - 1
+        self.order = actions(schedule, stage.index, stages, microbatches)
+        self.peak_in_flight = 0
+
+    # One step.
+
+    def train_step(self, step: int, x: Sequence[Any], y: Any, sample_weight: Any = None) -> float:
+        """Trains on one batch; returns the batch's loss (on every stage).
+
+        Args:
+            step: The step's number (tags the messages of this step).
+            x: The model's inputs, flat (``keras.tree.flatten``); a stage
+                uses those its ``model_inputs`` name.
+            y: The targets (used on the last stage).
+            sample_weight: Optional per-example weights (last stage).
+        """
+        try:
+            return self._train_step(step, x, y, sample_weight)
+        except BaseException:
+            # The pipeline cannot go on without this stage: closing its links
+            # makes the neighbours fail at once, naming it, not at a timeout.
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Closes the links to the neighbouring stages."""
+        for link in self.links.values():
+            link.close()
+
+    def _train_step(self, step: int, x: Sequence[Any], y: Any, sample_weight: Any) -> float:
+        given = microbatches([x[i] for i in self.stage.model_inputs], self.count)
+        targets = microbatches([y, sample_weight], self.count) if self.last else None
+        kept: dict[int, tuple] = {}
+        grads: list[Any] = [None] * len(self.variables)
+        total = 0.0
+        for action in self.order:
+            if action.kind == "F":
+                kept[action.microbatch] = self._forward(step, action.microbatch, given, targets)
+                self.peak_in_flight = max(self.peak_in_flight, len(kept))
+            else:
+                tape, received, result = kept.pop(action.microbatch)
+                if self.last:
+                    total += float(result)
+                self._backward(step, action.microbatch, tape, received, result, grads)
+        pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
+        if pairs:
+            self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        return self._share_loss(step, total)
+
+    def _forward(self, step: int, i: int, given: list, targets: list | None) -> tuple:
+        received = []
+        if not self.first:
+            arrays = self.links[self.stage.index - 1].recv(("F", step, i))
+            received = [tf.convert_to_tensor(a) for a in arrays]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(self._watched)
+            tape.watch(received)
+            out = self.stage.model(list(given[i]) + received, training=True)
+            outs = out if isinstance(out, (list, tuple)) else [out]
+            if self.last:
+                y, weight = targets[i]
+                result = self.loss(y, out, sample_weight=weight) / self.count
+            else:
+                result = list(outs)
+        if not self.last:
+            self.links[self.stage.index + 1].send(("F", step, i), [o.numpy() for o in outs])
+        return tape, received, result
+
+    def _backward(
+        self, step: int, i: int, tape: Any, received: list, result: Any, grads: list
+    ) -> None:
+        sources = self._watched + received
+        if self.last:
+            got = tape.gradient(result, sources)
+        else:
+            arrays = self.links[self.stage.index + 1].recv(("B", step, i))
+            upstream = [tf.convert_to_tensor(a) for a in arrays]
+            got = tape.gradient(result, sources, output_gradients=upstream)
+        n = len(self.variables)
+        for k, g in enumerate(got[:n]):
+            if g is not None:
+                grads[k] = g if grads[k] is None else _add(grads[k], g)
+        if not self.first:
+            back = [
+                np.zeros(r.shape, r.dtype.as_numpy_dtype) if g is None else g.numpy()
+                for g, r in zip(got[n:], received)
+            ]
+            self.links[self.stage.index - 1].send(("B", step, i), back)
+
+    def forward_step(
+        self, kind: str, step: int, x: Sequence[Any], y: Any = None, sample_weight: Any = None
+    ) -> tuple[float | None, list[np.ndarray]]:
+        """One batch forward only (``evaluate``, ``predict``), micro-batch by
+        micro-batch. Returns, on every stage, the batch's loss (when ``y`` is
+        given) and the model's outputs (as arrays, joined over the
+        micro-batches), both passed back from the last stage.
+
+        Args:
+            kind: Tags this step's messages apart from training's (``"E"``,
+                ``"P"``).
+            step: The step's number within ``kind``.
+        """
+        try:
+            return self._forward_step(kind, step, x, y, sample_weight)
+        except BaseException:
+            self.close()
+            raise
+
+    def _forward_step(
+        self, kind: str, step: int, x: Sequence[Any], y: Any, sample_weight: Any
+    ) -> tuple[float | None, list[np.ndarray]]:
+        given = microbatches([x[i] for i in self.stage.model_inputs], self.count)
+        targets = microbatches([y, sample_weight], self.count) if self.last else None
+        outputs: list[list[Any]] = []
+        total = 0.0
+        for i in range(self.count):
+            received = []
+            if not self.first:
+                arrays = self.links[self.stage.index - 1].recv((kind, step, i))
+                received = [tf.convert_to_tensor(a) for a in arrays]
+            out = self.stage.model(list(given[i]) + received, training=False)
+            outs = list(out) if isinstance(out, (list, tuple)) else [out]
+            if not self.last:
+                self.links[self.stage.index + 1].send((kind, step, i), [o.numpy() for o in outs])
+                continue
+            outputs.append(outs)
+            if y is not None:
+                ys, weight = targets[i]
+                total += float(self.loss(ys, out, sample_weight=weight)) / self.count
+        joined = (
+            [np.concatenate([o[k] for o in outputs]) for k in range(len(outputs[0]))]
+            if outputs
+            else []
+        )
+        return self._share_back((kind + "-out", step), total if y is not None else None, joined)
+
+    def _share_back(
+        self, tag: tuple, loss: float | None, outputs: list[np.ndarray]
+    ) -> tuple[float | None, list[np.ndarray]]:
+        """The last stage's loss and outputs, passed back stage by stage."""
+        if not self.last:
+            arrays = self.links[self.stage.index + 1].recv(tag)
+            loss = None if arrays[0].size == 0 else float(arrays[0][0])
+            outputs = arrays[1:]
+        if not self.first:
+            head = np.array([] if loss is None else [loss], np.float64)
+            self.links[self.stage.index - 1].send(tag, [head, *outputs])
+        return loss, outputs
+
+    def _share_loss(self, step: int, total: float) -> float:
+        """The last stage's loss, passed back stage by stage."""
+        if not self.last:
+            (value,) = self.links[self.stage.index + 1].recv(("L", step))
+            total = float(value)
+        if not self.first:
+            self.links[self.stage.index - 1].send(("L", step), [np.float64(total)])
+        return total
+
+
+def _add(a: Any, b: Any) -> Any:
+    """Sums two micro-batches' gradients. An embedding's IndexedSlices are
+    joined, not densified: the whole batch's gradient holds every lookup's
+    row too, and the optimizer sums the duplicates as it would."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+        )
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
