@@ -17,6 +17,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,16 +28,21 @@ def pair_order(arms: Sequence[str], i: int) -> tuple[str, ...]:
 
 
 def worker_job(
-    script: str, args: Sequence[str], work_dir: Path, prefix: str, timeout: float = 600
-) -> tuple[list[int], list[float] | None, list[str]]:
+    script: str,
+    args: Sequence[str],
+    work_dir: Path,
+    prefix: str,
+    timeout: float = 600,
+    every: bool = False,
+) -> tuple[list[int], Any, list[str]]:
     """Runs ``script --mode=worker ARGS --out=...`` as a 2-worker job on 127.0.0.1.
 
     Each worker gets its own TF_CONFIG and writes its step times (JSON) to
     its ``--out`` file. Only the processes started here are stopped.
 
     Returns:
-        The exit codes, worker 0's step times (None if it wrote none) and
-        each worker's whole log.
+        The exit codes, worker 0's step times (None if it wrote none; with
+        ``every``, each worker's JSON, or None) and each worker's whole log.
     """
     from tfdist import spec as spec_lib
     from tfdist.engines.net import local_spec
@@ -70,7 +76,8 @@ def worker_job(
                 p.kill()
                 p.wait()
     texts = [log.read_text(errors="replace") for log in logs]
-    times = json.loads(outs[0].read_text()) if outs[0].exists() else None
+    written = [json.loads(out.read_text()) if out.exists() else None for out in outs]
+    times = written if every else written[0]
     for path in outs + logs:
         path.unlink(missing_ok=True)
     return codes, times, texts

@@ -834,3 +834,45 @@ def test_fast_links_report_gives_the_ratios_and_marks_the_goals():
         f"(2 workers, 1 Gbit/s) | {limited:.2f} | "
         + ("yes" if limited <= GOALS["1gbit"] else "**no**")
     ) in text
+
+
+# ------------------------------------------------ pipeline benchmark
+
+
+def test_pipeline_benchmark_rows_and_table():
+    pipe = _load_benchmark("pipeline")
+    assert pipe.theory(2, 4) == pytest.approx(1 / 5) and pipe.theory(4, 8) == pytest.approx(3 / 11)
+
+    def run(step, idle0, idle1, peak):
+        return [
+            {"step_s": step, "idle": idle0, "peak_mb": peak},
+            {"step_s": step, "idle": idle1, "peak_mb": peak + 1},
+        ]
+
+    runs = [
+        {"tfdist": run(0.30, 0.25, 0.20, 40.0), "torch": run(0.20, 0.30, 0.10, 50.0)},
+        {"tfdist": run(0.50, 0.35, 0.30, 60.0), "torch": run(0.25, 0.20, 0.20, 70.0)},
+    ]
+    row = pipe._row("1f1b", 4, runs)
+    assert row["ratios"] == pytest.approx([0.30 / 0.20, 0.50 / 0.25])
+    assert row["ratio"] == pytest.approx((1.5 + 2.0) / 2)
+    assert row["tfdist"]["idle"] == pytest.approx([0.30, 0.25])
+    assert row["torch"]["peak_mb"] == pytest.approx([60.0, 61.0])
+    meta = {
+        "command": "python benchmarks/pipeline.py",
+        "when": "now",
+        "commit": "abc",
+        "cpus": 2,
+        "tf": "2.21",
+        "keras": "3.15",
+        "torch": "2.13",
+        "layers": 8,
+        "width": 1024,
+        "batch": 256,
+        "steps": 12,
+        "warmup": 3,
+        "notes": ["a note"],
+    }
+    text = pipe.markdown({"meta": meta, "rows": [row]})
+    assert "| 1f1b | 4 | 0.200 | 0.300, 0.250 | 0.250, 0.150 | 400.0 | 225.0 | 1.75 |" in text
+    assert text.rstrip().endswith("- a note")

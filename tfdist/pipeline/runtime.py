@@ -12,6 +12,7 @@ process's ``fit`` logs the same number.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -94,7 +95,11 @@ class StageRunner:
         self.first = stage.index == 0
         self.last = stage.index == stages - 1
         self.order = actions(schedule, stage.index, stages, microbatches)
+        #: The most micro-batches whose activations were kept at once.
         self.peak_in_flight = 0
+        #: Seconds spent computing forward and backward passes (not waiting
+        #: for a neighbour, not in the optimizer), over every step so far.
+        self.busy_seconds = 0.0
 
     # One step.
 
@@ -146,6 +151,7 @@ class StageRunner:
         if not self.first:
             arrays = self.links[self.stage.index - 1].recv(("F", step, i))
             received = [tf.convert_to_tensor(a) for a in arrays]
+        started = time.perf_counter()
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(self._watched)
             tape.watch(received)
@@ -156,29 +162,32 @@ class StageRunner:
                 result = self.loss(y, out, sample_weight=weight) / self.count
             else:
                 result = list(outs)
+        sent = [o.numpy() for o in outs] if not self.last else []
+        self.busy_seconds += time.perf_counter() - started
         if not self.last:
-            self.links[self.stage.index + 1].send(("F", step, i), [o.numpy() for o in outs])
+            self.links[self.stage.index + 1].send(("F", step, i), sent)
         return tape, received, result
 
     def _backward(
         self, step: int, i: int, tape: Any, received: list, result: Any, grads: list
     ) -> None:
         sources = self._watched + received
-        if self.last:
-            got = tape.gradient(result, sources)
-        else:
+        upstream = None
+        if not self.last:
             arrays = self.links[self.stage.index + 1].recv(("B", step, i))
             upstream = [tf.convert_to_tensor(a) for a in arrays]
-            got = tape.gradient(result, sources, output_gradients=upstream)
+        started = time.perf_counter()
+        got = tape.gradient(result, sources, output_gradients=upstream)
         n = len(self.variables)
         for k, g in enumerate(got[:n]):
             if g is not None:
                 grads[k] = g if grads[k] is None else _add(grads[k], g)
+        back = [
+            np.zeros(r.shape, r.dtype.as_numpy_dtype) if g is None else g.numpy()
+            for g, r in zip(got[n:], received)
+        ]
+        self.busy_seconds += time.perf_counter() - started
         if not self.first:
-            back = [
-                np.zeros(r.shape, r.dtype.as_numpy_dtype) if g is None else g.numpy()
-                for g, r in zip(got[n:], received)
-            ]
             self.links[self.stage.index - 1].send(("B", step, i), back)
 
     def forward_step(

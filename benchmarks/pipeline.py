@@ -1,0 +1,314 @@
+"""tfdist's pipeline parallelism beside PyTorch's ``torch.distributed.pipelining``.
+
+The same MLP (``--layers`` Dense/Linear layers of ``--width``, ReLU, a
+10-class head, cross-entropy), cut into 2 stages at the middle layer, the
+same batch, micro-batch count and schedule (GPipe, 1F1B), one process per
+stage with one thread each on 127.0.0.1: tfdist's stages send activations
+over tfdist.transport.p2p (TCP), PyTorch's over gloo. Per run and stage:
+
+- the step time (median over the timed steps after warm-up), and the ratio
+  tfdist / PyTorch in the same pair of runs (goal <= 1.2);
+- the idle fraction: 1 - (seconds computing forward and backward passes) /
+  (step time), against GPipe's theory (p - 1) / (m + p - 1). tfdist counts
+  its StageRunner's compute; PyTorch's is timed with module hooks;
+- the peak resident memory of the steps (warm-up included) above the
+  resident set before them (``/proc/self/clear_refs``): GPipe keeps every
+  micro-batch's activations, 1F1B at most p - s.
+
+Usage::
+
+    flock /tmp/tfdist-mp.lock python benchmarks/pipeline.py
+    python benchmarks/pipeline.py --microbatches=2,4,8 --pairs=2
+
+Needs PyTorch (``pip install -e .[bench]``). Results:
+``benchmarks/results/pipeline.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
+from benchlib import jobs, results as results_lib  # noqa: E402
+from benchlib.machine import peak_over  # noqa: E402
+
+REPO = HERE.parent
+RESULTS = HERE / "results"
+FRAMEWORKS = ("tfdist", "torch")
+SCHEDULES = ("gpipe", "1f1b")
+#: The flags every worker of a run takes from the main process.
+SHAPE = ("layers", "width", "batch", "steps", "warmup")
+STAGES = 2
+CLASSES = 10
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_enum(
+        "mode", "all", ["all", "worker", "report"], "all: measure; worker: one stage."
+    )
+    flags.DEFINE_integer("layers", 8, "Hidden layers (split in the middle).")
+    flags.DEFINE_integer("width", 1024, "Hidden width.")
+    flags.DEFINE_integer("batch", 256, "Global batch.")
+    flags.DEFINE_list("microbatches", ["2", "4", "8"], "Micro-batch counts.")
+    flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules.")
+    flags.DEFINE_integer("steps", 12, "Timed steps per run.")
+    flags.DEFINE_integer("warmup", 3, "Steps before the timed ones.")
+    flags.DEFINE_integer("pairs", 1, "(tfdist, torch) pairs of runs per setting, ABBA order.")
+    flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
+    flags.DEFINE_string("name", "pipeline", "Base name of the result files.")
+    flags.DEFINE_multi_string("note", [], "A note for the report (repeatable).")
+    # One worker of a run.
+    flags.DEFINE_enum("framework", "tfdist", list(FRAMEWORKS), "Worker: the framework.")
+    flags.DEFINE_enum("schedule", "1f1b", list(SCHEDULES), "Worker: the schedule.")
+    flags.DEFINE_integer("m", 4, "Worker: micro-batches.")
+    flags.DEFINE_string("out", None, "Worker: where it writes its JSON.")
+
+
+def theory(stages: int, microbatches: int) -> float:
+    """GPipe's (and 1F1B's) idle fraction: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def _task() -> tuple[int, list[str]]:
+    config = json.loads(os.environ["TF_CONFIG"])
+    return int(config["task"]["index"]), list(config["cluster"]["worker"])
+
+
+def _data(seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((FLAGS.batch, FLAGS.width)).astype("float32")
+    y = rng.integers(0, CLASSES, FLAGS.batch).astype("int64")
+    return x, y
+
+
+def _measure(step_fn, busy_fn) -> dict:
+    """Warm-up, then the timed steps; the peak memory counts from before the
+    first step (allocators keep what the warm-up took)."""
+    times, busy = [], []
+
+    def run() -> None:
+        for step in range(FLAGS.warmup):
+            step_fn(step)
+        for step in range(FLAGS.warmup, FLAGS.warmup + FLAGS.steps):
+            before, started = busy_fn(), time.perf_counter()
+            step_fn(step)
+            times.append(time.perf_counter() - started)
+            busy.append(busy_fn() - before)
+
+    _, rss_kb, peak_kb, _ = peak_over(run)
+    idle = [1 - b / t for b, t in zip(busy, times)]
+    return {
+        "step_s": statistics.median(times),
+        "idle": statistics.median(idle),
+        "peak_mb": (peak_kb - rss_kb) / 1024,
+        "rss_mb": rss_kb / 1024,
+    }
+
+
+def tfdist_worker() -> dict:
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from tfdist.pipeline import split_model
+    from tfdist.pipeline.runtime import StageRunner
+    from tfdist.transport.p2p import connect_stages
+
+    stage, addresses = _task()
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((FLAGS.width,))]
+    layers += [
+        keras.layers.Dense(FLAGS.width, activation="relu", name=f"h{i}")
+        for i in range(FLAGS.layers)
+    ]
+    model = keras.Sequential([*layers, keras.layers.Dense(CLASSES, name="head")])
+    stages = split_model(model, [f"h{FLAGS.layers // 2}"])
+    links = connect_stages(stage, addresses, timeout=120, recv_timeout=300)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    runner = StageRunner(
+        stages[stage], STAGES, links, FLAGS.schedule, FLAGS.m, loss, keras.optimizers.SGD(0.01)
+    )
+    x, y = _data()
+    result = _measure(lambda step: runner.train_step(step, [x], y), lambda: runner.busy_seconds)
+    result["peak_in_flight"] = runner.peak_in_flight
+    runner.close()
+    return result
+
+
+def torch_worker() -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    stage, addresses = _task()
+    port = int(addresses[0].rsplit(":", 1)[1])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage, world_size=STAGES
+    )
+    torch.manual_seed(0)
+    widths = [FLAGS.width] * (FLAGS.layers + 1)
+    mods: list = []
+    for a, b in zip(widths, widths[1:]):
+        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    mods.append(torch.nn.Linear(FLAGS.width, CLASSES))
+    cut = 2 * (FLAGS.layers // 2)
+    part = torch.nn.Sequential(*(mods[:cut] if stage == 0 else mods[cut:]))
+    busy = [0.0]
+    _time_passes(part, busy)
+    pipe_stage = PipelineStage(part, stage, STAGES, torch.device("cpu"))
+    kind = ScheduleGPipe if FLAGS.schedule == "gpipe" else Schedule1F1B
+    schedule = kind(pipe_stage, n_microbatches=FLAGS.m, loss_fn=torch.nn.CrossEntropyLoss())
+    optimizer = torch.optim.SGD(part.parameters(), lr=0.01)
+    x, y = (torch.from_numpy(a) for a in _data())
+
+    def step(_: int) -> None:
+        optimizer.zero_grad()
+        if stage == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        optimizer.step()
+
+    result = _measure(step, lambda: busy[0])
+    dist.destroy_process_group()
+    return result
+
+
+def _time_passes(module, busy: list) -> None:
+    """Adds each forward's and backward's seconds to ``busy[0]``: a forward
+    from the module's pre-hook to its hook; a backward from the moment the
+    gradient of its output arrives to the moment its first layer's weight
+    gradient is made (the last one its backward computes)."""
+    marks: dict[str, float] = {}
+
+    def begin(name: str) -> None:
+        marks[name] = time.perf_counter()
+
+    def end(name: str) -> None:
+        busy[0] += time.perf_counter() - marks.pop(name, time.perf_counter())
+
+    def forward_done(_, __, output):
+        end("F")
+        if output.requires_grad:
+            output.register_hook(lambda grad: begin("B"))
+
+    module.register_forward_pre_hook(lambda *_: begin("F"))
+    module.register_forward_hook(forward_done)
+    first = next(iter(module.parameters()))
+    first.register_hook(lambda grad: end("B"))
+
+
+def worker() -> None:
+    result = tfdist_worker() if FLAGS.framework == "tfdist" else torch_worker()
+    Path(FLAGS.out).write_text(json.dumps(result))
+
+
+def run_pair(schedule: str, m: int, order: tuple[str, ...], work: Path) -> dict:
+    """One run of each framework; returns their workers' results."""
+    got = {}
+    for framework in order:
+        args = [
+            f"--framework={framework}",
+            f"--schedule={schedule}",
+            f"--m={m}",
+            *(f"--{n}={getattr(FLAGS, n)}" for n in SHAPE),
+        ]
+        codes, outputs, logs = jobs.worker_job(__file__, args, work, framework, every=True)
+        if codes != [0, 0] or None in outputs:
+            raise RuntimeError(f"{framework} {schedule} m={m}: codes {codes}\n{logs[-1][-3000:]}")
+        got[framework] = outputs
+    return got
+
+
+def markdown(raw: dict) -> str:
+    meta = raw["meta"]
+    lines = [
+        "# Pipeline parallelism: tfdist and PyTorch's pipelining",
+        "",
+        f"`{meta['command']}` at {meta['when']} ({meta['commit']}); {meta['cpus']} CPUs, "
+        f"TensorFlow {meta['tf']}, Keras {meta['keras']}, PyTorch {meta['torch']}; an MLP of "
+        f"{meta['layers']} x {meta['width']} in {STAGES} stages, batch {meta['batch']}, "
+        f"{meta['steps']} timed steps after {meta['warmup']}, one thread per stage.",
+        "",
+        "| schedule | m | theory idle | tfdist idle (stage 0, 1) | PyTorch idle (stage 0, 1) "
+        "| tfdist step (ms) | PyTorch step (ms) | ratio | tfdist peak MB (0, 1) "
+        "| PyTorch peak MB (0, 1) |",
+        "|---|---:|---:|---|---|---:|---:|---:|---|---|",
+    ]
+    for row in raw["rows"]:
+        t, p = row["tfdist"], row["torch"]
+        lines.append(
+            f"| {row['schedule']} | {row['m']} | {row['theory']:.3f} "
+            f"| {t['idle'][0]:.3f}, {t['idle'][1]:.3f} | {p['idle'][0]:.3f}, {p['idle'][1]:.3f} "
+            f"| {1e3 * t['step_s']:.1f} | {1e3 * p['step_s']:.1f} | {row['ratio']:.2f} "
+            f"| {t['peak_mb'][0]:.0f}, {t['peak_mb'][1]:.0f} "
+            f"| {p['peak_mb'][0]:.0f}, {p['peak_mb'][1]:.0f} |"
+        )
+    lines += ["", *(f"- {note}" for note in meta.get("notes", []))]
+    return "\n".join(lines) + "\n"
+
+
+def _row(schedule: str, m: int, runs: list[dict]) -> dict:
+    row: dict = {"schedule": schedule, "m": m, "theory": theory(STAGES, m)}
+    for framework in FRAMEWORKS:
+        outs = [run[framework] for run in runs]
+        row[framework] = {
+            "step_s": statistics.median(o[0]["step_s"] for o in outs),
+            "idle": [statistics.median(o[s]["idle"] for o in outs) for s in range(STAGES)],
+            "peak_mb": [statistics.median(o[s]["peak_mb"] for o in outs) for s in range(STAGES)],
+        }
+    ratios = [run["tfdist"][0]["step_s"] / run["torch"][0]["step_s"] for run in runs]
+    row["ratio"] = statistics.median(ratios)
+    row["ratios"] = ratios
+    return row
+
+
+def main(argv) -> None:
+    del argv
+    if FLAGS.mode == "worker":
+        worker()
+        return
+    results = Path(FLAGS.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    if FLAGS.mode == "report":
+        print(results_lib.rewrite_report(results / f"{FLAGS.name}.json", FLAGS.note, markdown))
+        return
+    import torch
+
+    meta = {
+        **results_lib.header("pipeline.py"),
+        "torch": torch.__version__,
+        **{n: getattr(FLAGS, n) for n in (*SHAPE, "pairs")},
+        "notes": list(FLAGS.note),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tfdist-bench-pipeline-") as work:
+        for schedule in FLAGS.schedules:
+            for m in (int(v) for v in FLAGS.microbatches):
+                runs = [
+                    run_pair(schedule, m, jobs.pair_order(FRAMEWORKS, i), Path(work))
+                    for i in range(FLAGS.pairs)
+                ]
+                rows.append(_row(schedule, m, runs))
+                print(json.dumps(rows[-1]), flush=True)
+    meta["load_after"] = os.getloadavg()[0]
+    results_lib.write(results, FLAGS.name, {"meta": meta, "rows": rows}, markdown)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
