@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -190,6 +191,16 @@ def result_line(stdout: str) -> dict:
         if line.startswith("tfdist result: "):
             return json.loads(line[len("tfdist result: ") :])
     raise AssertionError(f"no 'tfdist result:' line in output:\n{stdout[-3000:]}")
+
+
+def results_by_task(stdout: str) -> dict[str, dict]:
+    """The 'tfdist result:' line of each task in ``tfdist launch`` output."""
+    found = {}
+    for line in stdout.splitlines():
+        match = re.match(r"\[(\w+:\d+)\] tfdist result: (.*)$", line)
+        if match:
+            found[match[1]] = json.loads(match[2])
+    return found
 
 
 def executed_notebooks(tmp_path_factory) -> Path:

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import tfdist.horovod as hvd
-from conftest import finish, start
-from test_strategies_scripts import results_by_task
+from conftest import finish, results_by_task, start
 from tfdist.errors import ConfigError
 from tfdist.horovod import runtime
 

@@ -3,28 +3,16 @@ settings: 2 stages train like the model on one device, and save it whole."""
 
 from __future__ import annotations
 
-import json
-import re
-
 import numpy as np
 import pytest
 
-from conftest import finish, start
+from conftest import finish, results_by_task, start
 
 #: TensorFlow processes: with the suite's other multi-process tests, one at a time.
 pytestmark = pytest.mark.slow
 
 SCRIPT = "strategies/pipeline.py"
 TINY = ["--examples=64", "--per_replica_batch_size=16", "--microbatches=2", "--epochs=2"]
-
-
-def _results(stdout: str) -> dict[str, dict]:
-    found = {}
-    for line in stdout.splitlines():
-        match = re.match(r"\[(\w+:\d+)\] tfdist result: (.*)$", line)
-        if match:
-            found[match[1]] = json.loads(match[2])
-    return found
 
 
 def test_the_script_trains_two_stages_like_one_device(tmp_path):
@@ -36,7 +24,7 @@ def test_the_script_trains_two_stages_like_one_device(tmp_path):
         [start([*args, "--compare", f"--model_dir={model_dir}"])], timeout=300
     )
     assert code == 0, (out + err)[-4000:]
-    results = _results(out)
+    results = results_by_task(out)
     assert sorted(results) == ["worker:0", "worker:1"], out[-3000:]
     first, second = results["worker:0"], results["worker:1"]
     assert (first["stage"], second["stage"], first["stages"]) == (0, 1, 2)

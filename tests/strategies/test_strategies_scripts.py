@@ -15,22 +15,12 @@ import sys
 
 import pytest
 
-from conftest import REPO, finish, result_line, start, subprocess_env
+from conftest import REPO, finish, result_line, results_by_task, start, subprocess_env
 
 SCRIPTS = sorted(p for p in (REPO / "strategies").glob("*.py") if not p.name.startswith("_"))
 #: Every script takes these (the issue's list); more are allowed.
 COMMON_FLAGS = ("strategy", "compression", "epochs", "per_replica_batch_size", "model_dir")
 TINY = ["--epochs=2", "--examples=1024"]
-
-
-def results_by_task(stdout: str) -> dict[str, dict]:
-    """The 'tfdist result:' line of each task in ``tfdist launch`` output."""
-    found = {}
-    for line in stdout.splitlines():
-        match = re.match(r"\[(\w+:\d+)\] tfdist result: (.*)$", line)
-        if match:
-            found[match[1]] = json.loads(match[2])
-    return found
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

@@ -18,8 +18,7 @@ import pytest
 
 import tfdist
 from canary import upstream_bug
-from conftest import finish, result_line, start
-from test_strategies_scripts import results_by_task
+from conftest import finish, result_line, results_by_task, start
 from workers import loop_check
 
 PER_REPLICA_BATCH = 16

@@ -15,8 +15,7 @@ import pytest
 
 import tfdist
 from canary import upstream_bug
-from conftest import finish, start
-from test_strategies_scripts import results_by_task
+from conftest import finish, results_by_task, start
 from tfdist.compat.versions import installed, satisfies
 from workers import accumulation_check, loop_check
 
