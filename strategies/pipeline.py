@@ -7,7 +7,8 @@ Run it with ``tfdist launch``, one worker per stage:
     tfdist launch --workers 2 strategies/pipeline.py --model=llama --microbatches=2
 
 ``--model=llama`` is a small keras-hub Llama (built from a config: nothing is
-downloaded) split at its transformer blocks; ``--model=mlp`` a 6-layer MLP
+downloaded; it needs keras-hub beside the base install:
+``pip install -e '.[keras-hub]'``) split at its transformer blocks; ``--model=mlp`` a 6-layer MLP
 split at its Dense layers. The data are synthetic and shaped like real data
 (skewed classes or Zipf-distributed token ids, sequences of uneven length).
 Every worker builds the same model from the same seed and gets the same
