@@ -103,3 +103,43 @@ def test_batch_normalization_takes_each_micro_batch_s_statistics(count):
     for part in np.split(x, count):
         expected = 0.9 * expected + 0.1 * part.mean(axis=0)
     np.testing.assert_allclose(bn.moving_mean.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "sparse_categorical_crossentropy",
+        "sparse_categorical_crossentropy-function",
+        "loss-object",
+    ],
+)
+def test_a_loss_named_or_a_function_is_keras_s_mean_over_the_batch(given):
+    import keras
+    import numpy as np
+
+    from tfdist.pipeline.model import _as_loss
+
+    fn = keras.losses.sparse_categorical_crossentropy
+    loss = {
+        "sparse_categorical_crossentropy": "sparse_categorical_crossentropy",
+        "sparse_categorical_crossentropy-function": fn,
+        "loss-object": keras.losses.SparseCategoricalCrossentropy(),
+    }[given]
+    y = np.array([2, 0, 1, 1])
+    p = np.array([[0.1, 0.2, 0.7], [0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.3, 0.4, 0.3]], "float32")
+    weight = np.array([1.0, 0.0, 2.0, 1.0], "float32")
+    per_example = np.asarray(fn(y, p))
+    got = _as_loss(loss)
+    assert float(got(y, p)) == pytest.approx(per_example.mean(), rel=1e-6)
+    assert float(got(y, p, sample_weight=weight)) == pytest.approx(
+        (per_example * weight).sum() / 4, rel=1e-6
+    )
+
+
+def test_a_loss_per_output_is_refused():
+    from tfdist.errors import ConfigError
+    from tfdist.pipeline.model import _as_loss
+
+    with pytest.raises(ConfigError) as caught:
+        _as_loss({"a": "mse"})
+    assert caught.value.field == "loss" and caught.value.value == {"a": "mse"}

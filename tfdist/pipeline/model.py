@@ -162,7 +162,7 @@ class PipelineModel(keras.Model):
             self._links,
             self.schedule,
             self.microbatches,
-            keras.losses.get(loss),
+            _as_loss(loss),
             self.optimizer,
         )
         # Built for this stage's weights only: it keeps no state for the rest.
@@ -288,3 +288,34 @@ class PipelineModel(keras.Model):
 def _optimizer_file(filepath: Any, stage: int) -> str:
     """Where stage ``stage`` keeps its optimizer state beside ``filepath``."""
     return f"{os.fspath(filepath)}.stage{stage}.npz"
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """A loss function as a Loss object, as Keras's compile wraps one: the
+    mean over the batch, with sample weights."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__(name=getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        return self.fn(y_true, y_pred)
+
+
+def _as_loss(loss: Any) -> keras.losses.Loss:
+    """``compile``'s ``loss`` as a Loss object the last stage calls.
+
+    Raises:
+        ConfigError: A loss per output (a dict or list): one output for now.
+    """
+    if isinstance(loss, keras.losses.Loss):
+        return loss
+    if isinstance(loss, str) or callable(loss):
+        return _FunctionLoss(keras.losses.get(loss) if isinstance(loss, str) else loss)
+    raise ConfigError(
+        "loss",
+        loss,
+        "one Keras loss: a name, a function or a keras.losses.Loss (a loss per output "
+        "is not supported yet)",
+        source=SOURCE,
+    )

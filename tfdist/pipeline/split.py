@@ -72,12 +72,14 @@ class _Call:
 def _is_graph(layer: Any) -> bool:
     """A nested model whose calls can be opened up: a functional model (or a
     built Sequential) that does not override ``call``."""
-    if not isinstance(layer, keras.Model) or isinstance(layer, keras.Sequential):
-        return isinstance(layer, keras.Sequential) and layer.built
-    return type(layer).call is keras.Model.call or _functional_call(layer)
+    if isinstance(layer, keras.Sequential):
+        return layer.built
+    return isinstance(layer, keras.Model) and _functional_call(layer)
 
 
 def _functional_call(model: keras.Model) -> bool:
+    """Whether ``model`` is a Keras functional model (a keras-hub task or
+    backbone too) whose ``call`` is Functional's own: its graph is its call."""
     for cls in type(model).__mro__:
         if cls.__name__ == "Functional" and cls.__module__.startswith("keras"):
             return type(model).call is cls.call
