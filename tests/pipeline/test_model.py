@@ -9,6 +9,9 @@ import pytest
 
 from tests.models.pipeline_models import make_model
 
+#: Keras runs in this process: the suite's logical CPUs first (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("tf_cpus")
+
 
 def test_the_stage_and_addresses_come_from_tf_config():
     from tfdist.pipeline import stage_from_tf_config

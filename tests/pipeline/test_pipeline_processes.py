@@ -16,7 +16,7 @@ import pytest
 from conftest import finish, start
 
 #: TensorFlow processes: with the suite's other multi-process tests, one at a time.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tf_cpus")]  # Keras here too.
 
 TASK = "tests/workers/pipeline_task.py"
 STEPS = 20

@@ -9,7 +9,7 @@ import pytest
 from conftest import finish, results_by_task, start
 
 #: TensorFlow processes: with the suite's other multi-process tests, one at a time.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tf_cpus")]  # Keras here too.
 
 SCRIPT = "strategies/pipeline.py"
 TINY = ["--examples=64", "--per_replica_batch_size=16", "--microbatches=2", "--epochs=2"]

@@ -9,6 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 from tests.models.pipeline_models import SPLITS, batches, make_model
 
+#: Keras runs in this process: the suite's logical CPUs first (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("tf_cpus")
+
 
 def _run(stages, x):
     """The stages one after another, as the pipeline runs them."""
