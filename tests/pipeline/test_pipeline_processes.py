@@ -7,13 +7,13 @@ naming it."""
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import numpy as np
 import pytest
 
 from conftest import finish, start
+from tfdist.engines.net import free_ports
 
 #: TensorFlow processes: with the suite's other multi-process tests, one at a time.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tf_cpus")]  # Keras here too.
@@ -25,15 +25,7 @@ TOL = 1e-5
 
 
 def _addresses(count: int) -> list[str]:
-    socks = []
-    for _ in range(count):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        socks.append(sock)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return [f"127.0.0.1:{p}" for p in ports]
+    return [f"127.0.0.1:{port}" for port in free_ports(count)]
 
 
 def _train(tmp_path, model, schedule, microbatches, optimizer, stages):

@@ -9,7 +9,6 @@ import itertools
 import os
 import pickle
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from conftest import REPO, result_line, subprocess_env
+from tfdist.engines.net import free_ports
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.transport import p2p
 
@@ -40,15 +40,8 @@ PeerError = p2p.PeerError
 
 
 def free_addresses(n: int) -> list[str]:
-    """``n`` distinct free ports on 127.0.0.1 (all bound at once, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [f"127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    """``n`` distinct free ports on 127.0.0.1, as ``host:port``."""
+    return [f"127.0.0.1:{port}" for port in free_ports(n)]
 
 
 def run_stages(calls: list[tuple[int, list[str]]], timeout: float = 10.0, **kwargs) -> list:
