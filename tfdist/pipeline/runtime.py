@@ -12,6 +12,7 @@ process's ``fit`` logs the same number.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -95,11 +96,29 @@ class StageRunner:
         self.first = stage.index == 0
         self.last = stage.index == stages - 1
         self.order = actions(schedule, stage.index, stages, microbatches)
+        # The stage's forward pass (and the last stage's loss) as one graph
+        # each for training and inference: a GradientTape around the call
+        # keeps the graph's intermediates and runs its backward graph, so a
+        # micro-batch costs two function calls rather than an eager op each.
+        self._passes = {
+            training: tf.function(functools.partial(self._pass, training=training), reduce_retracing=True)
+            for training in (True, False)
+        }
         #: The most micro-batches whose activations were kept at once.
         self.peak_in_flight = 0
         #: Seconds spent computing forward and backward passes (not waiting
         #: for a neighbour, not in the optimizer), over every step so far.
         self.busy_seconds = 0.0
+
+    def _pass(self, inputs: list, targets: list | None, training: bool) -> list:
+        """The stage's outputs; on the last stage with targets, its loss
+        over this micro-batch, scaled by ``1 / m``, and its outputs."""
+        out = self.stage.model(inputs, training=training)
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if not self.last or targets is None:
+            return outs
+        y, weight = targets
+        return [self.loss(y, out, sample_weight=weight) / self.count, *outs]
 
     # One step.
 
@@ -155,18 +174,15 @@ class StageRunner:
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(self._watched)
             tape.watch(received)
-            out = self.stage.model(list(given[i]) + received, training=True)
-            outs = out if isinstance(out, (list, tuple)) else [out]
-            if self.last:
-                y, weight = targets[i]
-                result = self.loss(y, out, sample_weight=weight) / self.count
-            else:
-                result = list(outs)
-        sent = [o.numpy() for o in outs] if not self.last else []
+            wanted = list(targets[i]) if self.last else None
+            outs = self._passes[True](list(given[i]) + received, wanted)
+        if self.last:
+            self.busy_seconds += time.perf_counter() - started
+            return tape, received, outs[0]
+        sent = [o.numpy() for o in outs]
         self.busy_seconds += time.perf_counter() - started
-        if not self.last:
-            self.links[self.stage.index + 1].send(("F", step, i), sent)
-        return tape, received, result
+        self.links[self.stage.index + 1].send(("F", step, i), sent)
+        return tape, received, outs
 
     def _backward(
         self, step: int, i: int, tape: Any, received: list, result: Any, grads: list
@@ -221,15 +237,14 @@ class StageRunner:
             if not self.first:
                 arrays = self.links[self.stage.index - 1].recv((kind, step, i))
                 received = [tf.convert_to_tensor(a) for a in arrays]
-            out = self.stage.model(list(given[i]) + received, training=False)
-            outs = list(out) if isinstance(out, (list, tuple)) else [out]
+            wanted = list(targets[i]) if self.last and y is not None else None
+            outs = self._passes[False](list(given[i]) + received, wanted)
             if not self.last:
                 self.links[self.stage.index + 1].send((kind, step, i), [o.numpy() for o in outs])
                 continue
+            if wanted is not None:
+                total += float(outs.pop(0))
             outputs.append(outs)
-            if y is not None:
-                ys, weight = targets[i]
-                total += float(self.loss(ys, out, sample_weight=weight)) / self.count
         joined = (
             [np.concatenate([o[k] for o in outputs]) for k in range(len(outputs[0]))]
             if outputs
