@@ -101,7 +101,9 @@ class StageRunner:
         # keeps the graph's intermediates and runs its backward graph, so a
         # micro-batch costs two function calls rather than an eager op each.
         self._passes = {
-            training: tf.function(functools.partial(self._pass, training=training), reduce_retracing=True)
+            training: tf.function(
+                functools.partial(self._pass, training=training), reduce_retracing=True
+            )
             for training in (True, False)
         }
         #: The most micro-batches whose activations were kept at once.
