@@ -5,6 +5,7 @@ Run it with ``tfdist launch``, one worker per stage:
     tfdist launch --workers 2 strategies/pipeline.py
     tfdist launch --workers 4 strategies/pipeline.py --model=mlp --schedule=gpipe
     tfdist launch --workers 2 strategies/pipeline.py --model=llama --microbatches=2
+    tfdist launch --workers 4 strategies/pipeline.py --replicas=2 --compression=fp16
 
 ``--model=llama`` is a small keras-hub Llama (built from a config: nothing is
 downloaded; it needs keras-hub beside the base install:
@@ -15,9 +16,12 @@ Every worker builds the same model from the same seed and gets the same
 data; worker ``k`` runs stage ``k``. Keras's ``fit``, ``evaluate`` and
 ``predict`` run as usual and log the same numbers on every worker; stage 0
 saves the whole trained model to ``--model_dir`` as an ordinary Keras model.
-``--per_replica_batch_size`` is the batch of the one pipeline; ``--strategy``
-and ``--compression`` are refused (one pipeline has no data-parallel
-all-reduce).
+
+``--replicas=R`` trains ``R`` copies of the pipeline data-parallel on ``R x
+P`` workers (worker ``replica * P + stage``); ``--compression`` applies to
+their all-reduce, and is refused with one replica (there is nothing to
+compress). ``--per_replica_batch_size`` is the batch of one pipeline.
+``--strategy`` is refused: no tf.distribute strategy runs here.
 
 With ``--compare``, worker 0 also trains the same model unpipelined on one
 device and reports the largest weight difference. Each worker prints
@@ -45,16 +49,21 @@ FLAGS.set_default("learning_rate", 1e-3)
 flags.DEFINE_enum("model", "llama", ["llama", "mlp"], "The model to pipeline.")
 flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe"], "The pipeline schedule.")
 flags.DEFINE_integer("microbatches", 4, "Micro-batches per batch (they must divide it).")
+flags.DEFINE_integer("replicas", 1, "Copies of the pipeline, trained data-parallel.")
 flags.DEFINE_bool("compare", False, "Also train unpipelined on worker 0 and compare.")
 
 
 def check_flags() -> None:
     """The common flags this script cannot honour yet are refused, not ignored."""
-    if FLAGS.compression not in (None, "", "none"):
+    if FLAGS.replicas < 1:
+        raise ConfigError(
+            "replicas", FLAGS.replicas, "an integer >= 1", source="strategies/pipeline.py"
+        )
+    if FLAGS.compression not in (None, "", "none") and FLAGS.replicas == 1:
         raise ConfigError(
             "compression",
             FLAGS.compression,
-            "none: one pipeline has no data-parallel all-reduce to compress",
+            "none with --replicas=1: one pipeline has no data-parallel all-reduce to compress",
             source="strategies/pipeline.py",
         )
     if FLAGS.strategy != "auto":
@@ -125,8 +134,14 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
     keras.utils.set_random_seed(FLAGS.seed)
     model, split_points = make_model(FLAGS.model, stages)
     if pipelined:
+        compression = FLAGS.compression if FLAGS.compression not in ("", "none") else None
         model = PipelineModel(
-            model, split_points, microbatches=FLAGS.microbatches, schedule=FLAGS.schedule
+            model,
+            split_points,
+            microbatches=FLAGS.microbatches,
+            schedule=FLAGS.schedule,
+            replicas=FLAGS.replicas,
+            compression=compression,
         )
     model.compile(
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
@@ -134,9 +149,8 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
     )
     x, y = make_data(FLAGS.model, FLAGS.examples, FLAGS.seed)
     started = time.perf_counter()
-    history = model.fit(
-        x, y, batch_size=FLAGS.per_replica_batch_size, epochs=FLAGS.epochs, shuffle=False, verbose=0
-    )
+    batch = FLAGS.per_replica_batch_size * FLAGS.replicas
+    history = model.fit(x, y, batch_size=batch, epochs=FLAGS.epochs, shuffle=False, verbose=0)
     seconds = time.perf_counter() - started
     report = {
         "loss": [round(v, 6) for v in history.history["loss"]],
@@ -154,28 +168,32 @@ def main(argv: list[str]) -> None:
     except TfdistError as error:
         _common.exit_with(error)
     config = json.loads(os.environ.get("TF_CONFIG", "{}"))
-    stages = len(config.get("cluster", {}).get("worker", []))
-    if stages < 2:
+    workers = len(config.get("cluster", {}).get("worker", []))
+    stages = workers // FLAGS.replicas
+    if stages < 2 or workers % FLAGS.replicas:
         raise SystemExit(
-            "Run it with `tfdist launch --workers P strategies/pipeline.py`: one worker per stage."
+            "Run it with `tfdist launch --workers P strategies/pipeline.py`: one worker per stage "
+            f"(R x P workers with --replicas=R; got {workers} for --replicas={FLAGS.replicas})."
         )
     model, report = train(True, stages)
     stage = model.stage_index
     for epoch, loss in enumerate(report["loss"], 1):
-        print(f"stage {stage}: epoch {epoch} loss {loss:.4f}")
+        print(f"{model.grid.name(model.rank)}: epoch {epoch} loss {loss:.4f}")
     if FLAGS.model_dir:
         os.makedirs(FLAGS.model_dir, exist_ok=True)
         model.save(os.path.join(FLAGS.model_dir, "model.keras"))
     if FLAGS.compare:
         model.gather_weights()  # Every stage takes part; stage 0 gets all weights.
-    if FLAGS.compare and stage == 0:
+    if FLAGS.compare and model.rank == 0:
         plain, report["plain"] = train(False, stages)
         report["max_weight_diff"] = max(
             float(np.abs(a.numpy() - b.numpy()).max())
             for a, b in zip(model.whole.weights, plain.weights)
         )
+    report["sent_to_replicas"] = model.sent_to_replicas()
     model.close()
-    print("tfdist result: " + json.dumps({"stage": stage, "stages": stages, **report}))
+    place = {"stage": stage, "replica": model.replica, "stages": stages}
+    print("tfdist result: " + json.dumps({**place, **report}))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,17 @@ def test_tf_config_without_a_stage_is_refused():
         ({"microbatches": True}, "microbatches", True),
         ({"addresses": ["127.0.0.1:1"]}, "addresses", ["127.0.0.1:1"]),
         ({"addresses": ["127.0.0.1:1"] * 3}, "addresses", ["127.0.0.1:1"] * 3),
+        ({"replicas": 0}, "replicas", 0),
+        ({"replicas": 2.0}, "replicas", 2.0),
+        # Two replicas of two stages need four processes.
+        ({"replicas": 2}, "addresses", ["127.0.0.1:1", "127.0.0.1:2"]),
+        ({"replica": 1}, "replica", 1),
+        ({"stage": 2}, "stage", 2),
+        # Compression is for the replicas' all-reduce: with one replica it
+        # would be silently unused.
+        ({"compression": "fp16"}, "compression", "fp16"),
+        ({"replicas": 2, "compression": "zip"}, "compression", "zip"),
+        ({"replicas": 2, "compression": "auto"}, "compression", "auto"),
     ],
 )
 def test_bad_settings_name_the_field(kwargs, field, value):
@@ -146,3 +157,48 @@ def test_a_loss_per_output_is_refused():
     with pytest.raises(ConfigError) as caught:
         _as_loss({"a": "mse"})
     assert caught.value.field == "loss" and caught.value.value == {"a": "mse"}
+
+
+def test_the_grid_places_each_process_and_links_only_neighbours():
+    from tfdist.pipeline.replicas import Grid
+
+    grid = Grid(stages=3, replicas=2)
+    assert [grid.place(r) for r in range(grid.size)] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
+    assert all(grid.rank(*grid.place(r)) == r for r in range(grid.size))
+    # Stage 1 of replica 1: its pipeline neighbours and stage 1 of replica 0.
+    assert grid.pipeline_peers(4) == {0: 3, 2: 5}
+    assert grid.ring_peers(4) == {0: 1}
+    assert grid.peers(4) == {3, 5, 1}
+    # Every link is wanted from both sides.
+    for rank in range(grid.size):
+        assert all(rank in grid.peers(other) for other in grid.peers(rank))
+    assert grid.name(4) == "stage 1 of replica 1"
+    assert Grid(stages=2).name(1) == "stage 1"
+    ring = Grid(stages=2, replicas=4)
+    assert ring.ring_peers(3) == {0: 1, 2: 5}
+
+
+def test_a_batch_the_replicas_and_micro_batches_do_not_divide_names_both():
+    import numpy as np
+
+    from tfdist.errors import ConfigError
+    from tfdist.pipeline import split_model
+    from tfdist.pipeline.runtime import StageRunner
+
+    class Group:
+        size, rank = 2, 0
+
+    stage = split_model(make_model("mlp"), ["d3"])[0]
+    runner = StageRunner(stage, 2, {}, "gpipe", 4, None, None)
+    runner.replicas = type("R", (), {"replicas": 2, "group": Group, "close": lambda self: None})()
+    with pytest.raises(ConfigError) as caught:
+        runner.train_step(0, [np.zeros((12, 24), "float32")], np.zeros(12, "int32"))
+    assert (caught.value.field, caught.value.value) == ("batch", 12)
+    assert "replicas x microbatches = 2 x 4" in str(caught.value)

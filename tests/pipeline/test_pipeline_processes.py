@@ -149,3 +149,62 @@ def test_backup_and_restore_resumes_the_stages_as_it_resumes_one_device(tmp_path
     # BackupAndRestore deletes its backup at the end of a fit, on both sides.
     assert not (tmp_path / "backup" / "pipe").exists()
     assert not (tmp_path / "backup" / "ref").exists()
+
+
+def test_two_replicas_of_two_stages_equal_one_device_and_fp16_halves_their_bytes(tmp_path):
+    # 2 pipelines x 2 stages on 4 processes (rank = replica * 2 + stage),
+    # Keras's fit: each replica trains on half of every batch, each stage's
+    # gradients are averaged over its 2 replicas. Without compression the
+    # weights are the plain model's; with fp16 on the replicas' all-reduce
+    # they stay equal across replicas, and the ring sends half the bytes.
+    import keras
+
+    steps = 4
+    common = ["tests/workers/pipeline_fit.py", "mlp", "1f1b", 2, steps]
+
+    def job(out, compression, ref):
+        out.mkdir()
+        addresses = ",".join(_addresses(4))
+        env = {"PIPELINE_REPLICAS": "2", "PIPELINE_COMPRESSION": compression}
+        procs = [start([*common, out, "ref"])] if ref else []
+        procs += [start([*common, out, rank, addresses], **env) for rank in range(4)]
+        for code, stdout, err in finish(procs, timeout=600):
+            assert code == 0, (stdout[-2000:], err[-4000:])
+        return [np.load(out / f"w-{rank}.npz") for rank in range(4)]
+
+    plain = job(tmp_path / "none", "", ref=True)
+    ref = np.load(tmp_path / "none" / "fit-ref.npz")
+    saved = keras.models.load_model(tmp_path / "none" / "0.keras", compile=False)
+    plain_ref = keras.models.load_model(tmp_path / "none" / "ref.keras", compile=False)
+    worst = max(
+        float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(saved.weights, plain_ref.weights)
+    )
+    assert worst < TOL, worst
+    for rank in range(4):
+        got = np.load(tmp_path / "none" / f"fit-{rank}.npz")
+        np.testing.assert_allclose(got["fit"], ref["fit"], rtol=0, atol=TOL)
+        np.testing.assert_allclose(got["predict"], ref["predict"], rtol=0, atol=TOL)
+    half = job(tmp_path / "fp16", "fp16", ref=False)
+    for runs in (plain, half):
+        for stage in range(2):  # Replica 1's stage equals replica 0's, bit for bit.
+            a, b = runs[stage], runs[2 + stage]
+            assert set(a.files) == set(b.files)
+            for name in set(a.files) - {"sent"}:
+                np.testing.assert_array_equal(a[name], b[name])
+    fp16_fit = np.load(tmp_path / "fp16" / "fit-0.npz")["fit"]
+    np.testing.assert_allclose(fp16_fit, ref["fit"], rtol=0, atol=1e-2)
+    assert not np.array_equal(fp16_fit, ref["fit"])  # fp16 rounding did reach the weights.
+    # Per training step (2 epochs of `steps`), a ring of 2 sends each
+    # member's half of the float32 sum and then its summed half: 4 bytes a
+    # weight; fp16 gathers 2 bytes a weight. The logged loss adds at most 8.
+    updates = 2 * steps
+    for rank in range(4):
+        weights = sum(plain[rank][name].size for name in set(plain[rank].files) - {"sent"})
+        for runs, width in ((plain, 4), (half, 2)):
+            sent = int(runs[rank]["sent"])
+            assert updates * width * weights <= sent <= updates * (width * weights + 8), (
+                rank,
+                width,
+                sent,
+                weights,
+            )

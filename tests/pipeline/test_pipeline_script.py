@@ -36,6 +36,24 @@ def test_the_script_trains_two_stages_like_one_device(tmp_path):
     assert len(saved.layers) == 7  # The input, 5 Dense layers and the logits.
 
 
+def test_the_script_trains_two_replicas_of_two_stages_with_compression(tmp_path):
+    args = ["-m", "tfdist", "launch", "--workers", "4", "--show-all", SCRIPT, "--model=mlp"]
+    [(code, out, err)] = finish(
+        [start([*args, *TINY, "--per_replica_batch_size=8", "--replicas=2", "--compression=bf16"])],
+        timeout=300,
+    )
+    assert code == 0, (out + err)[-4000:]
+    results = results_by_task(out)
+    assert sorted(results) == [f"worker:{k}" for k in range(4)], out[-3000:]
+    places = [
+        (results[f"worker:{k}"]["replica"], results[f"worker:{k}"]["stage"]) for k in range(4)
+    ]
+    assert places == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    losses = {tuple(results[k]["loss"]) for k in results}
+    assert len(losses) == 1  # Every worker logs the replicas' mean loss.
+    assert all(results[k]["sent_to_replicas"] > 0 for k in results)
+
+
 def test_the_script_refuses_compression_naming_it():
     [(code, out, err)] = finish([start([SCRIPT, "--compression=fp16"])], timeout=120)
     assert code == 2, (out + err)[-2000:]

@@ -8,7 +8,11 @@ and writes OUT/fit-<STAGE>.npz: the fit and evaluate losses and the
 predictions; the model is saved to OUT/<STAGE>.keras (stage 0's file is the
 pipelined model's). With $PIPELINE_BACKUP, fit has a BackupAndRestore there
 (one folder for the plain model, one the stages share); with $PIPELINE_CRASH,
-every process fails in the second epoch.
+every process fails in the second epoch. With $PIPELINE_REPLICAS = R, the
+ADDRESSES are R pipelines' (STAGE is then the process's rank, replica-major)
+and $PIPELINE_COMPRESSION their all-reduce's compression; every process
+also writes OUT/w-<STAGE>.npz, the weights its stage owns, and the bytes its
+replicas' ring sent.
 """
 
 import os
@@ -43,12 +47,18 @@ if stage != "ref":
     from tfdist.pipeline import PipelineModel
 
     addresses = sys.argv[7].split(",")
+    replicas = int(os.environ.get("PIPELINE_REPLICAS", "1"))
+    stages = len(addresses) // replicas
+    replica, index = divmod(int(stage), stages)
     model = PipelineModel(
         model,
-        SPLITS[model_name][: len(addresses) - 1],
+        SPLITS[model_name][: stages - 1],
         microbatches=m,
         schedule=schedule,
-        stage=int(stage),
+        replicas=replicas,
+        compression=os.environ.get("PIPELINE_COMPRESSION") or None,
+        stage=index,
+        replica=replica,
         addresses=addresses,
         recv_timeout=120,
     )
@@ -63,6 +73,9 @@ if os.environ.get("PIPELINE_CRASH"):
 history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
 evaluated = model.evaluate(x, y, batch_size=batch, verbose=0)
 predicted = model.predict(x, batch_size=batch, verbose=0)
+if stage != "ref":
+    owned = {v.path: v.numpy() for v in model.stages[model.stage_index].variables}
+    np.savez(out / f"w-{stage}.npz", sent=np.array(model.sent_to_replicas()), **owned)
 model.save(out / f"{stage}.keras")
 np.savez(
     out / f"fit-{stage}.npz",

@@ -36,10 +36,12 @@ import numpy as np
 from tfdist.compat.keras_private import loss_tracker
 from tfdist.errors import ConfigError
 from tfdist.pipeline.backup import stage_callbacks
+from tfdist.pipeline.replicas import Grid, StageReplicas, aggregator_for, check_replicas
 from tfdist.pipeline.runtime import StageRunner
 from tfdist.pipeline.schedule import SCHEDULES
 from tfdist.pipeline.split import split_model
-from tfdist.transport.p2p import connect_stages
+from tfdist.transport.p2p import connect_peers
+from tfdist.transport.ring import RingGroup
 
 __all__ = ["PipelineModel", "stage_from_tf_config"]
 
@@ -84,8 +86,19 @@ class PipelineModel(keras.Model):
             with (see :func:`~tfdist.pipeline.split_model`).
         microbatches: Micro-batches per batch; it must divide the batch size.
         schedule: ``"gpipe"`` or ``"1f1b"``.
-        stage: This process's stage (default: from TF_CONFIG).
-        addresses: Each stage's ``host:port`` (default: from TF_CONFIG).
+        replicas: Copies of the pipeline, trained data-parallel: process
+            ``replica * P + stage`` of ``replicas * P`` runs ``stage`` of
+            ``replica``. Each replica takes ``1 / replicas`` of every batch,
+            and each stage's gradients are averaged over its replicas.
+        compression: What the replicas' all-reduce sends: a tfdist
+            compression setting (``"fp16"``, ``"topk:0.01"``, a compressor
+            object...), as ``strategy_from_config``'s; None sends float32.
+        error_feedback: The compression's error feedback (None: its default).
+        stage: This process's stage (default: from TF_CONFIG's task).
+        replica: This process's replica (default: from TF_CONFIG's task;
+            0 when ``stage`` is given).
+        addresses: Every process's ``host:port``, by rank (default: from
+            TF_CONFIG).
         timeout: Seconds the stages have to connect.
         recv_timeout: Seconds a stage waits for a neighbour's message before
             failing, naming it (a dead neighbour fails it at once).
@@ -98,7 +111,11 @@ class PipelineModel(keras.Model):
         *,
         microbatches: int,
         schedule: str = "1f1b",
+        replicas: int = 1,
+        compression: Any = None,
+        error_feedback: bool | None = None,
         stage: int | None = None,
+        replica: int | None = None,
         addresses: Sequence[str] | None = None,
         timeout: float = 120.0,
         recv_timeout: float | None = 600.0,
@@ -111,27 +128,63 @@ class PipelineModel(keras.Model):
             raise ConfigError("microbatches", microbatches, "an integer >= 1", source=SOURCE)
         self.whole = model
         self.stages = split_model(model, split_points)
-        if stage is None or addresses is None:
-            found_stage, found = stage_from_tf_config()
-            stage = found_stage if stage is None else stage
-            addresses = found if addresses is None else addresses
-        if len(addresses) != len(self.stages):
+        self.grid = Grid(len(self.stages), check_replicas(replicas))
+        self._aggregator = aggregator_for(compression, error_feedback)
+        if self._aggregator is not None and replicas == 1:
+            raise ConfigError(
+                "compression",
+                compression,
+                "None with replicas=1: compression applies to the all-reduce between "
+                "pipeline replicas (the stages send activations as they are)",
+                source=SOURCE,
+            )
+        rank, addresses = self._place(stage, replica, addresses)
+        if len(addresses) != self.grid.size:
             raise ConfigError(
                 "addresses",
                 list(addresses),
-                f"one address per stage: {len(self.stages)} (split_points={list(split_points)} "
-                f"makes {len(self.stages)} stages; run as many workers)",
+                f"one address per process: {len(self.stages)} stages (split_points="
+                f"{list(split_points)}) x {replicas} replicas = {self.grid.size}; run as many "
+                "workers",
                 source=SOURCE,
             )
-        self.stage_index = stage
+        self.rank = rank
+        self.replica, self.stage_index = self.grid.place(rank)
         self.schedule = schedule
         self.microbatches = microbatches
-        self._links = connect_stages(
-            stage, list(addresses), timeout=timeout, recv_timeout=recv_timeout
+        links = connect_peers(
+            rank,
+            list(addresses),
+            self.grid.peers(rank),
+            timeout=timeout,
+            recv_timeout=recv_timeout,
+            names=self.grid.names(),
         )
+        self._all_links = links
+        self._links = {s: links[r] for s, r in self.grid.pipeline_peers(rank).items()}
+        ring = {r: links[k] for r, k in self.grid.ring_peers(rank).items()}
+        self._group = RingGroup(self.replica, replicas, ring, name="dp") if ring else None
         self._runner: StageRunner | None = None
         self._steps = {"T": 0, "E": 0, "P": 0, "W": 0}
         self.built = model.built  # Its weights are the model's (BackupAndRestore asks).
+
+    def _place(
+        self, stage: int | None, replica: int | None, addresses: Sequence[str] | None
+    ) -> tuple[int, list[str]]:
+        """This process's rank and every process's address."""
+        rank = None
+        if stage is None or addresses is None:
+            rank, found = stage_from_tf_config()
+            addresses = found if addresses is None else addresses
+        if stage is not None:
+            for field, value, bound in (
+                ("stage", stage, self.grid.stages),
+                ("replica", replica or 0, self.grid.replicas),
+            ):
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+                    raise ConfigError(field, value, f"an integer in [0, {bound})", source=SOURCE)
+            rank = self.grid.rank(replica or 0, stage)
+        return rank, list(addresses)
 
     def call(self, inputs: Any, training: bool = False) -> Any:
         return self.whole(inputs, training=training)
@@ -165,6 +218,10 @@ class PipelineModel(keras.Model):
             _as_loss(loss),
             self.optimizer,
         )
+        if self._group is not None:
+            self._runner.replicas = StageReplicas(
+                self._group, self._runner.variables, self._aggregator
+            )
         # Built for this stage's weights only: it keeps no state for the rest.
         self.optimizer.build(self._runner.variables)
 
@@ -177,7 +234,7 @@ class PipelineModel(keras.Model):
         """Keras's fit. A ``keras.callbacks.BackupAndRestore`` works as on one
         device: stage 0 writes the backup, and every stage resumes from it
         (the workers share a file system)."""
-        callbacks = stage_callbacks(callbacks, self.stage_index)
+        callbacks = stage_callbacks(callbacks, self.rank)
         return super().fit(*args, callbacks=callbacks, **kwargs)
 
     def train_step(self, data: Any) -> dict:
@@ -228,7 +285,7 @@ class PipelineModel(keras.Model):
         """Writes the whole trained model as an ordinary Keras model (stage 0
         writes; every stage must call it)."""
         self.gather_weights()
-        if self.stage_index == 0:
+        if self.rank == 0:
             self.whole.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
@@ -238,11 +295,12 @@ class PipelineModel(keras.Model):
         # Each stage's optimizer state is on disk before stage 0 has the
         # weights: a BackupAndRestore on stage 0 may delete the folder next.
         self.gather_weights(before_sending=lambda: self._save_optimizer(filepath))
-        if self.stage_index == 0:
+        if self.rank == 0:
             self.whole.save_weights(filepath, *args, **kwargs)
 
     def _save_optimizer(self, filepath: Any) -> None:
-        if self.optimizer is None or not self.optimizer.built:
+        # The replicas' optimizer states are equal: replica 0 writes.
+        if self.optimizer is None or not self.optimizer.built or self.replica:
             return
         state = self.optimizer.variables
         values = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(state)}
@@ -279,9 +337,14 @@ class PipelineModel(keras.Model):
         for variable, value in zip(mine, values):
             variable.assign(value)
 
+    def sent_to_replicas(self) -> int:
+        """Bytes this process has sent to its stage's other replicas (the
+        data-parallel all-reduce and the logged loss); 0 with one replica."""
+        return 0 if self._group is None else int(sum(self._group.sent.values()))
+
     def close(self) -> None:
-        """Closes the links to the neighbouring stages."""
-        for link in self._links.values():
+        """Closes the links to the neighbouring stages and replicas."""
+        for link in self._all_links.values():
             link.close()
 
 

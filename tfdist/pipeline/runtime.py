@@ -71,6 +71,10 @@ class StageRunner:
         loss: The loss (a Keras loss object), called on the last stage as
             ``loss(y, y_pred, sample_weight)``.
         optimizer: A Keras optimizer for the stage's variables.
+        replicas: With data parallelism across pipeline replicas, this
+            stage's replicas (:class:`~tfdist.pipeline.replicas.StageReplicas`):
+            each replica trains on its share of the batch, and the stage's
+            gradients (and the logged loss) are averaged over them.
     """
 
     def __init__(
@@ -82,8 +86,10 @@ class StageRunner:
         microbatches: int,
         loss: Callable[..., Any] | None,
         optimizer: Any,
+        replicas: Any = None,
     ) -> None:
         self.stage = stage
+        self.replicas = replicas
         self.stages = stages
         self.links = links
         self.schedule = schedule
@@ -143,11 +149,14 @@ class StageRunner:
             raise
 
     def close(self) -> None:
-        """Closes the links to the neighbouring stages."""
+        """Closes the links to the neighbouring stages (and replicas)."""
         for link in self.links.values():
             link.close()
+        if self.replicas is not None:
+            self.replicas.close()
 
     def _train_step(self, step: int, x: Sequence[Any], y: Any, sample_weight: Any) -> float:
+        x, y, sample_weight = self._share(x, y, sample_weight)
         given = microbatches([x[i] for i in self.stage.model_inputs], self.count)
         targets = microbatches([y, sample_weight], self.count) if self.last else None
         kept: dict[int, tuple] = {}
@@ -162,10 +171,30 @@ class StageRunner:
                 if self.last:
                     total += float(result)
                 self._backward(step, action.microbatch, tape, received, result, grads)
+        if self.replicas is not None:
+            grads = self.replicas.mean(grads, step)
         pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
         if pairs:
             self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        return self._share_loss(step, total)
+        loss = self._share_loss(step, total)
+        return loss if self.replicas is None else self.replicas.mean_of(loss)
+
+    def _share(self, x: Sequence[Any], y: Any, sample_weight: Any) -> tuple:
+        """This replica's share of the batch: its ``1 / R`` of the rows."""
+        if self.replicas is None:
+            return x, y, sample_weight
+        count, index = self.replicas.replicas, self.replicas.group.rank
+        size = int(x[0].shape[0])
+        if size % (count * self.count):
+            raise ConfigError(
+                "batch",
+                size,
+                f"a multiple of replicas x microbatches = {count} x {self.count} (each replica "
+                f"takes 1/{count} of the batch and cuts it in {self.count} micro-batches)",
+                source="tfdist.pipeline",
+            )
+        mine = microbatches([*x, y, sample_weight], count)[index]
+        return mine[: len(x)], mine[len(x)], mine[len(x) + 1]
 
     def _forward(self, step: int, i: int, given: list, targets: list | None) -> tuple:
         received = []

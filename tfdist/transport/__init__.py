@@ -32,7 +32,9 @@ _LAZY = {
     "tf_config_from_mpi": "mpi",
     "Link": "p2p",
     "PeerError": "p2p",
+    "connect_peers": "p2p",
     "connect_stages": "p2p",
+    "RingGroup": "ring",
 }
 __all__ = sorted(_LAZY)
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -48,14 +48,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError, TfdistError
-from tfdist.transport.comm import ReplicaComm
+from tfdist.transport.host import HostComm
 
 __all__ = ["MpiComm", "MpiTransport", "TransportError", "import_mpi", "tf_config_from_mpi"]
 
@@ -63,8 +63,6 @@ _INSTALL_HINT = (
     "Install the mpi extra (pip install 'tfdist[mpi]': mpi4py and MPICH's wheel) and start "
     "the script with an MPI launcher: mpiexec -n N python train.py"
 )
-#: dtypes MPI_Allreduce sums as they are (numpy's, as mpi4py maps them).
-_SUMMABLE = ("float32", "float64", "int32", "int64")
 
 
 class TransportError(TfdistError, RuntimeError):
@@ -345,18 +343,16 @@ class MpiTransport:
         return out.view(rows.dtype).reshape(rows_out, *rows.shape[1:])
 
 
-class MpiComm(ReplicaComm):
+class MpiComm(HostComm):
     """Collectives of one gradient aggregation over MPI.
 
-    A :class:`~tfdist.transport.comm.ReplicaComm` whose primitives
-    (:meth:`reduce_sum`, :meth:`gather_rows`) are ``tf.numpy_function`` calls
-    into :class:`MpiTransport`, chained by control dependencies in the order
-    they are made.
+    A :class:`~tfdist.transport.host.HostComm` over :class:`MpiTransport`:
+    its primitives are ``tf.numpy_function`` calls into the transport,
+    chained by control dependencies in the order they are made.
     """
 
     def __init__(self, transport: MpiTransport) -> None:
-        super().__init__()
-        replicas = self.num_replicas
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         if replicas != transport.size:
             raise ConfigError(
                 "transport",
@@ -365,70 +361,4 @@ class MpiComm(ReplicaComm):
                 received=f"{replicas} replicas in sync",
                 hint="Give each process one device (no cpu_replicas, one GPU per rank).",
             )
-        self.transport = transport
-        self._last: tf.Tensor | None = None
-
-    def _host_call(
-        self, fn: Callable, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType]
-    ) -> list[tf.Tensor]:
-        deps = [] if self._last is None else [self._last]
-        with tf.control_dependencies(deps):
-            outs = tf.numpy_function(fn, list(inputs), list(dtypes), stateful=True)
-        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        self._last = outs[0]
-        return outs
-
-    def reduce_sum(self, tensors: list) -> list:
-        if not tensors:
-            return []
-        if isinstance(tensors[0], tf.IndexedSlices):
-            return [self._gather_slices(t) for t in tensors]
-        dtype = tensors[0].dtype
-        if dtype.name in _SUMMABLE:
-            outs = self._host_call(self.transport.allreduce, tensors, [dtype] * len(tensors))
-            for out, t in zip(outs, tensors):
-                out.set_shape(t.shape)
-            return outs
-        # 16-bit floats: gathered in one buffer, then summed in float32 here.
-        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
-        (rows,) = self._host_call(self.transport.allgather, [flat], [dtype])
-        summed = tf.cast(tf.reduce_sum(tf.cast(rows, tf.float32), axis=0), dtype)
-        summed = tf.reshape(summed, flat.shape)
-        out, offset = [], 0
-        for t in tensors:
-            size = t.shape.num_elements()
-            out.append(tf.reshape(summed[offset : offset + size], tf.shape(t)))
-            offset += size
-        return out
-
-    def _gather_slices(self, t: tf.IndexedSlices) -> tf.IndexedSlices:
-        values, indices = self._host_call(
-            lambda v, i: (self.transport.allgatherv(v), self.transport.allgatherv(i)),
-            [t.values, t.indices],
-            [t.values.dtype, t.indices.dtype],
-        )
-        values.set_shape(tf.TensorShape([None]).concatenate(t.values.shape[1:]))
-        indices.set_shape([None])
-        return tf.IndexedSlices(values, indices, t.dense_shape)
-
-    def gather_rows(self, rows: tf.Tensor) -> tf.Tensor:
-        (out,) = self._host_call(lambda r: self.transport.allgather(r[0]), [rows], [rows.dtype])
-        out.set_shape([self.num_replicas, rows.shape[1]])
-        return out
-
-    def cond(self, pred, true_fn, false_fn, args):
-        # Both branches may call MPI: each starts after the calls made before
-        # the cond, and the calls made after it wait for its result.
-        before = self._last
-
-        def branch(fn):
-            def run():
-                self._last = before
-                return fn(*args)
-
-            return run
-
-        out = tf.cond(pred, branch(true_fn), branch(false_fn))
-        tensors = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
-        self._last = tensors[0] if tensors else before
-        return out
+        super().__init__(transport, replicas)

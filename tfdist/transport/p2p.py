@@ -24,13 +24,18 @@ by name. A peer that dies (EOF, reset) fails every pending and later ``recv``
 at once with :class:`PeerError`; a silent one fails it after ``recv_timeout``.
 
 The lower stage of each pair connects and the higher one accepts, so stage 0
-listens on nothing. This module imports no TensorFlow.
+listens on nothing. :func:`connect_peers` links a process with any set of
+others the same way (the lower rank of each pair connects): pipeline replicas
+on a grid, where a process links to its pipeline neighbours and to the same
+stage in the other replicas (:mod:`tfdist.transport.ring` runs collectives
+over such links). This module imports no TensorFlow.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import json
 import math
 import socket
@@ -44,7 +49,7 @@ import numpy as np
 
 from tfdist.errors import ConfigError, TfdistError
 
-__all__ = ["MAGIC", "Link", "PeerError", "connect_stages"]
+__all__ = ["MAGIC", "Link", "PeerError", "connect_peers", "connect_stages"]
 
 #: Opens every connection's handshake; the suffix is the protocol version.
 MAGIC = b"tfdist-p2p/1\n"
@@ -63,7 +68,6 @@ POLL_SECONDS = 0.2
 #: breaks the link after about a minute instead of only at ``recv_timeout``.
 KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
 
-_SOURCE = "connect_stages()"
 _ML_PREFIX = "ml_dtypes."
 _LENGTH = struct.Struct("!I")
 
@@ -113,7 +117,7 @@ class _NotAPeer(Exception):
 
 
 class _Aborted(Exception):
-    """The other half of connect_stages failed; this half gives up."""
+    """Another job of the same connect call failed; this one gives up."""
 
 
 # --- Messages ---------------------------------------------------------------
@@ -197,27 +201,40 @@ class Link:
 
     :meth:`send` never blocks on the peer's reading (a receiver thread per
     connection drains the socket into a mailbox); :meth:`recv` waits for the
-    message with a given tag. Built by :func:`connect_stages`.
+    message with a given tag. Built by :func:`connect_stages` and
+    :func:`connect_peers`.
 
     Args:
         sock: A connected TCP socket, handshake done; the link owns it.
-        stage: This process's stage.
-        peer: The stage at the other end.
+        stage: This process's stage (its rank, for :func:`connect_peers`).
+        peer: The stage (rank) at the other end.
         recv_timeout: Default seconds a :meth:`recv` waits, and seconds a
             :meth:`send` may make no progress, before :class:`PeerError`.
             None waits forever.
+        name: How messages name this process; default ``f"stage {stage}"``.
+        peer_name: How messages name the peer; default ``f"stage {peer}"``.
 
     Attributes:
         stage, peer: As given.
+        name, peer_name: As given, or their defaults.
         bytes_sent, bytes_received: Payload bytes (the arrays' ``nbytes``)
             of the messages sent and fully received; headers not counted.
     """
 
     def __init__(
-        self, sock: socket.socket, stage: int, peer: int, *, recv_timeout: float | None = 600.0
+        self,
+        sock: socket.socket,
+        stage: int,
+        peer: int,
+        *,
+        recv_timeout: float | None = 600.0,
+        name: str | None = None,
+        peer_name: str | None = None,
     ) -> None:
         self.stage = stage
         self.peer = peer
+        self.name = f"stage {stage}" if name is None else name
+        self.peer_name = f"stage {peer}" if peer_name is None else peer_name
         self.bytes_sent = 0
         self.bytes_received = 0
         self._sock = sock
@@ -266,7 +283,7 @@ class Link:
             try:
                 self._write(header, arrays)
             except TimeoutError:
-                reason = f"stage {self.peer} took in nothing for {self._recv_timeout:g} s"
+                reason = f"{self.peer_name} took in nothing for {self._recv_timeout:g} s"
                 raise self._fail_send(tag, reason) from None
             except OSError as e:
                 raise self._fail_send(tag, f"sending failed ({e})") from e
@@ -300,7 +317,7 @@ class Link:
 
     def _send_error(self, tag: Tag, reason: str) -> PeerError:
         return PeerError(
-            f"stage {self.stage} cannot send {tag!r} to stage {self.peer}: {reason}",
+            f"{self.name} cannot send {tag!r} to {self.peer_name}: {reason}",
             stage=self.stage,
             peer=self.peer,
             tag=tag,
@@ -335,7 +352,7 @@ class Link:
                         del self._mailbox[tag]
                     return arrays
                 if self._broken is not None:
-                    message = f"{self._broken} while stage {self.stage} waited for {tag!r}"
+                    message = f"{self._broken} while {self.name} waited for {tag!r}"
                     raise PeerError(message, stage=self.stage, peer=self.peer, tag=tag)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -346,7 +363,7 @@ class Link:
         waiting = sorted(map(repr, self._mailbox))
         shown = ", ".join(waiting[:5]) + (", ..." if len(waiting) > 5 else "")
         return PeerError(
-            f"stage {self.peer} sent nothing tagged {tag!r} to stage {self.stage} within "
+            f"{self.peer_name} sent nothing tagged {tag!r} to {self.name} within "
             f"{limit:g} s (recv_timeout); tags waiting in the mailbox: [{shown}]",
             stage=self.stage,
             peer=self.peer,
@@ -363,13 +380,13 @@ class Link:
                     self.bytes_received += nbytes
                     self._cond.notify_all()
         except _Eof as e:
-            reason = f"stage {self.peer} closed the connection ({e})"
+            reason = f"{self.peer_name} closed the connection ({e})"
         except ConnectionResetError as e:
-            reason = f"stage {self.peer} reset the connection ({e.strerror or e})"
+            reason = f"{self.peer_name} reset the connection ({e.strerror or e})"
         except OSError as e:
-            reason = f"the connection to stage {self.peer} failed ({e})"
+            reason = f"the connection to {self.peer_name} failed ({e})"
         except Exception as e:  # noqa: BLE001 - a bad frame must still wake the waiting recv.
-            reason = f"stage {self.peer} sent a message stage {self.stage} cannot read ({e!r})"
+            reason = f"{self.peer_name} sent a message {self.name} cannot read ({e!r})"
             self._shutdown()  # The stream is out of step: nothing after it can be read.
         with self._cond:
             if self._broken is None:
@@ -425,7 +442,7 @@ class Link:
             self._closing = True
         with self._cond:
             if self._broken is None:
-                self._broken = f"stage {self.stage} closed its link to stage {self.peer}"
+                self._broken = f"{self.name} closed its link to {self.peer_name}"
             self._cond.notify_all()
         self._shutdown()  # Wakes the receiver's blocking read with EOF.
         if self._thread is not threading.current_thread():
@@ -442,13 +459,30 @@ class Link:
 # --- Connecting -------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Words:
+    """How one entry point's messages name its arguments and processes."""
+
+    source: str  # Where a ConfigError comes from: the function called.
+    rank: str  # The argument that gives this process's number.
+    one: str  # A process, in "an address no other stage has".
+    many: str  # Processes, in "the count of stages".
+    peer_of: str  # Who a connection was expected from: "1, the neighbour of stage 2".
+
+
+_STAGE_WORDS = _Words("connect_stages()", "stage", "stage", "stages", "the neighbour of")
+_PEER_WORDS = _Words("connect_peers()", "rank", "process", "processes", "a peer of")
+
+
 @dataclass
 class _Plan:
-    """What one connect_stages call needs in its two halves."""
+    """What one connect call needs in its jobs (accepting, and each connecting)."""
 
-    stage: int
+    rank: int
     addresses: list[str]
     hosts: list[tuple[str, int]]
+    names: list[str]
+    words: _Words
     timeout: float
     recv_timeout: float | None
     deadline: float
@@ -459,13 +493,29 @@ class _Plan:
             raise _Aborted
         return self.deadline - time.monotonic()
 
+    def name(self, rank: int) -> str:
+        """Rank ``rank``'s name (a rank from a peer given another count: a number)."""
+        if 0 <= rank < len(self.names):
+            return self.names[rank]
+        return f"{self.words.one} {rank}"
 
-def _parse_address(index: int, value: object) -> tuple[str, int]:
+    def link(self, sock: socket.socket, peer: int) -> Link:
+        return Link(
+            sock,
+            self.rank,
+            peer,
+            recv_timeout=self.recv_timeout,
+            name=self.name(self.rank),
+            peer_name=self.name(peer),
+        )
+
+
+def _parse_address(index: int, value: object, source: str) -> tuple[str, int]:
     """``"host:port"`` (IPv6 hosts in brackets) -> ``(host, port)``."""
     field = f"addresses[{index}]"
     expected = "'host:port' with a port in [1, 65535] (IPv6 hosts in brackets: '[::1]:29500')"
     if not isinstance(value, str):
-        raise ConfigError(field, value, expected, source=_SOURCE)
+        raise ConfigError(field, value, expected, source=source)
     host, sep, port = value.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
     host = host[1:-1] if bracketed else host
@@ -479,51 +529,95 @@ def _parse_address(index: int, value: object) -> tuple[str, int]:
         and 1 <= int(port) <= 65535
     )
     if not valid:
-        raise ConfigError(field, value, expected, source=_SOURCE)
+        raise ConfigError(field, value, expected, source=source)
     return host, int(port)
 
 
-def _check_addresses(addresses: object) -> list[tuple[str, int]]:
+def _check_addresses(addresses: object, words: _Words) -> list[tuple[str, int]]:
+    source = words.source
     if isinstance(addresses, (str, bytes)) or not isinstance(addresses, Sequence):
         raise ConfigError(
-            "addresses", addresses, "a sequence of 'host:port' strings", source=_SOURCE
+            "addresses", addresses, "a sequence of 'host:port' strings", source=source
         )
     if not addresses:
-        raise ConfigError("addresses", addresses, "at least one 'host:port'", source=_SOURCE)
-    hosts = [_parse_address(i, value) for i, value in enumerate(addresses)]
+        raise ConfigError("addresses", addresses, "at least one 'host:port'", source=source)
+    hosts = [_parse_address(i, value, source) for i, value in enumerate(addresses)]
     seen: dict[tuple[str, int], int] = {}
     for i, (host, port) in enumerate(hosts):
         first = seen.setdefault((host.lower(), port), i)
         if first != i:
-            expected = f"an address no other stage has (addresses[{first}] is the same)"
-            raise ConfigError(f"addresses[{i}]", addresses[i], expected, source=_SOURCE)
+            expected = f"an address no other {words.one} has (addresses[{first}] is the same)"
+            raise ConfigError(f"addresses[{i}]", addresses[i], expected, source=source)
     return hosts
 
 
-def _check_seconds(field: str, value: object, *, optional: bool) -> None:
+def _check_seconds(field: str, value: object, *, optional: bool, source: str) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         expected = "a number of seconds > 0" + (" or None" if optional else "")
-        raise ConfigError(field, value, expected, source=_SOURCE)
+        raise ConfigError(field, value, expected, source=source)
+
+
+def _is_index(value: object, n: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value < n
 
 
 def _check_args(
-    stage: object, addresses: Sequence[str], timeout: float, recv_timeout: float | None
+    rank: object,
+    addresses: Sequence[str],
+    timeout: float,
+    recv_timeout: float | None,
+    words: _Words,
 ) -> list[tuple[str, int]]:
-    """Every argument checked before any socket is opened."""
-    hosts = _check_addresses(addresses)
+    """Every argument both entry points share, checked before any socket is opened."""
+    hosts = _check_addresses(addresses, words)
     n = len(addresses)
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n:
+    if not _is_index(rank, n):
         expected = f"an integer in [0, {n - 1}] (len(addresses) is {n})"
-        raise ConfigError("stage", stage, expected, source=_SOURCE)
-    _check_seconds("timeout", timeout, optional=False)
-    _check_seconds("recv_timeout", recv_timeout, optional=True)
+        raise ConfigError(words.rank, rank, expected, source=words.source)
+    _check_seconds("timeout", timeout, optional=False, source=words.source)
+    _check_seconds("recv_timeout", recv_timeout, optional=True, source=words.source)
     return hosts
 
 
+def _check_peers(peers: object, rank: int, n: int) -> set[int]:
+    """The ranks to link with, in ``[0, n)``; ``rank`` itself is dropped."""
+    source = _PEER_WORDS.source
+    if isinstance(peers, (str, bytes)) or not isinstance(peers, Iterable):
+        expected = "an iterable of ranks (integers), e.g. {rank - 1, rank + 1}"
+        raise ConfigError("peers", peers, expected, source=source)
+    peers = list(peers)
+    for peer in peers:
+        if not _is_index(peer, n):
+            raise ConfigError(
+                "peers",
+                peer,
+                f"ranks: integers in [0, {n - 1}] (len(addresses) is {n})",
+                source=source,
+                received=f"{peer!r} in peers={peers!r}",
+            )
+    return set(peers) - {rank}
+
+
+def _check_names(names: object, n: int) -> list[str]:
+    """``names[i]`` names rank ``i`` in messages; default ``"stage i"``."""
+    if names is None:
+        return [f"stage {i}" for i in range(n)]
+    if (
+        isinstance(names, (str, bytes))
+        or not isinstance(names, Sequence)
+        or len(names) != n
+        or not all(isinstance(name, str) and name for name in names)
+    ):
+        expected = f"None or {n} non-empty strings, one per address (len(addresses) is {n})"
+        raise ConfigError("names", names, expected, source=_PEER_WORDS.source)
+    return list(names)
+
+
 def _hello(plan: _Plan) -> bytes:
-    body = json.dumps({"stage": plan.stage, "stages": len(plan.addresses)}).encode()
+    # The keys say "stage" for every caller: the wire format of protocol 1.
+    body = json.dumps({"stage": plan.rank, "stages": len(plan.addresses)}).encode()
     return MAGIC + _LENGTH.pack(len(body)) + body
 
 
@@ -558,30 +652,33 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def _check_hello(plan: _Plan, hello: dict, peer: int, where: str) -> None:
-    """Both sides must agree on the count of stages and on who is who."""
+def _check_count(plan: _Plan, hello: dict, where: str) -> None:
+    """Both sides must agree on the count of processes."""
     n = len(plan.addresses)
     if hello["stages"] != n:
         raise ConfigError(
             "len(addresses)",
             hello["stages"],
-            f"{n}, the count of stages that stage {plan.stage} was given",
-            source=_SOURCE,
-            received=f"{hello['stages']!r} from stage {hello['stage']} ({where})",
-        )
-    if hello["stage"] != peer:
-        raise ConfigError(
-            "stage",
-            hello["stage"],
-            f"{peer}, the neighbour of stage {plan.stage} ({where})",
-            source=_SOURCE,
-            received=f"{hello['stage']!r}, the stage that process was given",
+            f"{n}, the count of {plan.words.many} that {plan.name(plan.rank)} was given",
+            source=plan.words.source,
+            received=f"{hello['stages']!r} from {plan.name(hello['stage'])} ({where})",
         )
 
 
-def _connect_upper(plan: _Plan) -> Link:
-    """Stage k reaches stage k + 1, retrying until it listens or time is up."""
-    peer = plan.stage + 1
+def _wrong_rank(plan: _Plan, hello: dict, expected: Sequence[int], where: str) -> ConfigError:
+    """The peer's hello gives a rank other than the one(s) this side expects."""
+    ranks = str(expected[0]) if len(expected) == 1 else f"one of {list(expected)}"
+    return ConfigError(
+        plan.words.rank,
+        hello["stage"],
+        f"{ranks}, {plan.words.peer_of} {plan.name(plan.rank)} ({where})",
+        source=plan.words.source,
+        received=f"{hello['stage']!r}, the {plan.words.rank} that process was given",
+    )
+
+
+def _connect_upper(plan: _Plan, peer: int) -> dict[int, Link]:
+    """Reaches the higher rank ``peer``, retrying until it listens or time is up."""
     address, last = plan.addresses[peer], "nothing tried"
     while (remaining := plan.remaining()) > 0:
         try:
@@ -591,8 +688,11 @@ def _connect_upper(plan: _Plan) -> Link:
         else:
             try:
                 hello = _exchange_hellos(sock, plan)
-                _check_hello(plan, hello, peer, f"listening on addresses[{peer}] = {address!r}")
-                return Link(sock, plan.stage, peer, recv_timeout=plan.recv_timeout)
+                where = f"listening on addresses[{peer}] = {address!r}"
+                _check_count(plan, hello, where)
+                if hello["stage"] != peer:
+                    raise _wrong_rank(plan, hello, [peer], where)
+                return {peer: plan.link(sock, peer)}
             except _NotAPeer as e:
                 sock.close()
                 last = str(e)
@@ -601,73 +701,142 @@ def _connect_upper(plan: _Plan) -> Link:
                 raise
         time.sleep(min(RETRY_SECONDS, max(plan.deadline - time.monotonic(), 0)))
     raise PeerError(
-        f"stage {plan.stage} could not connect to stage {peer} at {address} within "
+        f"{plan.name(plan.rank)} could not connect to {plan.name(peer)} at {address} within "
         f"{plan.timeout:g} s (last attempt: {last})",
-        stage=plan.stage,
+        stage=plan.rank,
         peer=peer,
     )
 
 
-def _listen(plan: _Plan) -> socket.socket:
-    address = plan.addresses[plan.stage]
-    host, port = plan.hosts[plan.stage]
+def _listen(plan: _Plan, backlog: int) -> socket.socket:
+    address = plan.addresses[plan.rank]
+    host, port = plan.hosts[plan.rank]
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host, port), family=family, backlog=8)
+        return socket.create_server((host, port), family=family, backlog=max(backlog, 8))
     except OSError as e:
         raise ConfigError(
-            f"addresses[{plan.stage}]",
+            f"addresses[{plan.rank}]",
             address,
-            f"an address stage {plan.stage} can listen on (a free port of this host)",
-            source=_SOURCE,
+            f"an address {plan.name(plan.rank)} can listen on (a free port of this host)",
+            source=plan.words.source,
             received=f"{address!r}, which failed: {e}",
         ) from e
 
 
-def _accept_lower(plan: _Plan, listener: socket.socket) -> Link:
-    """Stage k waits for stage k - 1; a stray connection is dropped, not fatal."""
-    peer = plan.stage - 1
+def _accept_one(
+    plan: _Plan, sock: socket.socket, lower: set[int], links: dict[int, Link]
+) -> Link | None:
+    """The link to the lower peer that connected on ``sock``, or None to drop it.
+
+    A stray connection (a port scan, a health check) and a second hello from
+    a rank already linked are dropped; a rank not among ``lower`` is refused.
+    """
+    where = f"which connected to addresses[{plan.rank}] = {plan.addresses[plan.rank]!r}"
+    try:
+        hello = _exchange_hellos(sock, plan)
+    except _NotAPeer:
+        return None
+    _check_count(plan, hello, where)
+    if hello["stage"] in links:
+        return None
+    if hello["stage"] not in lower:
+        raise _wrong_rank(plan, hello, sorted(lower - set(links)), where)
+    return plan.link(sock, hello["stage"])
+
+
+def _accept_lower(plan: _Plan, listener: socket.socket, lower: set[int]) -> dict[int, Link]:
+    """Waits for every rank in ``lower`` to connect; on failure closes those that did."""
+    links: dict[int, Link] = {}
     listener.settimeout(POLL_SECONDS)  # Short waits, so an abort is seen promptly.
-    while plan.remaining() > 0:
-        try:
-            sock, _ = listener.accept()
-        except TimeoutError:
-            continue
-        where = f"which connected to addresses[{plan.stage}] = {plan.addresses[plan.stage]!r}"
-        try:
-            hello = _exchange_hellos(sock, plan)
-            _check_hello(plan, hello, peer, where)
-            return Link(sock, plan.stage, peer, recv_timeout=plan.recv_timeout)
-        except _NotAPeer:
-            sock.close()  # A stray connection (a port scan, a health check): keep waiting.
-        except BaseException:
-            sock.close()
-            raise
-    raise PeerError(
-        f"stage {plan.stage} listened on {plan.addresses[plan.stage]} for {plan.timeout:g} s, "
-        f"and stage {peer} (addresses[{peer}] = {plan.addresses[peer]}) never connected",
-        stage=plan.stage,
-        peer=peer,
+    try:
+        while len(links) < len(lower) and plan.remaining() > 0:
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            try:
+                link = _accept_one(plan, sock, lower, links)
+            except BaseException:
+                sock.close()
+                raise
+            if link is None:
+                sock.close()
+            else:
+                links[link.peer] = link
+    except BaseException:
+        for link in links.values():
+            link.close()
+        raise
+    if len(links) < len(lower):
+        for link in links.values():
+            link.close()
+        raise _never_connected(plan, sorted(lower - set(links)))
+    return links
+
+
+def _never_connected(plan: _Plan, missing: list[int]) -> PeerError:
+    shown = [f"{plan.name(peer)} (addresses[{peer}] = {plan.addresses[peer]})" for peer in missing]
+    who = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+    return PeerError(
+        f"{plan.name(plan.rank)} listened on {plan.addresses[plan.rank]} for "
+        f"{plan.timeout:g} s, and {who} never connected",
+        stage=plan.rank,
+        peer=missing[0],
     )
 
 
-def _run_both(jobs: dict[int, Callable[[], Link]], abort: threading.Event) -> dict[int, Link]:
-    """Runs the connect and accept halves at once: neither waits on the other's peer."""
+def _run_all(jobs: list[Callable[[], dict[int, Link]]], abort: threading.Event) -> dict[int, Link]:
+    """Runs the jobs at once (none waits on another's peer); one failing stops all.
+
+    Returns:
+        Every job's links, merged. On a failure the links made are closed and
+        the first real error (not another job's abort) is raised.
+    """
     if len(jobs) < 2:
-        return {peer: job() for peer, job in jobs.items()}
-    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tfdist-p2p-connect") as ex:
-        futures = {ex.submit(job): peer for peer, job in jobs.items()}
+        return {peer: link for job in jobs for peer, link in job().items()}
+    pool = concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="tfdist-p2p-connect")
+    with pool:
+        futures = [pool.submit(job) for job in jobs]
         concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-        failed = [f for f in futures if f.done() and f.exception() is not None]
-        if failed:
-            abort.set()  # The other half stops within POLL_SECONDS.
-            concurrent.futures.wait(futures)
-    links = {futures[f]: f.result() for f in futures if not f.cancelled() and f.exception() is None}
-    if failed:
+        if any(f.done() and f.exception() is not None for f in futures):
+            abort.set()  # The others stop within POLL_SECONDS (RETRY_SECONDS).
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    links = {
+        peer: link for f in futures if f.exception() is None for peer, link in f.result().items()
+    }
+    if errors:
         for link in links.values():
             link.close()
-        raise failed[0].exception()
+        raise next((e for e in errors if not isinstance(e, _Aborted)), errors[0])
     return links
+
+
+def _connect(
+    rank: int,
+    addresses: Sequence[str],
+    hosts: list[tuple[str, int]],
+    peers: set[int],
+    names: list[str],
+    words: _Words,
+    timeout: float,
+    recv_timeout: float | None,
+) -> dict[int, Link]:
+    """Listens for the lower peers and connects to the higher ones, all at once."""
+    deadline, abort = time.monotonic() + timeout, threading.Event()
+    plan = _Plan(rank, list(addresses), hosts, names, words, timeout, recv_timeout, deadline, abort)
+    lower = {peer for peer in peers if peer < rank}
+    listener = _listen(plan, len(lower)) if lower else None
+    try:
+        jobs: list[Callable[[], dict[int, Link]]] = []
+        if listener is not None:
+            jobs.append(lambda: _accept_lower(plan, listener, lower))
+        for peer in sorted(peers - lower):
+            jobs.append(functools.partial(_connect_upper, plan, peer))
+        return _run_all(jobs, abort)
+    finally:
+        if listener is not None:
+            listener.close()
 
 
 def connect_stages(
@@ -682,7 +851,8 @@ def connect_stages(
     The lower stage of each pair connects (retrying until ``timeout``) to the
     higher one's address, which listens there; stage 0 listens on nothing.
     A handshake checks that both sides agree on the count of stages and on
-    each other's stage numbers.
+    each other's stage numbers. :func:`connect_peers` with the peers
+    ``{stage - 1, stage + 1}``.
 
     Args:
         stage: This process's stage, in ``[0, len(addresses))``.
@@ -700,19 +870,57 @@ def connect_stages(
             another count of stages or another stage number.
         PeerError: A neighbour did not come up within ``timeout``.
     """
-    hosts = _check_args(stage, addresses, timeout, recv_timeout)
-    abort = threading.Event()
-    plan = _Plan(
-        stage, list(addresses), hosts, timeout, recv_timeout, time.monotonic() + timeout, abort
-    )
-    listener = _listen(plan) if stage > 0 else None
-    try:
-        jobs: dict[int, Callable[[], Link]] = {}
-        if listener is not None:
-            jobs[stage - 1] = lambda: _accept_lower(plan, listener)
-        if stage + 1 < len(addresses):
-            jobs[stage + 1] = lambda: _connect_upper(plan)
-        return _run_both(jobs, abort)
-    finally:
-        if listener is not None:
-            listener.close()
+    hosts = _check_args(stage, addresses, timeout, recv_timeout, _STAGE_WORDS)
+    n = len(addresses)
+    peers = {peer for peer in (stage - 1, stage + 1) if 0 <= peer < n}
+    names = [f"stage {i}" for i in range(n)]
+    return _connect(stage, addresses, hosts, peers, names, _STAGE_WORDS, timeout, recv_timeout)
+
+
+def connect_peers(
+    rank: int,
+    addresses: Sequence[str],
+    peers: Iterable[int],
+    *,
+    timeout: float = 60.0,
+    recv_timeout: float | None = 600.0,
+    names: Sequence[str] | None = None,
+) -> dict[int, Link]:
+    """Links process ``rank`` of ``len(addresses)`` with each rank in ``peers``.
+
+    For each pair the lower rank connects (retrying until ``timeout``) to the
+    higher one's address; the higher one listens there and accepts every
+    lower peer it expects (a stray connection, or a second one from a rank
+    already linked, is dropped). Accepting and connecting run at once, and
+    one failing stops the others. A handshake checks that both sides agree
+    on the count of processes and on each other's ranks. Every process must
+    be given a symmetric set: if ``j`` is among rank ``i``'s peers, ``i`` is
+    among rank ``j``'s. E.g. pipeline replicas on a grid: rank ``replica *
+    stages + stage`` links with its pipeline neighbours and with the same
+    stage in the other replicas.
+
+    Args:
+        rank: This process's rank, in ``[0, len(addresses))``.
+        addresses: ``"host:port"`` of every rank, the same list in every process.
+        peers: The ranks to link with; ``rank`` itself is ignored.
+        timeout: Seconds to wait for the peers to come up.
+        recv_timeout: The links' default for :meth:`Link.recv` (and the
+            seconds a send may make no progress); None waits forever.
+        names: How messages name each rank, e.g. ``"stage 1 of replica 0"``;
+            default ``"stage i"``.
+
+    Returns:
+        ``{peer: Link}`` for every peer.
+
+    Raises:
+        ConfigError: A malformed or duplicate address, a rank or peer out of
+            range, names not one string per address, an address this rank
+            cannot listen on, or a peer given another count of processes or
+            another rank.
+        PeerError: A peer did not come up within ``timeout``.
+    """
+    hosts = _check_args(rank, addresses, timeout, recv_timeout, _PEER_WORDS)
+    n = len(addresses)
+    peer_set = _check_peers(peers, rank, n)
+    labels = _check_names(names, n)
+    return _connect(rank, addresses, hosts, peer_set, labels, _PEER_WORDS, timeout, recv_timeout)
