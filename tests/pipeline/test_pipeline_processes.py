@@ -98,11 +98,18 @@ def test_fit_evaluate_predict_and_save_equal_the_unpipelined_model(tmp_path):
     # own fit, evaluate, predict and save, as a user's script calls them.
     import keras
 
+    # Each stage builds only its own weights (PipelineModel given the
+    # builder): what it held before fit is its stage's, and the model it
+    # trains and saves is the same.
     addresses = ",".join(_addresses(2))
     common = ["tests/workers/pipeline_fit.py", "llama", "gpipe", 2, 4, tmp_path]
-    procs = [start([*common, "ref"])] + [start([*common, s, addresses]) for s in range(2)]
+    procs = [start([*common, "ref"])]
+    procs += [start([*common, s, addresses], PIPELINE_BY_STAGE="1") for s in range(2)]
     for code, out, err in finish(procs, timeout=600):
         assert code == 0, (out[-2000:], err[-4000:])
+    held = [set(np.load(tmp_path / f"held-{s}.npy").tolist()) for s in range(2)]
+    owned = [set(np.load(tmp_path / f"w-{s}.npz").files) - {"sent"} for s in range(2)]
+    assert held == owned and not held[0] & held[1], held
     ref = np.load(tmp_path / "fit-ref.npz")
     for stage in range(2):
         got = np.load(tmp_path / f"fit-{stage}.npz")

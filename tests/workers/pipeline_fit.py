@@ -12,7 +12,9 @@ every process fails in the second epoch. With $PIPELINE_REPLICAS = R, the
 ADDRESSES are R pipelines' (STAGE is then the process's rank, replica-major)
 and $PIPELINE_COMPRESSION their all-reduce's compression; every process
 also writes OUT/w-<STAGE>.npz, the weights its stage owns, and the bytes its
-replicas' ring sent.
+replicas' ring sent. With $PIPELINE_BY_STAGE, each process builds only its
+stage's weights (PipelineModel given the model's builder) and writes how
+many of the model's weights it held before fit to OUT/held-<STAGE>.npy.
 """
 
 import os
@@ -50,6 +52,9 @@ if stage != "ref":
     replicas = int(os.environ.get("PIPELINE_REPLICAS", "1"))
     stages = len(addresses) // replicas
     replica, index = divmod(int(stage), stages)
+    if os.environ.get("PIPELINE_BY_STAGE"):
+        keras.utils.set_random_seed(7)  # The builder draws what make_model drew above.
+        model = lambda: make_model(model_name)  # noqa: E731
     model = PipelineModel(
         model,
         SPLITS[model_name][: stages - 1],
@@ -62,6 +67,11 @@ if stage != "ref":
         addresses=addresses,
         recv_timeout=120,
     )
+if stage != "ref":
+    from tfdist.compat.deferred import is_materialized
+
+    held = [v.path for v in model.whole.weights if is_materialized(v)]
+    np.save(out / f"held-{stage}.npy", np.array(held))
 model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
 batch = len(y) // steps
 callbacks = []

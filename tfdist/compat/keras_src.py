@@ -120,6 +120,8 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # Keras's global state: whether a layer's call is running (current_call_ctx),
     # where a keras.distribution layout's weight is gathered whole.
     "global_state": ("keras.src.backend.common.global_state",),
+    # A model built without its weights' values (tfdist.compat.deferred).
+    "StatelessScope": ("keras.src.backend.common.stateless_scope:StatelessScope",),
     # Skips tfdist's PS variable patches while Keras traces statelessly.
     "in_stateless_scope": ("keras.src.backend.common.stateless_scope:in_stateless_scope",),
     # Skips them (and serves zeros for sharded weights) during symbolic builds.

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import numpy as np
 
+from tfdist.compat.deferred import deferred_build, materialize
 from tfdist.compat.keras_private import loss_tracker
 from tfdist.errors import ConfigError
 from tfdist.pipeline.backup import stage_callbacks
@@ -81,7 +82,12 @@ class PipelineModel(keras.Model):
 
     Args:
         model: A functional or Sequential Keras model (nested functional
-            models, such as a keras-hub backbone, are opened up).
+            models, such as a keras-hub backbone, are opened up), or a
+            function that builds it. Given the function, this process makes
+            only its stage's weights (see "Memory" in the pipeline guide):
+            the model is built without values, and only this stage's
+            weights are given theirs, the same as a full build's with the
+            same seed.
         split_points: Names of the layers each stage after the first begins
             with (see :func:`~tfdist.pipeline.split_model`).
         microbatches: Micro-batches per batch; it must divide the batch size.
@@ -106,7 +112,7 @@ class PipelineModel(keras.Model):
 
     def __init__(
         self,
-        model: keras.Model,
+        model: keras.Model | Callable[[], keras.Model],
         split_points: Sequence[str],
         *,
         microbatches: int,
@@ -126,6 +132,9 @@ class PipelineModel(keras.Model):
             raise ConfigError("schedule", schedule, f"one of {SCHEDULES}", source=SOURCE)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError("microbatches", microbatches, "an integer >= 1", source=SOURCE)
+        deferred: list = []
+        if callable(model) and not isinstance(model, keras.Model):
+            model, deferred = deferred_build(model)
         self.whole = model
         self.stages = split_model(model, split_points)
         self.grid = Grid(len(self.stages), check_replicas(replicas))
@@ -150,6 +159,10 @@ class PipelineModel(keras.Model):
             )
         self.rank = rank
         self.replica, self.stage_index = self.grid.place(rank)
+        others = {id(v) for s in self.stages if s.index != self.stage_index for v in s.variables}
+        for variable in deferred:  # This stage's weights, and state that is no weight.
+            if id(variable) not in others:
+                materialize(variable)
         self.schedule = schedule
         self.microbatches = microbatches
         links = connect_peers(
@@ -274,7 +287,7 @@ class PipelineModel(keras.Model):
         if self.stage_index < len(self.stages) - 1:
             arrays = self._links[self.stage_index + 1].recv(tag)
         for variable, value in zip(later, arrays):
-            variable.assign(value)
+            materialize(variable, value)
         if before_sending is not None:
             before_sending()
         if self.stage_index > 0:
@@ -318,6 +331,8 @@ class PipelineModel(keras.Model):
             ConfigError: The saved optimizer state does not fit this
                 optimizer (another optimizer, or another model).
         """
+        for variable in self.whole.weights:  # A model built by stage: all of it, to read.
+            materialize(variable)
         self.whole.load_weights(filepath, *args, **kwargs)
         side = _optimizer_file(filepath, self.stage_index)
         if self.optimizer is None or not self.optimizer.built or not os.path.exists(side):

@@ -23,6 +23,7 @@ from typing import Any
 
 import keras
 
+from tfdist.compat.deferred import variables_read
 from tfdist.compat.keras_private import functional_nodes
 from tfdist.errors import ConfigError
 
@@ -298,9 +299,11 @@ def _variables(calls: list[_Call], bounds: list[int]) -> list[list]:
 
 
 def _read_by(call: _Call) -> list:
-    """The variables one call of a layer reads, found by running it once on
-    zeros of its inputs' shapes (a layer called in two stages may use
-    different weights in each, as a keras-hub embedding used reversed)."""
+    """The variables one call of a layer reads (a layer called in two stages
+    may use different weights in each, as a keras-hub embedding used
+    reversed), found by tracing the call on zeros of its inputs' shapes in a
+    graph: nothing runs, so no weight needs its value (a model built by
+    stage has only its own) and no state changes."""
     import tensorflow as tf  # Only for a layer called in two stages.
 
     def zeros(value: Any) -> Any:
@@ -309,17 +312,14 @@ def _read_by(call: _Call) -> list:
         shape = [1 if d is None else d for d in value.shape]
         return tf.zeros(shape, dtype=value.dtype)
 
-    args = keras.tree.map_structure(zeros, call.args)
-    kwargs = keras.tree.map_structure(zeros, call.kwargs)
-    with tf.GradientTape(watch_accessed_variables=True) as tape:
+    def trace() -> None:
+        args = keras.tree.map_structure(zeros, call.args)
+        kwargs = keras.tree.map_structure(zeros, call.kwargs)
         call.layer(*args, **kwargs)
-    read = {id(v) for v in tape.watched_variables()}
-    return [w for w in call.layer.weights if id(_tf_variable(w)) in read or id(w) in read]
 
-
-def _tf_variable(weight: Any) -> Any:
-    """The tf.Variable under a Keras variable (what a tape watches)."""
-    return getattr(weight, "value", weight)
+    with variables_read() as read:
+        tf.function(trace, autograph=False).get_concrete_function()
+    return [w for w in call.layer.weights if id(w) in read]
 
 
 def _route(
