@@ -876,3 +876,40 @@ def test_pipeline_benchmark_rows_and_table():
     text = pipe.markdown({"meta": meta, "rows": [row]})
     assert "| 1f1b | 4 | 0.200 | 0.300, 0.250 | 0.250, 0.150 | 400.0 | 225.0 | 1.75 |" in text
     assert text.rstrip().endswith("- a note")
+
+
+@pytest.mark.slow
+def test_pipeline_memory_benchmark_trains_in_stages_what_one_device_cannot(tmp_path):
+    # The smallest run: 4 layers; width 256 trains everywhere, width 3072
+    # (38 M parameters: 150 MB of weights, 600 MB with their gradients and
+    # Adam's moments) is killed on one device under 640 MiB, and trains in 4
+    # stages built by stage (a quarter of that per process).
+    if not os.access("/sys/fs/cgroup/memory", os.W_OK):
+        pytest.skip("needs a writable cgroup-v1 memory controller (root)")
+    args = [
+        sys.executable,
+        "benchmarks/pipeline_memory.py",
+        "--widths=256,3072",
+        "--layers=4",
+        "--steps=2",
+        "--limit_mib=640",
+        "--arms=one_device,pipeline_by_stage",
+        f"--results_dir={tmp_path}",
+    ]
+    done = subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "pipeline_memory.json").read_text())
+    runs = {(r["arm"], r["width"]): r for r in result["runs"]}
+    assert runs["one_device", 256]["trained"]
+    assert not runs["one_device", 3072]["trained"] and runs["one_device", 3072]["oom_kills"] >= 1
+    staged = runs["pipeline_by_stage", 3072]
+    assert staged["trained"] and len(staged["workers"]) == 4
+    # The same model in both arms: the first step's loss agrees.
+    small = runs["pipeline_by_stage", 256]
+    assert small["loss"][0] == pytest.approx(runs["one_device", 256]["loss"][0], abs=1e-5)
+    ratio = staged["parameters"] / runs["one_device", 256]["parameters"]
+    text = (tmp_path / "pipeline_memory.md").read_text()
+    assert f"| pipeline_by_stage | 3072 | 37.8 M | {ratio:.2f} | none |" in text
+    assert "| one_device | 256 |" in text and "| 3072 |" in text

@@ -4,7 +4,8 @@ Usage: pipeline_fit.py MODEL SCHEDULE MICROBATCHES STEPS OUT STAGE [ADDRESSES]
 
 STAGE ``ref`` runs the plain model on one device instead. Every process
 calls fit (2 epochs), evaluate, predict and save, as a user's script does,
-and writes OUT/fit-<STAGE>.npz: the fit and evaluate losses and the
+and writes OUT/fit-<STAGE>.npz: the fit and evaluate losses and accuracy
+(a compiled metric, ``acc``), and the
 predictions; the model is saved to OUT/<STAGE>.keras (stage 0's file is the
 pipelined model's). With $PIPELINE_BACKUP, fit has a BackupAndRestore there
 (one folder for the plain model, one the stages share); with $PIPELINE_CRASH,
@@ -72,7 +73,8 @@ if stage != "ref":
 
     held = [v.path for v in model.whole.weights if is_materialized(v)]
     np.save(out / f"held-{stage}.npy", np.array(held))
-model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+accuracy = keras.metrics.SparseCategoricalAccuracy(name="acc")
+model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=[accuracy])
 batch = len(y) // steps
 callbacks = []
 if os.environ.get("PIPELINE_BACKUP"):
@@ -81,7 +83,7 @@ if os.environ.get("PIPELINE_BACKUP"):
 if os.environ.get("PIPELINE_CRASH"):
     callbacks.append(Crash())
 history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
-evaluated = model.evaluate(x, y, batch_size=batch, verbose=0)
+evaluated = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
 predicted = model.predict(x, batch_size=batch, verbose=0)
 if stage != "ref":
     owned = {v.path: v.numpy() for v in model.stages[model.stage_index].variables}
@@ -90,6 +92,8 @@ model.save(out / f"{stage}.keras")
 np.savez(
     out / f"fit-{stage}.npz",
     fit=np.array(history.history["loss"]),
-    evaluate=np.array(evaluated),
+    evaluate=np.array(evaluated["loss"]),
+    fit_acc=np.array(history.history["acc"]),
+    evaluate_acc=np.array(evaluated["acc"]),
     predict=predicted,
 )

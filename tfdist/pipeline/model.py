@@ -205,17 +205,15 @@ class PipelineModel(keras.Model):
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, **kwargs: Any) -> None:
         """Keras's compile, run eagerly (the stages' passes are Python).
 
+        ``metrics`` and ``weighted_metrics`` are computed where the outputs
+        are: in training, on the last stage over the whole batch (over every
+        replica's share, their states summed), and sent back to every stage;
+        in ``evaluate``, on every stage, which has the outputs. Every stage
+        logs the same numbers.
+
         Raises:
-            ConfigError: ``metrics`` (not supported yet), or no loss.
+            ConfigError: No loss.
         """
-        for name in ("metrics", "weighted_metrics"):
-            if kwargs.get(name):
-                raise ConfigError(
-                    name,
-                    kwargs[name],
-                    "None: a pipelined model logs its loss only, for now",
-                    source=SOURCE,
-                )
         if loss is None:
             raise ConfigError(
                 "loss", loss, "a Keras loss (the last stage computes it)", source=SOURCE
@@ -231,6 +229,7 @@ class PipelineModel(keras.Model):
             _as_loss(loss),
             self.optimizer,
         )
+        self._runner.keep_outputs = bool(kwargs.get("metrics") or kwargs.get("weighted_metrics"))
         if self._group is not None:
             self._runner.replicas = StageReplicas(
                 self._group, self._runner.variables, self._aggregator
@@ -253,21 +252,82 @@ class PipelineModel(keras.Model):
     def train_step(self, data: Any) -> dict:
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
         flat = keras.tree.flatten(x)
-        loss = self._runner.train_step(self._next("T"), flat, y, weight)
-        return self._log(loss, flat)
+        step = self._next("T")
+        loss = self._runner.train_step(step, flat, y, weight)
+        self._log(loss, flat)
+        if self._runner.keep_outputs:
+            self._training_metrics(step, y)
+        return self.get_metrics_result()
 
     def test_step(self, data: Any) -> dict:
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
         flat = keras.tree.flatten(x)
-        loss, _ = self._runner.forward_step("E", self._next("E"), flat, y, weight)
-        return self._log(loss, flat)
+        loss, outputs = self._runner.forward_step("E", self._next("E"), flat, y, weight)
+        self._log(loss, flat)
+        if self._runner.keep_outputs:  # Every stage has the outputs here.
+            self.compute_metrics(x, y, outputs[0] if len(outputs) == 1 else outputs, weight)
+        return self.get_metrics_result()
 
-    def _log(self, loss: float, flat: list) -> dict:
+    def _log(self, loss: float, flat: list) -> None:
         """Keras's loss metric takes the batch's loss, weighted by its size as
         Keras's own train_step does: the logs are its running mean."""
         tracker = loss_tracker(self)
         tracker.update_state(loss, sample_weight=int(flat[0].shape[0]))
-        return self.get_metrics_result()
+
+    def _training_metrics(self, step: int, y: Any) -> None:
+        """Updates the compiled metrics after a training step: the last stage
+        from its outputs, every other stage by taking the last stage's
+        metric state (sums and counts: a few numbers), so that every stage
+        logs the same, within steps and at the end of an epoch."""
+        tag = ("M", step)
+        if self._runner.last:
+            y_share, y_pred, weight = self._runner.last_batch
+            if self._group is None:
+                self.compute_metrics(None, y_share, y_pred, weight)
+            else:
+                self._update_over_replicas(y_share, y_pred, weight)
+        else:
+            if not self._metric_state():
+                self._build_metrics(y)
+            values = self._links[self.stage_index + 1].recv(tag)
+            state = self._metric_state()
+            if len(values) != len(state):
+                raise RuntimeError(
+                    f"stage {self.stage_index} has {len(state)} metric variables and stage "
+                    f"{self.stage_index + 1} sent {len(values)}: the stages compiled other metrics"
+                )
+            for variable, value in zip(state, values):
+                variable.assign(value)
+        if self.stage_index > 0:
+            own = [np.asarray(v.numpy()) for v in self._metric_state()]
+            self._links[self.stage_index - 1].send(tag, own)
+
+    def _metric_state(self) -> list:
+        """The compiled metrics' variables (the loss tracker's left out)."""
+        tracker = loss_tracker(self)
+        return [v for m in self.metrics if m is not tracker for v in m.variables]
+
+    def _build_metrics(self, y: Any) -> None:
+        """Builds the compiled metrics on a stage without the outputs, from
+        the targets and zeros shaped as the model's output (which Keras
+        reads to choose, say, sparse or categorical accuracy)."""
+        shapes = [[1 if d is None else d for d in o.shape] for o in self.whole.outputs]
+        zeros = [np.zeros(shape, o.dtype) for shape, o in zip(shapes, self.whole.outputs)]
+        first = keras.tree.map_structure(lambda t: t[:1], y)
+        self.compute_metrics(None, first, zeros[0] if len(zeros) == 1 else zeros, None)
+
+    def _update_over_replicas(self, y: Any, y_pred: Any, weight: Any) -> None:
+        """Updates the metrics with every replica's share: each replica's
+        change of state (a Keras metric's state is sums and counts) is summed
+        over the replicas, so every last stage holds the whole batch's."""
+        before = [np.asarray(v.numpy()) for v in self._metric_state()]
+        self.compute_metrics(None, y, y_pred, weight)
+        state = self._metric_state()
+        if len(before) != len(state):  # Built by this first update: its state started at 0.
+            before = [np.zeros(v.shape, v.dtype) for v in state]
+        changes = [np.asarray(v.numpy()) - b for v, b in zip(state, before)]
+        for variable, old, change in zip(state, before, self._group.allreduce(*changes)):
+            variable.assign(old + change)
 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)

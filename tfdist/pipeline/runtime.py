@@ -112,6 +112,12 @@ class StageRunner:
             )
             for training in (True, False)
         }
+        #: Whether the last stage keeps each step's outputs (for metrics):
+        #: then ``last_batch`` is ``(y, y_pred, sample_weight)`` of the step,
+        #: this replica's share of the batch.
+        self.keep_outputs = False
+        self.last_batch: tuple | None = None
+        self._outputs: dict[int, list] = {}
         #: The most micro-batches whose activations were kept at once.
         self.peak_in_flight = 0
         #: Seconds spent computing forward and backward passes (not waiting
@@ -171,6 +177,8 @@ class StageRunner:
                 if self.last:
                     total += float(result)
                 self._backward(step, action.microbatch, tape, received, result, grads)
+        if self.keep_outputs and self.last:
+            self.last_batch = (y, self._joined_outputs(), sample_weight)
         if self.replicas is not None:
             grads = self.replicas.mean(grads, step)
         pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
@@ -178,6 +186,12 @@ class StageRunner:
             self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         loss = self._share_loss(step, total)
         return loss if self.replicas is None else self.replicas.mean_of(loss)
+
+    def _joined_outputs(self) -> Any:
+        """The step's outputs, joined over the micro-batches in order."""
+        parts = [self._outputs.pop(i) for i in range(self.count)]
+        joined = [tf.concat([p[k] for p in parts], 0) for k in range(len(parts[0]))]
+        return joined[0] if len(joined) == 1 else joined
 
     def _share(self, x: Sequence[Any], y: Any, sample_weight: Any) -> tuple:
         """This replica's share of the batch: its ``1 / R`` of the rows."""
@@ -209,6 +223,8 @@ class StageRunner:
             outs = self._passes[True](list(given[i]) + received, wanted)
         if self.last:
             self.busy_seconds += time.perf_counter() - started
+            if self.keep_outputs:
+                self._outputs[i] = outs[1:]
             return tape, received, outs[0]
         sent = [o.numpy() for o in outs]
         self.busy_seconds += time.perf_counter() - started
