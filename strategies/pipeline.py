@@ -6,6 +6,7 @@ Run it with ``tfdist launch``, one worker per stage:
     tfdist launch --workers 4 strategies/pipeline.py --model=mlp --schedule=gpipe
     tfdist launch --workers 2 strategies/pipeline.py --model=llama --microbatches=2
     tfdist launch --workers 4 strategies/pipeline.py --replicas=2 --compression=fp16
+    tfdist launch --workers 2 strategies/pipeline.py --schedule=interleaved --chunks=2
 
 ``--model=llama`` is a small keras-hub Llama (built from a config: nothing is
 downloaded; it needs keras-hub beside the base install:
@@ -47,7 +48,8 @@ FLAGS.set_default("epochs", 2)
 FLAGS.set_default("examples", 512)
 FLAGS.set_default("learning_rate", 1e-3)
 flags.DEFINE_enum("model", "llama", ["llama", "mlp"], "The model to pipeline.")
-flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe"], "The pipeline schedule.")
+flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe", "interleaved"], "The pipeline schedule.")
+flags.DEFINE_integer("chunks", 1, "Stages per worker (the interleaved schedule).")
 flags.DEFINE_integer("microbatches", 4, "Micro-batches per batch (they must divide it).")
 flags.DEFINE_integer("replicas", 1, "Copies of the pipeline, trained data-parallel.")
 flags.DEFINE_bool("compare", False, "Also train unpipelined on worker 0 and compare.")
@@ -132,7 +134,7 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
     from tfdist.pipeline import PipelineModel
 
     keras.utils.set_random_seed(FLAGS.seed)
-    model, split_points = make_model(FLAGS.model, stages)
+    model, split_points = make_model(FLAGS.model, stages * FLAGS.chunks)
     if pipelined:
         compression = FLAGS.compression if FLAGS.compression not in ("", "none") else None
         model = PipelineModel(
@@ -140,6 +142,7 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
             split_points,
             microbatches=FLAGS.microbatches,
             schedule=FLAGS.schedule,
+            chunks=FLAGS.chunks,
             replicas=FLAGS.replicas,
             compression=compression,
         )

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import finish, start
 from tfdist.engines.net import free_ports
+from tfdist.pipeline.schedule import simulate
 
 #: TensorFlow processes: with the suite's other multi-process tests, one at a time.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tf_cpus")]  # Keras here too.
@@ -28,11 +29,12 @@ def _addresses(count: int) -> list[str]:
     return [f"127.0.0.1:{port}" for port in free_ports(count)]
 
 
-def _train(tmp_path, model, schedule, microbatches, optimizer, stages):
+def _train(tmp_path, model, schedule, microbatches, optimizer, stages, chunks=1):
     addresses = ",".join(_addresses(stages))
     common = [TASK, model, schedule, microbatches, STEPS, optimizer, tmp_path]
     procs = [start([*common, "ref"])]
-    procs += [start([*common, s, addresses]) for s in range(stages)]
+    env = {"PIPELINE_CHUNKS": str(chunks)}
+    procs += [start([*common, s, addresses], **env) for s in range(stages)]
     results = finish(procs, timeout=600)
     for code, out, err in results:
         assert code == 0, (out[-2000:], err[-4000:])
@@ -52,19 +54,22 @@ def _largest_difference(ref, parts) -> float:
 
 
 @pytest.mark.parametrize(
-    "model, schedule, optimizer, stages, microbatches",
+    "model, schedule, optimizer, stages, microbatches, chunks",
     [
-        ("mlp", "gpipe", "sgd", 2, 4),
-        ("mlp", "1f1b", "adam", 4, 4),
-        ("llama", "1f1b", "adam", 2, 4),
+        ("mlp", "gpipe", "sgd", 2, 4, 1),
+        ("mlp", "1f1b", "adam", 4, 4, 1),
+        ("llama", "1f1b", "adam", 2, 4, 1),
         # Batch normalization with one micro-batch: the batch's statistics.
-        ("cnn", "gpipe", "adam", 3, 1),
+        ("cnn", "gpipe", "adam", 3, 1, 1),
+        # Interleaved 1F1B: 2 processes run 4 stages, 2 each (0 and 2, 1 and 3).
+        ("mlp", "interleaved", "adam", 2, 4, 2),
+        ("llama", "interleaved", "sgd", 2, 2, 2),
     ],
 )
 def test_pipelined_training_equals_one_device(
-    tmp_path, model, schedule, optimizer, stages, microbatches
+    tmp_path, model, schedule, optimizer, stages, microbatches, chunks
 ):
-    ref, parts = _train(tmp_path, model, schedule, microbatches, optimizer, stages)
+    ref, parts = _train(tmp_path, model, schedule, microbatches, optimizer, stages, chunks)
     worst = _largest_difference(ref, parts)
     assert worst < TOL, worst
     # Every stage logs the same losses; their mean is fit's epoch loss.
@@ -74,9 +79,11 @@ def test_pipelined_training_equals_one_device(
     assert np.mean(losses[0]) == pytest.approx(float(ref["losses"][-1]), abs=1e-5)
     assert losses[0][-1] != losses[0][0]  # It trained.
     peaks = [int(part["peak"]) for part in parts]
+    expected = simulate(schedule, stages, microbatches, chunks=chunks).peak_in_flight
+    assert tuple(peaks) == expected
     if schedule == "gpipe":
         assert peaks == [microbatches] * stages
-    else:
+    elif schedule == "1f1b":
         assert peaks == [min(stages - s, microbatches) for s in range(stages)]
 
 

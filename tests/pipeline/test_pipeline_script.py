@@ -54,6 +54,19 @@ def test_the_script_trains_two_replicas_of_two_stages_with_compression(tmp_path)
     assert all(results[k]["sent_to_replicas"] > 0 for k in results)
 
 
+def test_the_script_trains_interleaved_chunks_like_one_device():
+    # Interleaved 1F1B: 2 workers run the MLP's 4 stages, 2 each, under
+    # PipelineModel's fit, evaluate and its comparison with one device.
+    args = ["-m", "tfdist", "launch", "--workers", "2", "--show-all", SCRIPT, "--model=mlp"]
+    more = ["--schedule=interleaved", "--chunks=2", "--compare"]
+    [(code, out, err)] = finish([start([*args, *TINY, *more])], timeout=300)
+    assert code == 0, (out + err)[-4000:]
+    first = results_by_task(out)["worker:0"]
+    assert len(first["split_points"]) == 3  # 4 stages on 2 workers.
+    np.testing.assert_allclose(first["loss"], first["plain"]["loss"], rtol=0, atol=1e-5)
+    assert first["max_weight_diff"] < 1e-5, first
+
+
 def test_the_script_refuses_compression_naming_it():
     [(code, out, err)] = finish([start([SCRIPT, "--compression=fp16"])], timeout=120)
     assert code == 2, (out + err)[-2000:]

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tfdist.errors import ConfigError
-from tfdist.pipeline.schedule import SCHEDULES, actions, bubble, simulate
+from tfdist.pipeline.schedule import actions, bubble, simulate
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    schedule=st.sampled_from(SCHEDULES),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
     stages=st.integers(1, 8),
     microbatches=st.integers(1, 16),
     forward=st.floats(0.1, 3.0),
@@ -38,7 +38,7 @@ def test_every_pass_runs_once_in_an_order_that_finishes(
         assert idle == pytest.approx(1 - busy / timeline.step, abs=1e-9)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 4), (3, 1), (1, 5)])
 def test_the_bubble_is_the_theory_when_passes_take_equal_times(schedule, stages, microbatches):
     timeline = simulate(schedule, stages, microbatches, 1.0, 2.0)
@@ -64,9 +64,53 @@ def test_1f1b_keeps_at_most_p_minus_s_micro_batches_in_flight_and_gpipe_all(stag
         (("1f1b", 0, 2, 0), "microbatches", 0),
         (("1f1b", 0, 2, 2.5), "microbatches", 2.5),
         (("1f1b", 0, True, 2), "stages", True),
+        (("1f1b", 0, 2, 4, 2), "chunks", 2),
+        (("interleaved", 0, 2, 4, 0), "chunks", 0),
+        # Interleaved micro-batches go through the chunks in groups of p.
+        (("interleaved", 0, 4, 6, 2), "microbatches", 6),
     ],
 )
 def test_bad_schedule_arguments_name_the_field(args, field, value):
     with pytest.raises(ConfigError) as caught:
         actions(*args)
     assert caught.value.field == field and caught.value.value == value
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stages=st.integers(1, 6),
+    groups=st.integers(1, 4),
+    chunks=st.integers(1, 4),
+    forward=st.floats(0.1, 3.0),
+    backward=st.floats(0.1, 3.0),
+)
+def test_interleaved_runs_every_chunk_s_passes_once_and_finishes(
+    stages, groups, chunks, forward, backward
+):
+    m = stages * groups
+    for s in range(stages):
+        order = actions("interleaved", s, stages, m, chunks)
+        expected = [(k, i, c) for k in "FB" for i in range(m) for c in range(chunks)]
+        assert sorted((a.kind, a.microbatch, a.chunk) for a in order) == sorted(expected)
+        for i in range(m):
+            for c in range(chunks):
+                kinds = [a.kind for a in order if (a.microbatch, a.chunk) == (i, c)]
+                assert kinds == ["F", "B"]
+    timeline = simulate("interleaved", stages, m, forward, backward, chunks=chunks)
+    for idle in timeline.idle:
+        busy = m * (forward + backward)
+        assert idle == pytest.approx(1 - busy / timeline.step, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "stages, microbatches, chunks", [(2, 4, 2), (4, 8, 2), (4, 4, 4), (3, 6, 3)]
+)
+def test_interleaving_divides_the_bubble_by_the_chunks(stages, microbatches, chunks):
+    timeline = simulate("interleaved", stages, microbatches, 1.0, 2.0, chunks=chunks)
+    for idle in timeline.idle:
+        assert idle == pytest.approx(bubble(stages, microbatches, chunks), abs=1e-9)
+    assert bubble(stages, microbatches, chunks) < bubble(stages, microbatches)
+    # One chunk is 1F1B.
+    assert actions("interleaved", 1, stages, microbatches, 1) == actions(
+        "1f1b", 1, stages, microbatches
+    )

@@ -5,7 +5,9 @@ Usage: pipeline_task.py MODEL SCHEDULE MICROBATCHES STEPS OPTIMIZER OUT STAGE AD
 STAGE is this process's stage, ADDRESSES the stages' "host:port" list
 (comma-separated); STAGE ``ref`` trains the same model unpipelined on one
 device with Keras's fit instead. Every process writes OUT/<STAGE>.npz: the
-weights it owns, by path, and its per-step losses.
+weights it owns, by path, and its per-step losses. With $PIPELINE_CHUNKS = v
+(the interleaved schedule), the model is cut into v stages a process and
+STAGE is the process's place: it runs stages STAGE, STAGE + p, ...
 """
 
 import os
@@ -39,13 +41,16 @@ if stage == "ref":
 
 from tfdist.pipeline import split_model  # noqa: E402
 from tfdist.pipeline.runtime import StageRunner  # noqa: E402
-from tfdist.transport.p2p import connect_stages  # noqa: E402
+from tfdist.transport.p2p import connect_peers  # noqa: E402
 
 addresses = sys.argv[8].split(",")
-stages = split_model(model, SPLITS[model_name][: len(addresses) - 1])
+chunks, p = int(os.environ.get("PIPELINE_CHUNKS", "1")), len(addresses)
+stages = split_model(model, SPLITS[model_name][: p * chunks - 1])
 index = int(stage)
-links = connect_stages(index, addresses, timeout=120, recv_timeout=120)
-runner = StageRunner(stages[index], len(stages), links, schedule, m, loss, optimizer())
+peers = {(index - 1) % p, (index + 1) % p} if chunks > 1 else {index - 1, index + 1}
+links = connect_peers(index, addresses, {k for k in peers if 0 <= k < p and k != index})
+own = [stages[index + c * p] for c in range(chunks)]
+runner = StageRunner(own, len(stages), links, schedule, m, loss, optimizer())
 batch = len(y) // steps
 flat_x = keras.tree.flatten(x)
 losses = []
@@ -57,7 +62,7 @@ for step in range(steps):
     losses.append(runner.train_step(step, [v[part] for v in flat_x], y[part]))
 for link in links.values():
     link.close()
-weights = {v.path: v.numpy() for v in stages[index].variables}
+weights = {v.path: v.numpy() for s in own for v in s.variables}
 np.savez(
     Path(out) / f"{index}.npz",
     losses=np.array(losses),

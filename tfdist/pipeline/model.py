@@ -39,7 +39,7 @@ from tfdist.errors import ConfigError
 from tfdist.pipeline.backup import stage_callbacks
 from tfdist.pipeline.replicas import Grid, StageReplicas, aggregator_for, check_replicas
 from tfdist.pipeline.runtime import StageRunner
-from tfdist.pipeline.schedule import SCHEDULES
+from tfdist.pipeline.schedule import SCHEDULES, actions
 from tfdist.pipeline.split import split_model
 from tfdist.transport.p2p import connect_peers
 from tfdist.transport.ring import RingGroup
@@ -91,7 +91,12 @@ class PipelineModel(keras.Model):
         split_points: Names of the layers each stage after the first begins
             with (see :func:`~tfdist.pipeline.split_model`).
         microbatches: Micro-batches per batch; it must divide the batch size.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (Megatron's
+            interleaved 1F1B: give ``chunks``).
+        chunks: Stages per process with the interleaved schedule: the
+            model is cut into ``P * chunks`` stages (``split_points`` names
+            ``P * chunks - 1`` layers), and process ``k`` runs stages ``k,
+            k + P, ...``; ``microbatches`` must be a multiple of ``P``.
         replicas: Copies of the pipeline, trained data-parallel: process
             ``replica * P + stage`` of ``replicas * P`` runs ``stage`` of
             ``replica``. Each replica takes ``1 / replicas`` of every batch,
@@ -117,6 +122,7 @@ class PipelineModel(keras.Model):
         *,
         microbatches: int,
         schedule: str = "1f1b",
+        chunks: int = 1,
         replicas: int = 1,
         compression: Any = None,
         error_feedback: bool | None = None,
@@ -137,7 +143,8 @@ class PipelineModel(keras.Model):
             model, deferred = deferred_build(model)
         self.whole = model
         self.stages = split_model(model, split_points)
-        self.grid = Grid(len(self.stages), check_replicas(replicas))
+        self.grid = Grid(_processes(len(self.stages), chunks), check_replicas(replicas), chunks)
+        actions(schedule, 0, self.grid.stages, microbatches, chunks)  # Checks the counts.
         self._aggregator = aggregator_for(compression, error_feedback)
         if self._aggregator is not None and replicas == 1:
             raise ConfigError(
@@ -153,13 +160,16 @@ class PipelineModel(keras.Model):
                 "addresses",
                 list(addresses),
                 f"one address per process: {len(self.stages)} stages (split_points="
-                f"{list(split_points)}) x {replicas} replicas = {self.grid.size}; run as many "
-                "workers",
+                f"{list(split_points)}) / {chunks} chunks x {replicas} replicas = "
+                f"{self.grid.size}; run as many workers",
                 source=SOURCE,
             )
         self.rank = rank
         self.replica, self.stage_index = self.grid.place(rank)
-        others = {id(v) for s in self.stages if s.index != self.stage_index for v in s.variables}
+        self.own = [s for s in self.stages if self._owner(s) == self.stage_index]
+        others = {
+            id(v) for s in self.stages if self._owner(s) != self.stage_index for v in s.variables
+        }
         for variable in deferred:  # This stage's weights, and state that is no weight.
             if id(variable) not in others:
                 materialize(variable)
@@ -180,6 +190,10 @@ class PipelineModel(keras.Model):
         self._runner: StageRunner | None = None
         self._steps = {"T": 0, "E": 0, "P": 0, "W": 0}
         self.built = model.built  # Its weights are the model's (BackupAndRestore asks).
+
+    def _owner(self, stage: Any) -> int:
+        """The place in the pipeline of the process that runs ``stage``."""
+        return stage.index % self.grid.stages
 
     def _place(
         self, stage: int | None, replica: int | None, addresses: Sequence[str] | None
@@ -221,7 +235,7 @@ class PipelineModel(keras.Model):
         kwargs["run_eagerly"] = True
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._runner = StageRunner(
-            self.stages[self.stage_index],
+            self.own,
             len(self.stages),
             self._links,
             self.schedule,
@@ -342,16 +356,22 @@ class PipelineModel(keras.Model):
         the later stages are done, before its weights go on: when stage 0 has
         them all, every stage has run it."""
         tag = ("W", self._next("W"))
-        later = [v for s in self.stages[self.stage_index + 1 :] for v in s.variables]
+        later = [
+            v
+            for k in range(self.stage_index + 1, self.grid.stages)
+            for s in self.stages
+            if self._owner(s) == k
+            for v in s.variables
+        ]
         arrays: list[np.ndarray] = []
-        if self.stage_index < len(self.stages) - 1:
+        if self.stage_index < self.grid.stages - 1:
             arrays = self._links[self.stage_index + 1].recv(tag)
         for variable, value in zip(later, arrays):
             materialize(variable, value)
         if before_sending is not None:
             before_sending()
         if self.stage_index > 0:
-            own = [np.asarray(v.numpy()) for v in self.stages[self.stage_index].variables]
+            own = [np.asarray(v.numpy()) for s in self.own for v in s.variables]
             self._links[self.stage_index - 1].send(tag, own + list(arrays))
 
     def save(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
@@ -421,6 +441,22 @@ class PipelineModel(keras.Model):
         """Closes the links to the neighbouring stages and replicas."""
         for link in self._all_links.values():
             link.close()
+
+
+def _processes(stages: int, chunks: Any) -> int:
+    """The processes a pipeline of ``stages`` stages, ``chunks`` a process, takes.
+
+    Raises:
+        ConfigError: ``chunks`` is not an integer >= 1 dividing ``stages``.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or stages % chunks:
+        raise ConfigError(
+            "chunks",
+            chunks,
+            f"an integer >= 1 dividing the {stages} stages the split points make",
+            source=SOURCE,
+        )
+    return stages // chunks
 
 
 def _optimizer_file(filepath: Any, stage: int) -> str:

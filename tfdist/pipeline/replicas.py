@@ -36,12 +36,16 @@ class Grid:
     """Where each process of a ``replicas x stages`` job sits.
 
     Attributes:
-        stages: Stages per pipeline (``P``).
+        stages: Processes per pipeline (``P``): each runs one stage, or
+            ``chunks`` of them with the interleaved schedule.
         replicas: Pipeline replicas (``R``), the data-parallel degree.
+        chunks: Stages per process (``v``): process ``k`` runs stages ``k,
+            k + P, ...``, so the last process sends to the first.
     """
 
     stages: int
     replicas: int = 1
+    chunks: int = 1
 
     @property
     def size(self) -> int:
@@ -66,9 +70,14 @@ class Grid:
         return [self.name(rank) for rank in range(self.size)]
 
     def pipeline_peers(self, rank: int) -> dict[int, int]:
-        """The neighbouring stages' ranks, by stage index."""
+        """The neighbouring processes' ranks in the pipeline, by their place
+        in it (with several chunks a process, a ring: the last process's
+        stages send to the first's)."""
         replica, stage = self.place(rank)
-        return {s: self.rank(replica, s) for s in (stage - 1, stage + 1) if 0 <= s < self.stages}
+        near = {stage - 1, stage + 1}
+        if self.chunks > 1:
+            near = {(stage - 1) % self.stages, (stage + 1) % self.stages}
+        return {s: self.rank(replica, s) for s in near if 0 <= s < self.stages and s != stage}
 
     def ring_peers(self, rank: int) -> dict[int, int]:
         """The ring neighbours among this stage's replicas: rank by replica."""

@@ -1,7 +1,8 @@
-"""One stage's work in a training step: its micro-batches' forward and
-backward passes in the schedule's order, the activations and their gradients
-sent to the neighbouring stages, and the optimizer applied to the stage's
-own variables.
+"""One process's work in a training step: its micro-batches' forward and
+backward passes in the schedule's order (over its stages, with the
+interleaved schedule's chunks), the activations and their gradients sent to
+the processes of the neighbouring stages, tagged with the stage they go to,
+and the optimizer applied to the process's own variables.
 
 The loss is the model's: the last stage computes it on each micro-batch and
 scales it by ``1 / m``, so that the gradients summed over the micro-batches
@@ -12,6 +13,7 @@ process's ``fit`` logs the same number.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -59,14 +61,38 @@ def microbatches(values: Sequence[Any], count: int, field: str = "batch") -> lis
     return [[None if c is None else c[i] for c in cut] for i in range(count)]
 
 
+@dataclasses.dataclass
+class _Chunk:
+    """One stage a process runs (several with the interleaved schedule)."""
+
+    stage: Stage
+    #: The stage that comes first or last in the whole pipeline.
+    first: bool
+    last: bool
+    #: Where its trainable variables begin in the runner's list.
+    offset: int
+    variables: list
+    #: What a tape watches: the tf.Variables under the Keras variables.
+    watched: list
+    #: The links to the processes of the previous and next stages.
+    prev: Any
+    next: Any
+    passes: dict = dataclasses.field(default_factory=dict)
+
+
 class StageRunner:
-    """Runs stage ``stage.index`` of a pipeline, one training step at a time.
+    """Runs one process's stage of a pipeline (or its stages, with the
+    interleaved schedule), one training step at a time.
 
     Args:
-        stage: The stage (from :func:`~tfdist.pipeline.split_model`).
-        stages: How many stages the pipeline has.
-        links: The links to the previous and next stages, by stage index.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        stage: The stage (from :func:`~tfdist.pipeline.split_model`); with
+            the interleaved schedule, the process's stages ``k, k + p, ...``
+            of the ``stages`` the model was cut into (``p`` processes).
+        stages: How many stages the model was cut into.
+        links: The links to the processes of the previous and next stages,
+            by process (a process's place in the pipeline: its first stage's
+            index).
+        schedule: One of :data:`~tfdist.pipeline.schedule.SCHEDULES`.
         microbatches: Micro-batches per step.
         loss: The loss (a Keras loss object), called on the last stage as
             ``loss(y, y_pred, sample_weight)``.
@@ -79,7 +105,7 @@ class StageRunner:
 
     def __init__(
         self,
-        stage: Stage,
+        stage: Stage | Sequence[Stage],
         stages: int,
         links: Mapping[int, Link],
         schedule: str,
@@ -88,7 +114,8 @@ class StageRunner:
         optimizer: Any,
         replicas: Any = None,
     ) -> None:
-        self.stage = stage
+        own = [stage] if isinstance(stage, Stage) else list(stage)
+        self.stage = own[0]
         self.replicas = replicas
         self.stages = stages
         self.links = links
@@ -96,40 +123,58 @@ class StageRunner:
         self.count = microbatches
         self.loss = loss
         self.optimizer = optimizer
-        self.variables = [v for v in stage.variables if v.trainable]
-        # What a tape watches: the tf.Variables under the Keras variables.
-        self._watched = [v.value for v in self.variables]
-        self.first = stage.index == 0
-        self.last = stage.index == stages - 1
-        self.order = actions(schedule, stage.index, stages, microbatches)
-        # The stage's forward pass (and the last stage's loss) as one graph
-        # each for training and inference: a GradientTape around the call
-        # keeps the graph's intermediates and runs its backward graph, so a
-        # micro-batch costs two function calls rather than an eager op each.
-        self._passes = {
-            training: tf.function(
-                functools.partial(self._pass, training=training), reduce_retracing=True
-            )
-            for training in (True, False)
-        }
+        #: The pipeline's processes, and this one's place among them.
+        self.processes = stages // len(own)
+        self.process = own[0].index
+        _check_chunks(own, stages, self.processes)
+        self.first = self.process == 0
+        self.last = self.process == self.processes - 1
+        self.chunks: list[_Chunk] = []
+        for s in own:
+            self.chunks.append(self._chunk(s, sum(len(c.variables) for c in self.chunks)))
+        self.variables = [v for c in self.chunks for v in c.variables]
+        self.order = actions(schedule, self.process, self.processes, microbatches, len(own))
         #: Whether the last stage keeps each step's outputs (for metrics):
         #: then ``last_batch`` is ``(y, y_pred, sample_weight)`` of the step,
         #: this replica's share of the batch.
         self.keep_outputs = False
         self.last_batch: tuple | None = None
         self._outputs: dict[int, list] = {}
-        #: The most micro-batches whose activations were kept at once.
+        #: The most micro-batches' activations kept at once (with several
+        #: chunks, each chunk's counts: a chunk is 1/v of the process's layers).
         self.peak_in_flight = 0
         #: Seconds spent computing forward and backward passes (not waiting
         #: for a neighbour, not in the optimizer), over every step so far.
         self.busy_seconds = 0.0
 
-    def _pass(self, inputs: list, targets: list | None, training: bool) -> list:
+    def _chunk(self, stage: Stage, offset: int) -> _Chunk:
+        p, g = self.processes, stage.index
+        variables = [v for v in stage.variables if v.trainable]
+        chunk = _Chunk(
+            stage=stage,
+            first=g == 0,
+            last=g == self.stages - 1,
+            offset=offset,
+            variables=variables,
+            watched=[v.value for v in variables],
+            prev=self.links.get((g - 1) % p) if g > 0 else None,
+            next=self.links.get((g + 1) % p) if g < self.stages - 1 else None,
+        )
+        # The stage's forward pass (and the last stage's loss) as one graph
+        # each for training and inference: a GradientTape around the call
+        # keeps the graph's intermediates and runs its backward graph, so a
+        # micro-batch costs two function calls rather than an eager op each.
+        for training in (True, False):
+            fn = functools.partial(self._pass, chunk, training=training)
+            chunk.passes[training] = tf.function(fn, reduce_retracing=True)
+        return chunk
+
+    def _pass(self, chunk: _Chunk, inputs: list, targets: list | None, training: bool) -> list:
         """The stage's outputs; on the last stage with targets, its loss
         over this micro-batch, scaled by ``1 / m``, and its outputs."""
-        out = self.stage.model(inputs, training=training)
+        out = chunk.stage.model(inputs, training=training)
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
-        if not self.last or targets is None:
+        if not chunk.last or targets is None:
             return outs
         y, weight = targets
         return [self.loss(y, out, sample_weight=weight) / self.count, *outs]
@@ -163,20 +208,23 @@ class StageRunner:
 
     def _train_step(self, step: int, x: Sequence[Any], y: Any, sample_weight: Any) -> float:
         x, y, sample_weight = self._share(x, y, sample_weight)
-        given = microbatches([x[i] for i in self.stage.model_inputs], self.count)
+        given = [
+            microbatches([x[i] for i in c.stage.model_inputs], self.count) for c in self.chunks
+        ]
         targets = microbatches([y, sample_weight], self.count) if self.last else None
-        kept: dict[int, tuple] = {}
+        kept: dict[tuple[int, int], tuple] = {}
         grads: list[Any] = [None] * len(self.variables)
         total = 0.0
         for action in self.order:
+            chunk, i = self.chunks[action.chunk], action.microbatch
             if action.kind == "F":
-                kept[action.microbatch] = self._forward(step, action.microbatch, given, targets)
+                kept[action.chunk, i] = self._forward(step, chunk, i, given[action.chunk], targets)
                 self.peak_in_flight = max(self.peak_in_flight, len(kept))
             else:
-                tape, received, result = kept.pop(action.microbatch)
-                if self.last:
+                tape, received, result = kept.pop((action.chunk, i))
+                if chunk.last:
                     total += float(result)
-                self._backward(step, action.microbatch, tape, received, result, grads)
+                self._backward(step, chunk, i, tape, received, result, grads)
         if self.keep_outputs and self.last:
             self.last_batch = (y, self._joined_outputs(), sample_weight)
         if self.replicas is not None:
@@ -210,48 +258,54 @@ class StageRunner:
         mine = microbatches([*x, y, sample_weight], count)[index]
         return mine[: len(x)], mine[len(x)], mine[len(x) + 1]
 
-    def _forward(self, step: int, i: int, given: list, targets: list | None) -> tuple:
+    def _forward(
+        self, step: int, chunk: _Chunk, i: int, given: list, targets: list | None
+    ) -> tuple:
+        # Messages are tagged with the stage they go to: with interleaved
+        # chunks one link carries several stages' messages.
+        g = chunk.stage.index
         received = []
-        if not self.first:
-            arrays = self.links[self.stage.index - 1].recv(("F", step, i))
+        if not chunk.first:
+            arrays = chunk.prev.recv(("F", step, g, i))
             received = [tf.convert_to_tensor(a) for a in arrays]
         started = time.perf_counter()
         with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(self._watched)
+            tape.watch(chunk.watched)
             tape.watch(received)
-            wanted = list(targets[i]) if self.last else None
-            outs = self._passes[True](list(given[i]) + received, wanted)
-        if self.last:
+            wanted = list(targets[i]) if chunk.last else None
+            outs = chunk.passes[True](list(given[i]) + received, wanted)
+        if chunk.last:
             self.busy_seconds += time.perf_counter() - started
             if self.keep_outputs:
                 self._outputs[i] = outs[1:]
             return tape, received, outs[0]
         sent = [o.numpy() for o in outs]
         self.busy_seconds += time.perf_counter() - started
-        self.links[self.stage.index + 1].send(("F", step, i), sent)
+        chunk.next.send(("F", step, g + 1, i), sent)
         return tape, received, outs
 
     def _backward(
-        self, step: int, i: int, tape: Any, received: list, result: Any, grads: list
+        self, step: int, chunk: _Chunk, i: int, tape: Any, received: list, result: Any, grads: list
     ) -> None:
-        sources = self._watched + received
+        g = chunk.stage.index
+        sources = chunk.watched + received
         upstream = None
-        if not self.last:
-            arrays = self.links[self.stage.index + 1].recv(("B", step, i))
+        if not chunk.last:
+            arrays = chunk.next.recv(("B", step, g, i))
             upstream = [tf.convert_to_tensor(a) for a in arrays]
         started = time.perf_counter()
         got = tape.gradient(result, sources, output_gradients=upstream)
-        n = len(self.variables)
-        for k, g in enumerate(got[:n]):
-            if g is not None:
-                grads[k] = g if grads[k] is None else _add(grads[k], g)
+        n = len(chunk.variables)
+        for k, grad in enumerate(got[:n], chunk.offset):
+            if grad is not None:
+                grads[k] = grad if grads[k] is None else _add(grads[k], grad)
         back = [
-            np.zeros(r.shape, r.dtype.as_numpy_dtype) if g is None else g.numpy()
-            for g, r in zip(got[n:], received)
+            np.zeros(r.shape, r.dtype.as_numpy_dtype) if d is None else d.numpy()
+            for d, r in zip(got[n:], received)
         ]
         self.busy_seconds += time.perf_counter() - started
-        if not self.first:
-            self.links[self.stage.index - 1].send(("B", step, i), back)
+        if not chunk.first:
+            chunk.prev.send(("B", step, g - 1, i), back)
 
     def forward_step(
         self, kind: str, step: int, x: Sequence[Any], y: Any = None, sample_weight: Any = None
@@ -275,23 +329,29 @@ class StageRunner:
     def _forward_step(
         self, kind: str, step: int, x: Sequence[Any], y: Any, sample_weight: Any
     ) -> tuple[float | None, list[np.ndarray]]:
-        given = microbatches([x[i] for i in self.stage.model_inputs], self.count)
+        given = [
+            microbatches([x[i] for i in c.stage.model_inputs], self.count) for c in self.chunks
+        ]
         targets = microbatches([y, sample_weight], self.count) if self.last else None
         outputs: list[list[Any]] = []
         total = 0.0
+        # Micro-batch by micro-batch, each through this process's chunks in
+        # order: what a pass waits for always comes earlier in that order.
         for i in range(self.count):
-            received = []
-            if not self.first:
-                arrays = self.links[self.stage.index - 1].recv((kind, step, i))
-                received = [tf.convert_to_tensor(a) for a in arrays]
-            wanted = list(targets[i]) if self.last and y is not None else None
-            outs = self._passes[False](list(given[i]) + received, wanted)
-            if not self.last:
-                self.links[self.stage.index + 1].send((kind, step, i), [o.numpy() for o in outs])
-                continue
-            if wanted is not None:
-                total += float(outs.pop(0))
-            outputs.append(outs)
+            for chunk, inputs in zip(self.chunks, given):
+                g = chunk.stage.index
+                received = []
+                if not chunk.first:
+                    arrays = chunk.prev.recv((kind, step, g, i))
+                    received = [tf.convert_to_tensor(a) for a in arrays]
+                wanted = list(targets[i]) if chunk.last and y is not None else None
+                outs = chunk.passes[False](list(inputs[i]) + received, wanted)
+                if not chunk.last:
+                    chunk.next.send((kind, step, g + 1, i), [o.numpy() for o in outs])
+                    continue
+                if wanted is not None:
+                    total += float(outs.pop(0))
+                outputs.append(outs)
         joined = (
             [np.concatenate([o[k] for o in outputs]) for k in range(len(outputs[0]))]
             if outputs
@@ -304,22 +364,36 @@ class StageRunner:
     ) -> tuple[float | None, list[np.ndarray]]:
         """The last stage's loss and outputs, passed back stage by stage."""
         if not self.last:
-            arrays = self.links[self.stage.index + 1].recv(tag)
+            arrays = self.links[self.process + 1].recv(tag)
             loss = None if arrays[0].size == 0 else float(arrays[0][0])
             outputs = arrays[1:]
         if not self.first:
             head = np.array([] if loss is None else [loss], np.float64)
-            self.links[self.stage.index - 1].send(tag, [head, *outputs])
+            self.links[self.process - 1].send(tag, [head, *outputs])
         return loss, outputs
 
     def _share_loss(self, step: int, total: float) -> float:
         """The last stage's loss, passed back stage by stage."""
         if not self.last:
-            (value,) = self.links[self.stage.index + 1].recv(("L", step))
+            (value,) = self.links[self.process + 1].recv(("L", step))
             total = float(value)
         if not self.first:
-            self.links[self.stage.index - 1].send(("L", step), [np.float64(total)])
+            self.links[self.process - 1].send(("L", step), [np.float64(total)])
         return total
+
+
+def _check_chunks(own: list[Stage], stages: int, processes: int) -> None:
+    """A process's stages are ``k, k + p, ...``, one per chunk."""
+    k = own[0].index
+    expected = [k + c * processes for c in range(len(own))]
+    if stages % len(own) or [s.index for s in own] != expected:
+        raise ConfigError(
+            "stage",
+            [s.index for s in own],
+            f"stages k, k + p, ... of the {stages} (p = {stages} / chunks processes): "
+            f"here {expected}",
+            source="tfdist.pipeline",
+        )
 
 
 def _add(a: Any, b: Any) -> Any:

@@ -8,10 +8,17 @@ forward (``F``) and backward (``B``) passes in one training step.
   bubble as GPipe, but stage ``s`` keeps at most ``p - s`` micro-batches'
   activations at a time.
 
-Both have the bubble ``(p - 1) / (m + p - 1)`` of ``p`` stages and ``m``
-micro-batches when a forward and a backward take the same time on every
-stage. :func:`simulate` replays a schedule with given pass times and
-reports each stage's idle fraction and peak activations in flight.
+- ``interleaved``: Megatron's interleaved 1F1B. Each of the ``p`` processes
+  runs ``v`` model chunks (``chunks``) of a model cut in ``p * v`` stages:
+  process ``k`` holds stages ``k, k + p, ...``. A process's passes are
+  ``v`` times shorter, and the bubble ``v`` times smaller:
+  ``(p - 1) / (v m + p - 1)``, for more messages and more activations in
+  flight during the warm-up. ``m`` must be a multiple of ``p``.
+
+GPipe and 1F1B have the bubble ``(p - 1) / (m + p - 1)`` of ``p`` stages
+and ``m`` micro-batches when a forward and a backward take the same time on
+every stage. :func:`simulate` replays a schedule with given pass times and
+reports each process's idle fraction and peak activations in flight.
 """
 
 from __future__ import annotations
@@ -23,25 +30,42 @@ from tfdist.errors import ConfigError
 
 __all__ = ["Action", "SCHEDULES", "actions", "bubble", "simulate", "Timeline"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    """One pass of one micro-batch: ``kind`` is ``"F"`` or ``"B"``."""
+    """One pass of one micro-batch: ``kind`` is ``"F"`` or ``"B"``;
+    ``chunk`` is which of the process's model chunks runs it (0 but with
+    the interleaved schedule)."""
 
     kind: str
     microbatch: int
+    chunk: int = 0
 
 
-def actions(schedule: str, stage: int, stages: int, microbatches: int) -> list[Action]:
-    """The passes stage ``stage`` of ``stages`` runs in one step, in order.
+def actions(
+    schedule: str, stage: int, stages: int, microbatches: int, chunks: int = 1
+) -> list[Action]:
+    """The passes process ``stage`` of ``stages`` runs in one step, in order.
+
+    Args:
+        schedule: One of :data:`SCHEDULES`.
+        stage: The process's place in the pipeline.
+        stages: The pipeline's processes (``p``).
+        microbatches: Micro-batches per step (``m``).
+        chunks: Model chunks per process (``v``; only ``interleaved``
+            takes more than 1).
 
     Raises:
-        ConfigError: An unknown schedule, or counts out of range.
+        ConfigError: An unknown schedule, counts out of range, ``chunks``
+            other than 1 but with ``interleaved``, or ``m`` not a multiple
+            of ``p`` with it.
     """
-    _check(schedule, stage, stages, microbatches)
+    _check(schedule, stage, stages, microbatches, chunks)
     m = microbatches
+    if schedule == "interleaved" and chunks > 1:  # One chunk a process: 1F1B.
+        return _interleaved(stage, stages, m, chunks)
     if schedule == "gpipe":
         return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
     warmup = min(stages - stage - 1, m)
@@ -52,21 +76,58 @@ def actions(schedule: str, stage: int, stages: int, microbatches: int) -> list[A
     return order
 
 
-def _check(schedule: str, stage: int, stages: int, microbatches: int) -> None:
+def _interleaved(k: int, p: int, m: int, v: int) -> list[Action]:
+    """Megatron's order: forwards go through the chunks in groups of ``p``
+    micro-batches, backwards through them in reverse; process ``k`` warms
+    up with ``2 (p - k - 1) + (v - 1) p`` forwards, then alternates."""
+    total = m * v
+
+    def action(kind: str, n: int) -> Action:
+        chunk = (n % (p * v)) // p
+        return Action(kind, (n // (p * v)) * p + n % p, chunk if kind == "F" else v - 1 - chunk)
+
+    warmup = min(2 * (p - k - 1) + (v - 1) * p, total)
+    order = [action("F", n) for n in range(warmup)]
+    for n in range(total - warmup):
+        order += [action("F", warmup + n), action("B", n)]
+    return order + [action("B", n) for n in range(total - warmup, total)]
+
+
+def _check(schedule: str, stage: int, stages: int, microbatches: int, chunks: int = 1) -> None:
     if schedule not in SCHEDULES:
         raise ConfigError("schedule", schedule, f"one of {SCHEDULES}", source="tfdist.pipeline")
-    for field, value, low in (("stages", stages, 1), ("microbatches", microbatches, 1)):
+    for field, value, low in (
+        ("stages", stages, 1),
+        ("microbatches", microbatches, 1),
+        ("chunks", chunks, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(field, value, f"an integer >= {low}", source="tfdist.pipeline")
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
         raise ConfigError(
             "stage", stage, f"an integer in [0, {stages - 1}]", source="tfdist.pipeline"
         )
+    if chunks > 1 and schedule != "interleaved":
+        raise ConfigError(
+            "chunks",
+            chunks,
+            f"1 with schedule {schedule!r} (only 'interleaved' runs several chunks a process)",
+            source="tfdist.pipeline",
+        )
+    if schedule == "interleaved" and microbatches % stages:
+        raise ConfigError(
+            "microbatches",
+            microbatches,
+            f"a multiple of the {stages} pipeline processes with the interleaved schedule "
+            "(its micro-batches go through the chunks in groups of that many)",
+            source="tfdist.pipeline",
+        )
 
 
-def bubble(stages: int, microbatches: int) -> float:
-    """GPipe's and 1F1B's idle fraction in theory: ``(p - 1) / (m + p - 1)``."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The idle fraction in theory: ``(p - 1) / (v m + p - 1)`` (``v = 1``:
+    GPipe's and 1F1B's)."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +154,23 @@ def simulate(
     microbatches: int,
     forward: float | Sequence[float] = 1.0,
     backward: float | Sequence[float] = 1.0,
+    chunks: int = 1,
 ) -> Timeline:
-    """Runs the schedule on paper: each pass starts when its stage is free
-    and its input is there (a forward needs the previous stage's forward of
-    the micro-batch, a backward the next stage's backward and its own
-    forward). Sending takes no time.
+    """Runs the schedule on paper: each pass starts when its process is
+    free and its input is there (a forward needs the previous stage's
+    forward of the micro-batch, a backward the next stage's backward and its
+    own forward). Sending takes no time. ``forward`` and ``backward`` are a
+    process's times for one micro-batch over all its chunks (each chunk's
+    pass takes ``1 / chunks`` of it), one number or one per process.
 
     Raises:
         ConfigError: As :func:`actions`; a schedule that could never finish
             (a bug) raises RuntimeError.
     """
-    p, m = stages, microbatches
-    f = _per_stage(forward, p, "forward")
-    b = _per_stage(backward, p, "backward")
-    queues = [actions(schedule, s, p, m) for s in range(p)]
+    p, m, v = stages, microbatches, chunks
+    f = [t / v for t in _per_stage(forward, p, "forward")]
+    b = [t / v for t in _per_stage(backward, p, "backward")]
+    queues = [actions(schedule, s, p, m, v) for s in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
     spans: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
@@ -115,12 +179,12 @@ def simulate(
         for s in range(p):
             while queues[s]:
                 a = queues[s][0]
-                ready = _ready(a, s, p, done)
+                ready = _ready(a, a.chunk * p + s, p * v, done)
                 if ready is None:
                     break
                 start = max(free[s], ready)
                 end = start + (f[s] if a.kind == "F" else b[s])
-                done[(a.kind, a.microbatch, s)] = end
+                done[(a.kind, a.microbatch, a.chunk * p + s)] = end
                 spans[s].append((a.kind, a.microbatch, start, end))
                 free[s] = end
                 queues[s].pop(0)
@@ -141,12 +205,13 @@ def _per_stage(value: float | Sequence[float], stages: int, field: str) -> list[
     return values
 
 
-def _ready(a: Action, s: int, p: int, done: dict) -> float | None:
-    """When pass ``a`` of stage ``s`` has its inputs, or None if not yet."""
+def _ready(a: Action, g: int, total: int, done: dict) -> float | None:
+    """When pass ``a`` of stage ``g`` (of ``total``) has its inputs, or None if not yet."""
     if a.kind == "F":
-        needs = [("F", a.microbatch, s - 1)] if s > 0 else []
+        needs = [("F", a.microbatch, g - 1)] if g > 0 else []
     else:
-        needs = [("F", a.microbatch, s)] + ([("B", a.microbatch, s + 1)] if s < p - 1 else [])
+        later = [("B", a.microbatch, g + 1)] if g < total - 1 else []
+        needs = [("F", a.microbatch, g), *later]
     if any(n not in done for n in needs):
         return None
     return max((done[n] for n in needs), default=0.0)
