@@ -2,15 +2,19 @@
 
 The same MLP (``--layers`` Dense/Linear layers of ``--width``, ReLU, a
 10-class head, cross-entropy), cut into 2 stages at the middle layer, the
-same batch, micro-batch count and schedule (GPipe, 1F1B), one process per
-stage with one thread each on 127.0.0.1: tfdist's stages send activations
-over tfdist.transport.p2p (TCP), PyTorch's over gloo. Per run and stage:
+same batch, micro-batch count and schedule (GPipe, 1F1B, and interleaved
+1F1B with ``--chunks`` stages a process: the model cut into ``2 x chunks``
+stages, process ``k`` running stages ``k, k + 2, ...``), one process per
+pipeline place with one thread each on 127.0.0.1: tfdist's stages send
+activations over tfdist.transport.p2p (TCP), PyTorch's over gloo. Per run and
+process:
 
 - the step time (median over the timed steps after warm-up), and the ratio
   tfdist / PyTorch in the same pair of runs (goal <= 1.2);
 - the idle fraction: 1 - (seconds computing forward and backward passes) /
-  (step time), against GPipe's theory (p - 1) / (m + p - 1). tfdist counts
-  its StageRunner's compute; PyTorch's is timed with module hooks;
+  (step time), against the theory (p - 1) / (v m + p - 1) (v = 1 but for
+  interleaved). tfdist counts its StageRunner's compute; PyTorch's is timed
+  with module hooks;
 - the peak resident memory of the steps (warm-up included) above the
   resident set before them (``/proc/self/clear_refs``): GPipe keeps every
   micro-batch's activations, 1F1B at most p - s.
@@ -44,9 +48,9 @@ from benchlib.machine import peak_over  # noqa: E402
 REPO = HERE.parent
 RESULTS = HERE / "results"
 FRAMEWORKS = ("tfdist", "torch")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: The flags every worker of a run takes from the main process.
-SHAPE = ("layers", "width", "batch", "steps", "warmup")
+SHAPE = ("layers", "width", "batch", "steps", "warmup", "chunks")
 STAGES = 2
 CLASSES = 10
 FLAGS = flags.FLAGS
@@ -63,6 +67,7 @@ def define_flags() -> None:
     flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules.")
     flags.DEFINE_integer("steps", 12, "Timed steps per run.")
     flags.DEFINE_integer("warmup", 3, "Steps before the timed ones.")
+    flags.DEFINE_integer("chunks", 2, "Stages a process with the interleaved schedule.")
     flags.DEFINE_integer("pairs", 1, "(tfdist, torch) pairs of runs per setting, ABBA order.")
     flags.DEFINE_string("results_dir", str(RESULTS), "Where results are written.")
     flags.DEFINE_string("name", "pipeline", "Base name of the result files.")
@@ -74,9 +79,14 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "Worker: where it writes its JSON.")
 
 
-def theory(stages: int, microbatches: int) -> float:
-    """GPipe's (and 1F1B's) idle fraction: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def theory(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The idle fraction in theory: (p - 1) / (v m + p - 1)."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)
+
+
+def chunks_of(schedule: str) -> int:
+    """Stages a process runs with ``schedule``."""
+    return FLAGS.chunks if schedule == "interleaved" else 1
 
 
 def _task() -> tuple[int, list[str]]:
@@ -125,9 +135,10 @@ def tfdist_worker() -> dict:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     from tfdist.pipeline import split_model
     from tfdist.pipeline.runtime import StageRunner
-    from tfdist.transport.p2p import connect_stages
+    from tfdist.transport.p2p import connect_peers
 
     stage, addresses = _task()
+    v = chunks_of(FLAGS.schedule)
     keras.utils.set_random_seed(0)
     layers = [keras.Input((FLAGS.width,))]
     layers += [
@@ -135,11 +146,13 @@ def tfdist_worker() -> dict:
         for i in range(FLAGS.layers)
     ]
     model = keras.Sequential([*layers, keras.layers.Dense(CLASSES, name="head")])
-    stages = split_model(model, [f"h{FLAGS.layers // 2}"])
-    links = connect_stages(stage, addresses, timeout=120, recv_timeout=300)
+    per = FLAGS.layers // (STAGES * v)
+    stages = split_model(model, [f"h{per * k}" for k in range(1, STAGES * v)])
+    links = connect_peers(stage, addresses, {1 - stage}, timeout=120, recv_timeout=300)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    own = [stages[stage + c * STAGES] for c in range(v)]
     runner = StageRunner(
-        stages[stage], STAGES, links, FLAGS.schedule, FLAGS.m, loss, keras.optimizers.SGD(0.01)
+        own, STAGES * v, links, FLAGS.schedule, FLAGS.m, loss, keras.optimizers.SGD(0.01)
     )
     x, y = _data()
     result = _measure(lambda step: runner.train_step(step, [x], y), lambda: runner.busy_seconds)
@@ -151,7 +164,12 @@ def tfdist_worker() -> dict:
 def torch_worker() -> dict:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     torch.set_num_threads(1)
     stage, addresses = _task()
@@ -165,14 +183,30 @@ def torch_worker() -> dict:
     for a, b in zip(widths, widths[1:]):
         mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     mods.append(torch.nn.Linear(FLAGS.width, CLASSES))
-    cut = 2 * (FLAGS.layers // 2)
-    part = torch.nn.Sequential(*(mods[:cut] if stage == 0 else mods[cut:]))
+    # Stage g holds Linear+ReLU pairs [g * per, (g + 1) * per); the last
+    # also the head (the same cut as tfdist's split points).
+    v = chunks_of(FLAGS.schedule)
+    total, per = STAGES * v, FLAGS.layers // (STAGES * v)
+
+    def part(g: int):
+        end = 2 * per * (g + 1) if g < total - 1 else len(mods)
+        return torch.nn.Sequential(*mods[2 * per * g : end])
+
     busy = [0.0]
-    _time_passes(part, busy)
-    pipe_stage = PipelineStage(part, stage, STAGES, torch.device("cpu"))
-    kind = ScheduleGPipe if FLAGS.schedule == "gpipe" else Schedule1F1B
-    schedule = kind(pipe_stage, n_microbatches=FLAGS.m, loss_fn=torch.nn.CrossEntropyLoss())
-    optimizer = torch.optim.SGD(part.parameters(), lr=0.01)
+    parts = [part(stage + c * STAGES) for c in range(v)]
+    for module in parts:
+        _time_passes(module, busy)
+    pipe_stages = [
+        PipelineStage(module, stage + c * STAGES, total, torch.device("cpu"))
+        for c, module in enumerate(parts)
+    ]
+    loss_fn = torch.nn.CrossEntropyLoss()
+    if FLAGS.schedule == "interleaved":
+        schedule = ScheduleInterleaved1F1B(pipe_stages, n_microbatches=FLAGS.m, loss_fn=loss_fn)
+    else:
+        kind = ScheduleGPipe if FLAGS.schedule == "gpipe" else Schedule1F1B
+        schedule = kind(pipe_stages[0], n_microbatches=FLAGS.m, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD([w for module in parts for w in module.parameters()], lr=0.01)
     x, y = (torch.from_numpy(a) for a in _data())
 
     def step(_: int) -> None:
@@ -252,7 +286,7 @@ def markdown(raw: dict) -> str:
     for row in raw["rows"]:
         t, p = row["tfdist"], row["torch"]
         lines.append(
-            f"| {row['schedule']} | {row['m']} | {row['theory']:.3f} "
+            f"| {_label(row['schedule'], meta)} | {row['m']} | {row['theory']:.3f} "
             f"| {t['idle'][0]:.3f}, {t['idle'][1]:.3f} | {p['idle'][0]:.3f}, {p['idle'][1]:.3f} "
             f"| {1e3 * t['step_s']:.1f} | {1e3 * p['step_s']:.1f} | {row['ratio']:.2f} "
             f"| {t['peak_mb'][0]:.0f}, {t['peak_mb'][1]:.0f} "
@@ -262,8 +296,12 @@ def markdown(raw: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _label(schedule: str, meta: dict) -> str:
+    return f"interleaved (v={meta.get('chunks', 2)})" if schedule == "interleaved" else schedule
+
+
 def _row(schedule: str, m: int, runs: list[dict]) -> dict:
-    row: dict = {"schedule": schedule, "m": m, "theory": theory(STAGES, m)}
+    row: dict = {"schedule": schedule, "m": m, "theory": theory(STAGES, m, chunks_of(schedule))}
     for framework in FRAMEWORKS:
         outs = [run[framework] for run in runs]
         row[framework] = {
