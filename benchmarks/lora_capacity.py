@@ -37,7 +37,7 @@ from absl import app, flags
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
-from benchlib import cgroups, jobs, llama, results as results_lib  # noqa: E402
+from benchlib import capacity, cgroups, jobs, llama, results as results_lib  # noqa: E402
 from benchlib.machine import load_snapshot, peak_over, status_kb  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -193,11 +193,7 @@ def run(layout: str, hidden: int) -> dict:
         limit_bytes=FLAGS.limit_mib * 2**20,
         tag=f"lora_{layout}_{hidden}",
     )
-    trained = all(o["returncode"] == 0 and o["result"] for o in outcomes)
-    killed = sum(o["memory"]["oom_kills"] for o in outcomes)
-    if not trained and not killed:
-        tails = "\n---\n".join(o["stderr_tail"][-1500:] for o in outcomes)
-        raise RuntimeError(f"{layout} at width {hidden} failed without an OOM kill:\n{tails}")
+    trained, killed = capacity.outcome(outcomes, f"{layout} at width {hidden}")
     results = [o["result"] for o in outcomes if o["result"]]
     return {
         "layout": layout,
@@ -333,24 +329,16 @@ def main(argv) -> None:
             f"{cgroups.ROOT} (run as root on a cgroup-v1 machine)"
         )
     load = load_snapshot()["loadavg"][0]
-    runs = []
-    widths = [int(w) for w in FLAGS.widths]
-    start = 0
-    for layout in LAYOUTS:
-        # ModelParallel starts where DataParallel stopped training.
-        for hidden in widths[start:]:
-            record = run(layout, hidden)
-            runs.append(record)
-            print(
-                f"{layout} width {hidden}: trained {record['trained']}, oom kills "
-                f"{record['oom_kills']}, peak {record['max_usage_mib']:,.0f} MiB, "
-                f"{record['seconds']:.0f} s",
-                flush=True,
-            )
-            if not record["trained"]:
-                break
-        trained = [r["hidden"] for r in runs if r["layout"] == layout and r["trained"]]
-        start = widths.index(trained[-1]) if trained else 0
+    # ModelParallel starts where DataParallel stopped training.
+    runs = capacity.climb(
+        LAYOUTS,
+        [int(w) for w in FLAGS.widths],
+        run,
+        lambda r: (
+            f"trained {r['trained']}, oom kills {r['oom_kills']}, peak "
+            f"{r['max_usage_mib']:,.0f} MiB, {r['seconds']:.0f} s"
+        ),
+    )
     result = {
         "command": "python benchmarks/lora_capacity.py "
         + " ".join(

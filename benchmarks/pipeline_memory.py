@@ -39,7 +39,7 @@ from absl import app, flags
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # For benchlib, the benchmarks' shared pieces.
-from benchlib import cgroups, jobs, results as results_lib  # noqa: E402
+from benchlib import capacity, cgroups, jobs, results as results_lib  # noqa: E402
 from benchlib.machine import load_snapshot  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -158,11 +158,7 @@ def run(arm: str, width: int) -> dict:
         limit_bytes=FLAGS.limit_mib * 2**20,
         tag=f"pipemem_{arm}_{width}",
     )
-    trained = all(o["returncode"] == 0 and o["result"] for o in outcomes)
-    killed = sum(o["memory"]["oom_kills"] for o in outcomes)
-    if not trained and not killed:
-        tails = "\n---\n".join(o["stderr_tail"][-1500:] for o in outcomes)
-        raise RuntimeError(f"{arm} at width {width} failed without an OOM kill:\n{tails}")
+    trained, killed = capacity.outcome(outcomes, f"{arm} at width {width}")
     results = sorted((o["result"] for o in outcomes if o["result"]), key=lambda r: r["task"])
     return {
         "arm": arm,
@@ -246,27 +242,19 @@ def main(argv) -> None:
         )
     header = results_lib.header("pipeline_memory.py")
     load = load_snapshot()["loadavg"][0]
-    runs: list[dict] = []
-    widths = [int(w) for w in FLAGS.widths]
-    start = 0
-    for arm in FLAGS.arms:
-        # Each arm starts where the one before stopped training.
-        for width in widths[start:]:
-            record = run(arm, width)
-            runs.append(record)
-            print(
-                f"{arm} width {width}: trained {record['trained']}, oom kills "
-                f"{record['oom_kills']}, peak {max(record['peak_mib']):,.0f} MiB, "
-                f"{record['seconds']:.0f} s",
-                flush=True,
-            )
-            if not record["trained"]:
-                break
-        trained = [r["width"] for r in runs if r["arm"] == arm and r["trained"]]
-        start = widths.index(trained[-1]) if trained else 0
+    runs = capacity.climb(
+        FLAGS.arms,
+        [int(w) for w in FLAGS.widths],
+        run,
+        lambda r: (
+            f"trained {r['trained']}, oom kills {r['oom_kills']}, peak "
+            f"{max(r['peak_mib']):,.0f} MiB, {r['seconds']:.0f} s"
+        ),
+    )
     result = {
         **header,
         "arms": list(FLAGS.arms),
+        "onednn": FLAGS.onednn,
         "limit_mib": FLAGS.limit_mib,
         "settings": {name: getattr(FLAGS, name) for name in SETTINGS},
         "load": [load, load_snapshot()["loadavg"][0]],
@@ -274,9 +262,7 @@ def main(argv) -> None:
     }
     out = Path(FLAGS.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{FLAGS.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / f"{FLAGS.name}.md").write_text(report(result))
-    print(report(result))
+    results_lib.write(out, FLAGS.name, result, report)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ Messages are tagged ``(name, kind, call, step)``: the group's name, the
 collective, a count of the group's calls (the same on every member, which
 call the collectives in the same order) and the ring step. Calls never mix,
 and neither do messages of other code on the same links (a pipeline's
-``("F", step, microbatch)``). A member whose neighbour dies gets the link's
+``("F", step, stage, microbatch)``). A member whose neighbour dies gets the link's
 :class:`~tfdist.transport.p2p.PeerError` at once; a member that fails should
 close its links (a process that exits does), so that the failure travels
 round the ring instead of leaving the others waiting for ``recv_timeout``.
