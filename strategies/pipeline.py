@@ -1,6 +1,7 @@
 """A Keras model trained in pipeline stages, one stage per worker process.
 
-Run it with ``tfdist launch``, one worker per stage:
+Run it with ``tfdist launch`` (or ``srun -n P``, ``mpiexec -n P``), one
+worker per stage:
 
     tfdist launch --workers 2 strategies/pipeline.py
     tfdist launch --workers 4 strategies/pipeline.py --model=mlp --schedule=gpipe
@@ -170,13 +171,19 @@ def main(argv: list[str]) -> None:
         check_flags()
     except TfdistError as error:
         _common.exit_with(error)
-    config = json.loads(os.environ.get("TF_CONFIG", "{}"))
-    workers = len(config.get("cluster", {}).get("worker", []))
+    from tfdist.pipeline import stage_from_environment
+
+    try:
+        _, addresses = stage_from_environment()
+    except TfdistError as error:
+        _common.exit_with(error)
+    workers = len(addresses)
     stages = workers // FLAGS.replicas
     if stages < 2 or workers % FLAGS.replicas:
         raise SystemExit(
-            "Run it with `tfdist launch --workers P strategies/pipeline.py`: one worker per stage "
-            f"(R x P workers with --replicas=R; got {workers} for --replicas={FLAGS.replicas})."
+            "Run it with `tfdist launch --workers P strategies/pipeline.py` (or `srun -n P`, "
+            "`mpiexec -n P`): one worker per stage (R x P workers with --replicas=R; got "
+            f"{workers} for --replicas={FLAGS.replicas})."
         )
     model, report = train(True, stages)
     stage = model.stage_index

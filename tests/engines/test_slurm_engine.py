@@ -173,6 +173,37 @@ def test_srun_two_tasks_run_a_horovod_script(slurm_cluster):  # noqa: F811 - the
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"], context
 
 
+def test_srun_two_tasks_train_a_pipeline_like_one_device(slurm_cluster):  # noqa: F811 - the fixture imported above
+    # strategies/pipeline.py in a step: each task finds its stage from
+    # SLURM_PROCID and the step's node list (no TF_CONFIG), and the two
+    # stages train the MLP as one device does.
+    result = slurm_cluster.run(
+        [
+            "srun",
+            "-n2",
+            "--label",
+            "--kill-on-bad-exit=1",
+            "--time=8",
+            sys.executable,
+            "strategies/pipeline.py",
+            "--model=mlp",
+            "--examples=64",
+            "--per_replica_batch_size=16",
+            "--microbatches=2",
+            "--epochs=1",
+            "--compare",
+        ],
+        timeout=420,
+    )
+    context = slurm_cluster.failure(
+        "srun pipeline output", code=result.returncode, out=result.stdout, err=result.stderr
+    )
+    results = task_results(result.stdout, 2, context)
+    assert [results[k]["stage"] for k in (0, 1)] == [0, 1], context
+    assert results[0]["loss"] == results[1]["loss"], context
+    assert results[0]["max_weight_diff"] < 1e-5, context
+
+
 def test_tfdist_info_in_a_step_shows_the_cluster(slurm_cluster):  # noqa: F811 - the fixture imported above
     result = slurm_cluster.run(
         ["srun", "-n2", "--label", "--time=5", sys.executable, "-m", "tfdist", "info"], timeout=300

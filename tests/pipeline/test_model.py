@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("tf_cpus")
 
 
 def test_the_stage_and_addresses_come_from_tf_config():
-    from tfdist.pipeline import stage_from_tf_config
+    from tfdist.pipeline import stage_from_environment
 
     cluster = {"chief": ["h0:1"], "worker": ["h1:2", "h2:3"]}
     for task, stage in ((("chief", 0), 0), (("worker", 0), 1), (("worker", 1), 2)):
@@ -23,21 +23,67 @@ def test_the_stage_and_addresses_come_from_tf_config():
                 {"cluster": cluster, "task": dict(zip(("type", "index"), task))}
             )
         }
-        assert stage_from_tf_config(env) == (stage, ["h0:1", "h1:2", "h2:3"])
+        assert stage_from_environment(env) == (stage, ["h0:1", "h1:2", "h2:3"])
     only = {"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}
-    assert stage_from_tf_config({"TF_CONFIG": json.dumps(only)}) == (1, ["a:1", "b:2"])
+    assert stage_from_environment({"TF_CONFIG": json.dumps(only)}) == (1, ["a:1", "b:2"])
+
+
+def test_mpi_s_ranks_give_the_stage_and_addresses():
+    # mpiexec -n 3 on one host: Open MPI's rank variables, ports from
+    # TFDIST_PORT_BASE (no TF_CONFIG, no Slurm step).
+    from tfdist.pipeline import stage_from_environment
+
+    env = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "3",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+        "TFDIST_PORT_BASE": "25000",
+    }
+    assert stage_from_environment(env) == (
+        2,
+        ["127.0.0.1:25000", "127.0.0.1:25001", "127.0.0.1:25002"],
+    )
+
+
+def test_a_slurm_step_gives_the_stage_and_addresses(monkeypatch, tmp_path):
+    # srun -n2 on one node: SLURM_PROCID and the step's node list, read by
+    # tfdist's Slurm resolver (its ports from the job id).
+    import os
+
+    from tfdist.pipeline import stage_from_environment
+    from tfdist.strategies import slurm
+
+    step = {
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+    }
+    for name, value in step.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # No nvidia-smi.
+    base = slurm.default_port_base()
+    assert stage_from_environment(dict(os.environ)) == (
+        1,
+        [f"localhost:{base}", f"localhost:{base + 1}"],
+    )
 
 
 def test_tf_config_without_a_stage_is_refused():
     from tfdist.errors import ConfigError
-    from tfdist.pipeline import stage_from_tf_config
+    from tfdist.pipeline import stage_from_environment
 
-    with pytest.raises(ConfigError, match="tfdist launch --workers P") as caught:
-        stage_from_tf_config({})
+    with pytest.raises(ConfigError, match="srun -n P") as caught:
+        stage_from_environment({})
     assert caught.value.field == "stage"
     ps = {"cluster": {"worker": ["a:1"], "ps": ["b:2"]}, "task": {"type": "ps", "index": 0}}
     with pytest.raises(ConfigError) as caught:
-        stage_from_tf_config({"TF_CONFIG": json.dumps(ps)})
+        stage_from_environment({"TF_CONFIG": json.dumps(ps)})
     assert (caught.value.field, caught.value.value) == ("task.type", "ps")
 
 

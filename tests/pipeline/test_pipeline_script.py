@@ -1,7 +1,10 @@
-"""strategies/pipeline.py under `tfdist launch`, as a user runs it, with tiny
-settings: 2 stages train like the model on one device, and save it whole."""
+"""strategies/pipeline.py under `tfdist launch` and `mpiexec`, as a user runs
+it, with tiny settings: 2 stages train like the model on one device, and
+save it whole."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -65,6 +68,41 @@ def test_the_script_trains_interleaved_chunks_like_one_device():
     assert len(first["split_points"]) == 3  # 4 stages on 2 workers.
     np.testing.assert_allclose(first["loss"], first["plain"]["loss"], rtol=0, atol=1e-5)
     assert first["max_weight_diff"] < 1e-5, first
+
+
+def test_mpiexec_starts_the_stages_without_tf_config():
+    # MPICH's mpiexec: each rank finds its stage from PMI_RANK and PMI_SIZE
+    # (ports from TFDIST_PORT_BASE), no TF_CONFIG.
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
+        "mpiexec"
+    )
+    if mpiexec is None:
+        message = "needs mpiexec (pip install 'tfdist[mpi]')"
+        if os.environ.get("TFDIST_REQUIRE_TOOLS"):
+            pytest.fail(message + " (TFDIST_REQUIRE_TOOLS=1 requires it)", pytrace=False)
+        pytest.skip(message)
+    from tfdist.engines.net import free_ports
+
+    env = subprocess_env()
+    env.pop("TF_CONFIG", None)
+    env["TFDIST_PORT_BASE"] = str(free_ports(1)[0])
+    command = [mpiexec, "-n", "2", sys.executable, SCRIPT, "--model=mlp", *TINY, "--compare"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("tfdist result: ")]
+    results = sorted(
+        (json.loads(line[len("tfdist result: ") :]) for line in lines), key=lambda r: r["stage"]
+    )
+    assert [r["stage"] for r in results] == [0, 1], done.stdout[-3000:]
+    assert results[0]["loss"] == results[1]["loss"]
+    assert results[0]["max_weight_diff"] < 1e-5, results[0]
 
 
 def test_the_script_refuses_compression_naming_it():

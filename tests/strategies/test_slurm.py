@@ -100,7 +100,7 @@ def test_auto_detection_picks_multi_worker_in_a_slurm_step(slurm_step):
 def test_horovod_ranks_come_from_the_slurm_step(slurm_step, monkeypatch):
     import os
 
-    from tfdist.horovod import ranks
+    from tfdist.strategies import topology as ranks
 
     monkeypatch.setenv("SLURM_LOCALID", "1")
     topo = ranks.discover(dict(os.environ))
@@ -115,7 +115,7 @@ def test_horovod_ranks_come_from_the_slurm_step(slurm_step, monkeypatch):
 def test_horovod_ranks_refuse_a_local_id_that_contradicts_the_step(slurm_step, monkeypatch):
     import os
 
-    from tfdist.horovod import ranks
+    from tfdist.strategies import topology as ranks
 
     monkeypatch.setenv("SLURM_LOCALID", "0")  # Task 1 of 2 on one node is local 1.
     with pytest.raises(ConfigError) as info:

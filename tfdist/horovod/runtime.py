@@ -39,8 +39,8 @@ from typing import Any
 
 from tfdist.compat import tf_private
 from tfdist.errors import ConfigError, TfdistError
-from tfdist.horovod import ranks as ranks_lib
-from tfdist.horovod.ranks import Topology
+from tfdist.strategies import topology as ranks_lib
+from tfdist.strategies.topology import Topology
 
 __all__ = [
     "init",
@@ -120,7 +120,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """Joins this process to the job, as ``hvd.init()``.
 
     Reads where this process sits from the environment (see
-    :mod:`tfdist.horovod.ranks`) and configures TensorFlow's collectives
+    :mod:`tfdist.strategies.topology`) and configures TensorFlow's collectives
     without starting its runtime, so that the script's device set-up may
     follow. Calling it again does nothing.
 
@@ -211,7 +211,7 @@ def is_initialized() -> bool:
 
 
 def topology() -> Topology:
-    """This process's :class:`~tfdist.horovod.ranks.Topology`."""
+    """This process's :class:`~tfdist.strategies.topology.Topology`."""
     return _require().topo
 
 

@@ -19,7 +19,7 @@ _LAZY = {
     "split_model": "split",
     "StageRunner": "runtime",
     "PipelineModel": "model",
-    "stage_from_tf_config": "model",
+    "stage_from_environment": "model",
     "SCHEDULES": "schedule",
     "bubble": "schedule",
 }

@@ -10,9 +10,12 @@ Every process of the job builds the same model and wraps it::
     pipe.fit(x, y, batch_size=32, epochs=2)  # The same data on every process.
     pipe.save("model.keras")  # Stage 0 writes the whole model, unpipelined.
 
-Process ``k`` runs stage ``k``: ``stage`` and the stages' ``addresses``
-(``host:port`` each) come from TF_CONFIG (``tfdist launch --workers P``, a
-chief first if the cluster has one) unless given. Each process trains only
+Process ``k`` runs stage ``k`` (with replicas, process ``replica * P +
+stage``; with the interleaved schedule, stages ``k, k + P, ...``): its
+place and every process's address (``host:port``) come from its launcher
+unless given: TF_CONFIG (``tfdist launch --workers P``, a chief first if the
+cluster has one), a Slurm step (``srun -n P``) or MPI's ranks (``mpiexec -n
+P``) (:func:`stage_from_environment`). Each process trains only
 its stage's weights; ``save`` and ``save_weights`` first gather every
 stage's weights into stage 0's model, so the file holds the trained model,
 which loads as an ordinary Keras model. ``fit``, ``evaluate`` and
@@ -44,27 +47,47 @@ from tfdist.pipeline.split import split_model
 from tfdist.transport.p2p import connect_peers
 from tfdist.transport.ring import RingGroup
 
-__all__ = ["PipelineModel", "stage_from_tf_config"]
+__all__ = ["PipelineModel", "stage_from_environment"]
 
 SOURCE = "tfdist.pipeline.PipelineModel"
 
 
-def stage_from_tf_config(environ: Any = None) -> tuple[int, list[str]]:
-    """``(stage, addresses)`` from TF_CONFIG: the chief (if any) then the
-    workers, in order; this task's place among them.
+def stage_from_environment(environ: Any = None) -> tuple[int, list[str]]:
+    """``(rank, addresses)`` of this process, from what its launcher set:
+
+    1. TF_CONFIG (``tfdist launch``, a TFJob): the chief (if any) then the
+       workers, in order;
+    2. a Slurm job step (``srun``): ``SLURM_PROCID`` and the step's nodes,
+       with ports as tfdist's Slurm resolver places them;
+    3. Open MPI's, PMI's or Horovod's rank variables (``mpiexec``,
+       ``horovodrun``): ranks on this host listen on 127.0.0.1 at
+       ``TFDIST_PORT_BASE + rank``; ``TFDIST_HOSTS`` lists several hosts
+       (see :mod:`tfdist.strategies.topology`).
 
     Raises:
-        ConfigError: No TF_CONFIG, or a task that is neither chief nor worker.
+        ConfigError: None of these, a TF_CONFIG task that is neither chief
+            nor worker, or a malformed launcher variable (named).
     """
-    text = (os.environ if environ is None else environ).get("TF_CONFIG")
-    if not text:
+    env = os.environ if environ is None else environ
+    text = env.get("TF_CONFIG")
+    if text:
+        return _from_tf_config(text)
+    from tfdist.strategies.topology import discover
+
+    topo = discover(env)
+    if topo.size < 2:
         raise ConfigError(
             "stage",
             None,
-            "a stage and addresses, or a TF_CONFIG naming the stages' tasks "
-            "(run under `tfdist launch --workers P`)",
+            "a stage and addresses, or a launcher that names every process: TF_CONFIG "
+            "(`tfdist launch --workers P`), a Slurm step (`srun -n P`) or MPI's ranks "
+            "(`mpiexec -n P`)",
             source=SOURCE,
         )
+    return topo.rank, [address for _, _, address in topo.tasks]
+
+
+def _from_tf_config(text: str) -> tuple[int, list[str]]:
     config = json.loads(text)
     cluster, task = config.get("cluster", {}), config.get("task", {})
     addresses = list(cluster.get("chief", [])) + list(cluster.get("worker", []))
@@ -201,7 +224,7 @@ class PipelineModel(keras.Model):
         """This process's rank and every process's address."""
         rank = None
         if stage is None or addresses is None:
-            rank, found = stage_from_tf_config()
+            rank, found = stage_from_environment()
             addresses = found if addresses is None else addresses
         if stage is not None:
             for field, value, bound in (

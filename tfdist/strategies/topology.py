@@ -1,7 +1,8 @@
-"""Where a Horovod-style process sits in the job: ranks, hosts and addresses.
+"""Where a process sits in the job: ranks, hosts and addresses.
 
-Horovod took ranks from MPI or Gloo. ``tfdist.horovod`` takes them from the
-environment a launcher gives each process, in this order:
+Horovod took ranks from MPI or Gloo. ``tfdist.horovod`` and
+``tfdist.pipeline`` take them from the environment a launcher gives each
+process, in this order:
 
 1. ``TF_CONFIG`` (``tfdist launch``, a TFJob, any per-host TF_CONFIG): the
    chief (if any) is rank 0, then the workers in order, the order

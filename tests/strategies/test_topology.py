@@ -1,11 +1,11 @@
-"""tfdist.horovod.ranks: where a process sits, from each launcher's variables."""
+"""tfdist.strategies.topology: where a process sits, from each launcher's variables."""
 
 import json
 
 import pytest
 
 from tfdist.errors import ConfigError
-from tfdist.horovod import ranks
+from tfdist.strategies import topology as ranks
 
 
 def _tf_config(cluster, task_type, index):
