@@ -323,11 +323,7 @@ def main(argv) -> None:
     del argv
     if FLAGS.worker:
         return worker(FLAGS.worker)
-    if not cgroups.available():
-        raise SystemExit(
-            "lora_capacity: no writable cgroup-v1 memory controller at "
-            f"{cgroups.ROOT} (run as root on a cgroup-v1 machine)"
-        )
+    cgroups.require("lora_capacity")
     load = load_snapshot()["loadavg"][0]
     # ModelParallel starts where DataParallel stopped training.
     runs = capacity.climb(

@@ -235,13 +235,8 @@ def main(argv) -> None:
     del argv
     if FLAGS.worker:
         return worker(FLAGS.worker)
-    if not cgroups.available():
-        raise SystemExit(
-            "pipeline_memory: no writable cgroup-v1 memory controller at "
-            f"{cgroups.ROOT} (run as root on a cgroup-v1 machine)"
-        )
+    cgroups.require("pipeline_memory")
     header = results_lib.header("pipeline_memory.py")
-    load = load_snapshot()["loadavg"][0]
     runs = capacity.climb(
         FLAGS.arms,
         [int(w) for w in FLAGS.widths],
@@ -257,7 +252,7 @@ def main(argv) -> None:
         "onednn": FLAGS.onednn,
         "limit_mib": FLAGS.limit_mib,
         "settings": {name: getattr(FLAGS, name) for name in SETTINGS},
-        "load": [load, load_snapshot()["loadavg"][0]],
+        "load": [header["load_before"], load_snapshot()["loadavg"][0]],
         "runs": runs,
     }
     out = Path(FLAGS.results_dir)

@@ -299,11 +299,7 @@ def main(argv) -> None:
             f"preset_limit: --layouts expected some of {', '.join(LAYOUTS)}; "
             f"received {', '.join(unknown)}"
         )
-    if not cgroups.available():
-        raise SystemExit(
-            "preset_limit: no writable cgroup-v1 memory controller at "
-            f"{cgroups.ROOT} (run as root on a cgroup-v1 machine)"
-        )
+    cgroups.require("preset_limit")
     args = [f"--{name}={getattr(FLAGS, name)}" for name in SETTINGS]
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)

@@ -22,6 +22,19 @@ def available() -> bool:
     return os.access(ROOT, os.W_OK)
 
 
+def require(script: str) -> None:
+    """Exits, saying why, where memory cgroups cannot be made.
+
+    Raises:
+        SystemExit: No writable cgroup-v1 memory controller.
+    """
+    if not available():
+        raise SystemExit(
+            f"{script}: no writable cgroup-v1 memory controller at {ROOT} "
+            "(run as root on a cgroup-v1 machine)"
+        )
+
+
 def make(name: str, limit_bytes: int | None) -> Path:
     """A fresh cgroup ``name``, its memory (and memory+swap) limited."""
     path = ROOT / name

@@ -68,6 +68,17 @@ def task_results(output: str, tasks: int, context: str) -> dict[int, dict]:
     return results
 
 
+def srun_two_tasks(cluster: SlurmCluster, argv: list[str], what: str) -> tuple[dict, str]:
+    """``srun -n2`` of ``python ARGV`` on ``cluster`` (labelled, a task that
+    fails ends the step); each task's 'tfdist result:' and the failure context."""
+    command = ["srun", "-n2", "--label", "--kill-on-bad-exit=1", "--time=8", sys.executable]
+    result = cluster.run([*command, *argv], timeout=420)
+    context = cluster.failure(
+        f"srun {what} output", code=result.returncode, out=result.stdout, err=result.stderr
+    )
+    return task_results(result.stdout, 2, context), context
+
+
 def tf_ports(addresses: list[str]) -> list[int]:
     return [int(address.rsplit(":", 1)[1]) for address in addresses]
 
@@ -96,22 +107,7 @@ def test_srun_sets_the_step_variables_tensorflow_reads(slurm_cluster):  # noqa: 
 
 
 def test_srun_two_tasks_fit_through_strategy_from_config(slurm_cluster):  # noqa: F811 - the fixture imported above
-    result = slurm_cluster.run(
-        [
-            "srun",
-            "-n2",
-            "--label",
-            "--kill-on-bad-exit=1",
-            "--time=8",
-            sys.executable,
-            "tests/workers/slurm_fit.py",
-        ],
-        timeout=420,
-    )
-    context = slurm_cluster.failure(
-        "srun fit output", code=result.returncode, out=result.stdout, err=result.stderr
-    )
-    results = task_results(result.stdout, 2, context)
+    results, context = srun_two_tasks(slurm_cluster, ["tests/workers/slurm_fit.py"], "fit")
     chief, other = results[0], results[1]
 
     for rank, res in results.items():
@@ -150,22 +146,7 @@ def test_srun_two_tasks_fit_through_strategy_from_config(slurm_cluster):  # noqa
 def test_srun_two_tasks_run_a_horovod_script(slurm_cluster):  # noqa: F811 - the fixture imported above
     # `import tfdist.horovod as hvd` in a step: ranks from SLURM_PROCID and the
     # step's node list, no TF_CONFIG.
-    result = slurm_cluster.run(
-        [
-            "srun",
-            "-n2",
-            "--label",
-            "--kill-on-bad-exit=1",
-            "--time=8",
-            sys.executable,
-            "tests/workers/hvd_small_fit.py",
-        ],
-        timeout=420,
-    )
-    context = slurm_cluster.failure(
-        "srun horovod output", code=result.returncode, out=result.stdout, err=result.stderr
-    )
-    results = task_results(result.stdout, 2, context)
+    results, context = srun_two_tasks(slurm_cluster, ["tests/workers/hvd_small_fit.py"], "horovod")
     for rank, res in results.items():
         assert (res["rank"], res["size"]) == (rank, 2), context
         assert (res["local_rank"], res["local_size"]) == (rank, 2), context
@@ -177,14 +158,9 @@ def test_srun_two_tasks_train_a_pipeline_like_one_device(slurm_cluster):  # noqa
     # strategies/pipeline.py in a step: each task finds its stage from
     # SLURM_PROCID and the step's node list (no TF_CONFIG), and the two
     # stages train the MLP as one device does.
-    result = slurm_cluster.run(
+    results, context = srun_two_tasks(
+        slurm_cluster,
         [
-            "srun",
-            "-n2",
-            "--label",
-            "--kill-on-bad-exit=1",
-            "--time=8",
-            sys.executable,
             "strategies/pipeline.py",
             "--model=mlp",
             "--examples=64",
@@ -193,12 +169,8 @@ def test_srun_two_tasks_train_a_pipeline_like_one_device(slurm_cluster):  # noqa
             "--epochs=1",
             "--compare",
         ],
-        timeout=420,
+        "pipeline",
     )
-    context = slurm_cluster.failure(
-        "srun pipeline output", code=result.returncode, out=result.stdout, err=result.stderr
-    )
-    results = task_results(result.stdout, 2, context)
     assert [results[k]["stage"] for k in (0, 1)] == [0, 1], context
     assert results[0]["loss"] == results[1]["loss"], context
     assert results[0]["max_weight_diff"] < 1e-5, context

@@ -74,21 +74,20 @@ def test_mpiexec_starts_the_stages_without_tf_config():
     # MPICH's mpiexec: each rank finds its stage from PMI_RANK and PMI_SIZE
     # (ports from TFDIST_PORT_BASE), no TF_CONFIG.
     import os
-    import shutil
     import subprocess
     import sys
 
     from conftest import REPO, subprocess_env
-
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
-        "mpiexec"
-    )
-    if mpiexec is None:
-        message = "needs mpiexec (pip install 'tfdist[mpi]')"
-        if os.environ.get("TFDIST_REQUIRE_TOOLS"):
-            pytest.fail(message + " (TFDIST_REQUIRE_TOOLS=1 requires it)", pytrace=False)
-        pytest.skip(message)
+    from tfdist.engines.mpi_launch import find_mpiexec
     from tfdist.engines.net import free_ports
+    from tfdist.errors import ConfigError
+
+    try:
+        mpiexec = find_mpiexec()
+    except ConfigError as missing:
+        if os.environ.get("TFDIST_REQUIRE_TOOLS"):
+            pytest.fail(f"{missing} (TFDIST_REQUIRE_TOOLS=1 requires it)", pytrace=False)
+        pytest.skip(str(missing))
 
     env = subprocess_env()
     env.pop("TF_CONFIG", None)

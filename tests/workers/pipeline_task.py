@@ -40,6 +40,7 @@ if stage == "ref":
     sys.exit(0)
 
 from tfdist.pipeline import split_model  # noqa: E402
+from tfdist.pipeline.replicas import Grid  # noqa: E402
 from tfdist.pipeline.runtime import StageRunner  # noqa: E402
 from tfdist.transport.p2p import connect_peers  # noqa: E402
 
@@ -47,8 +48,7 @@ addresses = sys.argv[8].split(",")
 chunks, p = int(os.environ.get("PIPELINE_CHUNKS", "1")), len(addresses)
 stages = split_model(model, SPLITS[model_name][: p * chunks - 1])
 index = int(stage)
-peers = {(index - 1) % p, (index + 1) % p} if chunks > 1 else {index - 1, index + 1}
-links = connect_peers(index, addresses, {k for k in peers if 0 <= k < p and k != index})
+links = connect_peers(index, addresses, Grid(p, chunks=chunks).peers(index))
 own = [stages[index + c * p] for c in range(chunks)]
 runner = StageRunner(own, len(stages), links, schedule, m, loss, optimizer())
 batch = len(y) // steps

@@ -131,6 +131,15 @@ class Aggregator:
         return repr(self)
 
 
+def scale_gradient(grad: Any, factor: float) -> Any:
+    """``grad`` times ``factor``; an IndexedSlices keeps its indices."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape
+        )
+    return grad * tf.cast(factor, grad.dtype)
+
+
 def is_float(dtype: str) -> bool:
     """Whether a dtype name is a floating-point type."""
     return dtype in ("float16", "bfloat16", "float32", "float64")

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tfdist.compat import keras_private
 from tfdist.compat.keras_src import backend, standardize_dtype
-from tfdist.compression.aggregate import Item
+from tfdist.compression.aggregate import Item, scale_gradient
 from tfdist.compression.applied import OwnReduction, own_reduction
 from tfdist.compression.keras_hook import create_state, state_by_key
 from tfdist.errors import ConfigError
@@ -128,23 +128,15 @@ def reduce_gradients(
         if isinstance(g, tf.IndexedSlices) and sparse_as_dense:
             g = tf.convert_to_tensor(g)
         if op == ReduceOp.Average and predivide != 1.0:
-            g = _scale(g, 1.0 / predivide)
+            g = scale_gradient(g, 1.0 / predivide)
         items.append(Item(g, keys[i], state.get(keys[i], {})))
         at.append(i)
     reduced = aggregator.aggregate(items, tf.convert_to_tensor(step), comm)
     post = predivide / n if op == ReduceOp.Average else 1.0
     out = list(grads)
     for i, r in zip(at, reduced):
-        out[i] = _scale(r, post) if post != 1.0 else r
+        out[i] = scale_gradient(r, post) if post != 1.0 else r
     return out
-
-
-def _scale(g, factor: float):
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
-        )
-    return g * tf.cast(factor, g.dtype)
 
 
 def is_distributed(optimizer: Any) -> bool:

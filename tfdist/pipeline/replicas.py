@@ -21,10 +21,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.compat.keras_src import standardize_dtype
-from tfdist.compression.aggregate import Aggregator, Item
+from tfdist.compression.aggregate import Aggregator, Item, scale_gradient
 from tfdist.errors import ConfigError
 from tfdist.transport.host import HostComm
-from tfdist.transport.traffic import Traffic
 
 __all__ = ["Grid", "StageReplicas", "aggregator_for"]
 
@@ -133,13 +132,10 @@ class StageReplicas:
                     self.state.setdefault(index, {})[spec.name] = tf.Variable(
                         _initial(spec), trainable=False, name=f"{spec.name}_{index}"
                     )
-        #: What the last step sent (its :meth:`Comm.traffic` figures).
-        self.comm: HostComm | None = None
 
     def mean(self, grads: Sequence[Any], step: int) -> list[Any]:
         """Each gradient averaged over the replicas (None stays None)."""
         comm = HostComm(self.group)
-        self.comm = comm
         at = [i for i, g in enumerate(grads) if g is not None]
         if self.aggregator is None:
             summed = comm.all_reduce([grads[i] for i in at])
@@ -148,7 +144,7 @@ class StageReplicas:
             summed = self.aggregator.aggregate(items, tf.constant(step, tf.int64), comm)
         out: list[Any] = [None] * len(grads)
         for i, g in zip(at, summed):
-            out[i] = _scale(g, 1.0 / self.replicas)
+            out[i] = scale_gradient(g, 1.0 / self.replicas)
         return out
 
     def mean_of(self, value: float) -> float:
@@ -160,26 +156,11 @@ class StageReplicas:
         """Closes the links to this stage's other replicas."""
         self.group.close()
 
-    def traffic(self) -> Traffic | None:
-        """The last step's bytes, as :meth:`Comm.traffic` counts them."""
-        if self.comm is None:
-            return None
-        dense = sum(int(np.prod(v.shape)) * 4 for v in self.variables)
-        return self.comm.traffic(dense)
-
 
 def _initial(spec: Any) -> Any:
     if spec.initializer == "zeros":
         return tf.zeros(spec.shape, spec.dtype)
     return spec.initializer(spec.shape, spec.dtype)
-
-
-def _scale(g: Any, factor: float) -> Any:
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
-        )
-    return g * tf.cast(factor, g.dtype)
 
 
 def check_replicas(replicas: Any) -> int:

@@ -115,7 +115,6 @@ class StageRunner:
         replicas: Any = None,
     ) -> None:
         own = [stage] if isinstance(stage, Stage) else list(stage)
-        self.stage = own[0]
         self.replicas = replicas
         self.stages = stages
         self.links = links

@@ -18,12 +18,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.transport.comm import ReplicaComm
+from tfdist.transport.ring import SUMMABLE_DTYPES
 
 __all__ = ["HostCollectives", "HostComm", "SUMMABLE"]
 
-#: dtypes a host transport sums as they are; 16-bit floats are gathered and
-#: summed here in float32 (MPI has no 16-bit float sum).
-SUMMABLE = ("float32", "float64", "int32", "int64")
+#: dtypes a host transport sums as they are (MPI's and the ring's alike);
+#: 16-bit floats are gathered and summed here in float32 (MPI has no 16-bit
+#: float sum).
+SUMMABLE = SUMMABLE_DTYPES
 
 
 class HostCollectives(Protocol):
