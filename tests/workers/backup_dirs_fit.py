@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
-from protocol import say
+from protocol import say, write_pid
 
 out = Path(sys.argv[1])
 attempt = int(os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0"))
@@ -32,7 +32,7 @@ epochs = int(os.environ.get("TFDIST_TEST_EPOCHS", "4"))
 config = json.loads(os.environ["TF_CONFIG"])
 index = int(config["task"]["index"])
 task = f"{config['task']['type']}-{index}"
-(out / f"{task}-{attempt}.pid").write_text(str(os.getpid()))
+write_pid(out / f"{task}-{attempt}.pid")
 
 strategy = tfdist.strategy_from_config(register_timeout=90)
 rng = np.random.default_rng(0)

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from protocol import write_pid
 
 out = Path(sys.argv[1])
 attempt = int(os.environ["TFDIST_LAUNCH_ATTEMPT"])
@@ -32,7 +33,7 @@ pause = float(os.environ.get("TFDIST_TEST_BATCH_SLEEP", "0.1"))
 config = json.loads(os.environ["TF_CONFIG"])
 task = f"{config['task']['type']}-{config['task']['index']}"
 size = len(config["cluster"]["worker"])
-(out / f"{task}-{attempt}.pid").write_text(str(os.getpid()))
+write_pid(out / f"{task}-{attempt}.pid")
 
 strategy = tfdist.strategy_from_config(register_timeout=90)
 rng = np.random.default_rng(0)

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from protocol import write_pid
+
 config = json.loads(os.environ["TF_CONFIG"])
 task_type, index = config["task"]["type"], config["task"]["index"]
 task = f"{task_type}:{index}"
@@ -75,7 +77,7 @@ elif mode == "late":
     late = time.monotonic() + float(os.environ.get("PREEMPT_LATE", "2"))
 elif mode == "ignore":
     signal.signal(signum, signal.SIG_IGN)
-(out / f"{task_type}-{index}-{attempt}.pid").write_text(str(os.getpid()))
+write_pid(out / f"{task_type}-{index}-{attempt}.pid")
 tmp = out / f".cluster-{attempt}-{task_type}-{index}.json"
 tmp.write_text(json.dumps(config["cluster"]))
 os.replace(tmp, out / f"cluster-{attempt}.json")

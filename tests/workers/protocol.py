@@ -38,3 +38,19 @@ def result(obj) -> None:
         obj: What the test reads back with ``json.loads``.
     """
     say("tfdist result: " + json.dumps(obj))
+
+
+def write_pid(path, pid: int | None = None) -> None:
+    """Writes a pid (this process's by default) to ``path``, whole or not at all.
+
+    Tests wait for the file to exist, then read it: a plain write let them
+    read "" (CI, test_tasks_that_do_not_exit_are_killed_after_the_grace_period).
+
+    Args:
+        path: The pid file (a str or Path); ``path.tmp`` is written first.
+        pid: The pid to write; None for this process's.
+    """
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid() if pid is None else pid))
+    os.replace(tmp, path)

@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from protocol import write_pid
+
 config = json.loads(os.environ["TF_CONFIG"])
 task_type, index = config["task"]["type"], config["task"]["index"]
 attempt = int(os.environ["TFDIST_LAUNCH_ATTEMPT"])
@@ -43,8 +45,8 @@ print(
 if out is not None:
     # A grandchild, to check that stopping reaches the whole process group.
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    (out / f"{task_type}-{index}-child.pid").write_text(str(child.pid))
-    (out / f"{task_type}-{index}.pid").write_text(str(os.getpid()))
+    write_pid(out / f"{task_type}-{index}-child.pid", child.pid)
+    write_pid(out / f"{task_type}-{index}.pid")
     ports = sorted(a.rsplit(":", 1)[1] for job in config["cluster"].values() for a in job)
     (out / f"ports-{attempt}").write_text(" ".join(ports))
     job_dir = os.environ["TFDIST_JOB_DIR"]
