@@ -11,10 +11,15 @@ process:
 
 - the step time (median over the timed steps after warm-up), and the ratio
   tfdist / PyTorch in the same pair of runs (goal <= 1.2);
-- the idle fraction: 1 - (seconds computing forward and backward passes) /
-  (step time), against the theory (p - 1) / (v m + p - 1) (v = 1 but for
-  interleaved). tfdist counts its StageRunner's compute; PyTorch's is timed
-  with module hooks;
+- the bubble: each process's idle fraction, 1 - (seconds computing forward
+  and backward passes) / (the schedule's window: from the step's first
+  forward to its last backward, over both processes, on the host's monotonic
+  clock), against the theory (p - 1) / (v m + p - 1) (v = 1 but for
+  interleaved), and against the schedule replayed with the measured pass
+  times (tfdist.pipeline.trace.replay: unequal stages leave more idle than
+  the formula). tfdist's spans come from its StageRunner's Trace, which also
+  times the sends (making bytes included) and the waits; PyTorch's passes
+  are timed with module hooks. The optimizer step comes after the window;
 - the peak resident memory of the steps (warm-up included) above the
   resident set before them (``/proc/self/clear_refs``): GPipe keeps every
   micro-batch's activations, 1F1B at most p - s.
@@ -103,27 +108,26 @@ def _data(seed: int = 0):
     return x, y
 
 
-def _measure(step_fn, busy_fn) -> dict:
+def _measure(step_fn, spans_fn) -> dict:
     """Warm-up, then the timed steps; the peak memory counts from before the
-    first step (allocators keep what the warm-up took)."""
-    times, busy = [], []
+    first step (allocators keep what the warm-up took). ``spans_fn()``: the
+    spans recorded so far, ``(kind, step, start, end)``."""
+    times = []
 
     def run() -> None:
         for step in range(FLAGS.warmup):
             step_fn(step)
         for step in range(FLAGS.warmup, FLAGS.warmup + FLAGS.steps):
-            before, started = busy_fn(), time.perf_counter()
+            started = time.perf_counter()
             step_fn(step)
             times.append(time.perf_counter() - started)
-            busy.append(busy_fn() - before)
 
     _, rss_kb, peak_kb, _ = peak_over(run)
-    idle = [1 - b / t for b, t in zip(busy, times)]
     return {
         "step_s": statistics.median(times),
-        "idle": statistics.median(idle),
         "peak_mb": (peak_kb - rss_kb) / 1024,
         "rss_mb": rss_kb / 1024,
+        "spans": [list(s) for s in spans_fn() if s[1] >= FLAGS.warmup],
     }
 
 
@@ -135,6 +139,7 @@ def tfdist_worker() -> dict:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     from tfdist.pipeline import split_model
     from tfdist.pipeline.runtime import StageRunner
+    from tfdist.pipeline.trace import Trace
     from tfdist.transport.p2p import connect_peers
 
     stage, addresses = _task()
@@ -154,8 +159,12 @@ def tfdist_worker() -> dict:
     runner = StageRunner(
         own, STAGES * v, links, FLAGS.schedule, FLAGS.m, loss, keras.optimizers.SGD(0.01)
     )
+    runner.trace = Trace()
     x, y = _data()
-    result = _measure(lambda step: runner.train_step(step, [x], y), lambda: runner.busy_seconds)
+    result = _measure(
+        lambda step: runner.train_step(step, [x], y),
+        lambda: [(s.kind, s.step, s.start, s.end) for s in runner.trace.spans],
+    )
     result["peak_in_flight"] = runner.peak_in_flight
     runner.close()
     return result
@@ -192,10 +201,11 @@ def torch_worker() -> dict:
         end = 2 * per * (g + 1) if g < total - 1 else len(mods)
         return torch.nn.Sequential(*mods[2 * per * g : end])
 
-    busy = [0.0]
+    spans: list = []
+    now = [0]  # The step, for the spans' tags.
     parts = [part(stage + c * STAGES) for c in range(v)]
     for module in parts:
-        _time_passes(module, busy)
+        _time_passes(module, spans, now)
     pipe_stages = [
         PipelineStage(module, stage + c * STAGES, total, torch.device("cpu"))
         for c, module in enumerate(parts)
@@ -209,7 +219,8 @@ def torch_worker() -> dict:
     optimizer = torch.optim.SGD([w for module in parts for w in module.parameters()], lr=0.01)
     x, y = (torch.from_numpy(a) for a in _data())
 
-    def step(_: int) -> None:
+    def step(number: int) -> None:
+        now[0] = number
         optimizer.zero_grad()
         if stage == 0:
             schedule.step(x)
@@ -217,23 +228,25 @@ def torch_worker() -> dict:
             schedule.step(target=y)
         optimizer.step()
 
-    result = _measure(step, lambda: busy[0])
+    result = _measure(step, lambda: spans)
     dist.destroy_process_group()
     return result
 
 
-def _time_passes(module, busy: list) -> None:
-    """Adds each forward's and backward's seconds to ``busy[0]``: a forward
-    from the module's pre-hook to its hook; a backward from the moment the
-    gradient of its output arrives to the moment its first layer's weight
-    gradient is made (the last one its backward computes)."""
+def _time_passes(module, spans: list, step: list) -> None:
+    """Appends each forward's and backward's span to ``spans`` (tagged with
+    ``step[0]``): a forward from the module's pre-hook to its hook; a
+    backward from the moment the gradient of its output arrives to the moment
+    its first layer's weight gradient is made (the last one its backward
+    computes)."""
     marks: dict[str, float] = {}
 
     def begin(name: str) -> None:
         marks[name] = time.perf_counter()
 
     def end(name: str) -> None:
-        busy[0] += time.perf_counter() - marks.pop(name, time.perf_counter())
+        now = time.perf_counter()
+        spans.append((name, step[0], marks.pop(name, now), now))
 
     def forward_done(_, __, output):
         end("F")
@@ -275,20 +288,41 @@ def markdown(raw: dict) -> str:
         "",
         f"`{meta['command']}` at {meta['when']} ({meta['commit']}); {meta['cpus']} CPUs, "
         f"TensorFlow {meta['tf']}, Keras {meta['keras']}, PyTorch {meta['torch']}; an MLP of "
-        f"{meta['layers']} x {meta['width']} in {STAGES} stages, batch {meta['batch']}, "
-        f"{meta['steps']} timed steps after {meta['warmup']}, one thread per stage.",
+        f"{meta['layers']} x {meta['width']} in {STAGES} processes, batch {meta['batch']}, "
+        f"{meta['steps']} timed steps after {meta['warmup']}, one thread per process.",
         "",
-        "| schedule | m | theory idle | tfdist idle (stage 0, 1) | PyTorch idle (stage 0, 1) "
-        "| tfdist step (ms) | PyTorch step (ms) | ratio | tfdist peak MB (0, 1) "
-        "| PyTorch peak MB (0, 1) |",
-        "|---|---:|---:|---|---|---:|---:|---:|---|---|",
+        "## The bubble",
+        "",
+        "Idle fraction of the schedule's window (first forward to last backward of a step), "
+        "per process (0, 1); medians over the timed steps and runs. *Replayed*: the schedule "
+        "with the framework's measured pass times and free transfers.",
+        "",
+        "| schedule | m | theory | tfdist replayed | tfdist idle | of which sends "
+        "| of which waits | PyTorch replayed | PyTorch idle |",
+        "|---|---:|---:|---|---|---|---|---|---|",
     ]
+    pair = lambda values: f"{values[0]:.3f}, {values[1]:.3f}"  # noqa: E731
     for row in raw["rows"]:
         t, p = row["tfdist"], row["torch"]
         lines.append(
             f"| {_label(row['schedule'], meta)} | {row['m']} | {row['theory']:.3f} "
-            f"| {t['idle'][0]:.3f}, {t['idle'][1]:.3f} | {p['idle'][0]:.3f}, {p['idle'][1]:.3f} "
-            f"| {1e3 * t['step_s']:.1f} | {1e3 * p['step_s']:.1f} | {row['ratio']:.2f} "
+            f"| {pair(t['replayed'])} | {pair(t['idle'])} | {pair(t['send'])} "
+            f"| {pair(t['wait'])} | {pair(p['replayed'])} | {pair(p['idle'])} |"
+        )
+    lines += [
+        "",
+        "## Step time and memory",
+        "",
+        "| schedule | m | tfdist step (ms) | PyTorch step (ms) | ratio "
+        "| tfdist update (ms) | tfdist peak MB (0, 1) | PyTorch peak MB (0, 1) |",
+        "|---|---:|---:|---:|---:|---|---|---|",
+    ]
+    for row in raw["rows"]:
+        t, p = row["tfdist"], row["torch"]
+        lines.append(
+            f"| {_label(row['schedule'], meta)} | {row['m']} | {1e3 * t['step_s']:.1f} "
+            f"| {1e3 * p['step_s']:.1f} | {row['ratio']:.2f} "
+            f"| {1e3 * t['update_s'][0]:.1f}, {1e3 * t['update_s'][1]:.1f} "
             f"| {t['peak_mb'][0]:.0f}, {t['peak_mb'][1]:.0f} "
             f"| {p['peak_mb'][0]:.0f}, {p['peak_mb'][1]:.0f} |"
         )
@@ -300,14 +334,40 @@ def _label(schedule: str, meta: dict) -> str:
     return f"interleaved (v={meta.get('chunks', 2)})" if schedule == "interleaved" else schedule
 
 
+def bubble_of(outs: list[dict], schedule: str, m: int) -> dict:
+    """One run's bubble, from its processes' spans: per process, the medians
+    over the timed steps of the idle, send and wait fractions of the window
+    and of the update's seconds, and the schedule replayed with the run's
+    median pass times."""
+    from tfdist.pipeline.trace import Span, breakdown, replay
+
+    spans = [[Span(*s) for s in out["spans"]] for out in outs]
+    v = chunks_of(schedule)
+    steps = [breakdown(spans, step, v) for step in sorted({s.step for s in spans[0]})]
+
+    def median(field: str) -> list[float]:
+        return [statistics.median(getattr(b, field)[k] for b in steps) for k in range(len(outs))]
+
+    return {
+        **{field: median(field) for field in ("idle", "send", "wait")},
+        "update_s": median("update"),
+        "window_s": statistics.median(b.window for b in steps),
+        "replayed": list(replay(schedule, m, steps, v).idle),
+    }
+
+
 def _row(schedule: str, m: int, runs: list[dict]) -> dict:
     row: dict = {"schedule": schedule, "m": m, "theory": theory(STAGES, m, chunks_of(schedule))}
     for framework in FRAMEWORKS:
         outs = [run[framework] for run in runs]
+        bubbles = [bubble_of(o, schedule, m) for o in outs]
         row[framework] = {
             "step_s": statistics.median(o[0]["step_s"] for o in outs),
-            "idle": [statistics.median(o[s]["idle"] for o in outs) for s in range(STAGES)],
             "peak_mb": [statistics.median(o[s]["peak_mb"] for o in outs) for s in range(STAGES)],
+            **{
+                field: [statistics.median(b[field][s] for b in bubbles) for s in range(STAGES)]
+                for field in ("idle", "send", "wait", "update_s", "replayed")
+            },
         }
     ratios = [run["tfdist"][0]["step_s"] / run["torch"][0]["step_s"] for run in runs]
     row["ratio"] = statistics.median(ratios)

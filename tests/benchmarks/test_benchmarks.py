@@ -840,23 +840,37 @@ def test_fast_links_report_gives_the_ratios_and_marks_the_goals():
 
 
 def test_pipeline_benchmark_rows_and_table():
+    from tfdist.pipeline.schedule import simulate
+
     pipe = _load_benchmark("pipeline")
     assert pipe.theory(2, 4) == pytest.approx(1 / 5) and pipe.theory(4, 8) == pytest.approx(3 / 11)
 
-    def run(step, idle0, idle1, peak):
+    def run(step, peak, scale):
+        # One timed step (3) of GPipe with m = 1 on 2 processes, on one clock:
+        # the window is [0, 4 scale]; process 0 computes 2 of it, process 1 1.9.
+        t = lambda *a: [x * scale for x in a]  # noqa: E731
+        first = [("F", 3, *t(0, 1)), ("send", 3, *t(1, 1.1)), ("recv", 3, *t(1.1, 3))]
+        first += [("B", 3, *t(3, 4)), ("update", 3, *t(4, 4.2))]
+        second = [("recv", 3, *t(-1, 1.1)), ("F", 3, *t(1.1, 2)), ("B", 3, *t(2, 3))]
+        second += [("send", 3, *t(3, 3.04)), ("recv", 4, *t(3.1, 5))]
         return [
-            {"step_s": step, "idle": idle0, "peak_mb": peak},
-            {"step_s": step, "idle": idle1, "peak_mb": peak + 1},
+            {"step_s": step, "peak_mb": peak, "spans": first},
+            {"step_s": step, "peak_mb": peak + 1, "spans": second},
         ]
 
     runs = [
-        {"tfdist": run(0.30, 0.25, 0.20, 40.0), "torch": run(0.20, 0.30, 0.10, 50.0)},
-        {"tfdist": run(0.50, 0.35, 0.30, 60.0), "torch": run(0.25, 0.20, 0.20, 70.0)},
+        {"tfdist": run(0.30, 40.0, 1.0), "torch": run(0.20, 50.0, 1.0)},
+        {"tfdist": run(0.50, 60.0, 2.0), "torch": run(0.25, 70.0, 2.0)},
     ]
-    row = pipe._row("1f1b", 4, runs)
+    row = pipe._row("gpipe", 1, runs)
     assert row["ratios"] == pytest.approx([0.30 / 0.20, 0.50 / 0.25])
     assert row["ratio"] == pytest.approx((1.5 + 2.0) / 2)
-    assert row["tfdist"]["idle"] == pytest.approx([0.30, 0.25])
+    assert row["tfdist"]["idle"] == pytest.approx([0.5, 0.525])
+    assert row["tfdist"]["send"] == pytest.approx([0.025, 0.01])
+    assert row["tfdist"]["wait"] == pytest.approx([0.475, 0.275])
+    assert row["tfdist"]["update_s"] == pytest.approx([0.3, 0.0])  # Medians of 0.2, 0.4.
+    replayed = simulate("gpipe", 2, 1, [1.5, 1.35], [1.5, 1.5]).idle  # The median run's.
+    assert row["tfdist"]["replayed"] == pytest.approx(list(replayed))
     assert row["torch"]["peak_mb"] == pytest.approx([60.0, 61.0])
     meta = {
         "command": "python benchmarks/pipeline.py",
@@ -874,7 +888,12 @@ def test_pipeline_benchmark_rows_and_table():
         "notes": ["a note"],
     }
     text = pipe.markdown({"meta": meta, "rows": [row]})
-    assert "| 1f1b | 4 | 0.200 | 0.300, 0.250 | 0.250, 0.150 | 400.0 | 225.0 | 1.75 |" in text
+    r = [f"{x:.3f}" for x in replayed]
+    assert (
+        f"| gpipe | 1 | 0.500 | {r[0]}, {r[1]} | 0.500, 0.525 | 0.025, 0.010 | 0.475, 0.275 "
+        f"| {r[0]}, {r[1]} | 0.500, 0.525 |"
+    ) in text
+    assert "| gpipe | 1 | 400.0 | 225.0 | 1.75 | 300.0, 0.0 | 50, 51 | 60, 61 |" in text
     assert text.rstrip().endswith("- a note")
 
 

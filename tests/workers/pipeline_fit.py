@@ -3,7 +3,8 @@
 Usage: pipeline_fit.py MODEL SCHEDULE MICROBATCHES STEPS OUT STAGE [ADDRESSES]
 
 STAGE ``ref`` runs the plain model on one device instead. Every process
-calls fit (2 epochs), evaluate, predict and save, as a user's script does,
+calls fit (2 epochs), evaluate, predict and save, as a user's script does
+(the plain model also save_weights to OUT/ref.weights.h5),
 and writes OUT/fit-<STAGE>.npz: the fit and evaluate losses and accuracy
 (a compiled metric, ``acc``), and the
 predictions; the model is saved to OUT/<STAGE>.keras (stage 0's file is the
@@ -14,8 +15,11 @@ ADDRESSES are R pipelines' (STAGE is then the process's rank, replica-major)
 and $PIPELINE_COMPRESSION their all-reduce's compression; every process
 also writes OUT/w-<STAGE>.npz, the weights its stage owns, and the bytes its
 replicas' ring sent. With $PIPELINE_BY_STAGE, each process builds only its
-stage's weights (PipelineModel given the model's builder) and writes how
-many of the model's weights it held before fit to OUT/held-<STAGE>.npy.
+stage's weights (PipelineModel given the model's builder) and writes the
+model's weights it held before fit to OUT/held-<STAGE>.npy; the stages then
+save_weights to OUT/pipe.weights.h5, zero their weights and load_weights it,
+writing what they read to OUT/loaded-<STAGE>.npz and the weights they held
+before and after to OUT/held-{before-load,after}-<STAGE>.npy.
 """
 
 import os
@@ -89,6 +93,20 @@ if stage != "ref":
     owned = {v.path: v.numpy() for v in model.stages[model.stage_index].variables}
     np.savez(out / f"w-{stage}.npz", sent=np.array(model.sent_to_replicas()), **owned)
 model.save(out / f"{stage}.keras")
+if stage == "ref" or os.environ.get("PIPELINE_BY_STAGE"):
+    weights_file = out / ("ref.weights.h5" if stage == "ref" else "pipe.weights.h5")
+    model.save_weights(weights_file)
+if stage != "ref" and os.environ.get("PIPELINE_BY_STAGE"):
+    # Read back by stage: this stage's weights come back; no other is made.
+    for v in (v for s in model.own for v in s.variables):
+        v.assign(np.zeros(v.shape, v.dtype))
+    before = [v.path for v in model.whole.weights if is_materialized(v)]
+    np.save(out / f"held-before-load-{stage}.npy", np.array(before))
+    model.load_weights(weights_file)
+    loaded = {v.path: v.numpy() for s in model.own for v in s.variables}
+    np.savez(out / f"loaded-{stage}.npz", **loaded)
+    held = [v.path for v in model.whole.weights if is_materialized(v)]
+    np.save(out / f"held-after-{stage}.npy", np.array(held))
 np.savez(
     out / f"fit-{stage}.npz",
     fit=np.array(history.history["loss"]),

@@ -29,10 +29,10 @@ nightly: ``keras/src/backend/common/variables.py``, ``stateless_scope.py``):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["deferred_build", "is_materialized", "materialize", "variables_read"]
+__all__ = ["deferred_build", "is_materialized", "materialize", "borrowed", "variables_read"]
 
 _REGISTRY = "uninitialized_variables"
 _SCOPE = "stateless_scope"
@@ -95,6 +95,24 @@ def materialize(variable: Any, value: Any = None) -> None:
     if value is not None:
         variable._initializer = lambda shape, dtype=None: value
     variable._deferred_initialize()
+
+
+@contextlib.contextmanager
+def borrowed(variables: Sequence[Any], values: Sequence[Any] | None = None) -> Iterator[None]:
+    """Gives ``variables`` values for the duration: :func:`materialize` with
+    ``values`` (by position) or their initializers'. Those that were deferred
+    are deferred again after, with their initializers (Keras drops a
+    variable's initializer once it has a value), so a pipeline stage that
+    saves or reads another stage's weight does not keep it."""
+    lent = [(v, v._initializer) for v in variables if not is_materialized(v)]
+    for k, variable in enumerate(variables):
+        materialize(variable, None if values is None else values[k])
+    try:
+        yield
+    finally:
+        for variable, initializer in lent:
+            variable._value = None
+            variable._initializer = initializer
 
 
 @contextlib.contextmanager

@@ -5,7 +5,10 @@
 - :class:`PipelineModel` wraps a Keras model so that ``fit``, ``evaluate``,
   ``predict`` and ``save`` run it in stages, one per process.
 - :class:`~tfdist.pipeline.runtime.StageRunner` runs one stage's passes in a
-  training step, sending activations and gradients to its neighbours.
+  training step, sending activations and gradients to its neighbours; its
+  :class:`~tfdist.pipeline.trace.Trace` times them, and
+  :func:`~tfdist.pipeline.trace.breakdown` measures the bubble.
+- :mod:`~tfdist.pipeline.saving`: the weights file, written and read by stage.
 
 Importing this package imports no TensorFlow; its names load on first use.
 """

@@ -1,8 +1,8 @@
 """Keras's BackupAndRestore under a pipeline: stage 0 writes the backup.
 
 Every stage runs the user's callbacks, so every stage's BackupAndRestore
-saves at the same batches, which keeps ``save_weights`` (a collective: the
-stages' weights gather into stage 0's file, and each stage writes its
+saves at the same batches, which keeps ``save_weights`` (a collective: each
+stage writes its part of the weights file, which stage 0 joins, and its
 optimizer state beside it) in step. The other files are stage 0's alone: on
 the other stages, once the callback has restored from the shared backup at
 the start of ``fit``, its position file, the previous backup's copy and the

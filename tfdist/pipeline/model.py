@@ -16,9 +16,10 @@ place and every process's address (``host:port``) come from its launcher
 unless given: TF_CONFIG (``tfdist launch --workers P``, a chief first if the
 cluster has one), a Slurm step (``srun -n P``) or MPI's ranks (``mpiexec -n
 P``) (:func:`stage_from_environment`). Each process trains only
-its stage's weights; ``save`` and ``save_weights`` first gather every
-stage's weights into stage 0's model, so the file holds the trained model,
-which loads as an ordinary Keras model. ``fit``, ``evaluate`` and
+its stage's weights; ``save_weights`` to a ``.weights.h5`` file writes by
+stage (:mod:`~tfdist.pipeline.saving`), ``save`` first gathers every stage's
+weights into stage 0's model: either file holds the trained model, which
+loads as an ordinary Keras model. ``fit``, ``evaluate`` and
 ``predict`` log and return the same numbers on every process (the loss and
 outputs travel back from the last stage).
 
@@ -28,20 +29,23 @@ messages interleave in Python, as PyTorch's pipelining does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
 import numpy as np
 
-from tfdist.compat.deferred import deferred_build, materialize
+from tfdist.compat.deferred import borrowed, deferred_build, materialize
 from tfdist.compat.keras_private import loss_tracker
+from tfdist.compat.keras_src import saving_lib
 from tfdist.errors import ConfigError
 from tfdist.pipeline.backup import stage_callbacks
 from tfdist.pipeline.replicas import Grid, StageReplicas, aggregator_for, check_replicas
 from tfdist.pipeline.runtime import StageRunner
+from tfdist.pipeline.saving import WEIGHTS_SUFFIX, Plan, join_parts, part_file, plan_for
 from tfdist.pipeline.schedule import SCHEDULES, actions
 from tfdist.pipeline.split import split_model
 from tfdist.transport.p2p import connect_peers
@@ -374,10 +378,18 @@ class PipelineModel(keras.Model):
     # Saving: stage 0 writes the whole model, after gathering every stage's weights.
 
     def gather_weights(self, before_sending: Any = None) -> None:
-        """Copies every stage's weights into stage 0's model (a collective:
-        every stage calls it). ``before_sending()`` runs on each stage once
-        the later stages are done, before its weights go on: when stage 0 has
-        them all, every stage has run it."""
+        """Copies every stage's weights into stage 0's model, to keep (a
+        collective: every stage calls it). ``before_sending()`` runs on each
+        stage once the later stages are done, before its weights go on: when
+        stage 0 has them all, every stage has run it."""
+        with self._gathered(before_sending, keep=True):
+            pass
+
+    @contextlib.contextmanager
+    def _gathered(self, before_sending: Any = None, keep: bool = False) -> Iterator[None]:
+        """Inside, stage 0's model has every stage's weights (as
+        :meth:`gather_weights`); after, unless ``keep``, a stage whose model
+        was built by stage holds only its own weights again."""
         tag = ("W", self._next("W"))
         later = [
             v
@@ -389,30 +401,92 @@ class PipelineModel(keras.Model):
         arrays: list[np.ndarray] = []
         if self.stage_index < self.grid.stages - 1:
             arrays = self._links[self.stage_index + 1].recv(tag)
-        for variable, value in zip(later, arrays):
-            materialize(variable, value)
-        if before_sending is not None:
-            before_sending()
-        if self.stage_index > 0:
-            own = [np.asarray(v.numpy()) for s in self.own for v in s.variables]
-            self._links[self.stage_index - 1].send(tag, own + list(arrays))
+        if keep:
+            for variable, value in zip(later, arrays):
+                materialize(variable, value)
+        with contextlib.nullcontext() if keep else borrowed(later, arrays):
+            if before_sending is not None:
+                before_sending()
+            if self.stage_index > 0:
+                own = [np.asarray(v.numpy()) for s in self.own for v in s.variables]
+                self._links[self.stage_index - 1].send(tag, own + list(arrays))
+            yield
 
     def save(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """Writes the whole trained model as an ordinary Keras model (stage 0
-        writes; every stage must call it)."""
-        self.gather_weights()
-        if self.rank == 0:
-            self.whole.save(filepath, *args, **kwargs)
+        writes; every stage must call it). Stage 0 holds every weight while
+        it writes: for a model no process can hold, ``save_weights`` to a
+        ``.weights.h5`` file writes by stage."""
+        with self._gathered():
+            if self.rank == 0:
+                self.whole.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
-        """The whole model's weights to ``filepath`` (stage 0 writes them),
-        and each stage's optimizer state beside it (``FILEPATH.stageK.npz``):
-        what Keras's own file holds for one device. Every stage calls it."""
-        # Each stage's optimizer state is on disk before stage 0 has the
-        # weights: a BackupAndRestore on stage 0 may delete the folder next.
-        self.gather_weights(before_sending=lambda: self._save_optimizer(filepath))
+        """The whole model's weights to ``filepath``, the file Keras writes
+        for one device, and each stage's optimizer state beside it
+        (``FILEPATH.stageK.npz``). Every stage calls it.
+
+        A ``.weights.h5`` file is written by stage: each process writes its
+        own layers to a part file beside it, and stage 0 joins the parts
+        (:mod:`tfdist.pipeline.saving`), so that no process holds more than
+        its own weights (a shared file system). Other files, or Keras's
+        sharded weights (``max_shard_size``), are written by stage 0 once
+        every weight is copied to it."""
+        if args or kwargs or not os.fspath(filepath).endswith(WEIGHTS_SUFFIX):
+            with self._gathered(before_sending=lambda: self._save_optimizer(filepath)):
+                if self.rank == 0:
+                    self.whole.save_weights(filepath, *args, **kwargs)
+            return
+        plan = self._plan()
+        process = self.stage_index
+
+        def write_part() -> None:
+            if self.replica == 0:
+                part = part_file(filepath, process)
+                os.makedirs(
+                    os.path.dirname(part) or ".", exist_ok=True
+                )  # Stage 0 may not have yet.
+                saving_lib.save_weights_only(self.whole, part, objects_to_skip=plan.skip_save)
+            self._save_optimizer(filepath)
+
+        # Each process has written its part (and its optimizer state) before
+        # the one below it goes on: once stage 0 has, the parts are all there.
+        tag = ("W", self._next("W"))
+        self._pass_down(tag, plan, after_receiving=write_part)
         if self.rank == 0:
-            self.whole.save_weights(filepath, *args, **kwargs)
+            parts = [part_file(filepath, k) for k in range(self.grid.stages)]
+            join_parts(parts, os.fspath(filepath))
+        # No process returns before the file is whole: it may read it next.
+        if process == 0 and self._group is not None:
+            self._group.allreduce(np.zeros(1, np.float32))  # Stage 0's replicas wait for rank 0.
+        if process > 0:
+            self._links[process - 1].recv((*tag, "joined"))
+        if process < self.grid.stages - 1:
+            self._links[process + 1].send((*tag, "joined"), [])
+
+    def _plan(self) -> Plan:
+        reads = [
+            [v for s in self.stages if self._owner(s) == k for v in s.variables]
+            for k in range(self.grid.stages)
+        ]
+        return plan_for(self.whole, reads, self.stage_index)
+
+    def _pass_down(self, tag: tuple, plan: Plan, after_receiving: Callable[[], None]) -> None:
+        """Sends down the pipeline the weights earlier processes write
+        (:attr:`Plan.sent`), taking this process's; ``after_receiving()``
+        runs between the two."""
+        process = self.stage_index
+        arrays = self._links[process + 1].recv(tag) if process < self.grid.stages - 1 else []
+        values = {id(v): a for v, a in zip(plan.sent.get(process + 1, []), arrays)}
+        with borrowed(plan.taken, [values[id(v)] for v in plan.taken]):
+            after_receiving()
+        if process > 0:
+            mine = {id(v) for s in self.own for v in s.variables}
+            own = [
+                np.asarray(v.numpy()) if id(v) in mine else values[id(v)]
+                for v in plan.sent[process]
+            ]
+            self._links[process - 1].send(tag, own)
 
     def _save_optimizer(self, filepath: Any) -> None:
         # The replicas' optimizer states are equal: replica 0 writes.
@@ -434,9 +508,16 @@ class PipelineModel(keras.Model):
             ConfigError: The saved optimizer state does not fit this
                 optimizer (another optimizer, or another model).
         """
-        for variable in self.whole.weights:  # A model built by stage: all of it, to read.
-            materialize(variable)
-        self.whole.load_weights(filepath, *args, **kwargs)
+        if args or kwargs or not os.fspath(filepath).endswith(WEIGHTS_SUFFIX):
+            for variable in self.whole.weights:  # A model built by stage: all of it, to read.
+                materialize(variable)
+            self.whole.load_weights(filepath, *args, **kwargs)
+        else:
+            # Only the layers this stage computes with: a model built by
+            # stage makes and reads only its own weights.
+            plan = self._plan()
+            with borrowed(plan.load):  # Another stage's weight of a shared layer: not kept.
+                self.whole.load_weights(filepath, objects_to_skip=plan.skip_load)
         side = _optimizer_file(filepath, self.stage_index)
         if self.optimizer is None or not self.optimizer.built or not os.path.exists(side):
             return

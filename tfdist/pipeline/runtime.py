@@ -142,9 +142,9 @@ class StageRunner:
         #: The most micro-batches' activations kept at once (with several
         #: chunks, each chunk's counts: a chunk is 1/v of the process's layers).
         self.peak_in_flight = 0
-        #: Seconds spent computing forward and backward passes (not waiting
-        #: for a neighbour, not in the optimizer), over every step so far.
-        self.busy_seconds = 0.0
+        #: A :class:`~tfdist.pipeline.trace.Trace` to record each step's
+        #: passes, receives, sends and update in (None: nothing is timed).
+        self.trace: Any = None
 
     def _chunk(self, stage: Stage, offset: int) -> _Chunk:
         p, g = self.processes, stage.index
@@ -226,11 +226,13 @@ class StageRunner:
                 self._backward(step, chunk, i, tape, received, result, grads)
         if self.keep_outputs and self.last:
             self.last_batch = (y, self._joined_outputs(), sample_weight)
+        started = time.perf_counter()
         if self.replicas is not None:
             grads = self.replicas.mean(grads, step)
         pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
         if pairs:
             self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        self._span("update", step, started)
         loss = self._share_loss(step, total)
         return loss if self.replicas is None else self.replicas.mean_of(loss)
 
@@ -265,22 +267,23 @@ class StageRunner:
         g = chunk.stage.index
         received = []
         if not chunk.first:
+            started = time.perf_counter()
             arrays = chunk.prev.recv(("F", step, g, i))
             received = [tf.convert_to_tensor(a) for a in arrays]
+            self._span("recv", step, started)
         started = time.perf_counter()
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(chunk.watched)
             tape.watch(received)
             wanted = list(targets[i]) if chunk.last else None
             outs = chunk.passes[True](list(given[i]) + received, wanted)
+        started = self._span("F", step, started)
         if chunk.last:
-            self.busy_seconds += time.perf_counter() - started
             if self.keep_outputs:
                 self._outputs[i] = outs[1:]
             return tape, received, outs[0]
-        sent = [o.numpy() for o in outs]
-        self.busy_seconds += time.perf_counter() - started
-        chunk.next.send(("F", step, g + 1, i), sent)
+        chunk.next.send(("F", step, g + 1, i), [o.numpy() for o in outs])
+        self._span("send", step, started)
         return tape, received, outs
 
     def _backward(
@@ -290,21 +293,30 @@ class StageRunner:
         sources = chunk.watched + received
         upstream = None
         if not chunk.last:
+            started = time.perf_counter()
             arrays = chunk.next.recv(("B", step, g, i))
             upstream = [tf.convert_to_tensor(a) for a in arrays]
+            self._span("recv", step, started)
         started = time.perf_counter()
         got = tape.gradient(result, sources, output_gradients=upstream)
         n = len(chunk.variables)
         for k, grad in enumerate(got[:n], chunk.offset):
             if grad is not None:
                 grads[k] = grad if grads[k] is None else _add(grads[k], grad)
-        back = [
-            np.zeros(r.shape, r.dtype.as_numpy_dtype) if d is None else d.numpy()
-            for d, r in zip(got[n:], received)
-        ]
-        self.busy_seconds += time.perf_counter() - started
+        started = self._span("B", step, started)
         if not chunk.first:
+            back = [
+                np.zeros(r.shape, r.dtype.as_numpy_dtype) if d is None else d.numpy()
+                for d, r in zip(got[n:], received)
+            ]
             chunk.prev.send(("B", step, g - 1, i), back)
+            self._span("send", step, started)
+
+    def _span(self, kind: str, step: int, started: float) -> float:
+        """Records a span from ``started`` to now, if tracing; returns now."""
+        if self.trace is None:
+            return time.perf_counter()
+        return self.trace.add(kind, step, started)
 
     def forward_step(
         self, kind: str, step: int, x: Sequence[Any], y: Any = None, sample_weight: Any = None

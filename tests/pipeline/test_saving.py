@@ -1,0 +1,118 @@
+"""The weights file written by stage: each stage's part, joined, is the file
+Keras writes for the whole model, and reading by stage reads only a stage's
+layers. In one process: the stages' plans over one model (the multi-process
+save and load are in test_pipeline_processes.py)."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from tfdist.compat.keras_src import saving_lib
+from tfdist.pipeline import split_model
+from tfdist.pipeline.saving import join_parts, part_file, plan_for
+
+
+def _mlp():
+    import keras
+
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((6,), name="x")
+    h = keras.layers.Dense(8, activation="relu", name="d0")(inp)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Dense(8, activation="relu", name="d1")(h)
+    skip = keras.layers.Dense(8, name="skip")(inp)
+    h = keras.layers.Add(name="add")([h, skip])
+    out = keras.layers.Dense(3, name="head")(keras.layers.Dense(8, name="d2")(h))
+    return keras.Model(inp, out)
+
+
+def _contents(path) -> dict:
+    items: dict = {}
+    with h5py.File(path, "r") as f:
+        items["/"] = dict(f.attrs)
+
+        def note(name, item):
+            if isinstance(item, h5py.Dataset):
+                items[name] = (item.dtype.str, item[()].tobytes(), dict(item.attrs))
+            else:
+                items[name] = dict(item.attrs)
+
+        f.visititems(note)
+    return items
+
+
+@pytest.mark.parametrize("splits", [["d1"], ["d1", "d2"], ["bn", "add", "head"]])
+def test_the_joined_parts_are_keras_s_own_file(tmp_path, splits):
+    model = _mlp()
+    stages = split_model(model, splits)
+    reads = [s.variables for s in stages]
+    target = str(tmp_path / "model.weights.h5")
+    for k in range(len(stages)):
+        plan = plan_for(model, reads, k)
+        assert not plan.taken and all(not v for v in plan.sent.values())
+        saving_lib.save_weights_only(model, part_file(target, k), objects_to_skip=plan.skip_save)
+        # A part holds this stage's weights and no other's.
+        datasets = [n for n, v in _contents(part_file(target, k)).items() if isinstance(v, tuple)]
+        assert len(datasets) == len(reads[k])
+    join_parts([part_file(target, k) for k in range(len(stages))], target)
+    model.save_weights(tmp_path / "keras.weights.h5")
+    assert _contents(target) == _contents(tmp_path / "keras.weights.h5")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keras.weights.h5", "model.weights.h5"]
+
+
+def test_a_stage_reads_only_its_layers(tmp_path):
+    model = _mlp()
+    model.save_weights(tmp_path / "m.weights.h5")
+    trained = [v.numpy() for v in model.weights]
+    stages = split_model(model, ["d1"])
+    reads = [s.variables for s in stages]
+    plan = plan_for(model, reads, 1)
+    for v in model.weights:
+        v.assign(np.zeros(v.shape, v.dtype))
+    model.load_weights(tmp_path / "m.weights.h5", objects_to_skip=plan.skip_load)
+    mine = {id(v) for v in reads[1]}
+    for v, value in zip(model.weights, trained):
+        expected = value if id(v) in mine else np.zeros_like(value)
+        np.testing.assert_array_equal(v.numpy(), expected, err_msg=v.path)
+    assert {id(v) for v in plan.load} == mine
+
+
+def test_a_layer_two_stages_train_is_written_by_the_first_with_the_other_s_weight():
+    # keras-hub's untied ReversibleEmbedding: the embeddings are stage 0's,
+    # the output projection (reverse_embeddings) the last stage's.
+    import keras
+    from keras_hub.layers import ReversibleEmbedding
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((4,), dtype="int32", name="tokens")
+    embedding = ReversibleEmbedding(11, 6, tie_weights=False, name="embed")
+    h = keras.layers.Dense(6, name="mid")(embedding(tokens))
+    h = keras.layers.Dense(6, name="late")(h)
+    model = keras.Model(tokens, embedding(h, reverse=True))
+    stages = split_model(model, ["mid", "late"])
+    reads = [s.variables for s in stages]
+    reverse = embedding.reverse_embeddings
+    assert [id(reverse) in {id(v) for v in r} for r in reads] == [False, False, True]
+    plans = [plan_for(model, reads, k) for k in range(3)]
+    # Stage 2 sends it, stage 1 passes it on, stage 0 takes it and writes
+    # the layer; the others leave the layer out of their parts.
+    assert [[v.path for v in p.taken] for p in plans] == [[reverse.path], [], []]
+    assert plans[0].sent == plans[2].sent == {1: [reverse], 2: [reverse]}
+    assert embedding not in plans[0].skip_save
+    assert embedding in plans[1].skip_save and embedding in plans[2].skip_save
+    # Reading, both stages that compute with it read it.
+    assert embedding not in plans[0].skip_load and embedding not in plans[2].skip_load
+    assert embedding in plans[1].skip_load
+
+
+def test_a_missing_part_leaves_no_file(tmp_path):
+    model = _mlp()
+    stages = split_model(model, ["d1"])
+    target = str(tmp_path / "m.weights.h5")
+    plan = plan_for(model, [s.variables for s in stages], 0)
+    saving_lib.save_weights_only(model, part_file(target, 0), objects_to_skip=plan.skip_save)
+    with pytest.raises(FileNotFoundError, match=r"part1\.weights\.h5"):
+        join_parts([part_file(target, 0), part_file(target, 1)], target)
+    assert not (tmp_path / "m.weights.h5").exists()

@@ -1,0 +1,142 @@
+"""A pipeline's weights file, written and read by stage.
+
+Keras writes and reads a ``.weights.h5`` file by walking the model's layers;
+``objects_to_skip`` (Keras 3.10 to 3.15: ``saving_lib.save_weights_only``
+and ``Model.load_weights``) leaves a layer and its sublayers out of the walk.
+Each pipeline process writes the layers that hold its weights to a part file,
+and the first process joins the parts into one file, dataset by dataset
+(:func:`join_parts`): the file Keras writes for the whole model, and no
+process holds more than its own weights. Reading, a process skips the layers
+of the others, and reads only its own weights.
+
+A layer whose own weights two processes train (keras-hub's
+``ReversibleEmbedding`` holds the first stage's embeddings and, untied, the
+last stage's output projection) is written by the first of them: the others'
+weights of it travel down the pipeline to it before the write (:class:`Plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tfdist.compat.keras_private import flatten_layers
+
+__all__ = ["WEIGHTS_SUFFIX", "Plan", "plan_for", "part_file", "join_parts"]
+
+#: What Keras's weights file name ends with (``save_weights`` refuses others).
+WEIGHTS_SUFFIX = ".weights.h5"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Who writes and reads what, for one process of a pipeline.
+
+    Attributes:
+        skip_save: Layers this process leaves out of its part file.
+        skip_load: Layers this process does not read (no weight of theirs
+            is one it computes with).
+        load: The weights this process reads (their values are made first).
+        sent: Per process ``i > 0``, the weights it sends to process
+            ``i - 1`` before the write: its own and those it passes on, for
+            layers an earlier process writes. In ``model.weights`` order.
+        taken: The weights this process takes from what it receives (it
+            writes their layer).
+    """
+
+    skip_save: list[Any]
+    skip_load: list[Any]
+    load: list[Any]
+    sent: dict[int, list[Any]]
+    taken: list[Any]
+
+
+def plan_for(model: Any, reads: Sequence[Sequence[Any]], process: int) -> Plan:
+    """The write and read plan of ``process``.
+
+    Args:
+        model: The whole model (every process builds the same).
+        reads: Per pipeline process, the variables its stages compute with.
+        process: This process's place in the pipeline.
+    """
+    owner: dict[int, int] = {}  # The first process that computes with it trains it.
+    for k in reversed(range(len(reads))):
+        owner.update((id(v), k) for v in reads[k])
+    layers = flatten_layers(model)
+    direct = {id(layer): _direct_weights(layer) for layer in layers}
+    # A layer's own weights are written by the first process that trains one.
+    writer = {
+        id(layer): min(owner.get(id(v), 0) for v in direct[id(layer)])
+        for layer in layers
+        if direct[id(layer)]
+    }
+    held_by = {id(v): id(layer) for layer in layers for v in direct[id(layer)]}
+    mine = {id(v) for v in reads[process]}
+    skip_save, skip_load, load = [], [], []
+    for layer in layers:
+        below = [layer, *flatten_layers(layer)]
+        writers = {writer[id(x)] for x in below if id(x) in writer}
+        if writers and process not in writers:
+            skip_save.append(layer)
+        if layer.weights and not any(id(v) in mine for v in layer.weights):
+            skip_load.append(layer)
+        elif direct[id(layer)]:
+            load.extend(direct[id(layer)])
+    sent = {
+        i: [
+            v
+            for v in model.weights
+            if id(v) in held_by and writer[held_by[id(v)]] < i <= owner.get(id(v), 0)
+        ]
+        for i in range(1, len(reads))
+    }
+    taken = [
+        v
+        for v in model.weights
+        if id(v) in held_by and writer[held_by[id(v)]] == process and owner.get(id(v), 0) != process
+    ]
+    return Plan(skip_save, skip_load, load, sent, taken)
+
+
+def _direct_weights(layer: Any) -> list[Any]:
+    """The layer's weights that none of its sublayers holds."""
+    below = {id(v) for sub in flatten_layers(layer) for v in sub.weights}
+    return [v for v in layer.weights if id(v) not in below]
+
+
+def part_file(filepath: Any, process: int) -> str:
+    """Where ``process`` writes its part of the weights file ``filepath``."""
+    path = os.fspath(filepath)
+    return f"{path[: -len(WEIGHTS_SUFFIX)]}.part{process}{WEIGHTS_SUFFIX}"
+
+
+def join_parts(parts: Sequence[str], target: str) -> None:
+    """Joins the processes' part files into ``target``, dataset by dataset
+    (the first part to hold a path wins; a path is in one part but for the
+    groups above the datasets), then removes the parts. ``target`` appears
+    whole or not at all."""
+    import h5py
+
+    partial = target + ".partial"
+    with h5py.File(partial, "w") as out:
+        for part in parts:
+            with h5py.File(part, "r") as src:
+                _join(src, out)
+    os.replace(partial, target)
+    for part in parts:
+        os.remove(part)
+
+
+def _join(src: Any, out: Any) -> None:
+    import h5py
+
+    for key, value in src.attrs.items():
+        if key not in out.attrs:
+            out.attrs[key] = value
+    for name, item in src.items():
+        if isinstance(item, h5py.Group):
+            _join(item, out.require_group(name))
+        elif name not in out:
+            src.copy(item, out, name=name)
