@@ -15,6 +15,11 @@ trains until a size is OOM-killed:
 * ``pipeline_by_stage``: ``PipelineModel`` given the model's builder: each
   process makes only its stage's weights (a quarter of the model's).
 
+With ``--save`` (the default), each job then saves what it trained, as a
+user's script does: ``save_weights`` to a ``.weights.h5`` file and ``save``
+to a ``.keras`` file (a pipeline writes both by stage); a job counts as
+trained only if it saved too.
+
 The result is the largest parameter count each arm trains, and its ratio to
 one device's; each process's peak memory (the cgroup's) at the largest size
 all arms train; and the first step's loss there, the same model in every
@@ -31,7 +36,9 @@ Needs root and a cgroup-v1 memory controller. Results:
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +54,7 @@ ARMS = ("one_device", "pipeline_built", "pipeline_by_stage")
 STAGES = 4
 CLASSES = 10
 #: The flags a worker takes from the job (besides its arm and width).
-SETTINGS = ("layers", "batch", "microbatches", "steps")
+SETTINGS = ("layers", "batch", "microbatches", "steps", "save")
 FLAGS = flags.FLAGS
 
 
@@ -66,6 +73,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("microbatches", 4, "Micro-batches per batch (the pipeline arms).")
     flags.DEFINE_integer("steps", 3, "fit steps.")
     flags.DEFINE_integer("timeout", 900, "Seconds a job may take.")
+    flags.DEFINE_bool("save", True, "Each job then saves its weights and its model.")
+    flags.DEFINE_string("save_dir", None, "Where a job saves (internal: set per job).")
     flags.DEFINE_bool(
         "onednn",
         True,
@@ -123,6 +132,12 @@ def worker(arm: str) -> None:
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     history = model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)
+    saved = None
+    if FLAGS.save:
+        model.save_weights(f"{FLAGS.save_dir}/model.weights.h5")
+        model.save(f"{FLAGS.save_dir}/model.keras")
+        if task == 0:
+            saved = Path(FLAGS.save_dir, "model.keras").stat().st_size / 2**20
     # Per step, not the epoch's running mean: the first step's loss is the
     # same model's in every arm.
     print(
@@ -135,6 +150,7 @@ def worker(arm: str) -> None:
                 "parameters": parameters(FLAGS.width),
                 "loss": history.history["loss"],
                 "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "saved_mib": saved,
             }
         ),
         flush=True,
@@ -147,17 +163,11 @@ def run(arm: str, width: int) -> dict:
     """One job of ``arm`` at ``width`` under the limit."""
     args = [f"--{name}={getattr(FLAGS, name)}" for name in SETTINGS]
     started = time.monotonic()
-    outcomes = jobs.outcome_job(
-        [str(Path(__file__).resolve()), f"--worker={arm}", f"--width={width}", *args],
-        1 if arm == "one_device" else STAGES,
-        env={
-            "MALLOC_MMAP_THRESHOLD_": "65536",
-            "TF_ENABLE_ONEDNN_OPTS": "1" if FLAGS.onednn else "0",
-        },
-        timeout=FLAGS.timeout,
-        limit_bytes=FLAGS.limit_mib * 2**20,
-        tag=f"pipemem_{arm}_{width}",
-    )
+    save_dir = tempfile.mkdtemp(prefix="tfdist-pipemem-")
+    try:
+        outcomes = _job(arm, width, [*args, f"--save_dir={save_dir}"])
+    finally:
+        shutil.rmtree(save_dir, ignore_errors=True)
     trained, killed = capacity.outcome(outcomes, f"{arm} at width {width}")
     results = sorted((o["result"] for o in outcomes if o["result"]), key=lambda r: r["task"])
     return {
@@ -169,11 +179,26 @@ def run(arm: str, width: int) -> dict:
         "seconds": time.monotonic() - started,
         "peak_mib": [o["memory"]["max_usage_mib"] for o in outcomes],
         "loss": results[0]["loss"] if trained else None,
+        "saved_mib": results[0].get("saved_mib") if trained else None,
         "workers": [
             {key: o[key] for key in ("returncode", "timed_out", "memory", "result")}
             for o in outcomes
         ],
     }
+
+
+def _job(arm: str, width: int, args: list[str]) -> list[dict]:
+    return jobs.outcome_job(
+        [str(Path(__file__).resolve()), f"--worker={arm}", f"--width={width}", *args],
+        1 if arm == "one_device" else STAGES,
+        env={
+            "MALLOC_MMAP_THRESHOLD_": "65536",
+            "TF_ENABLE_ONEDNN_OPTS": "1" if FLAGS.onednn else "0",
+        },
+        timeout=FLAGS.timeout,
+        limit_bytes=FLAGS.limit_mib * 2**20,
+        tag=f"pipemem_{arm}_{width}",
+    )
 
 
 def report(result: dict) -> str:
@@ -196,7 +221,12 @@ def report(result: dict) -> str:
         f"memory cgroup of {result['limit_mib']} MiB; an MLP of {result['settings']['layers']} "
         f"Dense layers (2 per stage), Adam, batch {result['settings']['batch']}, "
         f"{result['settings']['microbatches']} micro-batches, 1F1B, "
-        f"{result['settings']['steps']} fit steps.",
+        f"{result['settings']['steps']} fit steps"
+        + (
+            ", then save_weights (.weights.h5) and save (.keras)."
+            if result["settings"].get("save")
+            else "."
+        ),
         "",
         "| arm | largest width trained | parameters | x one device | killed at width |"
         " peak MiB per process (largest trained) |",

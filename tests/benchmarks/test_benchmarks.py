@@ -901,8 +901,8 @@ def test_pipeline_benchmark_rows_and_table():
 def test_pipeline_memory_benchmark_trains_in_stages_what_one_device_cannot(tmp_path):
     # The smallest run: 4 layers; width 256 trains everywhere, width 3072
     # (38 M parameters: 150 MB of weights, 600 MB with their gradients and
-    # Adam's moments) is killed on one device under 640 MiB, and trains in 4
-    # stages built by stage (a quarter of that per process).
+    # Adam's moments) is killed on one device under 640 MiB, and trains (and
+    # saves) in 4 stages built by stage (a quarter of that per process).
     if not os.access("/sys/fs/cgroup/memory", os.W_OK):
         pytest.skip("needs a writable cgroup-v1 memory controller (root)")
     args = [
@@ -925,6 +925,9 @@ def test_pipeline_memory_benchmark_trains_in_stages_what_one_device_cannot(tmp_p
     assert not runs["one_device", 3072]["trained"] and runs["one_device", 3072]["oom_kills"] >= 1
     staged = runs["pipeline_by_stage", 3072]
     assert staged["trained"] and len(staged["workers"]) == 4
+    # It saved too, by stage: the .keras file holds every weight (4 bytes
+    # each), which no process under the limit could hold with its training.
+    assert staged["saved_mib"] >= staged["parameters"] * 4 / 2**20
     # The same model in both arms: the first step's loss agrees.
     small = runs["pipeline_by_stage", 256]
     assert small["loss"][0] == pytest.approx(runs["one_device", 256]["loss"][0], abs=1e-5)

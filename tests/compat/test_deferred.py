@@ -53,6 +53,29 @@ def test_materialize_takes_a_value_and_assigns_one_made():
     np.testing.assert_array_equal(layer.bias.numpy(), np.zeros(3))
 
 
+def test_borrowed_values_are_dropped_after_and_made_again_as_before():
+    import keras
+
+    from tfdist.compat.deferred import borrowed, deferred_build, is_materialized, materialize
+
+    keras.utils.set_random_seed(3)
+    full = _built(keras.layers.Dense(3))
+    keras.utils.set_random_seed(3)
+    layer, [kernel, bias] = deferred_build(lambda: _built(keras.layers.Dense(3)))
+    materialize(bias, np.full(3, 2.0, "float32"))
+    given = np.full((2, 3), 0.25, "float32")
+    with borrowed([kernel, bias], [given, np.ones(3, "float32")]):
+        np.testing.assert_array_equal(layer(np.ones((1, 2), "float32")), [[1.5, 1.5, 1.5]])
+    # The kernel was deferred: it is again, and its initializer is its own
+    # (the full build's value), not the value lent. The bias had a value:
+    # it keeps the one assigned.
+    assert not is_materialized(kernel) and is_materialized(bias)
+    np.testing.assert_array_equal(bias.numpy(), np.ones(3))
+    with borrowed([kernel]):
+        np.testing.assert_array_equal(kernel.numpy(), full.kernel.numpy())
+    assert not is_materialized(kernel)
+
+
 def _built(layer):
     layer.build((None, 2))
     return layer

@@ -8,6 +8,7 @@ naming it."""
 from __future__ import annotations
 
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -127,6 +128,9 @@ def test_fit_evaluate_predict_and_save_equal_the_unpipelined_model(tmp_path):
         assert float(got["evaluate"]) == pytest.approx(float(ref["evaluate"]), abs=TOL)
         np.testing.assert_allclose(got["predict"], ref["predict"], rtol=0, atol=TOL)
     assert not (tmp_path / "1.keras").exists()  # Stage 0 writes the model.
+    # Written by stage: the archive Keras writes, around the joined weights.
+    members = [zipfile.ZipFile(tmp_path / f"{n}.keras").namelist() for n in ("0", "ref")]
+    assert sorted(members[0]) == sorted(members[1])
     saved = keras.models.load_model(tmp_path / "0.keras", compile=False)
     plain = keras.models.load_model(tmp_path / "ref.keras", compile=False)
     assert type(saved).__name__ == type(plain).__name__ == "LlamaCausalLM"
@@ -231,7 +235,8 @@ def test_two_replicas_of_two_stages_equal_one_device_and_fp16_halves_their_bytes
     # Keras's fit: each replica trains on half of every batch, each stage's
     # gradients are averaged over its 2 replicas. Without compression the
     # weights are the plain model's; with fp16 on the replicas' all-reduce
-    # they stay equal across replicas, and the ring sends half the bytes.
+    # (and error feedback) they stay equal across replicas, the ring sends
+    # half the bytes, and each replica's residuals survive save and load.
     import keras
 
     steps = 4
@@ -241,6 +246,8 @@ def test_two_replicas_of_two_stages_equal_one_device_and_fp16_halves_their_bytes
         out.mkdir()
         addresses = ",".join(_addresses(4))
         env = {"PIPELINE_REPLICAS": "2", "PIPELINE_COMPRESSION": compression}
+        if compression:
+            env["PIPELINE_ERROR_FEEDBACK"] = "1"
         procs = [start([*common, out, "ref"])] if ref else []
         procs += [start([*common, out, rank, addresses], **env) for rank in range(4)]
         for code, stdout, err in finish(procs, timeout=600):
@@ -269,6 +276,16 @@ def test_two_replicas_of_two_stages_equal_one_device_and_fp16_halves_their_bytes
             assert set(a.files) == set(b.files)
             for name in set(a.files) - {"sent"}:
                 np.testing.assert_array_equal(a[name], b[name])
+    # fp16 with error feedback: each replica's residuals (its own rounding
+    # errors) are saved with save_weights and read back by load_weights.
+    residuals = [np.load(tmp_path / "fp16" / f"ef-{rank}.npz") for rank in range(4)]
+    for rank, got in enumerate(residuals):
+        count = len(got.files) // 2
+        assert count == len([n for n in half[rank].files if n != "sent"]), rank
+        for i in range(count):
+            np.testing.assert_array_equal(got[f"a{i}"], got[f"b{i}"])
+        assert any(np.abs(got[f"b{i}"]).max() > 0 for i in range(count)), rank
+    assert not np.array_equal(residuals[0]["b0"], residuals[2]["b0"])  # Each replica's own.
     fp16_fit = np.load(tmp_path / "fp16" / "fit-0.npz")["fit"]
     np.testing.assert_allclose(fp16_fit, ref["fit"], rtol=0, atol=1e-2)
     assert not np.array_equal(fp16_fit, ref["fit"])  # fp16 rounding did reach the weights.

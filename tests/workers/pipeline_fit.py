@@ -12,7 +12,10 @@ pipelined model's). With $PIPELINE_BACKUP, fit has a BackupAndRestore there
 (one folder for the plain model, one the stages share); with $PIPELINE_CRASH,
 every process fails in the second epoch. With $PIPELINE_REPLICAS = R, the
 ADDRESSES are R pipelines' (STAGE is then the process's rank, replica-major)
-and $PIPELINE_COMPRESSION their all-reduce's compression; every process
+and $PIPELINE_COMPRESSION their all-reduce's compression (with error
+feedback if $PIPELINE_ERROR_FEEDBACK: each process then saves its residuals
+with save_weights, zeroes them, loads them back and writes both to
+OUT/ef-<STAGE>.npz); every process
 also writes OUT/w-<STAGE>.npz, the weights its stage owns, and the bytes its
 replicas' ring sent. With $PIPELINE_BY_STAGE, each process builds only its
 stage's weights (PipelineModel given the model's builder) and writes the
@@ -67,6 +70,7 @@ if stage != "ref":
         schedule=schedule,
         replicas=replicas,
         compression=os.environ.get("PIPELINE_COMPRESSION") or None,
+        error_feedback=True if os.environ.get("PIPELINE_ERROR_FEEDBACK") else None,
         stage=index,
         replica=replica,
         addresses=addresses,
@@ -96,6 +100,16 @@ model.save(out / f"{stage}.keras")
 if stage == "ref" or os.environ.get("PIPELINE_BY_STAGE"):
     weights_file = out / ("ref.weights.h5" if stage == "ref" else "pipe.weights.h5")
     model.save_weights(weights_file)
+if stage != "ref" and os.environ.get("PIPELINE_ERROR_FEEDBACK"):
+    # Each replica's residuals are saved beside the weights and read back.
+    residuals = model._compression_state()
+    before = {f"b{i}": v.numpy() for i, v in enumerate(residuals)}
+    model.save_weights(out / "ef.weights.h5")
+    for v in residuals:
+        v.assign(np.zeros_like(v.numpy()))
+    model.load_weights(out / "ef.weights.h5")
+    after = {f"a{i}": v.numpy() for i, v in enumerate(residuals)}
+    np.savez(out / f"ef-{stage}.npz", **before, **after)
 if stage != "ref" and os.environ.get("PIPELINE_BY_STAGE"):
     # Read back by stage: this stage's weights come back; no other is made.
     for v in (v for s in model.own for v in s.variables):

@@ -36,6 +36,7 @@ __all__ = [
     "set_initial_epoch",
     "should_eval",
     "symbolic_build",
+    "write_keras_archive",
 ]
 
 
@@ -187,3 +188,44 @@ def backup_position(callback: keras.callbacks.BackupAndRestore) -> tuple[int, in
     """Its position in the fit, as it records it: (epoch, batch)."""
     # BackupAndRestore's position in the fit, as it records it.
     return callback._current_epoch, callback._last_batch_seen
+
+
+# Saving.
+
+
+def write_keras_archive(model: keras.Model, weights_file: str, target: str) -> None:
+    """Writes ``model`` as a ``.keras`` archive at ``target`` whose weights are
+    the ``.weights.h5`` file ``weights_file`` (the file ``save_weights``
+    writes for ``model``), copied into it from disk.
+
+    Keras's ``saving_lib._save_model_to_fileobj`` (3.10 to 3.15, and 3.16's
+    nightly) writes ``metadata.json`` and ``config.json`` from
+    ``_serialize_model_as_json``, then walks the model with a weights store
+    and an assets store (``_save_state``) into the zip. This does the same
+    with no weights store, so that the walk reads no weight, and adds the
+    weights file as Keras adds its temporary one (``model.weights.h5``): a
+    pipeline writes that file by stage (tfdist.pipeline.saving), so no
+    process holds the whole model.
+    """
+    import zipfile
+
+    from tfdist.compat.keras_src import saving_lib
+
+    config_json, metadata_json = saving_lib._serialize_model_as_json(model)
+    with zipfile.ZipFile(target, "w") as zf:
+        with zf.open(saving_lib._METADATA_FILENAME, "w") as f:
+            f.write(metadata_json.encode())
+        with zf.open(saving_lib._CONFIG_FILENAME, "w") as f:
+            f.write(config_json.encode())
+        assets = saving_lib.DiskIOStore(saving_lib._ASSETS_DIRNAME, archive=zf, mode="w")
+        try:
+            saving_lib._save_state(
+                model,
+                weights_store=None,
+                assets_store=assets,
+                inner_path="",
+                visited_saveables=set(),
+            )
+        finally:
+            assets.close()
+        zf.write(weights_file, saving_lib._VARS_FNAME_H5)

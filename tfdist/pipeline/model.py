@@ -39,7 +39,7 @@ import keras
 import numpy as np
 
 from tfdist.compat.deferred import borrowed, deferred_build, materialize
-from tfdist.compat.keras_private import loss_tracker
+from tfdist.compat.keras_private import loss_tracker, write_keras_archive
 from tfdist.compat.keras_src import saving_lib
 from tfdist.errors import ConfigError
 from tfdist.pipeline.backup import stage_callbacks
@@ -375,7 +375,7 @@ class PipelineModel(keras.Model):
         _, outputs = self._runner.forward_step("P", self._next("P"), keras.tree.flatten(x))
         return outputs[0] if len(outputs) == 1 else outputs
 
-    # Saving: stage 0 writes the whole model, after gathering every stage's weights.
+    # Saving: each stage writes its own weights; stage 0 joins the parts.
 
     def gather_weights(self, before_sending: Any = None) -> None:
         """Copies every stage's weights into stage 0's model, to keep (a
@@ -413,13 +413,34 @@ class PipelineModel(keras.Model):
             yield
 
     def save(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
-        """Writes the whole trained model as an ordinary Keras model (stage 0
-        writes; every stage must call it). Stage 0 holds every weight while
-        it writes: for a model no process can hold, ``save_weights`` to a
-        ``.weights.h5`` file writes by stage."""
-        with self._gathered():
-            if self.rank == 0:
-                self.whole.save(filepath, *args, **kwargs)
+        """Writes the whole trained model as an ordinary Keras model (every
+        stage must call it).
+
+        A ``.keras`` file is written by stage: its weights as
+        :meth:`save_weights` writes them (a part per process, joined by stage
+        0, beside ``filepath``), then stage 0 writes the archive around them
+        (Keras's config, metadata and assets), so that no process holds more
+        than its own weights. With other arguments, stage 0 gathers every
+        weight and Keras writes the file.
+        """
+        path = os.fspath(filepath)
+        if args or kwargs or not path.endswith(".keras"):
+            with self._gathered():
+                if self.rank == 0:
+                    self.whole.save(filepath, *args, **kwargs)
+            return
+        weights = path + ".tmp" + WEIGHTS_SUFFIX
+        self._write_by_stage(weights, states=False)
+        if self.rank != 0:
+            return
+        partial = path + ".partial"
+        try:
+            write_keras_archive(self.whole, weights, partial)
+            os.replace(partial, path)  # A crash never leaves half a file.
+        finally:
+            for leftover in (weights, partial):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
 
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """The whole model's weights to ``filepath``, the file Keras writes
@@ -437,21 +458,28 @@ class PipelineModel(keras.Model):
                 if self.rank == 0:
                     self.whole.save_weights(filepath, *args, **kwargs)
             return
+        self._write_by_stage(filepath, states=True)
+
+    def _write_by_stage(self, filepath: Any, states: bool) -> None:
+        """Writes the ``.weights.h5`` file by stage (and, if ``states``, the
+        optimizer's and compression's states beside it). The file is rank
+        0's ``filepath``: as with Keras under a strategy, the chief's path
+        counts, whatever path the other processes gave."""
         plan = self._plan()
         process = self.stage_index
+        tag = ("W", self._next("W"))
+        filepath = self._path_of_rank_0(tag, os.fspath(filepath))
 
         def write_part() -> None:
             if self.replica == 0:
                 part = part_file(filepath, process)
-                os.makedirs(
-                    os.path.dirname(part) or ".", exist_ok=True
-                )  # Stage 0 may not have yet.
+                os.makedirs(os.path.dirname(part) or ".", exist_ok=True)  # Before stage 0 does.
                 saving_lib.save_weights_only(self.whole, part, objects_to_skip=plan.skip_save)
-            self._save_optimizer(filepath)
+            if states:
+                self._save_optimizer(filepath)
 
         # Each process has written its part (and its optimizer state) before
         # the one below it goes on: once stage 0 has, the parts are all there.
-        tag = ("W", self._next("W"))
         self._pass_down(tag, plan, after_receiving=write_part)
         if self.rank == 0:
             parts = [part_file(filepath, k) for k in range(self.grid.stages)]
@@ -463,6 +491,18 @@ class PipelineModel(keras.Model):
             self._links[process - 1].recv((*tag, "joined"))
         if process < self.grid.stages - 1:
             self._links[process + 1].send((*tag, "joined"), [])
+
+    def _path_of_rank_0(self, tag: tuple, path: str) -> str:
+        """Stage 0's ``path``, passed up its pipeline (a replica's stage 0
+        passes its own: the replicas run the same script)."""
+        process = self.stage_index
+        if process > 0:
+            (data,) = self._links[process - 1].recv((*tag, "path"))
+            path = data.tobytes().decode()
+        if process < self.grid.stages - 1:
+            data = np.frombuffer(path.encode(), np.uint8)
+            self._links[process + 1].send((*tag, "path"), [data])
+        return path
 
     def _plan(self) -> Plan:
         reads = [
@@ -489,16 +529,24 @@ class PipelineModel(keras.Model):
             self._links[process - 1].send(tag, own)
 
     def _save_optimizer(self, filepath: Any) -> None:
-        # The replicas' optimizer states are equal: replica 0 writes.
-        if self.optimizer is None or not self.optimizer.built or self.replica:
-            return
-        state = self.optimizer.variables
-        values = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(state)}
-        side = _optimizer_file(filepath, self.stage_index)
-        os.makedirs(os.path.dirname(side) or ".", exist_ok=True)  # Stage 0 may not have yet.
-        partial = side + ".partial.npz"
-        np.savez(partial, **values)
-        os.replace(partial, side)  # A crash never leaves half a file.
+        # The replicas' optimizer states are equal: replica 0 writes. The
+        # compression's state (error-feedback residuals) is each replica's own.
+        if self.optimizer is not None and self.optimizer.built and not self.replica:
+            _write_state(_optimizer_file(filepath, self.stage_index), self.optimizer.variables)
+        compression = self._compression_state()
+        if compression:
+            _write_state(_replica_file(filepath, self.stage_index, self.replica), compression)
+
+    def _compression_state(self) -> list:
+        """The compression's state variables of this replica's stage, in order."""
+        replicas = None if self._runner is None else self._runner.replicas
+        if replicas is None:
+            return []
+        return [
+            replicas.state[i][name]
+            for i in sorted(replicas.state)
+            for name in sorted(replicas.state[i])
+        ]
 
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """The whole model's weights (every stage reads the file: a shared
@@ -518,23 +566,13 @@ class PipelineModel(keras.Model):
             plan = self._plan()
             with borrowed(plan.load):  # Another stage's weight of a shared layer: not kept.
                 self.whole.load_weights(filepath, objects_to_skip=plan.skip_load)
-        side = _optimizer_file(filepath, self.stage_index)
-        if self.optimizer is None or not self.optimizer.built or not os.path.exists(side):
-            return
-        with np.load(side) as saved:
-            values = [saved[f"v{i}"] for i in range(len(saved.files))]
-        mine = self.optimizer.variables
-        shapes = [tuple(v.shape) for v in mine]
-        if [tuple(v.shape) for v in values] != shapes:
-            raise ConfigError(
-                "filepath",
-                side,
-                f"an optimizer state of {len(shapes)} variables shaped as this optimizer's",
-                source=SOURCE,
-                received=f"{len(values)} variables shaped {[v.shape for v in values][:4]}...",
-            )
-        for variable, value in zip(mine, values):
-            variable.assign(value)
+        if self.optimizer is not None and self.optimizer.built:
+            side = _optimizer_file(filepath, self.stage_index)
+            _read_state(side, self.optimizer.variables, "optimizer state")
+        compression = self._compression_state()
+        if compression:
+            side = _replica_file(filepath, self.stage_index, self.replica)
+            _read_state(side, compression, "compression state (error-feedback residuals)")
 
     def sent_to_replicas(self) -> int:
         """Bytes this process has sent to its stage's other replicas (the
@@ -566,6 +604,44 @@ def _processes(stages: int, chunks: Any) -> int:
 def _optimizer_file(filepath: Any, stage: int) -> str:
     """Where stage ``stage`` keeps its optimizer state beside ``filepath``."""
     return f"{os.fspath(filepath)}.stage{stage}.npz"
+
+
+def _replica_file(filepath: Any, stage: int, replica: int) -> str:
+    """Where a replica of stage ``stage`` keeps its compression state."""
+    return f"{os.fspath(filepath)}.stage{stage}.replica{replica}.npz"
+
+
+def _write_state(path: str, variables: Sequence[Any]) -> None:
+    """The variables' values to ``path`` (whole or not at all)."""
+    values = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(variables)}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # Stage 0 may not have yet.
+    partial = path + ".partial.npz"
+    np.savez(partial, **values)
+    os.replace(partial, path)  # A crash never leaves half a file.
+
+
+def _read_state(path: str, variables: Sequence[Any], what: str) -> None:
+    """Assigns the values saved in ``path`` (if it exists) to ``variables``.
+
+    Raises:
+        ConfigError: The saved values do not fit the variables (another
+            optimizer, compression setting or model).
+    """
+    if not os.path.exists(path):
+        return
+    with np.load(path) as saved:
+        values = [saved[f"v{i}"] for i in range(len(saved.files))]
+    shapes = [tuple(v.shape) for v in variables]
+    if [tuple(v.shape) for v in values] != shapes:
+        raise ConfigError(
+            "filepath",
+            path,
+            f"a {what} of {len(shapes)} variables shaped as this one's",
+            source=SOURCE,
+            received=f"{len(values)} variables shaped {[v.shape for v in values][:4]}...",
+        )
+    for variable, value in zip(variables, values):
+        variable.assign(value)
 
 
 class _FunctionLoss(keras.losses.Loss):

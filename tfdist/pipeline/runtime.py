@@ -132,6 +132,10 @@ class StageRunner:
         for s in own:
             self.chunks.append(self._chunk(s, sum(len(c.variables) for c in self.chunks)))
         self.variables = [v for c in self.chunks for v in c.variables]
+        # The optimizer's update as one graph: eagerly, each variable's
+        # update is several ops from Python (SGD on 4 Dense(1024) layers:
+        # 9.9 ms eagerly, 3.4 ms as a graph; Adam 89 and 54 ms).
+        self._apply = tf.function(self._apply_eagerly, reduce_retracing=True)
         self.order = actions(schedule, self.process, self.processes, microbatches, len(own))
         #: Whether the last stage keeps each step's outputs (for metrics):
         #: then ``last_batch`` is ``(y, y_pred, sample_weight)`` of the step,
@@ -229,12 +233,16 @@ class StageRunner:
         started = time.perf_counter()
         if self.replicas is not None:
             grads = self.replicas.mean(grads, step)
-        pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
-        if pairs:
-            self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        if any(g is not None for g in grads):
+            self._apply(grads)
         self._span("update", step, started)
         loss = self._share_loss(step, total)
         return loss if self.replicas is None else self.replicas.mean_of(loss)
+
+    def _apply_eagerly(self, grads: list) -> None:
+        """Applies the gradients that are not None to their variables."""
+        pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
+        self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
 
     def _joined_outputs(self) -> Any:
         """The step's outputs, joined over the micro-batches in order."""
