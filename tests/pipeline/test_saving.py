@@ -116,3 +116,32 @@ def test_a_missing_part_leaves_no_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"part1\.weights\.h5"):
         join_parts([part_file(target, 0), part_file(target, 1)], target)
     assert not (tmp_path / "m.weights.h5").exists()
+
+
+def test_states_round_trip_and_a_state_that_does_not_fit_changes_nothing(tmp_path):
+    import tensorflow as tf
+
+    from tfdist.errors import ConfigError
+    from tfdist.pipeline.saving import read_state, write_state
+
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(s).astype("float32") for s in [(3, 4), (4,), ()]]
+    values.append(np.array(7, "int64"))
+    saved = [tf.Variable(v) for v in values]
+    path = str(tmp_path / "m.weights.h5.stage1.npz")
+    write_state(path, saved)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.weights.h5.stage1.npz"]
+    fresh = [tf.Variable(np.zeros_like(v)) for v in values]
+    read_state(path, fresh, "optimizer state", "test")
+    for got, want in zip(fresh, values):
+        np.testing.assert_array_equal(got.numpy(), want)
+    other = [tf.Variable(np.zeros((3, 4), "float32")), tf.Variable(np.zeros((5,), "float32"))]
+    with pytest.raises(
+        ConfigError, match=r"filepath.*2 variables of optimizer state.*stage1\.npz: 4 variables"
+    ) as error:
+        read_state(path, other, "optimizer state", "test")
+    assert "4 variables shaped [(3, 4), (4,), (), ()]" in str(error.value)
+    assert "[(3, 4), (5,)]" in str(error.value)  # What this process has.
+    assert all(not v.numpy().any() for v in other)
+    read_state(str(tmp_path / "absent.npz"), other, "optimizer state", "test")  # None saved.
+    assert all(not v.numpy().any() for v in other)

@@ -45,7 +45,15 @@ from tfdist.errors import ConfigError
 from tfdist.pipeline.backup import stage_callbacks
 from tfdist.pipeline.replicas import Grid, StageReplicas, aggregator_for, check_replicas
 from tfdist.pipeline.runtime import StageRunner
-from tfdist.pipeline.saving import WEIGHTS_SUFFIX, Plan, join_parts, part_file, plan_for
+from tfdist.pipeline.saving import (
+    WEIGHTS_SUFFIX,
+    Plan,
+    join_parts,
+    part_file,
+    plan_for,
+    read_state,
+    write_state,
+)
 from tfdist.pipeline.schedule import SCHEDULES, actions
 from tfdist.pipeline.split import split_model
 from tfdist.transport.p2p import connect_peers
@@ -532,10 +540,10 @@ class PipelineModel(keras.Model):
         # The replicas' optimizer states are equal: replica 0 writes. The
         # compression's state (error-feedback residuals) is each replica's own.
         if self.optimizer is not None and self.optimizer.built and not self.replica:
-            _write_state(_optimizer_file(filepath, self.stage_index), self.optimizer.variables)
+            write_state(_optimizer_file(filepath, self.stage_index), self.optimizer.variables)
         compression = self._compression_state()
         if compression:
-            _write_state(_replica_file(filepath, self.stage_index, self.replica), compression)
+            write_state(_replica_file(filepath, self.stage_index, self.replica), compression)
 
     def _compression_state(self) -> list:
         """The compression's state variables of this replica's stage, in order."""
@@ -568,11 +576,11 @@ class PipelineModel(keras.Model):
                 self.whole.load_weights(filepath, objects_to_skip=plan.skip_load)
         if self.optimizer is not None and self.optimizer.built:
             side = _optimizer_file(filepath, self.stage_index)
-            _read_state(side, self.optimizer.variables, "optimizer state")
+            read_state(side, self.optimizer.variables, "optimizer state", SOURCE)
         compression = self._compression_state()
         if compression:
             side = _replica_file(filepath, self.stage_index, self.replica)
-            _read_state(side, compression, "compression state (error-feedback residuals)")
+            read_state(side, compression, "compression state (error-feedback residuals)", SOURCE)
 
     def sent_to_replicas(self) -> int:
         """Bytes this process has sent to its stage's other replicas (the
@@ -609,39 +617,6 @@ def _optimizer_file(filepath: Any, stage: int) -> str:
 def _replica_file(filepath: Any, stage: int, replica: int) -> str:
     """Where a replica of stage ``stage`` keeps its compression state."""
     return f"{os.fspath(filepath)}.stage{stage}.replica{replica}.npz"
-
-
-def _write_state(path: str, variables: Sequence[Any]) -> None:
-    """The variables' values to ``path`` (whole or not at all)."""
-    values = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(variables)}
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # Stage 0 may not have yet.
-    partial = path + ".partial.npz"
-    np.savez(partial, **values)
-    os.replace(partial, path)  # A crash never leaves half a file.
-
-
-def _read_state(path: str, variables: Sequence[Any], what: str) -> None:
-    """Assigns the values saved in ``path`` (if it exists) to ``variables``.
-
-    Raises:
-        ConfigError: The saved values do not fit the variables (another
-            optimizer, compression setting or model).
-    """
-    if not os.path.exists(path):
-        return
-    with np.load(path) as saved:
-        values = [saved[f"v{i}"] for i in range(len(saved.files))]
-    shapes = [tuple(v.shape) for v in variables]
-    if [tuple(v.shape) for v in values] != shapes:
-        raise ConfigError(
-            "filepath",
-            path,
-            f"a {what} of {len(shapes)} variables shaped as this one's",
-            source=SOURCE,
-            received=f"{len(values)} variables shaped {[v.shape for v in values][:4]}...",
-        )
-    for variable, value in zip(variables, values):
-        variable.assign(value)
 
 
 class _FunctionLoss(keras.losses.Loss):

@@ -23,8 +23,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from tfdist.compat.keras_private import flatten_layers
+from tfdist.errors import ConfigError
 
-__all__ = ["WEIGHTS_SUFFIX", "Plan", "plan_for", "part_file", "join_parts"]
+__all__ = [
+    "WEIGHTS_SUFFIX",
+    "Plan",
+    "plan_for",
+    "part_file",
+    "join_parts",
+    "write_state",
+    "read_state",
+]
 
 #: What Keras's weights file name ends with (``save_weights`` refuses others).
 WEIGHTS_SUFFIX = ".weights.h5"
@@ -140,3 +149,63 @@ def _join(src: Any, out: Any) -> None:
             _join(item, out.require_group(name))
         elif name not in out:
             src.copy(item, out, name=name)
+
+
+def write_state(path: str, variables: Sequence[Any]) -> None:
+    """The variables' values to the ``.npz`` file ``path``, one at a time
+    (``np.savez`` takes them all at once: Adam's moments of a stage are twice
+    its weights), whole or not at all."""
+    import zipfile
+
+    import numpy as np
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # Stage 0 may not have yet.
+    partial = path + ".partial.npz"
+    with zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
+        for i, variable in enumerate(variables):
+            with zf.open(f"v{i}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asarray(variable.numpy()))
+    os.replace(partial, path)  # A crash never leaves half a file.
+
+
+def read_state(path: str, variables: Sequence[Any], what: str, source: str) -> None:
+    """Assigns the values saved in ``path`` (if it exists) to ``variables``,
+    one at a time, once every saved shape is known to fit.
+
+    Raises:
+        ConfigError: The saved values do not fit the variables (another
+            optimizer, compression setting or model), naming the file; no
+            variable is changed then.
+    """
+    import zipfile
+
+    import numpy as np
+
+    if not os.path.exists(path):
+        return
+    with zipfile.ZipFile(path) as zf:
+        names = sorted(zf.namelist(), key=lambda n: int(n[1:].split(".")[0]))
+        saved = []
+        for name in names:
+            with zf.open(name) as f:
+                major, _ = np.lib.format.read_magic(f)
+                read = (
+                    np.lib.format.read_array_header_1_0
+                    if major == 1
+                    else np.lib.format.read_array_header_2_0
+                )
+                saved.append(tuple(read(f)[0]))
+    shapes = [tuple(v.shape) for v in variables]
+    if saved != shapes:
+        raise ConfigError(
+            "filepath",
+            path,
+            f"{len(shapes)} variables of {what} shaped as this process's, "
+            f"{shapes[:4]}{'...' if len(shapes) > 4 else ''}",
+            source=source,
+            received=f"{path}: {len(saved)} variables shaped "
+            f"{saved[:4]}{'...' if len(saved) > 4 else ''}",
+        )
+    with np.load(path) as values:
+        for i, variable in enumerate(variables):
+            variable.assign(values[f"v{i}"])
