@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import finish, start
+from tests.pipeline.weights_files import h5_contents
 from tfdist.engines.net import free_ports
 from tfdist.pipeline.schedule import simulate
 
@@ -161,26 +162,10 @@ def test_fit_evaluate_predict_and_save_equal_the_unpipelined_model(tmp_path):
 
 
 def _assert_same_weights_file(got, want) -> None:
-    import h5py
-
-    def contents(path) -> dict:
-        items: dict = {}
-        with h5py.File(path, "r") as f:
-            items["/"] = dict(f.attrs)
-
-            def note(name, item):
-                if isinstance(item, h5py.Dataset):
-                    items[name] = (item.shape, item.dtype.str, dict(item.attrs), item[()])
-                else:
-                    items[name] = dict(item.attrs)
-
-            f.visititems(note)
-        return items
-
     # The optimizer's state is each stage's own file beside it
     # (FILEPATH.stageK.npz); the model's own optimizer is not the pipeline's.
     a, b = (
-        {k: v for k, v in contents(path).items() if not k.startswith("optimizer")}
+        {k: v for k, v in h5_contents(path).items() if not k.startswith("optimizer")}
         for path in (got, want)
     )
     assert len(b) > 20 and sorted(a) == sorted(b)
