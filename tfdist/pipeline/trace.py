@@ -21,6 +21,7 @@ Nothing here imports TensorFlow.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import statistics
 import time
@@ -62,22 +63,28 @@ class Trace:
         if keep < 1:
             raise ConfigError("keep", keep, "at least 1 step", source="tfdist.pipeline.trace")
         self.keep = keep
-        self.spans: list[Span] = []
+        # By step, oldest first: dropping a step is one pop, not a scan of
+        # every span kept (add runs inside the training step).
+        self._by_step: collections.OrderedDict[int, list[Span]] = collections.OrderedDict()
+
+    @property
+    def spans(self) -> list[Span]:
+        """Every span kept, in the order recorded."""
+        return [s for spans in self._by_step.values() for s in spans]
 
     def add(self, kind: str, step: int, start: float) -> float:
         """Records a span of ``kind`` from ``start`` to now; returns now."""
         now = time.perf_counter()
-        if self.spans and step != self.spans[-1].step:
-            steps = sorted({s.step for s in self.spans})
-            if len(steps) >= self.keep:
-                drop = set(steps[: len(steps) - self.keep + 1])
-                self.spans = [s for s in self.spans if s.step not in drop]
-        self.spans.append(Span(kind, step, start, now))
+        if step not in self._by_step:
+            self._by_step[step] = []
+            if len(self._by_step) > self.keep:
+                self._by_step.popitem(last=False)
+        self._by_step[step].append(Span(kind, step, start, now))
         return now
 
     def steps(self) -> list[int]:
         """The steps recorded, in order."""
-        return sorted({s.step for s in self.spans})
+        return sorted(self._by_step)
 
 
 @dataclasses.dataclass(frozen=True)
