@@ -13,6 +13,9 @@ from tfdist.compat.keras_src import saving_lib
 from tfdist.pipeline import split_model
 from tfdist.pipeline.saving import join_parts, part_file, plan_for
 
+#: Keras runs in this process: the suite's logical CPUs first (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("tf_cpus")
+
 
 def _mlp():
     import keras

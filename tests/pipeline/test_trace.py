@@ -14,6 +14,9 @@ from tfdist.errors import ConfigError
 from tfdist.pipeline.schedule import actions, bubble, simulate
 from tfdist.pipeline.trace import Span, Trace, breakdown, replay
 
+#: Keras runs in this process: the suite's logical CPUs first (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("tf_cpus")
+
 
 def spans_of(timeline, step: int = 7, offset: float = 100.0) -> list[list[Span]]:
     """A simulated timeline as recorded spans, with a send after each pass
