@@ -9,6 +9,7 @@ import itertools
 import os
 import pickle
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -374,6 +375,7 @@ def _socket_fds() -> int:
 def test_close_is_idempotent_and_leaves_no_thread_or_socket():
     before, threads_before = _socket_fds(), set(threading.enumerate())
     a, b = connect_pair()
+    a.post(("F", 0), [np.zeros(1024)])  # Starts a's sender thread.
     threads = [a._thread, b._thread]
     assert all(thread.is_alive() for thread in threads)
     assert _socket_fds() == before + 2
@@ -404,6 +406,68 @@ def test_bad_tags_and_arrays_are_refused_before_sending(pair):
     a.send(("F", 1), [np.arange(3)])  # The link is intact: nothing half-sent.
     assert b.recv(("F", 1))[0].tolist() == [0, 1, 2]
     assert b.bytes_received == np.arange(3).nbytes
+
+
+# --- Posted sends -------------------------------------------------------------
+
+
+def _link_to_a_reader_that_never_reads() -> tuple[p2p.Link, socket.socket]:
+    """A Link whose peer is a bare TCP socket nobody reads from."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+    return p2p.Link(sender, 0, 1, recv_timeout=RECV_TIMEOUT), peer
+
+
+def test_post_returns_before_the_peer_reads_and_flush_waits_for_it():
+    link, peer = _link_to_a_reader_that_never_reads()
+    try:
+        # 64 MB: far more than the sockets' buffers hold, so a send would
+        # block until the peer reads; a post does not.
+        big = np.ones(16 * 1024 * 1024, np.float32)
+        link.post(("F", 0, 1, 0), [big])
+        link.post(("F", 0, 1, 1), [big[:10]])
+        with pytest.raises(
+            PeerError,
+            match=r"stage 0 could not send 2 posted message\(s\) to "
+            r"stage 1 within 0\.5 s",
+        ):
+            link.flush(timeout=0.5)
+        assert link.bytes_sent == 0
+        peer.close()  # The peer goes away with the messages unread.
+        with pytest.raises(PeerError, match=r"stage 0 cannot send \('F', 0, 1, 0\) to stage 1"):
+            link.flush()
+        with pytest.raises(PeerError, match="stage 0 cannot send"):
+            link.post(("F", 1, 1, 0), [big[:10]])  # Later posts fail at once.
+    finally:
+        link.close()
+        peer.close()
+
+
+def test_posted_messages_leave_in_post_order_beside_sends(pair):
+    a, b = pair
+    for i in range(40):
+        a.post(("F", 7), [np.array([i, 2 * i], np.int64), np.full(20_000, i, np.float32)])
+        a.send(("other", i % 3), [np.array(-i)])
+    a.flush()
+    got = [b.recv(("F", 7)) for _ in range(40)]
+    assert [g[0].tolist() for g in got] == [[i, 2 * i] for i in range(40)]
+    assert all(np.all(g[1] == i) for i, g in enumerate(got))
+    assert [int(b.recv(("other", i % 3))[0]) for i in range(40)] == [-i for i in range(40)]
+    assert a.bytes_sent == b.bytes_received == 40 * (16 + 80_000 + 8)
+
+
+def test_bad_posts_are_refused_at_the_call(pair):
+    a, b = pair
+    with pytest.raises(ConfigError) as caught:
+        a.post(("F", 1.5), [np.zeros(1)])
+    assert caught.value.field == "tag"
+    with pytest.raises(ConfigError) as caught:
+        a.post(("F", 1), [np.array([object()])])
+    assert caught.value.field == "arrays[0]"
+    a.post(("F", 1), [np.arange(3)])  # Nothing half-sent: the link is intact.
+    a.flush()
+    assert b.recv(("F", 1))[0].tolist() == [0, 1, 2]
 
 
 # --- Bad settings and handshakes --------------------------------------------

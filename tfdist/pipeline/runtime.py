@@ -34,6 +34,10 @@ class Link(Protocol):
 
     def send(self, tag: tuple, arrays: Sequence[np.ndarray]) -> None: ...
 
+    def post(self, tag: tuple, arrays: Sequence[np.ndarray]) -> None: ...
+
+    def flush(self, timeout: float | None = None) -> None: ...
+
     def recv(self, tag: tuple, timeout: float | None = None) -> list[np.ndarray]: ...
 
     def close(self) -> None: ...
@@ -230,6 +234,7 @@ class StageRunner:
                 self._backward(step, chunk, i, tape, received, result, grads)
         if self.keep_outputs and self.last:
             self.last_batch = (y, self._joined_outputs(), sample_weight)
+        self._flush()
         started = time.perf_counter()
         if self.replicas is not None:
             grads = self.replicas.mean(grads, step)
@@ -290,7 +295,7 @@ class StageRunner:
             if self.keep_outputs:
                 self._outputs[i] = outs[1:]
             return tape, received, outs[0]
-        chunk.next.send(("F", step, g + 1, i), [o.numpy() for o in outs])
+        chunk.next.post(("F", step, g + 1, i), [o.numpy() for o in outs])
         self._span("send", step, started)
         return tape, received, outs
 
@@ -317,8 +322,13 @@ class StageRunner:
                 np.zeros(r.shape, r.dtype.as_numpy_dtype) if d is None else d.numpy()
                 for d, r in zip(got[n:], received)
             ]
-            chunk.prev.send(("B", step, g - 1, i), back)
+            chunk.prev.post(("B", step, g - 1, i), back)
             self._span("send", step, started)
+
+    def _flush(self) -> None:
+        """Waits for the step's posted activations and gradients to be sent."""
+        for link in self.links.values():
+            link.flush()
 
     def _span(self, kind: str, step: int, started: float) -> float:
         """Records a span from ``started`` to now, if tracing; returns now."""
@@ -366,11 +376,12 @@ class StageRunner:
                 wanted = list(targets[i]) if chunk.last and y is not None else None
                 outs = chunk.passes[False](list(inputs[i]) + received, wanted)
                 if not chunk.last:
-                    chunk.next.send((kind, step, g + 1, i), [o.numpy() for o in outs])
+                    chunk.next.post((kind, step, g + 1, i), [o.numpy() for o in outs])
                     continue
                 if wanted is not None:
                     total += float(outs.pop(0))
                 outputs.append(outs)
+        self._flush()
         joined = (
             [np.concatenate([o[k] for o in outputs]) for k in range(len(outputs[0]))]
             if outputs

@@ -14,6 +14,10 @@ arrive, so :meth:`Link.send` never waits for the peer's program to call
 ``recv``, and two stages sending each other large messages at once do not
 deadlock. :meth:`Link.recv` takes the message with the tag asked for; others
 wait in the mailbox, those of one tag in the order they were sent.
+:meth:`Link.post` hands a message to a sender thread and returns at once (as
+gloo's ``isend``), so a stage computes its next micro-batch while its last
+one's activations are written; :meth:`Link.flush` waits until every posted
+message is in the kernel, and raises the first failure.
 
 Wire format, after a handshake (``MAGIC``, then a length-prefixed JSON hello
 giving the sender's stage and the count of stages): each message is a 4-byte
@@ -245,6 +249,9 @@ class Link:
         self._close_lock = threading.Lock()
         self._broken: str | None = None  # Why no more messages can arrive.
         self._closing = False
+        # Posted messages: one sender thread, so they leave in post order.
+        self._sender: concurrent.futures.ThreadPoolExecutor | None = None
+        self._posted: collections.deque[concurrent.futures.Future] = collections.deque()
         _tune(sock)
         # The receiver's reads wake on this timeout too, and ignore it.
         sock.settimeout(recv_timeout)
@@ -288,6 +295,61 @@ class Link:
             except OSError as e:
                 raise self._fail_send(tag, f"sending failed ({e})") from e
             self.bytes_sent += sum(a.nbytes for a in arrays)
+
+    def post(self, tag: Tag, arrays: Sequence[np.ndarray]) -> None:
+        """Sends ``arrays`` under ``tag`` from a sender thread; returns at once.
+
+        Posted messages leave in the order they were posted. The arrays must
+        not change until :meth:`flush` returns (they are written from their
+        own memory). Call :meth:`flush` before relying on the peer having
+        them, e.g. at the end of a training step.
+
+        Raises:
+            ConfigError: As :meth:`send`, at once.
+            PeerError: An earlier posted message failed (the link is broken).
+        """
+        tag = _check_tag(tag)
+        arrays = _prepare(arrays)
+        self._raise_failed_posts()
+        if self._sender is None:
+            self._sender = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"tfdist-p2p-send-{self.stage}->{self.peer}"
+            )
+        self._posted.append(self._sender.submit(self.send, tag, arrays))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until every posted message is in the kernel.
+
+        Args:
+            timeout: Seconds to wait; None: as long as the sends take (each
+                fails by itself after ``recv_timeout`` seconds without
+                progress).
+
+        Raises:
+            PeerError: A posted message failed, or they were not all sent
+                within ``timeout``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._posted:
+            future = self._posted[0]
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(remaining)
+            except concurrent.futures.TimeoutError:
+                raise PeerError(
+                    f"{self.name} could not send {len(self._posted)} posted message(s) to "
+                    f"{self.peer_name} within {timeout:g} s",
+                    stage=self.stage,
+                    peer=self.peer,
+                ) from None
+            finally:
+                if future.done():
+                    self._posted.popleft()
+
+    def _raise_failed_posts(self) -> None:
+        """Forgets the posted messages already sent; raises the first failure."""
+        while self._posted and self._posted[0].done():
+            self._posted.popleft().result()
 
     def _write(self, header: bytes, arrays: Sequence[np.ndarray]) -> None:
         """Small arrays ride with the header; large ones go from their own buffer."""
@@ -445,6 +507,9 @@ class Link:
                 self._broken = f"{self.name} closed its link to {self.peer_name}"
             self._cond.notify_all()
         self._shutdown()  # Wakes the receiver's blocking read with EOF.
+        if self._sender is not None:
+            # Posted messages not yet written fail at once on the closed socket.
+            self._sender.shutdown(wait=True, cancel_futures=True)
         if self._thread is not threading.current_thread():
             self._thread.join()
         self._sock.close()
