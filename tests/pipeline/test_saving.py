@@ -5,13 +5,16 @@ save and load are in test_pipeline_processes.py)."""
 
 from __future__ import annotations
 
+import itertools
+import os
+
 import numpy as np
 import pytest
 
 from tests.pipeline.weights_files import h5_contents
 from tfdist.compat.keras_src import saving_lib
 from tfdist.pipeline import split_model
-from tfdist.pipeline.saving import join_parts, part_file, plan_for
+from tfdist.pipeline.saving import join_parts, local_copy, part_file, plan_for
 
 #: Keras runs in this process: the suite's logical CPUs first (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("tf_cpus")
@@ -33,18 +36,38 @@ def _mlp():
 
 def _contents(path) -> dict:
     """h5_contents with each value as its bytes, to compare with ==."""
-    return {
-        name: (*item[:3], item[3].tobytes()) if isinstance(item, tuple) else item
-        for name, item in h5_contents(path).items()
-    }
+    with local_copy(str(path)) as local:
+        return {
+            name: (*item[:3], item[3].tobytes()) if isinstance(item, tuple) else item
+            for name, item in h5_contents(local).items()
+        }
+
+
+_RAM = itertools.count()
+
+
+@pytest.fixture(params=["local", "url"])
+def where(request, tmp_path):
+    """A directory to save in: local, or a URL (TensorFlow's in-memory
+    ``ram://`` file system, through tf.io.gfile, as ``gs://`` would be)."""
+    if request.param == "local":
+        return str(tmp_path)
+    return f"ram://tfdist-saving-{os.getpid()}-{next(_RAM)}"
+
+
+def _names(directory: str) -> list[str]:
+    """The files in ``directory``, local or at a URL."""
+    import tensorflow as tf
+
+    return sorted(os.path.basename(p) for p in tf.io.gfile.glob(directory + "/*"))
 
 
 @pytest.mark.parametrize("splits", [["d1"], ["d1", "d2"], ["bn", "add", "head"]])
-def test_the_joined_parts_are_keras_s_own_file(tmp_path, splits):
+def test_the_joined_parts_are_keras_s_own_file(tmp_path, where, splits):
     model = _mlp()
     stages = split_model(model, splits)
     reads = [s.variables for s in stages]
-    target = str(tmp_path / "model.weights.h5")
+    target = f"{where}/model.weights.h5"
     for k in range(len(stages)):
         plan = plan_for(model, reads, k)
         assert not plan.taken and all(not v for v in plan.sent.values())
@@ -53,9 +76,9 @@ def test_the_joined_parts_are_keras_s_own_file(tmp_path, splits):
         datasets = [n for n, v in _contents(part_file(target, k)).items() if isinstance(v, tuple)]
         assert len(datasets) == len(reads[k])
     join_parts([part_file(target, k) for k in range(len(stages))], target)
-    model.save_weights(tmp_path / "keras.weights.h5")
-    assert _contents(target) == _contents(tmp_path / "keras.weights.h5")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keras.weights.h5", "model.weights.h5"]
+    model.save_weights(f"{where}/keras.weights.h5")
+    assert _contents(target) == _contents(f"{where}/keras.weights.h5")
+    assert _names(where) == ["keras.weights.h5", "model.weights.h5"]
 
 
 def test_a_stage_reads_only_its_layers(tmp_path):
@@ -103,18 +126,20 @@ def test_a_layer_two_stages_train_is_written_by_the_first_with_the_other_s_weigh
     assert embedding in plans[1].skip_load
 
 
-def test_a_missing_part_leaves_no_file(tmp_path):
+def test_a_missing_part_leaves_no_file(where):
     model = _mlp()
     stages = split_model(model, ["d1"])
-    target = str(tmp_path / "m.weights.h5")
+    target = f"{where}/m.weights.h5"
     plan = plan_for(model, [s.variables for s in stages], 0)
     saving_lib.save_weights_only(model, part_file(target, 0), objects_to_skip=plan.skip_save)
-    with pytest.raises(FileNotFoundError, match=r"part1\.weights\.h5"):
+    with pytest.raises(FileNotFoundError) as error:
         join_parts([part_file(target, 0), part_file(target, 1)], target)
-    assert not (tmp_path / "m.weights.h5").exists()
+    assert f"missing {where}/m.part1.weights.h5 (process 1)" in str(error.value)
+    assert "every process must reach the path" in str(error.value)
+    assert _names(where) == ["m.part0.weights.h5"]  # No target, no partial file.
 
 
-def test_states_round_trip_and_a_state_that_does_not_fit_changes_nothing(tmp_path):
+def test_states_round_trip_and_a_state_that_does_not_fit_changes_nothing(where):
     import tensorflow as tf
 
     from tfdist.errors import ConfigError
@@ -124,9 +149,9 @@ def test_states_round_trip_and_a_state_that_does_not_fit_changes_nothing(tmp_pat
     values = [rng.standard_normal(s).astype("float32") for s in [(3, 4), (4,), ()]]
     values.append(np.array(7, "int64"))
     saved = [tf.Variable(v) for v in values]
-    path = str(tmp_path / "m.weights.h5.stage1.npz")
+    path = f"{where}/sub/m.weights.h5.stage1.npz"
     write_state(path, saved)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.weights.h5.stage1.npz"]
+    assert _names(f"{where}/sub") == ["m.weights.h5.stage1.npz"]
     fresh = [tf.Variable(np.zeros_like(v)) for v in values]
     read_state(path, fresh, "optimizer state", "test")
     for got, want in zip(fresh, values):
@@ -139,5 +164,5 @@ def test_states_round_trip_and_a_state_that_does_not_fit_changes_nothing(tmp_pat
     assert "4 variables shaped [(3, 4), (4,), (), ()]" in str(error.value)
     assert "[(3, 4), (5,)]" in str(error.value)  # What this process has.
     assert all(not v.numpy().any() for v in other)
-    read_state(str(tmp_path / "absent.npz"), other, "optimizer state", "test")  # None saved.
+    read_state(f"{where}/absent.npz", other, "optimizer state", "test")  # None saved.
     assert all(not v.numpy().any() for v in other)

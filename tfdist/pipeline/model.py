@@ -49,9 +49,13 @@ from tfdist.pipeline.saving import (
     WEIGHTS_SUFFIX,
     Plan,
     join_parts,
+    local_copy,
+    makedirs_for,
     part_file,
     plan_for,
+    published,
     read_state,
+    remove,
     write_state,
 )
 from tfdist.pipeline.schedule import SCHEDULES, actions
@@ -441,14 +445,11 @@ class PipelineModel(keras.Model):
         self._write_by_stage(weights, states=False)
         if self.rank != 0:
             return
-        partial = path + ".partial"
         try:
-            write_keras_archive(self.whole, weights, partial)
-            os.replace(partial, path)  # A crash never leaves half a file.
+            with local_copy(weights) as joined, published(path) as partial:
+                write_keras_archive(self.whole, joined, partial)
         finally:
-            for leftover in (weights, partial):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
+            remove(weights)
 
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """The whole model's weights to ``filepath``, the file Keras writes
@@ -458,7 +459,8 @@ class PipelineModel(keras.Model):
         A ``.weights.h5`` file is written by stage: each process writes its
         own layers to a part file beside it, and stage 0 joins the parts
         (:mod:`tfdist.pipeline.saving`), so that no process holds more than
-        its own weights (a shared file system). Other files, or Keras's
+        its own weights (every process reaches the path: a shared file
+        system, or a URL tf.io.gfile opens, e.g. ``gs://``). Other files, or Keras's
         sharded weights (``max_shard_size``), are written by stage 0 once
         every weight is copied to it."""
         if args or kwargs or not os.fspath(filepath).endswith(WEIGHTS_SUFFIX):
@@ -481,7 +483,7 @@ class PipelineModel(keras.Model):
         def write_part() -> None:
             if self.replica == 0:
                 part = part_file(filepath, process)
-                os.makedirs(os.path.dirname(part) or ".", exist_ok=True)  # Before stage 0 does.
+                makedirs_for(part)  # Before stage 0 does.
                 saving_lib.save_weights_only(self.whole, part, objects_to_skip=plan.skip_save)
             if states:
                 self._save_optimizer(filepath)
@@ -558,7 +560,8 @@ class PipelineModel(keras.Model):
 
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """The whole model's weights (every stage reads the file: a shared
-        file system), and this stage's optimizer state if saved beside it.
+        file system or a URL), and this stage's optimizer state if saved
+        beside it.
 
         Raises:
             ConfigError: The saved optimizer state does not fit this

@@ -13,13 +13,20 @@ A layer whose own weights two processes train (keras-hub's
 ``ReversibleEmbedding`` holds the first stage's embeddings and, untied, the
 last stage's output projection) is written by the first of them: the others'
 weights of it travel down the pipeline to it before the write (:class:`Plan`).
+
+Paths may be local or any URL ``tf.io.gfile`` opens (``gs://``, ``hdfs://``,
+``ram://``), as Keras's own ``save``/``save_weights`` take: h5py and zipfile
+work on a local copy (:func:`local_copy`), and a finished file reaches its
+URL whole or not at all (:func:`published`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tfdist.compat.keras_private import flatten_layers
@@ -33,6 +40,12 @@ __all__ = [
     "join_parts",
     "write_state",
     "read_state",
+    "is_remote",
+    "local_copy",
+    "published",
+    "makedirs_for",
+    "exists",
+    "remove",
 ]
 
 #: What Keras's weights file name ends with (``save_weights`` refuses others).
@@ -121,21 +134,112 @@ def part_file(filepath: Any, process: int) -> str:
     return f"{path[: -len(WEIGHTS_SUFFIX)]}.part{process}{WEIGHTS_SUFFIX}"
 
 
+# Files, local or at a URL.
+
+
+def is_remote(path: str) -> bool:
+    """A URL (``gs://``, ``ram://``, ...) rather than a local path."""
+    return "://" in path
+
+
+@contextlib.contextmanager
+def local_copy(path: str) -> Iterator[str]:
+    """``path`` itself if local; else a local copy of it, removed after."""
+    if not is_remote(path):
+        yield path
+        return
+    import tensorflow as tf
+
+    with tempfile.TemporaryDirectory(prefix="tfdist-pipeline-") as tmp:
+        local = os.path.join(tmp, os.path.basename(path))
+        tf.io.gfile.copy(path, local)
+        yield local
+
+
+@contextlib.contextmanager
+def published(target: str) -> Iterator[str]:
+    """A local path to write ``target``'s content to: once the block ends
+    without error, it becomes ``target`` (renamed, or uploaded then renamed
+    at the URL), so ``target`` appears whole or not at all; after an error
+    nothing is left."""
+    if is_remote(target):
+        import tensorflow as tf
+
+        with tempfile.TemporaryDirectory(prefix="tfdist-pipeline-") as tmp:
+            local = os.path.join(tmp, os.path.basename(target))
+            yield local
+            tf.io.gfile.copy(local, target + ".partial", overwrite=True)
+            tf.io.gfile.rename(target + ".partial", target, overwrite=True)
+        return
+    partial = target + ".partial"
+    try:
+        yield partial
+        os.replace(partial, target)  # A crash never leaves half a file.
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def makedirs_for(path: str) -> None:
+    """Makes the directory ``path`` goes in, if it has one."""
+    directory = os.path.dirname(path)
+    if not directory:
+        return
+    if is_remote(path):
+        import tensorflow as tf
+
+        tf.io.gfile.makedirs(directory)
+    else:
+        os.makedirs(directory, exist_ok=True)
+
+
+def exists(path: str) -> bool:
+    """Whether the file ``path`` exists, local or at a URL."""
+    if is_remote(path):
+        import tensorflow as tf
+
+        return tf.io.gfile.exists(path)
+    return os.path.exists(path)
+
+
+def remove(path: str) -> None:
+    """Removes the file ``path`` if it exists."""
+    if not exists(path):
+        return
+    if is_remote(path):
+        import tensorflow as tf
+
+        tf.io.gfile.remove(path)
+    else:
+        os.remove(path)
+
+
 def join_parts(parts: Sequence[str], target: str) -> None:
     """Joins the processes' part files into ``target``, dataset by dataset
     (the first part to hold a path wins; a path is in one part but for the
     groups above the datasets), then removes the parts. ``target`` appears
-    whole or not at all."""
+    whole or not at all.
+
+    Raises:
+        FileNotFoundError: A part is not there, naming it: the processes
+            do not share the path's file system.
+    """
     import h5py
 
-    partial = target + ".partial"
-    with h5py.File(partial, "w") as out:
+    missing = [f"{part} (process {k})" for k, part in enumerate(parts) if not exists(part)]
+    if missing:
+        raise FileNotFoundError(
+            f"the part files of the weights {target} are not all there: missing "
+            f"{', '.join(missing)}. Each process writes its part beside the target and the "
+            "first process joins them, so every process must reach the path (a shared file "
+            "system, or a URL such as gs://)"
+        )
+    with published(target) as partial, h5py.File(partial, "w") as out:
         for part in parts:
-            with h5py.File(part, "r") as src:
+            with local_copy(part) as local, h5py.File(local, "r") as src:
                 _join(src, out)
-    os.replace(partial, target)
     for part in parts:
-        os.remove(part)
+        remove(part)
 
 
 def _join(src: Any, out: Any) -> None:
@@ -159,13 +263,11 @@ def write_state(path: str, variables: Sequence[Any]) -> None:
 
     import numpy as np
 
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # Stage 0 may not have yet.
-    partial = path + ".partial.npz"
-    with zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
+    makedirs_for(path)  # Stage 0 may not have yet.
+    with published(path) as partial, zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
         for i, variable in enumerate(variables):
             with zf.open(f"v{i}.npy", "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, np.asarray(variable.numpy()))
-    os.replace(partial, path)  # A crash never leaves half a file.
 
 
 def read_state(path: str, variables: Sequence[Any], what: str, source: str) -> None:
@@ -177,13 +279,18 @@ def read_state(path: str, variables: Sequence[Any], what: str, source: str) -> N
             optimizer, compression setting or model), naming the file; no
             variable is changed then.
     """
+    if not exists(path):
+        return
+    with local_copy(path) as local:
+        _read_state(local, path, variables, what, source)
+
+
+def _read_state(local: str, path: str, variables: Sequence[Any], what: str, source: str) -> None:
     import zipfile
 
     import numpy as np
 
-    if not os.path.exists(path):
-        return
-    with zipfile.ZipFile(path) as zf:
+    with zipfile.ZipFile(local) as zf:
         names = sorted(zf.namelist(), key=lambda n: int(n[1:].split(".")[0]))
         saved = []
         for name in names:
@@ -206,6 +313,6 @@ def read_state(path: str, variables: Sequence[Any], what: str, source: str) -> N
             received=f"{path}: {len(saved)} variables shaped "
             f"{saved[:4]}{'...' if len(saved) > 4 else ''}",
         )
-    with np.load(path) as values:
+    with np.load(local) as values:
         for i, variable in enumerate(variables):
             variable.assign(values[f"v{i}"])
