@@ -388,6 +388,8 @@ def test_close_is_idempotent_and_leaves_no_thread_or_socket():
         a.recv(("B", 0))
     with pytest.raises(PeerError, match="stage 1 cannot send"):
         b.send(("B", 0), [np.zeros(1)])
+    with pytest.raises(PeerError, match="stage 0 cannot send.*closed its link"):
+        a.post(("F", 1), [np.zeros(1)])
 
 
 def test_bad_tags_and_arrays_are_refused_before_sending(pair):

@@ -306,16 +306,22 @@ class Link:
 
         Raises:
             ConfigError: As :meth:`send`, at once.
-            PeerError: An earlier posted message failed (the link is broken).
+            PeerError: The link is closed or broken (as :meth:`send`), or an
+                earlier posted message failed.
         """
         tag = _check_tag(tag)
         arrays = _prepare(arrays)
         self._raise_failed_posts()
+        if self._broken is not None:  # Closed, or the peer is gone: as send says.
+            raise self._send_error(tag, self._broken)
         if self._sender is None:
             self._sender = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"tfdist-p2p-send-{self.stage}->{self.peer}"
             )
-        self._posted.append(self._sender.submit(self.send, tag, arrays))
+        try:
+            self._posted.append(self._sender.submit(self.send, tag, arrays))
+        except RuntimeError:  # close() shut the sender down meanwhile.
+            raise self._send_error(tag, self._broken or f"{self.name} closed the link") from None
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every posted message is in the kernel.
