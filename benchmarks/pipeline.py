@@ -18,8 +18,9 @@ process:
   interleaved), and against the schedule replayed with the measured pass
   times (tfdist.pipeline.trace.replay: unequal stages leave more idle than
   the formula). tfdist's spans come from its StageRunner's Trace, which also
-  times the sends (making bytes included) and the waits; PyTorch's passes
-  are timed with module hooks. The optimizer step comes after the window;
+  times the sends (making bytes and posting them to the sender thread) and
+  the waits; PyTorch's passes are timed with module hooks. The optimizer
+  step comes after the window;
 - the peak resident memory of the steps (warm-up included) above the
   resident set before them (``/proc/self/clear_refs``): GPipe keeps every
   micro-batch's activations, 1F1B at most p - s.

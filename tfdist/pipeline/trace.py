@@ -34,7 +34,8 @@ __all__ = ["KINDS", "Span", "Trace", "Breakdown", "breakdown", "replay"]
 
 #: What a span measures: a forward or backward pass, a receive (waiting for
 #: the neighbour, and making tensors of its bytes), making bytes of outputs
-#: and sending them, the gradient averaging and optimizer step.
+#: and posting them to the link's sender thread (the writing overlaps the
+#: next pass), the gradient averaging and optimizer step.
 KINDS = ("F", "B", "recv", "send", "update")
 
 
@@ -97,7 +98,7 @@ class Breakdown:
         compute: Per process, the fraction spent in forward and backward passes.
         wait: Per process, the fraction spent in receives.
         send: Per process, the fraction spent making bytes of outputs and
-            sending them.
+            posting them (a sender thread writes them meanwhile).
         idle: Per process, ``1 - compute``: the measured bubble, transfers
             included (the formula counts them as idle too, at zero cost).
         forward: Per process, the mean seconds of one forward pass (over
