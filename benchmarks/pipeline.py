@@ -164,7 +164,7 @@ def tfdist_worker() -> dict:
     x, y = _data()
     result = _measure(
         lambda step: runner.train_step(step, [x], y),
-        lambda: [(s.kind, s.step, s.start, s.end) for s in runner.trace.spans],
+        lambda: [(s.kind, s.step, s.start, s.end, list(s.message)) for s in runner.trace.spans],
     )
     result["peak_in_flight"] = runner.peak_in_flight
     runner.close()
@@ -296,19 +296,22 @@ def markdown(raw: dict) -> str:
         "",
         "Idle fraction of the schedule's window (first forward to last backward of a step), "
         "per process (0, 1); medians over the timed steps and runs. *Replayed*: the schedule "
-        "with the framework's measured pass times and free transfers.",
+        "with the framework's measured pass times and free transfers; *with delivery*: and "
+        "each message taking the measured *delivery* time (from the end of its send span to "
+        "the end of a receive that waited for it).",
         "",
-        "| schedule | m | theory | tfdist replayed | tfdist idle | of which sends "
-        "| of which waits | PyTorch replayed | PyTorch idle |",
-        "|---|---:|---:|---|---|---|---|---|---|",
+        "| schedule | m | theory | tfdist replayed | with delivery | tfdist idle "
+        "| of which sends | of which waits | delivery (ms) | PyTorch replayed | PyTorch idle |",
+        "|---|---:|---:|---|---|---|---|---|---:|---|---|",
     ]
     pair = lambda values: f"{values[0]:.3f}, {values[1]:.3f}"  # noqa: E731
     for row in raw["rows"]:
         t, p = row["tfdist"], row["torch"]
         lines.append(
             f"| {_label(row['schedule'], meta)} | {row['m']} | {row['theory']:.3f} "
-            f"| {pair(t['replayed'])} | {pair(t['idle'])} | {pair(t['send'])} "
-            f"| {pair(t['wait'])} | {pair(p['replayed'])} | {pair(p['idle'])} |"
+            f"| {pair(t['replayed'])} | {pair(t['replayed_sends'])} | {pair(t['idle'])} "
+            f"| {pair(t['send'])} | {pair(t['wait'])} | {1e3 * t['delivery_s']:.2f} "
+            f"| {pair(p['replayed'])} | {pair(p['idle'])} |"
         )
     lines += [
         "",
@@ -335,16 +338,26 @@ def _label(schedule: str, meta: dict) -> str:
     return f"interleaved (v={meta.get('chunks', 2)})" if schedule == "interleaved" else schedule
 
 
+def _span(fields: list):
+    """A span from its JSON list; tfdist's sends and receives name their
+    message, PyTorch's spans have none."""
+    from tfdist.pipeline.trace import Span
+
+    return Span(*fields[:4], tuple(fields[4]) if len(fields) > 4 else ())
+
+
 def bubble_of(outs: list[dict], schedule: str, m: int) -> dict:
     """One run's bubble, from its processes' spans: per process, the medians
     over the timed steps of the idle, send and wait fractions of the window
     and of the update's seconds, and the schedule replayed with the run's
     median pass times."""
-    from tfdist.pipeline.trace import Span, breakdown, replay
+    from tfdist.pipeline.trace import breakdown, delivery, replay
 
-    spans = [[Span(*s) for s in out["spans"]] for out in outs]
+    spans = [[_span(s) for s in out["spans"]] for out in outs]
     v = chunks_of(schedule)
-    steps = [breakdown(spans, step, v) for step in sorted({s.step for s in spans[0]})]
+    numbers = sorted({s.step for s in spans[0]})
+    steps = [breakdown(spans, step, v) for step in numbers]
+    latency = delivery(spans, numbers) or 0.0
 
     def median(field: str) -> list[float]:
         return [statistics.median(getattr(b, field)[k] for b in steps) for k in range(len(outs))]
@@ -354,6 +367,9 @@ def bubble_of(outs: list[dict], schedule: str, m: int) -> dict:
         "update_s": median("update"),
         "window_s": statistics.median(b.window for b in steps),
         "replayed": list(replay(schedule, m, steps, v).idle),
+        # The replay again, each message taking the measured delivery time.
+        "delivery_s": latency,
+        "replayed_sends": list(replay(schedule, m, steps, v, latency).idle),
     }
 
 
@@ -367,8 +383,9 @@ def _row(schedule: str, m: int, runs: list[dict]) -> dict:
             "peak_mb": [statistics.median(o[s]["peak_mb"] for o in outs) for s in range(STAGES)],
             **{
                 field: [statistics.median(b[field][s] for b in bubbles) for s in range(STAGES)]
-                for field in ("idle", "send", "wait", "update_s", "replayed")
+                for field in ("idle", "send", "wait", "update_s", "replayed", "replayed_sends")
             },
+            "delivery_s": statistics.median(b["delivery_s"] for b in bubbles),
         }
     ratios = [run["tfdist"][0]["step_s"] / run["torch"][0]["step_s"] for run in runs]
     row["ratio"] = statistics.median(ratios)

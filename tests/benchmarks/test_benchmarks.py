@@ -871,6 +871,11 @@ def test_pipeline_benchmark_rows_and_table():
     assert row["tfdist"]["update_s"] == pytest.approx([0.3, 0.0])  # Medians of 0.2, 0.4.
     replayed = simulate("gpipe", 2, 1, [1.5, 1.35], [1.5, 1.5]).idle  # The median run's.
     assert row["tfdist"]["replayed"] == pytest.approx(list(replayed))
+    # These spans name no message: no delivery measured, the same replay.
+    assert row["tfdist"]["delivery_s"] == 0.0
+    assert row["tfdist"]["replayed_sends"] == pytest.approx(list(replayed))
+    assert pipe._span(["send", 3, 0.0, 1.0, ["F", 1, 0]]).message == ("F", 1, 0)
+    assert pipe._span(["F", 3, 0.0, 1.0]).message == ()
     assert row["torch"]["peak_mb"] == pytest.approx([60.0, 61.0])
     meta = {
         "command": "python benchmarks/pipeline.py",
@@ -890,8 +895,8 @@ def test_pipeline_benchmark_rows_and_table():
     text = pipe.markdown({"meta": meta, "rows": [row]})
     r = [f"{x:.3f}" for x in replayed]
     assert (
-        f"| gpipe | 1 | 0.500 | {r[0]}, {r[1]} | 0.500, 0.525 | 0.025, 0.010 | 0.475, 0.275 "
-        f"| {r[0]}, {r[1]} | 0.500, 0.525 |"
+        f"| gpipe | 1 | 0.500 | {r[0]}, {r[1]} | {r[0]}, {r[1]} | 0.500, 0.525 | 0.025, 0.010 "
+        f"| 0.475, 0.275 | 0.00 | {r[0]}, {r[1]} | 0.500, 0.525 |"
     ) in text
     assert "| gpipe | 1 | 400.0 | 225.0 | 1.75 | 300.0, 0.0 | 50, 51 | 60, 61 |" in text
     assert text.rstrip().endswith("- a note")

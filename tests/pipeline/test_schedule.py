@@ -114,3 +114,31 @@ def test_interleaving_divides_the_bubble_by_the_chunks(stages, microbatches, chu
     assert actions("interleaved", 1, stages, microbatches, 1) == actions(
         "1f1b", 1, stages, microbatches
     )
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (3, 1)])
+def test_a_transfer_time_adds_two_per_boundary_to_gpipe_s_step(stages, microbatches):
+    # Each boundary is crossed twice on the critical path (the first
+    # micro-batch's forward going up, the first backward coming down).
+    p, m, d = stages, microbatches, 0.25
+    timeline = simulate("gpipe", p, m, 1.0, 1.0, transfer=d)
+    assert timeline.step == pytest.approx(2 * (m + p - 1) + 2 * (p - 1) * d)
+    assert timeline.idle == pytest.approx((1 - 2 * m / timeline.step,) * p)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_transfers_only_ever_add_idle(schedule):
+    chunks = 2 if schedule == "interleaved" else 1
+    forward = [1.0, 1.2, 0.9, 1.1]
+    idle = [simulate(schedule, 4, 8, forward, 2.0, chunks, d).idle for d in (0.0, 0.1, 0.5)]
+    for k in range(4):
+        assert idle[0][k] < idle[1][k] < idle[2][k]
+    # One process sends to no other: a transfer time changes nothing.
+    assert simulate(schedule, 1, 4, 1.0, 1.0, chunks, transfer=5.0).idle == (0.0,)
+
+
+@pytest.mark.parametrize("transfer", [-0.1, "1", True, None])
+def test_a_bad_transfer_time_is_named(transfer):
+    with pytest.raises(ConfigError) as caught:
+        simulate("gpipe", 2, 2, transfer=transfer)
+    assert caught.value.field == "transfer" and caught.value.value is transfer

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from tfdist.engines.net import free_ports
 from tfdist.errors import ConfigError
 from tfdist.pipeline.schedule import actions, bubble, simulate
-from tfdist.pipeline.trace import Span, Trace, breakdown, replay
+from tfdist.pipeline.trace import Span, Trace, breakdown, delivery, replay
 
 #: Keras runs in this process: the suite's logical CPUs first (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("tf_cpus")
@@ -58,6 +58,8 @@ def test_breakdown_and_replay_read_back_the_simulated_bubble(
     for k in range(stages):
         assert got.compute[k] + got.wait[k] <= 1 + 1e-9
     assert replay(schedule, m, [got], chunks).idle == pytest.approx(timeline.idle, abs=1e-9)
+    late = simulate(schedule, stages, m, forward, backward, chunks, transfer=0.3)
+    assert replay(schedule, m, [got], chunks, 0.3).idle == pytest.approx(late.idle, abs=1e-9)
     if len(set(forward)) == len(set(backward)) == 1:
         assert got.idle == pytest.approx((bubble(stages, m, chunks),) * stages, abs=1e-9)
 
@@ -80,6 +82,27 @@ def test_spans_outside_the_window_or_of_other_steps_are_cut_off():
     assert got.compute == pytest.approx((0.5, 0.4)) and got.idle == pytest.approx((0.5, 0.6))
     assert got.wait == pytest.approx((0.2, 0.0)) and got.send == pytest.approx((0.05, 0.1))
     assert got.update == (1.0, 0.0)
+
+
+def test_delivery_is_the_median_time_a_waiting_stage_took_to_get_its_message():
+    first = [
+        Span("F", 5, 0.0, 0.9),
+        Span("send", 5, 0.9, 1.0, ("F", 1, 0)),
+        Span("F", 5, 1.0, 1.9),
+        Span("send", 5, 1.9, 2.0, ("F", 1, 1)),
+        Span("recv", 5, 2.0, 3.5, ("B", 0, 0)),  # Waited from 2.0: 0.5 after the send.
+        Span("send", 6, 9.0, 9.1, ("F", 1, 0)),  # Another step.
+    ]
+    second = [
+        Span("recv", 5, 0.5, 1.3, ("F", 1, 0)),  # Waited from 0.5: 0.3 after the send.
+        Span("recv", 5, 2.5, 2.6, ("F", 1, 1)),  # Began after the send: not a wait.
+        Span("send", 5, 2.9, 3.0, ("B", 0, 0)),
+        Span("recv", 6, 9.0, 9.2, ("F", 1, 0)),
+    ]
+    assert delivery([first, second], [5]) == pytest.approx(0.4)  # Of 0.3 and 0.5.
+    assert delivery([first, second], [6]) == pytest.approx(0.1)
+    assert delivery([first, second], [7]) is None
+    assert delivery([[Span("F", 5, 0.0, 1.0)], [Span("recv", 5, 0.0, 2.0)]], [5]) is None
 
 
 def test_a_process_without_a_pass_of_the_step_is_named():
@@ -144,6 +167,19 @@ def test_two_stages_record_their_passes_in_the_schedule_s_order_on_one_clock(sch
             assert [s.kind for s in own].count("recv") == m
             assert [s.kind for s in own].count("send") == m
             assert all(a.end <= b.start for a, b in zip(own, own[1:]))
+            # Sends and receives name their messages: to stage 1 forward, to 0 back.
+            kinds = {"send": "F" if k == 0 else "B", "recv": "B" if k == 0 else "F"}
+            for span in (s for s in own if s.kind in kinds):
+                assert span.message[0] == kinds[span.kind]
+                assert span.message[1] == (1 if span.message[0] == "F" else 0)
+    for step in range(steps):
+        # Every message one stage sent, the other received; never before the
+        # sender began making its bytes.
+        for sender, receiver in ((traces[0], traces[1]), (traces[1], traces[0])):
+            sent = {s.message: s for s in sender.spans if s.kind == "send" and s.step == step}
+            got = {s.message: s for s in receiver.spans if s.kind == "recv" and s.step == step}
+            assert sorted(sent) == sorted(got) and len(sent) == m
+            assert all(got[key].end >= sent[key].start for key in sent)
     for step in range(steps):
         first, last = ([s for s in t.spans if s.step == step] for t in traces)
         got = breakdown([first, last], step)

@@ -283,7 +283,7 @@ class StageRunner:
             started = time.perf_counter()
             arrays = chunk.prev.recv(("F", step, g, i))
             received = [tf.convert_to_tensor(a) for a in arrays]
-            self._span("recv", step, started)
+            self._span("recv", step, started, ("F", g, i))
         started = time.perf_counter()
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(chunk.watched)
@@ -296,7 +296,7 @@ class StageRunner:
                 self._outputs[i] = outs[1:]
             return tape, received, outs[0]
         chunk.next.post(("F", step, g + 1, i), [o.numpy() for o in outs])
-        self._span("send", step, started)
+        self._span("send", step, started, ("F", g + 1, i))
         return tape, received, outs
 
     def _backward(
@@ -309,7 +309,7 @@ class StageRunner:
             started = time.perf_counter()
             arrays = chunk.next.recv(("B", step, g, i))
             upstream = [tf.convert_to_tensor(a) for a in arrays]
-            self._span("recv", step, started)
+            self._span("recv", step, started, ("B", g, i))
         started = time.perf_counter()
         got = tape.gradient(result, sources, output_gradients=upstream)
         n = len(chunk.variables)
@@ -323,18 +323,18 @@ class StageRunner:
                 for d, r in zip(got[n:], received)
             ]
             chunk.prev.post(("B", step, g - 1, i), back)
-            self._span("send", step, started)
+            self._span("send", step, started, ("B", g - 1, i))
 
     def _flush(self) -> None:
         """Waits for the step's posted activations and gradients to be sent."""
         for link in self.links.values():
             link.flush()
 
-    def _span(self, kind: str, step: int, started: float) -> float:
+    def _span(self, kind: str, step: int, started: float, message: tuple = ()) -> float:
         """Records a span from ``started`` to now, if tracing; returns now."""
         if self.trace is None:
             return time.perf_counter()
-        return self.trace.add(kind, step, started)
+        return self.trace.add(kind, step, started, message)
 
     def forward_step(
         self, kind: str, step: int, x: Sequence[Any], y: Any = None, sample_weight: Any = None

@@ -155,13 +155,16 @@ def simulate(
     forward: float | Sequence[float] = 1.0,
     backward: float | Sequence[float] = 1.0,
     chunks: int = 1,
+    transfer: float = 0.0,
 ) -> Timeline:
     """Runs the schedule on paper: each pass starts when its process is
     free and its input is there (a forward needs the previous stage's
     forward of the micro-batch, a backward the next stage's backward and its
-    own forward). Sending takes no time. ``forward`` and ``backward`` are a
-    process's times for one micro-batch over all its chunks (each chunk's
-    pass takes ``1 / chunks`` of it), one number or one per process.
+    own forward). ``forward`` and ``backward`` are a process's times for one
+    micro-batch over all its chunks (each chunk's pass takes ``1 / chunks``
+    of it), one number or one per process. ``transfer``: the time from a
+    pass's end until another process can use what it sent (0: sending
+    takes no time, as the bubble formula assumes).
 
     Raises:
         ConfigError: As :func:`actions`; a schedule that could never finish
@@ -170,6 +173,8 @@ def simulate(
     p, m, v = stages, microbatches, chunks
     f = [t / v for t in _per_stage(forward, p, "forward")]
     b = [t / v for t in _per_stage(backward, p, "backward")]
+    if isinstance(transfer, bool) or not isinstance(transfer, (int, float)) or transfer < 0:
+        raise ConfigError("transfer", transfer, "a time >= 0", source="simulate")
     queues = [actions(schedule, s, p, m, v) for s in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
@@ -179,7 +184,7 @@ def simulate(
         for s in range(p):
             while queues[s]:
                 a = queues[s][0]
-                ready = _ready(a, a.chunk * p + s, p * v, done)
+                ready = _ready(a, a.chunk * p + s, p * v, done, transfer if p > 1 else 0.0)
                 if ready is None:
                     break
                 start = max(free[s], ready)
@@ -205,16 +210,18 @@ def _per_stage(value: float | Sequence[float], stages: int, field: str) -> list[
     return values
 
 
-def _ready(a: Action, g: int, total: int, done: dict) -> float | None:
-    """When pass ``a`` of stage ``g`` (of ``total``) has its inputs, or None if not yet."""
+def _ready(a: Action, g: int, total: int, done: dict, transfer: float) -> float | None:
+    """When pass ``a`` of stage ``g`` (of ``total``) has its inputs, or None
+    if not yet; what another stage sent arrives ``transfer`` after its pass
+    (neighbouring stages are on other processes)."""
     if a.kind == "F":
-        needs = [("F", a.microbatch, g - 1)] if g > 0 else []
+        needs = [(("F", a.microbatch, g - 1), transfer)] if g > 0 else []
     else:
-        later = [("B", a.microbatch, g + 1)] if g < total - 1 else []
-        needs = [("F", a.microbatch, g), *later]
-    if any(n not in done for n in needs):
+        later = [(("B", a.microbatch, g + 1), transfer)] if g < total - 1 else []
+        needs = [(("F", a.microbatch, g), 0.0), *later]
+    if any(n not in done for n, _ in needs):
         return None
-    return max((done[n] for n in needs), default=0.0)
+    return max((done[n] + delay for n, delay in needs), default=0.0)
 
 
 def _timeline(spans: list[list[tuple[str, int, float, float]]]) -> Timeline:

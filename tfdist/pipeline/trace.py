@@ -15,6 +15,8 @@ backward of the step, over every process, the span the bubble formula
 :func:`replay` gives the bubble the schedule has with the measured pass times
 and free transfers (:func:`~tfdist.pipeline.schedule.simulate`): stages of
 unequal cost leave more idle than the formula, which assumes equal ones.
+:func:`delivery` measures what a message costs the stage waiting for it,
+and ``replay(..., transfer=...)`` adds that cost to every message.
 
 Nothing here imports TensorFlow.
 """
@@ -30,7 +32,7 @@ from collections.abc import Sequence
 from tfdist.errors import ConfigError
 from tfdist.pipeline.schedule import simulate
 
-__all__ = ["KINDS", "Span", "Trace", "Breakdown", "breakdown", "replay"]
+__all__ = ["KINDS", "Span", "Trace", "Breakdown", "breakdown", "replay", "delivery"]
 
 #: What a span measures: a forward or backward pass, a receive (waiting for
 #: the neighbour, and making tensors of its bytes), making bytes of outputs
@@ -41,12 +43,19 @@ KINDS = ("F", "B", "recv", "send", "update")
 
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """One measured part of a step on one process (seconds, host clock)."""
+    """One measured part of a step on one process (seconds, host clock).
+
+    Attributes:
+        message: For a ``send`` or ``recv``, the message: ``(kind, stage,
+            microbatch)``, the pass it feeds (``"F"`` or ``"B"``), the
+            stage it goes to, and its micro-batch; else ``()``.
+    """
 
     kind: str
     step: int
     start: float
     end: float
+    message: tuple = ()
 
     @property
     def seconds(self) -> float:
@@ -73,14 +82,14 @@ class Trace:
         """Every span kept, in the order recorded."""
         return [s for spans in self._by_step.values() for s in spans]
 
-    def add(self, kind: str, step: int, start: float) -> float:
+    def add(self, kind: str, step: int, start: float, message: tuple = ()) -> float:
         """Records a span of ``kind`` from ``start`` to now; returns now."""
         now = time.perf_counter()
         if step not in self._by_step:
             self._by_step[step] = []
             if len(self._by_step) > self.keep:
                 self._by_step.popitem(last=False)
-        self._by_step[step].append(Span(kind, step, start, now))
+        self._by_step[step].append(Span(kind, step, start, now, message))
         return now
 
     def steps(self) -> list[int]:
@@ -162,14 +171,50 @@ def breakdown(spans: Sequence[Sequence[Span]], step: int, chunks: int = 1) -> Br
     )
 
 
-def replay(schedule: str, microbatches: int, steps: Sequence[Breakdown], chunks: int = 1):
+def replay(
+    schedule: str,
+    microbatches: int,
+    steps: Sequence[Breakdown],
+    chunks: int = 1,
+    transfer: float = 0.0,
+):
     """The schedule's idle per process with the steps' median pass times and
     free transfers: the bubble these stages have, which the formula gives
-    only for stages of equal cost.
+    only for stages of equal cost. With ``transfer`` (e.g. the measured
+    :func:`delivery`), each message also takes that long to arrive.
 
     Returns:
         A :class:`~tfdist.pipeline.schedule.Timeline`.
     """
     forward = [statistics.median(b.forward[k] for b in steps) for k in range(len(steps[0].forward))]
     backward = [statistics.median(b.backward[k] for b in steps) for k in range(len(forward))]
-    return simulate(schedule, len(forward), microbatches, forward, backward, chunks)
+    return simulate(schedule, len(forward), microbatches, forward, backward, chunks, transfer)
+
+
+def delivery(spans: Sequence[Sequence[Span]], steps: Sequence[int]) -> float | None:
+    """The median time a message took to reach a stage that was waiting for
+    it: from the end of its ``send`` span (the sender's pass is done and the
+    bytes posted) to the end of the matching ``recv`` (the tensors made),
+    over the receives of ``steps`` that began before their message was
+    sent. None if no receive waited so. What each message adds to a
+    pipeline's critical path: the writing, the reading, the threads' wake-ups
+    and the conversions.
+
+    Args:
+        spans: Per process, its recorded spans, on one clock.
+        steps: The steps to read.
+    """
+    wanted = set(steps)
+    sent = {
+        (s.step, s.message): s.end
+        for process in spans
+        for s in process
+        if s.kind == "send" and s.message and s.step in wanted
+    }
+    waits = [
+        s.end - sent[s.step, s.message]
+        for process in spans
+        for s in process
+        if s.kind == "recv" and (s.step, s.message) in sent and s.start < sent[s.step, s.message]
+    ]
+    return statistics.median(waits) if waits else None
