@@ -128,6 +128,15 @@ def test_fit_evaluate_predict_and_save_equal_the_unpipelined_model(tmp_path):
         assert float(got["evaluate_acc"]) == float(ref["evaluate_acc"])
         assert float(got["evaluate"]) == pytest.approx(float(ref["evaluate"]), abs=TOL)
         np.testing.assert_allclose(got["predict"], ref["predict"], rtol=0, atol=TOL)
+    # pipe.trace, set before compile: every fit step's passes, each stage's
+    # own (GPipe, 2 micro-batches: 2 forwards and 2 backwards a step).
+    for stage in range(2):
+        traced = np.load(tmp_path / f"traced-{stage}.npy", allow_pickle=True).tolist()
+        steps = sorted({step for step, _ in traced})
+        assert steps == list(range(len(steps))) and len(steps) == 2 * 4, steps  # 2 epochs.
+        for step in steps:
+            kinds = [kind for s, kind in traced if s == step]
+            assert [k for k in kinds if k in ("F", "B")] == ["F", "F", "B", "B"], kinds
     assert not (tmp_path / "1.keras").exists()  # Stage 0 writes the model.
     # Written by stage: the archive Keras writes, around the joined weights.
     members = [zipfile.ZipFile(tmp_path / f"{n}.keras").namelist() for n in ("0", "ref")]

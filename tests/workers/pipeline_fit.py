@@ -82,6 +82,10 @@ if stage != "ref":
     held = [v.path for v in model.whole.weights if is_materialized(v)]
     np.save(out / f"held-{stage}.npy", np.array(held))
 accuracy = keras.metrics.SparseCategoricalAccuracy(name="acc")
+if stage != "ref":
+    from tfdist.pipeline.trace import Trace
+
+    model.trace = Trace()  # Before compile: the runner it makes takes it.
 model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=[accuracy])
 batch = len(y) // steps
 callbacks = []
@@ -94,6 +98,8 @@ history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, 
 evaluated = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
 predicted = model.predict(x, batch_size=batch, verbose=0)
 if stage != "ref":
+    spans = model.trace.spans
+    np.save(out / f"traced-{stage}.npy", np.array([(s.step, s.kind) for s in spans], object))
     owned = {v.path: v.numpy() for v in model.stages[model.stage_index].variables}
     np.savez(out / f"w-{stage}.npz", sent=np.array(model.sent_to_replicas()), **owned)
 model.save(out / f"{stage}.keras")

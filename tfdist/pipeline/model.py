@@ -227,8 +227,24 @@ class PipelineModel(keras.Model):
         ring = {r: links[k] for r, k in self.grid.ring_peers(rank).items()}
         self._group = RingGroup(self.replica, replicas, ring, name="dp") if ring else None
         self._runner: StageRunner | None = None
+        self._trace: Any = None
         self._steps = {"T": 0, "E": 0, "P": 0, "W": 0}
         self.built = model.built  # Its weights are the model's (BackupAndRestore asks).
+
+    @property
+    def trace(self) -> Any:
+        """A :class:`~tfdist.pipeline.trace.Trace` recording this process's
+        passes, receives, sends and update in each training step, to
+        measure the bubble with :func:`~tfdist.pipeline.trace.breakdown`
+        (None, the default: nothing is timed). Set it before or after
+        ``compile``."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, value: Any) -> None:
+        self._trace = value
+        if self._runner is not None:
+            self._runner.trace = value
 
     def _owner(self, stage: Any) -> int:
         """The place in the pipeline of the process that runs ``stage``."""
@@ -283,6 +299,7 @@ class PipelineModel(keras.Model):
             self.optimizer,
         )
         self._runner.keep_outputs = bool(kwargs.get("metrics") or kwargs.get("weighted_metrics"))
+        self._runner.trace = self._trace
         if self._group is not None:
             self._runner.replicas = StageReplicas(
                 self._group, self._runner.variables, self._aggregator
