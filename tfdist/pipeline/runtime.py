@@ -278,12 +278,7 @@ class StageRunner:
         # Messages are tagged with the stage they go to: with interleaved
         # chunks one link carries several stages' messages.
         g = chunk.stage.index
-        received = []
-        if not chunk.first:
-            started = time.perf_counter()
-            arrays = chunk.prev.recv(("F", step, g, i))
-            received = [tf.convert_to_tensor(a) for a in arrays]
-            self._span("recv", step, started, ("F", g, i))
+        received = [] if chunk.first else self._receive(chunk.prev, step, ("F", g, i))
         started = time.perf_counter()
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(chunk.watched)
@@ -304,12 +299,7 @@ class StageRunner:
     ) -> None:
         g = chunk.stage.index
         sources = chunk.watched + received
-        upstream = None
-        if not chunk.last:
-            started = time.perf_counter()
-            arrays = chunk.next.recv(("B", step, g, i))
-            upstream = [tf.convert_to_tensor(a) for a in arrays]
-            self._span("recv", step, started, ("B", g, i))
+        upstream = None if chunk.last else self._receive(chunk.next, step, ("B", g, i))
         started = time.perf_counter()
         got = tape.gradient(result, sources, output_gradients=upstream)
         n = len(chunk.variables)
@@ -324,6 +314,16 @@ class StageRunner:
             ]
             chunk.prev.post(("B", step, g - 1, i), back)
             self._span("send", step, started, ("B", g - 1, i))
+
+    def _receive(self, link: Link, step: int, message: tuple) -> list:
+        """The tensors of ``message`` (the pass it feeds, the stage it goes
+        to, the micro-batch) from ``link``; the wait is a ``recv`` span."""
+        started = time.perf_counter()
+        kind, stage, i = message
+        arrays = link.recv((kind, step, stage, i))
+        tensors = [tf.convert_to_tensor(a) for a in arrays]
+        self._span("recv", step, started, message)
+        return tensors
 
     def _flush(self) -> None:
         """Waits for the step's posted activations and gradients to be sent."""
