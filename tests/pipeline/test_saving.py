@@ -139,6 +139,23 @@ def test_a_missing_part_leaves_no_file(where):
     assert _names(where) == ["m.part0.weights.h5"]  # No target, no partial file.
 
 
+def test_a_part_that_cannot_be_read_leaves_no_file_and_keeps_the_parts(where):
+    import tensorflow as tf
+
+    model = _mlp()
+    stages = split_model(model, ["d1"])
+    target = f"{where}/m.weights.h5"
+    plan = plan_for(model, [s.variables for s in stages], 0)
+    saving_lib.save_weights_only(model, part_file(target, 0), objects_to_skip=plan.skip_save)
+    with tf.io.gfile.GFile(part_file(target, 1), "wb") as f:
+        f.write(b"not an HDF5 file")  # A part cut short, say.
+    with pytest.raises(OSError):
+        join_parts([part_file(target, 0), part_file(target, 1)], target)
+    # Failing midway, the join leaves no target and no partial file behind,
+    # and keeps the parts.
+    assert _names(where) == ["m.part0.weights.h5", "m.part1.weights.h5"]
+
+
 def test_states_round_trip_and_a_state_that_does_not_fit_changes_nothing(where):
     import tensorflow as tf
 
