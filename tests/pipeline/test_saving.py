@@ -126,12 +126,19 @@ def test_a_layer_two_stages_train_is_written_by_the_first_with_the_other_s_weigh
     assert embedding in plans[1].skip_load
 
 
-def test_a_missing_part_leaves_no_file(where):
+def _first_of_two_parts(where: str) -> str:
+    """The target ``m.weights.h5`` in ``where`` of an MLP in 2 stages, with
+    stage 0's part written and stage 1's not."""
     model = _mlp()
     stages = split_model(model, ["d1"])
     target = f"{where}/m.weights.h5"
     plan = plan_for(model, [s.variables for s in stages], 0)
     saving_lib.save_weights_only(model, part_file(target, 0), objects_to_skip=plan.skip_save)
+    return target
+
+
+def test_a_missing_part_leaves_no_file(where):
+    target = _first_of_two_parts(where)
     with pytest.raises(FileNotFoundError) as error:
         join_parts([part_file(target, 0), part_file(target, 1)], target)
     assert f"missing {where}/m.part1.weights.h5 (process 1)" in str(error.value)
@@ -142,11 +149,7 @@ def test_a_missing_part_leaves_no_file(where):
 def test_a_part_that_cannot_be_read_leaves_no_file_and_keeps_the_parts(where):
     import tensorflow as tf
 
-    model = _mlp()
-    stages = split_model(model, ["d1"])
-    target = f"{where}/m.weights.h5"
-    plan = plan_for(model, [s.variables for s in stages], 0)
-    saving_lib.save_weights_only(model, part_file(target, 0), objects_to_skip=plan.skip_save)
+    target = _first_of_two_parts(where)
     with tf.io.gfile.GFile(part_file(target, 1), "wb") as f:
         f.write(b"not an HDF5 file")  # A part cut short, say.
     with pytest.raises(OSError):

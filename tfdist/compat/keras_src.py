@@ -61,7 +61,8 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "data_adapters": ("keras.src.trainers.data_adapters",),
     # train_validation_split, for validation_split in the PS fit loop.
     "array_slicing": ("keras.src.trainers.data_adapters.array_slicing",),
-    # is_remote_path: chief_save treats remote paths (gs://) as Keras does.
+    # is_remote_path and its gfile-or-os file calls: chief_save and the pipeline's
+    # saving treat remote paths (gs://) as Keras does.
     "file_utils": ("keras.src.utils.file_utils",),
     # Keras's distribution API: tfdist.distribution wraps set_distribution.
     "distribution_lib": ("keras.src.distribution.distribution_lib",),

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tfdist.compat.keras_private import flatten_layers
+from tfdist.compat.keras_src import file_utils
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -40,11 +41,9 @@ __all__ = [
     "join_parts",
     "write_state",
     "read_state",
-    "is_remote",
     "local_copy",
     "published",
     "makedirs_for",
-    "exists",
     "remove",
 ]
 
@@ -134,25 +133,19 @@ def part_file(filepath: Any, process: int) -> str:
     return f"{path[: -len(WEIGHTS_SUFFIX)]}.part{process}{WEIGHTS_SUFFIX}"
 
 
-# Files, local or at a URL.
-
-
-def is_remote(path: str) -> bool:
-    """A URL (``gs://``, ``ram://``, ...) rather than a local path."""
-    return "://" in path
+# Files, local or at a URL: through Keras's file_utils (tf.io.gfile for what
+# it counts as remote: URLs, /gcs, ...), as Keras's own save goes.
 
 
 @contextlib.contextmanager
 def local_copy(path: str) -> Iterator[str]:
     """``path`` itself if local; else a local copy of it, removed after."""
-    if not is_remote(path):
+    if not file_utils.is_remote_path(path):
         yield path
         return
-    import tensorflow as tf
-
     with tempfile.TemporaryDirectory(prefix="tfdist-pipeline-") as tmp:
         local = os.path.join(tmp, os.path.basename(path))
-        tf.io.gfile.copy(path, local)
+        file_utils.copy(path, local)
         yield local
 
 
@@ -162,13 +155,13 @@ def published(target: str) -> Iterator[str]:
     without error, it becomes ``target`` (renamed, or uploaded then renamed
     at the URL), so ``target`` appears whole or not at all; after an error
     nothing is left."""
-    if is_remote(target):
-        import tensorflow as tf
+    if file_utils.is_remote_path(target):
+        import tensorflow as tf  # Keras's file_utils has no rename.
 
         with tempfile.TemporaryDirectory(prefix="tfdist-pipeline-") as tmp:
             local = os.path.join(tmp, os.path.basename(target))
             yield local
-            tf.io.gfile.copy(local, target + ".partial", overwrite=True)
+            file_utils.copy(local, target + ".partial")
             tf.io.gfile.rename(target + ".partial", target, overwrite=True)
         return
     partial = target + ".partial"
@@ -181,37 +174,21 @@ def published(target: str) -> Iterator[str]:
 
 
 def makedirs_for(path: str) -> None:
-    """Makes the directory ``path`` goes in, if it has one."""
+    """Makes the directory ``path`` goes in, if it has one (several
+    processes may make it at once)."""
     directory = os.path.dirname(path)
     if not directory:
         return
-    if is_remote(path):
-        import tensorflow as tf
-
-        tf.io.gfile.makedirs(directory)
+    if file_utils.is_remote_path(directory):
+        file_utils.makedirs(directory)  # tf.io.gfile's: there already is fine.
     else:
         os.makedirs(directory, exist_ok=True)
 
 
-def exists(path: str) -> bool:
-    """Whether the file ``path`` exists, local or at a URL."""
-    if is_remote(path):
-        import tensorflow as tf
-
-        return tf.io.gfile.exists(path)
-    return os.path.exists(path)
-
-
 def remove(path: str) -> None:
     """Removes the file ``path`` if it exists."""
-    if not exists(path):
-        return
-    if is_remote(path):
-        import tensorflow as tf
-
-        tf.io.gfile.remove(path)
-    else:
-        os.remove(path)
+    if file_utils.exists(path):
+        file_utils.remove(path)
 
 
 def join_parts(parts: Sequence[str], target: str) -> None:
@@ -226,7 +203,9 @@ def join_parts(parts: Sequence[str], target: str) -> None:
     """
     import h5py
 
-    missing = [f"{part} (process {k})" for k, part in enumerate(parts) if not exists(part)]
+    missing = [
+        f"{part} (process {k})" for k, part in enumerate(parts) if not file_utils.exists(part)
+    ]
     if missing:
         raise FileNotFoundError(
             f"the part files of the weights {target} are not all there: missing "
@@ -279,7 +258,7 @@ def read_state(path: str, variables: Sequence[Any], what: str, source: str) -> N
             optimizer, compression setting or model), naming the file; no
             variable is changed then.
     """
-    if not exists(path):
+    if not file_utils.exists(path):
         return
     with local_copy(path) as local:
         _read_state(local, path, variables, what, source)
