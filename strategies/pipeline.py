@@ -8,6 +8,7 @@ worker per stage:
     tfdist launch --workers 2 strategies/pipeline.py --model=llama --microbatches=2
     tfdist launch --workers 4 strategies/pipeline.py --replicas=2 --compression=fp16
     tfdist launch --workers 2 strategies/pipeline.py --schedule=interleaved --chunks=2
+    tfdist launch --workers 2 strategies/pipeline.py --stage_mesh=1x2
 
 ``--model=llama`` is a small keras-hub Llama (built from a config: nothing is
 downloaded; it needs keras-hub beside the base install:
@@ -24,6 +25,12 @@ P`` workers (worker ``replica * P + stage``); ``--compression`` applies to
 their all-reduce, and is refused with one replica (there is nothing to
 compress). ``--per_replica_batch_size`` is the batch of one pipeline.
 ``--strategy`` is refused: no tf.distribute strategy runs here.
+
+``--stage_mesh=BxT`` lays each worker's stage out over a (batch, model) mesh
+of ``B x T`` of its devices with a ``ModelParallel`` (keras-hub's layout
+map for the Llama; Megatron's column and row splits for the MLP): the third
+axis. A worker with fewer devices (a CPU) splits its CPU into that many
+logical devices.
 
 With ``--compare``, worker 0 also trains the same model unpipelined on one
 device and reports the largest weight difference. Each worker prints
@@ -54,6 +61,11 @@ flags.DEFINE_integer("chunks", 1, "Stages per worker (the interleaved schedule).
 flags.DEFINE_integer("microbatches", 4, "Micro-batches per batch (they must divide it).")
 flags.DEFINE_integer("replicas", 1, "Copies of the pipeline, trained data-parallel.")
 flags.DEFINE_bool("compare", False, "Also train unpipelined on worker 0 and compare.")
+flags.DEFINE_string(
+    "stage_mesh",
+    None,
+    "BxT: lay each worker's stage out over a (batch, model) mesh of its devices.",
+)
 
 
 def check_flags() -> None:
@@ -76,21 +88,80 @@ def check_flags() -> None:
             "'auto': each worker runs one pipeline stage, with no tf.distribute strategy",
             source="strategies/pipeline.py",
         )
+    if FLAGS.stage_mesh:
+        mesh_shape(FLAGS.stage_mesh)
 
 
-def make_model(name: str, stages: int) -> tuple[Any, list[str]]:
-    """The model and its split points for ``stages`` stages."""
+def mesh_shape(text: str) -> tuple[int, int]:
+    """``"BxT"`` as ``(B, T)``.
+
+    Raises:
+        ConfigError: Not two positive integers joined by ``x``.
+    """
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(
+            "stage_mesh", text, "BxT, e.g. 1x2 (batch x model)", source="strategies/pipeline.py"
+        )
+    return int(parts[0]), int(parts[1])
+
+
+def stage_distribution(name: str, shape: tuple[int, int]) -> Any:
+    """A ModelParallel over ``shape`` of this worker's devices (its CPU split
+    into as many logical devices where it has fewer)."""
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    count = shape[0] * shape[1]
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    # Asked before any device is made (listing the logical ones makes them).
+    if not tf.config.list_physical_devices(
+        "GPU"
+    ) and not tf.config.get_logical_device_configuration(cpu):
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * count
+        )
+    mesh = keras.distribution.DeviceMesh(
+        shape, ["batch", "model"], keras.distribution.list_devices()[:count]
+    )
+    if name == "llama":
+        import keras_hub
+
+        layouts = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    else:  # Megatron: a column layer, then a row layer; the logits' columns.
+        layouts = keras.distribution.LayoutMap(mesh)
+        layouts["dense_[024]/kernel"] = (None, "model")
+        layouts["dense_[024]/bias"] = ("model",)
+        layouts["dense_[13]/kernel"] = ("model", None)
+        layouts["logits/kernel"] = (None, "model")
+    return tfdist.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+
+
+#: The MLP's hidden widths.
+WIDTHS = [64, 64, 64, 64, 64]
+
+
+def split_points_for(name: str, stages: int) -> list[str]:
+    """Where :func:`make_model`'s model is cut into ``stages`` stages."""
+    if name == "mlp":
+        layers = [f"dense_{i}" for i in range(1, len(WIDTHS))] + ["logits"]
+    else:
+        layers = [f"transformer_layer_{i}" for i in range(1, max(4, stages))]
+    return _evenly(layers, stages)
+
+
+def make_model(name: str, stages: int) -> Any:
+    """The model to cut into ``stages`` stages."""
     import keras
 
     if name == "mlp":
-        widths = [64, 64, 64, 64, 64]
         inp = keras.Input((32,), name="features")
         h = inp
-        for i, width in enumerate(widths):
+        for i, width in enumerate(WIDTHS):
             h = keras.layers.Dense(width, activation="relu", name=f"dense_{i}")(h)
-        out = keras.layers.Dense(10, name="logits")(h)
-        layers = [f"dense_{i}" for i in range(1, len(widths))] + ["logits"]
-        return keras.Model(inp, out), _evenly(layers, stages)
+        return keras.Model(inp, keras.layers.Dense(10, name="logits")(h))
     import keras_hub
 
     blocks = max(4, stages)
@@ -102,9 +173,7 @@ def make_model(name: str, stages: int) -> tuple[Any, list[str]]:
         hidden_dim=64,
         intermediate_dim=128,
     )
-    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    layers = [f"transformer_layer_{i}" for i in range(1, blocks)]
-    return model, _evenly(layers, stages)
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
 
 
 def _evenly(candidates: list[str], stages: int) -> list[str]:
@@ -134,8 +203,17 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
 
     from tfdist.pipeline import PipelineModel
 
-    keras.utils.set_random_seed(FLAGS.seed)
-    model, split_points = make_model(FLAGS.model, stages * FLAGS.chunks)
+    split_points = split_points_for(FLAGS.model, stages * FLAGS.chunks)
+    distribution = None
+    if pipelined and FLAGS.stage_mesh:  # Before TensorFlow makes its devices.
+        distribution = stage_distribution(FLAGS.model, mesh_shape(FLAGS.stage_mesh))
+
+    def build() -> Any:
+        keras.utils.set_random_seed(FLAGS.seed)
+        return make_model(FLAGS.model, stages * FLAGS.chunks)
+
+    # Under layouts, the stage's weights are made under them: give the builder.
+    model = build if distribution is not None else build()
     if pipelined:
         compression = FLAGS.compression if FLAGS.compression not in ("", "none") else None
         model = PipelineModel(
@@ -146,6 +224,7 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
             chunks=FLAGS.chunks,
             replicas=FLAGS.replicas,
             compression=compression,
+            distribution=distribution,
         )
     model.compile(
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),

@@ -63,6 +63,28 @@ def make_model(name: str):
     raise ValueError(f"model: expected 'mlp' or 'llama'. Received: {name!r}")
 
 
+def layout_map(name: str, shape: tuple[int, int]):
+    """A ``keras.distribution.LayoutMap`` for ``name`` over a (batch, model)
+    mesh of ``shape`` of this process's CPUs: the MLP's hidden layers split
+    Megatron-style over "model" (a column layer, then a row layer) with
+    their kernels' other axis over "batch" (FSDP); keras-hub's own map for
+    the Llama."""
+    import keras
+
+    devices = keras.distribution.list_devices("cpu")[: shape[0] * shape[1]]
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
+    if name == "llama":
+        import keras_hub
+
+        return keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts["d[13]/kernel"] = ("batch", "model")
+    layouts["d[13]/bias"] = ("model",)
+    layouts["d[24]/kernel"] = ("model", "batch")
+    layouts["logits/kernel"] = (None, "model")
+    return layouts
+
+
 def batches(name: str, steps: int, seed: int = 3):
     """``(x, y)`` for ``steps`` batches of BATCH examples."""
     rng = np.random.default_rng(seed)

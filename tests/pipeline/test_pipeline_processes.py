@@ -191,6 +191,75 @@ def _assert_same_weights_file(got, want) -> None:
             }, name
 
 
+@pytest.mark.parametrize(
+    "model, schedule, mesh, replicas",
+    [
+        # Three axes: 2 replicas x 2 stages x a "model" axis of 2, on 4
+        # processes of 2 logical CPUs, Megatron's column and row splits.
+        ("mlp", "1f1b", "1x2", 2),
+        # keras-hub's own layout map: attention and MLP split over "model",
+        # the vocabulary too (its gradients are IndexedSlices).
+        ("llama", "gpipe", "1x2", 1),
+    ],
+)
+def test_stages_laid_out_over_each_process_s_devices_equal_one_device(
+    tmp_path, model, schedule, mesh, replicas
+):
+    # Each process lays its stage out over its own mesh of logical CPUs
+    # (PipelineModel's distribution=), under Keras's fit, evaluate, predict,
+    # save and save_weights/load_weights by stage.
+    import json
+
+    import keras
+
+    ranks = 2 * replicas
+    addresses = ",".join(_addresses(ranks))
+    common = ["tests/workers/pipeline_fit.py", model, schedule, 2, 4, tmp_path]
+    env = {"PIPELINE_BY_STAGE": "1", "PIPELINE_MESH": mesh, "PIPELINE_REPLICAS": str(replicas)}
+    procs = [start([*common, "ref"])]  # Each stage's process makes its own devices:
+    procs += [start([*common, r, addresses], fresh=True, **env) for r in range(ranks)]
+    for code, out, err in finish(procs, timeout=600):
+        assert code == 0, (out[-2000:], err[-4000:])
+    ref = np.load(tmp_path / "fit-ref.npz")
+    for rank in range(ranks):
+        stage = rank % 2
+        got = np.load(tmp_path / f"fit-{rank}.npz")
+        for key in ("fit", "evaluate", "predict"):
+            np.testing.assert_allclose(got[key], ref[key], rtol=0, atol=TOL, err_msg=key)
+        assert float(got["evaluate_acc"]) == float(ref["evaluate_acc"])
+        # Laid out as the map says: split weights, each device a block.
+        laid = json.loads((tmp_path / f"layouts-{rank}.json").read_text())
+        split = {path for path, (shape, block, _) in laid.items() if block != shape}
+        assert len(split) >= 2, laid
+        assert any(how.startswith("tensor-parallel") for _, _, how in laid.values()), laid
+        trained = np.load(tmp_path / f"w-{rank}.npz")
+        owned = set(trained.files) - {"sent"}
+        assert (int(trained["sent"]) > 0) == (replicas > 1)  # The replicas' all-reduce.
+        assert set(laid) == owned
+        # Saved by stage as whole weights, and read back into the blocks.
+        loaded = np.load(tmp_path / f"loaded-{rank}.npz")
+        assert set(loaded.files) == owned
+        for path in loaded.files:
+            np.testing.assert_array_equal(loaded[path], trained[path])
+        # Adam's state too: saved whole beside the file, each block read back.
+        state = np.load(tmp_path / f"opt-{rank}.npz")
+        count = len(state.files) // 2
+        assert count > 2 * len(split)
+        for i in range(count):
+            np.testing.assert_array_equal(state[f"a{i}"], state[f"b{i}"])
+        saved = np.load(tmp_path / f"pipe.weights.h5.stage{stage}.npz")
+        whole = {tuple(shape) for path, (shape, block, _) in laid.items() if path in split}
+        assert whole <= {saved[k].shape for k in saved.files}  # Moments of split weights.
+    saved = keras.models.load_model(tmp_path / "0.keras", compile=False)
+    plain = keras.models.load_model(tmp_path / "ref.keras", compile=False)
+    assert [w.path for w in saved.weights] == [w.path for w in plain.weights]
+    worst = max(
+        float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(saved.weights, plain.weights)
+    )
+    assert worst < TOL, worst
+    _assert_same_weights_file(tmp_path / "pipe.weights.h5", tmp_path / "ref.weights.h5")
+
+
 def test_backup_and_restore_resumes_the_stages_as_it_resumes_one_device(tmp_path):
     # Every process fails in the second epoch; the same command again
     # resumes from BackupAndRestore's backup (stage 0 writes it, both stages

@@ -57,11 +57,13 @@ def test_the_script_trains_two_replicas_of_two_stages_with_compression(tmp_path)
     assert all(results[k]["sent_to_replicas"] > 0 for k in results)
 
 
-def test_the_script_trains_interleaved_chunks_like_one_device():
+def test_the_script_trains_interleaved_chunks_laid_out_over_a_mesh_like_one_device():
     # Interleaved 1F1B: 2 workers run the MLP's 4 stages, 2 each, under
-    # PipelineModel's fit, evaluate and its comparison with one device.
+    # PipelineModel's fit, evaluate and its comparison with one device; each
+    # worker lays its stages out over a (1, 2) mesh of its CPU's 2 logical
+    # devices (Megatron's column and row splits): three axes.
     args = ["-m", "tfdist", "launch", "--workers", "2", "--show-all", SCRIPT, "--model=mlp"]
-    more = ["--schedule=interleaved", "--chunks=2", "--compare"]
+    more = ["--schedule=interleaved", "--chunks=2", "--compare", "--stage_mesh=1x2"]
     [(code, out, err)] = finish([start([*args, *TINY, *more])], timeout=300)
     assert code == 0, (out + err)[-4000:]
     first = results_by_task(out)["worker:0"]

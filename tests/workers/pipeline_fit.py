@@ -22,17 +22,32 @@ stage's weights (PipelineModel given the model's builder) and writes the
 model's weights it held before fit to OUT/held-<STAGE>.npy; the stages then
 save_weights to OUT/pipe.weights.h5, zero their weights and load_weights it,
 writing what they read to OUT/loaded-<STAGE>.npz and the weights they held
-before and after to OUT/held-{before-load,after}-<STAGE>.npy.
+before and after to OUT/held-{before-load,after}-<STAGE>.npy. With
+$PIPELINE_MESH = "BxT" (and $PIPELINE_BY_STAGE), each stage process splits
+its CPU into B x T logical devices and lays its stage out over a (batch,
+model) mesh of them (tests/models/pipeline_models.layout_map).
 """
 
 import os
 import sys
 from pathlib import Path
 
-import keras
-import numpy as np
+MESH = (
+    tuple(int(n) for n in os.environ["PIPELINE_MESH"].split("x"))
+    if os.environ.get("PIPELINE_MESH")
+    else None
+)
+if MESH and sys.argv[6] != "ref":  # Before TensorFlow makes its devices.
+    import tensorflow as tf
 
-from tests.models.pipeline_models import SPLITS, batches, make_model
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    devices = [tf.config.LogicalDeviceConfiguration()] * (MESH[0] * MESH[1])
+    tf.config.set_logical_device_configuration(cpu, devices)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tests.models.pipeline_models import SPLITS, batches, layout_map, make_model  # noqa: E402
 
 model_name, schedule, m, steps, out, stage = sys.argv[1:7]
 
@@ -63,6 +78,13 @@ if stage != "ref":
     if os.environ.get("PIPELINE_BY_STAGE"):
         keras.utils.set_random_seed(7)  # The builder draws what make_model drew above.
         model = lambda: make_model(model_name)  # noqa: E731
+    distribution = None
+    if MESH:
+        import tfdist
+
+        distribution = tfdist.distribution.ModelParallel(
+            layout_map=layout_map(model_name, MESH), batch_dim_name="batch"
+        )
     model = PipelineModel(
         model,
         SPLITS[model_name][: stages - 1],
@@ -75,6 +97,7 @@ if stage != "ref":
         replica=replica,
         addresses=addresses,
         recv_timeout=120,
+        distribution=distribution,
     )
 if stage != "ref":
     from tfdist.compat.deferred import is_materialized
@@ -101,6 +124,17 @@ if stage != "ref":
     spans = model.trace.spans
     np.save(out / f"traced-{stage}.npy", np.array([(s.step, s.kind) for s in spans], object))
     owned = {v.path: v.numpy() for v in model.stages[model.stage_index].variables}
+    if MESH:  # What each weight of the stage got: its block and how it runs.
+        import json
+
+        import tfdist
+
+        rows = [
+            r for s in model.own for r in tfdist.distribution.report(s.model, distribution).rows
+        ]
+        # A layer the stages share (an untied embedding) lists both stages' weights.
+        laid = {r.path: [list(r.shape), list(r.block), r.how] for r in rows if r.path in owned}
+        (out / f"layouts-{stage}.json").write_text(json.dumps(laid))
     np.savez(out / f"w-{stage}.npz", sent=np.array(model.sent_to_replicas()), **owned)
 model.save(out / f"{stage}.keras")
 if stage == "ref" or os.environ.get("PIPELINE_BY_STAGE"):
@@ -118,13 +152,19 @@ if stage != "ref" and os.environ.get("PIPELINE_ERROR_FEEDBACK"):
     np.savez(out / f"ef-{stage}.npz", **before, **after)
 if stage != "ref" and os.environ.get("PIPELINE_BY_STAGE"):
     # Read back by stage: this stage's weights come back; no other is made.
-    for v in (v for s in model.own for v in s.variables):
-        v.assign(np.zeros(v.shape, v.dtype))
+    from tfdist.parallel import sharding
+
+    state = model.optimizer.variables  # Read back too, whole (laid out: each device its block).
+    state_before = {f"b{i}": sharding.full_value(v) for i, v in enumerate(state)}
+    for v in [v for s in model.own for v in s.variables] + state:
+        sharding.assign_full(v, np.zeros_like(sharding.full_value(v)))
     before = [v.path for v in model.whole.weights if is_materialized(v)]
     np.save(out / f"held-before-load-{stage}.npy", np.array(before))
     model.load_weights(weights_file)
     loaded = {v.path: v.numpy() for s in model.own for v in s.variables}
     np.savez(out / f"loaded-{stage}.npz", **loaded)
+    state_after = {f"a{i}": sharding.full_value(v) for i, v in enumerate(state)}
+    np.savez(out / f"opt-{stage}.npz", **state_before, **state_after)
     held = [v.path for v in model.whole.weights if is_materialized(v)]
     np.save(out / f"held-after-{stage}.npy", np.array(held))
 np.savez(

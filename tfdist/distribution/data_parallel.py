@@ -93,13 +93,18 @@ def _device(name: Any) -> str:
     return text if text.startswith("/") else "/" + text
 
 
-def strategy_for(distribution: Any) -> Any:
+def strategy_for(distribution: Any, local: bool = False) -> Any:
     """The tfdist strategy that trains as ``distribution`` says (made once).
+
+    Args:
+        local: The mesh is this process's alone, whatever job it is part of
+            (a pipeline stage's): the job's TF_CONFIG or Slurm step is not
+            read, and devices of other processes are refused.
 
     Raises:
         ConfigError: The mesh names devices this process lacks, or devices
-            of other processes before ``keras.distribution.initialize()`` or
-            not all of them.
+            of other processes before ``keras.distribution.initialize()``,
+            not all of them, or with ``local``.
     """
     strategy = strategy_of(distribution)
     if strategy is not None:
@@ -107,18 +112,22 @@ def strategy_for(distribution: Any) -> Any:
     from tfdist.strategies import strategy_from_config
 
     if model_parallel.honours(distribution):
-        strategy = model_parallel.strategy_for(distribution, _local_devices)
+        strategy = model_parallel.strategy_for(distribution, _local_devices, local)
         layouts.install()
         mark(strategy)
         kept(distribution).strategy = strategy
         return strategy
     devices = [_device(d) for d in np.asarray(distribution.device_mesh.devices).ravel()]
     if any("/job:" in d or "/task:" in d for d in devices):
+        if local:
+            raise model_parallel.local_mesh_error(devices)
         return _cluster_strategy_for(distribution, devices)
     devices = _local_devices(devices)
     options = options_of(distribution)
     with making():
-        strategy = strategy_from_config(strategy="mirrored", devices=devices, **options)
+        strategy = strategy_from_config(
+            {} if local else None, strategy="mirrored", devices=devices, **options
+        )
     mark(strategy)
     kept(distribution).strategy = strategy
     return strategy

@@ -105,13 +105,15 @@ def ordered_devices(distribution: Any) -> tuple[list[str], int]:
     return [str(d) for d in devices.ravel()], int(tp)
 
 
-def strategy_for(distribution: Any, check_devices: Any) -> Any:
+def strategy_for(distribution: Any, check_devices: Any, local: bool = False) -> Any:
     """A tfdist Mirrored strategy with the mesh of ``distribution``.
 
     Args:
         distribution: The ModelParallel.
         check_devices: Checks device names against this process's and
             returns TensorFlow's names (raises ConfigError).
+        local: The mesh is this process's alone (see
+            :func:`tfdist.distribution.data_parallel.strategy_for`).
     """
     from tfdist.parallel.attach import attach as attach_mesh
     from tfdist.strategies import strategy_from_config
@@ -119,15 +121,33 @@ def strategy_for(distribution: Any, check_devices: Any) -> Any:
     names, tp = ordered_devices(distribution)
     options = options_of(distribution)
     if any("/job:" in d or "/task:" in d for d in names):
+        if local:
+            raise local_mesh_error(names)
         return _cluster_strategy_for(names, tp, options)
     devices = check_devices(names)
     with making():
         strategy = strategy_from_config(
-            strategy="mirrored", devices=devices, model_parallel=tp, **options
+            {} if local else None,
+            strategy="mirrored",
+            devices=devices,
+            model_parallel=tp,
+            **options,
         )
         if tp == 1:
             attach_mesh(strategy, 1, always=True)
     return strategy
+
+
+def local_mesh_error(names: list[str]) -> ConfigError:
+    """The error for a mesh that must be this process's but names others'."""
+    return ConfigError(
+        "device_mesh",
+        names,
+        "devices of this process only (keras.distribution.list_devices() before "
+        "initialize(), or tf.config.list_logical_devices())",
+        source=_SOURCE,
+        hint="A pipeline stage lays its layers out over its own process's devices",
+    )
 
 
 def _cluster_strategy_for(names: list[str], tp: int, options: dict) -> Any:

@@ -9,6 +9,8 @@
   :class:`~tfdist.pipeline.trace.Trace` times them, and
   :func:`~tfdist.pipeline.trace.breakdown` measures the bubble.
 - :mod:`~tfdist.pipeline.saving`: the weights file, written and read by stage.
+- :mod:`~tfdist.pipeline.laid_out`: a stage laid out over its process's devices
+  by a ``keras.distribution`` (``PipelineModel(..., distribution=)``).
 
 Importing this package imports no TensorFlow; its names load on first use.
 """

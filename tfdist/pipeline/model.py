@@ -43,6 +43,13 @@ from tfdist.compat.keras_private import loss_tracker, write_keras_archive
 from tfdist.compat.keras_src import saving_lib
 from tfdist.errors import ConfigError
 from tfdist.pipeline.backup import stage_callbacks
+from tfdist.pipeline.laid_out import (
+    build_stage,
+    check_recomputable,
+    components,
+    owners_of,
+    strategy_for,
+)
 from tfdist.pipeline.replicas import Grid, StageReplicas, aggregator_for, check_replicas
 from tfdist.pipeline.runtime import StageRunner
 from tfdist.pipeline.saving import (
@@ -152,6 +159,13 @@ class PipelineModel(keras.Model):
         timeout: Seconds the stages have to connect.
         recv_timeout: Seconds a stage waits for a neighbour's message before
             failing, naming it (a dead neighbour fails it at once).
+        distribution: A ``keras.distribution`` over this process's devices
+            (tfdist's ``ModelParallel`` or ``DataParallel``): each process
+            lays its stage's weights out over its own devices as the layout
+            map says, and runs the stage's passes and update on them
+            (:mod:`~tfdist.pipeline.laid_out`). ``model`` must then be the
+            function that builds it. With ``replicas``, each device's
+            gradient is averaged over the replicas' same devices.
     """
 
     def __init__(
@@ -170,9 +184,12 @@ class PipelineModel(keras.Model):
         addresses: Sequence[str] | None = None,
         timeout: float = 120.0,
         recv_timeout: float | None = 600.0,
+        distribution: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._strategy = _stage_strategy(distribution, model)
+        self._distribution = distribution
         if schedule not in SCHEDULES:
             raise ConfigError("schedule", schedule, f"one of {SCHEDULES}", source=SOURCE)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -206,12 +223,7 @@ class PipelineModel(keras.Model):
         self.rank = rank
         self.replica, self.stage_index = self.grid.place(rank)
         self.own = [s for s in self.stages if self._owner(s) == self.stage_index]
-        others = {
-            id(v) for s in self.stages if self._owner(s) != self.stage_index for v in s.variables
-        }
-        for variable in deferred:  # This stage's weights, and state that is no weight.
-            if id(variable) not in others:
-                materialize(variable)
+        self._make_own(deferred)
         self.schedule = schedule
         self.microbatches = microbatches
         links = connect_peers(
@@ -245,6 +257,23 @@ class PipelineModel(keras.Model):
         self._trace = value
         if self._runner is not None:
             self._runner.trace = value
+
+    def _make_own(self, deferred: list) -> None:
+        """Makes the deferred values of this stage's weights (under the
+        distribution, if given), and of state that is no stage's weight."""
+        others = {
+            id(v) for s in self.stages if self._owner(s) != self.stage_index for v in s.variables
+        }
+        mine = {id(v) for s in self.own for v in s.variables}
+        laid = self._distribution is not None
+        for s in self.own if laid else []:  # Before any value is made.
+            check_recomputable(s.model, s.index)
+        for variable in deferred:
+            if id(variable) not in others and not (laid and id(variable) in mine):
+                materialize(variable)
+        if laid:
+            made = [v for v in deferred if id(v) in mine]
+            build_stage(self._distribution, made, owners_of(self.whole))
 
     def _owner(self, stage: Any) -> int:
         """The place in the pipeline of the process that runs ``stage``."""
@@ -288,6 +317,8 @@ class PipelineModel(keras.Model):
                 "loss", loss, "a Keras loss (the last stage computes it)", source=SOURCE
             )
         kwargs["run_eagerly"] = True
+        if self._strategy is not None:
+            optimizer = _made_in(self._strategy, optimizer)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._runner = StageRunner(
             self.own,
@@ -297,15 +328,20 @@ class PipelineModel(keras.Model):
             self.microbatches,
             _as_loss(loss),
             self.optimizer,
+            strategy=self._strategy,
         )
         self._runner.keep_outputs = bool(kwargs.get("metrics") or kwargs.get("weighted_metrics"))
         self._runner.trace = self._trace
         if self._group is not None:
-            self._runner.replicas = StageReplicas(
-                self._group, self._runner.variables, self._aggregator
-            )
-        # Built for this stage's weights only: it keeps no state for the rest.
-        self.optimizer.build(self._runner.variables)
+            variables = self._runner.variables
+            if self._strategy is not None:  # Each device's gradient, reduced over replicas.
+                variables = components(self._strategy, variables)
+            self._runner.replicas = StageReplicas(self._group, variables, self._aggregator)
+        # Built for this stage's weights only: it keeps no state for the rest
+        # (on a mesh, in its scope: each slot laid out as its weight).
+        scope = self._strategy.scope() if self._strategy else contextlib.nullcontext()
+        with scope:
+            self.optimizer.build(self._runner.variables)
 
     def _next(self, kind: str) -> int:
         step = self._steps[kind]
@@ -627,6 +663,41 @@ def _processes(stages: int, chunks: Any) -> int:
             source=SOURCE,
         )
     return stages // chunks
+
+
+def _stage_strategy(distribution: Any, model: Any) -> Any:
+    """The strategy the stages run on under ``distribution`` (None: none).
+
+    Raises:
+        ConfigError: A distribution tfdist does not honour, or a built model
+            (its weights were made without the layouts).
+    """
+    if distribution is None:
+        return None
+    if isinstance(model, keras.Model):
+        raise ConfigError(
+            "model",
+            model.name,
+            "the function that builds the model, with distribution=: each stage makes its "
+            "weights under the distribution's layouts (a built model's are made already)",
+            source=SOURCE,
+        )
+    return strategy_for(distribution)
+
+
+def _made_in(strategy: Any, optimizer: Any) -> Any:
+    """``optimizer`` made again, from its config, in ``strategy``'s scope
+    (Keras's TensorFlow optimizer keeps the strategy it was made in)."""
+    given = keras.optimizers.get(optimizer)
+    if given.built:
+        raise ConfigError(
+            "optimizer",
+            type(given).__name__,
+            "an optimizer not built yet (the stage builds it for its laid-out weights)",
+            source=SOURCE,
+        )
+    with strategy.scope():
+        return type(given).from_config(given.get_config())
 
 
 def _optimizer_file(filepath: Any, stage: int) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
+from tfdist.pipeline.laid_out import MeshPasses, apply_on, sum_gradients
 from tfdist.pipeline.schedule import actions
 from tfdist.pipeline.split import Stage
 
@@ -82,6 +83,23 @@ class _Chunk:
     prev: Any
     next: Any
     passes: dict = dataclasses.field(default_factory=dict)
+    #: Its passes on a distribution's devices (None: on the default device).
+    mesh: MeshPasses | None = None
+
+
+@dataclasses.dataclass
+class _Kept:
+    """What a micro-batch's forward keeps for its backward."""
+
+    #: The tape around the pass (None on a mesh: its backward recomputes).
+    tape: Any
+    received: list
+    #: The pass's outputs; on the last stage, its loss.
+    result: Any
+    #: On a mesh: the stage's own inputs, and on the last stage the loss's
+    #: gradient with respect to the outputs.
+    given: list = dataclasses.field(default_factory=list)
+    upstream: list | None = None
 
 
 class StageRunner:
@@ -105,6 +123,10 @@ class StageRunner:
             stage's replicas (:class:`~tfdist.pipeline.replicas.StageReplicas`):
             each replica trains on its share of the batch, and the stage's
             gradients (and the logged loss) are averaged over them.
+        strategy: The strategy of the ``keras.distribution`` the stages'
+            weights were made under (:mod:`~tfdist.pipeline.laid_out`): the
+            passes and the update run on its replicas. The optimizer must
+            have been made in its scope.
     """
 
     def __init__(
@@ -117,9 +139,11 @@ class StageRunner:
         loss: Callable[..., Any] | None,
         optimizer: Any,
         replicas: Any = None,
+        strategy: Any = None,
     ) -> None:
         own = [stage] if isinstance(stage, Stage) else list(stage)
         self.replicas = replicas
+        self.strategy = strategy
         self.stages = stages
         self.links = links
         self.schedule = schedule
@@ -167,6 +191,11 @@ class StageRunner:
             prev=self.links.get((g - 1) % p) if g > 0 else None,
             next=self.links.get((g + 1) % p) if g < self.stages - 1 else None,
         )
+        if self.strategy is not None:  # On the distribution's devices.
+            head = self._head if chunk.last else None
+            chunk.mesh = MeshPasses(stage.model, self.strategy, variables, head)
+            chunk.passes[False] = chunk.mesh.inference
+            return chunk
         # The stage's forward pass (and the last stage's loss) as one graph
         # each for training and inference: a GradientTape around the call
         # keeps the graph's intermediates and runs its backward graph, so a
@@ -183,8 +212,12 @@ class StageRunner:
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         if not chunk.last or targets is None:
             return outs
+        return [self._head(out, targets), *outs]
+
+    def _head(self, out: Any, targets: list) -> Any:
+        """The micro-batch's loss, scaled by ``1 / m``."""
         y, weight = targets
-        return [self.loss(y, out, sample_weight=weight) / self.count, *outs]
+        return self.loss(y, out, sample_weight=weight) / self.count
 
     # One step.
 
@@ -228,24 +261,37 @@ class StageRunner:
                 kept[action.chunk, i] = self._forward(step, chunk, i, given[action.chunk], targets)
                 self.peak_in_flight = max(self.peak_in_flight, len(kept))
             else:
-                tape, received, result = kept.pop((action.chunk, i))
+                done = kept.pop((action.chunk, i))
                 if chunk.last:
-                    total += float(result)
-                self._backward(step, chunk, i, tape, received, result, grads)
+                    total += float(done.result)
+                self._backward(step, chunk, i, done, grads)
         if self.keep_outputs and self.last:
             self.last_batch = (y, self._joined_outputs(), sample_weight)
         self._flush()
         started = time.perf_counter()
         if self.replicas is not None:
-            grads = self.replicas.mean(grads, step)
+            grads = self._replica_mean(grads, step)
         if any(g is not None for g in grads):
             self._apply(grads)
         self._span("update", step, started)
         loss = self._share_loss(step, total)
         return loss if self.replicas is None else self.replicas.mean_of(loss)
 
+    def _replica_mean(self, grads: list, step: int) -> list:
+        """The gradients averaged over the pipeline's replicas. On a mesh,
+        each device's own: replica ``R``'s device ``d`` holds the same block
+        (or share of the rows) as every other replica's device ``d``."""
+        if self.strategy is None:
+            return self.replicas.mean(grads, step)
+        n = self.strategy.num_replicas_in_sync
+        flat = self.replicas.mean([c for g in grads for c in g], step)
+        return [flat[k * n : (k + 1) * n] for k in range(len(grads))]
+
     def _apply_eagerly(self, grads: list) -> None:
         """Applies the gradients that are not None to their variables."""
+        if self.strategy is not None:  # Per-device gradients, every one made.
+            apply_on(self.strategy, self.optimizer, grads, self.variables)
+            return
         pairs = [(g, v) for g, v in zip(grads, self.variables) if g is not None]
         self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
 
@@ -274,43 +320,53 @@ class StageRunner:
 
     def _forward(
         self, step: int, chunk: _Chunk, i: int, given: list, targets: list | None
-    ) -> tuple:
+    ) -> _Kept:
         # Messages are tagged with the stage they go to: with interleaved
         # chunks one link carries several stages' messages.
         g = chunk.stage.index
         received = [] if chunk.first else self._receive(chunk.prev, step, ("F", g, i))
         started = time.perf_counter()
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(chunk.watched)
-            tape.watch(received)
-            wanted = list(targets[i]) if chunk.last else None
-            outs = chunk.passes[True](list(given[i]) + received, wanted)
+        wanted = list(targets[i]) if chunk.last else None
+        if chunk.mesh is not None:
+            outs, loss, upstream = chunk.mesh.forward(list(given[i]) + received, wanted, True)
+            done = _Kept(None, received, outs, list(given[i]), upstream)
+            if chunk.last:
+                done.result, outs = loss, [loss, *outs]
+        else:
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(chunk.watched)
+                tape.watch(received)
+                outs = chunk.passes[True](list(given[i]) + received, wanted)
+            done = _Kept(tape, received, outs[0] if chunk.last else outs)
         started = self._span("F", step, started)
         if chunk.last:
             if self.keep_outputs:
                 self._outputs[i] = outs[1:]
-            return tape, received, outs[0]
+            return done
         chunk.next.post(("F", step, g + 1, i), [o.numpy() for o in outs])
         self._span("send", step, started, ("F", g + 1, i))
-        return tape, received, outs
+        return done
 
-    def _backward(
-        self, step: int, chunk: _Chunk, i: int, tape: Any, received: list, result: Any, grads: list
-    ) -> None:
+    def _backward(self, step: int, chunk: _Chunk, i: int, done: _Kept, grads: list) -> None:
         g = chunk.stage.index
-        sources = chunk.watched + received
+        received = done.received
         upstream = None if chunk.last else self._receive(chunk.next, step, ("B", g, i))
         started = time.perf_counter()
-        got = tape.gradient(result, sources, output_gradients=upstream)
-        n = len(chunk.variables)
-        for k, grad in enumerate(got[:n], chunk.offset):
+        if chunk.mesh is not None:
+            back, got = chunk.mesh.backward(done.given, received, upstream or done.upstream)
+            add: Callable = chunk.mesh.add
+        else:
+            got = done.tape.gradient(done.result, chunk.watched + received, upstream)
+            n = len(chunk.variables)
+            got, back, add = got[:n], got[n:], sum_gradients
+        for k, grad in enumerate(got, chunk.offset):
             if grad is not None:
-                grads[k] = grad if grads[k] is None else _add(grads[k], grad)
+                grads[k] = grad if grads[k] is None else add(grads[k], grad)
         started = self._span("B", step, started)
         if not chunk.first:
             back = [
                 np.zeros(r.shape, r.dtype.as_numpy_dtype) if d is None else d.numpy()
-                for d, r in zip(got[n:], received)
+                for d, r in zip(back, received)
             ]
             chunk.prev.post(("B", step, g - 1, i), back)
             self._span("send", step, started, ("B", g - 1, i))
@@ -424,14 +480,3 @@ def _check_chunks(own: list[Stage], stages: int, processes: int) -> None:
             f"here {expected}",
             source="tfdist.pipeline",
         )
-
-
-def _add(a: Any, b: Any) -> Any:
-    """Sums two micro-batches' gradients. An embedding's IndexedSlices are
-    joined, not densified: the whole batch's gradient holds every lookup's
-    row too, and the optimizer sums the duplicates as it would."""
-    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
-        )
-    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)

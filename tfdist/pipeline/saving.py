@@ -237,16 +237,19 @@ def _join(src: Any, out: Any) -> None:
 def write_state(path: str, variables: Sequence[Any]) -> None:
     """The variables' values to the ``.npz`` file ``path``, one at a time
     (``np.savez`` takes them all at once: Adam's moments of a stage are twice
-    its weights), whole or not at all."""
+    its weights), whole or not at all. A variable laid out over a mesh (an
+    optimizer's slot of a split weight) is written whole."""
     import zipfile
 
     import numpy as np
+
+    from tfdist.parallel import sharding
 
     makedirs_for(path)  # Stage 0 may not have yet.
     with published(path) as partial, zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
         for i, variable in enumerate(variables):
             with zf.open(f"v{i}.npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, np.asarray(variable.numpy()))
+                np.lib.format.write_array(f, sharding.full_value(variable))
 
 
 def read_state(path: str, variables: Sequence[Any], what: str, source: str) -> None:
@@ -281,7 +284,9 @@ def _read_state(local: str, path: str, variables: Sequence[Any], what: str, sour
                     else np.lib.format.read_array_header_2_0
                 )
                 saved.append(tuple(read(f)[0]))
-    shapes = [tuple(v.shape) for v in variables]
+    from tfdist.parallel import sharding
+
+    shapes = [_full_shape(v) for v in variables]
     if saved != shapes:
         raise ConfigError(
             "filepath",
@@ -294,4 +299,12 @@ def _read_state(local: str, path: str, variables: Sequence[Any], what: str, sour
         )
     with np.load(local) as values:
         for i, variable in enumerate(variables):
-            variable.assign(values[f"v{i}"])
+            sharding.assign_full(variable, values[f"v{i}"])  # Each device its block.
+
+
+def _full_shape(variable: Any) -> tuple:
+    """A variable's shape, whole if it is laid out over a mesh."""
+    from tfdist.parallel import sharding
+
+    spec = sharding.spec_of(variable)
+    return tuple(variable.shape) if spec is None else tuple(spec.full_shape)

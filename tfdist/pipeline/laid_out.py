@@ -1,0 +1,287 @@
+"""A pipeline stage laid out over its process's devices by a
+``keras.distribution`` (tfdist's ``ModelParallel`` or ``DataParallel``):
+the third axis, beside the stages and the pipeline replicas.
+
+The stage's weights are made under the distribution (:func:`build_stage`):
+each is split over the mesh as the layout map says. Its passes run on the
+distribution's strategy (:class:`MeshPasses`), each replica on its rows of
+the micro-batch, with the layouts' collectives, as ``fit`` runs them under
+the distribution; the outputs are joined whole before they go on.
+
+The backward recomputes the stage's forward inside each replica, under a
+tape there, as Keras's train step does under a strategy: TensorFlow then
+builds each replica's backward, collectives included, in that replica's
+context. A tape kept from the forward outside the replicas loses it (the
+layers' gathers become identities, and TensorFlow's call-time collective
+keys give gradients of None, both silently). The cost is one more forward of
+the stage per micro-batch; only the stage's inputs are kept between the
+passes. A layer that draws random numbers in training (Dropout) would draw
+other ones in the recompute, and BatchNormalization would update its
+statistics twice, so a stage under a distribution refuses them
+(:func:`check_recomputable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfdist.compat.deferred import materialize
+from tfdist.compat.keras_private import flatten_layers
+from tfdist.errors import ConfigError
+
+__all__ = [
+    "MeshPasses",
+    "apply_on",
+    "build_stage",
+    "check_recomputable",
+    "components",
+    "owners_of",
+    "strategy_for",
+    "sum_gradients",
+]
+
+SOURCE = "tfdist.pipeline.PipelineModel"
+
+
+def strategy_for(distribution: Any) -> Any:
+    """The strategy tfdist trains ``distribution`` on (made once).
+
+    Raises:
+        ConfigError: Not a distribution tfdist honours (a ``DataParallel``
+            or ``ModelParallel``), or a mesh beyond this process's devices.
+    """
+    from tfdist.distribution import data_parallel
+
+    if not data_parallel.honours(distribution):
+        raise ConfigError(
+            "distribution",
+            distribution,
+            "a keras.distribution.ModelParallel or DataParallel over this process's devices "
+            "(each stage lays its own layers out over them)",
+            source=SOURCE,
+        )
+    # The stage's mesh is its own process's, whatever job (TF_CONFIG) the
+    # pipeline's processes form.
+    return data_parallel.strategy_for(distribution, local=True)
+
+
+def build_stage(distribution: Any, variables: Sequence[Any], owners: dict[int, Any]) -> None:
+    """Makes the deferred ``variables`` under ``distribution``: each takes
+    its layout, as if its layer had made it under the distribution's scope.
+
+    Args:
+        owners: The layer that holds each variable, by ``id``: it is made
+            inside that layer's name scope, as ``Layer.add_weight`` makes
+            it, so tfdist covers the layer's call and saving for its split
+            weights.
+    """
+    with distribution.scope():
+        for variable in variables:
+            layer = owners.get(id(variable))
+            if layer is None:
+                materialize(variable)
+                continue
+            with keras.name_scope(layer.name, caller=layer):
+                materialize(variable)
+
+
+def owners_of(model: Any) -> dict[int, Any]:
+    """The innermost layer that holds each of ``model``'s variables, by ``id``."""
+    found: dict[int, Any] = {}
+    # Outer layers come before the layers nested in them: the last holder wins.
+    for layer in flatten_layers(model, include_self=True):
+        for variable in layer.weights:
+            found[id(variable)] = layer
+    return found
+
+
+def check_recomputable(model: Any, stage: int) -> None:
+    """Refuses layers whose recomputed forward differs from the first.
+
+    Raises:
+        ConfigError: A layer draws random numbers in training (Dropout with
+            a rate above 0, noise layers) or updates its state in training
+            (BatchNormalization), naming it.
+    """
+    for layer in flatten_layers(model):
+        random = (
+            any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
+            and getattr(layer, "rate", 1) != 0
+        )
+        if random or isinstance(layer, keras.layers.BatchNormalization):
+            raise ConfigError(
+                "distribution",
+                f"stage {stage}'s layer {layer.name!r} ({type(layer).__name__})",
+                "layers that compute the same in the backward's recomputed forward: no "
+                "Dropout (rate > 0), noise or BatchNormalization in a stage under a "
+                "distribution (it would draw other masks, or update its statistics twice)",
+                source=SOURCE,
+            )
+
+
+def _replica() -> int:
+    context = tf.distribute.get_replica_context()
+    return int(tf.get_static_value(context.replica_id_in_sync_group))
+
+
+def _rows(tensors: Sequence[Any], replica: int, count: int) -> list:
+    """Each tensor's ``replica``-th of ``count`` row blocks."""
+    return [None if t is None else tf.split(t, count, axis=0)[replica] for t in tensors]
+
+
+def _model_input(inputs: list) -> Any:
+    return inputs[0] if len(inputs) == 1 else inputs
+
+
+def _as_list(out: Any) -> list:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+class MeshPasses:
+    """A stage's passes on ``strategy``'s replicas, each on its rows.
+
+    Args:
+        model: The stage's model (its weights made by :func:`build_stage`).
+        strategy: The distribution's strategy (:func:`strategy_for`).
+        variables: The stage's trainable variables.
+        head: On the last stage, ``head(outputs, targets)``: the
+            micro-batch's loss, as the runner scales it.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        strategy: Any,
+        variables: Sequence[Any],
+        head: Callable[[Any, list], Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.strategy = strategy
+        self.count = strategy.num_replicas_in_sync
+        self.devices = list(strategy.extended.worker_devices)
+        self.variables = list(variables)
+        self.head = head
+        self._forward = {
+            training: tf.function(
+                lambda inputs, targets, training=training: self._forward_fn(
+                    inputs, targets, training
+                ),
+                reduce_retracing=True,
+            )
+            for training in (True, False)
+        }
+        self._backward = tf.function(self._backward_fn, reduce_retracing=True)
+
+    def check_rows(self, rows: int, field: str = "batch") -> None:
+        """Raises ConfigError: ``rows`` does not split over the replicas."""
+        if rows % self.count:
+            raise ConfigError(
+                field,
+                rows,
+                f"micro-batches of a multiple of {self.count} rows: the stage's mesh has "
+                f"{self.count} devices, each taking its rows of every micro-batch",
+                source=SOURCE,
+            )
+
+    def forward(self, inputs: list, targets: list | None, training: bool) -> tuple:
+        """``(outputs, loss, upstream)``: the stage's outputs (whole); with
+        ``targets`` (last stage), the micro-batch's loss and its gradient
+        with respect to the outputs (the backward's upstream), else None."""
+        self.check_rows(int(inputs[0].shape[0]))
+        return self._forward[training](list(inputs), targets)
+
+    def inference(self, inputs: list, targets: list | None) -> list:
+        """As the runner's pass for inference: ``[loss, *outputs]`` with
+        ``targets``, else the outputs."""
+        outs, loss, _ = self.forward(inputs, targets, training=False)
+        return outs if targets is None else [loss, *outs]
+
+    def _forward_fn(self, inputs: list, targets: list | None, training: bool) -> tuple:
+        def replica(inputs: list) -> list:
+            mine = _rows(inputs, _replica(), self.count)
+            return _as_list(self.model(_model_input(mine), training=training))
+
+        outs = self._joined(self.strategy.run(replica, args=(inputs,)))
+        if targets is None or self.head is None:
+            return outs, None, None
+        # The loss of the whole micro-batch, outside the replicas: its
+        # gradient is the stage's upstream, as a middle stage receives it.
+        with tf.GradientTape() as tape:
+            tape.watch(outs)
+            loss = self.head(_model_input(outs), targets)
+        upstream = tape.gradient(loss, outs)
+        return outs, loss, [tf.zeros_like(o) if u is None else u for o, u in zip(outs, upstream)]
+
+    def _joined(self, per_replica: Any) -> list:
+        local = self.strategy.experimental_local_results
+        return [tf.concat(local(t), 0) for t in per_replica]
+
+    def backward(self, given: list, received: list, upstream: list) -> tuple[list, list]:
+        """``(dx, grads)``: the gradients of the received inputs (whole), and
+        of each variable, a list of its per-device components."""
+        return self._backward(list(given), list(received), list(upstream))
+
+    def _backward_fn(self, given: list, received: list, upstream: list) -> tuple[list, list]:
+        variables = [v.value for v in self.variables]
+        n = len(received)
+
+        def replica(given: list, received: list, upstream: list) -> tuple[list, list]:
+            r = _replica()
+            fixed, mine, dys = (_rows(t, r, self.count) for t in (given, received, upstream))
+            with tf.GradientTape() as tape:
+                tape.watch(mine)
+                outs = _as_list(self.model(_model_input(fixed + mine), training=True))
+            got = tape.gradient(outs, mine + variables, output_gradients=dys)
+            sources = mine + variables
+            got = [tf.zeros_like(s) if g is None else g for g, s in zip(got, sources)]
+            return got[:n], got[n:]
+
+        dx, grads = self.strategy.run(replica, args=(given, received, upstream))
+        local = self.strategy.experimental_local_results
+        return self._joined(dx), [list(local(g)) for g in grads]
+
+    def add(self, a: list, b: list) -> list:
+        """Two micro-batches' per-device gradients, summed on each device."""
+        summed = []
+        for device, x, y in zip(self.devices, a, b):
+            with tf.device(device):
+                summed.append(sum_gradients(x, y))
+        return summed
+
+
+def components(strategy: Any, variables: Sequence[Any]) -> list:
+    """Each variable's per-device components, in order: what each device
+    holds (a block of a split weight, a copy of a replicated one)."""
+    return [c for v in variables for c in strategy.experimental_local_results(v.value)]
+
+
+def apply_on(strategy: Any, optimizer: Any, grads: list, variables: list) -> None:
+    """Applies per-device gradients inside ``strategy``'s replicas, where
+    tfdist's gradient hook reduces them as ``fit`` does under the
+    distribution (replicated weights summed over every replica, split
+    weights over the replicas that hold the same block)."""
+
+    def replica() -> None:
+        r = _replica()
+        # Made inside the replica, on its device: captured from outside, a
+        # one-device mesh's gradients name no device to reduce to.
+        mine = [tf.nest.map_structure(tf.identity, g[r], expand_composites=True) for g in grads]
+        optimizer.apply(mine, variables)
+
+    strategy.run(replica)
+
+
+def sum_gradients(a: Any, b: Any) -> Any:
+    """Sums two micro-batches' gradients. An embedding's IndexedSlices are
+    joined, not densified: the whole batch's gradient holds every lookup's
+    row too, and the optimizer sums the duplicates as it would (a dense sum
+    would make Keras's optimizers update every row, the untouched ones too)."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+        )
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
