@@ -446,6 +446,24 @@ def test_post_returns_before_the_peer_reads_and_flush_waits_for_it():
         peer.close()
 
 
+def test_closing_a_link_while_its_sender_writes_names_the_close():
+    # The sender thread is inside a write (64 MB to a peer that never reads)
+    # when the link is closed: the posted message and every later post fail
+    # naming the close, not the broken pipe the close made.
+    link, peer = _link_to_a_reader_that_never_reads()
+    try:
+        link.post(("F", 0, 1, 0), [np.ones(16 * 1024 * 1024, np.float32)])
+        with pytest.raises(PeerError, match="within 0.2 s"):
+            link.flush(timeout=0.2)  # Still writing: the peer's buffers are full.
+        link.close()
+        for _ in range(2):
+            with pytest.raises(PeerError, match=r"stage 0 cannot send .*stage 0 closed its link"):
+                link.post(("F", 0, 1, 1), [np.zeros(1)])
+    finally:
+        link.close()
+        peer.close()
+
+
 def test_posted_messages_leave_in_post_order_beside_sends(pair):
     a, b = pair
     for i in range(40):

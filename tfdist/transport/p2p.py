@@ -379,6 +379,10 @@ class Link:
         with self._cond:
             if self._broken is None:
                 self._broken = reason
+            elif self._closing:
+                # Closed here while the write ran (a posted message): the
+                # close is the cause, not the broken pipe it made.
+                reason = self._broken
             self._cond.notify_all()
         self._shutdown()
         return self._send_error(tag, reason)
