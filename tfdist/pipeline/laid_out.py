@@ -47,7 +47,7 @@ __all__ = [
 SOURCE = "tfdist.pipeline.PipelineModel"
 
 
-def strategy_for(distribution: Any) -> Any:
+def strategy_for(distribution: keras.distribution.Distribution) -> tf.distribute.Strategy:
     """The strategy tfdist trains ``distribution`` on (made once).
 
     Raises:
@@ -69,7 +69,11 @@ def strategy_for(distribution: Any) -> Any:
     return data_parallel.strategy_for(distribution, local=True)
 
 
-def build_stage(distribution: Any, variables: Sequence[Any], owners: dict[int, Any]) -> None:
+def build_stage(
+    distribution: keras.distribution.Distribution,
+    variables: Sequence[keras.Variable],
+    owners: dict[int, keras.layers.Layer],
+) -> None:
     """Makes the deferred ``variables`` under ``distribution``: each takes
     its layout, as if its layer had made it under the distribution's scope.
 
@@ -89,9 +93,9 @@ def build_stage(distribution: Any, variables: Sequence[Any], owners: dict[int, A
                 materialize(variable)
 
 
-def owners_of(model: Any) -> dict[int, Any]:
+def owners_of(model: keras.layers.Layer) -> dict[int, keras.layers.Layer]:
     """The innermost layer that holds each of ``model``'s variables, by ``id``."""
-    found: dict[int, Any] = {}
+    found: dict[int, keras.layers.Layer] = {}
     # Outer layers come before the layers nested in them: the last holder wins.
     for layer in flatten_layers(model, include_self=True):
         for variable in layer.weights:
@@ -99,7 +103,7 @@ def owners_of(model: Any) -> dict[int, Any]:
     return found
 
 
-def check_recomputable(model: Any, stage: int) -> None:
+def check_recomputable(model: keras.layers.Layer, stage: int) -> None:
     """Refuses layers whose recomputed forward differs from the first.
 
     Raises:
@@ -154,10 +158,10 @@ class MeshPasses:
 
     def __init__(
         self,
-        model: Any,
-        strategy: Any,
-        variables: Sequence[Any],
-        head: Callable[[Any, list], Any] | None = None,
+        model: keras.Model,
+        strategy: tf.distribute.Strategy,
+        variables: Sequence[keras.Variable],
+        head: Callable[[Any, list], tf.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.strategy = strategy
@@ -253,13 +257,18 @@ class MeshPasses:
         return summed
 
 
-def components(strategy: Any, variables: Sequence[Any]) -> list:
+def components(strategy: tf.distribute.Strategy, variables: Sequence[keras.Variable]) -> list:
     """Each variable's per-device components, in order: what each device
     holds (a block of a split weight, a copy of a replicated one)."""
     return [c for v in variables for c in strategy.experimental_local_results(v.value)]
 
 
-def apply_on(strategy: Any, optimizer: Any, grads: list, variables: list) -> None:
+def apply_on(
+    strategy: tf.distribute.Strategy,
+    optimizer: keras.optimizers.Optimizer,
+    grads: list,
+    variables: list,
+) -> None:
     """Applies per-device gradients inside ``strategy``'s replicas, where
     tfdist's gradient hook reduces them as ``fit`` does under the
     distribution (replicated weights summed over every replica, split
