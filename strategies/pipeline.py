@@ -113,16 +113,11 @@ def stage_distribution(name: str, shape: tuple[int, int]) -> Any:
     import tensorflow as tf
 
     import tfdist
+    from tfdist.strategies.local import logical_cpus
 
     count = shape[0] * shape[1]
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    # Asked before any device is made (listing the logical ones makes them).
-    if not tf.config.list_physical_devices(
-        "GPU"
-    ) and not tf.config.get_logical_device_configuration(cpu):
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * count
-        )
+    if not tf.config.list_physical_devices("GPU"):
+        logical_cpus(count)  # Before TensorFlow makes its devices.
     mesh = keras.distribution.DeviceMesh(
         shape, ["batch", "model"], keras.distribution.list_devices()[:count]
     )

@@ -38,11 +38,9 @@ MESH = (
     else None
 )
 if MESH and sys.argv[6] != "ref":  # Before TensorFlow makes its devices.
-    import tensorflow as tf
+    from tfdist.strategies.local import logical_cpus
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    devices = [tf.config.LogicalDeviceConfiguration()] * (MESH[0] * MESH[1])
-    tf.config.set_logical_device_configuration(cpu, devices)
+    logical_cpus(MESH[0] * MESH[1])
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

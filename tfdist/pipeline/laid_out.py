@@ -239,8 +239,8 @@ class MeshPasses:
             with tf.GradientTape() as tape:
                 tape.watch(mine)
                 outs = _as_list(self.model(_model_input(fixed + mine), training=True))
-            got = tape.gradient(outs, mine + variables, output_gradients=dys)
             sources = mine + variables
+            got = tape.gradient(outs, sources, output_gradients=dys)
             got = [tf.zeros_like(s) if g is None else g for g, s in zip(got, sources)]
             return got[:n], got[n:]
 

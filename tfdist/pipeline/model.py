@@ -188,12 +188,13 @@ class PipelineModel(keras.Model):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._strategy = _stage_strategy(distribution, model)
-        self._distribution = distribution
         if schedule not in SCHEDULES:
             raise ConfigError("schedule", schedule, f"one of {SCHEDULES}", source=SOURCE)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError("microbatches", microbatches, "an integer >= 1", source=SOURCE)
+        # After the checks that need no TensorFlow: this makes the mesh's strategy.
+        self._strategy = _stage_strategy(distribution, model)
+        self._distribution = distribution
         deferred: list = []
         if callable(model) and not isinstance(model, keras.Model):
             model, deferred = deferred_build(model)
