@@ -1,11 +1,14 @@
 """tfdist's pipeline parallelism beside PyTorch's ``torch.distributed.pipelining``.
 
-The same MLP (``--layers`` Dense/Linear layers of ``--width``, ReLU, a
-10-class head, cross-entropy), cut into 2 stages at the middle layer, the
-same batch, micro-batch count and schedule (GPipe, 1F1B, and interleaved
+The same MLP (``--features`` inputs, ``--layers`` Dense/Linear layers of
+``--width``, ReLU, a 10-class head, cross-entropy), cut into 2 stages where
+``tfdist.pipeline.balance`` finds their measured costs closest (or at the
+middle layer: ``--split=even``), the same cut for both frameworks, the same
+batch, micro-batch count and schedule (GPipe, 1F1B, and interleaved
 1F1B with ``--chunks`` stages a process: the model cut into ``2 x chunks``
 stages, process ``k`` running stages ``k, k + 2, ...``), one process per
-pipeline place with one thread each on 127.0.0.1: tfdist's stages send
+pipeline place with one thread each, each process on its own CPU
+(``--pin``), on 127.0.0.1: tfdist's stages send
 activations over tfdist.transport.p2p (TCP), PyTorch's over gloo. Per run and
 process:
 
@@ -56,7 +59,7 @@ RESULTS = HERE / "results"
 FRAMEWORKS = ("tfdist", "torch")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: The flags every worker of a run takes from the main process.
-SHAPE = ("layers", "width", "batch", "steps", "warmup", "chunks")
+SHAPE = ("features", "layers", "width", "batch", "steps", "warmup", "chunks", "pin")
 STAGES = 2
 CLASSES = 10
 FLAGS = flags.FLAGS
@@ -66,8 +69,18 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "mode", "all", ["all", "worker", "report"], "all: measure; worker: one stage."
     )
-    flags.DEFINE_integer("layers", 8, "Hidden layers (split in the middle).")
+    flags.DEFINE_integer(
+        "features", 64, "Input features (a real model begins with a small input or an embedding)."
+    )
+    flags.DEFINE_integer("layers", 9, "Hidden layers (the first from the input features).")
     flags.DEFINE_integer("width", 1024, "Hidden width.")
+    flags.DEFINE_enum(
+        "split",
+        "time",
+        ["time", "even"],
+        "Where the stages begin: by tfdist.pipeline.balance's measured times, or the "
+        "same number of hidden layers each.",
+    )
     flags.DEFINE_integer("batch", 256, "Global batch.")
     flags.DEFINE_list("microbatches", ["2", "4", "8"], "Micro-batch counts.")
     flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules.")
@@ -82,6 +95,12 @@ def define_flags() -> None:
     flags.DEFINE_enum("framework", "tfdist", list(FRAMEWORKS), "Worker: the framework.")
     flags.DEFINE_enum("schedule", "1f1b", list(SCHEDULES), "Worker: the schedule.")
     flags.DEFINE_integer("m", 4, "Worker: micro-batches.")
+    flags.DEFINE_bool(
+        "pin", True, "Each process on its own CPU (as each stage has its own accelerator)."
+    )
+    flags.DEFINE_list(
+        "cuts", [], "Worker: the hidden layer each stage after the first begins with."
+    )
     flags.DEFINE_string("out", None, "Worker: where it writes its JSON.")
 
 
@@ -95,6 +114,52 @@ def chunks_of(schedule: str) -> int:
     return FLAGS.chunks if schedule == "interleaved" else 1
 
 
+def keras_model():
+    """The benchmark's model in Keras: hidden layers ``h0``, ``h1``, ... and
+    a ``head`` (PyTorch's is built alike)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((FLAGS.features,))]
+    layers += [
+        keras.layers.Dense(FLAGS.width, activation="relu", name=f"h{i}")
+        for i in range(FLAGS.layers)
+    ]
+    return keras.Sequential([*layers, keras.layers.Dense(CLASSES, name="head")])
+
+
+def _cuts(schedule: str) -> list[int]:
+    """The hidden layer each stage after the first begins with: ``--cuts``,
+    or the same number of layers each."""
+    if FLAGS.cuts:
+        return [int(c) for c in FLAGS.cuts]
+    total = STAGES * chunks_of(schedule)
+    return [FLAGS.layers * k // total for k in range(1, total)]
+
+
+def balanced_cuts(schedule: str, m: int) -> tuple[list[int], list[float]]:
+    """``tfdist.pipeline.balance``'s cuts for the run's stages, timed on one
+    micro-batch with one thread (as the workers run), and the stages' costs."""
+    import tensorflow as tf
+
+    from tfdist.pipeline import balance
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import keras
+
+    x, y = _data()
+    rows = FLAGS.batch // m
+    found = balance(
+        keras_model(),
+        STAGES * chunks_of(schedule),
+        x=x[:rows],
+        y=y[:rows],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        repeats=9,
+    )
+    return [int(p[1:]) for p in found.split_points], list(found.costs)
+
+
 def _task() -> tuple[int, list[str]]:
     config = json.loads(os.environ["TF_CONFIG"])
     return int(config["task"]["index"]), list(config["cluster"]["worker"])
@@ -104,7 +169,7 @@ def _data(seed: int = 0):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((FLAGS.batch, FLAGS.width)).astype("float32")
+    x = rng.standard_normal((FLAGS.batch, FLAGS.features)).astype("float32")
     y = rng.integers(0, CLASSES, FLAGS.batch).astype("int64")
     return x, y
 
@@ -145,15 +210,7 @@ def tfdist_worker() -> dict:
 
     stage, addresses = _task()
     v = chunks_of(FLAGS.schedule)
-    keras.utils.set_random_seed(0)
-    layers = [keras.Input((FLAGS.width,))]
-    layers += [
-        keras.layers.Dense(FLAGS.width, activation="relu", name=f"h{i}")
-        for i in range(FLAGS.layers)
-    ]
-    model = keras.Sequential([*layers, keras.layers.Dense(CLASSES, name="head")])
-    per = FLAGS.layers // (STAGES * v)
-    stages = split_model(model, [f"h{per * k}" for k in range(1, STAGES * v)])
+    stages = split_model(keras_model(), [f"h{c}" for c in _cuts(FLAGS.schedule)])
     links = connect_peers(stage, addresses, {1 - stage}, timeout=120, recv_timeout=300)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     own = [stages[stage + c * STAGES] for c in range(v)]
@@ -188,19 +245,19 @@ def torch_worker() -> dict:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage, world_size=STAGES
     )
     torch.manual_seed(0)
-    widths = [FLAGS.width] * (FLAGS.layers + 1)
+    widths = [FLAGS.features] + [FLAGS.width] * FLAGS.layers
     mods: list = []
     for a, b in zip(widths, widths[1:]):
         mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     mods.append(torch.nn.Linear(FLAGS.width, CLASSES))
-    # Stage g holds Linear+ReLU pairs [g * per, (g + 1) * per); the last
-    # also the head (the same cut as tfdist's split points).
+    # Stage g holds the Linear+ReLU pairs from its cut to the next; the
+    # last also the head (the same cut as tfdist's split points).
     v = chunks_of(FLAGS.schedule)
-    total, per = STAGES * v, FLAGS.layers // (STAGES * v)
+    total, bounds = STAGES * v, [0, *_cuts(FLAGS.schedule), FLAGS.layers]
 
     def part(g: int):
-        end = 2 * per * (g + 1) if g < total - 1 else len(mods)
-        return torch.nn.Sequential(*mods[2 * per * g : end])
+        end = 2 * bounds[g + 1] if g < total - 1 else len(mods)
+        return torch.nn.Sequential(*mods[2 * bounds[g] : end])
 
     spans: list = []
     now = [0]  # The step, for the spans' tags.
@@ -261,11 +318,15 @@ def _time_passes(module, spans: list, step: list) -> None:
 
 
 def worker() -> None:
+    if FLAGS.pin:
+        stage, _ = _task()
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[stage % len(cpus)]})
     result = tfdist_worker() if FLAGS.framework == "tfdist" else torch_worker()
     Path(FLAGS.out).write_text(json.dumps(result))
 
 
-def run_pair(schedule: str, m: int, order: tuple[str, ...], work: Path) -> dict:
+def run_pair(schedule: str, m: int, cuts: list[int], order: tuple[str, ...], work: Path) -> dict:
     """One run of each framework; returns their workers' results."""
     got = {}
     for framework in order:
@@ -273,6 +334,7 @@ def run_pair(schedule: str, m: int, order: tuple[str, ...], work: Path) -> dict:
             f"--framework={framework}",
             f"--schedule={schedule}",
             f"--m={m}",
+            f"--cuts={','.join(map(str, cuts))}",
             *(f"--{n}={getattr(FLAGS, n)}" for n in SHAPE),
         ]
         codes, outputs, logs = jobs.worker_job(__file__, args, work, framework, every=True)
@@ -289,8 +351,11 @@ def markdown(raw: dict) -> str:
         "",
         f"`{meta['command']}` at {meta['when']} ({meta['commit']}); {meta['cpus']} CPUs, "
         f"TensorFlow {meta['tf']}, Keras {meta['keras']}, PyTorch {meta['torch']}; an MLP of "
-        f"{meta['layers']} x {meta['width']} in {STAGES} processes, batch {meta['batch']}, "
-        f"{meta['steps']} timed steps after {meta['warmup']}, one thread per process.",
+        f"{meta.get('features', meta['width'])} inputs and {meta['layers']} x {meta['width']} "
+        f"in {STAGES} processes, batch {meta['batch']}, {meta['steps']} timed steps after "
+        f"{meta['warmup']}, one thread per process"
+        + (", each on its own CPU" if meta.get("pin") else "")
+        + f"; stages cut {_split_words(meta)}.",
         "",
         "## The bubble",
         "",
@@ -300,16 +365,20 @@ def markdown(raw: dict) -> str:
         "each message taking the measured *delivery* time (from the end of its send span to "
         "the end of a receive that waited for it).",
         "",
-        "| schedule | m | theory | tfdist replayed | with delivery | tfdist idle "
-        "| of which sends | of which waits | delivery (ms) | PyTorch replayed | PyTorch idle |",
-        "|---|---:|---:|---|---|---|---|---|---:|---|---|",
+        "| schedule | m | cuts | balance (ms) | theory | tfdist replayed | with delivery "
+        "| tfdist idle | over theory (points) | of which sends | of which waits | delivery (ms) "
+        "| PyTorch replayed | PyTorch idle |",
+        "|---|---:|---|---|---:|---|---|---|---|---|---|---:|---|---|",
     ]
-    pair = lambda values: f"{values[0]:.3f}, {values[1]:.3f}"  # noqa: E731
+    pair = lambda values: ", ".join(f"{v:.3f}" for v in values)  # noqa: E731
     for row in raw["rows"]:
         t, p = row["tfdist"], row["torch"]
+        over = ", ".join(f"{100 * (v - row['theory']):+.1f}" for v in t["idle"])
+        costs = ", ".join(f"{1e3 * c:.1f}" for c in row.get("balance_s", [])) or "-"
         lines.append(
-            f"| {_label(row['schedule'], meta)} | {row['m']} | {row['theory']:.3f} "
-            f"| {pair(t['replayed'])} | {pair(t['replayed_sends'])} | {pair(t['idle'])} "
+            f"| {_label(row['schedule'], meta)} | {row['m']} "
+            f"| {', '.join(map(str, row.get('cuts', []))) or '-'} | {costs} | {row['theory']:.3f} "
+            f"| {pair(t['replayed'])} | {pair(t['replayed_sends'])} | {pair(t['idle'])} | {over} "
             f"| {pair(t['send'])} | {pair(t['wait'])} | {1e3 * t['delivery_s']:.2f} "
             f"| {pair(p['replayed'])} | {pair(p['idle'])} |"
         )
@@ -332,6 +401,15 @@ def markdown(raw: dict) -> str:
         )
     lines += ["", *(f"- {note}" for note in meta.get("notes", []))]
     return "\n".join(lines) + "\n"
+
+
+def _split_words(meta: dict) -> str:
+    if meta.get("split") == "time":
+        return (
+            "where tfdist.pipeline.balance's measured costs are closest (the *cuts* column: "
+            "the hidden layer each stage after the first begins with; *balance*: its costs, ms)"
+        )
+    return "into the same number of hidden layers each"
 
 
 def _label(schedule: str, meta: dict) -> str:
@@ -365,6 +443,8 @@ def bubble_of(outs: list[dict], schedule: str, m: int) -> dict:
     return {
         **{field: median(field) for field in ("idle", "send", "wait")},
         "update_s": median("update"),
+        "forward_s": median("forward"),
+        "backward_s": median("backward"),
         "window_s": statistics.median(b.window for b in steps),
         "replayed": list(replay(schedule, m, steps, v).idle),
         # The replay again, each message taking the measured delivery time.
@@ -383,7 +463,16 @@ def _row(schedule: str, m: int, runs: list[dict]) -> dict:
             "peak_mb": [statistics.median(o[s]["peak_mb"] for o in outs) for s in range(STAGES)],
             **{
                 field: [statistics.median(b[field][s] for b in bubbles) for s in range(STAGES)]
-                for field in ("idle", "send", "wait", "update_s", "replayed", "replayed_sends")
+                for field in (
+                    "idle",
+                    "send",
+                    "wait",
+                    "update_s",
+                    "forward_s",
+                    "backward_s",
+                    "replayed",
+                    "replayed_sends",
+                )
             },
             "delivery_s": statistics.median(b["delivery_s"] for b in bubbles),
         }
@@ -408,18 +497,20 @@ def main(argv) -> None:
     meta = {
         **results_lib.header("pipeline.py"),
         "torch": torch.__version__,
-        **{n: getattr(FLAGS, n) for n in (*SHAPE, "pairs")},
+        **{n: getattr(FLAGS, n) for n in (*SHAPE, "pairs", "split")},
         "notes": list(FLAGS.note),
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="tfdist-bench-pipeline-") as work:
         for schedule in FLAGS.schedules:
             for m in (int(v) for v in FLAGS.microbatches):
+                even = (_cuts(schedule), [])
+                cuts, costs = balanced_cuts(schedule, m) if FLAGS.split == "time" else even
                 runs = [
-                    run_pair(schedule, m, jobs.pair_order(FRAMEWORKS, i), Path(work))
+                    run_pair(schedule, m, cuts, jobs.pair_order(FRAMEWORKS, i), Path(work))
                     for i in range(FLAGS.pairs)
                 ]
-                rows.append(_row(schedule, m, runs))
+                rows.append({**_row(schedule, m, runs), "cuts": cuts, "balance_s": costs})
                 print(json.dumps(rows[-1]), flush=True)
     meta["load_after"] = os.getloadavg()[0]
     results_lib.write(results, FLAGS.name, {"meta": meta, "rows": rows}, markdown)

@@ -877,6 +877,10 @@ def test_pipeline_benchmark_rows_and_table():
     assert pipe._span(["send", 3, 0.0, 1.0, ["F", 1, 0]]).message == ("F", 1, 0)
     assert pipe._span(["F", 3, 0.0, 1.0]).message == ()
     assert row["torch"]["peak_mb"] == pytest.approx([60.0, 61.0])
+    # The pass times the replay took: medians over the two runs (scales 1, 2).
+    assert row["tfdist"]["forward_s"] == pytest.approx([1.5, 1.35])
+    assert row["tfdist"]["backward_s"] == pytest.approx([1.5, 1.5])
+    row = {**row, "cuts": [5], "balance_s": [0.0316, 0.0311]}
     meta = {
         "command": "python benchmarks/pipeline.py",
         "when": "now",
@@ -885,19 +889,23 @@ def test_pipeline_benchmark_rows_and_table():
         "tf": "2.21",
         "keras": "3.15",
         "torch": "2.13",
-        "layers": 8,
+        "features": 64,
+        "layers": 9,
         "width": 1024,
         "batch": 256,
         "steps": 12,
         "warmup": 3,
+        "pin": True,
+        "split": "time",
         "notes": ["a note"],
     }
     text = pipe.markdown({"meta": meta, "rows": [row]})
     r = [f"{x:.3f}" for x in replayed]
     assert (
-        f"| gpipe | 1 | 0.500 | {r[0]}, {r[1]} | {r[0]}, {r[1]} | 0.500, 0.525 | 0.025, 0.010 "
-        f"| 0.475, 0.275 | 0.00 | {r[0]}, {r[1]} | 0.500, 0.525 |"
+        f"| gpipe | 1 | 5 | 31.6, 31.1 | 0.500 | {r[0]}, {r[1]} | {r[0]}, {r[1]} | 0.500, 0.525 "
+        f"| +0.0, +2.5 | 0.025, 0.010 | 0.475, 0.275 | 0.00 | {r[0]}, {r[1]} | 0.500, 0.525 |"
     ) in text
+    assert "an MLP of 64 inputs and 9 x 1024" in text and "each on its own CPU" in text
     assert "| gpipe | 1 | 400.0 | 225.0 | 1.75 | 300.0, 0.0 | 50, 51 | 60, 61 |" in text
     assert text.rstrip().endswith("- a note")
 

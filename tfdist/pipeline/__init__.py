@@ -1,6 +1,7 @@
 """Pipeline parallelism: a Keras model cut into stages, each on its own worker.
 
-- :func:`split_model` cuts a functional or Sequential model at named layers.
+- :func:`split_model` cuts a functional or Sequential model at named layers;
+  :func:`balance` chooses the layers so that the stages cost the same.
 - :mod:`~tfdist.pipeline.schedule`: GPipe and 1F1B, and their bubble.
 - :class:`PipelineModel` wraps a Keras model so that ``fit``, ``evaluate``,
   ``predict`` and ``save`` run it in stages, one per process.
@@ -20,6 +21,8 @@ from __future__ import annotations
 from tfdist._lazy import lazy_attributes
 
 _LAZY = {
+    "Balance": "balancing",
+    "balance": "balancing",
     "Stage": "split",
     "split_model": "split",
     "StageRunner": "runtime",

@@ -60,7 +60,7 @@ class Stage:
 
 
 @dataclasses.dataclass
-class _Call:
+class Call:
     """One call of a layer in the replayed graph."""
 
     layer: keras.layers.Layer
@@ -94,7 +94,7 @@ def _graph_of(model: keras.Model) -> keras.Model:
     return model
 
 
-def _replay(model: keras.Model, inputs: Any, calls: list[_Call]) -> Any:
+def _replay(model: keras.Model, inputs: Any, calls: list[Call]) -> Any:
     """Calls ``model``'s layers again on ``inputs``, opening nested graphs;
     appends each leaf call to ``calls`` and returns the outputs."""
     graph = _graph_of(model)
@@ -125,18 +125,18 @@ def _replay(model: keras.Model, inputs: Any, calls: list[_Call]) -> Any:
             out = _replay(layer, given, calls)
         else:
             out = layer(*args, **kwargs)
-            flat_in = [t for t in keras.tree.flatten((args, kwargs)) if _symbolic(t)]
-            calls.append(_Call(layer, flat_in, keras.tree.flatten(out), args, kwargs))
+            flat_in = [t for t in keras.tree.flatten((args, kwargs)) if symbolic(t)]
+            calls.append(Call(layer, flat_in, keras.tree.flatten(out), args, kwargs))
         for old, new in zip(keras.tree.flatten(node.outputs), keras.tree.flatten(out)):
             made[id(old)] = new
     return keras.tree.map_structure(lambda t: made[id(t)], graph.output)
 
 
-def _symbolic(value: Any) -> bool:
+def symbolic(value: Any) -> bool:
     return isinstance(value, keras.KerasTensor)
 
 
-def _check_model(model: Any) -> None:
+def check_model(model: Any) -> None:
     if not isinstance(model, keras.Model):
         raise ConfigError("model", model, "a keras.Model", source=SOURCE)
     if not _is_graph(model):
@@ -149,7 +149,7 @@ def _check_model(model: Any) -> None:
         )
 
 
-def _starts(calls: list[_Call], split_points: Sequence[str]) -> list[int]:
+def _starts(calls: list[Call], split_points: Sequence[str]) -> list[int]:
     """The call index each stage after the first begins at."""
     names = [c.layer.name for c in calls]
     starts = []
@@ -182,7 +182,7 @@ def _some(names: Sequence[str], most: int = 12) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
-def _stage_of_tensors(calls: list[_Call], starts: list[int]) -> dict[int, tuple[int, str]]:
+def _stage_of_tensors(calls: list[Call], starts: list[int]) -> dict[int, tuple[int, str]]:
     """id(tensor) -> (stage, name of the layer that made it)."""
     where: dict[int, tuple[int, str]] = {}
     stage = 0
@@ -213,25 +213,31 @@ def split_model(model: keras.Model, split_points: Sequence[str]) -> list[Stage]:
             tensor would cross two stage boundaries; a layer would run in two
             stages; the model's outputs are not all made in the last stage.
     """
-    _check_model(model)
+    check_model(model)
     if isinstance(split_points, str) or not isinstance(split_points, Sequence):
         raise ConfigError("split_points", split_points, "a list of layer names", source=SOURCE)
     if not split_points:
         raise ConfigError(
             "split_points", split_points, "at least one layer name (two stages)", source=SOURCE
         )
-    graph = _graph_of(model)
-    inputs = keras.tree.map_structure(
-        lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse),
-        graph.input,
-    )
-    calls: list[_Call] = []
-    outputs = _replay(model, inputs, calls)
+    inputs, calls, outputs = replayed(model)
     starts = _starts(calls, split_points)
     return _cut(calls, starts, inputs, outputs)
 
 
-def _cut(calls: list[_Call], starts: list[int], inputs: Any, outputs: Any) -> list[Stage]:
+def replayed(model: keras.Model) -> tuple[Any, list[Call], Any]:
+    """``model``'s graph called again on new inputs: the inputs, every leaf
+    layer call in computing order, and the outputs."""
+    inputs = keras.tree.map_structure(
+        lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse),
+        _graph_of(model).input,
+    )
+    calls: list[Call] = []
+    outputs = _replay(model, inputs, calls)
+    return inputs, calls, outputs
+
+
+def _cut(calls: list[Call], starts: list[int], inputs: Any, outputs: Any) -> list[Stage]:
     """The stages of the replayed ``calls``, each a functional model."""
     flat_inputs = keras.tree.flatten(inputs)
     input_position = {id(t): i for i, t in enumerate(flat_inputs)}
@@ -269,7 +275,7 @@ def _cut(calls: list[_Call], starts: list[int], inputs: Any, outputs: Any) -> li
     return stages
 
 
-def _variables(calls: list[_Call], bounds: list[int]) -> list[list]:
+def _variables(calls: list[Call], bounds: list[int]) -> list[list]:
     """The variables each stage owns; refuses one read in two stages (tied
     weights), naming it."""
     stages_of: dict[int, set[int]] = {}
@@ -281,7 +287,7 @@ def _variables(calls: list[_Call], bounds: list[int]) -> list[list]:
     for stage in range(len(bounds) - 1):
         for call in calls[bounds[stage] : bounds[stage + 1]]:
             shared = len(stages_of[id(call.layer)]) > 1
-            for v in _read_by(call) if shared else call.layer.weights:
+            for v in read_by(call) if shared else call.layer.weights:
                 reader = first_reader.setdefault(id(v), stage)
                 if reader != stage:
                     raise ConfigError(
@@ -298,7 +304,7 @@ def _variables(calls: list[_Call], bounds: list[int]) -> list[list]:
     return owned
 
 
-def _read_by(call: _Call) -> list:
+def read_by(call: Call) -> list:
     """The variables one call of a layer reads (a layer called in two stages
     may use different weights in each, as a keras-hub embedding used
     reversed), found by tracing the call on zeros of its inputs' shapes in a
@@ -307,7 +313,7 @@ def _read_by(call: _Call) -> list:
     import tensorflow as tf  # Only for a layer called in two stages.
 
     def zeros(value: Any) -> Any:
-        if not _symbolic(value):
+        if not symbolic(value):
             return value
         shape = [1 if d is None else d for d in value.shape]
         return tf.zeros(shape, dtype=value.dtype)
@@ -325,7 +331,7 @@ def _read_by(call: _Call) -> list:
 def _route(
     t: Any,
     stage: int,
-    call: _Call,
+    call: Call,
     where: dict[int, tuple[int, str]],
     input_position: dict[int, int],
     sends: list[list],
