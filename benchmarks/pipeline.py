@@ -145,6 +145,7 @@ def balanced_cuts(schedule: str, m: int) -> tuple[list[int], list[float]]:
     from tfdist.pipeline import balance
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
 
     x, y = _data()
@@ -155,7 +156,7 @@ def balanced_cuts(schedule: str, m: int) -> tuple[list[int], list[float]]:
         x=x[:rows],
         y=y[:rows],
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        repeats=9,
+        repeats=5,
     )
     return [int(p[1:]) for p in found.split_points], list(found.costs)
 

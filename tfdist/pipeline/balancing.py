@@ -81,7 +81,7 @@ def balance(
     x: Any = None,
     y: Any = None,
     loss: Any = None,
-    repeats: int = 5,
+    repeats: int = 3,
 ) -> Balance:
     """Chooses split points that give ``stages`` stages of equal cost.
 
@@ -361,9 +361,9 @@ def _loss_pass(fn: Any, y: Any, predicted: list) -> Callable[[], Any]:
 
 
 def _looped(once: Callable[[], list]) -> Callable[[], Any]:
-    """``once`` run LOOP times in one compiled function. Each run adds one
-    value of its results to the loop's carry, so none is pruned and no two
-    runs are merged as one."""
+    """``once`` run LOOP times in one compiled function, one after another.
+    Each run adds one value of its results to the loop's carry, so none is
+    pruned and no two runs are merged as one."""
     import tensorflow as tf
 
     def first(value: Any) -> Any:
@@ -375,7 +375,14 @@ def _looped(once: Callable[[], list]) -> Callable[[], Any]:
         return i + 1, carry + (tf.add_n([tf.reduce_sum(d) for d in done]) if done else 0.0)
 
     def run() -> Any:
-        return tf.while_loop(lambda i, _: i < LOOP, body, (tf.constant(0), tf.constant(0.0)))
+        # One run at a time: overlapping runs on idle threads would time less
+        # than the stage's one pass costs.
+        return tf.while_loop(
+            lambda i, _: i < LOOP,
+            body,
+            (tf.constant(0), tf.constant(0.0)),
+            parallel_iterations=1,
+        )
 
     return tf.function(run, autograph=False)
 
