@@ -9,6 +9,7 @@ worker per stage:
     tfdist launch --workers 4 strategies/pipeline.py --replicas=2 --compression=fp16
     tfdist launch --workers 2 strategies/pipeline.py --schedule=interleaved --chunks=2
     tfdist launch --workers 2 strategies/pipeline.py --stage_mesh=1x2
+    tfdist launch --workers 4 strategies/pipeline.py --split=parameters
 
 ``--model=llama`` is a small keras-hub Llama (built from a config: nothing is
 downloaded; it needs keras-hub beside the base install:
@@ -25,6 +26,10 @@ P`` workers (worker ``replica * P + stage``); ``--compression`` applies to
 their all-reduce, and is refused with one replica (there is nothing to
 compress). ``--per_replica_batch_size`` is the batch of one pipeline.
 ``--strategy`` is refused: no tf.distribute strategy runs here.
+
+``--split=parameters`` cuts the model where the stages hold equal numbers of
+weights (``tfdist.pipeline.balance``, from the weights' shapes: every worker
+finds the same split points) instead of the same number of blocks each.
 
 ``--stage_mesh=BxT`` lays each worker's stage out over a (batch, model) mesh
 of ``B x T`` of its devices with a ``ModelParallel`` (keras-hub's layout
@@ -61,6 +66,13 @@ flags.DEFINE_integer("chunks", 1, "Stages per worker (the interleaved schedule).
 flags.DEFINE_integer("microbatches", 4, "Micro-batches per batch (they must divide it).")
 flags.DEFINE_integer("replicas", 1, "Copies of the pipeline, trained data-parallel.")
 flags.DEFINE_bool("compare", False, "Also train unpipelined on worker 0 and compare.")
+flags.DEFINE_enum(
+    "split",
+    "even",
+    ["even", "parameters"],
+    "Where the stages begin: the same number of blocks each, or equal weights "
+    "(tfdist.pipeline.balance by parameters: the same answer on every worker).",
+)
 flags.DEFINE_string(
     "stage_mesh",
     None,
@@ -198,7 +210,6 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
 
     from tfdist.pipeline import PipelineModel
 
-    split_points = split_points_for(FLAGS.model, stages * FLAGS.chunks)
     distribution = None
     if pipelined and FLAGS.stage_mesh:  # Before TensorFlow makes its devices.
         distribution = stage_distribution(FLAGS.model, mesh_shape(FLAGS.stage_mesh))
@@ -207,6 +218,12 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
         keras.utils.set_random_seed(FLAGS.seed)
         return make_model(FLAGS.model, stages * FLAGS.chunks)
 
+    split_points, costs = split_points_for(FLAGS.model, stages * FLAGS.chunks), None
+    if FLAGS.split == "parameters":
+        from tfdist.pipeline import balance
+
+        found = balance(build, stages * FLAGS.chunks, by="parameters")  # No weight is made.
+        split_points, costs = list(found.split_points), list(found.costs)
     # Under layouts, the stage's weights are made under them: give the builder.
     model = build if distribution is not None else build()
     if pipelined:
@@ -235,6 +252,7 @@ def train(pipelined: bool, stages: int) -> tuple[Any, dict]:
         "evaluate": round(float(np.ravel(model.evaluate(x, y, verbose=0))[0]), 6),
         "fit_seconds": round(seconds, 2),
         "split_points": split_points,
+        "stage_costs": costs,
     }
     return model, report
 

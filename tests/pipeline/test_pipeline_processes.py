@@ -22,6 +22,7 @@ from tfdist.pipeline.schedule import simulate
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tf_cpus")]  # Keras here too.
 
 TASK = "tests/workers/pipeline_task.py"
+FIT = "tests/workers/pipeline_fit.py"
 STEPS = 20
 #: float32 sums taken per micro-batch rather than over the whole batch.
 TOL = 1e-5
@@ -102,6 +103,19 @@ def test_a_dead_stage_makes_the_others_fail_naming_it(tmp_path):
         assert "closed the connection" in err0 or "reset" in err0, err0[-3000:]
 
 
+def test_stages_given_other_split_points_refuse_to_start_naming_them(tmp_path):
+    """Layers of one width pass tensors of the same shapes whatever the split:
+    without the check, these stages would train a wrong model silently."""
+    addresses = ",".join(_addresses(2))
+    common = [FIT, "mlp", "1f1b", 2, 2, tmp_path]
+    procs = [start([*common, s, addresses], PIPELINE_SPLIT="1:d3") for s in range(2)]
+    (code0, _, err0), (code1, _, err1) = finish(procs, timeout=300)
+    assert code0 != 0 and code1 != 0
+    assert "field 'split_points'" in err0 and "stage 1 was given ['d3']" in err0, err0[-3000:]
+    assert "field 'split_points'" in err1 and "stage 0 was given ['d2']" in err1, err1[-3000:]
+    assert not list(tmp_path.glob("fit-*.npz"))  # Neither trained.
+
+
 def test_fit_evaluate_predict_and_save_equal_the_unpipelined_model(tmp_path):
     # A keras-hub Llama in 2 stages (GPipe, 2 micro-batches) under Keras's
     # own fit, evaluate, predict and save, as a user's script calls them.
@@ -111,7 +125,7 @@ def test_fit_evaluate_predict_and_save_equal_the_unpipelined_model(tmp_path):
     # builder): what it held before fit is its stage's, and the model it
     # trains and saves is the same.
     addresses = ",".join(_addresses(2))
-    common = ["tests/workers/pipeline_fit.py", "llama", "gpipe", 2, 4, tmp_path]
+    common = [FIT, "llama", "gpipe", 2, 4, tmp_path]
     procs = [start([*common, "ref"])]
     procs += [start([*common, s, addresses], PIPELINE_BY_STAGE="1") for s in range(2)]
     for code, out, err in finish(procs, timeout=600):
@@ -214,7 +228,7 @@ def test_stages_laid_out_over_each_process_s_devices_equal_one_device(
 
     ranks = 2 * replicas
     addresses = ",".join(_addresses(ranks))
-    common = ["tests/workers/pipeline_fit.py", model, schedule, 2, 4, tmp_path]
+    common = [FIT, model, schedule, 2, 4, tmp_path]
     env = {"PIPELINE_BY_STAGE": "1", "PIPELINE_MESH": mesh, "PIPELINE_REPLICAS": str(replicas)}
     procs = [start([*common, "ref"])]  # Each stage's process makes its own devices:
     procs += [start([*common, r, addresses], fresh=True, **env) for r in range(ranks)]
@@ -265,7 +279,7 @@ def test_backup_and_restore_resumes_the_stages_as_it_resumes_one_device(tmp_path
     # resumes from BackupAndRestore's backup (stage 0 writes it, both stages
     # read it), as the plain model does from its own.
     addresses = ",".join(_addresses(2))
-    common = ["tests/workers/pipeline_fit.py", "mlp", "1f1b", 2, 4, tmp_path]
+    common = [FIT, "mlp", "1f1b", 2, 4, tmp_path]
     backup = {"PIPELINE_BACKUP": str(tmp_path / "backup")}
 
     def job(**env):
@@ -303,7 +317,7 @@ def test_two_replicas_of_two_stages_equal_one_device_and_fp16_halves_their_bytes
     import keras
 
     steps = 4
-    common = ["tests/workers/pipeline_fit.py", "mlp", "1f1b", 2, steps]
+    common = [FIT, "mlp", "1f1b", 2, steps]
 
     def job(out, compression, ref):
         out.mkdir()

@@ -39,10 +39,21 @@ def test_the_script_trains_two_stages_like_one_device(tmp_path):
     assert len(saved.layers) == 7  # The input, 5 Dense layers and the logits.
 
 
-def test_the_script_trains_two_replicas_of_two_stages_with_compression(tmp_path):
+def test_the_script_trains_two_replicas_of_two_stages_cut_by_weights_with_compression(tmp_path):
     args = ["-m", "tfdist", "launch", "--workers", "4", "--show-all", SCRIPT, "--model=mlp"]
     [(code, out, err)] = finish(
-        [start([*args, *TINY, "--per_replica_batch_size=8", "--replicas=2", "--compression=bf16"])],
+        [
+            start(
+                [
+                    *args,
+                    *TINY,
+                    "--per_replica_batch_size=8",
+                    "--replicas=2",
+                    "--compression=bf16",
+                    "--split=parameters",
+                ]
+            )
+        ],
         timeout=300,
     )
     assert code == 0, (out + err)[-4000:]
@@ -55,6 +66,12 @@ def test_the_script_trains_two_replicas_of_two_stages_with_compression(tmp_path)
     losses = {tuple(results[k]["loss"]) for k in results}
     assert len(losses) == 1  # Every worker logs the replicas' mean loss.
     assert all(results[k]["sent_to_replicas"] > 0 for k in results)
+    # Balanced by weights: dense_0 (32 x 64 + 64) and two 64 x 64 layers with
+    # biases, against two and the logits (64 x 10 + 10); cutting one layer
+    # earlier would give 6,272 against 13,130.
+    first = results["worker:0"]
+    assert first["split_points"] == ["dense_3"]
+    assert first["stage_costs"] == [2112 + 2 * 4160, 2 * 4160 + 650]
 
 
 def test_the_script_trains_interleaved_chunks_laid_out_over_a_mesh_like_one_device():

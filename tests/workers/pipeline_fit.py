@@ -25,7 +25,9 @@ writing what they read to OUT/loaded-<STAGE>.npz and the weights they held
 before and after to OUT/held-{before-load,after}-<STAGE>.npy. With
 $PIPELINE_MESH = "BxT" (and $PIPELINE_BY_STAGE), each stage process splits
 its CPU into B x T logical devices and lays its stage out over a (batch,
-model) mesh of them (tests/models/pipeline_models.layout_map).
+model) mesh of them (tests/models/pipeline_models.layout_map). With
+$PIPELINE_SPLIT = "STAGE:a,b", that stage is given the split points a, b
+instead of the others' (they refuse to start).
 """
 
 import os
@@ -83,9 +85,13 @@ if stage != "ref":
         distribution = tfdist.distribution.ModelParallel(
             layout_map=layout_map(model_name, MESH), batch_dim_name="batch"
         )
+    points = SPLITS[model_name][: stages - 1]
+    given = os.environ.get("PIPELINE_SPLIT", "")  # "STAGE:a,b": that stage's own points.
+    if given.split(":")[0] == str(index):
+        points = given.split(":")[1].split(",")
     model = PipelineModel(
         model,
-        SPLITS[model_name][: stages - 1],
+        points,
         microbatches=m,
         schedule=schedule,
         replicas=replicas,

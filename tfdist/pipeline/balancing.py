@@ -31,13 +31,16 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import keras
 
 from tfdist.compat.deferred import deferred_build
 from tfdist.errors import ConfigError
 from tfdist.pipeline.split import Call, check_model, read_by, replayed, split_model, symbolic
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 __all__ = ["BY", "Balance", "balance"]
 
@@ -78,9 +81,9 @@ def balance(
     stages: int,
     *,
     by: str = "time",
-    x: Any = None,
-    y: Any = None,
-    loss: Any = None,
+    x: object = None,
+    y: object = None,
+    loss: object = None,
     repeats: int = 3,
 ) -> Balance:
     """Chooses split points that give ``stages`` stages of equal cost.
@@ -133,7 +136,9 @@ def balance(
     )
 
 
-def _check_args(stages: Any, by: Any, x: Any, y: Any, loss: Any, repeats: Any) -> None:
+def _check_args(
+    stages: object, by: object, x: object, y: object, loss: object, repeats: object
+) -> None:
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
         raise ConfigError("stages", stages, "an integer >= 2", source=SOURCE)
     if by not in BY:
@@ -189,7 +194,7 @@ class _Cuts:
     shared: dict[int, list]
 
     @classmethod
-    def of(cls, calls: list[Call], inputs: Any, outputs: Any) -> _Cuts:
+    def of(cls, calls: list[Call], inputs: object, outputs: object) -> _Cuts:
         given = {id(t) for t in keras.tree.flatten(inputs)}
         made = {id(t): i for i, call in enumerate(calls) for t in call.outputs}
         last_use: dict[int, int] = {}
@@ -275,7 +280,13 @@ def _parameters(call: Call, shared: dict[int, list]) -> int:
 
 
 def _timed(
-    calls: list[Call], inputs: Any, outputs: Any, x: Any, y: Any, loss: Any, repeats: int
+    calls: list[Call],
+    inputs: object,
+    outputs: object,
+    x: object,
+    y: object,
+    loss: object,
+    repeats: int,
 ) -> tuple[list[float], float]:
     """Each call's seconds of forward and backward on ``x``, and the loss's."""
     import tensorflow as tf
@@ -315,12 +326,12 @@ def _timed(
 LOOP = 8
 
 
-def _pass(call: Call, held: dict[int, Any], given: set[int]) -> Callable[[], Any]:
+def _pass(call: Call, held: dict[int, tf.Tensor], given: set[int]) -> Callable[[], object]:
     """A forward and backward of one call: the gradients of the weights it
     trains and of its float inputs the stage receives or makes."""
     import tensorflow as tf
 
-    def value(t: Any) -> Any:
+    def value(t: object) -> object:
         return held[id(t)] if symbolic(t) else t
 
     args = keras.tree.map_structure(value, call.args)
@@ -346,7 +357,9 @@ def _pass(call: Call, held: dict[int, Any], given: set[int]) -> Callable[[], Any
     return _looped(once)
 
 
-def _loss_pass(fn: Any, y: Any, predicted: list) -> Callable[[], Any]:
+def _loss_pass(
+    fn: Callable[..., tf.Tensor], y: object, predicted: list[tf.Tensor]
+) -> Callable[[], object]:
     import tensorflow as tf
 
     y = keras.tree.map_structure(tf.convert_to_tensor, y)
@@ -360,21 +373,21 @@ def _loss_pass(fn: Any, y: Any, predicted: list) -> Callable[[], Any]:
     return _looped(once)
 
 
-def _looped(once: Callable[[], list]) -> Callable[[], Any]:
+def _looped(once: Callable[[], list]) -> Callable[[], object]:
     """``once`` run LOOP times in one compiled function, one after another.
     Each run adds one value of its results to the loop's carry, so none is
     pruned and no two runs are merged as one."""
     import tensorflow as tf
 
-    def first(value: Any) -> Any:
+    def first(value: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
         values = value.values if isinstance(value, tf.IndexedSlices) else value
         return tf.cast(tf.reshape(values, [-1])[:1], tf.float32)
 
-    def body(i: Any, carry: Any) -> tuple:
+    def body(i: tf.Tensor, carry: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         done = [first(v) for v in once()]
         return i + 1, carry + (tf.add_n([tf.reduce_sum(d) for d in done]) if done else 0.0)
 
-    def run() -> Any:
+    def run() -> tuple[tf.Tensor, tf.Tensor]:
         # One run at a time: overlapping runs on idle threads would time less
         # than the stage's one pass costs.
         return tf.while_loop(
@@ -387,7 +400,7 @@ def _looped(once: Callable[[], list]) -> Callable[[], Any]:
     return tf.function(run, autograph=False)
 
 
-def _seconds(fn: Callable[[], Any], repeats: int) -> float:
+def _seconds(fn: Callable[[], object], repeats: int) -> float:
     """The median seconds of one of ``fn``'s LOOP passes."""
     fn()  # Traces it.
     times = []

@@ -42,6 +42,7 @@ from tfdist.compat.deferred import borrowed, deferred_build, materialize
 from tfdist.compat.keras_private import loss_tracker, write_keras_archive
 from tfdist.compat.keras_src import saving_lib
 from tfdist.errors import ConfigError
+from tfdist.pipeline.agreement import check_agreement, plan_of
 from tfdist.pipeline.backup import stage_callbacks
 from tfdist.pipeline.laid_out import (
     build_stage,
@@ -224,6 +225,19 @@ class PipelineModel(keras.Model):
         self.rank = rank
         self.replica, self.stage_index = self.grid.place(rank)
         self.own = [s for s in self.stages if self._owner(s) == self.stage_index]
+        # Before this stage's weights are laid out: then their shapes are blocks.
+        plan = plan_of(
+            self.stages,
+            split_points,
+            schedule=schedule,
+            microbatches=microbatches,
+            chunks=chunks,
+            replicas=replicas,
+            # A compressor object's repr holds its address: its class stands for it.
+            compression=compression
+            if compression is None or isinstance(compression, str)
+            else type(compression).__name__,
+        )
         self._make_own(deferred)
         self.schedule = schedule
         self.microbatches = microbatches
@@ -236,6 +250,12 @@ class PipelineModel(keras.Model):
             names=self.grid.names(),
         )
         self._all_links = links
+        try:
+            check_agreement(plan, links, self.grid.names(), SOURCE, timeout=timeout)
+        except BaseException:
+            for link in links.values():
+                link.close()
+            raise
         self._links = {s: links[r] for s, r in self.grid.pipeline_peers(rank).items()}
         ring = {r: links[k] for r, k in self.grid.ring_peers(rank).items()}
         self._group = RingGroup(self.replica, replicas, ring, name="dp") if ring else None
