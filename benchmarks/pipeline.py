@@ -364,12 +364,14 @@ def markdown(raw: dict) -> str:
         "per process (0, 1); medians over the timed steps and runs. *Replayed*: the schedule "
         "with the framework's measured pass times and free transfers; *with delivery*: and "
         "each message taking the measured *delivery* time (from the end of its send span to "
-        "the end of a receive that waited for it).",
+        "the end of a receive that waited for it); *each pass as measured*: each step "
+        "replayed with its own passes' times (their jitter) and the delivery "
+        "(tfdist.pipeline.trace.replay_step).",
         "",
         "| schedule | m | cuts | balance (ms) | theory | tfdist replayed | with delivery "
-        "| tfdist idle | over theory (points) | of which sends | of which waits | delivery (ms) "
-        "| PyTorch replayed | PyTorch idle |",
-        "|---|---:|---|---|---:|---|---|---|---|---|---|---:|---|---|",
+        "| each pass as measured | tfdist idle | over theory (points) | of which sends "
+        "| of which waits | delivery (ms) | PyTorch replayed | PyTorch idle |",
+        "|---|---:|---|---|---:|---|---|---|---|---|---|---|---:|---|---|",
     ]
     pair = lambda values: ", ".join(f"{v:.3f}" for v in values)  # noqa: E731
     for row in raw["rows"]:
@@ -379,7 +381,9 @@ def markdown(raw: dict) -> str:
         lines.append(
             f"| {_label(row['schedule'], meta)} | {row['m']} "
             f"| {', '.join(map(str, row.get('cuts', []))) or '-'} | {costs} | {row['theory']:.3f} "
-            f"| {pair(t['replayed'])} | {pair(t['replayed_sends'])} | {pair(t['idle'])} | {over} "
+            f"| {pair(t['replayed'])} | {pair(t['replayed_sends'])} "
+            f"| {pair(t['replayed_each']) if t.get('replayed_each') else '-'} "
+            f"| {pair(t['idle'])} | {over} "
             f"| {pair(t['send'])} | {pair(t['wait'])} | {1e3 * t['delivery_s']:.2f} "
             f"| {pair(p['replayed'])} | {pair(p['idle'])} |"
         )
@@ -451,7 +455,23 @@ def bubble_of(outs: list[dict], schedule: str, m: int) -> dict:
         # The replay again, each message taking the measured delivery time.
         "delivery_s": latency,
         "replayed_sends": list(replay(schedule, m, steps, v, latency).idle),
+        # Each step replayed with its own passes' times and the delivery.
+        "replayed_each": _replayed_each(spans, numbers, schedule, m, latency),
     }
+
+
+def _replayed_each(spans: list, numbers: list[int], schedule: str, m: int, latency: float):
+    """Per process, the median over the steps of ``replay_step``'s idle; None
+    where the passes were not recorded in the schedule's order (PyTorch's
+    interleaved schedule orders them its own way)."""
+    from tfdist.errors import ConfigError
+    from tfdist.pipeline.trace import replay_step
+
+    try:
+        each = [replay_step(schedule, m, spans, n, chunks_of(schedule), latency) for n in numbers]
+    except ConfigError:
+        return None
+    return [statistics.median(t.idle[k] for t in each) for k in range(len(spans))]
 
 
 def _row(schedule: str, m: int, runs: list[dict]) -> dict:
@@ -476,6 +496,9 @@ def _row(schedule: str, m: int, runs: list[dict]) -> dict:
                 )
             },
             "delivery_s": statistics.median(b["delivery_s"] for b in bubbles),
+            "replayed_each": None
+            if any(b["replayed_each"] is None for b in bubbles)
+            else [statistics.median(b["replayed_each"][s] for b in bubbles) for s in range(STAGES)],
         }
     ratios = [run["tfdist"][0]["step_s"] / run["torch"][0]["step_s"] for run in runs]
     row["ratio"] = statistics.median(ratios)

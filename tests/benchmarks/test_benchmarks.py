@@ -880,6 +880,13 @@ def test_pipeline_benchmark_rows_and_table():
     # The pass times the replay took: medians over the two runs (scales 1, 2).
     assert row["tfdist"]["forward_s"] == pytest.approx([1.5, 1.35])
     assert row["tfdist"]["backward_s"] == pytest.approx([1.5, 1.5])
+    # Each step replayed with its own passes (one step each run, both the same).
+    from tfdist.pipeline.schedule import Action
+
+    own = {(0, Action("F", 0)): 1.0, (0, Action("B", 0)): 1.0}
+    own.update({(1, Action("F", 0)): 0.9, (1, Action("B", 0)): 1.0})
+    each = simulate("gpipe", 2, 1, durations=own).idle
+    assert row["tfdist"]["replayed_each"] == pytest.approx(list(each))
     row = {**row, "cuts": [5], "balance_s": [0.0316, 0.0311]}
     meta = {
         "command": "python benchmarks/pipeline.py",
@@ -901,9 +908,11 @@ def test_pipeline_benchmark_rows_and_table():
     }
     text = pipe.markdown({"meta": meta, "rows": [row]})
     r = [f"{x:.3f}" for x in replayed]
+    e = [f"{x:.3f}" for x in each]
     assert (
-        f"| gpipe | 1 | 5 | 31.6, 31.1 | 0.500 | {r[0]}, {r[1]} | {r[0]}, {r[1]} | 0.500, 0.525 "
-        f"| +0.0, +2.5 | 0.025, 0.010 | 0.475, 0.275 | 0.00 | {r[0]}, {r[1]} | 0.500, 0.525 |"
+        f"| gpipe | 1 | 5 | 31.6, 31.1 | 0.500 | {r[0]}, {r[1]} | {r[0]}, {r[1]} | {e[0]}, {e[1]} "
+        f"| 0.500, 0.525 | +0.0, +2.5 | 0.025, 0.010 | 0.475, 0.275 | 0.00 | {r[0]}, {r[1]} "
+        "| 0.500, 0.525 |"
     ) in text
     assert "an MLP of 64 inputs and 9 x 1024" in text and "each on its own CPU" in text
     assert "| gpipe | 1 | 400.0 | 225.0 | 1.75 | 300.0, 0.0 | 50, 51 | 60, 61 |" in text

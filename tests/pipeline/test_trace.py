@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from tfdist.engines.net import free_ports
 from tfdist.errors import ConfigError
 from tfdist.pipeline.schedule import actions, bubble, simulate
-from tfdist.pipeline.trace import Span, Trace, breakdown, delivery, replay
+from tfdist.pipeline.trace import Span, Trace, breakdown, delivery, replay, replay_step
 
 #: Keras runs in this process: the suite's logical CPUs first (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("tf_cpus")
@@ -62,6 +62,44 @@ def test_breakdown_and_replay_read_back_the_simulated_bubble(
     assert replay(schedule, m, [got], chunks, 0.3).idle == pytest.approx(late.idle, abs=1e-9)
     if len(set(forward)) == len(set(backward)) == 1:
         assert got.idle == pytest.approx((bubble(stages, m, chunks),) * stages, abs=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    schedule=st.sampled_from(["gpipe", "1f1b", "interleaved"]),
+    stages=st.integers(2, 4),
+    rounds=st.integers(1, 3),
+    data=st.data(),
+)
+def test_replaying_a_step_with_each_pass_s_own_time_gives_back_its_idle(
+    schedule, stages, rounds, data
+):
+    """Passes of one stage that each take their own time (jitter): the
+    replay of the recorded step is the step, where the medians' is not."""
+    chunks = 2 if schedule == "interleaved" else 1
+    m = rounds * stages
+    plan = [(s, a) for s in range(stages) for a in actions(schedule, s, stages, m, chunks)]
+    times = data.draw(st.lists(st.floats(0.1, 3.0), min_size=len(plan), max_size=len(plan)))
+    durations = dict(zip(plan, times))
+    timeline = simulate(schedule, stages, m, chunks=chunks, durations=durations)
+    spans = spans_of(timeline)
+    got = replay_step(schedule, m, spans, 7, chunks)
+    assert got.idle == pytest.approx(timeline.idle, abs=1e-9)
+    assert got.idle == pytest.approx(breakdown(spans, 7, chunks).idle, abs=1e-9)
+    late = simulate(schedule, stages, m, chunks=chunks, transfer=0.2, durations=durations)
+    assert replay_step(schedule, m, spans, 7, chunks, 0.2).idle == pytest.approx(late.idle)
+
+
+def test_a_step_whose_passes_are_not_the_schedule_s_is_named():
+    timeline = simulate("gpipe", 2, 2)
+    spans = spans_of(timeline)
+    with pytest.raises(ConfigError) as caught:
+        replay_step("1f1b", 2, spans, 7)  # 1F1B's last stage alternates: FBFB.
+    assert caught.value.field == "spans"
+    assert "process 1: FFBB in step 7" in str(caught.value) and "FBFB" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        simulate("gpipe", 2, 2, durations={})
+    assert caught.value.field == "durations" and "none for process 0's" in str(caught.value)
 
 
 def test_spans_outside_the_window_or_of_other_steps_are_cut_off():

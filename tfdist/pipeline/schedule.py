@@ -24,7 +24,7 @@ reports each process's idle fraction and peak activations in flight.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tfdist.errors import ConfigError
 
@@ -156,6 +156,7 @@ def simulate(
     backward: float | Sequence[float] = 1.0,
     chunks: int = 1,
     transfer: float = 0.0,
+    durations: Mapping[tuple[int, Action], float] | None = None,
 ) -> Timeline:
     """Runs the schedule on paper: each pass starts when its process is
     free and its input is there (a forward needs the previous stage's
@@ -164,15 +165,32 @@ def simulate(
     micro-batch over all its chunks (each chunk's pass takes ``1 / chunks``
     of it), one number or one per process. ``transfer``: the time from a
     pass's end until another process can use what it sent (0: sending
-    takes no time, as the bubble formula assumes).
+    takes no time, as the bubble formula assumes). ``durations``: each
+    pass's own time instead, by ``(process, action)`` (a measured step's).
 
     Raises:
-        ConfigError: As :func:`actions`; a schedule that could never finish
-            (a bug) raises RuntimeError.
+        ConfigError: As :func:`actions`; ``durations`` without a pass of the
+            schedule. A schedule that could never finish (a bug) raises
+            RuntimeError.
     """
     p, m, v = stages, microbatches, chunks
     f = [t / v for t in _per_stage(forward, p, "forward")]
     b = [t / v for t in _per_stage(backward, p, "backward")]
+    if durations is not None:
+        missing = [
+            (s, a)
+            for s in range(p)
+            for a in actions(schedule, s, p, m, v)
+            if (s, a) not in durations
+        ]
+        if missing:
+            raise ConfigError(
+                "durations",
+                f"{len(durations)} passes",
+                f"a time for every pass of the schedule (none for process {missing[0][0]}'s "
+                f"{missing[0][1]})",
+                source="simulate",
+            )
     if isinstance(transfer, bool) or not isinstance(transfer, (int, float)) or transfer < 0:
         raise ConfigError("transfer", transfer, "a time >= 0", source="simulate")
     queues = [actions(schedule, s, p, m, v) for s in range(p)]
@@ -188,7 +206,10 @@ def simulate(
                 if ready is None:
                     break
                 start = max(free[s], ready)
-                end = start + (f[s] if a.kind == "F" else b[s])
+                if durations is not None:
+                    end = start + durations[s, a]
+                else:
+                    end = start + (f[s] if a.kind == "F" else b[s])
                 done[(a.kind, a.microbatch, a.chunk * p + s)] = end
                 spans[s].append((a.kind, a.microbatch, start, end))
                 free[s] = end

@@ -17,6 +17,7 @@ and free transfers (:func:`~tfdist.pipeline.schedule.simulate`): stages of
 unequal cost leave more idle than the formula, which assumes equal ones.
 :func:`delivery` measures what a message costs the stage waiting for it,
 and ``replay(..., transfer=...)`` adds that cost to every message.
+:func:`replay_step` replays one step with each pass as long as it was.
 
 Nothing here imports TensorFlow.
 """
@@ -30,9 +31,18 @@ import time
 from collections.abc import Sequence
 
 from tfdist.errors import ConfigError
-from tfdist.pipeline.schedule import simulate
+from tfdist.pipeline.schedule import actions, simulate
 
-__all__ = ["KINDS", "Span", "Trace", "Breakdown", "breakdown", "replay", "delivery"]
+__all__ = [
+    "KINDS",
+    "Span",
+    "Trace",
+    "Breakdown",
+    "breakdown",
+    "replay",
+    "replay_step",
+    "delivery",
+]
 
 #: What a span measures: a forward or backward pass, a receive (waiting for
 #: the neighbour, and making tensors of its bytes), making bytes of outputs
@@ -189,6 +199,52 @@ def replay(
     forward = [statistics.median(b.forward[k] for b in steps) for k in range(len(steps[0].forward))]
     backward = [statistics.median(b.backward[k] for b in steps) for k in range(len(forward))]
     return simulate(schedule, len(forward), microbatches, forward, backward, chunks, transfer)
+
+
+def replay_step(
+    schedule: str,
+    microbatches: int,
+    spans: Sequence[Sequence[Span]],
+    step: int,
+    chunks: int = 1,
+    transfer: float = 0.0,
+):
+    """The schedule replayed with one measured step's own pass times, each
+    pass as long as it was: what is left between this and the measured idle
+    is neither the stages' costs nor their passes' jitter (a pass slower
+    than its median holds up the stage waiting for it), but the runtime's
+    own time between passes, and each message's delivery beyond
+    ``transfer``.
+
+    Args:
+        spans: Per process (in pipeline order), its recorded spans.
+        step: The step to replay.
+
+    Returns:
+        A :class:`~tfdist.pipeline.schedule.Timeline`.
+
+    Raises:
+        ConfigError: A process whose passes of ``step`` are not the
+            schedule's, in its order.
+    """
+    p = len(spans)
+    durations = {}
+    for s, process in enumerate(spans):
+        passes = sorted(
+            (x for x in process if x.step == step and x.kind in ("F", "B")), key=lambda x: x.start
+        )
+        planned = actions(schedule, s, p, microbatches, chunks)
+        if [x.kind for x in passes] != [a.kind for a in planned]:
+            raise ConfigError(
+                "spans",
+                f"process {s}: {''.join(x.kind for x in passes)} in step {step}",
+                f"the schedule's passes in its order, {''.join(a.kind for a in planned)}",
+                source="tfdist.pipeline.trace",
+            )
+        durations.update({(s, a): x.seconds for a, x in zip(planned, passes)})
+    return simulate(
+        schedule, p, microbatches, chunks=chunks, transfer=transfer, durations=durations
+    )
 
 
 def delivery(spans: Sequence[Sequence[Span]], steps: Sequence[int]) -> float | None:
