@@ -226,36 +226,13 @@ class PipelineModel(keras.Model):
         self.replica, self.stage_index = self.grid.place(rank)
         self.own = [s for s in self.stages if self._owner(s) == self.stage_index]
         # Before this stage's weights are laid out: then their shapes are blocks.
-        plan = plan_of(
-            self.stages,
-            split_points,
-            schedule=schedule,
-            microbatches=microbatches,
-            chunks=chunks,
-            replicas=replicas,
-            # A compressor object's repr holds its address: its class stands for it.
-            compression=compression
-            if compression is None or isinstance(compression, str)
-            else type(compression).__name__,
-        )
+        settings = {"schedule": schedule, "microbatches": microbatches, "chunks": chunks}
+        settings.update(replicas=replicas, compression=_described(compression))
+        plan = plan_of(self.stages, split_points, **settings)
         self._make_own(deferred)
         self.schedule = schedule
         self.microbatches = microbatches
-        links = connect_peers(
-            rank,
-            list(addresses),
-            self.grid.peers(rank),
-            timeout=timeout,
-            recv_timeout=recv_timeout,
-            names=self.grid.names(),
-        )
-        self._all_links = links
-        try:
-            check_agreement(plan, links, self.grid.names(), SOURCE, timeout=timeout)
-        except BaseException:
-            for link in links.values():
-                link.close()
-            raise
+        links = self._all_links = self._connect(addresses, plan, timeout, recv_timeout)
         self._links = {s: links[r] for s, r in self.grid.pipeline_peers(rank).items()}
         ring = {r: links[k] for r, k in self.grid.ring_peers(rank).items()}
         self._group = RingGroup(self.replica, replicas, ring, name="dp") if ring else None
@@ -263,6 +240,32 @@ class PipelineModel(keras.Model):
         self._trace: Any = None
         self._steps = {"T": 0, "E": 0, "P": 0, "W": 0}
         self.built = model.built  # Its weights are the model's (BackupAndRestore asks).
+
+    def _connect(
+        self,
+        addresses: Sequence[str],
+        plan: dict[str, object],
+        timeout: float,
+        recv_timeout: float | None,
+    ) -> dict[int, Any]:
+        """Links this process with its peers, which must have been given the
+        same plan (:mod:`~tfdist.pipeline.agreement`)."""
+        names = self.grid.names()
+        links = connect_peers(
+            self.rank,
+            list(addresses),
+            self.grid.peers(self.rank),
+            timeout=timeout,
+            recv_timeout=recv_timeout,
+            names=names,
+        )
+        try:
+            check_agreement(plan, links, names, SOURCE, timeout=timeout)
+        except BaseException:
+            for link in links.values():
+                link.close()
+            raise
+        return links
 
     @property
     def trace(self) -> Any:
@@ -668,6 +671,14 @@ class PipelineModel(keras.Model):
         """Closes the links to the neighbouring stages and replicas."""
         for link in self._all_links.values():
             link.close()
+
+
+def _described(compression: object) -> object:
+    """``compression`` as every process describes it alike: a compressor
+    object's repr holds its address, so its class stands for it."""
+    if compression is None or isinstance(compression, str):
+        return compression
+    return type(compression).__name__
 
 
 def _processes(stages: int, chunks: Any) -> int:
