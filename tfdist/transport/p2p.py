@@ -62,6 +62,10 @@ SMALL_BYTES = 64 * 1024
 #: Large payloads go out in sendall calls of this size, so that the socket's
 #: timeout bounds a stall (no progress), not the time a whole array takes.
 CHUNK_BYTES = 4 * 1024 * 1024
+#: Received arrays start at a multiple of this many bytes: TensorFlow reads
+#: CPU tensors with aligned loads (EIGEN_MAX_ALIGN_BYTES), so it can take an
+#: aligned array's memory without copying it (tfdist.pipeline.runtime.as_tensor).
+ALIGN_BYTES = 64
 #: A header longer than this is a corrupt stream, not a message.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 #: Seconds between attempts to reach a stage that is not listening yet.
@@ -180,6 +184,13 @@ def _decode_header(body: bytes) -> tuple[Tag, list[tuple[np.dtype, tuple[int, ..
         (_dtype_from_code(code), tuple(int(n) for n in shape)) for code, shape in meta["arrays"]
     ]
     return tuple(meta["tag"]), specs
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """``nbytes`` uninitialized bytes starting at a multiple of ALIGN_BYTES."""
+    raw = np.empty(nbytes + ALIGN_BYTES, np.uint8)
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return raw[start : start + nbytes]
 
 
 def _byte_view(arr: np.ndarray) -> memoryview:
@@ -474,7 +485,7 @@ class Link:
         for dtype, shape in specs:
             nbytes = math.prod(shape) * dtype.itemsize
             # Read straight into the array's memory: no intermediate bytes object.
-            buf = np.empty(nbytes, np.uint8)
+            buf = _aligned_empty(nbytes)
             if nbytes:
                 self._fill(memoryview(buf))
             arrays.append(buf.view(dtype).reshape(shape))
