@@ -133,10 +133,12 @@ def _replay(model: keras.Model, inputs: Any, calls: list[Call]) -> Any:
 
 
 def symbolic(value: Any) -> bool:
+    """Whether ``value`` is a tensor of the replayed graph (not a constant)."""
     return isinstance(value, keras.KerasTensor)
 
 
 def check_model(model: Any) -> None:
+    """Refuses a model without a graph of layers to cut, naming it."""
     if not isinstance(model, keras.Model):
         raise ConfigError("model", model, "a keras.Model", source=SOURCE)
     if not _is_graph(model):
