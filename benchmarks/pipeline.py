@@ -158,7 +158,8 @@ def balanced_cuts(schedule: str, m: int) -> tuple[list[int], list[float]]:
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         repeats=5,
     )
-    return [int(p[1:]) for p in found.split_points], list(found.costs)
+    cuts = [FLAGS.layers if p == "head" else int(p[1:]) for p in found.split_points]
+    return cuts, list(found.costs)
 
 
 def _task() -> tuple[int, list[str]]:

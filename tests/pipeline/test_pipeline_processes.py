@@ -3,7 +3,7 @@ trained unpipelined on one device with Keras's fit (issue 41's exactness):
 an MLP with a skip connection and a keras-hub Llama split at its blocks,
 GPipe and 1F1B, SGD and Adam, activations and gradients over TCP on
 127.0.0.1 (tfdist.transport.p2p). A stage that dies makes the others fail
-naming it."""
+naming it; stages given other split points refuse to start."""
 
 from __future__ import annotations
 
