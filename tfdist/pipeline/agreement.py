@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,17 +24,12 @@ from tfdist.errors import ConfigError
 
 if TYPE_CHECKING:
     from tfdist.pipeline.split import Stage
+    from tfdist.transport.p2p import Link
 
 __all__ = ["TAG", "plan_of", "check_agreement"]
 
 #: The tag of the message that carries a process's plan.
 TAG = ("plan",)
-
-
-class _Link(Protocol):
-    def send(self, tag: tuple, arrays: Sequence[np.ndarray]) -> None: ...
-
-    def recv(self, tag: tuple, timeout: float | None = None) -> list[np.ndarray]: ...
 
 
 def plan_of(
@@ -60,7 +55,7 @@ def plan_of(
 
 def check_agreement(
     plan: Mapping[str, object],
-    links: Mapping[int, _Link],
+    links: Mapping[int, Link],
     names: Sequence[str],
     source: str,
     timeout: float | None = None,

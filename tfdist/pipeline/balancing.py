@@ -27,6 +27,7 @@ crossing two boundaries, tied weights in one stage, the outputs in the last):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -120,17 +121,13 @@ def balance(
         costs, tail = _timed(calls, inputs, outputs, x, y, loss, repeats)
     else:
         costs, tail = [float(_parameters(call, cuts.shared)) for call in calls], 0.0
-    starts = cuts.best(costs, tail, stages)
+    starts, stage_costs = cuts.best(costs, tail, stages)
     names = [calls[c].layer.name for c in starts]
     split_model(model, names)  # The same checks as the pipeline's, with its errors.
     bounds = [0, *starts, len(calls)]
-    prefix = [0.0, *_cumulative(costs)]
     return Balance(
         split_points=tuple(names),
-        costs=tuple(
-            prefix[b] - prefix[a] + (tail if b == len(calls) else 0.0)
-            for a, b in zip(bounds, bounds[1:])
-        ),
+        costs=stage_costs,
         by=by,
         layers=tuple(tuple(c.layer.name for c in calls[a:b]) for a, b in zip(bounds, bounds[1:])),
     )
@@ -164,14 +161,6 @@ def _check_args(
             'None with by="parameters" (only by="time" runs the model)',
             source=SOURCE,
         )
-
-
-def _cumulative(values: Sequence[float]) -> list[float]:
-    total, out = 0.0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 @dataclasses.dataclass
@@ -210,11 +199,10 @@ class _Cuts:
         names = [c.layer.name for c in calls]
         shared = cls._shared(calls)
         tied = set()
-        for i, a in enumerate(calls):
-            for j in range(i + 1, len(calls)):
-                b = calls[j]
-                if b.layer is a.layer and _overlap(shared[id(a)], shared[id(b)]):
-                    tied.update(range(i + 1, j + 1))
+        twice = [(i, c) for i, c in enumerate(calls) if id(c) in shared]
+        for (i, a), (j, b) in itertools.combinations(twice, 2):
+            if b.layer is a.layer and _overlap(shared[id(a)], shared[id(b)]):
+                tied.update(range(i + 1, j + 1))
         legal = [
             c
             for c in range(1, len(calls))
@@ -229,9 +217,11 @@ class _Cuts:
             counts[id(call.layer)] = counts.get(id(call.layer), 0) + 1
         return {id(c): read_by(c) for c in calls if counts[id(c.layer)] > 1}
 
-    def best(self, costs: Sequence[float], tail: float, stages: int) -> list[int]:
+    def best(
+        self, costs: Sequence[float], tail: float, stages: int
+    ) -> tuple[list[int], tuple[float, ...]]:
         """The stage starts that minimize the costliest stage (a dynamic
-        programme over the legal cuts, in order)."""
+        programme over the legal cuts, in order), and each stage's cost."""
         n = len(costs)
         if stages - 1 > len(self.legal):
             raise ConfigError(
@@ -240,7 +230,7 @@ class _Cuts:
                 f"at most {len(self.legal) + 1}: the model has {len(self.legal)} places to cut",
                 source=SOURCE,
             )
-        prefix = [0.0, *_cumulative(costs)]
+        prefix = [0.0, *itertools.accumulate(costs)]
 
         def cost(a: int, b: int) -> float:
             return prefix[b] - prefix[a] + (tail if b == n else 0.0)
@@ -267,7 +257,9 @@ class _Cuts:
                 "crossing one boundary at most",
                 source=SOURCE,
             )
-        return list(min(finals)[1])
+        starts = list(min(finals)[1])
+        bounds = [0, *starts, n]
+        return starts, tuple(cost(a, b) for a, b in zip(bounds, bounds[1:]))
 
 
 def _overlap(a: list, b: list) -> bool:
