@@ -119,6 +119,21 @@ def test_bad_settings_name_the_field(kwargs, field, value):
     assert caught.value.field == field and caught.value.value == value
 
 
+def test_the_split_balance_found_is_taken_as_it_is():
+    from tfdist.errors import ConfigError
+    from tfdist.pipeline import PipelineModel, balance
+
+    model = make_model("mlp")
+    found = balance(model, 2, by="parameters")
+    # One address for two stages: refused after the cut, naming the split
+    # points the Balance gave (before any connection is tried).
+    with pytest.raises(ConfigError) as caught:
+        PipelineModel(model, found, microbatches=2, stage=0, addresses=["127.0.0.1:1"])
+    assert caught.value.field == "addresses"
+    assert f"split_points={list(found.split_points)}" in str(caught.value)
+    assert len(found.split_points) == 1
+
+
 def test_a_batch_the_micro_batches_do_not_divide_names_both():
     import numpy as np
 

@@ -44,6 +44,7 @@ from tfdist.compat.keras_src import saving_lib
 from tfdist.errors import ConfigError
 from tfdist.pipeline.agreement import check_agreement, plan_of
 from tfdist.pipeline.backup import stage_callbacks
+from tfdist.pipeline.balancing import Balance
 from tfdist.pipeline.laid_out import (
     build_stage,
     check_recomputable,
@@ -136,7 +137,9 @@ class PipelineModel(keras.Model):
             weights are given theirs, the same as a full build's with the
             same seed.
         split_points: Names of the layers each stage after the first begins
-            with (see :func:`~tfdist.pipeline.split_model`).
+            with (see :func:`~tfdist.pipeline.split_model`), or the
+            :class:`~tfdist.pipeline.Balance` that :func:`~tfdist.pipeline.balance`
+            found.
         microbatches: Micro-batches per batch; it must divide the batch size.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (Megatron's
             interleaved 1F1B: give ``chunks``).
@@ -172,7 +175,7 @@ class PipelineModel(keras.Model):
     def __init__(
         self,
         model: keras.Model | Callable[[], keras.Model],
-        split_points: Sequence[str],
+        split_points: Sequence[str] | Balance,
         *,
         microbatches: int,
         schedule: str = "1f1b",
@@ -200,6 +203,8 @@ class PipelineModel(keras.Model):
         if callable(model) and not isinstance(model, keras.Model):
             model, deferred = deferred_build(model)
         self.whole = model
+        if isinstance(split_points, Balance):
+            split_points = list(split_points.split_points)
         self.stages = split_model(model, split_points)
         self.grid = Grid(_processes(len(self.stages), chunks), check_replicas(replicas), chunks)
         actions(schedule, 0, self.grid.stages, microbatches, chunks)  # Checks the counts.
