@@ -14,11 +14,13 @@ builds each replica's backward, collectives included, in that replica's
 context. A tape kept from the forward outside the replicas loses it (the
 layers' gathers become identities, and TensorFlow's call-time collective
 keys give gradients of None, both silently). The cost is one more forward of
-the stage per micro-batch; only the stage's inputs are kept between the
-passes. A layer that draws random numbers in training (Dropout) would draw
-other ones in the recompute, and BatchNormalization would update its
-statistics twice, so a stage under a distribution refuses them
-(:func:`check_recomputable`).
+the stage per micro-batch. Between the passes, only the stage's inputs are
+kept, and its state before the forward (:meth:`MeshPasses.state`: each
+device's copy of its non-trainable variables). The recompute starts from
+that state, and its own changes are undone after it: Dropout and noise
+layers draw the forward's numbers again (from their seed generators'
+states), and BatchNormalization normalizes with the same batch statistics
+and updates its moving averages once, in the forward.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ __all__ = [
     "MeshPasses",
     "apply_on",
     "build_stage",
-    "check_recomputable",
     "components",
     "owners_of",
     "strategy_for",
@@ -103,30 +104,6 @@ def owners_of(model: keras.layers.Layer) -> dict[int, keras.layers.Layer]:
     return found
 
 
-def check_recomputable(model: keras.layers.Layer, stage: int) -> None:
-    """Refuses layers whose recomputed forward differs from the first.
-
-    Raises:
-        ConfigError: A layer draws random numbers in training (Dropout with
-            a rate above 0, noise layers) or updates its state in training
-            (BatchNormalization), naming it.
-    """
-    for layer in flatten_layers(model):
-        random = (
-            any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-            and getattr(layer, "rate", 1) != 0
-        )
-        if random or isinstance(layer, keras.layers.BatchNormalization):
-            raise ConfigError(
-                "distribution",
-                f"stage {stage}'s layer {layer.name!r} ({type(layer).__name__})",
-                "layers that compute the same in the backward's recomputed forward: no "
-                "Dropout (rate > 0), noise or BatchNormalization in a stage under a "
-                "distribution (it would draw other masks, or update its statistics twice)",
-                source=SOURCE,
-            )
-
-
 def _replica() -> int:
     context = tf.distribute.get_replica_context()
     return int(tf.get_static_value(context.replica_id_in_sync_group))
@@ -169,6 +146,10 @@ class MeshPasses:
         self.devices = list(strategy.extended.worker_devices)
         self.variables = list(variables)
         self.head = head
+        #: What the forward changes besides its outputs: the seed generators'
+        #: states, batch statistics.
+        self.states = list(model.non_trainable_variables)
+        self._read = tf.function(lambda: [tf.identity(c) for c in self._components()])
         self._forward = {
             training: tf.function(
                 lambda inputs, targets, training=training: self._forward_fn(
@@ -224,14 +205,36 @@ class MeshPasses:
         local = self.strategy.experimental_local_results
         return [tf.concat(local(t), 0) for t in per_replica]
 
-    def backward(self, given: list, received: list, upstream: list) -> tuple[list, list]:
-        """``(dx, grads)``: the gradients of the received inputs (whole), and
-        of each variable, a list of its per-device components."""
-        return self._backward(list(given), list(received), list(upstream))
+    def state(self) -> list:
+        """Each device's copy of the stage's non-trainable variables, now:
+        take it before a forward, and give it to that forward's backward."""
+        return self._read() if self.states else []
 
-    def _backward_fn(self, given: list, received: list, upstream: list) -> tuple[list, list]:
+    def _components(self) -> list:
+        return components(self.strategy, self.states)
+
+    def backward(
+        self, given: list, received: list, upstream: list, state: Sequence[Any] = ()
+    ) -> tuple[list, list]:
+        """``(dx, grads)``: the gradients of the received inputs (whole), and
+        of each variable, a list of its per-device components.
+
+        Args:
+            state: :meth:`state` before this micro-batch's forward: the
+                recompute starts from it (the same dropout masks), and the
+                state is as it was before the backward after it.
+        """
+        return self._backward(list(given), list(received), list(upstream), list(state))
+
+    def _backward_fn(
+        self, given: list, received: list, upstream: list, state: list
+    ) -> tuple[list, list]:
         variables = [v.value for v in self.variables]
         n = len(received)
+        parts = self._components() if state else []
+        now = [tf.identity(c) for c in parts]  # Put back after the recompute.
+        for part, value in zip(parts, state):
+            part.assign(value)
 
         def replica(given: list, received: list, upstream: list) -> tuple[list, list]:
             r = _replica()
@@ -245,6 +248,9 @@ class MeshPasses:
             return got[:n], got[n:]
 
         dx, grads = self.strategy.run(replica, args=(given, received, upstream))
+        with tf.control_dependencies(tf.nest.flatten((dx, grads))):
+            for part, value in zip(parts, now):
+                part.assign(value)
         local = self.strategy.experimental_local_results
         return self._joined(dx), [list(local(g)) for g in grads]
 

@@ -47,7 +47,6 @@ from tfdist.pipeline.backup import stage_callbacks
 from tfdist.pipeline.balancing import Balance
 from tfdist.pipeline.laid_out import (
     build_stage,
-    check_recomputable,
     components,
     owners_of,
     strategy_for,
@@ -295,8 +294,6 @@ class PipelineModel(keras.Model):
         }
         mine = {id(v) for s in self.own for v in s.variables}
         laid = self._distribution is not None
-        for s in self.own if laid else []:  # Before any value is made.
-            check_recomputable(s.model, s.index)
         for variable in deferred:
             if id(variable) not in others and not (laid and id(variable) in mine):
                 materialize(variable)

@@ -125,6 +125,8 @@ class _Kept:
     #: gradient with respect to the outputs.
     given: list = dataclasses.field(default_factory=list)
     upstream: list | None = None
+    #: On a mesh: the stage's state before the forward (MeshPasses.state).
+    state: list = dataclasses.field(default_factory=list)
 
 
 class StageRunner:
@@ -353,8 +355,9 @@ class StageRunner:
         started = time.perf_counter()
         wanted = list(targets[i]) if chunk.last else None
         if chunk.mesh is not None:
+            state = chunk.mesh.state()  # What the backward's recompute starts from.
             outs, loss, upstream = chunk.mesh.forward(list(given[i]) + received, wanted, True)
-            done = _Kept(None, received, outs, list(given[i]), upstream)
+            done = _Kept(None, received, outs, list(given[i]), upstream, state)
             if chunk.last:
                 done.result, outs = loss, [loss, *outs]
         else:
@@ -378,7 +381,9 @@ class StageRunner:
         upstream = None if chunk.last else self._receive(chunk.next, step, ("B", g, i))
         started = time.perf_counter()
         if chunk.mesh is not None:
-            back, got = chunk.mesh.backward(done.given, received, upstream or done.upstream)
+            back, got = chunk.mesh.backward(
+                done.given, received, upstream or done.upstream, done.state
+            )
             add: Callable = chunk.mesh.add
         else:
             got = done.tape.gradient(done.result, chunk.watched + received, upstream)
