@@ -257,12 +257,15 @@ def test_batch_normalization_is_recomputed_with_its_statistics_updated_once(kera
 
     def make():
         x = keras.Input((12,))
-        h = keras.layers.Dense(16, name="h")(x)
+        frozen = keras.layers.Dense(12, name="frozen")
+        frozen.trainable = False  # A base weight, as a LoRA's: read, never kept.
+        h = keras.layers.Dense(16, name="h")(frozen(x))
         h = keras.layers.BatchNormalization(momentum=0.5, name="bn")(h)
         return keras.Model(x, keras.layers.Dense(8, name="out")(h))
 
     stage, passes, variables = _laid_out(keras, shape, make)
     model = stage.model
+    assert sorted(v.path for v in passes.states) == ["bn/moving_mean", "bn/moving_variance"]
     keras.utils.set_random_seed(3)
     from tfdist.pipeline.split import split_model
 

@@ -16,7 +16,7 @@ layers' gathers become identities, and TensorFlow's call-time collective
 keys give gradients of None, both silently). The cost is one more forward of
 the stage per micro-batch. Between the passes, only the stage's inputs are
 kept, and its state before the forward (:meth:`MeshPasses.state`: each
-device's copy of its non-trainable variables). The recompute starts from
+device's copy of what a forward changes, :func:`forward_state`). The recompute starts from
 that state, and its own changes are undone after it: Dropout and noise
 layers draw the forward's numbers again (from their seed generators'
 states), and BatchNormalization normalizes with the same batch statistics
@@ -40,6 +40,7 @@ __all__ = [
     "apply_on",
     "build_stage",
     "components",
+    "forward_state",
     "owners_of",
     "strategy_for",
     "sum_gradients",
@@ -104,6 +105,18 @@ def owners_of(model: keras.layers.Layer) -> dict[int, keras.layers.Layer]:
     return found
 
 
+def forward_state(model: keras.layers.Layer) -> list:
+    """The variables a training forward of ``model`` changes: its seed
+    generators' states (Dropout, noise layers) and BatchNormalization's
+    statistics. Not frozen weights (a LoRA's base), which it only reads."""
+    weights = {id(w) for w in model.non_trainable_weights}
+    found = [v for v in model.non_trainable_variables if id(v) not in weights]
+    for layer in flatten_layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            found += layer.non_trainable_weights
+    return found
+
+
 def _replica() -> int:
     context = tf.distribute.get_replica_context()
     return int(tf.get_static_value(context.replica_id_in_sync_group))
@@ -146,9 +159,8 @@ class MeshPasses:
         self.devices = list(strategy.extended.worker_devices)
         self.variables = list(variables)
         self.head = head
-        #: What the forward changes besides its outputs: the seed generators'
-        #: states, batch statistics.
-        self.states = list(model.non_trainable_variables)
+        #: What a training forward changes besides its outputs.
+        self.states = forward_state(model)
         self._read = tf.function(lambda: [tf.identity(c) for c in self._components()])
         self._forward = {
             training: tf.function(
@@ -206,7 +218,7 @@ class MeshPasses:
         return [tf.concat(local(t), 0) for t in per_replica]
 
     def state(self) -> list:
-        """Each device's copy of the stage's non-trainable variables, now:
+        """Each device's copy of :func:`forward_state`'s variables, now:
         take it before a forward, and give it to that forward's backward."""
         return self._read() if self.states else []
 
