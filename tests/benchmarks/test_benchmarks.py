@@ -45,9 +45,13 @@ def test_compression_benchmark_runs_and_identity_equals_plain(tmp_path):
 
 
 def _load_benchmark(name: str):
-    """Imports benchmarks/<name>.py as a module (benchmarks/ is not a package; each
-    script puts it on sys.path, for its shared pieces in benchmarks/benchlib)."""
+    """Imports benchmarks/<name>.py as a module (benchmarks/ is not a package;
+    run as a script, Python puts its folder on sys.path, where its shared
+    pieces are: benchmarks/benchlib)."""
     import importlib.util
+
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
 
     spec = importlib.util.spec_from_file_location(
         f"bench_{name}", REPO / "benchmarks" / f"{name}.py"
