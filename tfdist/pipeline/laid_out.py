@@ -16,11 +16,11 @@ layers' gathers become identities, and TensorFlow's call-time collective
 keys give gradients of None, both silently). The cost is one more forward of
 the stage per micro-batch. Between the passes, only the stage's inputs are
 kept, and its state before the forward (:meth:`MeshPasses.state`: each
-device's copy of what a forward changes, :func:`forward_state`). The recompute starts from
-that state, and its own changes are undone after it: Dropout and noise
-layers draw the forward's numbers again (from their seed generators'
-states), and BatchNormalization normalizes with the same batch statistics
-and updates its moving averages once, in the forward.
+device's copy of what a forward changes, :func:`forward_state`). The
+recompute starts from that state, and its own changes are undone after it:
+Dropout and noise layers draw the forward's numbers again (from their seed
+generators' states), and BatchNormalization normalizes with the same batch
+statistics and updates its moving averages once, in the forward.
 """
 
 from __future__ import annotations
