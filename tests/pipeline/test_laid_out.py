@@ -253,6 +253,8 @@ def test_batch_normalization_is_recomputed_with_its_statistics_updated_once(kera
     # device's rows, summed; the moving averages move in the forward only.
     import tensorflow as tf
 
+    from tfdist.pipeline.split import split_model
+
     keras = keras_mod
 
     def make():
@@ -267,8 +269,6 @@ def test_batch_normalization_is_recomputed_with_its_statistics_updated_once(kera
     model = stage.model
     assert sorted(v.path for v in passes.states) == ["bn/moving_mean", "bn/moving_variance"]
     keras.utils.set_random_seed(3)
-    from tfdist.pipeline.split import split_model
-
     plain = split_model(make(), ["out"])[0].model
     rng = np.random.default_rng(8)
     x = (rng.standard_normal((8, 12)) * 3 + 1).astype("float32")

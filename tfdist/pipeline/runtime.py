@@ -26,6 +26,7 @@ from tfdist.errors import ConfigError
 from tfdist.pipeline.laid_out import MeshPasses, apply_on, sum_gradients
 from tfdist.pipeline.schedule import actions
 from tfdist.pipeline.split import Stage
+from tfdist.transport.p2p import ALIGN_BYTES
 
 __all__ = ["Link", "StageRunner", "microbatches"]
 
@@ -48,8 +49,6 @@ class Link(Protocol):
 SHARED_DTYPES = frozenset(
     np.dtype(t) for t in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8")
 )
-#: TensorFlow reads CPU tensors with aligned loads (EIGEN_MAX_ALIGN_BYTES).
-TENSOR_ALIGN_BYTES = 64
 
 
 def as_tensor(array: np.ndarray) -> tf.Tensor:
@@ -63,7 +62,7 @@ def as_tensor(array: np.ndarray) -> tf.Tensor:
         array.size
         and array.dtype in SHARED_DTYPES
         and array.flags.c_contiguous
-        and array.ctypes.data % TENSOR_ALIGN_BYTES == 0
+        and array.ctypes.data % ALIGN_BYTES == 0
     ):
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return tf.convert_to_tensor(array)
