@@ -16,7 +16,11 @@ import pytest
 import cpu_time
 
 # A deadline per test (tests/deadline.py): its hook, registered by this import.
+# So are the check that a test left the process's collectives working
+# (tests/collective_guard.py), and the own_process marker's (tests/own_process.py).
+from collective_guard import pytest_runtest_teardown  # noqa: F401
 from deadline import pytest_runtest_protocol  # noqa: F401
+from own_process import in_child, pytest_pyfunc_call  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,7 +117,11 @@ def _warm_pool():
     are forked from a server that imported TensorFlow and Keras once (most of
     the 3.7 s of CPU a process spends on imports). Each job is a fresh fork: no test
     sees another's TensorFlow state."""
-    if os.environ.get(WARM_POOL_VAR, "1") == "0" or "COVERAGE_PROCESS_START" in os.environ:
+    if (
+        os.environ.get(WARM_POOL_VAR, "1") == "0"
+        or "COVERAGE_PROCESS_START" in os.environ
+        or in_child()  # One test in a process of its own (tests/own_process.py).
+    ):
         yield None
         return
     from tfdist.engines import warm

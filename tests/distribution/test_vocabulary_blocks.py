@@ -158,6 +158,8 @@ def test_any_batch_trains_as_one_device(keras_mod, case):
     _case(keras_mod, shape, layer, vocabulary, optimizer, ids)
 
 
+# The failing lookup can abort the process's collectives (tests/own_process.py).
+@pytest.mark.own_process
 @pytest.mark.parametrize("shape", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
 def test_an_id_outside_the_vocabulary_fails_as_on_one_device(keras_mod, shape):
     """One device's lookup raises on an id past the vocabulary; so does the

@@ -40,6 +40,8 @@ def _fit(strategy, steps_per_execution, keras):
     }
 
 
+# The stock step fails while collectives run (tests/own_process.py).
+@pytest.mark.own_process
 def test_stock_keras_fails_with_several_steps_per_execution_under_mirrored(tf_cpus):
     import keras
 

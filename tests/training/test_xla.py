@@ -137,6 +137,8 @@ def policy(request):
 
 
 @pytest.mark.usefixtures("collect_failed_fit")
+# The stock step fails while collectives run (tests/own_process.py).
+@pytest.mark.own_process
 def test_stock_keras_fails_with_jit_compile_under_mirrored(tf_cpus):
     import keras
 
