@@ -80,15 +80,6 @@ def _command(pid: int) -> str:
 
 def expire(nodeid: str, limit: float, config=None) -> None:
     """What happens at the deadline: report, kill the descendants, exit."""
-    end_test_process(
-        f"{nodeid} passed its deadline of {limit:g} s ({ENV})", config, EXIT_CODE, stacks=True
-    )
-
-
-def end_test_process(why: str, config, code: int, stacks: bool) -> None:
-    """Says ``why`` on the real stderr, kills this process's descendants and
-    exits with ``code`` (under xdist the controller reports the running test
-    as failed and starts a new worker for the rest)."""
     capture = config.pluginmanager.getplugin("capturemanager") if config else None
     if capture is not None:
         # During a test, fd 2 is pytest's capture file, lost at the exit.
@@ -99,22 +90,21 @@ def end_test_process(why: str, config, code: int, stacks: bool) -> None:
     out = sys.__stderr__
     pids = descendants(os.getpid())
     out.write(
-        f"\n[tfdist tests] {why}; "
+        f"\n[tfdist tests] {nodeid} passed its deadline of {limit:g} s ({ENV}); "
         f"ending test process {os.getpid()} and the {len(pids)} process(es) it started:\n"
     )
     for pid in pids:
         out.write(f"    {pid}: {_command(pid)}\n")
-    if stacks:
-        out.write("Every thread's stack:\n")
-        out.flush()
-        faulthandler.dump_traceback(file=out, all_threads=True)
+    out.write("Every thread's stack:\n")
+    out.flush()
+    faulthandler.dump_traceback(file=out, all_threads=True)
     out.flush()
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    os._exit(code)
+    os._exit(EXIT_CODE)
 
 
 @pytest.hookimpl(hookwrapper=True)

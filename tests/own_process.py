@@ -21,7 +21,8 @@ import sys
 
 import pytest
 
-#: Set in the child: run the test here, and check no collectives after it.
+#: Set in the child, which runs the test itself (with no collective guard
+#: after it and no warm pool of its own).
 ENV = "TFDIST_TEST_OWN_PROCESS"
 MARKER = "own_process"
 #: Seconds the child may take (tests/deadline.py still ends a hung parent).
@@ -38,18 +39,39 @@ def child_command(nodeid: str, python: str) -> list[str]:
     return [python, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", nodeid]
 
 
+def plain_nodeid(item) -> str:
+    """The item's node id as pytest takes it on its command line: under
+    xdist's ``--dist loadgroup`` it ends in ``@<group>``."""
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+        return item.nodeid
+    group = marker.args[0] if marker.args else marker.kwargs.get("name", "")
+    if group and item.nodeid.endswith(f"@{group}"):
+        return item.nodeid[: -len(group) - 1]
+    return item.nodeid
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment (the test's, with tests/conftest.py's
+    changes) for the child, which is no xdist worker."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT"))
+    }
+    env[ENV] = "1"
+    return env
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker(MARKER) is None or in_child():
         return None
     from tfdist.engines import warm
 
-    # This process's environment (the test's, with tests/conftest.py's
-    # changes), and the warm pool's interpreter when the session has one.
-    env = {**os.environ, ENV: "1"}
+    env = child_env()
     try:
         done = subprocess.run(
-            child_command(pyfuncitem.nodeid, warm.interpreter(env)),
+            # The warm pool's interpreter when the session has one.
+            child_command(plain_nodeid(pyfuncitem), warm.interpreter(env)),
             cwd=pyfuncitem.config.rootpath,  # Node ids are relative to it.
             env=env,
             capture_output=True,
@@ -57,9 +79,11 @@ def pytest_pyfunc_call(pyfuncitem):
             timeout=TIMEOUT,
         )
     except subprocess.TimeoutExpired as error:
+        out = error.stdout or ""  # Bytes on some Pythons, despite text=True.
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
         pytest.fail(
             f"{pyfuncitem.nodeid} did not end in its own process within {TIMEOUT} s:\n"
-            f"{(error.stdout or '')[-3000:]}",
+            f"{out[-3000:]}",
             pytrace=False,
         )
     summary = done.stdout.strip().splitlines()[-1:] or ["(no output)"]
